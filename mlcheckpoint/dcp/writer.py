@@ -1,0 +1,224 @@
+"""MemoryStorageWriter: a DCP StorageWriter that commits each rank's shard to tmpfs.
+
+Save path: DCP plan -> ``write_data`` copies (or, after ``stage``, only hashes) every item
+into one mapped shard buffer -> the shard is committed with its manifest -> the coordinator's
+``finish`` commits the global metadata. Tensor bytes are raw; only DCP's own byte items
+(non-tensor values) and the global metadata are pickled, as DCP pickles them.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from torch.futures import Future
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from ..store.checksum import checksum, copy_into
+from ..store.layout import ItemLocation
+from ..store.local_store import LocalStore, ShardWriter, align
+from ..store.manifest import ManifestItem
+from . import staging
+
+log = logging.getLogger(__name__)
+
+
+def _default_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _key(index) -> str:
+    offset = "" if index.offset is None else ",".join(map(str, index.offset))
+    return f"{index.fqn}@{offset}" if index.offset is not None else index.fqn
+
+
+def parse_step(checkpoint_id: Any) -> int:
+    """Accept a step as int, numeric string, or 'mlcheckpoint://<job>/<step>'."""
+    s = str(checkpoint_id).rstrip("/").rsplit("/", 1)[-1]
+    if not s.isdigit():
+        raise ValueError(f"checkpoint_id {checkpoint_id!r} does not name a step")
+    return int(s)
+
+
+class MemoryStorageWriter(StorageWriter, AsyncStager):
+    """Writes one checkpoint step into the node's tmpfs store.
+
+    Use with ``dcp.save`` (copies with checksums fused in) or ``dcp.async_save`` (``stage``
+    copies straight into the tmpfs buffer, so the blocking part is one memcpy; hashing and
+    commit happen in DCP's background thread or process).
+
+    Args:
+        step: the training step this checkpoint holds (a non-negative int).
+        store: the job's LocalStore; by default one for ``job_id``/``local_dir``.
+        on_commit: called with (step, rank) after this rank's shard is committed (not pickled
+            into DCP's PROCESS-mode checkpoint process).
+        on_metadata: called with (step) on the coordinator after the global metadata is
+            committed (likewise not pickled).
+    """
+
+    _synchronize_after_execute = False  # stage() is synchronous: nothing to wait for
+
+    def __init__(self, step: int, store: LocalStore | None = None, *, job_id: str | None = None,
+                 local_dir: str | None = None,
+                 on_commit: Callable[[int, int], None] | None = None,
+                 on_metadata: Callable[[int], None] | None = None):
+        super().__init__()
+        self.step = parse_step(step)
+        self.store = store if store is not None else LocalStore(local_dir, job_id)
+        self.on_commit = on_commit
+        self.on_metadata = on_metadata
+        self.rank = _default_rank()
+        self.is_coordinator = False
+        self._staged: ShardWriter | None = None
+        self._staged_rank: int | None = None
+        self._staged_bytes = 0
+        self._poison: BaseException | None = None
+
+    def poison(self, error: BaseException) -> None:
+        """Make this rank's write fail with ``error``, so DCP fails the step on every rank."""
+        self._poison = error
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"mlcheckpoint://{self.store.job_id}/{self.step}"
+
+    # PROCESS mode pickles the writer into another process: keep what identifies the staged
+    # buffer, drop the mapping and the in-process callbacks.
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_staged"] = None
+        state["on_commit"] = None
+        state["on_metadata"] = None
+        return state
+
+    # ---------------------------------------------------------------- AsyncStager
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` into this step's tmpfs buffer; return views of it."""
+        nbytes = staging.staged_bytes(state_dict)
+        self._staged_rank = _default_rank()
+        shard = self.store.begin_shard(self.step, self._staged_rank, nbytes)
+        try:
+            if any(t.device.type != "cpu" for t in staging.tensors_of(state_dict)):
+                shard.buffer.register_for_device_copies()
+            staged = staging.stage_into(state_dict, shard.buffer.tensor)
+        except BaseException:
+            shard.abort()
+            raise
+        shard.cursor = nbytes  # the staged region is taken
+        self._staged, self._staged_bytes = shard, nbytes
+        return staged
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._staged is not None:
+            self._staged.abort()
+            self._staged = None
+
+    # ---------------------------------------------------------------- StorageWriter
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None:
+            step = parse_step(checkpoint_id)
+            if step != self.step and self._staged is not None:
+                raise ValueError(f"writer staged step {self.step}, asked to save {step}")
+            self.step = step
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", _default_rank())
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # never inferred from a path: users pass the writer explicitly
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self._poison is not None:
+            raise self._poison
+        shard = self._open_shard(plan, planner)
+        try:
+            results = [self._write_item(shard, item, planner) for item in plan.items]
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            shard.commit(world_size=world)
+        except BaseException:
+            shard.abort()
+            raise
+        finally:
+            self._staged, self._staged_rank = None, None
+        log.debug("committed step %d rank %d (%d items)", self.step, self.rank, len(results))
+        if self.on_commit is not None:
+            self.on_commit(self.step, self.rank)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _open_shard(self, plan: SavePlan, planner: SavePlanner) -> ShardWriter:
+        if self._staged_rank is not None and self._staged_rank == self.rank:
+            if self._staged is not None:
+                return self._staged
+            # PROCESS mode: stage() ran in the trainer; reopen its buffer here by name.
+            return self.store.reopen_shard(self.step, self.rank, self._staged_bytes)
+        nbytes = 0
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
+                p = item.tensor_data.properties
+                nbytes += align(torch.Size(item.tensor_data.size).numel()
+                                * torch.tensor([], dtype=p.dtype).element_size())
+        return self.store.begin_shard(self.step, self.rank, nbytes)
+
+    def _write_item(self, shard: ShardWriter, item, planner: SavePlanner) -> WriteResult:
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            raw = data.getvalue()
+            offset, digest = shard.append_bytes(raw)
+            nbytes, kind, dtype, shape = len(raw), "bytes", None, None
+        else:
+            t = data.detach()
+            nbytes = t.numel() * t.element_size()
+            offset = shard.buffer.contains(t)
+            if offset is not None:  # staged: the bytes are already in place
+                digest = checksum(shard.buffer.array[offset:offset + nbytes])
+            elif shard.cursor + nbytes <= shard.buffer.size:
+                offset = shard.cursor
+                digest = copy_into(shard.buffer.array[offset:offset + nbytes], t)
+                shard.cursor = align(offset + nbytes)
+            else:  # a tensor DCP produced after staging: append it like a byte item
+                offset, digest = shard.append_bytes(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+            kind, dtype, shape = "tensor", str(t.dtype).removeprefix("torch."), list(t.shape)
+        shard.add_item(ManifestItem(key=_key(item.index), offset=offset, nbytes=nbytes,
+                                    checksum=digest, kind=kind, dtype=dtype, shape=shape))
+        loc = ItemLocation(rank=self.rank, offset=offset, nbytes=nbytes, checksum=digest,
+                           is_tensor=kind == "tensor")
+        return WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=loc)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage_data = {}
+        ranks: set[int] = set()
+        total = 0
+        for rank_results in results:
+            for wr in rank_results:
+                storage_data[wr.index] = wr.storage_data
+                ranks.add(wr.storage_data.rank)
+                total += wr.size_in_bytes
+        metadata.storage_data = storage_data
+        payload = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        self.store.write_metadata(self.step, payload, world_size=len(results), ranks=ranks,
+                                  total_bytes=total)
+        log.debug("committed metadata of step %d (%d ranks, %d bytes)", self.step, len(ranks), total)
+        if self.on_metadata is not None:
+            self.on_metadata(self.step)

@@ -1,0 +1,30 @@
+"""Exceptions users may catch."""
+
+
+class MLCheckpointError(RuntimeError):
+    """Base class of every error raised by mlcheckpoint."""
+
+
+class ConfigError(MLCheckpointError):
+    """A missing or invalid setting (job id, directory, option)."""
+
+
+class CapacityError(MLCheckpointError):
+    """A save does not fit into tmpfs or into ``memory_limit_bytes``.
+
+    Raised before anything is written: every committed checkpoint is intact and training
+    can catch it and carry on.
+    """
+
+    def __init__(self, message: str, *, needed: int, available: int):
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+
+class CorruptShardError(MLCheckpointError):
+    """Bytes on tmpfs do not match the checksum recorded when they were committed."""
+
+
+class ShardNotFoundError(MLCheckpointError):
+    """A shard or the global metadata of a step is not present (or not committed)."""

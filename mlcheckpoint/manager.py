@@ -1,0 +1,369 @@
+"""CheckpointManager: what a training loop calls. Ties the store, DCP adapters, replication,
+recovery and the persistent fallback together.
+
+    ckpt = CheckpointManager(persistent_dir="/nfs/run42")
+    info = ckpt.resume(state_dict)
+    for step in range(0 if info.step is None else info.step + 1, total):
+        train_step()
+        ckpt.async_save(state_dict, step, persistent=(step % 500 == 0))
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+
+from .dcp import MemoryStorageReader, MemoryStorageWriter
+from .errors import ConfigError, CorruptShardError, MLCheckpointError, ShardNotFoundError
+from .persistent import PersistentStorage
+from .store import LocalStore
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ResumeInfo:
+    """What ``resume`` loaded: ``step`` is None (and ``source`` None) for a fresh start."""
+
+    step: int | None
+    source: str | None  # "local", "peer", "persistent" or None
+    seconds: float
+    sources: dict[int, str] = field(default_factory=dict)  # rank -> source of its bytes
+    bytes_fetched: int = 0
+    reason: str | None = None  # why newer candidates were refused, if any
+
+
+@dataclass
+class SaveResult:
+    step: int
+    bytes: int
+    blocking_seconds: float  # time the caller was held (staging for async_save)
+    seconds: float  # until committed in tmpfs on every rank
+    persistent: bool = False
+
+
+@dataclass
+class CheckpointEntry:
+    """One row of ``CheckpointManager.list()``."""
+
+    step: int
+    location: str  # "memory" or "persistent"
+    state: str  # "complete", "incomplete"
+    bytes: int | None
+    ranks: list[int] = field(default_factory=list)  # ranks whose shards are on this node
+
+
+class CheckpointManager:
+    """In-memory checkpoints with a persistent fallback, for one training job.
+
+    Every rank of the job constructs one, at the same point in the program (it creates
+    dedicated gloo process groups, so checkpoint collectives never share the training group).
+
+    Args:
+        persistent_dir: directory or fsspec URL for long-term DCP checkpoints, or None.
+        job_id: defaults to MLCHECKPOINT_JOB_ID, TORCHELASTIC_RUN_ID, then SLURM_JOB_ID.
+        local_dir: tmpfs directory; defaults to MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint.
+        keep: complete in-memory checkpoints kept per rank (the newest ones).
+        memory_limit_bytes: cap on this job's tmpfs usage on this node (None: tmpfs free space).
+        replication: "tcp", "pg" or "none" (see docs/replication.md).
+    """
+
+    def __init__(self, persistent_dir: str | None = None, *, job_id: str | None = None,
+                 local_dir: str | None = None, keep: int = 2,
+                 memory_limit_bytes: int | None = None, replication: str = "tcp"):
+        if keep < 1:
+            raise ConfigError("keep must be at least 1")
+        if replication not in ("tcp", "pg", "none"):
+            raise ConfigError(f"replication must be 'tcp', 'pg' or 'none', not {replication!r}")
+        self.topology = Topology.detect()
+        self.rank = self.topology.rank
+        self.keep = keep
+        self.store = LocalStore(local_dir, job_id, memory_limit_bytes=memory_limit_bytes)
+        self.job_id = self.store.job_id
+        self.persistent = PersistentStorage(persistent_dir) if persistent_dir else None
+        self._distributed = dist.is_available() and dist.is_initialized()
+        # Two groups: in-memory saves and persistent writes run on different threads and must
+        # not interleave their collectives; neither may share the training group.
+        self._save_pg = dist.new_group(backend="gloo") if self._distributed else None
+        self._persist_pg = dist.new_group(backend="gloo") if self._distributed else None
+        self._save_executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-save")
+        self._persist_executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-persist")
+        self._in_flight: Future | None = None
+        self._persist_futures: list[Future] = []
+        self._pinned: Counter[int] = Counter()  # steps whose buffers a persistent write reads
+        self._lock = threading.Lock()
+        self._closed = False
+        self.replication_mode = replication
+        if replication != "none" and self.topology.num_nodes == 1:
+            log.info("mlcheckpoint: single node, replication off (nothing to pair with)")
+        log.debug("CheckpointManager job=%s dir=%s rank=%d/%d node=%d/%d", self.job_id,
+                  self.store.job_dir, self.rank, self.topology.world_size,
+                  self.topology.node_rank, self.topology.num_nodes)
+
+    # ------------------------------------------------------------------ DCP-native
+    def storage_writer(self, step: int) -> MemoryStorageWriter:
+        """A writer for ``dcp.save`` / ``dcp.async_save`` of ``step``.
+
+        Retires this rank's checkpoints beyond ``keep`` first, so their buffers are reused.
+        """
+        self._check_open()
+        self._apply_retention()
+        return MemoryStorageWriter(step, self.store)
+
+    def storage_reader(self, step: int) -> MemoryStorageReader:
+        """A reader for ``dcp.load`` of an in-memory ``step``."""
+        return MemoryStorageReader(step, self.store)
+
+    # ------------------------------------------------------------------ save
+    def save(self, state_dict: dict[str, Any], step: int, *, persistent: bool = False) -> SaveResult:
+        """Save ``step`` and return once it is committed in tmpfs on every rank."""
+        self._wait_in_flight()
+        writer = self.storage_writer(step)
+        t0 = time.perf_counter()
+        try:
+            dcp.save(state_dict, storage_writer=writer, process_group=self._save_pg)
+        except CheckpointException as e:
+            raise _unwrap(e, f"save of step {step}") from None
+        seconds = time.perf_counter() - t0
+        if persistent:
+            self._write_persistent(state_dict, step)
+        return SaveResult(step, self._shard_bytes(step), seconds, seconds, persistent)
+
+    def async_save(self, state_dict: dict[str, Any], step: int, *,
+                   persistent: bool = False) -> Future[SaveResult]:
+        """Copy ``state_dict`` into tmpfs and return; commit (and persist) in the background.
+
+        Only the copy holds the caller. At most one in-memory save is in flight: a second call
+        first waits for the previous one. The future's result is a SaveResult; if staging
+        fails here (e.g. CapacityError) the error is raised at once and the other ranks' saves
+        of this step fail too, so no rank waits for it.
+        """
+        self._wait_in_flight()
+        writer = self.storage_writer(step)
+        t0 = time.perf_counter()
+        stage_error: BaseException | None = None
+        try:
+            staged = writer.stage(_stateful_to_state_dict(state_dict))
+        except (MLCheckpointError, OSError) as e:
+            stage_error, staged = e, {}
+            writer.poison(e)  # fail this step on every rank instead of leaving them waiting
+        blocking = time.perf_counter() - t0
+        fut = self._save_executor.submit(self._finish_async_save, writer, staged, step,
+                                         persistent, t0, blocking)
+        with self._lock:
+            self._in_flight = fut
+        if stage_error is not None:
+            raise stage_error
+        return fut
+
+    def _finish_async_save(self, writer: MemoryStorageWriter, staged: dict[str, Any], step: int,
+                           persistent: bool, t0: float, blocking: float) -> SaveResult:
+        try:
+            dcp.save(staged, storage_writer=writer, process_group=self._save_pg)
+        except CheckpointException as e:
+            err = _unwrap(e, f"async save of step {step}")
+            log.error("mlcheckpoint: %s", err)
+            raise err from None
+        seconds = time.perf_counter() - t0
+        if persistent:
+            # The persistent write reads the staged views of this step's tmpfs buffers: pin the
+            # step so retention does not recycle them meanwhile.
+            with self._lock:
+                self._pinned[step] += 1
+            pf = self._persist_executor.submit(self._write_persistent, staged, step, True)
+            with self._lock:
+                self._persist_futures = [f for f in self._persist_futures if not f.done()] + [pf]
+        return SaveResult(step, self._shard_bytes(step), blocking, seconds, persistent)
+
+    def _write_persistent(self, state_dict: dict[str, Any], step: int, pinned: bool = False) -> None:
+        assert self.persistent is not None, "persistent=True needs CheckpointManager(persistent_dir=...)"
+        t0 = time.perf_counter()
+        try:
+            dcp.save(state_dict, storage_writer=self.persistent.writer(step),
+                     process_group=self._persist_pg)
+            log.info("mlcheckpoint: persistent checkpoint of step %d written to %s in %.2fs",
+                     step, self.persistent.path(step), time.perf_counter() - t0)
+        except CheckpointException as e:
+            err = _unwrap(e, f"persistent save of step {step}")
+            log.error("mlcheckpoint: %s", err)
+            raise err from None
+        finally:
+            if pinned:
+                with self._lock:
+                    self._pinned[step] -= 1
+                    if self._pinned[step] <= 0:
+                        del self._pinned[step]
+
+    def _apply_retention(self) -> None:
+        with self._lock:
+            pinned = set(self._pinned)
+        self.store.apply_retention([self.rank], self.keep, protected=pinned)
+
+    def _shard_bytes(self, step: int) -> int:
+        try:
+            return self.store.read_manifest(step, self.rank).data_bytes
+        except MLCheckpointError:
+            return 0
+
+    # ------------------------------------------------------------------ resume
+    def resume(self, state_dict: dict[str, Any]) -> ResumeInfo:
+        """Load the newest usable checkpoint into ``state_dict`` (in place); all ranks call it.
+
+        Tries the newest step complete in memory, unless a newer persistent step exists; a step
+        whose checksums fail on any rank is refused by all ranks together and the next older one
+        is tried, then the newest persistent step, then a fresh start (step None).
+        """
+        self._check_open()
+        self._wait_in_flight()
+        t0 = time.perf_counter()
+        self.store.gc(ranks=[self.rank])  # what a crash of this rank left behind
+        reasons: list[str] = []
+        persistent_step = self._newest_persistent()
+        for step in reversed(self._agreed_local_steps()):
+            if persistent_step is not None and persistent_step > step:
+                reasons.append(f"persistent step {persistent_step} is newer than memory step {step}")
+                break
+            problems = [p for p in self._all_gather(self._verify_for_resume(step)) if p]
+            if problems:
+                reasons.append(f"step {step} refused: {problems[0]}")
+                log.warning("mlcheckpoint: refusing in-memory step %d: %s", step, "; ".join(problems))
+                continue
+            try:
+                reader = self.storage_reader(step)
+                dcp.load(state_dict, storage_reader=reader, process_group=self._save_pg)
+            except CheckpointException as e:
+                reasons.append(f"step {step} failed to load: {_unwrap(e, 'load')}")
+                log.warning("mlcheckpoint: loading in-memory step %d failed, trying older: %s", step, e)
+                continue
+            return self._resumed(step, "local", t0, reasons)
+        if persistent_step is not None:
+            dcp.load(state_dict, storage_reader=self.persistent.reader(persistent_step),
+                     process_group=self._save_pg)
+            return self._resumed(persistent_step, "persistent", t0, reasons)
+        return self._resumed(None, None, t0, reasons)
+
+    def _resumed(self, step: int | None, source: str | None, t0: float, reasons: list[str]) -> ResumeInfo:
+        info = ResumeInfo(step=step, source=source, seconds=time.perf_counter() - t0,
+                          sources={self.rank: source} if source else {},
+                          reason="; ".join(reasons) or None)
+        if step is None:
+            log.info("mlcheckpoint: no checkpoint to resume from, starting fresh%s",
+                     f" ({info.reason})" if info.reason else "")
+        else:
+            log.info("mlcheckpoint: resumed step %d from %s in %.3fs%s", step, source, info.seconds,
+                     f" ({info.reason})" if info.reason else "")
+        return info
+
+    def _agreed_local_steps(self) -> list[int]:
+        """Steps complete in memory as seen by every rank (the newest usable is the max)."""
+        views = self._all_gather(self.store.complete_steps())
+        common = set(views[0]).intersection(*map(set, views[1:]))
+        return sorted(common)
+
+    def _verify_for_resume(self, step: int) -> str | None:
+        """Verify this rank's share of the step's shards; return a problem or None."""
+        try:
+            header, _ = self.store.read_metadata(step)
+            world = self.topology.world_size
+            for r in header.ranks:
+                if r % world == self.rank:
+                    self.store.verify_shard(step, r)
+        except (CorruptShardError, ShardNotFoundError) as e:
+            return f"rank {self.rank}: {e}"
+        return None
+
+    def _newest_persistent(self) -> int | None:
+        if self.persistent is None:
+            return None
+        steps = self.persistent.steps() if self.rank == 0 else None
+        newest = (steps[-1] if steps else None) if self.rank == 0 else None
+        return self._broadcast(newest)
+
+    # ------------------------------------------------------------------ listing
+    def list(self) -> list[CheckpointEntry]:
+        """In-memory steps on this node and persistent steps, oldest first."""
+        entries = []
+        for step, st in self.store.inventory().items():
+            size = st.total_bytes
+            entries.append(CheckpointEntry(step, "memory", "complete" if st.complete else "incomplete",
+                                           size, sorted(st.committed_ranks)))
+        if self.persistent is not None:
+            for step in self.persistent.steps():
+                entries.append(CheckpointEntry(step, "persistent", "complete",
+                                               self.persistent.size_bytes(step)))
+        return sorted(entries, key=lambda e: (e.step, e.location))
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait(self) -> None:
+        """Block until every save and persistent write in flight has finished."""
+        self._wait_in_flight()
+        with self._lock:
+            pending = list(self._persist_futures)
+        for f in pending:
+            f.exception()  # wait; errors were logged where they happened
+
+    def close(self) -> None:
+        """Wait for work in flight, then release threads and mappings. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._save_executor.shutdown(wait=True)
+            self._persist_executor.shutdown(wait=True)
+            self.store.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MLCheckpointError("CheckpointManager is closed")
+
+    def _wait_in_flight(self) -> None:
+        with self._lock:
+            fut = self._in_flight
+        if fut is not None:
+            fut.exception()  # wait; the caller of async_save owns the result
+
+    # ------------------------------------------------------------------ collectives
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self._distributed:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(self._save_pg)
+        dist.all_gather_object(out, obj, group=self._save_pg)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not self._distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._save_pg)
+        return box[0]
+
+
+def _unwrap(e: CheckpointException, what: str) -> BaseException:
+    """DCP wraps per-rank errors; surface ours (e.g. CapacityError) as themselves."""
+    for rank, failure in sorted(e.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, MLCheckpointError):
+            return exc
+    first = next(iter(e.failures.values()), None)
+    exc = first[0] if isinstance(first, tuple) else first
+    return MLCheckpointError(f"{what} failed on ranks {sorted(e.failures)}: {exc!r}")

@@ -1,0 +1,498 @@
+"""The node-local tmpfs store of one job: write, commit, list, read, verify, retire.
+
+Commit protocol for a shard (step S, owner rank r):
+  1. bytes go into ``rank-r.data.partial`` (a recycled buffer when the pool has one);
+  2. the manifest with per-item checksums goes to ``rank-r.manifest.tmp``;
+  3. rename data.partial -> data, then manifest.tmp -> manifest. The manifest rename is the
+     commit point: listing only ever reports shards whose manifest exists, so whatever a
+     crash leaves behind is invisible and gc removes it.
+The global metadata of a step is one self-verifying file renamed into place the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from ..config import resolve_job_id, resolve_local_dir
+from ..errors import CapacityError, CorruptShardError, ShardNotFoundError
+from . import layout
+from .buffers import MappedFile, MappingCache
+from .checksum import checksum
+from .manifest import Manifest, ManifestItem, MetadataHeader, decode_metadata, encode_metadata
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+# Retired buffers kept per owner rank; one is enough for steady state, two absorb a save that
+# overlaps a retirement.
+POOL_PER_RANK = 2
+# A recycled buffer is shrunk when it is this much larger than needed.
+_SHRINK_SLACK = 64 << 20
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class StepState:
+    """What this node holds of one step."""
+
+    step: int
+    has_metadata: bool = False
+    committed_ranks: set[int] = field(default_factory=set)
+    required_ranks: list[int] | None = None  # from the metadata header, when present
+    world_size: int | None = None
+    total_bytes: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Metadata and every needed rank's shard are committed on this node."""
+        return (self.has_metadata and self.required_ranks is not None
+                and set(self.required_ranks) <= self.committed_ranks)
+
+
+class ShardWriter:
+    """An uncommitted shard: a mapped buffer being filled, then committed or aborted."""
+
+    def __init__(self, store: "LocalStore", step: int, rank: int, buffer: MappedFile, path: str):
+        self.store, self.step, self.rank = store, step, rank
+        self.buffer = buffer
+        self.partial_path = path
+        self.items: list[ManifestItem] = []
+        self.data_bytes = buffer.size
+        self.cursor = 0  # next free offset for items copied in by write_data
+        self._committed = False
+
+    def append_bytes(self, data: bytes) -> tuple[int, int]:
+        """Append a small byte item after the mapped region; returns (offset, checksum)."""
+        offset = align(self.data_bytes)
+        fd = os.open(self.partial_path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+        self.data_bytes = offset + len(data)
+        return offset, checksum(data)
+
+    def add_item(self, item: ManifestItem) -> None:
+        self.items.append(item)
+
+    def commit(self, world_size: int = 1) -> Manifest:
+        manifest = Manifest(job_id=self.store.job_id, step=self.step, rank=self.rank,
+                            data_bytes=self.data_bytes, items=self.items, world_size=world_size)
+        self.store._commit_shard(self.partial_path, manifest)
+        self._committed = True
+        return manifest
+
+    def abort(self) -> None:
+        if not self._committed:
+            self.store._discard(self.partial_path)
+
+
+class LocalStore:
+    """All checkpoint files of one job on this node, under ``<local_dir>/<job_id>``.
+
+    Safe to use from several processes of the same node at once (each rank writes its own
+    shards; step-level bookkeeping takes a file lock). Never touches another job's directory.
+    """
+
+    def __init__(self, local_dir: str | os.PathLike | None = None, job_id: str | None = None, *,
+                 memory_limit_bytes: int | None = None, create: bool = True):
+        self.local_dir = resolve_local_dir(local_dir)
+        self.job_id = resolve_job_id(job_id)
+        self.job_dir = os.path.join(self.local_dir, self.job_id)
+        self.steps_dir = os.path.join(self.job_dir, layout.STEPS)
+        self.pool_dir = os.path.join(self.job_dir, layout.POOL)
+        self.memory_limit_bytes = memory_limit_bytes
+        self.mappings = MappingCache()
+        if create:
+            os.makedirs(self.local_dir, mode=0o700, exist_ok=True)
+            for d in (self.job_dir, self.steps_dir, self.pool_dir):
+                os.makedirs(d, mode=0o700, exist_ok=True)
+            os.chmod(self.job_dir, 0o700)
+
+    # The mapping cache is per process; a pickled store (DCP's PROCESS mode) starts empty.
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["mappings"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.mappings = MappingCache()
+
+    def close(self) -> None:
+        self.mappings.clear()
+
+    # ------------------------------------------------------------------ paths
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.steps_dir, layout.step_dirname(step))
+
+    def data_path(self, step: int, rank: int) -> str:
+        return os.path.join(self.step_dir(step), layout.data_name(rank))
+
+    def manifest_path(self, step: int, rank: int) -> str:
+        return os.path.join(self.step_dir(step), layout.manifest_name(rank))
+
+    def metadata_path(self, step: int) -> str:
+        return os.path.join(self.step_dir(step), layout.METADATA)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Job-wide lock for step-level bookkeeping shared by the ranks of a node."""
+        fd = os.open(os.path.join(self.job_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ write path
+    def begin_shard(self, step: int, rank: int, nbytes: int) -> ShardWriter:
+        """Get a mapped buffer of ``nbytes`` for (step, rank), recycled when possible.
+
+        Raises CapacityError before writing anything if tmpfs or the memory limit has no room.
+        """
+        os.makedirs(self.step_dir(step), mode=0o700, exist_ok=True)
+        partial = self.data_path(step, rank) + layout.PARTIAL
+        self._discard(partial)  # debris of an earlier attempt at the same shard
+        recycled = self._take_from_pool(rank, nbytes, partial)
+        if recycled is None:
+            self._preflight(nbytes, reusable=0)
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+        try:
+            buffer = self.mappings.map(partial, nbytes)
+        except OSError:
+            self._discard(partial)
+            raise
+        return ShardWriter(self, step, rank, buffer, partial)
+
+    def reopen_shard(self, step: int, rank: int, nbytes: int) -> ShardWriter:
+        """Continue an uncommitted shard that was staged earlier (possibly by another process)."""
+        partial = self.data_path(step, rank) + layout.PARTIAL
+        if not os.path.exists(partial):
+            raise ShardNotFoundError(f"no staged buffer for step {step} rank {rank}: {partial}")
+        shard = ShardWriter(self, step, rank, self.mappings.map(partial, nbytes), partial)
+        shard.cursor = nbytes  # the staged region is taken
+        return shard
+
+    def _commit_shard(self, partial: str, manifest: Manifest) -> None:
+        data = self.data_path(manifest.step, manifest.rank)
+        mpath = self.manifest_path(manifest.step, manifest.rank)
+        tmp = mpath + layout.TMP
+        with open(tmp, "wb", opener=_private) as f:
+            f.write(manifest.to_bytes())
+        # Re-saving a committed step: uncommit the old shard before its data is replaced.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(mpath)
+        os.replace(partial, data)
+        os.replace(tmp, mpath)  # commit point
+
+    def write_metadata(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
+                       total_bytes: int) -> None:
+        """Commit the global DCP metadata of a step (atomic; idempotent for equal content)."""
+        header = MetadataHeader(job_id=self.job_id, step=step, world_size=world_size,
+                                ranks=sorted(set(ranks)), total_bytes=total_bytes,
+                                payload_bytes=len(payload), checksum=checksum(payload))
+        self.write_metadata_file(step, encode_metadata(header, payload))
+
+    def write_metadata_file(self, step: int, raw: bytes) -> None:
+        """Install an encoded metadata file (e.g. received from a peer) after verifying it."""
+        header, _ = decode_metadata(raw)
+        if header.step != step or header.job_id != self.job_id:
+            raise ValueError(f"metadata is for {header.job_id}/{header.step}, not {self.job_id}/{step}")
+        os.makedirs(self.step_dir(step), mode=0o700, exist_ok=True)
+        path = self.metadata_path(step)
+        tmp = f"{path}.{secrets.token_hex(4)}{layout.TMP}"
+        with open(tmp, "wb", opener=_private) as f:
+            f.write(raw)
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ read path
+    def read_manifest(self, step: int, rank: int) -> Manifest:
+        path = self.manifest_path(step, rank)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raise ShardNotFoundError(f"step {step} rank {rank} is not committed on this node") from None
+        try:
+            m = Manifest.from_bytes(raw)
+        except (ValueError, TypeError, KeyError) as e:
+            raise CorruptShardError(f"unreadable manifest {path}: {e}") from e
+        if (m.job_id, m.step, m.rank) != (self.job_id, step, rank):
+            raise CorruptShardError(f"manifest {path} names {m.job_id}/{m.step}/{m.rank}")
+        return m
+
+    def map_shard(self, step: int, rank: int) -> tuple[Manifest, MappedFile]:
+        """Map a committed shard (not verified; see ``verify_shard``)."""
+        m = self.read_manifest(step, rank)
+        path = self.data_path(step, rank)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CorruptShardError(f"{path} is missing though its manifest is committed") from None
+        if size < m.data_bytes:
+            raise CorruptShardError(f"{path} is truncated: {size} of {m.data_bytes} bytes")
+        return m, self.mappings.map(path, m.data_bytes)
+
+    def verify_shard(self, step: int, rank: int) -> Manifest:
+        """Check every item's checksum; raises CorruptShardError naming the first bad item."""
+        m, buf = self.map_shard(step, rank)
+        for it in m.items:
+            if checksum(buf.array[it.offset:it.offset + it.nbytes]) != it.checksum:
+                raise CorruptShardError(
+                    f"checksum mismatch in step {step} rank {rank} item {it.key!r} "
+                    f"({self.data_path(step, rank)})")
+        return m
+
+    def read_metadata(self, step: int) -> tuple[MetadataHeader, bytes]:
+        raw = self.read_metadata_file(step)
+        try:
+            return decode_metadata(raw)
+        except (ValueError, TypeError, KeyError) as e:
+            raise CorruptShardError(f"metadata of step {step} is corrupt: {e}") from e
+
+    def read_metadata_file(self, step: int) -> bytes:
+        try:
+            with open(self.metadata_path(step), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise ShardNotFoundError(f"step {step} has no global metadata on this node") from None
+
+    # ------------------------------------------------------------------ inventory
+    def steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.steps_dir)
+        except FileNotFoundError:
+            return []
+        return sorted(s for s in map(layout.parse_step_dirname, names) if s is not None)
+
+    def step_state(self, step: int) -> StepState:
+        st = StepState(step)
+        try:
+            names = os.listdir(self.step_dir(step))
+        except FileNotFoundError:
+            return st
+        for name in names:
+            r = layout.parse_manifest_name(name)
+            if r is not None:
+                st.committed_ranks.add(r)
+        if layout.METADATA in names:
+            try:
+                header, _ = self.read_metadata(step)
+            except (CorruptShardError, ShardNotFoundError) as e:
+                log.warning("ignoring metadata of step %d: %s", step, e)
+            else:
+                st.has_metadata = True
+                st.required_ranks = header.ranks
+                st.world_size = header.world_size
+                st.total_bytes = header.total_bytes
+        return st
+
+    def inventory(self) -> dict[int, StepState]:
+        return {s: self.step_state(s) for s in self.steps()}
+
+    def complete_steps(self) -> list[int]:
+        """Steps whose metadata and every needed shard are committed here, oldest first."""
+        return [s for s, st in self.inventory().items() if st.complete]
+
+    def usage_bytes(self) -> int:
+        """Bytes held by this job's files on this node (committed, in flight and pooled)."""
+        total = 0
+        for root, _dirs, files in os.walk(self.job_dir):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(root, name)).st_blocks * 512
+        return total
+
+    # ------------------------------------------------------------------ capacity
+    def _preflight(self, nbytes: int, reusable: int) -> None:
+        needed = nbytes - reusable
+        if needed <= 0:
+            return
+        vfs = os.statvfs(self.job_dir)
+        free = vfs.f_bavail * vfs.f_frsize
+        if needed > free:
+            raise CapacityError(
+                f"checkpoint shard needs {needed / 2**20:.1f} MiB more but {self.local_dir} has "
+                f"only {free / 2**20:.1f} MiB free; enlarge the tmpfs, lower keep=, or set "
+                f"MLCHECKPOINT_LOCAL_DIR to a larger one", needed=needed, available=free)
+        if self.memory_limit_bytes is not None:
+            used = self.usage_bytes()
+            room = self.memory_limit_bytes - used
+            if needed > room:
+                raise CapacityError(
+                    f"checkpoint shard needs {needed / 2**20:.1f} MiB more but job {self.job_id} "
+                    f"already uses {used / 2**20:.1f} MiB of its {self.memory_limit_bytes / 2**20:.1f}"
+                    f" MiB memory limit", needed=needed, available=max(room, 0))
+
+    # ------------------------------------------------------------------ recycling
+    def _take_from_pool(self, rank: int, nbytes: int, dest: str) -> str | None:
+        """Move the best pooled buffer to ``dest``: own rank first, then any, fitting first."""
+        candidates = []
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.pool_dir):
+                owner = layout.parse_pool_name(e.name)
+                if owner is None:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    size = e.stat().st_size
+                    fits = size >= nbytes
+                    # prefer: own rank, fits, least slack / largest shortfall filled
+                    candidates.append(((owner != rank), (not fits), abs(size - nbytes), e.path, size))
+        for *_, path, size in sorted(candidates):
+            if size < nbytes:
+                self._preflight(nbytes, reusable=size)
+            try:
+                os.rename(path, dest)  # atomic: a rank racing for the same file gets ENOENT
+            except FileNotFoundError:
+                continue
+            if size < nbytes or size - nbytes > max(_SHRINK_SLACK, nbytes // 4):
+                self.mappings.forget(dest)
+                os.truncate(dest, nbytes)
+            return dest
+        return None
+
+    def _to_pool(self, path: str, rank: int) -> None:
+        dest = os.path.join(self.pool_dir, layout.pool_name(rank, secrets.token_hex(8)))
+        try:
+            os.rename(path, dest)
+        except FileNotFoundError:
+            return
+        mine = sorted((e for e in os.scandir(self.pool_dir) if layout.parse_pool_name(e.name) == rank),
+                      key=lambda e: e.stat().st_mtime, reverse=True)
+        for extra in mine[POOL_PER_RANK:]:
+            self._unlink(extra.path)
+
+    def _unlink(self, path: str) -> None:
+        self.mappings.forget(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def _discard(self, partial: str) -> None:
+        """Drop an uncommitted buffer: into the pool if it is a data buffer, else delete."""
+        if not os.path.exists(partial):
+            return
+        name = os.path.basename(partial)
+        if name.endswith(".data" + layout.PARTIAL):
+            rank = int(name[len("rank-"):len("rank-") + 5])
+            self._to_pool(partial, rank)
+        else:
+            self._unlink(partial)
+
+    # ------------------------------------------------------------------ retention and gc
+    def retire_shard(self, step: int, rank: int) -> None:
+        """Uncommit a shard (manifest first) and recycle its buffer."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.manifest_path(step, rank))
+        self._to_pool(self.data_path(step, rank), rank)
+        self._remove_step_if_empty(step)
+
+    def _remove_step_if_empty(self, step: int) -> None:
+        with self.locked():
+            d = self.step_dir(step)
+            try:
+                names = os.listdir(d)
+            except FileNotFoundError:
+                return
+            if any(n != layout.METADATA for n in names):
+                return
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(d, layout.METADATA))
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+    def apply_retention(self, ranks: Iterable[int], keep: int, protected: Iterable[int] = ()) -> list[int]:
+        """Keep the newest ``keep`` complete steps of each owner rank in ``ranks``.
+
+        A step counts as complete for rank r when the step's metadata and r's shard are both
+        committed here. Steps newer than the oldest kept one (e.g. a save in flight) and
+        ``protected`` steps are never touched. Returns the steps retired.
+        """
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        protected = set(protected)
+        inv = self.inventory()
+        retired: set[int] = set()
+        for rank in ranks:
+            complete = [s for s, st in inv.items() if st.has_metadata and rank in st.committed_ranks]
+            if len(complete) <= keep:
+                continue
+            oldest_kept = sorted(complete)[-keep]
+            for s, st in inv.items():
+                if s < oldest_kept and s not in protected and rank in st.committed_ranks:
+                    self.retire_shard(s, rank)
+                    retired.add(s)
+                    log.debug("retired step %d rank %d", s, rank)
+        return sorted(retired)
+
+    def gc(self, ranks: Iterable[int] | None = None, min_age_s: float = 0.0) -> list[str]:
+        """Remove what crashes left behind: uncommitted buffers, temp files, orphan metadata.
+
+        ``ranks`` limits the sweep of in-flight files to those owners (a rank cleaning up after
+        itself while other ranks of the node may be saving); ``min_age_s`` spares files younger
+        than that. Returns the removed paths.
+        """
+        owners = None if ranks is None else set(ranks)
+        now = time.time()
+        removed = []
+        complete = set(self.complete_steps())
+        newest_complete = max(complete, default=-1)
+        for step in self.steps():
+            d = self.step_dir(step)
+            with contextlib.suppress(FileNotFoundError):
+                names = set(os.listdir(d))
+                committed = {layout.parse_manifest_name(n) for n in names} - {None}
+                for name in names:
+                    path = os.path.join(d, name)
+                    owner = _owner_of(name)
+                    if owners is not None and owner is not None and owner not in owners:
+                        continue
+                    debris = (name.endswith(layout.PARTIAL) or name.endswith(layout.TMP)
+                              or (name.endswith(".data") and owner not in committed))
+                    if not debris:
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        if now - os.stat(path).st_mtime < min_age_s:
+                            continue
+                    if name.endswith(".data" + layout.PARTIAL) or name.endswith(".data"):
+                        self._to_pool(path, owner)
+                    else:
+                        self._unlink(path)
+                    removed.append(path)
+                if owners is None and step < newest_complete and step not in complete and not committed:
+                    self._remove_step_if_empty(step)
+        if removed:
+            log.info("gc removed %d uncommitted file(s) of job %s", len(removed), self.job_id)
+        return removed
+
+    def destroy(self) -> None:
+        """Delete every file of this job on this node."""
+        self.mappings.clear()
+        shutil.rmtree(self.job_dir, ignore_errors=True)
+
+
+def _owner_of(name: str) -> int | None:
+    if name.startswith("rank-") and len(name) > 10 and name[5:10].isdigit():
+        return int(name[5:10])
+    return None
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)

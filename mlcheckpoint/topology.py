@@ -1,0 +1,37 @@
+"""Who this process is: rank, node and local rank, from torch.distributed and the launcher."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+
+    @classmethod
+    def detect(cls) -> "Topology":
+        """Read the launcher's view (torchrun sets LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK)."""
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world if world == 1 else 0) or 0)
+        if local_world <= 0:
+            local_world = world  # no launcher info: treat the job as one node
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % local_world))
+        node_rank = int(os.environ.get("GROUP_RANK", rank // local_world))
+        num_nodes = max(1, world // local_world)
+        return cls(rank, world, local_rank, local_world, node_rank, num_nodes)
+
+    def ranks_of_node(self, node: int) -> list[int]:
+        """Ranks on ``node`` (torchrun numbers ranks node by node)."""
+        return list(range(node * self.local_world_size, (node + 1) * self.local_world_size))

@@ -1,0 +1,144 @@
+"""Simulated multi-node jobs on one machine: one torchrun agent per node, own tmpfs dir each.
+
+Losing a node = SIGKILL its agent's whole process group and delete its local_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKERS = os.path.join(HERE, "workers")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Node:
+    rank: int
+    local_dir: str
+    proc: subprocess.Popen | None = None
+    log_path: str = ""
+
+    def kill(self) -> None:
+        """SIGKILL every process of this node (agent and ranks)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+    def wipe(self) -> None:
+        """Lose the node's memory: what a replacement machine starts with."""
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+        os.makedirs(self.local_dir, mode=0o700, exist_ok=True)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path) as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+
+@dataclass
+class Cluster:
+    """N simulated nodes x G ranks. Use as a context manager: everything is cleaned up."""
+
+    nnodes: int
+    nproc: int = 1
+    job_id: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:10]}")
+    root: str = ""
+    nodes: list[Node] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="mlckpt-test-", dir="/dev/shm")
+        self.out_dir = os.path.join(self.root, "out")
+        self.persistent_dir = os.path.join(self.root, "persistent")
+        os.makedirs(self.out_dir)
+        for k in range(self.nnodes):
+            d = os.path.join(self.root, f"node{k}")
+            os.makedirs(d, mode=0o700)
+            self.nodes.append(Node(k, d, log_path=os.path.join(self.root, f"node{k}.log")))
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill_all()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def start(self, script: str, *args: str, nodes: list[int] | None = None, env: dict | None = None,
+              nnodes: int | None = None) -> None:
+        """Start torchrun agents for ``nodes`` (default all) running tests/workers/<script>."""
+        nnodes = nnodes or self.nnodes
+        port = free_port()
+        for k in nodes if nodes is not None else range(nnodes):
+            node = self.nodes[k]
+            e = dict(os.environ)
+            e.update({"MLCHECKPOINT_LOCAL_DIR": node.local_dir, "MLCHECKPOINT_JOB_ID": self.job_id,
+                      "TEST_OUT_DIR": self.out_dir, "TEST_PERSISTENT_DIR": self.persistent_dir,
+                      "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+            e.update(env or {})
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                   f"--node-rank={k}", f"--nproc-per-node={self.nproc}",
+                   "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
+                   os.path.join(WORKERS, script), *args]
+            logf = open(node.log_path, "a")
+            logf.write(f"\n===== {' '.join(cmd[3:])}\n")
+            logf.flush()
+            node.proc = subprocess.Popen(cmd, env=e, stdout=logf, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+            logf.close()
+
+    def wait(self, timeout: float = 120, nodes: list[int] | None = None) -> list[int]:
+        """Wait for the nodes' agents; return exit codes. Kills everything on timeout."""
+        deadline = time.time() + timeout
+        codes = []
+        for k in nodes if nodes is not None else range(len(self.nodes)):
+            node = self.nodes[k]
+            if node.proc is None:
+                continue
+            try:
+                codes.append(node.proc.wait(timeout=max(0.1, deadline - time.time())))
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+                raise AssertionError(f"node {k} timed out; logs:\n{self.logs()}")
+        return codes
+
+    def run(self, script: str, *args: str, timeout: float = 120, **kw) -> None:
+        """Start all nodes and require every one to exit 0."""
+        self.start(script, *args, **kw)
+        codes = self.wait(timeout)
+        assert all(c == 0 for c in codes), f"exit codes {codes}; logs:\n{self.logs()}"
+
+    def kill_all(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- node {n.rank} ---\n{n.log()[-6000:]}" for n in self.nodes)
+
+    def results(self, name: str) -> dict[int, dict]:
+        """Per-rank JSON results written by workers with ``report(name, ...)``."""
+        out = {}
+        for fn in os.listdir(self.out_dir):
+            if fn.startswith(name + ".rank") and fn.endswith(".json"):
+                with open(os.path.join(self.out_dir, fn)) as f:
+                    out[int(fn[len(name) + 5:-5])] = json.load(f)
+        return out

@@ -1,0 +1,54 @@
+"""Worker: resume (reporting what was found), then save steps [first, last].
+
+argv: first last mode [persistent_every] ; mode = sync | async | dcp | dcp_async
+"""
+
+import os
+import sys
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from common import diff, empty_like, init, model_state, report
+
+from mlcheckpoint import CheckpointManager
+
+
+
+def main() -> None:
+    first, last, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    persist_every = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+
+    rank, world = init()
+    ckpt = CheckpointManager(persistent_dir=os.environ["TEST_PERSISTENT_DIR"] if persist_every else None)
+    sd = empty_like(model_state(rank, 0, world))
+    info = ckpt.resume(sd)
+    mismatch = [] if info.step is None else diff(model_state(rank, info.step, world), sd)
+    report("resume", {"step": info.step, "source": info.source, "match": not mismatch,
+                      "mismatch": mismatch, "reason": info.reason})
+
+    for step in range(first, last + 1):
+        sd = model_state(rank, step, world)
+        persistent = bool(persist_every) and step % persist_every == 0
+        if mode == "sync":
+            ckpt.save(sd, step, persistent=persistent)
+        elif mode == "async":
+            ckpt.async_save(sd, step, persistent=persistent)
+        elif mode == "dcp":
+            dcp.save(sd, storage_writer=ckpt.storage_writer(step))
+        elif mode == "dcp_async":
+            dcp.async_save(sd, storage_writer=ckpt.storage_writer(step)).result()
+        elif mode == "dcp_async_process":
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+            dcp.async_save(sd, storage_writer=ckpt.storage_writer(step),
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+        # Mutate the live state right after the call: a correct async save already has its copy.
+        for t in sd["model"].values():
+            t.add_(1)
+    ckpt.wait()
+    report("listing", {"entries": [e.__dict__ for e in ckpt.list()]})
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

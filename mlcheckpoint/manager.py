@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +24,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 
 from .dcp import MemoryStorageReader, MemoryStorageWriter
+from .dcp.writer import commit_metadata
 from .errors import ConfigError, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from .persistent import PersistentStorage
+from .replication import Pins, Rendezvous, Replicator
+from .replication.tcp import TcpTransport
 from .store import LocalStore
 from .topology import Topology
 
@@ -63,6 +65,8 @@ class CheckpointEntry:
     state: str  # "complete", "incomplete"
     bytes: int | None
     ranks: list[int] = field(default_factory=list)  # ranks whose shards are on this node
+    replication: str | None = None  # this rank's shard: committed | replicated | failed: why | ...
+    protected: bool | None = None  # every shard and the metadata on two nodes (job-wide)
 
 
 class CheckpointManager:
@@ -77,12 +81,16 @@ class CheckpointManager:
         local_dir: tmpfs directory; defaults to MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint.
         keep: complete in-memory checkpoints kept per rank (the newest ones).
         memory_limit_bytes: cap on this job's tmpfs usage on this node (None: tmpfs free space).
-        replication: "tcp", "pg" or "none" (see docs/replication.md).
+        replication: "tcp", "pg" or "none". Off by itself on a single node.
+        replication_host: interface the TCP listener binds (default: the one routing to
+            MASTER_ADDR; env MLCHECKPOINT_REPLICATION_HOST).
+        replication_timeout: seconds any single replication socket operation may block.
     """
 
     def __init__(self, persistent_dir: str | None = None, *, job_id: str | None = None,
                  local_dir: str | None = None, keep: int = 2,
-                 memory_limit_bytes: int | None = None, replication: str = "tcp"):
+                 memory_limit_bytes: int | None = None, replication: str = "tcp",
+                 replication_host: str | None = None, replication_timeout: float = 60.0):
         if keep < 1:
             raise ConfigError("keep must be at least 1")
         if replication not in ("tcp", "pg", "none"):
@@ -102,15 +110,38 @@ class CheckpointManager:
         self._persist_executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-persist")
         self._in_flight: Future | None = None
         self._persist_futures: list[Future] = []
-        self._pinned: Counter[int] = Counter()  # steps whose buffers a persistent write reads
+        self.pins = Pins()  # steps whose buffers a transfer or persistent write reads
         self._lock = threading.Lock()
         self._closed = False
-        self.replication_mode = replication
+        self.replicator: Replicator | None = None
+        self.replica_owners: list[int] = []
         if replication != "none" and self.topology.num_nodes == 1:
             log.info("mlcheckpoint: single node, replication off (nothing to pair with)")
+            replication = "none"
+        if replication != "none" and not self._distributed:
+            log.info("mlcheckpoint: no process group initialised, replication off")
+            replication = "none"
+        self.replication_mode = replication
+        if replication != "none":
+            self._start_replication(replication, replication_host, replication_timeout)
         log.debug("CheckpointManager job=%s dir=%s rank=%d/%d node=%d/%d", self.job_id,
                   self.store.job_dir, self.rank, self.topology.world_size,
                   self.topology.node_rank, self.topology.num_nodes)
+
+    def _start_replication(self, mode: str, host: str | None, timeout: float) -> None:
+        rdzv = Rendezvous.from_default_group(self.job_id)
+        if mode == "tcp":
+            transport = TcpTransport(self.store, rdzv, host=host, timeout=timeout, pins=self.pins,
+                                     on_received=self._on_replica_received)
+        else:
+            from .replication.pg import PgTransport
+            transport = PgTransport(self.store, rdzv, timeout=timeout, pins=self.pins,
+                                    on_received=self._on_replica_received)
+        self.replicator = Replicator(self.store, transport, rdzv, self.topology)
+        self.replica_owners = self.replicator.sources
+
+    def _on_replica_received(self, step: int, owner: int) -> None:
+        self.store.apply_retention([owner], self.keep, protected=self._protected_steps())
 
     # ------------------------------------------------------------------ DCP-native
     def storage_writer(self, step: int) -> MemoryStorageWriter:
@@ -120,7 +151,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._apply_retention()
-        return MemoryStorageWriter(step, self.store)
+        notify = self.replicator.notify if self.replicator is not None else None
+        return MemoryStorageWriter(step, self.store, on_commit=notify, on_metadata=notify)
 
     def storage_reader(self, step: int) -> MemoryStorageReader:
         """A reader for ``dcp.load`` of an in-memory ``step``."""
@@ -133,10 +165,11 @@ class CheckpointManager:
         writer = self.storage_writer(step)
         t0 = time.perf_counter()
         try:
-            dcp.save(state_dict, storage_writer=writer, process_group=self._save_pg)
+            metadata = dcp.save(state_dict, storage_writer=writer, process_group=self._save_pg)
         except CheckpointException as e:
             raise _unwrap(e, f"save of step {step}") from None
         seconds = time.perf_counter() - t0
+        self._after_save(step, metadata)
         if persistent:
             self._write_persistent(state_dict, step)
         return SaveResult(step, self._shard_bytes(step), seconds, seconds, persistent)
@@ -171,17 +204,17 @@ class CheckpointManager:
     def _finish_async_save(self, writer: MemoryStorageWriter, staged: dict[str, Any], step: int,
                            persistent: bool, t0: float, blocking: float) -> SaveResult:
         try:
-            dcp.save(staged, storage_writer=writer, process_group=self._save_pg)
+            metadata = dcp.save(staged, storage_writer=writer, process_group=self._save_pg)
         except CheckpointException as e:
             err = _unwrap(e, f"async save of step {step}")
             log.error("mlcheckpoint: %s", err)
             raise err from None
         seconds = time.perf_counter() - t0
+        self._after_save(step, metadata)
         if persistent:
             # The persistent write reads the staged views of this step's tmpfs buffers: pin the
             # step so retention does not recycle them meanwhile.
-            with self._lock:
-                self._pinned[step] += 1
+            self.pins.pin(step)
             pf = self._persist_executor.submit(self._write_persistent, staged, step, True)
             with self._lock:
                 self._persist_futures = [f for f in self._persist_futures if not f.done()] + [pf]
@@ -201,15 +234,33 @@ class CheckpointManager:
             raise err from None
         finally:
             if pinned:
-                with self._lock:
-                    self._pinned[step] -= 1
-                    if self._pinned[step] <= 0:
-                        del self._pinned[step]
+                self.pins.unpin(step)
+
+    def _after_save(self, step: int, metadata: Any) -> None:
+        # dcp.save returns the global metadata on every rank: every node stores it at once,
+        # without waiting for the coordinator's push.
+        if self.topology.local_rank == 0 and self.topology.node_rank != 0:
+            try:
+                self.store.read_metadata(step)
+            except MLCheckpointError:
+                commit_metadata(self.store, step, metadata, self.topology.world_size)
+        if self.replicator is not None:
+            self.replicator.notify()
+        self._apply_retention()
+
+    def _protected_steps(self) -> set[int]:
+        """Steps retention must keep: those being read, and the newest replicated everywhere."""
+        protected = self.pins.steps()
+        if self.replicator is not None:
+            newest = self.replicator.newest_protected(self.store.steps())
+            if newest is not None:
+                protected.add(newest)
+        return protected
 
     def _apply_retention(self) -> None:
-        with self._lock:
-            pinned = set(self._pinned)
-        self.store.apply_retention([self.rank], self.keep, protected=pinned)
+        """Retire this rank's own shards and the replicas it keeps beyond ``keep``."""
+        self.store.apply_retention([self.rank, *self.replica_owners], self.keep,
+                                   protected=self._protected_steps())
 
     def _shard_bytes(self, step: int) -> int:
         try:
@@ -296,14 +347,29 @@ class CheckpointManager:
         """In-memory steps on this node and persistent steps, oldest first."""
         entries = []
         for step, st in self.store.inventory().items():
-            size = st.total_bytes
-            entries.append(CheckpointEntry(step, "memory", "complete" if st.complete else "incomplete",
-                                           size, sorted(st.committed_ranks)))
+            entry = CheckpointEntry(step, "memory", "complete" if st.complete else "incomplete",
+                                    st.total_bytes, sorted(st.committed_ranks))
+            if self.replicator is not None:
+                rep = self.replicator.state(step)
+                entry.replication = None if rep is None else (
+                    rep.state if rep.reason is None else f"{rep.state}: {rep.reason}")
+                entry.protected = self.replicator.is_protected(step)
+            entries.append(entry)
         if self.persistent is not None:
             for step in self.persistent.steps():
                 entries.append(CheckpointEntry(step, "persistent", "complete",
                                                self.persistent.size_bytes(step)))
         return sorted(entries, key=lambda e: (e.step, e.location))
+
+    def wait_replicated(self, step: int, timeout: float = 60.0) -> bool:
+        """Wait until every shard and the metadata of ``step`` are on two nodes (job-wide).
+
+        Returns False on timeout. With replication off, returns whether the step is complete
+        locally (there is nothing more to wait for).
+        """
+        if self.replicator is None:
+            return step in self.store.complete_steps()
+        return self.replicator.wait_replicated(step, timeout)
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
@@ -315,15 +381,24 @@ class CheckpointManager:
             f.exception()  # wait; errors were logged where they happened
 
     def close(self) -> None:
-        """Wait for work in flight, then release threads and mappings. Idempotent."""
+        """Wait for saves and replication in flight, then release threads, sockets and
+        mappings. Collective when distributed: every rank calls it. Idempotent."""
         if self._closed:
             return
         try:
             self.wait()
+            if self.replicator is not None:
+                self.replicator.drain(timeout=60)
+            if self._distributed:
+                # Partners may still push to our listener: close only once everyone drained.
+                dist.barrier(group=self._save_pg)
         finally:
             self._closed = True
             self._save_executor.shutdown(wait=True)
             self._persist_executor.shutdown(wait=True)
+            if self.replicator is not None:
+                self.replicator.close()
+                self.replicator.transport.close()
             self.store.close()
 
     def __enter__(self) -> "CheckpointManager":

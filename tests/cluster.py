@@ -142,3 +142,81 @@ class Cluster:
                 with open(os.path.join(self.out_dir, fn)) as f:
                     out[int(fn[len(name) + 5:-5])] = json.load(f)
         return out
+
+
+# --------------------------------------------------------------------------- whole-node kills
+# torchrun starts every rank in a session of its own, so signalling the agent's process group
+# (Node.kill) leaves the ranks running. These helpers reach the ranks too.
+
+def _proc_states() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, state) for every process visible in /proc."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[int(name)] = (int(fields[1]), fields[0])
+    return out
+
+
+def _dead(pid: int) -> bool:
+    state = _proc_states().get(pid)
+    return state is None or state[1] in ("Z", "X")
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, parents first."""
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _) in _proc_states().items():
+        children.setdefault(ppid, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def lose_node(node: Node, timeout: float = 30) -> list[int]:
+    """A node dies at once: freeze the agent and every rank, then SIGKILL them all."""
+    if node.proc is None or node.proc.poll() is not None:
+        return []
+    pids = process_tree(node.proc.pid)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+    node.proc.wait(timeout=timeout)
+    deadline = time.time() + timeout
+    while not all(_dead(p) for p in pids):
+        if time.time() > deadline:
+            raise AssertionError(f"processes {pids} survived SIGKILL")
+        time.sleep(0.05)
+    return pids
+
+
+def kill_strays(cluster: Cluster) -> list[int]:
+    """SIGKILL processes left over from ``cluster`` (ranks orphaned by a killed agent, DCP's
+    checkpoint processes): those whose environment names this cluster's root directory."""
+    marker = f"MLCHECKPOINT_LOCAL_DIR={cluster.root}/".encode()
+    killed = []
+    for pid in _proc_states():
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if marker in env and not _dead(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    return killed

@@ -110,14 +110,14 @@ class MemoryStorageReader(StorageReader):
         by_rank: dict[int, list[ReadItem]] = defaultdict(list)
         for req in plan.items:
             by_rank[self._location(req.storage_index).rank].append(req)
-        verified: set[tuple[int, int]] = set()
+        verified: set[tuple[int, int, int]] = set()
         for rank, reqs in sorted(by_rank.items()):
             _, buf = self._map(rank)
             for req in reqs:
                 loc = self._location(req.storage_index)
                 src = buf.array[loc.offset:loc.offset + loc.nbytes]
-                first = (rank, loc.offset) not in verified
-                verified.add((rank, loc.offset))
+                first = (rank, loc.offset, loc.nbytes) not in verified
+                verified.add((rank, loc.offset, loc.nbytes))
                 if req.type == LoadItemType.BYTE_IO:
                     if checksum(src) != loc.checksum:
                         self._corrupt(rank, req)

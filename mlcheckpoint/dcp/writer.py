@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
+from .._faults import crash_point
 from ..store.checksum import checksum, copy_into
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardWriter, align
@@ -152,7 +153,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             raise self._poison
         shard = self._open_shard(plan, planner)
         try:
-            results = [self._write_item(shard, item, planner) for item in plan.items]
+            crash_point("before_data", self.step, self.rank)
+            results = []
+            for i, item in enumerate(plan.items):
+                if i == len(plan.items) // 2:
+                    crash_point("mid_data", self.step, self.rank)
+                results.append(self._write_item(shard, item, planner))
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             shard.commit(world_size=world)
         except BaseException:
@@ -207,18 +213,19 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         return WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=loc)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage_data = {}
-        ranks: set[int] = set()
-        total = 0
-        for rank_results in results:
-            for wr in rank_results:
-                storage_data[wr.index] = wr.storage_data
-                ranks.add(wr.storage_data.rank)
-                total += wr.size_in_bytes
-        metadata.storage_data = storage_data
-        payload = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        self.store.write_metadata(self.step, payload, world_size=len(results), ranks=ranks,
-                                  total_bytes=total)
-        log.debug("committed metadata of step %d (%d ranks, %d bytes)", self.step, len(ranks), total)
+        metadata.storage_data = {wr.index: wr.storage_data for rank_results in results
+                                 for wr in rank_results}
+        crash_point("before_metadata", self.step, self.rank)
+        commit_metadata(self.store, self.step, metadata, world_size=len(results))
         if self.on_metadata is not None:
             self.on_metadata(self.step)
+
+
+def commit_metadata(store: LocalStore, step: int, metadata: Metadata, world_size: int) -> None:
+    """Commit DCP's global metadata (with our ItemLocations as storage_data) into ``store``."""
+    locations = list(metadata.storage_data.values())
+    payload = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    store.write_metadata(step, payload, world_size=world_size,
+                         ranks={loc.rank for loc in locations},
+                         total_bytes=sum(loc.nbytes for loc in locations))
+    log.debug("committed metadata of step %d (%d items)", step, len(locations))

@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from .._faults import crash_point
 from ..config import resolve_job_id, resolve_local_dir
 from ..errors import CapacityError, CorruptShardError, ShardNotFoundError
 from . import layout
@@ -94,6 +95,13 @@ class ShardWriter:
         self.store._commit_shard(self.partial_path, manifest)
         self._committed = True
         return manifest
+
+    def commit_manifest(self, manifest: Manifest) -> None:
+        """Commit under a manifest made elsewhere (a replica received from its owner)."""
+        if manifest.data_bytes != self.buffer.size or (manifest.step, manifest.rank) != (self.step, self.rank):
+            raise ValueError("manifest does not describe this buffer")
+        self.store._commit_shard(self.partial_path, manifest)
+        self._committed = True
 
     def abort(self) -> None:
         if not self._committed:
@@ -195,12 +203,14 @@ class LocalStore:
         data = self.data_path(manifest.step, manifest.rank)
         mpath = self.manifest_path(manifest.step, manifest.rank)
         tmp = mpath + layout.TMP
+        crash_point("before_manifest", manifest.step, manifest.rank)
         with open(tmp, "wb", opener=_private) as f:
             f.write(manifest.to_bytes())
         # Re-saving a committed step: uncommit the old shard before its data is replaced.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(mpath)
         os.replace(partial, data)
+        crash_point("mid_commit", manifest.step, manifest.rank)
         os.replace(tmp, mpath)  # commit point
 
     def write_metadata(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],

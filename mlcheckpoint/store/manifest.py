@@ -43,7 +43,14 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "Manifest":
-        d = json.loads(raw)
+        return cls.from_dict(json.loads(raw))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Manifest":
+        """Build and check a manifest (from a file or a peer); raises ValueError/TypeError."""
+        if not isinstance(d, dict):
+            raise ValueError(f"manifest is a JSON {type(d).__name__}, not an object")
+        d = dict(d)
         if d.get("format") != FORMAT_VERSION or d.get("algorithm") != ALGORITHM:
             raise ValueError(f"unsupported manifest format {d.get('format')}/{d.get('algorithm')}")
         d["items"] = [ManifestItem(**it) for it in d["items"]]

@@ -1,0 +1,9 @@
+"""Layer 3: copies of every node's shards on a partner node."""
+
+from .pairing import PairingStrategy, PairwiseRing
+from .rendezvous import Rendezvous
+from .replicator import Replicator, StepReplication
+from .transport import Pins, ReplicationError, Transport
+
+__all__ = ["PairingStrategy", "PairwiseRing", "Pins", "Rendezvous", "ReplicationError",
+           "Replicator", "StepReplication", "Transport"]

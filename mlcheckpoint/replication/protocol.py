@@ -1,0 +1,103 @@
+"""Wire format of the TCP transport: authenticated handshake, then framed JSON + raw payloads.
+
+Handshake (before either side reads anything else):
+    server -> b"MLCK" version(1) nonce_s(32)
+    client -> nonce_c(32) HMAC(secret, "client" | nonce_s | nonce_c)
+    server -> HMAC(secret, "server" | nonce_c | nonce_s)     (or closes: stranger)
+Frames: b"MLCF" + u32 length + JSON object. A payload, when a frame announces one, follows
+raw. Every length is bounded before anything is allocated; every read has a timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+
+from ..errors import MLCheckpointError
+
+MAGIC = b"MLCK"
+FRAME = b"MLCF"
+VERSION = 1
+NONCE = 32
+MAX_FRAME_BYTES = 16 << 20  # JSON headers (a manifest of many thousand items fits)
+
+
+class ProtocolError(MLCheckpointError):
+    """The peer broke the protocol, failed authentication or timed out."""
+
+
+def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(secret, label + a + b, hashlib.sha256).digest()
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview, on_progress=None) -> None:
+    """Fill ``view`` from the socket (straight into the destination: no intermediate copy)."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, 64 << 20))
+        if k == 0:
+            raise ProtocolError(f"connection closed after {got} of {n} bytes")
+        got += k
+        if on_progress is not None:
+            on_progress(got, n)
+
+
+def server_handshake(sock: socket.socket, secret: bytes) -> None:
+    nonce_s = os.urandom(NONCE)
+    sock.sendall(MAGIC + bytes([VERSION]) + nonce_s)
+    reply = recv_exact(sock, NONCE + 32)
+    nonce_c, mac = reply[:NONCE], reply[NONCE:]
+    if not hmac.compare_digest(mac, _mac(secret, b"client", nonce_s, nonce_c)):
+        raise ProtocolError("peer failed authentication")
+    sock.sendall(_mac(secret, b"server", nonce_c, nonce_s))
+
+
+def client_handshake(sock: socket.socket, secret: bytes) -> None:
+    hello = recv_exact(sock, len(MAGIC) + 1 + NONCE)
+    if hello[:4] != MAGIC or hello[4] != VERSION:
+        raise ProtocolError("not an mlcheckpoint replication endpoint (bad greeting)")
+    nonce_s = hello[5:]
+    nonce_c = os.urandom(NONCE)
+    sock.sendall(nonce_c + _mac(secret, b"client", nonce_s, nonce_c))
+    proof = recv_exact(sock, 32)
+    if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_c, nonce_s)):
+        raise ProtocolError("replication endpoint failed authentication")
+
+
+def send_frame(sock: socket.socket, obj: dict) -> None:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    sock.sendall(FRAME + struct.pack("!I", len(body)) + body)
+
+
+def recv_frame(sock: socket.socket) -> dict:
+    head = recv_exact(sock, 8)
+    if head[:4] != FRAME:
+        raise ProtocolError("malformed frame (bad magic)")
+    (n,) = struct.unpack("!I", head[4:])
+    if n > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {n} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
+    try:
+        obj = json.loads(recv_exact(sock, n))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"malformed frame: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("malformed frame: not an object")
+    return obj
+
+
+def want_int(obj: dict, key: str, lo: int, hi: int) -> int:
+    """A peer-supplied integer field, range-checked (never trusted as a path or size)."""
+    v = obj.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
+        raise ProtocolError(f"field {key!r}={v!r} outside [{lo}, {hi})")
+    return v

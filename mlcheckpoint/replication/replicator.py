@@ -1,0 +1,204 @@
+"""The replication manager of one rank: off the training thread, newest work first.
+
+It watches the store for this rank's committed shards (nudged by the writer, and polling so
+saves made in DCP's PROCESS mode are seen too), pushes the newest one to the partner rank(s),
+and records per step: committed -> replicated (partner verified the checksums) or failed.
+Rank 0 also pushes each step's global metadata to one rank of every other node.
+Job-wide progress is counted in the c10d store, so any rank can tell when a step is
+*protected* (every shard and the metadata on two nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..store import LocalStore
+from ..topology import Topology
+from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets
+from .rendezvous import Rendezvous
+from .transport import MLCheckpointError, Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepReplication:
+    """This rank's view of one step's replication."""
+
+    step: int
+    state: str = "committed"  # committed | replicated | failed | superseded
+    acked_by: list[int] = field(default_factory=list)
+    reason: str | None = None
+    attempts: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    metadata_pushed: bool = False
+
+
+class Replicator:
+    """Pushes this rank's committed shards (and, on rank 0, metadata) to partner ranks."""
+
+    def __init__(self, store: LocalStore, transport: Transport, rdzv: Rendezvous,
+                 topology: Topology, strategy: PairingStrategy | None = None, *,
+                 retries: int = 3, poll_interval: float = 0.25):
+        self.store, self.transport, self.rdzv, self.topology = store, transport, rdzv, topology
+        strategy = strategy or PairwiseRing()
+        t = topology
+        self.targets = rank_targets(strategy, t.rank, t.local_world_size, t.num_nodes)
+        self.sources = rank_sources(strategy, t.rank, t.local_world_size, t.num_nodes)
+        self.metadata_targets = ([n * t.local_world_size for n in range(t.num_nodes) if n != t.node_rank]
+                                 if t.rank == 0 else [])
+        self.retries, self.poll_interval = retries, poll_interval
+        self._states: dict[int, StepReplication] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._newest_protected: int | None = None
+        self._thread = threading.Thread(target=self._run, name="mlckpt-replicator", daemon=True)
+        self._thread.start()
+        log.info("mlcheckpoint: rank %d replicates to rank(s) %s over %s, keeps replicas of %s",
+                 t.rank, self.targets, transport.name, self.sources)
+
+    # ------------------------------------------------------------------ inputs
+    def notify(self, *_: object) -> None:
+        """A shard or metadata was committed here: look now rather than at the next poll."""
+        self._wake.set()
+
+    def state(self, step: int) -> StepReplication | None:
+        with self._lock:
+            return self._states.get(step)
+
+    # ------------------------------------------------------------------ job-wide view
+    def is_protected(self, step: int) -> bool:
+        """Every rank's shard and the metadata of ``step`` are on two nodes (job-wide)."""
+        shards = self.rdzv.add(f"shards/{step}", 0)
+        meta = self.rdzv.add(f"meta/{step}", 0)
+        return shards >= self.topology.world_size and meta >= 1
+
+    def newest_protected(self, candidates: list[int]) -> int | None:
+        """Newest protected step among ``candidates`` (those newer than the last one found)."""
+        for step in sorted(candidates, reverse=True):
+            if self._newest_protected is not None and step <= self._newest_protected:
+                break
+            if self.is_protected(step):
+                self._newest_protected = step
+                break
+        return self._newest_protected
+
+    def wait_replicated(self, step: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_protected(step):
+            if time.monotonic() >= deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.02)
+        return True
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(self.poll_interval)
+            self._wake.clear()
+            try:
+                self._replicate_newest()
+            except Exception:  # keep replicating later steps whatever happened to this one
+                log.exception("mlcheckpoint: replication pass failed")
+
+    def _replicate_newest(self) -> None:
+        inv = self.store.inventory()
+        mine = sorted(s for s, st in inv.items() if self.topology.rank in st.committed_ranks)
+        todo = [s for s in mine if self._needs_push(s)]
+        if todo:
+            newest = todo[-1]
+            with self._lock:  # older pending work is dropped: only the newest step matters
+                for s in todo[:-1]:
+                    st = self._states.setdefault(s, StepReplication(s))
+                    if st.state in ("committed", "failed"):
+                        st.state, st.reason = "superseded", f"step {newest} is newer"
+            self._push_shard(newest)
+        if self.metadata_targets:
+            with_meta = [s for s in mine if inv[s].has_metadata and not self._metadata_done(s)]
+            if with_meta:
+                self._push_metadata(with_meta[-1])
+
+    def _needs_push(self, step: int) -> bool:
+        with self._lock:
+            st = self._states.get(step)
+        if st is None:
+            return True
+        return st.state == "committed" or (st.state == "failed" and st.attempts < self.retries)
+
+    def _metadata_done(self, step: int) -> bool:
+        with self._lock:
+            st = self._states.get(step)
+            return st is not None and st.metadata_pushed
+
+    def _push_shard(self, step: int) -> None:
+        with self._lock:
+            st = self._states.setdefault(step, StepReplication(step))
+            st.attempts += 1
+        t0 = time.perf_counter()
+        sent = 0
+        try:
+            for peer in self.targets:
+                if peer in st.acked_by:
+                    continue
+                sent += self.transport.push_shard(peer, step, self.topology.rank)
+                st.acked_by.append(peer)
+        except (MLCheckpointError, OSError) as e:
+            with self._lock:
+                st.state, st.reason = "failed", str(e)
+            level = logging.WARNING if st.attempts < self.retries else logging.ERROR
+            log.log(level, "mlcheckpoint: replicating step %d of rank %d failed (attempt %d/%d): %s",
+                    step, self.topology.rank, st.attempts, self.retries, e)
+            if st.attempts < self.retries:
+                self._retry_later()
+            return
+        with self._lock:
+            st.state, st.reason = "replicated", None
+            st.bytes, st.seconds = sent, time.perf_counter() - t0
+        self.rdzv.add(f"shards/{step}", 1)
+        log.debug("replicated step %d rank %d to %s: %d bytes in %.3fs", step,
+                  self.topology.rank, self.targets, sent, st.seconds)
+
+    def _push_metadata(self, step: int) -> None:
+        try:
+            for peer in self.metadata_targets:
+                self.transport.push_metadata(peer, step)
+        except (MLCheckpointError, OSError) as e:
+            log.warning("mlcheckpoint: pushing metadata of step %d failed: %s", step, e)
+            self._retry_later()
+            return
+        with self._lock:
+            self._states.setdefault(step, StepReplication(step)).metadata_pushed = True
+        self.rdzv.add(f"meta/{step}", 1)
+
+    def _retry_later(self) -> None:
+        threading.Timer(1.0, self._wake.set).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def drain(self, timeout: float) -> None:
+        """Wait until nothing this rank committed is waiting to be pushed (best effort)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            inv = self.store.inventory()
+            mine = [s for s, st in inv.items() if self.topology.rank in st.committed_ranks]
+            newest = max(mine, default=None)
+            if newest is None:
+                return
+            st = self.state(newest)
+            meta_ok = (not self.metadata_targets or not inv[newest].has_metadata
+                       or self._metadata_done(newest))
+            if st is not None and st.state in ("replicated", "superseded") and meta_ok:
+                return
+            if st is not None and st.state == "failed" and st.attempts >= self.retries:
+                return
+            self._wake.set()
+            time.sleep(0.02)

@@ -1,0 +1,300 @@
+"""TCP transport: one authenticated listener per rank, one connection per operation.
+
+Payloads leave with sendfile() straight from the tmpfs file and arrive with recv_into()
+straight into the destination mapping: no user-space copy on either side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import threading
+
+from .._faults import crash_point
+from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
+from ..store import LocalStore, Manifest
+from ..store.checksum import checksum
+from . import protocol as p
+from .rendezvous import Rendezvous
+from .transport import OnReceived, Pins, ReplicationError, Transport
+
+log = logging.getLogger(__name__)
+
+MAX_METADATA_BYTES = 4 << 30
+MAX_STEP = 10**12
+
+
+def default_host() -> str:
+    """The local address that routes to MASTER_ADDR: peers can reach us there (no packet sent)."""
+    host = os.environ.get("MLCHECKPOINT_REPLICATION_HOST")
+    if host:
+        return host
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def manifest_from_wire(obj: object, job_id: str, step: int, owner: int) -> Manifest:
+    """Rebuild and check a manifest sent by a peer."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("items"), list):
+        raise p.ProtocolError("malformed manifest")
+    try:
+        m = Manifest.from_dict(obj)
+    except (TypeError, ValueError, KeyError) as e:
+        raise p.ProtocolError(f"malformed manifest: {e}") from None
+    if (m.job_id, m.step, m.rank) != (job_id, step, owner):
+        raise p.ProtocolError(f"manifest names {m.job_id}/{m.step}/{m.rank}, expected {job_id}/{step}/{owner}")
+    return m
+
+
+def receive_shard(sock: socket.socket, store: LocalStore, m: Manifest) -> None:
+    """Receive ``m.data_bytes`` into a new buffer for (step, owner), verify, commit."""
+    shard = store.begin_shard(m.step, m.rank, m.data_bytes)
+    try:
+        half = m.data_bytes // 2
+
+        def progress(got: int, total: int) -> None:
+            if got >= half:
+                crash_point("replica_mid_recv", m.step, m.rank)
+
+        if m.data_bytes:
+            p.recv_into_exact(sock, memoryview(shard.buffer.array), progress)
+        for it in m.items:
+            if checksum(shard.buffer.array[it.offset:it.offset + it.nbytes]) != it.checksum:
+                raise CorruptShardError(f"replica of step {m.step} rank {m.rank}: checksum "
+                                        f"mismatch in {it.key!r} on arrival")
+        shard.commit_manifest(m)
+    except BaseException:
+        shard.abort()
+        raise
+
+
+def send_file(sock: socket.socket, path: str, nbytes: int) -> None:
+    if nbytes == 0:
+        return
+    with open(path, "rb") as f:
+        sent = sock.sendfile(f, 0, nbytes)
+    if sent != nbytes:
+        raise ReplicationError(f"sent {sent} of {nbytes} bytes of {path}")
+
+
+def same_shard(a: Manifest, b: Manifest) -> bool:
+    return a.data_bytes == b.data_bytes and [(i.offset, i.nbytes, i.checksum) for i in a.items] == \
+        [(i.offset, i.nbytes, i.checksum) for i in b.items]
+
+
+class TcpTransport(Transport):
+    """Serves this rank's store to peers and pushes/pulls shards to/from theirs.
+
+    Args:
+        store: this node's store.
+        rdzv: the job's rendezvous (secret and peer addresses).
+        host: interface to listen on (default: the one that routes to MASTER_ADDR).
+        timeout: seconds any single socket operation may block.
+        max_shard_bytes: largest shard a peer may send us (checked before allocating).
+    """
+
+    name = "tcp"
+
+    def __init__(self, store: LocalStore, rdzv: Rendezvous, *, host: str | None = None,
+                 timeout: float = 60.0, pins: Pins | None = None,
+                 on_received: OnReceived | None = None, max_shard_bytes: int = 1 << 40,
+                 max_connections: int = 32):
+        self.store, self.rdzv = store, rdzv
+        self.timeout = timeout
+        self.pins = pins or Pins()
+        self.on_received = on_received
+        self.max_shard_bytes = max_shard_bytes
+        self.secret = rdzv.secret()
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._closed = threading.Event()
+        self._listener = socket.create_server((host or default_host(), 0), backlog=64)
+        self.address = "%s:%d" % self._listener.getsockname()[:2]
+        self._thread = threading.Thread(target=self._accept_loop, name="mlckpt-tcp-accept",
+                                        daemon=True)
+        self._thread.start()
+        rdzv.publish("tcp", self.address)
+        log.debug("replication listener of rank %d on %s", rdzv.rank, self.address)
+
+    # ------------------------------------------------------------------ server
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                log.warning("refusing replication connection from %s: too many open", addr)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
+                             name="mlckpt-tcp-conn").start()
+
+    def _serve(self, conn: socket.socket, addr) -> None:
+        try:
+            conn.settimeout(self.timeout)
+            try:
+                p.server_handshake(conn, self.secret)
+            except (p.ProtocolError, OSError) as e:
+                log.warning("refused replication connection from %s: %s", addr, e)
+                return
+            while not self._closed.is_set():
+                try:
+                    req = p.recv_frame(conn)
+                except p.ProtocolError as e:
+                    if "closed after 0 of" not in str(e):
+                        log.warning("replication peer %s: %s", addr, e)
+                    return
+                self._dispatch(conn, req, addr)
+        except (OSError, p.ProtocolError) as e:
+            log.warning("replication connection from %s failed: %s", addr, e)
+        finally:
+            conn.close()
+            self._slots.release()
+
+    def _dispatch(self, conn: socket.socket, req: dict, addr) -> None:
+        handlers = {"put_shard": self._on_put_shard, "get_shard": self._on_get_shard,
+                    "put_metadata": self._on_put_metadata, "get_metadata": self._on_get_metadata}
+        handler = handlers.get(req.get("op"))
+        if handler is None:
+            raise p.ProtocolError(f"unknown operation {req.get('op')!r}")
+        if req.get("job_id") != self.store.job_id:
+            p.send_frame(conn, {"status": "error", "error": "wrong job"})
+            raise p.ProtocolError(f"request for job {req.get('job_id')!r}")
+        step = p.want_int(req, "step", 0, MAX_STEP)
+        try:
+            handler(conn, req, step)
+        except (MLCheckpointError, ValueError) as e:
+            log.warning("replication request %s of step %d from %s failed: %s", req.get("op"), step, addr, e)
+            with contextlib.suppress(OSError):
+                p.send_frame(conn, {"status": "error", "error": str(e)[:2000]})
+            raise p.ProtocolError(str(e)) from None
+
+    def _on_put_shard(self, conn: socket.socket, req: dict, step: int) -> None:
+        owner = p.want_int(req, "owner", 0, self.rdzv.world_size)
+        m = manifest_from_wire(req.get("manifest"), self.store.job_id, step, owner)
+        if m.data_bytes > self.max_shard_bytes:
+            raise p.ProtocolError(f"shard of {m.data_bytes} bytes exceeds max_shard_bytes")
+        with contextlib.suppress(MLCheckpointError):
+            if same_shard(self.store.read_manifest(step, owner), m):
+                p.send_frame(conn, {"status": "have"})
+                return
+        p.send_frame(conn, {"status": "ready"})
+        receive_shard(conn, self.store, m)
+        p.send_frame(conn, {"status": "ok"})
+        if self.on_received is not None:
+            self.on_received(step, owner)
+
+    def _on_get_shard(self, conn: socket.socket, req: dict, step: int) -> None:
+        owner = p.want_int(req, "owner", 0, 1 << 20)
+        with self.pins.pinned(step):
+            try:
+                m = self.store.read_manifest(step, owner)
+                self.store.map_shard(step, owner)  # checks the data file is whole
+            except ShardNotFoundError:
+                p.send_frame(conn, {"status": "missing"})
+                return
+            p.send_frame(conn, {"status": "ok", "manifest": dataclasses.asdict(m)})
+            send_file(conn, self.store.data_path(step, owner), m.data_bytes)
+
+    def _on_put_metadata(self, conn: socket.socket, req: dict, step: int) -> None:
+        nbytes = p.want_int(req, "nbytes", 1, MAX_METADATA_BYTES)
+        with contextlib.suppress(MLCheckpointError):
+            if len(self.store.read_metadata_file(step)) == nbytes:
+                p.send_frame(conn, {"status": "have"})
+                return
+        p.send_frame(conn, {"status": "ready"})
+        raw = p.recv_exact(conn, nbytes)
+        self.store.write_metadata_file(step, raw)  # verifies before installing
+        p.send_frame(conn, {"status": "ok"})
+
+    def _on_get_metadata(self, conn: socket.socket, req: dict, step: int) -> None:
+        try:
+            raw = self.store.read_metadata_file(step)
+        except ShardNotFoundError:
+            p.send_frame(conn, {"status": "missing"})
+            return
+        p.send_frame(conn, {"status": "ok", "nbytes": len(raw)})
+        conn.sendall(raw)
+
+    # ------------------------------------------------------------------ client
+    @contextlib.contextmanager
+    def _connect(self, peer: int):
+        host, port = self.rdzv.lookup("tcp", peer).rsplit(":", 1)
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=self.timeout)
+        except OSError as e:
+            raise ReplicationError(f"cannot reach rank {peer} at {host}:{port}: {e}") from None
+        try:
+            sock.settimeout(self.timeout)
+            p.client_handshake(sock, self.secret)
+            yield sock
+        except (OSError, p.ProtocolError) as e:
+            raise ReplicationError(f"transfer with rank {peer} failed: {e}") from None
+        finally:
+            sock.close()
+
+    def _request(self, sock: socket.socket, req: dict) -> dict:
+        p.send_frame(sock, {"job_id": self.store.job_id, **req})
+        resp = p.recv_frame(sock)
+        if resp.get("status") == "error":
+            raise ReplicationError(f"peer refused {req['op']}: {resp.get('error')}")
+        return resp
+
+    def push_shard(self, peer: int, step: int, owner: int) -> int:
+        with self.pins.pinned(step):
+            m = self.store.read_manifest(step, owner)
+            with self._connect(peer) as sock:
+                resp = self._request(sock, {"op": "put_shard", "step": step, "owner": owner,
+                                            "manifest": dataclasses.asdict(m)})
+                if resp.get("status") == "have":
+                    return 0
+                send_file(sock, self.store.data_path(step, owner), m.data_bytes)
+                resp = p.recv_frame(sock)
+                if resp.get("status") != "ok":
+                    raise ReplicationError(f"rank {peer} rejected step {step} rank {owner}: {resp.get('error')}")
+        return m.data_bytes
+
+    def push_metadata(self, peer: int, step: int) -> None:
+        raw = self.store.read_metadata_file(step)
+        with self._connect(peer) as sock:
+            resp = self._request(sock, {"op": "put_metadata", "step": step, "nbytes": len(raw)})
+            if resp.get("status") == "have":
+                return
+            sock.sendall(raw)
+            resp = p.recv_frame(sock)
+            if resp.get("status") != "ok":
+                raise ReplicationError(f"rank {peer} rejected metadata of step {step}: {resp.get('error')}")
+
+    def fetch_shard(self, peer: int, step: int, owner: int) -> int:
+        with self._connect(peer) as sock:
+            resp = self._request(sock, {"op": "get_shard", "step": step, "owner": owner})
+            if resp.get("status") == "missing":
+                raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
+            m = manifest_from_wire(resp.get("manifest"), self.store.job_id, step, owner)
+            if m.data_bytes > self.max_shard_bytes:
+                raise ReplicationError(f"shard of {m.data_bytes} bytes exceeds max_shard_bytes")
+            receive_shard(sock, self.store, m)
+        return m.data_bytes
+
+    def fetch_metadata(self, peer: int, step: int) -> None:
+        with self._connect(peer) as sock:
+            resp = self._request(sock, {"op": "get_metadata", "step": step})
+            if resp.get("status") == "missing":
+                raise ShardNotFoundError(f"rank {peer} has no metadata of step {step}")
+            nbytes = p.want_int(resp, "nbytes", 1, MAX_METADATA_BYTES)
+            self.store.write_metadata_file(step, p.recv_exact(sock, nbytes))
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._thread.join(timeout=5)

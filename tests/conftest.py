@@ -1,0 +1,31 @@
+"""Generic fixtures shared by the test modules (keep this file small)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+# Settings read from the environment; tests that depend on their absence use ``clean_env``.
+MLCHECKPOINT_ENV_VARS = ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
+                         "MLCHECKPOINT_LOCAL_DIR", "MLCHECKPOINT_CRASH_AT")
+
+
+@pytest.fixture
+def store_dir():
+    """A fresh directory on tmpfs (/dev/shm), removed after the test, pass or fail."""
+    path = tempfile.mkdtemp(prefix="mlckpt-test-", dir="/dev/shm")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No job id, local dir or crash point inherited from the environment."""
+    for var in MLCHECKPOINT_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch

@@ -1,0 +1,167 @@
+"""Capacity: memory_limit_bytes and a really full tmpfs raise CapacityError and lose nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from mlcheckpoint import CapacityError, CheckpointManager, LocalStore
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+JOB = "job-capacity"
+MiB = 1 << 20
+
+
+def state(step: int, mib: float = 1.0) -> dict:
+    n = int(mib * MiB) // 4
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(n, generator=g), "step": step}
+
+
+def zeros(mib: float = 1.0) -> dict:
+    return {"w": torch.zeros(int(mib * MiB) // 4), "step": -1}
+
+
+def mib_str(n: int) -> str:
+    return f"{n / MiB:.1f}"
+
+
+def check_message(e: CapacityError) -> None:
+    assert e.needed > e.available >= 0
+    msg = str(e)
+    assert mib_str(e.needed) in msg and "MiB" in msg
+
+
+def limited_manager(local_dir: str, limit: int | None, keep: int) -> CheckpointManager:
+    return CheckpointManager(job_id=JOB, local_dir=local_dir, keep=keep, memory_limit_bytes=limit,
+                             replication="none")
+
+
+def usage_after_one_save(local_dir: str) -> int:
+    """Bytes one 1 MiB checkpoint takes in the store (data, manifest, metadata, lock)."""
+    probe_dir = os.path.join(local_dir, "probe")
+    with limited_manager(probe_dir, None, keep=1) as ckpt:
+        ckpt.save(state(0), 0)
+        return ckpt.store.usage_bytes()
+
+
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_memory_limit_raises_and_keeps_committed(store_dir, how):
+    local = os.path.join(store_dir, "local")
+    one = usage_after_one_save(store_dir)
+    limit = one + 256 * 1024  # room for one checkpoint, not two
+    with limited_manager(local, limit, keep=1) as ckpt:
+        first = state(1)
+        ckpt.save(first, 1)
+        assert ckpt.store.usage_bytes() <= limit
+
+        with pytest.raises(CapacityError) as ei:
+            if how == "save":
+                ckpt.save(state(2), 2)
+            else:
+                ckpt.async_save(state(2), 2)
+        e = ei.value
+        check_message(e)
+        assert mib_str(limit) in str(e)  # names the limit
+        assert ckpt.store.complete_steps() == [1]
+        ckpt.store.verify_shard(1, 0)
+        ckpt.wait()  # a failed async save leaves nothing in flight that could hang
+        assert ckpt.store.usage_bytes() <= limit
+
+        # Training continues: a smaller state fits; committing it retires step 1 into the pool,
+        # whose buffer then takes the next full-size save without growing usage.
+        ckpt.save(state(3, mib=0.0625), 3)
+        assert ckpt.store.complete_steps() == [3]
+        if how == "save":
+            ckpt.save(state(4), 4)
+        else:
+            ckpt.async_save(state(4), 4).result(timeout=60)
+        assert ckpt.store.complete_steps() == [4]
+        assert ckpt.store.usage_bytes() <= limit
+
+    with limited_manager(local, limit, keep=1) as ckpt:  # restart
+        out = zeros()
+        info = ckpt.resume(out)
+        assert (info.step, info.source) == (4, "local")
+        assert torch.equal(out["w"], state(4)["w"]) and out["step"] == 4
+
+
+def test_memory_limit_failure_then_resume_earlier_step(store_dir):
+    local = os.path.join(store_dir, "local")
+    limit = usage_after_one_save(store_dir) + 128 * 1024
+    with limited_manager(local, limit, keep=1) as ckpt:
+        ckpt.save(state(1), 1)
+        with pytest.raises(CapacityError):
+            ckpt.save(state(2, mib=2), 2)
+        with pytest.raises(CapacityError):
+            ckpt.async_save(state(2, mib=2), 2)
+    with limited_manager(local, limit, keep=1) as ckpt:
+        out = zeros()
+        info = ckpt.resume(out)
+        assert info.step == 1 and info.source == "local"
+        assert torch.equal(out["w"], state(1)["w"])
+
+
+def test_begin_shard_checks_limit_before_writing(store_dir):
+    store = LocalStore(store_dir, JOB, memory_limit_bytes=64 * 1024)
+    try:
+        before = sorted(os.listdir(store.job_dir)), store.usage_bytes()
+        with pytest.raises(CapacityError) as ei:
+            store.begin_shard(1, 0, MiB)
+        assert ei.value.needed == MiB
+        assert ei.value.available <= 64 * 1024
+        check_message(ei.value)
+        step_dir = store.step_dir(1)
+        assert not os.path.exists(step_dir) or os.listdir(step_dir) == []
+        assert store.complete_steps() == []
+        assert store.usage_bytes() == before[1]
+        assert store.gc() == []
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- a real, small tmpfs
+
+@pytest.fixture
+def small_tmpfs(store_dir):
+    mnt = os.path.join(store_dir, "small")
+    os.mkdir(mnt)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", mnt],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount an 8 MiB tmpfs here (needs root/CAP_SYS_ADMIN): "
+                    f"{res.stderr.strip() or res.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)
+
+
+def test_full_tmpfs_raises_capacity_error_and_keeps_checkpoints(small_tmpfs):
+    with limited_manager(small_tmpfs, None, keep=2) as ckpt:
+        ckpt.save(state(1, mib=3), 1)
+        ckpt.save(state(2, mib=3), 2)
+        used = ckpt.store.usage_bytes()
+        with pytest.raises(CapacityError) as ei:
+            ckpt.save(state(3, mib=3), 3)  # 9 MiB would be needed on an 8 MiB tmpfs
+        check_message(ei.value)
+        assert small_tmpfs in str(ei.value)
+        with pytest.raises(CapacityError):
+            ckpt.async_save(state(3, mib=3), 3)
+        ckpt.wait()
+        assert ckpt.store.complete_steps() == [1, 2]
+        assert ckpt.store.usage_bytes() == used
+        for s in (1, 2):
+            ckpt.store.verify_shard(s, 0)
+    with limited_manager(small_tmpfs, None, keep=2) as ckpt:
+        out = zeros(3)
+        info = ckpt.resume(out)
+        assert (info.step, info.source) == (2, "local")
+        assert torch.equal(out["w"], state(2, mib=3)["w"])
+        # a checkpoint that fits still goes in
+        ckpt.save(state(3, mib=0.5), 3)
+        assert ckpt.store.complete_steps()[-1] == 3

@@ -1,0 +1,483 @@
+"""DCP adapters and CheckpointManager in one process (no process group)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+
+from mlcheckpoint import (CheckpointManager, CorruptShardError, LocalStore, MemoryStorageReader,
+                          MemoryStorageWriter, ResumeInfo)
+
+JOB = "job-dcp"
+
+# DCP warns that it assumes a single process when no process group is initialised.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture
+def store(store_dir):
+    s = LocalStore(store_dir, JOB)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def dirs(store_dir):
+    """(local_dir, persistent_dir), both removed with store_dir."""
+    return os.path.join(store_dir, "local"), os.path.join(store_dir, "persistent")
+
+
+def make_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    f32 = torch.randn(17, 9, generator=g)
+    f32[0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, float("-inf")])
+    base = torch.randn(12, 10, generator=g, dtype=torch.float64)
+    return {
+        "model": {
+            "f32": f32,
+            "f16": torch.randn(33, generator=g).to(torch.float16),
+            "bf16": torch.randn(5, 7, generator=g).to(torch.bfloat16),
+            "f64": torch.randn(3, 3, generator=g, dtype=torch.float64),
+            "layer": {"i8": torch.randint(-128, 127, (19,), generator=g, dtype=torch.int8),
+                      "i32": torch.randint(-2**31, 2**31 - 1, (4, 4), generator=g, dtype=torch.int32)},
+        },
+        "i64": torch.randint(-2**62, 2**62, (6,), generator=g, dtype=torch.int64),
+        "mask": torch.rand(23, generator=g) > 0.5,
+        "c64": torch.randn(8, generator=g, dtype=torch.complex64),
+        "scalar": torch.tensor(3.25 + seed),
+        "scalar_i": torch.tensor(-7 - seed, dtype=torch.int64),
+        "empty": torch.empty(0),
+        "empty2d": torch.zeros(0, 5, dtype=torch.int32),
+        "transposed": torch.randn(6, 4, generator=g).t(),
+        "strided": base[::3, 1::2],
+        "extra": {"step": 10 + seed, "lr": 0.125 * (seed + 1), "name": f"run-{seed}",
+                  "hist": [1, 2.5, "three"], "nested": {"deep": {"k": [seed, seed + 1]}}},
+    }
+
+
+def zeros_like_state(sd):
+    """Same structure, tensors zeroed (contiguous), non-tensors replaced by placeholders."""
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros(sd.shape, dtype=sd.dtype)
+    if isinstance(sd, dict):
+        return {k: zeros_like_state(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [None] * len(sd)
+    return None
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(expected, actual, path="sd"):
+    """Bit-exact equality (NaN and -0.0 included), dtypes and shapes too."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        assert raw_bytes(actual) == raw_bytes(expected), path
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), path
+        for k in expected:
+            assert_same(expected[k], actual[k], f"{path}.{k}")
+    else:
+        assert type(actual) is type(expected) and actual == expected, (path, actual, expected)
+
+
+def clone_state(sd):
+    if isinstance(sd, torch.Tensor):
+        return sd.clone()
+    if isinstance(sd, dict):
+        return {k: clone_state(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [clone_state(v) for v in sd]
+    return sd
+
+
+def load(step: int, store: LocalStore, template=None):
+    out = zeros_like_state(template if template is not None else make_state())
+    dcp.load(out, storage_reader=MemoryStorageReader(step, store))
+    return out
+
+
+def failures(e: CheckpointException) -> list[BaseException]:
+    return [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x55]))
+
+
+def item_of(store: LocalStore, step: int, key: str):
+    m = store.read_manifest(step, 0)
+    return next(it for it in m.items if it.key == key or it.key.startswith(key + "@"))
+
+
+# ---------------------------------------------------------------- save / load
+
+def test_save_load_round_trip_bit_exact(store):
+    sd = make_state(1)
+    expected = clone_state(sd)
+    dcp.save(sd, storage_writer=MemoryStorageWriter(5, store))
+    assert store.complete_steps() == [5]
+    out = load(5, store, sd)
+    assert_same(expected, out)
+    assert_same(expected, sd)  # saving left the source alone
+
+
+def test_load_into_non_contiguous_destinations(store):
+    sd = {"t": torch.randn(6, 4).t(), "s": torch.arange(40, dtype=torch.float32)[::4]}
+    dcp.save(sd, storage_writer=MemoryStorageWriter(1, store))
+    base_t, base_s = torch.zeros(6, 4), torch.zeros(40)
+    out = {"t": base_t.t(), "s": base_s[::4]}
+    dcp.load(out, storage_reader=MemoryStorageReader(1, store))
+    assert torch.equal(base_t.t(), sd["t"])
+    assert torch.equal(base_s[::4], sd["s"])
+    assert base_s[1::4].abs().sum() == 0  # only the strided elements were written
+
+
+def test_async_save_round_trip_and_snapshot_semantics(store):
+    sd = make_state(2)
+    expected = clone_state(sd)
+    fut = dcp.async_save(sd, storage_writer=MemoryStorageWriter(8, store))
+    # training goes on right away: none of this may reach the checkpoint
+    for t in (sd["model"]["f32"], sd["model"]["bf16"], sd["i64"], sd["c64"], sd["transposed"]):
+        t.fill_(0)
+    sd["mask"].logical_not_()
+    sd["extra"]["hist"].append("later")
+    sd["extra"]["nested"]["deep"]["k"][0] = -1
+    fut.result(timeout=60)
+    assert store.complete_steps() == [8]
+    out = load(8, store, expected)
+    assert_same(expected, out)
+
+
+def test_async_save_snapshots_mutable_non_tensor_leaves(store):
+    sd = {"w": torch.ones(3), "buf": bytearray(b"abc"), "ids": {1, 2}}
+    fut = dcp.async_save(sd, storage_writer=MemoryStorageWriter(1, store))
+    sd["buf"][0] = ord("z")
+    sd["ids"].add(3)
+    fut.result(timeout=60)
+    out = {"w": torch.zeros(3), "buf": None, "ids": None}
+    dcp.load(out, storage_reader=MemoryStorageReader(1, store))
+    assert out["buf"] == bytearray(b"abc") and out["ids"] == {1, 2}
+
+
+def test_sync_and_async_save_store_identical_tensor_bytes(store):
+    sd = make_state(3)
+    dcp.save(sd, storage_writer=MemoryStorageWriter(1, store))
+    dcp.async_save(sd, storage_writer=MemoryStorageWriter(2, store)).result(timeout=60)
+    a, b = load(1, store, sd), load(2, store, sd)
+    assert_same(a, b)
+    assert_same(sd, b)
+
+
+def test_tensor_bytes_are_stored_raw(store):
+    w = torch.randn(64, 32)
+    h = torch.arange(100, dtype=torch.int16).reshape(10, 10).t()  # non-contiguous source
+    dcp.save({"w": w, "h": h, "step": 3}, storage_writer=MemoryStorageWriter(1, store))
+    with open(store.data_path(1, 0), "rb") as f:
+        data = f.read()
+    _, payload = store.read_metadata(1)
+    locations = {idx.fqn: loc for idx, loc in pickle.loads(payload).storage_data.items()}
+    for fqn, t in (("w", w), ("h", h)):
+        it = item_of(store, 1, fqn)
+        want = raw_bytes(t)
+        assert it.kind == "tensor" and it.nbytes == len(want)
+        assert data[it.offset:it.offset + it.nbytes] == want
+        assert data.find(want) == it.offset
+        assert it.dtype == str(t.dtype).removeprefix("torch.") and it.shape == list(t.shape)
+        loc = locations[fqn]
+        assert (loc.rank, loc.offset, loc.nbytes, loc.checksum) == (0, it.offset, it.nbytes, it.checksum)
+    assert item_of(store, 1, "step").kind == "bytes"
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+@pytest.mark.parametrize("target", ["tensor", "after_empty", "bytes"])
+def test_flipped_byte_fails_load(store, mode, target):
+    sd = {"empty": torch.empty(0), "w": torch.randn(1000), "meta": {"note": "x" * 50}}
+    writer = MemoryStorageWriter(1, store)
+    if mode == "save":
+        dcp.save(sd, storage_writer=writer)
+    else:
+        dcp.async_save(sd, storage_writer=writer).result(timeout=60)
+    it = item_of(store, 1, "meta.note" if target == "bytes" else "w")
+    flip_byte(store.data_path(1, 0), it.offset + it.nbytes // 2)
+    out = {"empty": torch.empty(0), "w": torch.zeros(1000), "meta": {"note": None}}
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(out, storage_reader=MemoryStorageReader(1, store))
+    errs = failures(ei.value)
+    assert errs and all(isinstance(e, CorruptShardError) for e in errs), errs
+    assert "checksum mismatch" in str(errs[0])
+    # loading is not transactional (good items may have landed), but a bad value never does
+    assert out["meta"]["note"] in (None, "x" * 50)
+    if target == "bytes":
+        assert out["meta"]["note"] is None
+
+
+@pytest.mark.parametrize("dest", ["transposed", "other_dtype"])
+def test_flipped_byte_fails_load_into_any_destination(store, dest):
+    """Destinations that take the copy path (not the fused hash-and-copy) are verified too."""
+    m = torch.randn(30, 40)
+    dcp.save({"m": m}, storage_writer=MemoryStorageWriter(1, store))
+    it = item_of(store, 1, "m")
+    flip_byte(store.data_path(1, 0), it.offset + 7)
+    target = torch.zeros(40, 30).t() if dest == "transposed" else torch.zeros(30, 40, dtype=torch.float64)
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load({"m": target}, storage_reader=MemoryStorageReader(1, store))
+    assert all(isinstance(e, CorruptShardError) for e in failures(ei.value))
+    assert target.abs().sum() == 0  # nothing was copied from the bad chunk
+
+
+def test_truncated_shard_fails_load(store):
+    dcp.save({"w": torch.randn(1000)}, storage_writer=MemoryStorageWriter(1, store))
+    os.truncate(store.data_path(1, 0), 100)
+    fresh = LocalStore(store.local_dir, JOB)
+    try:
+        with pytest.raises(CheckpointException) as ei:
+            dcp.load({"w": torch.zeros(1000)}, storage_reader=MemoryStorageReader(1, fresh))
+        assert any(isinstance(e, CorruptShardError) for e in failures(ei.value))
+    finally:
+        fresh.close()
+
+
+def test_load_of_missing_step_fails(store):
+    with pytest.raises(BaseException) as ei:
+        dcp.load({"w": torch.zeros(3)}, storage_reader=MemoryStorageReader(4, store))
+    assert "step 4" in str(ei.value)
+
+
+def test_resaving_a_step_replaces_it(store):
+    dcp.save(make_state(1), storage_writer=MemoryStorageWriter(4, store))
+    dcp.async_save(make_state(2), storage_writer=MemoryStorageWriter(4, store)).result(timeout=60)
+    assert_same(make_state(2), load(4, store))
+    assert sorted(os.listdir(store.step_dir(4))) == ["metadata", "rank-00000.data",
+                                                     "rank-00000.manifest"]
+    dcp.save(make_state(3), storage_writer=MemoryStorageWriter(4, store))
+    assert_same(make_state(3), load(4, store))
+    assert store.complete_steps() == [4]
+
+
+def test_writer_and_reader_from_job_id_and_local_dir(store):
+    sd = {"a": torch.arange(6, dtype=torch.int16)}
+    dcp.save(sd, storage_writer=MemoryStorageWriter(2, job_id=JOB, local_dir=store.local_dir))
+    assert store.complete_steps() == [2]
+    out = {"a": torch.zeros(6, dtype=torch.int16)}
+    dcp.load(out, storage_reader=MemoryStorageReader("mlcheckpoint://job-dcp/2", job_id=JOB,
+                                                     local_dir=store.local_dir))
+    assert torch.equal(out["a"], sd["a"])
+
+
+def test_writer_and_reader_pickle(store):
+    calls = []
+    w = MemoryStorageWriter(12, store, on_commit=lambda s, r: calls.append((s, r)),
+                            on_metadata=calls.append)
+    w2 = pickle.loads(pickle.dumps(w))
+    assert w2.step == 12 and w2.store.job_dir == store.job_dir
+    assert w2.on_commit is None and w2.on_metadata is None
+    assert w2.checkpoint_id == w.checkpoint_id
+    sd = {"a": torch.arange(10.0), "n": 1}
+    dcp.save(sd, storage_writer=w2)
+    r2 = pickle.loads(pickle.dumps(MemoryStorageReader(12, store)))
+    out = {"a": torch.zeros(10), "n": 0}
+    dcp.load(out, storage_reader=r2)
+    assert torch.equal(out["a"], sd["a"]) and out["n"] == 1
+
+
+def test_staged_writer_survives_pickling(store):
+    """PROCESS mode: stage() in the trainer, the pickled writer finishes in another process."""
+    sd = make_state(4)
+    expected = clone_state(sd)
+    w = MemoryStorageWriter(3, store)
+    staged = w.stage(sd)
+    w2 = pickle.loads(pickle.dumps(w))
+    dcp.save(staged, storage_writer=w2)
+    assert store.complete_steps() == [3]
+    assert_same(expected, load(3, store, sd))
+    assert store.gc() == []
+
+
+def test_callbacks_fire_on_commit(store):
+    calls = []
+    w = MemoryStorageWriter(2, store, on_commit=lambda s, r: calls.append(("shard", s, r)),
+                            on_metadata=lambda s: calls.append(("meta", s)))
+    dcp.save({"a": torch.ones(3)}, storage_writer=w)
+    assert calls == [("shard", 2, 0), ("meta", 2)]
+
+
+def test_closing_unused_staged_writer_leaves_nothing_visible(store):
+    w = MemoryStorageWriter(1, store)
+    w.stage({"a": torch.ones(100)})
+    w.close()
+    assert store.inventory()[1].committed_ranks == set()
+    assert store.gc() == []
+
+
+# ---------------------------------------------------------------- CheckpointManager
+
+def manager(dirs, persistent=False, **kw) -> CheckpointManager:
+    local, pers = dirs
+    return CheckpointManager(pers if persistent else None, job_id=JOB, local_dir=local,
+                             replication="none", **kw)
+
+
+def test_manager_save_list_resume(dirs):
+    with manager(dirs, keep=3) as ckpt:
+        states = {s: make_state(s) for s in (1, 2, 3)}
+        r = ckpt.save(states[1], 1)
+        assert r.step == 1 and r.bytes > 0 and not r.persistent
+        r = ckpt.async_save(states[2], 2).result(timeout=60)
+        assert r.step == 2 and r.bytes > 0
+        fut = ckpt.async_save(states[3], 3)
+        ckpt.wait()
+        assert fut.done() and fut.result().step == 3
+        entries = ckpt.list()
+        assert [(e.step, e.location, e.state) for e in entries] == \
+            [(s, "memory", "complete") for s in (1, 2, 3)]
+        assert all(e.ranks == [0] and e.bytes for e in entries)
+
+    with manager(dirs, keep=3) as ckpt:  # a restarted job
+        out = zeros_like_state(states[3])
+        info = ckpt.resume(out)
+        assert isinstance(info, ResumeInfo)
+        assert (info.step, info.source, info.reason) == (3, "local", None)
+        assert info.sources == {0: "local"}
+        assert_same(states[3], out)
+
+
+def test_manager_resume_falls_back_past_corrupt_step(dirs):
+    with manager(dirs, keep=3) as ckpt:
+        for s in (1, 2, 3):
+            ckpt.save(make_state(s), s)
+        it = item_of(ckpt.store, 3, "model.f32")
+        flip_byte(ckpt.store.data_path(3, 0), it.offset + 5)
+        out = zeros_like_state(make_state())
+        info = ckpt.resume(out)
+        assert (info.step, info.source) == (2, "local")
+        assert "step 3" in info.reason and "checksum" in info.reason
+        assert_same(make_state(2), out)
+
+
+def test_manager_resume_fresh_start(dirs):
+    with manager(dirs, persistent=True) as ckpt:
+        out = zeros_like_state(make_state())
+        info = ckpt.resume(out)
+        assert info.step is None and info.source is None
+        assert out["model"]["f32"].abs().sum() == 0
+        assert ckpt.list() == []
+
+
+def test_manager_persistent_save_is_stock_dcp(dirs):
+    _, pers = dirs
+    sd = make_state(7)
+    with manager(dirs, persistent=True) as ckpt:
+        r = ckpt.save(sd, 7, persistent=True)
+        assert r.persistent
+        path = os.path.join(pers, f"step-{7:012d}")
+        assert os.path.exists(os.path.join(path, ".metadata"))
+        assert ("persistent", 7) in {(e.location, e.step) for e in ckpt.list()}
+    out = zeros_like_state(sd)
+    dcp.load(out, storage_reader=FileSystemReader(path))
+    assert_same(sd, out)
+
+
+def test_manager_async_persistent_save(dirs):
+    _, pers = dirs
+    sd = make_state(8)
+    expected = clone_state(sd)
+    with manager(dirs, persistent=True) as ckpt:
+        ckpt.async_save(sd, 8, persistent=True)
+        sd["model"]["f32"].fill_(1)  # after staging: must not reach either copy
+        ckpt.wait()
+    out = zeros_like_state(expected)
+    dcp.load(out, storage_reader=FileSystemReader(os.path.join(pers, f"step-{8:012d}")))
+    assert_same(expected, out)
+
+
+def test_manager_resume_from_persistent_when_memory_is_gone(dirs):
+    local, _ = dirs
+    with manager(dirs, persistent=True) as ckpt:
+        ckpt.save(make_state(4), 4, persistent=True)
+        ckpt.save(make_state(5), 5)
+        ckpt.store.destroy()  # the node's tmpfs is lost
+    with manager(dirs, persistent=True) as ckpt:
+        out = zeros_like_state(make_state())
+        info = ckpt.resume(out)
+        assert (info.step, info.source) == (4, "persistent")
+        assert_same(make_state(4), out)
+
+
+def test_manager_resume_from_persistent_when_all_memory_is_corrupt(dirs):
+    with manager(dirs, persistent=True, keep=3) as ckpt:
+        ckpt.save(make_state(1), 1, persistent=True)
+        ckpt.save(make_state(2), 2)
+        for s in (1, 2):
+            it = item_of(ckpt.store, s, "i64")
+            flip_byte(ckpt.store.data_path(s, 0), it.offset)
+        out = zeros_like_state(make_state())
+        info = ckpt.resume(out)
+        assert (info.step, info.source) == (1, "persistent")
+        assert "step 2" in info.reason and "step 1" in info.reason
+        assert_same(make_state(1), out)
+
+
+def test_manager_newer_persistent_step_wins(dirs):
+    with manager(dirs, persistent=True, keep=3) as ckpt:
+        ckpt.save(make_state(3), 3)
+        ckpt.save(make_state(6), 6, persistent=True)
+        ckpt.store.retire_shard(6, 0)  # memory has 3 only, persistent has 6
+        assert ckpt.store.complete_steps() == [3]
+        out = zeros_like_state(make_state())
+        info = ckpt.resume(out)
+        assert (info.step, info.source) == (6, "persistent")
+        assert "persistent step 6" in info.reason
+        assert_same(make_state(6), out)
+
+
+def test_manager_retention_keeps_newest(dirs):
+    with manager(dirs, keep=2) as ckpt:
+        for s in range(1, 7):
+            if s % 2:
+                ckpt.save(make_state(s), s)
+            else:
+                ckpt.async_save(make_state(s), s)
+        ckpt.wait()
+        mem = [e.step for e in ckpt.list() if e.location == "memory"]
+        assert mem == [5, 6]
+        assert ckpt.store.complete_steps() == [5, 6]
+        pooled = os.listdir(ckpt.store.pool_dir)
+        assert 1 <= len(pooled) <= 2
+
+
+def test_manager_close_is_idempotent(dirs):
+    ckpt = manager(dirs)
+    ckpt.save({"a": torch.ones(4)}, 1)
+    ckpt.close()
+    ckpt.close()
+    with pytest.raises(Exception, match="closed"):
+        ckpt.save({"a": torch.ones(4)}, 2)
+    with manager(dirs) as again:
+        assert [e.step for e in again.list()] == [1]
+    again.close()  # after __exit__: still fine
+
+
+def test_manager_storage_writer_and_reader(dirs):
+    sd = make_state(9)
+    with manager(dirs) as ckpt:
+        dcp.save(sd, storage_writer=ckpt.storage_writer(9))
+        out = zeros_like_state(sd)
+        dcp.load(out, storage_reader=ckpt.storage_reader(9))
+        assert_same(sd, out)

@@ -1,0 +1,512 @@
+"""LocalStore: commit protocol, verification, gc, retention, buffer pool, job isolation."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from mlcheckpoint import CorruptShardError, LocalStore, ShardNotFoundError
+from mlcheckpoint.store import layout
+from mlcheckpoint.store.checksum import checksum
+from mlcheckpoint.store.manifest import Manifest, ManifestItem
+
+JOB = "job-store"
+
+
+@pytest.fixture
+def store(store_dir):
+    s = LocalStore(store_dir, JOB)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def payload(step: int, rank: int, nbytes: int = 4096) -> bytes:
+    """Deterministic bytes that differ per (step, rank)."""
+    return np.random.default_rng(step * 1000 + rank).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def begin(store: LocalStore, step: int, rank: int, data: bytes):
+    """Fill an uncommitted shard with two items (halves of ``data``); return the writer."""
+    sw = store.begin_shard(step, rank, len(data))
+    sw.buffer.array[:] = np.frombuffer(data, dtype=np.uint8)
+    half = len(data) // 2
+    sw.add_item(ManifestItem("first", 0, half, checksum(data[:half]), dtype="uint8", shape=[half]))
+    sw.add_item(ManifestItem("second", half, len(data) - half, checksum(data[half:])))
+    return sw
+
+
+def put_shard(store: LocalStore, step: int, rank: int, data: bytes | None = None) -> Manifest:
+    return begin(store, step, rank, payload(step, rank) if data is None else data).commit()
+
+
+def put_metadata(store: LocalStore, step: int, ranks=(0,)) -> None:
+    store.write_metadata(step, f"meta-of-{step}".encode(), world_size=max(ranks) + 1,
+                         ranks=ranks, total_bytes=4096 * len(ranks))
+
+
+def put_step(store: LocalStore, step: int, ranks=(0,)) -> None:
+    for r in ranks:
+        put_shard(store, step, r)
+    put_metadata(store, step, ranks)
+
+
+def read_data(store: LocalStore, step: int, rank: int) -> bytes:
+    with open(store.data_path(step, rank), "rb") as f:
+        return f.read()
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def pool_files(store: LocalStore) -> list[str]:
+    return sorted(os.path.join(store.pool_dir, n) for n in os.listdir(store.pool_dir))
+
+
+def step_files(store: LocalStore, step: int) -> set[str]:
+    return set(os.listdir(store.step_dir(step)))
+
+
+# ---------------------------------------------------------------- commit protocol
+
+def test_uncommitted_shard_is_invisible_until_commit(store):
+    data = payload(7, 0)
+    sw = begin(store, 7, 0, data)
+    put_metadata(store, 7)  # even with the step's metadata present
+    st = store.inventory()[7]
+    assert st.committed_ranks == set()
+    assert not st.complete
+    assert store.complete_steps() == []
+    with pytest.raises(ShardNotFoundError):
+        store.read_manifest(7, 0)
+    assert os.path.exists(store.data_path(7, 0) + layout.PARTIAL)
+    assert not os.path.exists(store.data_path(7, 0))
+
+    committed = sw.commit()
+    st = store.inventory()[7]
+    assert st.committed_ranks == {0}
+    assert st.complete and st.required_ranks == [0] and st.world_size == 1
+    assert store.complete_steps() == [7]
+    assert step_files(store, 7) == {"metadata", "rank-00000.data", "rank-00000.manifest"}
+    assert read_data(store, 7, 0) == data
+    # manifest round trip
+    assert store.read_manifest(7, 0) == committed
+    assert committed.items[0] == ManifestItem("first", 0, 2048, checksum(data[:2048]),
+                                              dtype="uint8", shape=[2048])
+    assert store.verify_shard(7, 0) == committed
+
+
+def test_step_needs_metadata_and_every_required_rank(store):
+    put_shard(store, 3, 0)
+    assert store.complete_steps() == []  # shard but no metadata
+    put_metadata(store, 3, ranks=(0, 1))
+    assert store.inventory()[3].required_ranks == [0, 1]
+    assert store.complete_steps() == []  # rank 1 still missing
+    put_shard(store, 3, 1)
+    assert store.complete_steps() == [3]
+
+
+def test_crash_between_data_and_manifest_rename_is_invisible(store):
+    """What a crash at 'mid_commit' leaves: data renamed, manifest still .tmp."""
+    put_step(store, 1)
+    data = payload(1, 1)
+    m = Manifest(job_id=JOB, step=1, rank=1, data_bytes=len(data),
+                 items=[ManifestItem("x", 0, len(data), checksum(data))])
+    with open(store.data_path(1, 1), "wb") as f:
+        f.write(data)
+    with open(store.manifest_path(1, 1) + layout.TMP, "wb") as f:
+        f.write(m.to_bytes())
+    assert store.inventory()[1].committed_ranks == {0}
+    with pytest.raises(ShardNotFoundError):
+        store.verify_shard(1, 1)
+
+
+def test_manifest_bytes_round_trip():
+    m = Manifest(job_id="j", step=12, rank=3, data_bytes=256, world_size=8, items=[
+        ManifestItem("a@0,0", 0, 128, 2**64 - 1, "tensor", "bfloat16", [8, 8]),
+        ManifestItem("b", 128, 100, 0, "bytes")])
+    back = Manifest.from_bytes(m.to_bytes())
+    assert back == m
+    assert back.items[0].checksum == 2**64 - 1
+
+
+def test_aborted_shard_leaves_no_visible_trace(store):
+    sw = begin(store, 2, 0, payload(2, 0))
+    sw.abort()
+    assert not os.path.exists(sw.partial_path)
+    assert store.inventory()[2].committed_ranks == set()
+    assert len(pool_files(store)) == 1  # the buffer is kept for reuse
+
+
+# ---------------------------------------------------------------- verification
+
+def test_verify_shard_passes_on_good_data(store):
+    put_step(store, 1)
+    m = store.verify_shard(1, 0)
+    assert [it.key for it in m.items] == ["first", "second"]
+    # a second store instance (fresh mappings) agrees
+    other = LocalStore(store.local_dir, JOB)
+    try:
+        assert other.verify_shard(1, 0) == m
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("offset,item", [(0, "first"), (2047, "first"), (2048, "second"), (4095, "second")])
+def test_verify_shard_detects_flipped_byte(store, offset, item):
+    put_step(store, 1)
+    store.verify_shard(1, 0)  # mapped now: the flip must be seen through the cached mapping too
+    flip_byte(store.data_path(1, 0), offset)
+    with pytest.raises(CorruptShardError, match=repr(item)):
+        store.verify_shard(1, 0)
+    fresh = LocalStore(store.local_dir, JOB)
+    try:
+        with pytest.raises(CorruptShardError):
+            fresh.verify_shard(1, 0)
+    finally:
+        fresh.close()
+
+
+def test_verify_shard_detects_truncated_data(store):
+    put_step(store, 1)
+    os.truncate(store.data_path(1, 0), 1000)
+    with pytest.raises(CorruptShardError, match="truncated"):
+        store.verify_shard(1, 0)
+    with pytest.raises(CorruptShardError):
+        store.map_shard(1, 0)
+
+
+def test_verify_shard_detects_missing_data(store):
+    put_step(store, 1)
+    os.unlink(store.data_path(1, 0))
+    with pytest.raises(CorruptShardError, match="missing"):
+        store.verify_shard(1, 0)
+
+
+@pytest.mark.parametrize("garble", [
+    lambda raw: raw[: len(raw) // 2],                       # truncated JSON
+    lambda raw: b"\xff\xfe" + raw[2:],                      # not UTF-8
+    lambda raw: b"",                                        # empty file
+    lambda raw: b"[]",                                      # JSON, but not an object
+    lambda raw: b"null",
+    lambda raw: b'"manifest"',
+    lambda raw: raw.replace(b'"format":1', b'"format":99'),  # unknown format
+    lambda raw: raw.replace(b'"items":[', b'"items":[{"bogus":1},'),
+    lambda raw: raw.replace(b'"offset":2048', b'"offset":4000'),  # item outside the data
+    lambda raw: raw.replace(b'"offset":2048', b'"offset":"x"'),
+    lambda raw: raw.replace(b'"data_bytes":4096', b'"data_bytes":-1'),
+], ids=["truncated", "utf8", "empty", "list", "null", "string", "format", "item", "range",
+        "type", "negative"])
+def test_garbled_manifest_raises_corrupt_shard(store, garble):
+    put_step(store, 1)
+    path = store.manifest_path(1, 0)
+    with open(path, "rb") as f:
+        raw = f.read()
+    bad = garble(raw)
+    assert bad != raw
+    with open(path, "wb") as f:
+        f.write(bad)
+    with pytest.raises(CorruptShardError):
+        store.read_manifest(1, 0)
+    with pytest.raises(CorruptShardError):
+        store.verify_shard(1, 0)
+
+
+def test_manifest_of_another_step_is_refused(store):
+    put_step(store, 1)
+    put_step(store, 2)
+    os.replace(store.manifest_path(1, 0), store.manifest_path(2, 0))
+    with pytest.raises(CorruptShardError, match="names"):
+        store.verify_shard(2, 0)
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "garbage", "empty"])
+def test_corrupt_metadata_is_detected(store, damage):
+    put_step(store, 4)
+    put_step(store, 5)
+    path = store.metadata_path(5)
+    size = os.path.getsize(path)
+    if damage == "flip_payload":
+        flip_byte(path, size - 2)
+    elif damage == "flip_header":
+        flip_byte(path, 2)
+    elif damage == "truncate":
+        os.truncate(path, size - 3)
+    else:
+        with open(path, "wb") as f:
+            f.write(b"" if damage == "empty" else b"\x00garbage\nmore")
+    with pytest.raises(CorruptShardError):
+        store.read_metadata(5)
+    st = store.step_state(5)
+    assert not st.has_metadata and st.required_ranks is None and not st.complete
+    assert st.committed_ranks == {0}
+    assert store.complete_steps() == [4]
+    _, good = store.read_metadata(4)
+    assert good == b"meta-of-4"
+
+
+def test_missing_metadata_is_not_found(store):
+    put_shard(store, 1, 0)
+    with pytest.raises(ShardNotFoundError):
+        store.read_metadata(1)
+    assert not store.step_state(1).has_metadata
+
+
+def test_write_metadata_file_refuses_foreign_or_bad_content(store):
+    put_step(store, 1)
+    raw = store.read_metadata_file(1)
+    with pytest.raises(ValueError):
+        store.write_metadata_file(2, raw)  # header names step 1
+    with pytest.raises(ValueError):
+        store.write_metadata_file(1, raw[:-1])
+    assert not os.path.exists(store.metadata_path(2))
+    store.write_metadata_file(1, raw)  # idempotent
+    assert store.read_metadata_file(1) == raw
+
+
+# ---------------------------------------------------------------- gc
+
+def test_gc_removes_debris_and_keeps_committed(store):
+    put_step(store, 1, ranks=(0, 1))
+    put_step(store, 2, ranks=(0, 1))
+    good = {r: read_data(store, 2, r) for r in (0, 1)}
+    d2 = store.step_dir(2)
+    begin(store, 3, 0, payload(3, 0))  # in-flight shard: .data.partial
+    debris = [
+        store.data_path(3, 0) + layout.PARTIAL,
+        os.path.join(d2, "rank-00002.manifest" + layout.TMP),  # manifest never renamed
+        os.path.join(d2, "metadata.0123abcd" + layout.TMP),     # metadata never renamed
+        os.path.join(d2, "rank-00003.data"),                     # data without a manifest
+    ]
+    for p in debris[1:]:
+        with open(p, "wb") as f:
+            f.write(b"x" * 100)
+    removed = store.gc()
+    assert sorted(removed) == sorted(debris)
+    for p in debris:
+        assert not os.path.exists(p)
+    assert step_files(store, 2) == {"metadata", "rank-00000.data", "rank-00000.manifest",
+                                    "rank-00001.data", "rank-00001.manifest"}
+    assert store.complete_steps() == [1, 2]
+    for r in (0, 1):
+        store.verify_shard(1, r)
+        store.verify_shard(2, r)
+        assert read_data(store, 2, r) == good[r]
+    # data buffers went to the pool for reuse, the others were deleted
+    owners = sorted(layout.parse_pool_name(os.path.basename(p)) for p in pool_files(store))
+    assert owners == [0, 3]
+    assert store.gc() == []  # nothing left
+
+
+def test_gc_limited_to_ranks_and_spares_young_files(store):
+    put_step(store, 1, ranks=(0, 1))
+    begin(store, 2, 0, payload(2, 0))
+    begin(store, 2, 1, payload(2, 1))
+    p0 = store.data_path(2, 0) + layout.PARTIAL
+    p1 = store.data_path(2, 1) + layout.PARTIAL
+    assert store.gc(min_age_s=3600) == []  # both too young
+    assert store.gc(ranks=[1]) == [p1]
+    assert os.path.exists(p0) and not os.path.exists(p1)
+    assert store.complete_steps() == [1]
+
+
+def test_gc_removes_orphan_metadata_of_old_incomplete_steps(store):
+    put_metadata(store, 1)  # a step whose shards never got committed
+    put_step(store, 2)
+    put_metadata(store, 3)  # newer than the newest complete step: maybe in flight, kept
+    store.gc()
+    assert store.steps() == [2, 3]
+    assert store.complete_steps() == [2]
+
+
+# ---------------------------------------------------------------- retention and pool
+
+def test_retention_keeps_newest_complete_steps_and_pools_buffers(store):
+    inodes = {}
+    for s in range(1, 6):
+        put_step(store, s)
+        inodes[s] = os.stat(store.data_path(s, 0)).st_ino
+    retired = store.apply_retention([0], keep=2)
+    assert retired == [1, 2, 3]
+    assert store.steps() == [4, 5]
+    assert store.complete_steps() == [4, 5]
+    for s in (4, 5):
+        store.verify_shard(s, 0)
+    pooled = pool_files(store)
+    assert 1 <= len(pooled) <= 2  # a bounded number of buffers per rank
+    pooled_inodes = {os.stat(p).st_ino for p in pooled}
+    assert pooled_inodes <= {inodes[1], inodes[2], inodes[3]}
+    assert store.apply_retention([0], keep=2) == []  # idempotent
+
+
+def test_retention_never_touches_in_flight_or_protected_steps(store):
+    for s in (1, 2, 3, 4):
+        put_step(store, s)
+    put_shard(store, 5, 0)  # shard committed, metadata not yet: a save in flight
+    begin(store, 6, 0, payload(6, 0))  # still being written
+    retired = store.apply_retention([0], keep=2, protected=[1])
+    assert retired == [2]
+    assert store.complete_steps() == [1, 3, 4]
+    assert store.inventory()[5].committed_ranks == {0}
+    assert os.path.exists(store.data_path(6, 0) + layout.PARTIAL)
+    store.verify_shard(1, 0)
+    store.verify_shard(5, 0)
+
+
+def test_retention_between_protected_steps(store):
+    for s in (1, 2, 3, 4):
+        put_step(store, s)
+    assert store.apply_retention([0], keep=1, protected={2}) == [1, 3]
+    assert store.complete_steps() == [2, 4]
+
+
+def test_retention_is_per_rank(store):
+    for s in (1, 2, 3):
+        put_step(store, s, ranks=(0, 1))
+    assert store.apply_retention([0], keep=1) == [1, 2]
+    inv = store.inventory()
+    assert inv[1].committed_ranks == {1} and inv[2].committed_ranks == {1}
+    store.verify_shard(1, 1)
+    assert store.complete_steps() == [3]
+    assert store.apply_retention([0, 1], keep=1) == [1, 2]
+    assert store.steps() == [3]
+
+
+def test_retention_rejects_keep_zero(store):
+    put_step(store, 1)
+    with pytest.raises(ValueError):
+        store.apply_retention([0], keep=0)
+    assert store.complete_steps() == [1]
+
+
+def test_begin_shard_reuses_pooled_buffer(store):
+    put_step(store, 1)
+    put_step(store, 2)
+    ino1 = os.stat(store.data_path(1, 0)).st_ino
+    store.apply_retention([0], keep=1)
+    assert [os.stat(p).st_ino for p in pool_files(store)] == [ino1]
+
+    data = payload(3, 0)
+    sw = begin(store, 3, 0, data)
+    assert os.stat(sw.partial_path).st_ino == ino1
+    assert pool_files(store) == []
+    sw.commit()
+    put_metadata(store, 3)
+    assert os.stat(store.data_path(3, 0)).st_ino == ino1
+    assert read_data(store, 3, 0) == data
+    store.verify_shard(3, 0)
+    assert store.complete_steps() == [2, 3]
+
+
+@pytest.mark.parametrize("nbytes", [1024, 16384])
+def test_pooled_buffer_of_other_size_is_reused_correctly(store, nbytes):
+    put_step(store, 1)
+    ino1 = os.stat(store.data_path(1, 0)).st_ino
+    store.retire_shard(1, 0)
+    data = payload(2, 0, nbytes)
+    sw = begin(store, 2, 0, data)
+    assert os.stat(sw.partial_path).st_ino == ino1
+    sw.commit()
+    put_metadata(store, 2)
+    assert read_data(store, 2, 0)[:nbytes] == data
+    assert os.path.getsize(store.data_path(2, 0)) >= nbytes
+    store.verify_shard(2, 0)
+    fresh = LocalStore(store.local_dir, JOB)
+    try:
+        fresh.verify_shard(2, 0)
+    finally:
+        fresh.close()
+
+
+def test_pool_prefers_own_rank(store):
+    put_step(store, 1, ranks=(0, 1))
+    ino = {r: os.stat(store.data_path(1, r)).st_ino for r in (0, 1)}
+    store.retire_shard(1, 0)
+    store.retire_shard(1, 1)
+    sw = begin(store, 2, 1, payload(2, 1))
+    assert os.stat(sw.partial_path).st_ino == ino[1]
+    sw.abort()
+
+
+# ---------------------------------------------------------------- jobs and permissions
+
+def test_two_jobs_in_one_local_dir_are_isolated(store_dir):
+    a = LocalStore(store_dir, "job-a")
+    b = LocalStore(store_dir, "job-b")
+    try:
+        for s in (1, 2, 3):
+            put_step(a, s)
+        for s in (2, 5):
+            put_step(b, s)
+        begin(b, 6, 0, payload(6, 0))  # b's in-flight shard
+        b_partial = b.data_path(6, 0) + layout.PARTIAL
+        assert a.complete_steps() == [1, 2, 3]
+        assert b.complete_steps() == [2, 5]
+        assert b.steps() == [2, 5, 6]
+
+        assert a.gc() == []
+        assert os.path.exists(b_partial)
+        a.apply_retention([0], keep=1)
+        assert a.complete_steps() == [3]
+        assert b.complete_steps() == [2, 5]
+        assert os.listdir(b.pool_dir) == []
+        a.destroy()
+        assert not os.path.exists(a.job_dir)
+        assert a.complete_steps() == []
+        assert b.complete_steps() == [2, 5]
+        for s in (2, 5):
+            b.verify_shard(s, 0)
+        assert os.path.exists(b_partial)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_job_dir_permissions(store_dir):
+    old = os.umask(0)
+    try:
+        job_dir = os.path.join(store_dir, "perm-job")
+        os.makedirs(job_dir, mode=0o755)
+        os.chmod(job_dir, 0o755)  # pre-existing and too open: tightened
+        s = LocalStore(store_dir, "perm-job")
+        try:
+            put_step(s, 1)
+            assert stat.S_IMODE(os.stat(s.job_dir).st_mode) == 0o700
+            for d in (s.steps_dir, s.pool_dir, s.step_dir(1)):
+                assert stat.S_IMODE(os.stat(d).st_mode) & 0o077 == 0, d
+            for name in os.listdir(s.step_dir(1)):
+                mode = stat.S_IMODE(os.stat(os.path.join(s.step_dir(1), name)).st_mode)
+                assert mode & 0o077 == 0, (name, oct(mode))
+        finally:
+            s.close()
+    finally:
+        os.umask(old)
+
+
+def test_resaving_committed_step_replaces_it(store):
+    put_step(store, 1)
+    old = read_data(store, 1, 0)
+    new = payload(99, 0)
+    sw = begin(store, 1, 0, new)
+    # while the new shard is in flight the old one is still committed and valid
+    assert store.complete_steps() == [1]
+    assert read_data(store, 1, 0) == old
+    store.verify_shard(1, 0)
+    sw.commit()
+    put_metadata(store, 1)
+    assert read_data(store, 1, 0) == new
+    m = store.verify_shard(1, 0)
+    assert m.items[0].checksum == checksum(new[:2048])
+    assert step_files(store, 1) == {"metadata", "rank-00000.data", "rank-00000.manifest"}
+    assert store.complete_steps() == [1]
+    assert store.gc() == []

@@ -25,26 +25,16 @@ from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dic
 
 from .dcp import MemoryStorageReader, MemoryStorageWriter
 from .dcp.writer import commit_metadata
-from .errors import ConfigError, CorruptShardError, MLCheckpointError, ShardNotFoundError
+from .errors import ConfigError, MLCheckpointError
 from .persistent import PersistentStorage
 from .replication import Pins, Rendezvous, Replicator
+from .recovery import Recovery, ResumeInfo
+from .recovery.resume import Comm
 from .replication.tcp import TcpTransport
 from .store import LocalStore
 from .topology import Topology
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ResumeInfo:
-    """What ``resume`` loaded: ``step`` is None (and ``source`` None) for a fresh start."""
-
-    step: int | None
-    source: str | None  # "local", "peer", "persistent" or None
-    seconds: float
-    sources: dict[int, str] = field(default_factory=dict)  # rank -> source of its bytes
-    bytes_fetched: int = 0
-    reason: str | None = None  # why newer candidates were refused, if any
 
 
 @dataclass
@@ -272,75 +262,30 @@ class CheckpointManager:
     def resume(self, state_dict: dict[str, Any]) -> ResumeInfo:
         """Load the newest usable checkpoint into ``state_dict`` (in place); all ranks call it.
 
-        Tries the newest step complete in memory, unless a newer persistent step exists; a step
-        whose checksums fail on any rank is refused by all ranks together and the next older one
-        is tried, then the newest persistent step, then a fresh start (step None).
+        Picks the newest step complete across the surviving nodes (fetching what a replaced
+        node lacks from its partner), unless the persistent checkpoint is newer. Copies whose
+        checksums fail are refused by all ranks together and the next candidate is tried:
+        another copy, an older step, the persistent step, then a fresh start (step None).
         """
         self._check_open()
         self._wait_in_flight()
-        t0 = time.perf_counter()
-        self.store.gc(ranks=[self.rank])  # what a crash of this rank left behind
-        reasons: list[str] = []
-        persistent_step = self._newest_persistent()
-        for step in reversed(self._agreed_local_steps()):
-            if persistent_step is not None and persistent_step > step:
-                reasons.append(f"persistent step {persistent_step} is newer than memory step {step}")
-                break
-            problems = [p for p in self._all_gather(self._verify_for_resume(step)) if p]
-            if problems:
-                reasons.append(f"step {step} refused: {problems[0]}")
-                log.warning("mlcheckpoint: refusing in-memory step %d: %s", step, "; ".join(problems))
-                continue
-            try:
-                reader = self.storage_reader(step)
-                dcp.load(state_dict, storage_reader=reader, process_group=self._save_pg)
-            except CheckpointException as e:
-                reasons.append(f"step {step} failed to load: {_unwrap(e, 'load')}")
-                log.warning("mlcheckpoint: loading in-memory step %d failed, trying older: %s", step, e)
-                continue
-            return self._resumed(step, "local", t0, reasons)
-        if persistent_step is not None:
-            dcp.load(state_dict, storage_reader=self.persistent.reader(persistent_step),
-                     process_group=self._save_pg)
-            return self._resumed(persistent_step, "persistent", t0, reasons)
-        return self._resumed(None, None, t0, reasons)
-
-    def _resumed(self, step: int | None, source: str | None, t0: float, reasons: list[str]) -> ResumeInfo:
-        info = ResumeInfo(step=step, source=source, seconds=time.perf_counter() - t0,
-                          sources={self.rank: source} if source else {},
-                          reason="; ".join(reasons) or None)
-        if step is None:
-            log.info("mlcheckpoint: no checkpoint to resume from, starting fresh%s",
-                     f" ({info.reason})" if info.reason else "")
-        else:
-            log.info("mlcheckpoint: resumed step %d from %s in %.3fs%s", step, source, info.seconds,
-                     f" ({info.reason})" if info.reason else "")
+        recovery = Recovery(self.store, self.topology, Comm(self._all_gather),
+                            transport=self.replicator.transport if self.replicator else None,
+                            persistent=self.persistent, load=self._load)
+        info = recovery.run(state_dict)
+        if self.replicator is not None and recovery.decision is not None:
+            # Re-protect what was loaded now (replicas rebuilt on a replacement node), not at
+            # the next save; and keep the newest step that survived on two nodes until a newer
+            # one is protected.
+            self.replicator.seed_protected(recovery.decision.newest_protected)
+            self.replicator.notify()
         return info
 
-    def _agreed_local_steps(self) -> list[int]:
-        """Steps complete in memory as seen by every rank (the newest usable is the max)."""
-        views = self._all_gather(self.store.complete_steps())
-        common = set(views[0]).intersection(*map(set, views[1:]))
-        return sorted(common)
-
-    def _verify_for_resume(self, step: int) -> str | None:
-        """Verify this rank's share of the step's shards; return a problem or None."""
+    def _load(self, state_dict: dict[str, Any], reader: Any) -> None:
         try:
-            header, _ = self.store.read_metadata(step)
-            world = self.topology.world_size
-            for r in header.ranks:
-                if r % world == self.rank:
-                    self.store.verify_shard(step, r)
-        except (CorruptShardError, ShardNotFoundError) as e:
-            return f"rank {self.rank}: {e}"
-        return None
-
-    def _newest_persistent(self) -> int | None:
-        if self.persistent is None:
-            return None
-        steps = self.persistent.steps() if self.rank == 0 else None
-        newest = (steps[-1] if steps else None) if self.rank == 0 else None
-        return self._broadcast(newest)
+            dcp.load(state_dict, storage_reader=reader, process_group=self._save_pg)
+        except CheckpointException as e:
+            raise _unwrap(e, "load") from None
 
     # ------------------------------------------------------------------ listing
     def list(self) -> list[CheckpointEntry]:
@@ -424,13 +369,6 @@ class CheckpointManager:
         out: list[Any] = [None] * dist.get_world_size(self._save_pg)
         dist.all_gather_object(out, obj, group=self._save_pg)
         return out
-
-    def _broadcast(self, obj: Any) -> Any:
-        if not self._distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._save_pg)
-        return box[0]
 
 
 def _unwrap(e: CheckpointException, what: str) -> BaseException:

@@ -88,6 +88,11 @@ class Replicator:
                 break
         return self._newest_protected
 
+    def seed_protected(self, step: int | None) -> None:
+        """After a restart the counters are new: take the newest step found on two nodes."""
+        if step is not None and (self._newest_protected is None or step > self._newest_protected):
+            self._newest_protected = step
+
     def wait_replicated(self, step: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while not self.is_protected(step):

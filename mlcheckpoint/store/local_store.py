@@ -492,6 +492,46 @@ class LocalStore:
             log.info("gc removed %d uncommitted file(s) of job %s", len(removed), self.job_id)
         return removed
 
+    def drop_steps_after(self, step: int | None) -> list[int]:
+        """Delete every step newer than ``step`` (all steps if None) on this node.
+
+        After a resume those steps are orphans of the failed run: the job continues from
+        ``step`` and will write new checkpoints under the same numbers, so a later resume must
+        never mistake them for its own.
+        """
+        dropped = [s for s in self.steps() if step is None or s > step]
+        for s in dropped:
+            with self.locked():
+                for name in os.listdir(self.step_dir(s)):
+                    owner = _owner_of(name)
+                    path = os.path.join(self.step_dir(s), name)
+                    if name.endswith(".manifest"):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(path)
+                for name in os.listdir(self.step_dir(s)):
+                    path = os.path.join(self.step_dir(s), name)
+                    owner = _owner_of(name)
+                    if owner is not None and name.endswith(".data"):
+                        self._to_pool(path, owner)
+                    else:
+                        self._unlink(path)
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.step_dir(s))
+        return dropped
+
+    @contextlib.contextmanager
+    def fetch_lock(self, step: int, owner: int | None) -> Iterator[None]:
+        """Serialise fetches of one shard among the processes of this node."""
+        os.makedirs(os.path.join(self.job_dir, "locks"), mode=0o700, exist_ok=True)
+        stripe = (step * 1009 + (-1 if owner is None else owner)) % 64  # bounded set of files
+        fd = os.open(os.path.join(self.job_dir, "locks", f"fetch-{stripe:02d}.lock"),
+                     os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def destroy(self) -> None:
         """Delete every file of this job on this node."""
         self.mappings.clear()

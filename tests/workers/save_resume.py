@@ -24,7 +24,11 @@ def main() -> None:
     info = ckpt.resume(sd)
     mismatch = [] if info.step is None else diff(model_state(rank, info.step, world), sd)
     report("resume", {"step": info.step, "source": info.source, "match": not mismatch,
-                      "mismatch": mismatch, "reason": info.reason})
+                      "mismatch": mismatch, "reason": info.reason, "sources": info.sources,
+                      "bytes_fetched": info.bytes_fetched})
+    if info.step is not None and ckpt.replicator is not None:
+        # self-healing: the loaded step is re-protected without waiting for the next save
+        report("healed", {"step": info.step, "protected": ckpt.wait_replicated(info.step, 60)})
 
     for step in range(first, last + 1):
         sd = model_state(rank, step, world)
@@ -45,6 +49,8 @@ def main() -> None:
         for t in sd["model"].values():
             t.add_(1)
     ckpt.wait()
+    if last >= first and ckpt.replicator is not None:
+        report("protected", {"step": last, "protected": ckpt.wait_replicated(last, 60)})
     report("listing", {"entries": [e.__dict__ for e in ckpt.list()]})
     ckpt.close()
     dist.destroy_process_group()

@@ -1,0 +1,43 @@
+"""What each node holds, as reported at job start (one collective gathers these)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..store import LocalStore
+
+
+@dataclass(frozen=True)
+class StepCopy:
+    """One node's holdings of one step."""
+
+    owners: frozenset[int]  # ranks whose committed shard is here
+    has_metadata: bool
+    required: tuple[int, ...] | None = None  # ranks the step needs (from the metadata header)
+    world_size: int | None = None  # world size when the step was saved
+    shard_bytes: tuple[tuple[int, int], ...] = ()  # (owner, bytes), to balance fetches
+
+
+@dataclass
+class NodeInventory:
+    node: int
+    ranks: list[int]  # current ranks on this node (any of them can serve its store)
+    steps: dict[int, StepCopy] = field(default_factory=dict)
+
+
+def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInventory:
+    """List committed shards and valid metadata of this job's store (no checksums computed)."""
+    inv = NodeInventory(node=node, ranks=list(ranks))
+    for step, st in store.inventory().items():
+        sizes = []
+        for owner in sorted(st.committed_ranks):
+            try:
+                sizes.append((owner, os.stat(store.data_path(step, owner)).st_size))
+            except FileNotFoundError:
+                continue
+        inv.steps[step] = StepCopy(
+            owners=frozenset(o for o, _ in sizes), has_metadata=st.has_metadata,
+            required=tuple(st.required_ranks) if st.required_ranks is not None else None,
+            world_size=st.world_size, shard_bytes=tuple(sizes))
+    return inv

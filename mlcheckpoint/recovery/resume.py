@@ -1,0 +1,197 @@
+"""Recovery orchestration for one rank: inventory -> plan -> fetch -> verify -> load -> heal.
+
+Every rank runs the same pure planner on the same gathered inventories, so they agree on
+the step; each fetch and verification problem is gathered too, and the planner runs again
+without the bad copies, so all ranks move to the next candidate together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..dcp import MemoryStorageReader
+from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
+from ..store import LocalStore
+from ..topology import Topology
+from .inventory import take_inventory
+from .planner import FRESH, MEMORY, PERSISTENT, BadCopy, Decision, plan_resume
+
+log = logging.getLogger(__name__)
+MAX_ROUNDS = 16
+
+
+@dataclass
+class ResumeInfo:
+    """What ``resume`` loaded: ``step`` is None (and ``source`` None) for a fresh start."""
+
+    step: int | None
+    source: str | None  # "local", "peer", "persistent" or None
+    seconds: float
+    sources: dict[int, str] = field(default_factory=dict)  # rank -> where its bytes came from
+    bytes_fetched: int = 0  # job-wide, from peers
+    reason: str | None = None  # why newer candidates were refused, if any
+
+
+@dataclass
+class Comm:
+    """The collectives recovery needs (on the checkpoint group, never the training group)."""
+
+    all_gather: Callable[[Any], list[Any]]
+
+
+class Recovery:
+    """One rank's part of a resume. ``transport`` is None when replication is off."""
+
+    def __init__(self, store: LocalStore, topology: Topology, comm: Comm, *, transport=None,
+                 persistent=None, load: Callable[[dict, Any], None]):
+        self.store, self.topo, self.comm = store, topology, comm
+        self.transport, self.persistent, self.load = transport, persistent, load
+        self.bytes_fetched = 0
+        self.decision: Decision | None = None
+
+    def run(self, state_dict: dict) -> ResumeInfo:
+        t0 = time.perf_counter()
+        self.store.gc(ranks=[self.topo.rank])  # what a crash of this rank left behind
+        nodes, persistent_step = self._gather_inventory()
+        bad: set[BadCopy] = set()
+        bad_steps: set[int] = set()
+        notes: list[str] = []
+        for _ in range(MAX_ROUNDS):
+            d = plan_resume(nodes, persistent_step, self.topo.world_size, bad_copies=bad,
+                            bad_steps=bad_steps, can_fetch=self.transport is not None)
+            self.decision = d
+            if d.kind != MEMORY:
+                break
+            problems = self._gather_problems(self._fetch(d))
+            if not problems:
+                problems = self._gather_problems(self._verify(d.step))
+            if problems:
+                bad |= {copy for copy, _ in problems}
+                notes += [why for _, why in problems]
+                continue
+            failure = self._load(state_dict, d)
+            if failure is None:
+                break
+            bad_steps.add(d.step)
+            notes.append(failure)
+        else:
+            d = Decision(FRESH, None, reason="gave up after too many failed attempts")
+        if d.kind == PERSISTENT:
+            self.load(state_dict, self.persistent.reader(d.step))
+        return self._finish(d, notes, t0)
+
+    # ------------------------------------------------------------------ phases
+    def _gather_inventory(self):
+        mine = (take_inventory(self.store, self.topo.node_rank, self.topo.ranks_of_node(self.topo.node_rank))
+                if self.topo.local_rank == 0 else None)
+        newest = None
+        if self.topo.rank == 0 and self.persistent is not None:
+            steps = self.persistent.steps()
+            newest = steps[-1] if steps else None
+        gathered = self.comm.all_gather((mine, newest))
+        return [inv for inv, _ in gathered if inv is not None], gathered[0][1]
+
+    def _gather_problems(self, mine: list[tuple[BadCopy, str]]) -> list[tuple[BadCopy, str]]:
+        return [p for rank_problems in self.comm.all_gather(mine) for p in rank_problems]
+
+    def _node_of(self, rank: int) -> int:
+        return rank // self.topo.local_world_size
+
+    def _fetch(self, d: Decision) -> list[tuple[BadCopy, str]]:
+        """Run the fetches the plan gave this rank (onto this rank's node)."""
+        problems = []
+        for f in d.fetches:
+            if f.dst_rank != self.topo.rank:
+                continue
+            what = "metadata" if f.owner is None else f"rank {f.owner}'s shard"
+            try:
+                with self.store.fetch_lock(f.step, f.owner):
+                    if f.owner is None:
+                        self.transport.fetch_metadata(f.src_rank, f.step)
+                    else:
+                        self.bytes_fetched += self.transport.fetch_shard(f.src_rank, f.step, f.owner)
+                log.info("mlcheckpoint: fetched %s of step %d from rank %d", what, f.step, f.src_rank)
+            except (MLCheckpointError, OSError) as e:
+                problems.append(((f.step, f.owner, self._node_of(f.src_rank)),
+                                 f"fetching {what} of step {f.step} from rank {f.src_rank} failed: {e}"))
+        return problems
+
+    def _verify(self, step: int) -> list[tuple[BadCopy, str]]:
+        """Check this rank's share of the step's copies on this node; quarantine bad ones."""
+        problems = []
+        node, lr, lws = self.topo.node_rank, self.topo.local_rank, self.topo.local_world_size
+        if lr == 0:
+            try:
+                self.store.read_metadata(step)
+            except CorruptShardError as e:
+                problems.append(((step, None, node), f"node {node}: {e}"))
+            except ShardNotFoundError:
+                pass
+        for owner in sorted(self.store.step_state(step).committed_ranks):
+            if owner % lws != lr:
+                continue
+            try:
+                self.store.verify_shard(step, owner)
+            except CorruptShardError as e:
+                log.warning("mlcheckpoint: refusing corrupt copy on node %d: %s", node, e)
+                self.store.retire_shard(step, owner)  # never read again; a replica serves
+                problems.append(((step, owner, node), f"node {node}: {e}"))
+        return problems
+
+    def _load(self, state_dict: dict, d: Decision) -> str | None:
+        reader = MemoryStorageReader(d.step, self.store,
+                                     fetch=self._lazy_fetch if self.transport is not None else None)
+        try:
+            self.load(state_dict, reader)
+        except MLCheckpointError as e:
+            log.warning("mlcheckpoint: loading step %d failed, trying older: %s", d.step, e)
+            return f"step {d.step} failed to load: {e}"
+        return None
+
+    def _lazy_fetch(self, step: int, owner: int | None) -> None:
+        """The reader needs a shard this node lacks (DCP dedup or resharding): pull it."""
+        d = self.decision
+        holders = d.metadata_holders if owner is None else d.holders.get(owner, [])
+        holders = [r for r in holders if self._node_of(r) != self.topo.node_rank]
+        if not holders:
+            raise ShardNotFoundError(f"no surviving node holds rank {owner}'s shard of step {step}")
+        start = self.topo.rank % len(holders)  # spread readers over holders
+        errors = []
+        with self.store.fetch_lock(step, owner):
+            if owner is not None and owner in self.store.step_state(step).committed_ranks:
+                return  # another rank of this node fetched it meanwhile
+            for src in holders[start:] + holders[:start]:
+                try:
+                    if owner is None:
+                        self.transport.fetch_metadata(src, step)
+                    else:
+                        self.bytes_fetched += self.transport.fetch_shard(src, step, owner)
+                    return
+                except (MLCheckpointError, OSError) as e:
+                    errors.append(f"rank {src}: {e}")
+        raise ShardNotFoundError(f"could not fetch rank {owner}'s shard of step {step}: {errors}")
+
+    def _finish(self, d: Decision, notes: list[str], t0: float) -> ResumeInfo:
+        source = {MEMORY: "peer" if self.bytes_fetched else "local", PERSISTENT: "persistent"}.get(d.kind)
+        gathered = self.comm.all_gather((source, self.bytes_fetched))
+        sources = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
+        overall = source
+        if d.kind == MEMORY:
+            overall = "peer" if "peer" in sources.values() else "local"
+        if self.topo.local_rank == 0:
+            dropped = self.store.drop_steps_after(d.step)
+            if dropped:
+                log.info("mlcheckpoint: dropped steps %s newer than the resumed one on node %d",
+                         dropped, self.topo.node_rank)
+        reason = "; ".join([r for r in [d.reason, *notes] if r]) or None
+        info = ResumeInfo(step=d.step, source=overall, seconds=time.perf_counter() - t0,
+                          sources=sources, bytes_fetched=sum(b for _, b in gathered), reason=reason)
+        if d.step is None:
+            log.info("mlcheckpoint: no usable checkpoint, starting fresh (%s)", reason)
+        else:
+            log.info("mlcheckpoint: resumed step %d from %s in %.3fs (%d bytes from peers)%s",
+                     d.step, overall, info.seconds, info.bytes_fetched, f"; {reason}" if reason else "")
+        return info

@@ -141,7 +141,10 @@ class CheckpointManager:
         """
         self._check_open()
         self._apply_retention()
-        notify = self.replicator.notify if self.replicator is not None else None
+        notify = None
+        if self.replicator is not None:
+            self.replicator.activate()
+            notify = self.replicator.notify
         return MemoryStorageWriter(step, self.store, on_commit=notify, on_metadata=notify)
 
     def storage_reader(self, step: int) -> MemoryStorageReader:
@@ -278,7 +281,7 @@ class CheckpointManager:
             # the next save; and keep the newest step that survived on two nodes until a newer
             # one is protected.
             self.replicator.seed_protected(recovery.decision.newest_protected)
-            self.replicator.notify()
+            self.replicator.activate(reset=True)
         return info
 
     def _load(self, state_dict: dict[str, Any], reader: Any) -> None:

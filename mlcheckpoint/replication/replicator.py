@@ -57,6 +57,9 @@ class Replicator:
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._newest_protected: int | None = None
+        # Paused until the job has resumed (or saves): before that the store may hold steps the
+        # resume is about to drop, and pushing them would only waste the link.
+        self._active = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlckpt-replicator", daemon=True)
         self._thread.start()
         log.info("mlcheckpoint: rank %d replicates to rank(s) %s over %s, keeps replicas of %s",
@@ -65,6 +68,14 @@ class Replicator:
     # ------------------------------------------------------------------ inputs
     def notify(self, *_: object) -> None:
         """A shard or metadata was committed here: look now rather than at the next poll."""
+        self._wake.set()
+
+    def activate(self, *, reset: bool = False) -> None:
+        """Start (or, with ``reset``, restart after a resume) pushing the newest step."""
+        if reset:
+            with self._lock:
+                self._states.clear()
+        self._active.set()
         self._wake.set()
 
     def state(self, step: int) -> StepReplication | None:
@@ -107,6 +118,8 @@ class Replicator:
         while not self._closed.is_set():
             self._wake.wait(self.poll_interval)
             self._wake.clear()
+            if not self._active.is_set():
+                continue
             try:
                 self._replicate_newest()
             except Exception:  # keep replicating later steps whatever happened to this one

@@ -450,6 +450,10 @@ class LocalStore:
                     self.retire_shard(s, rank)
                     retired.add(s)
                     log.debug("retired step %d rank %d", s, rank)
+            # Metadata that outlived every shard of its step (e.g. pushed by the coordinator).
+            for s, st in inv.items():
+                if s < oldest_kept and s not in protected and not st.committed_ranks:
+                    self._remove_step_if_empty(s)
         return sorted(retired)
 
     def gc(self, ranks: Iterable[int] | None = None, min_age_s: float = 0.0) -> list[str]:
@@ -501,22 +505,19 @@ class LocalStore:
         """
         dropped = [s for s in self.steps() if step is None or s > step]
         for s in dropped:
-            with self.locked():
-                for name in os.listdir(self.step_dir(s)):
-                    owner = _owner_of(name)
-                    path = os.path.join(self.step_dir(s), name)
+            d = self.step_dir(s)
+            with self.locked(), contextlib.suppress(FileNotFoundError):
+                names = os.listdir(d)
+                for name in names:  # uncommit everything first
                     if name.endswith(".manifest"):
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(path)
-                for name in os.listdir(self.step_dir(s)):
-                    path = os.path.join(self.step_dir(s), name)
+                        self._unlink(os.path.join(d, name))
+                for name in os.listdir(d):
                     owner = _owner_of(name)
                     if owner is not None and name.endswith(".data"):
-                        self._to_pool(path, owner)
+                        self._to_pool(os.path.join(d, name), owner)
                     else:
-                        self._unlink(path)
-                with contextlib.suppress(OSError):
-                    os.rmdir(self.step_dir(s))
+                        self._unlink(os.path.join(d, name))
+                os.rmdir(d)
         return dropped
 
     @contextlib.contextmanager

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dic
 from .dcp import MemoryStorageReader, MemoryStorageWriter
 from .dcp.writer import commit_metadata
 from .errors import ConfigError, MLCheckpointError
+from . import history
 from .persistent import PersistentStorage
 from .replication import Pins, Rendezvous, Replicator
 from .recovery import Recovery, ResumeInfo
@@ -162,10 +163,11 @@ class CheckpointManager:
         except CheckpointException as e:
             raise _unwrap(e, f"save of step {step}") from None
         seconds = time.perf_counter() - t0
-        self._after_save(step, metadata)
+        result = SaveResult(step, self._shard_bytes(step), seconds, seconds, persistent)
+        self._after_save(result, metadata)
         if persistent:
             self._write_persistent(state_dict, step)
-        return SaveResult(step, self._shard_bytes(step), seconds, seconds, persistent)
+        return result
 
     def async_save(self, state_dict: dict[str, Any], step: int, *,
                    persistent: bool = False) -> Future[SaveResult]:
@@ -202,8 +204,8 @@ class CheckpointManager:
             err = _unwrap(e, f"async save of step {step}")
             log.error("mlcheckpoint: %s", err)
             raise err from None
-        seconds = time.perf_counter() - t0
-        self._after_save(step, metadata)
+        result = SaveResult(step, self._shard_bytes(step), blocking, time.perf_counter() - t0, persistent)
+        self._after_save(result, metadata)
         if persistent:
             # The persistent write reads the staged views of this step's tmpfs buffers: pin the
             # step so retention does not recycle them meanwhile.
@@ -211,7 +213,7 @@ class CheckpointManager:
             pf = self._persist_executor.submit(self._write_persistent, staged, step, True)
             with self._lock:
                 self._persist_futures = [f for f in self._persist_futures if not f.done()] + [pf]
-        return SaveResult(step, self._shard_bytes(step), blocking, seconds, persistent)
+        return result
 
     def _write_persistent(self, state_dict: dict[str, Any], step: int, pinned: bool = False) -> None:
         assert self.persistent is not None, "persistent=True needs CheckpointManager(persistent_dir=...)"
@@ -219,8 +221,11 @@ class CheckpointManager:
         try:
             dcp.save(state_dict, storage_writer=self.persistent.writer(step),
                      process_group=self._persist_pg)
+            seconds = time.perf_counter() - t0
             log.info("mlcheckpoint: persistent checkpoint of step %d written to %s in %.2fs",
-                     step, self.persistent.path(step), time.perf_counter() - t0)
+                     step, self.persistent.path(step), seconds)
+            history.record(self.store.job_dir, "persistent", step=step, rank=self.rank,
+                           seconds=round(seconds, 6), location=self.persistent.path(step))
         except CheckpointException as e:
             err = _unwrap(e, f"persistent save of step {step}")
             log.error("mlcheckpoint: %s", err)
@@ -229,7 +234,10 @@ class CheckpointManager:
             if pinned:
                 self.pins.unpin(step)
 
-    def _after_save(self, step: int, metadata: Any) -> None:
+    def _after_save(self, result: SaveResult, metadata: Any) -> None:
+        step = result.step
+        history.record(self.store.job_dir, "save", step=step, rank=self.rank, bytes=result.bytes,
+                       seconds=round(result.seconds, 6), blocking_seconds=round(result.blocking_seconds, 6))
         # dcp.save returns the global metadata on every rank: every node stores it at once,
         # without waiting for the coordinator's push.
         if self.topology.local_rank == 0 and self.topology.node_rank != 0:
@@ -276,6 +284,9 @@ class CheckpointManager:
                             transport=self.replicator.transport if self.replicator else None,
                             persistent=self.persistent, load=self._load)
         info = recovery.run(state_dict)
+        history.record(self.store.job_dir, "resume", step=info.step, rank=self.rank,
+                       source=info.sources.get(self.rank, info.source), seconds=round(info.seconds, 6),
+                       bytes=recovery.bytes_fetched, reason=info.reason)
         if self.replicator is not None and recovery.decision is not None:
             # Re-protect what was loaded now (replicas rebuilt on a replacement node), not at
             # the next save; and keep the newest step that survived on two nodes until a newer

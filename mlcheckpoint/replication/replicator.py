@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .. import history
 from ..store import LocalStore
 from ..topology import Topology
 from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets
@@ -179,6 +180,9 @@ class Replicator:
             st.state, st.reason = "replicated", None
             st.bytes, st.seconds = sent, time.perf_counter() - t0
         self.rdzv.add(f"shards/{step}", 1)
+        history.record(self.store.job_dir, "replicate", step=step, rank=self.topology.rank,
+                       targets=self.targets, bytes=sent, seconds=round(st.seconds, 6),
+                       transport=self.transport.name)
         log.debug("replicated step %d rank %d to %s: %d bytes in %.3fs", step,
                   self.topology.rank, self.targets, sent, st.seconds)
 

@@ -1,0 +1,245 @@
+"""``mlcheckpoint`` command line: ls | verify | gc | history | bench.
+
+Each command looks at this node's tmpfs (``--local-dir``, default MLCHECKPOINT_LOCAL_DIR or
+/dev/shm/mlcheckpoint). Tables for people by default, ``--json`` for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+from . import history
+from .config import resolve_local_dir, validate_job_id
+from .errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
+from .persistent import PersistentStorage
+from .store import LocalStore
+
+EXIT_OK, EXIT_CORRUPT, EXIT_MISSING = 0, 1, 2
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _jobs(local_dir: str, job: str | None) -> list[str]:
+    if job is not None:
+        return [validate_job_id(job)]
+    try:
+        return sorted(d for d in os.listdir(local_dir) if os.path.isdir(os.path.join(local_dir, d, "steps")))
+    except FileNotFoundError:
+        return []
+
+
+def _store(args, job: str) -> LocalStore:
+    store = LocalStore(args.local_dir, job, create=False)
+    if not os.path.isdir(store.job_dir):
+        raise ShardNotFoundError(f"no job {job!r} under {args.local_dir}")
+    return store
+
+
+def cmd_ls(args) -> int:
+    out = []
+    for job in _jobs(args.local_dir, args.job):
+        store = _store(args, job)
+        steps = []
+        for step, st in store.inventory().items():
+            sizes = {}
+            for r in sorted(st.committed_ranks):
+                try:
+                    sizes[r] = store.read_manifest(step, r).data_bytes
+                except MLCheckpointError:
+                    pass
+            missing = sorted(set(st.required_ranks or ()) - st.committed_ranks)
+            steps.append({"step": step, "state": "complete" if st.complete else "incomplete",
+                          "metadata": st.has_metadata, "shards_here": sorted(st.committed_ranks),
+                          "missing_here": missing, "world_size": st.world_size,
+                          "checkpoint_bytes": st.total_bytes, "bytes_here": sum(sizes.values())})
+        events = history.read(store.job_dir)
+        replicated = {e["step"] for e in events if e.get("event") == "replicate"}
+        for s in steps:
+            s["replicated_from_here"] = s["step"] in replicated
+        entry = {"job": job, "dir": store.job_dir, "steps": steps,
+                 "usage_bytes": store.usage_bytes()}
+        if args.persistent:
+            entry["persistent_steps"] = PersistentStorage(args.persistent).steps()
+        out.append(entry)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return EXIT_OK
+    if not out:
+        print(f"no checkpoints under {args.local_dir}")
+    for entry in out:
+        print(f"job {entry['job']}  ({entry['dir']}, {_size(entry['usage_bytes'])} on this node)")
+        rows = [[s["step"], s["state"], _size(s["checkpoint_bytes"]), _size(s["bytes_here"]),
+                 ",".join(map(str, s["shards_here"])) or "-",
+                 ",".join(map(str, s["missing_here"])) or "-", "yes" if s["metadata"] else "no",
+                 "yes" if s["replicated_from_here"] else "-"] for s in entry["steps"]]
+        print(_table(rows, ["step", "state", "checkpoint", "here", "shards here (ranks)",
+                            "not here", "metadata", "pushed to partner"]))
+        if "persistent_steps" in entry:
+            print(f"persistent steps in {args.persistent}: {entry['persistent_steps'] or 'none'}")
+        print()
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    store = _store(args, args.job)
+    steps = store.steps()
+    step = args.step if args.step is not None else (max(steps) if steps else None)
+    if step is None or step not in steps:
+        print(f"step {step} not found for job {args.job}", file=sys.stderr)
+        return EXIT_MISSING
+    st = store.step_state(step)
+    results, verdict = [], EXIT_OK
+    try:
+        store.read_metadata(step)
+        results.append({"item": "metadata", "status": "ok"})
+    except CorruptShardError as e:
+        results.append({"item": "metadata", "status": "corrupt", "error": str(e)})
+        verdict = EXIT_CORRUPT
+    except ShardNotFoundError:
+        results.append({"item": "metadata", "status": "missing"})
+        verdict = max(verdict, EXIT_MISSING) if verdict != EXIT_CORRUPT else verdict
+    for rank in sorted(st.committed_ranks):
+        try:
+            m = store.verify_shard(step, rank)
+            results.append({"item": f"rank {rank}", "status": "ok", "bytes": m.data_bytes,
+                            "items": len(m.items)})
+        except (CorruptShardError, ShardNotFoundError) as e:
+            results.append({"item": f"rank {rank}", "status": "corrupt", "error": str(e)})
+            verdict = EXIT_CORRUPT
+    missing = sorted(set(st.required_ranks or ()) - st.committed_ranks)
+    for rank in missing:
+        results.append({"item": f"rank {rank}", "status": "not on this node"})
+    if missing and verdict == EXIT_OK:
+        verdict = EXIT_MISSING
+    if args.json:
+        print(json.dumps({"job": args.job, "step": step, "verdict": ["ok", "corrupt", "incomplete"][verdict],
+                          "results": results}, indent=1))
+    else:
+        print(_table([[r["item"], r["status"], _size(r.get("bytes")), r.get("error", "")] for r in results],
+                     ["shard", "status", "bytes", "detail"]))
+        print(f"step {step}: " + ["OK", "CORRUPT", "INCOMPLETE on this node"][verdict])
+    return verdict
+
+
+def cmd_gc(args) -> int:
+    report = []
+    for job in _jobs(args.local_dir, args.job):
+        store = _store(args, job)
+        if args.remove:
+            store.destroy()
+            report.append({"job": job, "removed": "all"})
+            continue
+        removed = store.gc(min_age_s=args.min_age)
+        retired = []
+        if args.keep is not None:
+            owners = set()
+            for st in store.inventory().values():
+                owners |= st.committed_ranks
+            retired = store.apply_retention(sorted(owners), args.keep)
+        report.append({"job": job, "debris_removed": len(removed), "steps_retired": retired})
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        for r in report:
+            if r.get("removed"):
+                print(f"job {r['job']}: removed")
+            else:
+                print(f"job {r['job']}: removed {r['debris_removed']} uncommitted file(s); "
+                      f"retired steps {r['steps_retired'] or 'none'}")
+    return EXIT_OK
+
+
+def cmd_history(args) -> int:
+    store = _store(args, args.job)
+    events = history.read(store.job_dir)[-args.last:] if args.last else history.read(store.job_dir)
+    if args.json:
+        print(json.dumps(events, indent=1))
+        return EXIT_OK
+    rows = [[time.strftime("%H:%M:%S", time.localtime(e["time"])), e.get("event"), e.get("step"),
+             e.get("rank"), _size(e.get("bytes")), f"{e['seconds']:.4f}" if e.get("seconds") is not None else "-",
+             e.get("gbps", "-"), e.get("source") or e.get("transport") or ""] for e in events]
+    print(_table(rows, ["time", "event", "step", "rank", "bytes", "seconds", "GB/s", "source/transport"]))
+    return EXIT_OK
+
+
+def cmd_bench(args, extra: list[str]) -> int:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "benchmarks", f"bench_{args.which}.py")
+    if not os.path.exists(script):
+        print(f"benchmark {script} not found (benchmarks ship with the source tree)", file=sys.stderr)
+        return EXIT_MISSING
+    return subprocess.call([sys.executable, script, *extra])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mlcheckpoint", description="Inspect and manage in-memory checkpoints on this node.")
+    ap.add_argument("--local-dir", default=None, help="tmpfs root (default: $MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    default_job = os.environ.get("MLCHECKPOINT_JOB_ID")
+
+    p = sub.add_parser("ls", help="steps per job: size, state, which shards are here")
+    p.add_argument("--job", default=default_job)
+    p.add_argument("--persistent", help="also list persistent steps in this directory/URL")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("verify", help="check every checksum of a step; exit 0 ok, 1 corrupt, 2 incomplete")
+    p.add_argument("--job", default=default_job, required=default_job is None)
+    p.add_argument("--step", type=int, help="default: the newest step")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("gc", help="remove debris and old steps, or whole finished jobs")
+    p.add_argument("--job", default=default_job, help="default: every job under --local-dir")
+    p.add_argument("--keep", type=int, help="also retire all but the newest KEEP steps")
+    p.add_argument("--min-age", type=float, default=600.0,
+                   help="spare uncommitted files younger than this many seconds (a save in flight)")
+    p.add_argument("--remove", action="store_true", help="delete the job's files entirely (finished jobs)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("history", help="every save, replication, persistent write and resume")
+    p.add_argument("--job", default=default_job, required=default_job is None)
+    p.add_argument("--last", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("bench", help="run a benchmark (local | replication | recovery)")
+    p.add_argument("which", choices=["local", "replication", "recovery"])
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args, extra = ap.parse_known_args(argv)
+    if extra and args.cmd != "bench":
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.local_dir = resolve_local_dir(args.local_dir)
+    try:
+        if args.cmd == "bench":
+            return cmd_bench(args, extra)
+        return {"ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc, "history": cmd_history}[args.cmd](args)
+    except MLCheckpointError as e:
+        print(f"mlcheckpoint: {e}", file=sys.stderr)
+        return EXIT_MISSING
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The mlcheckpoint command line on real checkpoints (run as a subprocess, as users run it)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from mlcheckpoint import CheckpointManager, LocalStore
+from mlcheckpoint.cli import main
+
+
+@pytest.fixture
+def job():
+    root = tempfile.mkdtemp(prefix="mlckpt-cli-", dir="/dev/shm")
+    try:
+        with CheckpointManager(job_id="clijob", local_dir=root, replication="none", keep=3) as ckpt:
+            for step in range(3):
+                ckpt.save({"w": torch.arange(1000.0) + step, "meta": {"step": step}}, step)
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the CLI in-process (torch is already imported) and capture its output."""
+    def run(root, *args):
+        code = main(["--local-dir", root, *args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+    return run
+
+
+def test_console_entry_point_runs_as_a_process(job):
+    proc = subprocess.run([sys.executable, "-m", "mlcheckpoint.cli", "--local-dir", job, "ls", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert json.loads(proc.stdout)[0]["job"] == "clijob"
+
+
+def test_ls_lists_steps_and_shards(job, cli):
+    code, out, _ = cli(job, "ls")
+    assert code == 0
+    assert "job clijob" in out and "complete" in out
+    code, out, _ = cli(job, "ls", "--json")
+    data = json.loads(out)
+    assert [s["step"] for s in data[0]["steps"]] == [0, 1, 2]
+    assert all(s["state"] == "complete" and s["shards_here"] == [0] and s["metadata"] for s in data[0]["steps"])
+
+
+def test_verify_exit_status_reflects_checksums(job, cli):
+    code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2")
+    assert code == 0 and "OK" in out
+    store = LocalStore(job, "clijob", create=False)
+    m = store.read_manifest(1, 0)
+    item = next(it for it in m.items if it.kind == "tensor")
+    with open(store.data_path(1, 0), "r+b") as f:
+        f.seek(item.offset + 5)
+        b = f.read(1)
+        f.seek(item.offset + 5)
+        f.write(bytes([b[0] ^ 0xFF]))
+    code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "1", "--json")
+    assert code == 1
+    verdict = json.loads(out)
+    assert verdict["verdict"] == "corrupt"
+    assert any(r["status"] == "corrupt" and "checksum mismatch" in r["error"] for r in verdict["results"])
+    code, _, _ = cli(job, "verify", "--job", "clijob", "--step", "0")
+    assert code == 0  # other steps unaffected
+    code, _, err = cli(job, "verify", "--job", "clijob", "--step", "99")
+    assert code == 2
+
+
+def test_verify_reports_missing_shards(job, cli):
+    store = LocalStore(job, "clijob", create=False)
+    os.unlink(store.manifest_path(2, 0))  # the shard is no longer committed here
+    code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2")
+    assert code == 2 and "INCOMPLETE" in out
+
+
+def test_gc_removes_debris_and_old_steps(job, cli):
+    store = LocalStore(job, "clijob", create=False)
+    debris = store.data_path(2, 5) + ".partial"
+    with open(debris, "wb") as f:
+        f.write(b"x" * 100)
+    code, out, _ = cli(job, "gc", "--job", "clijob", "--min-age", "0", "--keep", "1")
+    assert code == 0
+    assert not os.path.exists(debris)
+    assert store.complete_steps() == [2]
+    code, _, _ = cli(job, "gc", "--job", "clijob", "--remove")
+    assert code == 0 and not os.path.exists(os.path.join(job, "clijob"))
+
+
+def test_history_records_saves_and_resume(job, cli):
+    with CheckpointManager(job_id="clijob", local_dir=job, replication="none") as ckpt:
+        sd = {"w": torch.zeros(1000), "meta": {"step": -1}}
+        info = ckpt.resume(sd)
+        assert info.step == 2 and torch.equal(sd["w"], torch.arange(1000.0) + 2)
+    code, out, _ = cli(job, "history", "--job", "clijob", "--json")
+    events = json.loads(out)
+    assert [e["event"] for e in events].count("save") == 3
+    resume = [e for e in events if e["event"] == "resume"][-1]
+    assert resume["step"] == 2 and resume["source"] == "local"
+    code, out, _ = cli(job, "history", "--job", "clijob")
+    assert code == 0 and "resume" in out
+
+
+def test_unknown_job_is_a_clear_error(job, cli):
+    code, _, err = cli(job, "verify", "--job", "nosuchjob")
+    assert code == 2 and "no job 'nosuchjob'" in err

@@ -12,6 +12,7 @@ recovery and the persistent fallback together.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,7 +72,8 @@ class CheckpointManager:
         job_id: defaults to MLCHECKPOINT_JOB_ID, TORCHELASTIC_RUN_ID, then SLURM_JOB_ID.
         local_dir: tmpfs directory; defaults to MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint.
         keep: complete in-memory checkpoints kept per rank (the newest ones).
-        memory_limit_bytes: cap on this job's tmpfs usage on this node (None: tmpfs free space).
+        memory_limit_bytes: cap on this job's tmpfs usage on this node (default
+            MLCHECKPOINT_MEMORY_LIMIT; None: only the tmpfs free space).
         replication: "tcp", "pg" or "none". Off by itself on a single node.
         replication_host: interface the TCP listener binds (default: the one routing to
             MASTER_ADDR; env MLCHECKPOINT_REPLICATION_HOST).
@@ -89,6 +91,8 @@ class CheckpointManager:
         self.topology = Topology.detect()
         self.rank = self.topology.rank
         self.keep = keep
+        if memory_limit_bytes is None and os.environ.get("MLCHECKPOINT_MEMORY_LIMIT"):
+            memory_limit_bytes = int(os.environ["MLCHECKPOINT_MEMORY_LIMIT"])
         self.store = LocalStore(local_dir, job_id, memory_limit_bytes=memory_limit_bytes)
         self.job_id = self.store.job_id
         self.persistent = PersistentStorage(persistent_dir) if persistent_dir else None

@@ -23,7 +23,18 @@ class CapacityError(MLCheckpointError):
 
 
 class CorruptShardError(MLCheckpointError):
-    """Bytes on tmpfs do not match the checksum recorded when they were committed."""
+    """Bytes on tmpfs do not match the checksum recorded when they were committed.
+
+    ``copy`` names the bad copy as (step, owner rank, node) when known, so recovery can refuse
+    that copy alone and use another.
+    """
+
+    def __init__(self, message: str, copy: tuple | None = None):
+        super().__init__(message)
+        self.copy = copy
+
+    def __reduce__(self):  # survives DCP's gathering of exceptions across ranks
+        return (type(self), (str(self), self.copy))
 
 
 class ShardNotFoundError(MLCheckpointError):

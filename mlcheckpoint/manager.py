@@ -292,11 +292,18 @@ class CheckpointManager:
                        source=info.sources.get(self.rank, info.source), seconds=round(info.seconds, 6),
                        bytes=recovery.bytes_fetched, reason=info.reason)
         if self.replicator is not None and recovery.decision is not None:
-            # Re-protect what was loaded now (replicas rebuilt on a replacement node), not at
-            # the next save; and keep the newest step that survived on two nodes until a newer
-            # one is protected.
+            # Re-protect what was loaded now, not at the next save: a replaced node gets its own
+            # shard back and the partner's replicas; the newest step that survived on two nodes
+            # is kept until a newer one is protected.
             self.replicator.seed_protected(recovery.decision.newest_protected)
             self.replicator.activate(reset=True)
+            replicator = self.replicator
+
+            def heal() -> None:
+                if recovery.heal():
+                    replicator.notify()
+
+            threading.Thread(target=heal, name="mlckpt-heal", daemon=True).start()
         return info
 
     def _load(self, state_dict: dict[str, Any], reader: Any) -> None:

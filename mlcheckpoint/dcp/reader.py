@@ -10,17 +10,18 @@ from __future__ import annotations
 import io
 import logging
 import pickle
-from collections import defaultdict
+from collections import Counter, defaultdict
 from torch.futures import Future
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ..errors import CorruptShardError, ShardNotFoundError
-from ..store.checksum import checksum, verify_into
+from ..store.checksum import as_byte_tensor, checksum, verify_into
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore
 from .writer import parse_step
@@ -29,22 +30,29 @@ log = logging.getLogger(__name__)
 
 # fetch(step, rank) makes rank's shard of step present in the local store (rank=None: metadata).
 Fetcher = Callable[[int, "int | None"], None]
+# remote(step, owner, ranges, sinks) reads byte ranges of a shard this node lacks from a node
+# that holds it, straight into the sinks; returns the node it read from.
+RemoteRead = Callable[[int, int, "list[tuple[int, int]]", list], int]
 
 
 class MemoryStorageReader(StorageReader):
     """Loads one checkpoint step from the node's tmpfs store with ``dcp.load``.
 
     Every byte is checked against the checksum recorded at save time before it is used; a
-    mismatch raises CorruptShardError. Shards that live on another node are pulled in with
-    ``fetch`` (set by CheckpointManager when replication is on).
+    mismatch raises CorruptShardError. A shard this node lacks is read with ``remote`` straight
+    into the destination tensors, or else pulled into the local store with ``fetch`` (both set
+    by CheckpointManager when replication is on).
     """
 
     def __init__(self, step: int, store: LocalStore | None = None, *, job_id: str | None = None,
-                 local_dir: str | None = None, fetch: Fetcher | None = None):
+                 local_dir: str | None = None, fetch: Fetcher | None = None,
+                 remote: RemoteRead | None = None, node: int | None = None):
         super().__init__()
         self.step = parse_step(step)
         self.store = store if store is not None else LocalStore(local_dir, job_id)
         self.fetch = fetch
+        self.remote = remote
+        self.node = node  # this node's rank, to name a bad local copy
         self.bytes_read = 0
         self._metadata: Metadata | None = None
         self._chunk_sizes: dict[tuple[str, tuple[int, ...]], torch.Size] = {}
@@ -97,40 +105,84 @@ class MemoryStorageReader(StorageReader):
             raise CorruptShardError(f"item {index} was not written by mlcheckpoint")
         return loc
 
-    def _map(self, rank: int):
-        try:
-            return self.store.map_shard(self.step, rank)
-        except ShardNotFoundError:
-            if self.fetch is None:
-                raise
-            self.fetch(self.step, rank)
-            return self.store.map_shard(self.step, rank)
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_rank: dict[int, list[ReadItem]] = defaultdict(list)
         for req in plan.items:
             by_rank[self._location(req.storage_index).rank].append(req)
-        verified: set[tuple[int, int, int]] = set()
         for rank, reqs in sorted(by_rank.items()):
-            _, buf = self._map(rank)
-            for req in reqs:
-                loc = self._location(req.storage_index)
-                src = buf.array[loc.offset:loc.offset + loc.nbytes]
-                first = (rank, loc.offset, loc.nbytes) not in verified
-                verified.add((rank, loc.offset, loc.nbytes))
-                if req.type == LoadItemType.BYTE_IO:
-                    if checksum(src) != loc.checksum:
-                        self._corrupt(rank, req)
-                    planner.load_bytes(req, io.BytesIO(src.tobytes()))
-                else:
-                    self._read_tensor(req, loc, src, planner, verify=first, rank=rank)
-                self.bytes_read += loc.nbytes
+            try:
+                _, buf = self.store.map_shard(self.step, rank)
+            except ShardNotFoundError:
+                if self.remote is not None:
+                    self._read_remote(rank, reqs, planner)
+                    continue
+                if self.fetch is None:
+                    raise
+                self.fetch(self.step, rank)
+                _, buf = self.store.map_shard(self.step, rank)
+            self._read_local(rank, reqs, buf, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
+    def _read_local(self, rank: int, reqs: list[ReadItem], buf, planner: LoadPlanner) -> None:
+        verified: set[tuple[int, int]] = set()
+        for req in reqs:
+            loc = self._location(req.storage_index)
+            src = buf.array[loc.offset:loc.offset + loc.nbytes]
+            first = (loc.offset, loc.nbytes) not in verified
+            verified.add((loc.offset, loc.nbytes))
+            if req.type == LoadItemType.BYTE_IO:
+                if checksum(src) != loc.checksum:
+                    self._corrupt(rank, req, self.node)
+                planner.load_bytes(req, io.BytesIO(src.tobytes()))
+            else:
+                self._read_tensor(req, loc, src, planner, verify=first, rank=rank)
+            self.bytes_read += loc.nbytes
+
+    def _read_remote(self, rank: int, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+        """Stream the items of a shard held elsewhere, into the targets where possible."""
+        uses = Counter((loc.offset, loc.nbytes) for loc in map(self._location, (r.storage_index for r in reqs)))
+        sinks: dict[tuple[int, int], np.ndarray] = {}
+        targets: dict[int, torch.Tensor] = {}
+        direct: set[int] = set()
+        for i, req in enumerate(reqs):
+            loc = self._location(req.storage_index)
+            key = (loc.offset, loc.nbytes)
+            if req.type == LoadItemType.BYTE_IO:
+                continue
+            target = planner.resolve_tensor(req).detach()
+            targets[i] = target
+            dtype = self._metadata.state_dict_metadata[req.storage_index.fqn].properties.dtype
+            if (uses[key] == 1 and target.device.type == "cpu" and target.is_contiguous()
+                    and target.dtype == dtype and target.numel() * target.element_size() == loc.nbytes
+                    and tuple(req.lengths) == tuple(self._chunk_sizes[(req.storage_index.fqn,
+                                                                        tuple(req.storage_index.offset))])):
+                sinks[key] = as_byte_tensor(target).numpy()  # bytes land in the model directly
+                direct.add(i)
+        for req in reqs:
+            loc = self._location(req.storage_index)
+            sinks.setdefault((loc.offset, loc.nbytes), np.empty(loc.nbytes, dtype=np.uint8))
+        ranges = sorted(sinks)
+        node = self.remote(self.step, rank, ranges, [sinks[k] for k in ranges])
+        checks = {self._location(r.storage_index).offset: self._location(r.storage_index) for r in reqs}
+        for loc in checks.values():
+            if checksum(sinks[(loc.offset, loc.nbytes)]) != loc.checksum:
+                bad = next(r for r in reqs if self._location(r.storage_index).offset == loc.offset)
+                self._corrupt(rank, bad, node)
+        for i, req in enumerate(reqs):
+            loc = self._location(req.storage_index)
+            sink = sinks[(loc.offset, loc.nbytes)]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(sink.tobytes()))
+            elif i in direct:
+                planner.commit_tensor(req, targets[i])
+            else:
+                self._read_tensor(req, loc, sink, planner, verify=False, rank=rank, target=targets[i])
+            self.bytes_read += loc.nbytes
+
     def _read_tensor(self, req: ReadItem, loc: ItemLocation, src, planner: LoadPlanner, *,
-                     verify: bool, rank: int) -> None:
+                     verify: bool, rank: int, target: torch.Tensor | None = None) -> None:
         assert self._metadata is not None
         idx = req.storage_index
         dtype = self._metadata.state_dict_metadata[idx.fqn].properties.dtype
@@ -139,7 +191,8 @@ class MemoryStorageReader(StorageReader):
         view = stored
         for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
             view = view.narrow(dim, off, length)
-        target = planner.resolve_tensor(req).detach()
+        if target is None:
+            target = planner.resolve_tensor(req).detach()
         whole = view.numel() == stored.numel()
         if (verify and whole and target.device.type == "cpu" and target.is_contiguous()
                 and target.dtype == dtype and target.numel() == stored.numel()):
@@ -149,11 +202,12 @@ class MemoryStorageReader(StorageReader):
             if ok:
                 target.copy_(view.reshape(target.shape) if target.shape != view.shape else view)
         if not ok:
-            self._corrupt(rank, req)
+            self._corrupt(rank, req, self.node)
         planner.commit_tensor(req, target)
 
-    def _corrupt(self, rank: int, req: ReadItem) -> None:
+    def _corrupt(self, rank: int, req: ReadItem, node: int | None) -> None:
+        where = "this node" if node == self.node else f"node {node}"
         msg = (f"checksum mismatch reading {req.storage_index.fqn!r} of step {self.step} from "
-               f"rank {rank}'s shard in {self.store.job_dir}")
+               f"rank {rank}'s shard on {where} (job {self.store.job_id})")
         log.error(msg)
-        raise CorruptShardError(msg)
+        raise CorruptShardError(msg, copy=(self.step, rank, node))

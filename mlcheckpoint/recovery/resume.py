@@ -67,16 +67,20 @@ class Recovery:
                 break
             problems = self._gather_problems(self._fetch(d))
             if not problems:
-                problems = self._gather_problems(self._verify(d.step))
+                problems = self._gather_problems(self._verify(d))
             if problems:
                 bad |= {copy for copy, _ in problems}
                 notes += [why for _, why in problems]
                 continue
-            failure = self._load(state_dict, d)
+            failure, bad_copy = self._load(state_dict, d)
             if failure is None:
                 break
-            bad_steps.add(d.step)
             notes.append(failure)
+            if bad_copy is not None:  # one copy was bad: refuse it, try the others first
+                bad.add(bad_copy)
+                self._quarantine(bad_copy)
+            else:
+                bad_steps.add(d.step)
         else:
             d = Decision(FRESH, None, reason="gave up after too many failed attempts")
         if d.kind == PERSISTENT:
@@ -101,10 +105,12 @@ class Recovery:
         return rank // self.topo.local_world_size
 
     def _fetch(self, d: Decision) -> list[tuple[BadCopy, str]]:
-        """Run the fetches the plan gave this rank (onto this rank's node)."""
+        """Fetch the metadata this node lacks. Shards are not fetched here: the reader streams
+        them straight into the model (``_remote_read``), and the tmpfs copy is rebuilt after
+        the load (``heal``), off the resume's critical path."""
         problems = []
         for f in d.fetches:
-            if f.dst_rank != self.topo.rank:
+            if f.dst_rank != self.topo.rank or f.owner is not None:
                 continue
             what = "metadata" if f.owner is None else f"rank {f.owner}'s shard"
             try:
@@ -119,10 +125,16 @@ class Recovery:
                                  f"fetching {what} of step {f.step} from rank {f.src_rank} failed: {e}"))
         return problems
 
-    def _verify(self, step: int) -> list[tuple[BadCopy, str]]:
-        """Check this rank's share of the step's copies on this node; quarantine bad ones."""
+    def _verify(self, d: Decision) -> list[tuple[BadCopy, str]]:
+        """Check this rank's share of the copies this node will read; quarantine bad ones.
+
+        Own shards (and, when resharding, every local copy) are checked up front so a bad one
+        is replaced by its replica before loading; anything else is verified as it is read.
+        """
         problems = []
+        step = d.step
         node, lr, lws = self.topo.node_rank, self.topo.local_rank, self.topo.local_world_size
+        mine = set(self.topo.ranks_of_node(node))
         if lr == 0:
             try:
                 self.store.read_metadata(step)
@@ -131,7 +143,7 @@ class Recovery:
             except ShardNotFoundError:
                 pass
         for owner in sorted(self.store.step_state(step).committed_ranks):
-            if owner % lws != lr:
+            if owner % lws != lr or (not d.resharded and owner not in mine):
                 continue
             try:
                 self.store.verify_shard(step, owner)
@@ -141,15 +153,65 @@ class Recovery:
                 problems.append(((step, owner, node), f"node {node}: {e}"))
         return problems
 
-    def _load(self, state_dict: dict, d: Decision) -> str | None:
-        reader = MemoryStorageReader(d.step, self.store,
-                                     fetch=self._lazy_fetch if self.transport is not None else None)
+    def _load(self, state_dict: dict, d: Decision) -> tuple[str | None, BadCopy | None]:
+        remote = self.transport is not None
+        reader = MemoryStorageReader(d.step, self.store, node=self.topo.node_rank,
+                                     fetch=self._lazy_fetch if remote else None,
+                                     remote=self._remote_read if remote else None)
         try:
             self.load(state_dict, reader)
         except MLCheckpointError as e:
+            bad_copy = getattr(e, "copy", None)
+            if bad_copy is not None and bad_copy[2] is not None:
+                log.warning("mlcheckpoint: a copy of step %d is corrupt, trying another: %s", d.step, e)
+                return f"step {d.step}: {e}", tuple(bad_copy)
             log.warning("mlcheckpoint: loading step %d failed, trying older: %s", d.step, e)
-            return f"step {d.step} failed to load: {e}"
-        return None
+            return f"step {d.step} failed to load: {e}", None
+        return None, None
+
+    def _quarantine(self, copy: BadCopy) -> None:
+        step, owner, node = copy
+        if node == self.topo.node_rank and self.topo.local_rank == 0 and owner is not None:
+            self.store.retire_shard(step, owner)
+
+    def _remote_read(self, step: int, owner: int, ranges, sinks) -> int:
+        """Stream byte ranges of a shard this node lacks from a holder; return its node."""
+        d = self.decision
+        preferred = [f.src_rank for f in d.fetches if f.owner == owner
+                     and self._node_of(f.dst_rank) == self.topo.node_rank]
+        holders = [r for r in d.holders.get(owner, []) if self._node_of(r) != self.topo.node_rank]
+        start = self.topo.rank % len(holders) if holders else 0
+        errors = []
+        for src in dict.fromkeys(preferred + holders[start:] + holders[:start]):
+            try:
+                self.bytes_fetched += self.transport.read_items(src, step, owner, ranges, sinks)
+                return self._node_of(src)
+            except (MLCheckpointError, OSError) as e:
+                errors.append(f"rank {src}: {e}")
+        raise ShardNotFoundError(f"no holder could serve rank {owner}'s shard of step {step}: {errors}")
+
+    def heal(self) -> list[tuple[int, int]]:
+        """After a resume from memory: fetch this rank's own shard of the loaded step back into
+        tmpfs when this node lacks it (a replaced node), so replication can protect it again.
+        Runs after the load (the caller puts it on a background thread). Returns what it fetched."""
+        d = self.decision
+        done = []
+        if d is None or d.kind != MEMORY or d.resharded or self.transport is None:
+            return done
+        owner = self.topo.rank
+        if owner not in d.holders or owner in self.store.step_state(d.step).committed_ranks:
+            return done
+        for src in [r for r in d.holders[owner] if self._node_of(r) != self.topo.node_rank]:
+            try:
+                with self.store.fetch_lock(d.step, owner):
+                    self.transport.fetch_shard(src, d.step, owner)
+                done.append((d.step, owner))
+                log.info("mlcheckpoint: rebuilt rank %d's shard of step %d from rank %d", owner, d.step, src)
+                break
+            except (MLCheckpointError, OSError) as e:
+                log.warning("mlcheckpoint: rebuilding rank %d's shard of step %d from rank %d failed: %s",
+                            owner, d.step, src, e)
+        return done
 
     def _lazy_fetch(self, step: int, owner: int | None) -> None:
         """The reader needs a shard this node lacks (DCP dedup or resharding): pull it."""

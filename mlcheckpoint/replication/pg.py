@@ -167,6 +167,22 @@ class PgTransport(Transport):
                 self._reply(peer, tag, {"status": "ok", "manifest": dataclasses.asdict(m)})
                 if m.data_bytes:
                     self._send_bytes(buf.array, peer, tag)
+        elif op == "read_items":
+            owner = int(msg["owner"])
+            with self.pins.pinned(step):
+                try:
+                    m, buf = self.store.map_shard(step, owner)
+                except ShardNotFoundError:
+                    self._reply(peer, tag, {"status": "missing"})
+                    return
+                ranges = [(int(o), int(n)) for o, n in msg["ranges"]]
+                if any(o < 0 or n < 0 or o + n > m.data_bytes for o, n in ranges):
+                    self._reply(peer, tag, {"status": "error", "error": "range outside the shard"})
+                    return
+                self._reply(peer, tag, {"status": "ok"})
+                for o, n in ranges:
+                    if n:
+                        self._send_bytes(buf.array[o:o + n], peer, tag)
         elif op in ("put_metadata", "get_metadata"):
             blob = f"pg/blob/{tag}"
             if op == "put_metadata":
@@ -227,6 +243,22 @@ class PgTransport(Transport):
             except RuntimeError as e:
                 raise ReplicationError(f"fetching step {step} rank {owner} from {peer} failed: {e}") from None
         return m.data_bytes
+
+    def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
+                   sinks: list) -> int:
+        with self._client_lock:
+            tag = self._post(peer, {"op": "read_items", "step": step, "owner": owner,
+                                    "ranges": [list(r) for r in ranges]})
+            resp = self._await_reply(tag)
+            if resp.get("status") == "missing":
+                raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
+            try:
+                for (_, n), sink in zip(ranges, sinks):
+                    if n:
+                        self._recv_bytes(sink, peer, tag)
+            except RuntimeError as e:
+                raise ReplicationError(f"reading step {step} rank {owner} from {peer} failed: {e}") from None
+        return sum(n for _, n in ranges)
 
     def fetch_metadata(self, peer: int, step: int) -> None:
         with self._client_lock:

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 MAX_METADATA_BYTES = 4 << 30
 MAX_STEP = 10**12
+MAX_RANGES = 1 << 20
 
 
 def default_host() -> str:
@@ -161,6 +162,7 @@ class TcpTransport(Transport):
 
     def _dispatch(self, conn: socket.socket, req: dict, addr) -> None:
         handlers = {"put_shard": self._on_put_shard, "get_shard": self._on_get_shard,
+                    "read_items": self._on_read_items,
                     "put_metadata": self._on_put_metadata, "get_metadata": self._on_get_metadata}
         handler = handlers.get(req.get("op"))
         if handler is None:
@@ -203,6 +205,30 @@ class TcpTransport(Transport):
                 return
             p.send_frame(conn, {"status": "ok", "manifest": dataclasses.asdict(m)})
             send_file(conn, self.store.data_path(step, owner), m.data_bytes)
+
+    def _on_read_items(self, conn: socket.socket, req: dict, step: int) -> None:
+        owner = p.want_int(req, "owner", 0, 1 << 20)
+        ranges = req.get("ranges")
+        if not isinstance(ranges, list) or len(ranges) > MAX_RANGES:
+            raise p.ProtocolError("malformed ranges")
+        with self.pins.pinned(step):
+            try:
+                m = self.store.read_manifest(step, owner)
+                self.store.map_shard(step, owner)
+            except ShardNotFoundError:
+                p.send_frame(conn, {"status": "missing"})
+                return
+            checked = []
+            for r in ranges:
+                if (not isinstance(r, list) or len(r) != 2 or not all(isinstance(x, int) for x in r)
+                        or r[0] < 0 or r[1] < 0 or r[0] + r[1] > m.data_bytes):
+                    raise p.ProtocolError(f"range {r!r} outside the shard")
+                checked.append(r)
+            p.send_frame(conn, {"status": "ok"})
+            with open(self.store.data_path(step, owner), "rb") as f:
+                for offset, nbytes in checked:
+                    if nbytes and conn.sendfile(f, offset, nbytes) != nbytes:
+                        raise ReplicationError("short sendfile")
 
     def _on_put_metadata(self, conn: socket.socket, req: dict, step: int) -> None:
         nbytes = p.want_int(req, "nbytes", 1, MAX_METADATA_BYTES)
@@ -283,6 +309,20 @@ class TcpTransport(Transport):
                 raise ReplicationError(f"shard of {m.data_bytes} bytes exceeds max_shard_bytes")
             receive_shard(sock, self.store, m)
         return m.data_bytes
+
+    def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
+                   sinks: list) -> int:
+        total = 0
+        with self._connect(peer) as sock:
+            resp = self._request(sock, {"op": "read_items", "step": step, "owner": owner,
+                                        "ranges": [list(r) for r in ranges]})
+            if resp.get("status") == "missing":
+                raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
+            for (_, nbytes), sink in zip(ranges, sinks):
+                if nbytes:
+                    p.recv_into_exact(sock, memoryview(sink).cast("B"))
+                total += nbytes
+        return total
 
     def fetch_metadata(self, peer: int, step: int) -> None:
         with self._connect(peer) as sock:

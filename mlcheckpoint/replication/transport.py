@@ -77,6 +77,16 @@ class Transport(abc.ABC):
         """Pull shard (step, owner) from rank ``peer`` into our store, verified and committed."""
 
     @abc.abstractmethod
+    def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
+                   sinks: list) -> int:
+        """Read byte ranges of shard (step, owner) held by rank ``peer`` straight into ``sinks``
+        (writable uint8 numpy arrays, one per range, of the range's size); return the bytes.
+
+        Nothing is written to our store: recovery streams a replaced node's bytes directly into
+        the model's tensors. The caller verifies checksums.
+        """
+
+    @abc.abstractmethod
     def fetch_metadata(self, peer: int, step: int) -> None:
         """Pull the step's global metadata from rank ``peer``."""
 

@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .._faults import crash_point
-from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
+from ..errors import MLCheckpointError, ShardNotFoundError
 from ..store import LocalStore, Manifest
-from ..store.checksum import checksum
 from .rendezvous import Rendezvous
 from .transport import OnReceived, Pins, ReplicationError, Transport
 
@@ -102,10 +101,7 @@ class PgTransport(Transport):
             if m.data_bytes:
                 self._recv_bytes(shard.buffer.array, peer, tag)
             crash_point("replica_mid_recv", m.step, m.rank)
-            for it in m.items:
-                if checksum(shard.buffer.array[it.offset:it.offset + it.nbytes]) != it.checksum:
-                    raise CorruptShardError(f"replica of step {m.step} rank {m.rank}: checksum "
-                                            f"mismatch in {it.key!r} on arrival")
+            shard.verify(m)
             shard.commit_manifest(m)
         except BaseException:
             shard.abort()

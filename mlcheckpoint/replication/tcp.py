@@ -14,9 +14,8 @@ import socket
 import threading
 
 from .._faults import crash_point
-from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
+from ..errors import MLCheckpointError, ShardNotFoundError
 from ..store import LocalStore, Manifest
-from ..store.checksum import checksum
 from . import protocol as p
 from .rendezvous import Rendezvous
 from .transport import OnReceived, Pins, ReplicationError, Transport
@@ -67,10 +66,7 @@ def receive_shard(sock: socket.socket, store: LocalStore, m: Manifest) -> None:
 
         if m.data_bytes:
             p.recv_into_exact(sock, memoryview(shard.buffer.array), progress)
-        for it in m.items:
-            if checksum(shard.buffer.array[it.offset:it.offset + it.nbytes]) != it.checksum:
-                raise CorruptShardError(f"replica of step {m.step} rank {m.rank}: checksum "
-                                        f"mismatch in {it.key!r} on arrival")
+        shard.verify(m)
         shard.commit_manifest(m)
     except BaseException:
         shard.abort()

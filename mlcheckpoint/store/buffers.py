@@ -122,7 +122,7 @@ class MappingCache:
 class _SubMapping(MappedFile):
     """The first ``size`` bytes of a cached, larger mapping (a recycled buffer with slack)."""
 
-    def __init__(self, parent: MappedFile, size: int):  # noqa: super().__init__ not called on purpose
+    def __init__(self, parent: MappedFile, size: int):  # shares the parent's mapping: no super()
         self.key = parent.key
         self.size = size
         self._parent = parent

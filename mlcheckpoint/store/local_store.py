@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-import numpy as np
 
 from .._faults import crash_point
 from ..config import resolve_job_id, resolve_local_dir
@@ -95,6 +94,13 @@ class ShardWriter:
         self.store._commit_shard(self.partial_path, manifest)
         self._committed = True
         return manifest
+
+    def verify(self, manifest: Manifest) -> None:
+        """Check the buffer against a manifest made elsewhere (a replica, on arrival)."""
+        for it in manifest.items:
+            if checksum(self.buffer.array[it.offset:it.offset + it.nbytes]) != it.checksum:
+                raise CorruptShardError(f"replica of step {manifest.step} rank {manifest.rank}: "
+                                        f"checksum mismatch in {it.key!r} on arrival")
 
     def commit_manifest(self, manifest: Manifest) -> None:
         """Commit under a manifest made elsewhere (a replica received from its owner)."""

@@ -110,6 +110,7 @@ class CheckpointManager:
         self._closed = False
         self.replicator: Replicator | None = None
         self.replica_owners: list[int] = []
+        self._heal_thread: threading.Thread | None = None
         if replication != "none" and self.topology.num_nodes == 1:
             log.info("mlcheckpoint: single node, replication off (nothing to pair with)")
             replication = "none"
@@ -303,7 +304,8 @@ class CheckpointManager:
                 if recovery.heal():
                     replicator.notify()
 
-            threading.Thread(target=heal, name="mlckpt-heal", daemon=True).start()
+            self._heal_thread = threading.Thread(target=heal, name="mlckpt-heal", daemon=True)
+            self._heal_thread.start()
         return info
 
     def _load(self, state_dict: dict[str, Any], reader: Any) -> None:
@@ -343,8 +345,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
-        """Block until every save and persistent write in flight has finished."""
+        """Block until every save, persistent write and post-resume repair has finished."""
         self._wait_in_flight()
+        if self._heal_thread is not None:
+            self._heal_thread.join()
         with self._lock:
             pending = list(self._persist_futures)
         for f in pending:

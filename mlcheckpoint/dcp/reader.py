@@ -206,7 +206,7 @@ class MemoryStorageReader(StorageReader):
         planner.commit_tensor(req, target)
 
     def _corrupt(self, rank: int, req: ReadItem, node: int | None) -> None:
-        where = "this node" if node == self.node else f"node {node}"
+        where = f"node {node}" + (" (this node)" if node == self.node else "")
         msg = (f"checksum mismatch reading {req.storage_index.fqn!r} of step {self.step} from "
                f"rank {rank}'s shard on {where} (job {self.store.job_id})")
         log.error(msg)

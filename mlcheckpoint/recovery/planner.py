@@ -147,7 +147,7 @@ def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size:
     d.metadata_holders = [r for n in sorted(set(v.meta_nodes)) for r in node_ranks[n]]
     for node, ranks in sorted(node_ranks.items()):
         if node not in v.meta_nodes:
-            d.fetches.append(Fetch(ranks[0], pick_src(v.meta_nodes, 0), step, None))
+            d.fetches.append(Fetch(ranks[0], pick_src(v.meta_nodes, 1), step, None))  # 1: spread them too
     required = set(v.required or ())
     for rank in sorted(rank_node):
         node = rank_node[rank]

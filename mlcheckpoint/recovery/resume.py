@@ -154,6 +154,7 @@ class Recovery:
         return problems
 
     def _load(self, state_dict: dict, d: Decision) -> tuple[str | None, BadCopy | None]:
+        self.bytes_fetched = 0  # count what the attempt that succeeds read, not failed ones
         remote = self.transport is not None
         reader = MemoryStorageReader(d.step, self.store, node=self.topo.node_rank,
                                      fetch=self._lazy_fetch if remote else None,

@@ -1,0 +1,597 @@
+"""The recovery planner (``plan_resume``): a pure function, tested without processes.
+
+Deterministic cases pin down each rule; hypothesis then checks the rules together against an
+independent model of "which step is usable and what must move where", over random clusters
+(lost nodes, partial holdings, bad copies, failed steps, a persistent step, replication off).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlcheckpoint.recovery import Decision, Fetch, NodeInventory, StepCopy, plan_resume
+from mlcheckpoint.recovery.planner import FRESH, MEMORY, PERSISTENT
+
+
+# ---------------------------------------------------------------------------- builders
+def copy(owners, meta=True, required=None, world_size=None, nbytes=100, sizes=None) -> StepCopy:
+    """What one node holds of one step. ``sizes`` overrides ``nbytes`` per owner."""
+    owners = sorted(set(owners))
+    sizes = sizes or {}
+    return StepCopy(owners=frozenset(owners), has_metadata=meta,
+                    required=tuple(required) if (meta and required is not None) else None,
+                    world_size=world_size if meta else None,
+                    shard_bytes=tuple((o, sizes.get(o, nbytes)) for o in owners))
+
+
+def cluster(nnodes: int, rpn: int, holdings: dict[int, dict[int, StepCopy]]) -> list[NodeInventory]:
+    """``nnodes`` nodes of ``rpn`` ranks; ``holdings[node][step]`` is what survived there."""
+    return [NodeInventory(n, list(range(n * rpn, (n + 1) * rpn)), dict(holdings.get(n, {})))
+            for n in range(nnodes)]
+
+
+def paired(nnodes: int, rpn: int, steps, *, lost=(), world=None, nbytes=100) -> list[NodeInventory]:
+    """Every step saved by ``nnodes`` x ``rpn`` ranks and replicated to the buddy node (i^1),
+    metadata everywhere; ``lost`` nodes came back empty (replacement machines)."""
+    world = world or nnodes * rpn
+    req = tuple(range(world))
+    holdings = {}
+    for n in range(nnodes):
+        if n in lost:
+            continue
+        buddy = n ^ 1 if (n ^ 1) < nnodes else n
+        owners = set(range(n * rpn, (n + 1) * rpn)) | set(range(buddy * rpn, (buddy + 1) * rpn))
+        holdings[n] = {s: copy(owners, required=req, world_size=world, nbytes=nbytes) for s in steps}
+    return cluster(nnodes, rpn, holdings)
+
+
+def shard_fetches(d: Decision) -> list[Fetch]:
+    return [f for f in d.fetches if f.owner is not None]
+
+
+def meta_fetches(d: Decision) -> list[Fetch]:
+    return [f for f in d.fetches if f.owner is None]
+
+
+def mentions_step(reason: str, step: int) -> bool:
+    return re.search(rf"\bstep {step}\b", reason) is not None
+
+
+# ---------------------------------------------------------------------------- the basics
+def test_all_intact_resumes_newest_locally():
+    nodes = paired(2, 1, [1, 2, 3])
+    d = plan_resume(nodes, None, 2)
+    assert (d.kind, d.step) == (MEMORY, 3)
+    assert d.fetches == []
+    assert d.sources == {0: "local", 1: "local"}
+    assert not d.resharded
+    assert d.holders == {0: [0, 1], 1: [0, 1]}
+    assert d.metadata_holders == [0, 1]
+    assert d.newest_protected == 3
+    assert d.reason == ""
+
+
+def test_nothing_anywhere_is_fresh():
+    d = plan_resume(cluster(3, 2, {}), None, 6)
+    assert (d.kind, d.step, d.fetches) == (FRESH, None, [])
+    assert "no checkpoint" in d.reason
+    assert d.newest_protected is None
+
+
+def test_nothing_in_memory_uses_persistent():
+    d = plan_resume(cluster(2, 1, {}), 7, 2)
+    assert (d.kind, d.step, d.fetches) == (PERSISTENT, 7, [])
+
+
+def test_replaced_node_fetches_its_shard_and_metadata_from_its_buddy():
+    nodes = paired(2, 1, [4, 5], lost=[1])
+    d = plan_resume(nodes, None, 2)
+    assert (d.kind, d.step) == (MEMORY, 5)
+    assert sorted(d.fetches, key=lambda f: (f.owner is not None, f.dst_rank)) == [
+        Fetch(dst_rank=1, src_rank=0, step=5, owner=None, nbytes=0),
+        Fetch(dst_rank=1, src_rank=0, step=5, owner=1, nbytes=100),
+    ]
+    assert d.sources == {0: "local", 1: "peer"}
+    assert d.holders == {0: [0], 1: [0]}
+    assert d.metadata_holders == [0]
+    assert d.newest_protected is None  # nothing is on two nodes any more
+
+
+def test_persistent_newer_than_memory_wins_and_says_why():
+    nodes = paired(2, 1, [2, 3])
+    d = plan_resume(nodes, 4, 2)
+    assert (d.kind, d.step, d.fetches) == (PERSISTENT, 4, [])
+    assert "persistent step 4" in d.reason and mentions_step(d.reason, 3), d.reason
+
+
+def test_memory_wins_over_equal_or_older_persistent():
+    nodes = paired(2, 1, [2, 3])
+    for persistent in (0, 2, 3):
+        d = plan_resume(nodes, persistent, 2)
+        assert (d.kind, d.step) == (MEMORY, 3), (persistent, d)
+
+
+def test_incomplete_newest_step_falls_back_to_older_with_reason():
+    # Step 6: rank 1's shard was never committed anywhere (the node died mid-save).
+    nodes = paired(2, 1, [4, 5])
+    for inv in nodes:
+        inv.steps[6] = copy({0}, required=(0, 1), world_size=2)
+    d = plan_resume(nodes, None, 2)
+    assert (d.kind, d.step) == (MEMORY, 5)
+    assert mentions_step(d.reason, 6) and "1" in d.reason and "surviving" in d.reason, d.reason
+
+
+def test_step_without_metadata_is_refused():
+    # Every shard of step 6 is there, but the metadata was never written (coordinator died).
+    nodes = paired(2, 1, [5])
+    for inv in nodes:
+        inv.steps[6] = copy({0, 1}, meta=False)
+    d = plan_resume(nodes, None, 2)
+    assert (d.kind, d.step) == (MEMORY, 5)
+    assert mentions_step(d.reason, 6) and "metadata" in d.reason, d.reason
+
+
+def test_ranks_outside_required_need_no_shard():
+    # Rank 1 wrote nothing at step 3 (e.g. everything it held was de-duplicated to rank 0).
+    nodes = cluster(2, 1, {0: {3: copy({0}, required=(0,), world_size=2)}, 1: {}})
+    d = plan_resume(nodes, None, 2)
+    assert (d.kind, d.step) == (MEMORY, 3)
+    assert shard_fetches(d) == []
+    assert [(f.dst_rank, f.src_rank) for f in meta_fetches(d)] == [(1, 0)]
+    assert d.sources == {0: "local", 1: "local"}
+
+
+# ---------------------------------------------------------------------------- bad copies
+def test_bad_local_copy_is_replaced_from_the_replica():
+    nodes = paired(2, 1, [2, 3])
+    d = plan_resume(nodes, None, 2, bad_copies=[(3, 0, 0)])
+    assert (d.kind, d.step) == (MEMORY, 3)
+    assert shard_fetches(d) == [Fetch(0, 1, 3, 0, 100)]
+    assert meta_fetches(d) == []
+    assert d.sources == {0: "peer", 1: "local"}
+    assert d.holders[0] == [1]  # the bad copy serves nobody
+    assert d.newest_protected == 2  # step 3 has one good copy of rank 0's shard left
+
+
+def test_bad_copies_on_both_nodes_fall_back_to_previous_step():
+    nodes = paired(2, 1, [2, 3])
+    d = plan_resume(nodes, None, 2, bad_copies=[(3, 0, 0), (3, 0, 1)])
+    assert (d.kind, d.step, d.fetches) == (MEMORY, 2, [])
+    assert mentions_step(d.reason, 3), d.reason
+
+
+def test_bad_metadata_copy_is_fetched_again():
+    nodes = paired(2, 1, [3])
+    d = plan_resume(nodes, None, 2, bad_copies=[(3, None, 1)])
+    assert (d.kind, d.step) == (MEMORY, 3)
+    assert d.fetches == [Fetch(1, 0, 3, None, 0)]
+    assert d.metadata_holders == [0]
+
+
+def test_step_that_failed_to_load_is_skipped():
+    nodes = paired(2, 1, [2, 3])
+    d = plan_resume(nodes, 1, 2, bad_steps=[3])
+    assert (d.kind, d.step) == (MEMORY, 2)
+    assert mentions_step(d.reason, 3) and "failed" in d.reason, d.reason
+    d = plan_resume(nodes, 1, 2, bad_steps=[2, 3])
+    assert (d.kind, d.step) == (PERSISTENT, 1)
+    assert mentions_step(d.reason, 3) and mentions_step(d.reason, 2), d.reason
+
+
+def test_node_without_ranks_serves_nothing():
+    # Node 1's machine is not part of the job any more: what its dir holds is unreachable.
+    nodes = paired(2, 1, [3])
+    nodes[1].ranks = []
+    nodes[0].steps[3] = copy({0}, required=(0, 1), world_size=2)
+    d = plan_resume(nodes, None, 2)
+    assert d.kind == FRESH, d
+    assert mentions_step(d.reason, 3), d.reason
+
+
+# ---------------------------------------------------------------------------- replication off
+def test_without_transport_a_step_needing_fetches_is_refused():
+    nodes = paired(2, 1, [3], lost=[1])
+    d = plan_resume(nodes, None, 2, can_fetch=False)
+    assert d.kind == FRESH and d.fetches == []
+    assert mentions_step(d.reason, 3) and "replication is off" in d.reason, d.reason
+    d = plan_resume(nodes, 1, 2, can_fetch=False)
+    assert (d.kind, d.step, d.fetches) == (PERSISTENT, 1, [])
+
+
+def test_without_transport_an_older_fully_local_step_is_used():
+    nodes = paired(2, 1, [2])
+    nodes[0].steps[3] = copy({0, 1}, required=(0, 1), world_size=2)
+    nodes[1].steps[3] = copy({0}, required=(0, 1), world_size=2)  # its own shard is missing
+    assert plan_resume(nodes, None, 2).step == 3  # with a transport: fetch and use step 3
+    d = plan_resume(nodes, None, 2, can_fetch=False)
+    assert (d.kind, d.step, d.fetches) == (MEMORY, 2, [])
+    assert mentions_step(d.reason, 3), d.reason
+
+
+def test_single_node_without_transport():
+    nodes = cluster(1, 2, {0: {7: copy({0, 1}, required=(0, 1), world_size=2)}})
+    d = plan_resume(nodes, None, 2, can_fetch=False)
+    assert (d.kind, d.step, d.fetches) == (MEMORY, 7, [])
+    assert d.sources == {0: "local", 1: "local"}
+
+
+# ---------------------------------------------------------------------------- spreading fetches
+def test_two_replacement_nodes_fetch_from_different_holders():
+    # 4 nodes x 1 rank; nodes 0 and 1 are replacements. Nodes 2 and 3 each hold every shard.
+    full = copy(range(4), required=range(4), world_size=4)
+    nodes = cluster(4, 1, {2: {9: full}, 3: {9: full}})
+    d = plan_resume(nodes, None, 4)
+    assert (d.kind, d.step) == (MEMORY, 9)
+    shards = shard_fetches(d)
+    assert sorted((f.dst_rank, f.owner) for f in shards) == [(0, 0), (1, 1)]
+    assert {f.src_rank for f in shards} == {2, 3}, shards
+    assert len(meta_fetches(d)) == 2
+
+
+def test_fetches_balance_bytes_not_counts():
+    # Three shards to fetch, of 1000, 10 and 10 bytes, each held by nodes 3 and 4: one
+    # holder serves the big one, the other both small ones.
+    sizes = {0: 1000, 1: 10, 2: 10}
+    full = copy(range(5), required=range(5), world_size=5, sizes=sizes)
+    nodes = cluster(5, 1, {3: {1: full}, 4: {1: full}})
+    d = plan_resume(nodes, None, 5)
+    served: Counter[int] = Counter()
+    for f in shard_fetches(d):
+        assert f.nbytes == sizes[f.owner]
+        served[f.src_rank] += f.nbytes
+    assert sorted(served.values()) == [20, 1000], served
+
+
+def test_fetches_from_one_node_are_spread_over_its_ranks():
+    # 2 nodes x 2 ranks, node 1 replaced: ranks 2 and 3 pull from node 0, not both from one rank.
+    nodes = paired(2, 2, [5], lost=[1])
+    d = plan_resume(nodes, None, 4)
+    shards = shard_fetches(d)
+    assert sorted((f.dst_rank, f.owner) for f in shards) == [(2, 2), (3, 3)]
+    assert {f.src_rank for f in shards} == {0, 1}, shards
+    # One metadata fetch per node lacking it, by one of that node's ranks.
+    assert [(f.dst_rank in (2, 3), f.src_rank in (0, 1)) for f in meta_fetches(d)] == [(True, True)]
+    assert d.sources == {0: "local", 1: "local", 2: "peer", 3: "peer"}
+
+
+def test_many_replacements_spread_over_all_holders():
+    # 8 nodes x 1 rank: nodes 0..3 replaced; nodes 4..7 each hold all 8 shards.
+    full = copy(range(8), required=range(8), world_size=8)
+    nodes = cluster(8, 1, {n: {2: full} for n in range(4, 8)})
+    d = plan_resume(nodes, None, 8)
+    per_src = Counter(f.src_rank for f in shard_fetches(d))
+    assert sorted(per_src) == [4, 5, 6, 7] and set(per_src.values()) == {1}, per_src
+
+
+# ---------------------------------------------------------------------------- resharding
+def test_other_world_size_reshards_without_eager_shard_fetches():
+    # Saved by 4 ranks (one per node); resumed by 2 nodes x 1 rank that hold the shards
+    # between them. DCP decides which bytes each rank reads; the reader fetches lazily.
+    req = range(4)
+    nodes = cluster(2, 1, {0: {3: copy({0, 1}, required=req, world_size=4)},
+                           1: {3: copy({2, 3}, meta=False)}})
+    d = plan_resume(nodes, None, 2)
+    assert (d.kind, d.step, d.resharded) == (MEMORY, 3, True)
+    assert shard_fetches(d) == []
+    assert d.fetches == [Fetch(1, 0, 3, None, 0)]
+    assert d.holders == {0: [0], 1: [0], 2: [1], 3: [1]}
+    assert d.sources == {0: "local", 1: "local"}
+
+
+def test_other_world_size_with_missing_shards_falls_back():
+    req = range(4)
+    nodes = cluster(2, 1, {0: {3: copy({0, 1}, required=req, world_size=4)},
+                           1: {3: copy({0, 1}, required=req, world_size=4)}})
+    d = plan_resume(nodes, 2, 2)
+    assert (d.kind, d.step) == (PERSISTENT, 2)
+    assert mentions_step(d.reason, 3) and "2, 3" in d.reason, d.reason
+    d = plan_resume(nodes, None, 2)
+    assert (d.kind, d.step) == (FRESH, None)
+    assert mentions_step(d.reason, 3), d.reason
+
+
+def test_growing_world_size_reads_from_old_holders():
+    # Saved by 2 nodes x 1, resumed on 4 nodes; nodes 2 and 3 are new.
+    nodes = paired(2, 1, [8]) + [NodeInventory(2, [2]), NodeInventory(3, [3])]
+    d = plan_resume(nodes, None, 4)
+    assert (d.kind, d.step, d.resharded) == (MEMORY, 8, True)
+    assert shard_fetches(d) == []
+    assert sorted(f.dst_rank for f in meta_fetches(d)) == [2, 3]
+    assert {f.src_rank for f in meta_fetches(d)} <= {0, 1}
+
+
+# ---------------------------------------------------------------------------- scale
+def test_sixteen_thousand_ranks():
+    """2048 nodes x 8 ranks, buddy-replicated, 3 steps; 5 nodes replaced and, at the newest
+    step, one shard missing on both copies. (Correctness only: no timing is asserted.)"""
+    nnodes, rpn = 2048, 8
+    world = nnodes * rpn
+    lost = {3, 100, 777, 2047}  # no two of them buddies
+    nodes = paired(nnodes, rpn, [10, 11], lost=lost)
+    # Step 12 lacks rank 5000's shard everywhere (its node and buddy died mid-save).
+    for inv in nodes:
+        if inv.steps:
+            owners = set(inv.steps[11].owners) - {5000}
+            inv.steps[12] = copy(owners, required=range(world), world_size=world)
+    d = plan_resume(nodes, None, world)
+    assert (d.kind, d.step) == (MEMORY, 11)
+    assert mentions_step(d.reason, 12) and "5000" in d.reason
+    lost_ranks = {r for n in lost for r in range(n * rpn, (n + 1) * rpn)}
+    shards = shard_fetches(d)
+    assert sorted(f.dst_rank for f in shards) == sorted(lost_ranks)
+    assert all(f.owner == f.dst_rank and f.src_rank // rpn == (f.dst_rank // rpn) ^ 1 for f in shards)
+    assert sorted(f.dst_rank // rpn for f in meta_fetches(d)) == sorted(lost)
+    assert sum(1 for s in d.sources.values() if s == "peer") == len(lost_ranks)
+    assert len(d.sources) == world
+    # The buddies of the lost nodes hold step 11 once only: not protected any more; step 10 is
+    # not either (same holdings). So nothing is.
+    assert d.newest_protected is None
+
+
+# ---------------------------------------------------------------------------- properties
+@st.composite
+def scenarios(draw):
+    """A healthy buddy-replicated cluster, then damage: lost nodes (empty inventories),
+    copies missing here and there, stray extra copies, machines without live ranks, bad
+    copies, failed steps, a persistent step, replication off."""
+    nnodes = draw(st.integers(1, 8))
+    rpn = draw(st.integers(1, 3))
+    world = nnodes * rpn
+    steps = draw(st.lists(st.integers(0, 30), unique=True, min_size=1, max_size=4))
+    saved: dict[int, tuple[tuple[int, ...], int]] = {}
+    for s in steps:
+        ws = world if draw(st.integers(0, 5)) else draw(st.integers(1, 12))  # mostly the same
+        full = tuple(range(ws))
+        req = full if draw(st.integers(0, 3)) else tuple(sorted(draw(st.sets(st.sampled_from(full), min_size=1))))
+        saved[s] = (req, ws)
+
+    def base(node: int, s: int) -> set[int]:
+        """The shards that ``node``'s ranks saved of step ``s``."""
+        _, ws = saved[s]
+        if ws == world:
+            return set(range(node * rpn, (node + 1) * rpn))
+        return {o for o in range(ws) if o % nnodes == node}  # saved under another layout
+
+    # node -> step -> [owners, has_metadata]
+    hold: dict[int, dict[int, list]] = {}
+    for n in range(nnodes):
+        buddy = n ^ 1 if (n ^ 1) < nnodes else n
+        hold[n] = {s: [base(n, s) | base(buddy, s), True] for s in steps}
+    ghosts = draw(st.integers(0, 1))
+    for g in range(ghosts):
+        like = draw(st.integers(0, nnodes - 1))
+        hold[nnodes + g] = {s: [set(o), m] for s, (o, m) in hold[like].items()}
+    lost = draw(st.sets(st.integers(0, nnodes - 1), max_size=nnodes // 2))
+    for n in lost:
+        hold[n] = {}
+    copies = sorted((n, s, o) for n in hold for s, (owners, _) in hold[n].items() for o in owners)
+    copies += sorted((n, s, None) for n in hold for s, (_, meta) in hold[n].items() if meta)
+    for n, s, o in draw(st.sets(st.sampled_from(copies), max_size=4)) if copies else ():
+        if o is None:
+            hold[n][s][1] = False
+        else:
+            hold[n][s][0].discard(o)
+    all_owners = list(range(max([world] + [ws for _, ws in saved.values()])))
+    if steps:
+        for _ in range(draw(st.integers(0, 2))):  # a stray copy, e.g. an old replica
+            n, s = draw(st.sampled_from(sorted(hold))), draw(st.sampled_from(steps))
+            hold[n].setdefault(s, [set(), False])[0].add(draw(st.sampled_from(all_owners)))
+
+    nodes = []
+    for n in sorted(hold):
+        ranks = list(range(n * rpn, (n + 1) * rpn)) if n < nnodes else []
+        inv = {}
+        for s, (owners, meta) in hold[n].items():
+            sizes = {o: draw(st.integers(1, 1000)) for o in sorted(owners)}
+            req, ws = saved[s]
+            inv[s] = copy(owners, meta=meta, required=req, world_size=ws, sizes=sizes)
+        nodes.append(NodeInventory(n, ranks, inv))
+    if draw(st.booleans()):
+        nodes = draw(st.permutations(nodes))
+
+    existing = [(s, o, inv.node) for inv in nodes for s, c in inv.steps.items() for o in c.owners]
+    existing += [(s, None, inv.node) for inv in nodes for s, c in inv.steps.items() if c.has_metadata]
+    bad = draw(st.sets(st.sampled_from(existing), max_size=4)) if existing else set()
+    bad_steps = draw(st.sets(st.sampled_from(steps), max_size=2)) if steps else set()
+    persistent = draw(st.one_of(st.none(), st.none(), st.integers(0, 32)))
+    can_fetch = draw(st.integers(0, 3)) > 0
+    return {"nodes": nodes, "world": world, "rpn": rpn, "bad": bad, "bad_steps": bad_steps,
+                "persistent": persistent, "can_fetch": can_fetch}
+
+
+class Model:
+    """An independent statement of what the planner must decide."""
+
+    def __init__(self, sc):
+        self.sc = sc
+        self.live = {inv.node: inv for inv in sc["nodes"] if inv.ranks}
+        self.node_of = {r: n for n, inv in self.live.items() for r in inv.ranks}
+        self.steps = sorted({s for inv in self.live.values() for s in inv.steps})
+        bad = sc["bad"]
+        self.meta: dict[int, set[int]] = defaultdict(set)
+        self.owner: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+        self.nbytes: dict[tuple[int, int], set[int]] = defaultdict(set)
+        self.saved: dict[int, tuple[tuple[int, ...], int]] = {}
+        for n, inv in self.live.items():
+            for s, c in inv.steps.items():
+                if c.has_metadata and (s, None, n) not in bad:
+                    self.meta[s].add(n)
+                    self.saved[s] = (c.required, c.world_size)
+                for o, b in c.shard_bytes:
+                    if (s, o, n) not in bad:
+                        self.owner[s][o].add(n)
+                        self.nbytes[(s, o)].add(b)
+
+    def complete(self, s: int) -> bool:
+        return bool(self.meta[s]) and all(self.owner[s][r] for r in self.saved[s][0])
+
+    def same_world(self, s: int) -> bool:
+        return self.saved[s][1] == self.sc["world"]
+
+    def shard_needs(self, s: int) -> list[int]:
+        """Ranks that must pull their own shard of step ``s`` onto their node."""
+        if not self.same_world(s):
+            return []
+        return [r for r in sorted(self.node_of) if r in self.saved[s][0]
+                and self.node_of[r] not in self.owner[s][r]]
+
+    def meta_needs(self, s: int) -> list[int]:
+        return sorted(n for n in self.live if n not in self.meta[s])
+
+    def usable(self, s: int) -> bool:
+        if s in self.sc["bad_steps"] or not self.complete(s):
+            return False
+        return self.sc["can_fetch"] or not (self.shard_needs(s) or self.meta_needs(s))
+
+    def expected(self) -> tuple[str, int | None]:
+        best = max((s for s in self.steps if self.usable(s)), default=None)
+        p = self.sc["persistent"]
+        if best is not None and (p is None or best >= p):
+            return MEMORY, best
+        if p is not None:
+            return PERSISTENT, p
+        return FRESH, None
+
+    def newest_protected(self) -> int | None:
+        for s in reversed(self.steps):
+            if len(self.meta[s]) >= 2 and all(len(self.owner[s][r]) >= 2 for r in self.saved[s][0]):
+                return s
+        return None
+
+
+def run(sc) -> Decision:
+    return plan_resume(sc["nodes"], sc["persistent"], sc["world"], bad_copies=sc["bad"],
+                       bad_steps=sc["bad_steps"], can_fetch=sc["can_fetch"])
+
+
+PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(scenarios())
+def test_property_decision_matches_model(sc):
+    d = run(sc)
+    m = Model(sc)
+    assert (d.kind, d.step) == m.expected(), (d, sc)
+    assert d.newest_protected == m.newest_protected()
+    if d.kind == MEMORY:
+        # the chosen step is complete among the survivors, not counting bad copies
+        assert m.complete(d.step) and d.step not in sc["bad_steps"]
+        # no newer step was usable, and a persistent step newer than it would have won
+        assert not any(m.usable(s) for s in m.steps if s > d.step)
+        assert sc["persistent"] is None or sc["persistent"] <= d.step
+        assert d.resharded == (not m.same_world(d.step))
+    else:
+        assert d.fetches == [] and d.sources == {}
+        if d.kind == FRESH:
+            assert sc["persistent"] is None and not any(m.usable(s) for s in m.steps)
+
+
+@PROPERTY
+@given(scenarios())
+def test_property_fetch_plan_covers_every_need_once(sc):
+    d = run(sc)
+    if d.kind != MEMORY:
+        return
+    m = Model(sc)
+    s = d.step
+    assert all(f.step == s for f in d.fetches)
+    if not sc["can_fetch"]:
+        assert d.fetches == []
+
+    # Shards: exactly one fetch per rank whose node lacks its (good) shard, none otherwise.
+    shards = shard_fetches(d)
+    assert sorted(f.dst_rank for f in shards) == m.shard_needs(s), (shards, sc)
+    for f in shards:
+        assert f.owner == f.dst_rank
+        assert f.src_rank in m.node_of, f  # a live rank ...
+        src_node = m.node_of[f.src_rank]
+        assert src_node in m.owner[s][f.owner], f  # ... on a node with a good copy
+        assert (s, f.owner, src_node) not in sc["bad"]
+        assert src_node != m.node_of[f.dst_rank]
+        assert f.nbytes in m.nbytes[(s, f.owner)]
+
+    # Metadata: exactly one fetch per live node without a good copy, by one of its ranks.
+    metas = meta_fetches(d)
+    assert sorted(m.node_of[f.dst_rank] for f in metas) == m.meta_needs(s), (metas, sc)
+    for f in metas:
+        src_node = m.node_of[f.src_rank]
+        assert src_node in m.meta[s] and (s, None, src_node) not in sc["bad"]
+
+    # Where each rank's bytes come from; who can serve each shard during the load.
+    needs = set(m.shard_needs(s))
+    assert d.sources == {r: ("peer" if r in needs else "local") for r in m.node_of}
+    for o, ranks in d.holders.items():
+        assert sorted(ranks) == sorted(r for n in m.owner[s][o] for r in m.live[n].ranks), o
+    assert {o for o, ns in m.owner[s].items() if ns} == set(d.holders)
+    assert sorted(d.metadata_holders) == sorted(r for n in m.meta[s] for r in m.live[n].ranks)
+
+
+@PROPERTY
+@given(scenarios())
+def test_property_reason_names_every_refused_newer_step(sc):
+    d = run(sc)
+    m = Model(sc)
+    chosen = d.step if d.kind == MEMORY else None
+    p = sc["persistent"]
+    for s in m.steps:
+        if chosen is not None and s <= chosen:
+            continue
+        if d.kind == PERSISTENT and s < p:
+            continue  # never looked at: the persistent step is newer anyway
+        assert mentions_step(d.reason, s), (s, d.reason, sc)
+        if s in sc["bad_steps"]:
+            assert f"step {s} failed" in d.reason
+        elif not m.complete(s):
+            assert f"step {s} unusable" in d.reason
+        elif not sc["can_fetch"]:
+            assert "replication is off" in d.reason
+    if d.kind == PERSISTENT and any(s < p for s in m.steps):
+        assert f"persistent step {p} is newer" in d.reason, d.reason
+    if d.kind == FRESH:
+        assert d.reason
+
+
+@PROPERTY
+@given(scenarios())
+def test_property_deterministic_and_inputs_untouched(sc):
+    """Every rank plans on the same gathered inputs and must reach the same decision."""
+    snapshot = [(inv.node, list(inv.ranks), dict(inv.steps)) for inv in sc["nodes"]]
+    a, b = run(sc), run(sc)
+    assert a == b
+    assert snapshot == [(inv.node, list(inv.ranks), dict(inv.steps)) for inv in sc["nodes"]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(nnodes=st.integers(2, 8), rpn=st.integers(1, 3), data=st.data())
+def test_property_balanced_sources_for_replacements(nnodes, rpn, data):
+    """k replacement nodes and h >= k surviving nodes that each hold every shard (equal sizes):
+    no surviving node serves more than its share of shard fetches, rounded up."""
+    lost = sorted(data.draw(st.sets(st.integers(0, nnodes - 1), min_size=1, max_size=nnodes - 1)))
+    world = nnodes * rpn
+    full = copy(range(world), required=range(world), world_size=world)
+    nodes = cluster(nnodes, rpn, {n: {1: full} for n in range(nnodes) if n not in lost})
+    d = plan_resume(nodes, None, world)
+    assert (d.kind, d.step) == (MEMORY, 1)
+    holders = nnodes - len(lost)
+    per_node = Counter(f.src_rank // rpn for f in shard_fetches(d))
+    need = len(lost) * rpn
+    assert sum(per_node.values()) == need
+    assert max(per_node.values()) <= -(-need // holders), per_node
+    # within a node, fetches rotate over its ranks
+    per_rank = Counter(f.src_rank for f in shard_fetches(d))
+    assert max(per_rank.values()) <= -(-max(per_node.values()) // rpn), per_rank
+
+
+@pytest.mark.parametrize("persistent", [None, 5])
+def test_bad_everything_is_fresh_or_persistent(persistent):
+    nodes = paired(2, 1, [1, 2])
+    bad = [(s, o, n) for s in (1, 2) for o in (0, 1, None) for n in (0, 1)]
+    d = plan_resume(nodes, persistent, 2, bad_copies=bad)
+    assert d.kind == (FRESH if persistent is None else PERSISTENT)
+    assert d.step == persistent and d.fetches == []

@@ -40,6 +40,18 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def recv_growing(sock: socket.socket, n: int, chunk: int = 1 << 20) -> bytes:
+    """Receive ``n`` bytes, allocating only as they arrive: a peer's claimed size is never
+    allocated up front."""
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(min(chunk, n - len(buf)))
+        if not part:
+            raise ProtocolError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += part
+    return bytes(buf)
+
+
 def recv_into_exact(sock: socket.socket, view: memoryview, on_progress=None) -> None:
     """Fill ``view`` from the socket (straight into the destination: no intermediate copy)."""
     got, n = 0, len(view)

@@ -138,9 +138,9 @@ class Replicator:
                     if st.state in ("committed", "failed"):
                         st.state, st.reason = "superseded", f"step {newest} is newer"
             self._push_shard(newest)
-        if self.metadata_targets:
-            with_meta = [s for s in mine if inv[s].has_metadata and not self._metadata_done(s)]
-            if with_meta:
+        if self.metadata_targets:  # only the newest step's metadata matters, like its shards
+            with_meta = [s for s in mine if inv[s].has_metadata]
+            if with_meta and not self._metadata_done(with_meta[-1]):
                 self._push_metadata(with_meta[-1])
 
     def _needs_push(self, step: int) -> bool:

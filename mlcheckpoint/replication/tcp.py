@@ -16,6 +16,7 @@ import threading
 from .._faults import crash_point
 from ..errors import MLCheckpointError, ShardNotFoundError
 from ..store import LocalStore, Manifest
+from ..store.checksum import checksum
 from . import protocol as p
 from .rendezvous import Rendezvous
 from .transport import OnReceived, Pins, ReplicationError, Transport
@@ -103,9 +104,14 @@ class TcpTransport(Transport):
     def __init__(self, store: LocalStore, rdzv: Rendezvous, *, host: str | None = None,
                  timeout: float = 60.0, pins: Pins | None = None,
                  on_received: OnReceived | None = None, max_shard_bytes: int = 1 << 40,
-                 max_connections: int = 32):
+                 max_connections: int = 32, max_handshakes: int = 128,
+                 handshake_timeout: float = 5.0):
         self.store, self.rdzv = store, rdzv
         self.timeout = timeout
+        self.handshake_timeout = min(handshake_timeout, timeout)
+        # Connections that have not authenticated yet get their own, larger pool and a short
+        # deadline, so idle strangers cannot use up the slots partners need.
+        self._handshakes = threading.BoundedSemaphore(max_handshakes)
         self.pins = pins or Pins()
         self.on_received = on_received
         self.max_shard_bytes = max_shard_bytes
@@ -127,8 +133,8 @@ class TcpTransport(Transport):
                 conn, addr = self._listener.accept()
             except OSError:
                 return  # closed
-            if not self._slots.acquire(blocking=False):
-                log.warning("refusing replication connection from %s: too many open", addr)
+            if not self._handshakes.acquire(blocking=False):
+                log.warning("refusing replication connection from %s: too many handshakes", addr)
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
@@ -136,12 +142,21 @@ class TcpTransport(Transport):
 
     def _serve(self, conn: socket.socket, addr) -> None:
         try:
-            conn.settimeout(self.timeout)
+            conn.settimeout(self.handshake_timeout)
             try:
                 p.server_handshake(conn, self.secret)
             except (p.ProtocolError, OSError) as e:
                 log.warning("refused replication connection from %s: %s", addr, e)
+                conn.close()
                 return
+        finally:
+            self._handshakes.release()
+        if not self._slots.acquire(blocking=False):
+            log.warning("refusing replication connection from %s: too many open", addr)
+            conn.close()
+            return
+        try:
+            conn.settimeout(self.timeout)
             while not self._closed.is_set():
                 try:
                     req = p.recv_frame(conn)
@@ -229,11 +244,11 @@ class TcpTransport(Transport):
     def _on_put_metadata(self, conn: socket.socket, req: dict, step: int) -> None:
         nbytes = p.want_int(req, "nbytes", 1, MAX_METADATA_BYTES)
         with contextlib.suppress(MLCheckpointError):
-            if len(self.store.read_metadata_file(step)) == nbytes:
+            if checksum(self.store.read_metadata_file(step)) == req.get("checksum"):
                 p.send_frame(conn, {"status": "have"})
                 return
         p.send_frame(conn, {"status": "ready"})
-        raw = p.recv_exact(conn, nbytes)
+        raw = p.recv_growing(conn, nbytes)
         self.store.write_metadata_file(step, raw)  # verifies before installing
         p.send_frame(conn, {"status": "ok"})
 
@@ -287,7 +302,8 @@ class TcpTransport(Transport):
     def push_metadata(self, peer: int, step: int) -> None:
         raw = self.store.read_metadata_file(step)
         with self._connect(peer) as sock:
-            resp = self._request(sock, {"op": "put_metadata", "step": step, "nbytes": len(raw)})
+            resp = self._request(sock, {"op": "put_metadata", "step": step, "nbytes": len(raw),
+                                        "checksum": checksum(raw)})
             if resp.get("status") == "have":
                 return
             sock.sendall(raw)
@@ -326,7 +342,7 @@ class TcpTransport(Transport):
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} has no metadata of step {step}")
             nbytes = p.want_int(resp, "nbytes", 1, MAX_METADATA_BYTES)
-            self.store.write_metadata_file(step, p.recv_exact(sock, nbytes))
+            self.store.write_metadata_file(step, p.recv_growing(sock, nbytes))
 
     def close(self) -> None:
         self._closed.set()

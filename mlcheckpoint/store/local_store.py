@@ -112,6 +112,7 @@ class ShardWriter:
     def abort(self) -> None:
         if not self._committed:
             self.store._discard(self.partial_path)
+            self.store._remove_step_if_empty(self.step)
 
 
 class LocalStore:
@@ -178,12 +179,14 @@ class LocalStore:
 
         Raises CapacityError before writing anything if tmpfs or the memory limit has no room.
         """
-        os.makedirs(self.step_dir(step), mode=0o700, exist_ok=True)
         partial = self.data_path(step, rank) + layout.PARTIAL
         self._discard(partial)  # debris of an earlier attempt at the same shard
+        candidate = self._pool_candidate(rank, nbytes)
+        # Capacity first: a refused shard must leave nothing behind, not even its step folder.
+        self._preflight(nbytes, reusable=candidate[1] if candidate else 0)
+        os.makedirs(self.step_dir(step), mode=0o700, exist_ok=True)
         recycled = self._take_from_pool(rank, nbytes, partial)
         if recycled is None:
-            self._preflight(nbytes, reusable=0)
             fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, nbytes)
@@ -359,8 +362,11 @@ class LocalStore:
                     f" MiB memory limit", needed=needed, available=max(room, 0))
 
     # ------------------------------------------------------------------ recycling
-    def _take_from_pool(self, rank: int, nbytes: int, dest: str) -> str | None:
-        """Move the best pooled buffer to ``dest``: own rank first, then any, fitting first."""
+    def _pool_candidate(self, rank: int, nbytes: int) -> tuple[str, int] | None:
+        ranked = self._pool_ranked(rank, nbytes)
+        return (ranked[0][-2], ranked[0][-1]) if ranked else None
+
+    def _pool_ranked(self, rank: int, nbytes: int) -> list[tuple]:
         candidates = []
         with contextlib.suppress(FileNotFoundError):
             for e in os.scandir(self.pool_dir):
@@ -372,9 +378,11 @@ class LocalStore:
                     fits = size >= nbytes
                     # prefer: own rank, fits, least slack / largest shortfall filled
                     candidates.append(((owner != rank), (not fits), abs(size - nbytes), e.path, size))
-        for *_, path, size in sorted(candidates):
-            if size < nbytes:
-                self._preflight(nbytes, reusable=size)
+        return sorted(candidates)
+
+    def _take_from_pool(self, rank: int, nbytes: int, dest: str) -> str | None:
+        """Move the best pooled buffer to ``dest``: own rank first, then any, fitting first."""
+        for *_, path, size in self._pool_ranked(rank, nbytes):
             try:
                 os.rename(path, dest)  # atomic: a rank racing for the same file gets ENOENT
             except FileNotFoundError:
@@ -420,14 +428,14 @@ class LocalStore:
         self._to_pool(self.data_path(step, rank), rank)
         self._remove_step_if_empty(step)
 
-    def _remove_step_if_empty(self, step: int) -> None:
+    def _remove_step_if_empty(self, step: int, keep_metadata: bool = False) -> None:
         with self.locked():
             d = self.step_dir(step)
             try:
                 names = os.listdir(d)
             except FileNotFoundError:
                 return
-            if any(n != layout.METADATA for n in names):
+            if any(n != layout.METADATA for n in names) or (keep_metadata and names):
                 return
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(d, layout.METADATA))
@@ -498,6 +506,8 @@ class LocalStore:
                     removed.append(path)
                 if owners is None and step < newest_complete and step not in complete and not committed:
                     self._remove_step_if_empty(step)
+                elif not committed:
+                    self._remove_step_if_empty(step, keep_metadata=True)  # nothing left in it
         if removed:
             log.info("gc removed %d uncommitted file(s) of job %s", len(removed), self.job_id)
         return removed

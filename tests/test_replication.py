@@ -1,0 +1,137 @@
+"""Peer replication end to end: real torchrun jobs over simulated nodes (one tmpfs dir each).
+
+After the saves, the test process opens every node's store itself and checks that each rank's
+shard of the newest step is committed on exactly two nodes, its own and its partner's, with the
+same bytes and checksums, that every node holds the step's metadata, and that the managers
+report the step replicated and protected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+from cluster import WORKERS, Cluster, kill_strays
+
+from mlcheckpoint import LocalStore
+from mlcheckpoint.replication import PairwiseRing
+from mlcheckpoint.replication.pairing import rank_sources, rank_targets
+from mlcheckpoint.store import layout
+
+sys.path.insert(0, WORKERS)
+from common import model_state
+
+pytestmark = pytest.mark.timeout(600)
+
+LAUNCH_TIMEOUT = 150
+LAST = 2  # steps 0..LAST are saved; with keep=2 retention runs on both nodes of every pair
+
+
+@contextlib.contextmanager
+def cluster(nnodes: int, nproc: int):
+    """A Cluster whose every process is gone afterwards (orphaned ranks, DCP helper processes)."""
+    with Cluster(nnodes, nproc) as c:
+        try:
+            yield c
+        finally:
+            c.kill_all()
+            kill_strays(c)
+
+
+def node_stores(c: Cluster) -> list[LocalStore]:
+    return [LocalStore(n.local_dir, c.job_id, create=False) for n in c.nodes]
+
+
+def read_data(store: LocalStore, step: int, rank: int, nbytes: int) -> bytes:
+    with open(store.data_path(step, rank), "rb") as f:
+        data = f.read(nbytes)
+    assert len(data) == nbytes, f"{store.data_path(step, rank)} holds {len(data)} of {nbytes} bytes"
+    return data
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def check_replicated(c: Cluster, nnodes: int, nproc: int, last: int = LAST) -> None:
+    world = nnodes * nproc
+    ring = PairwiseRing()
+    res = c.results("replicate")
+    assert sorted(res) == list(range(world)), f"ranks reporting: {sorted(res)}; logs:\n{c.logs()}"
+    stores = node_stores(c)
+
+    # --- what each rank's manager says
+    for r, rep in res.items():
+        assert rep["targets"] == rank_targets(ring, r, nproc, nnodes), (r, rep)
+        assert rep["sources"] == rank_sources(ring, r, nproc, nnodes), (r, rep)
+        assert rep["protected"] is True, f"rank {r}: step {last} never protected; logs:\n{c.logs()}"
+        entries = {e["step"]: e for e in rep["listing"] if e["location"] == "memory"}
+        assert last in entries, f"rank {r} lists {sorted(entries)}"
+        e = entries[last]
+        # "complete" = every rank's shard on this node: only when a pair spans the whole job
+        assert e["state"] == ("complete" if nnodes == 2 else "incomplete"), (r, e)
+        assert e["replication"] == "replicated", (r, e)
+        assert e["protected"] is True, (r, e)
+
+    # --- what is on each node's tmpfs: own shards and the partner's, nothing else of `last`
+    for r in range(world):
+        home = r // nproc
+        (partner_rank,) = rank_targets(ring, r, nproc, nnodes)
+        partner = partner_rank // nproc
+        assert partner != home
+        holders = [k for k, s in enumerate(stores) if os.path.exists(s.manifest_path(last, r))]
+        assert holders == sorted({home, partner}), \
+            f"rank {r}'s shard of step {last} committed on nodes {holders}, want {home} and {partner}"
+        copies = []
+        for k in holders:
+            s = stores[k]
+            m = s.verify_shard(last, r)  # every item's checksum holds on this node
+            assert (m.job_id, m.step, m.rank) == (c.job_id, last, r)
+            copies.append((m, read_data(s, last, r, m.data_bytes)))
+        (m0, d0), (m1, d1) = copies
+        assert m0.data_bytes == m1.data_bytes
+        assert [(i.key, i.offset, i.nbytes, i.checksum) for i in m0.items] == \
+            [(i.key, i.offset, i.nbytes, i.checksum) for i in m1.items]
+        assert d0 == d1, f"rank {r}'s shard of step {last} differs between nodes {holders}"
+        # ... and the bytes are that rank's own state, not some other rank's
+        own = model_state(r, last, world)[f"rank{r}"]["opt"]
+        (item,) = [i for i in m0.items if i.key.split("@")[0] == f"rank{r}.opt"]
+        assert d0[item.offset:item.offset + item.nbytes] == tensor_bytes(own)
+
+    # --- nothing uncommitted left behind in the newest step, and metadata on every node
+    payloads = []
+    for k, s in enumerate(stores):
+        names = os.listdir(s.step_dir(last))
+        assert not [n for n in names if n.endswith((layout.PARTIAL, layout.TMP))], (k, names)
+        header, payload = s.read_metadata(last)  # verifies its checksum
+        assert header.step == last and header.world_size == world, (k, header)
+        assert header.ranks == list(range(world)), (k, header)
+        payloads.append(payload)
+        st = s.step_state(last)
+        assert st.has_metadata
+        # the worker saw the same (it verified every shard it held)
+        for r in range(k * nproc, (k + 1) * nproc):
+            held = res[r]["held"][str(last)]
+            assert held["metadata"] is True
+            assert held["ranks"] == sorted(st.committed_ranks), (k, r, held)
+    assert all(p == payloads[0] for p in payloads), "nodes hold different metadata of the step"
+
+
+CASES = [
+    # nnodes, nproc, save mode, transport
+    pytest.param(2, 2, "async", "tcp", id="tcp-2nodes-x2ranks"),
+    pytest.param(4, 1, "sync", "tcp", id="tcp-4nodes"),
+    pytest.param(3, 1, "async", "tcp", id="tcp-3nodes-odd-ring"),
+    pytest.param(2, 1, "dcp", "pg", id="pg-2nodes"),
+    pytest.param(2, 1, "dcp_async_process", "tcp", id="tcp-2nodes-dcp-process-mode"),
+]
+
+
+@pytest.mark.parametrize("nnodes,nproc,mode,transport", CASES)
+def test_newest_step_lives_on_two_nodes(nnodes, nproc, mode, transport):
+    with cluster(nnodes, nproc) as c:
+        c.run("replicate.py", str(LAST), mode, transport, timeout=LAUNCH_TIMEOUT)
+        check_replicated(c, nnodes, nproc)

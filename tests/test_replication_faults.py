@@ -1,0 +1,734 @@
+"""Replication under faults and hostile peers: real sockets, real processes, real signals.
+
+Endpoints are TcpTransports joined through a TCPStore the test process hosts. Some live in the
+test process (so the test can read their logs and stores directly), others in a process of
+their own (tests/workers/repl_peer.py) so they can be SIGKILLed or SIGSTOPped. Nothing here
+mocks sockets or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from cluster import WORKERS
+
+from mlcheckpoint import MemoryStorageWriter, ShardNotFoundError
+from mlcheckpoint.replication import Rendezvous, ReplicationError, Replicator, tcp
+from mlcheckpoint.replication import protocol as p
+from mlcheckpoint.replication.tcp import MAX_METADATA_BYTES, TcpTransport
+from mlcheckpoint.store import (
+    LocalStore,
+    Manifest,
+    ManifestItem,
+    MetadataHeader,
+    layout,
+)
+from mlcheckpoint.store.checksum import checksum
+from mlcheckpoint.store.manifest import encode_metadata
+from mlcheckpoint.topology import Topology
+
+sys.path.insert(0, WORKERS)
+from repl_peer import make_shard
+
+pytestmark = pytest.mark.timeout(300)
+
+WAIT = 120  # generous bound on waiting for another process/thread (never asserted on)
+TCP_LOGGER = "mlcheckpoint.replication.tcp"
+
+
+# --------------------------------------------------------------------------- helpers
+def wait_for(cond, what: str, timeout: float = WAIT, interval: float = 0.02, diag=lambda: ""):
+    """Poll ``cond`` until truthy; fail (with ``diag()``) when it never becomes so."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what}\n{diag()}")
+        time.sleep(interval)
+
+
+def snapshot(root: str) -> dict[str, tuple]:
+    """Every file and directory under ``root``: path -> (kind, size)."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(d, name), root)] = ("dir", 0)
+        for name in files:
+            path = os.path.join(d, name)
+            with contextlib.suppress(FileNotFoundError):
+                out[os.path.relpath(path, root)] = ("file", os.stat(path).st_size)
+    return out
+
+
+def debris(store: LocalStore) -> list[str]:
+    """Uncommitted files (in-flight writes) in any step directory of ``store``."""
+    out = []
+    for step in store.steps():
+        with contextlib.suppress(FileNotFoundError):
+            out += [n for n in os.listdir(store.step_dir(step))
+                    if n.endswith((layout.PARTIAL, layout.TMP))]
+    return out
+
+
+def peak_rss_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "X"
+
+
+class Job:
+    """One simulated job: a TCPStore, per-rank node dirs, in-process and subprocess endpoints.
+
+    ``close`` ends every process, listener and replicator it started (fixtures call it)."""
+
+    def __init__(self, root: str, world: int):
+        self.root, self.world = root, world
+        self.job_id = f"faults-{uuid.uuid4().hex[:10]}"
+        self.c10d = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        self.status_dir = os.path.join(root, "status")
+        os.makedirs(self.status_dir)
+        self.transports: list[TcpTransport] = []
+        self.replicators: list[Replicator] = []
+        self.procs: list[subprocess.Popen] = []
+
+    def node_dir(self, rank: int) -> str:
+        d = os.path.join(self.root, f"node{rank}")
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        return d
+
+    def store(self, rank: int) -> LocalStore:
+        return LocalStore(self.node_dir(rank), self.job_id)
+
+    def rdzv(self, rank: int) -> Rendezvous:
+        return Rendezvous(self.c10d, self.job_id, rank, self.world, timeout=WAIT)
+
+    def endpoint(self, rank: int, timeout: float = 60, cls=TcpTransport, **kw) -> TcpTransport:
+        """An in-process endpoint. Rank 0 makes the job's secret: create it first."""
+        t = cls(self.store(rank), self.rdzv(rank), host="127.0.0.1", timeout=timeout, **kw)
+        self.transports.append(t)
+        return t
+
+    def spawn(self, rank: int, cmd: str, env: dict | None = None, **cfg) -> subprocess.Popen:
+        """An endpoint in a process of its own (tests/workers/repl_peer.py)."""
+        config = dict(host="127.0.0.1", port=self.c10d.port, job=self.job_id, rank=rank,
+                      world=self.world, dir=self.node_dir(rank), status_dir=self.status_dir,
+                      cmd=cmd, **cfg)
+        e = dict(os.environ)
+        e.pop("MLCHECKPOINT_CRASH_AT", None)
+        e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
+        with open(self.log_path(rank), "a") as logf:
+            proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "repl_peer.py"),
+                                     json.dumps(config)], env=e, stdin=subprocess.PIPE,
+                                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def log_path(self, rank: int) -> str:
+        return os.path.join(self.root, f"peer{rank}.log")
+
+    def logs(self) -> str:
+        out = []
+        for name in sorted(os.listdir(self.root)):
+            if name.endswith(".log"):
+                with open(os.path.join(self.root, name)) as f:
+                    out.append(f"--- {name} ---\n{f.read()[-4000:]}")
+        return "\n".join(out)
+
+    def status(self, name: str, proc: subprocess.Popen | None = None) -> dict:
+        """Wait for a status file written by a subprocess endpoint."""
+        path = os.path.join(self.status_dir, name)
+
+        def ready():
+            if os.path.exists(path):
+                return True
+            if proc is not None and proc.poll() is not None:
+                pytest.fail(f"peer exited with {proc.returncode} before writing {name}\n{self.logs()}")
+            return False
+
+        wait_for(ready, name, diag=self.logs)
+        with open(path) as f:
+            return json.load(f)
+
+    def close(self) -> None:
+        for r in self.replicators:
+            r.close()
+        for t in self.transports:
+            t.close()
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    os.kill(proc.pid, signal.SIGCONT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            if proc.stdin is not None:
+                proc.stdin.close()
+        del self.c10d
+
+
+@pytest.fixture
+def make_job():
+    """Factory of Jobs on tmpfs; every process, socket and directory is gone afterwards."""
+    made: list[Job] = []
+    roots: list[str] = []
+
+    def make(world: int = 2) -> Job:
+        root = tempfile.mkdtemp(prefix="mlckpt-faults-", dir="/dev/shm")
+        roots.append(root)
+        job = Job(root, world)
+        made.append(job)
+        return job
+
+    try:
+        yield make
+    finally:
+        for job in made:
+            job.close()
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def tcp_warnings(caplog):
+    caplog.set_level(logging.WARNING, logger="mlcheckpoint")
+
+    def messages() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == TCP_LOGGER and r.levelno >= logging.WARNING]
+
+    return messages
+
+
+def connect(t: TcpTransport) -> socket.socket:
+    host, port = t.address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=WAIT)
+
+
+def read_to_eof(sock: socket.socket) -> bytes:
+    """Everything the server still sends until it closes (a reset counts as closed)."""
+    chunks = []
+    while True:
+        try:
+            b = sock.recv(1 << 16)
+        except ConnectionResetError:
+            break
+        if not b:
+            break
+        chunks.append(b)
+    return b"".join(chunks)
+
+
+def frames_to_eof(sock: socket.socket, on_ready=None) -> list[dict]:
+    """Server replies until it closes; ``on_ready`` runs when it says "ready"."""
+    frames = []
+    while True:
+        try:
+            f = p.recv_frame(sock)
+        except p.ProtocolError as e:
+            assert "closed after 0 of" in str(e), f"server sent a broken frame: {e}"
+            return frames
+        except ConnectionResetError:
+            return frames
+        frames.append(f)
+        if f.get("status") == "ready" and on_ready is not None:
+            with contextlib.suppress(OSError):
+                on_ready()
+
+
+def half_close(sock: socket.socket) -> None:
+    """We are done sending (the server may have hung up on us already)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+
+
+def raw_frame(body: bytes) -> bytes:
+    return p.FRAME + struct.pack("!I", len(body)) + body
+
+
+def manifest_dict(job_id, step, owner, data_bytes=64, items=None) -> dict:
+    m = Manifest(job_id=job_id, step=step, rank=owner, data_bytes=data_bytes,
+                 items=items if items is not None else
+                 [ManifestItem("w", 0, data_bytes, checksum(bytes(data_bytes)))])
+    return asdict(m)
+
+
+def assert_serves(job: Job, receiver: TcpTransport, sender: TcpTransport, step: int,
+                  nbytes: int = 4096) -> None:
+    """The listener still works: a legitimate push of a fresh shard lands, verified."""
+    owner = sender.rdzv.rank
+    m = make_shard(sender.store, step, owner, nbytes, seed=step)
+    assert sender.push_shard(receiver.rdzv.rank, step, owner) == m.data_bytes
+    got = receiver.store.verify_shard(step, owner)
+    assert [i.checksum for i in got.items] == [i.checksum for i in m.items]
+
+
+def pair(job: Job, **receiver_kw) -> tuple[TcpTransport, TcpTransport]:
+    """Receiver = rank 0 (it makes the secret), legitimate sender = rank 1, both in-process."""
+    receiver = job.endpoint(0, **receiver_kw)
+    sender = job.endpoint(1)
+    return receiver, sender
+
+
+# --------------------------------------------------------------------------- strangers
+def _stranger_garbage(t: TcpTransport) -> None:
+    with connect(t) as s:
+        hello = p.recv_exact(s, len(p.MAGIC) + 1 + p.NONCE)
+        assert hello[:4] == p.MAGIC
+        s.sendall(os.urandom(p.NONCE + 32))
+        assert read_to_eof(s) == b"", "a stranger got an answer to a garbage handshake"
+
+
+def _stranger_wrong_secret(t: TcpTransport) -> None:
+    with connect(t) as s, pytest.raises(p.ProtocolError):
+        p.client_handshake(s, b"not the secret" * 4)
+
+
+def _stranger_skips_handshake(t: TcpTransport) -> None:
+    # knows the wire format and the job but not the secret: sends a put_shard right away
+    req = {"op": "put_shard", "job_id": t.store.job_id, "step": 3, "owner": 1,
+           "manifest": manifest_dict(t.store.job_id, 3, 1)}
+    with connect(t) as s:
+        s.sendall(raw_frame(json.dumps(req).encode()) + bytes(64))
+        data = read_to_eof(s)
+        assert len(data) <= len(p.MAGIC) + 1 + p.NONCE, "server answered beyond its greeting"
+
+
+def _stranger_hangs_up(t: TcpTransport) -> None:
+    with connect(t) as s:
+        p.recv_exact(s, 5)
+
+
+STRANGERS = {"garbage": _stranger_garbage, "wrong_secret": _stranger_wrong_secret,
+             "skips_handshake": _stranger_skips_handshake, "hangs_up": _stranger_hangs_up}
+
+
+@pytest.mark.parametrize("kind", list(STRANGERS))
+def test_stranger_is_refused_and_listener_keeps_serving(make_job, tcp_warnings, kind):
+    job = make_job()
+    receiver, sender = pair(job)
+    before = snapshot(job.node_dir(0))
+    STRANGERS[kind](receiver)
+    wait_for(lambda: any("refused replication connection" in m for m in tcp_warnings()),
+             "a warning about the refused stranger", diag=lambda: "\n".join(tcp_warnings()))
+    assert snapshot(job.node_dir(0)) == before, "a stranger's connection wrote into the store"
+    assert receiver.store.steps() == []
+    assert_serves(job, receiver, sender, step=3)
+
+
+def test_idle_strangers_do_not_lock_out_partners(make_job):
+    """Connections that never authenticate must not keep a partner's push out.
+
+    A stranger (a port scanner, a health check) that opens connections and says nothing holds
+    each one until the handshake times out; as many as ``max_connections`` of them must not
+    make the listener refuse its real partner meanwhile."""
+    job = make_job()
+    receiver, sender = pair(job, max_connections=4)
+    idle = [connect(receiver) for _ in range(4)]
+    try:
+        for s in idle:  # each is accepted and greeted: it holds a slot
+            assert p.recv_exact(s, 5)[:4] == p.MAGIC
+        m = make_shard(sender.store, 3, 1, 4096)
+        assert sender.push_shard(0, 3, 1) == m.data_bytes
+        receiver.store.verify_shard(3, 1)
+    finally:
+        for s in idle:
+            s.close()
+
+
+# --------------------------------------------------------------------------- authenticated junk
+def _huge(job, t):  # a frame header claiming 4 GiB of JSON
+    return struct.pack("!4sI", p.FRAME, 0xFFFFFFFF), None
+
+
+def _over_limit(job, t):
+    return struct.pack("!4sI", p.FRAME, p.MAX_FRAME_BYTES + 1), None
+
+
+def _garbage(job, t):
+    return b"\x00GARBAGE" + os.urandom(200), None
+
+
+def _not_json(job, t):
+    return raw_frame(b"\xff\xfe{not json"), None
+
+
+def _not_object(job, t):
+    return raw_frame(b"[1, 2, 3]"), None
+
+
+def _unknown_op(job, t):
+    return raw_frame(json.dumps({"op": "delete_everything", "job_id": job.job_id, "step": 1}).encode()), None
+
+
+def _truncated(job, t):
+    return struct.pack("!4sI", p.FRAME, 1000) + b'{"op": "put', None
+
+
+def _tib_shard(job, t):  # a well-formed manifest claiming a 1 TiB shard
+    n = 1 << 40
+    req = {"op": "put_shard", "job_id": job.job_id, "step": 9, "owner": 1,
+           "manifest": manifest_dict(job.job_id, 9, 1, n, [ManifestItem("w", 0, n, 0)])}
+    return raw_frame(json.dumps(req).encode()), b"\x00" * 4096
+
+
+def _over_max_shard(job, t):
+    n = t.max_shard_bytes + 64
+    req = {"op": "put_shard", "job_id": job.job_id, "step": 9, "owner": 1,
+           "manifest": manifest_dict(job.job_id, 9, 1, n, [ManifestItem("w", 0, 64, 0)])}
+    return raw_frame(json.dumps(req).encode()), b"\x00" * 4096
+
+
+def _huge_metadata(job, t):  # announces 1 GiB of metadata (under the 4 GiB cap), sends a little
+    req = {"op": "put_metadata", "job_id": job.job_id, "step": 9, "nbytes": min(1 << 30, MAX_METADATA_BYTES - 1)}
+    return raw_frame(json.dumps(req).encode()), b"\x00" * 4096
+
+
+JUNK = {"huge_frame_length": _huge, "frame_over_limit": _over_limit, "garbage": _garbage,
+        "not_json": _not_json, "not_an_object": _not_object, "unknown_op": _unknown_op,
+        "truncated_frame": _truncated, "put_shard_1TiB": _tib_shard,
+        "put_shard_over_max_shard_bytes": _over_max_shard, "put_metadata_1GiB": _huge_metadata}
+
+
+@pytest.mark.parametrize("kind", list(JUNK))
+def test_authenticated_junk_is_rejected_without_allocating(make_job, tcp_warnings, kind):
+    job = make_job()
+    receiver, sender = pair(job)
+    store = receiver.store
+    before, usage = snapshot(job.node_dir(0)), store.usage_bytes()
+    blob, payload = JUNK[kind](job, receiver)
+    peak_rss_reset()
+    base_rss = peak_rss_bytes()
+    with connect(receiver) as s:
+        p.client_handshake(s, receiver.secret)  # a peer that knows the secret
+        s.sendall(blob)
+        if payload is None:
+            half_close(s)
+
+        def on_ready():  # send a little of what was announced, then hang up
+            s.sendall(payload)
+            half_close(s)
+
+        frames = frames_to_eof(s, on_ready=on_ready)
+    grew = peak_rss_bytes() - base_rss
+    # refused (an error frame, or the connection closed), never accepted
+    assert all(f.get("status") in ("ready", "error") for f in frames), frames
+    wait_for(lambda: tcp_warnings(), "a warning about the rejected request")
+    # nothing allocated for the claimed size: no memory, no tmpfs, no file
+    assert grew < 256 << 20, f"receiver's peak memory grew by {grew >> 20} MiB"
+    assert store.usage_bytes() == usage
+    after = snapshot(job.node_dir(0))
+    new = sorted(set(after) - set(before))
+    assert [n for n in new if after[n][0] == "file"] == [], f"a rejected request left files: {new}"
+    assert store.steps() == [], f"a rejected request left a (phantom) step behind: {new}"
+    assert after == before
+    assert_serves(job, receiver, sender, step=4)
+
+
+# --------------------------------------------------------------------------- names are not paths
+def _put(job, step=5, owner=1, job_id=None, manifest=None, **extra):
+    jid = job.job_id if job_id is None else job_id
+    m = manifest if manifest is not None else manifest_dict(job.job_id, step if isinstance(step, int) and step >= 0 else 5,
+                                                            owner if isinstance(owner, int) and owner >= 0 else 1)
+    return {"op": "put_shard", "job_id": jid, "step": step, "owner": owner, "manifest": m, **extra}
+
+
+def _meta_blob(job_id: str, step: int) -> bytes:
+    payload = b"not really DCP metadata"
+    h = MetadataHeader(job_id=job_id, step=step, world_size=2, ranks=[0, 1], total_bytes=64,
+                       payload_bytes=len(payload), checksum=checksum(payload))
+    return encode_metadata(h, payload)
+
+
+def _read(job, step=5, owner=1, ranges=([0, 16],)):
+    return {"op": "read_items", "job_id": job.job_id, "step": step, "owner": owner,
+            "ranges": [list(r) for r in ranges]}
+
+
+def _put_metadata(job, blob: bytes):
+    return {"op": "put_metadata", "job_id": job.job_id, "step": 5, "nbytes": len(blob)}, blob
+
+
+PATHS = {
+    "job_id_dotdot": lambda j: (_put(j, job_id="../x", manifest=manifest_dict("../x", 5, 1)), bytes(64)),
+    "job_id_absolute": lambda j: (_put(j, job_id="/tmp/x", manifest=manifest_dict("/tmp/x", 5, 1)), bytes(64)),
+    "step_negative": lambda j: (_put(j, step=-1), bytes(64)),
+    "step_string": lambda j: (_put(j, step="../../etc"), bytes(64)),
+    "step_too_large": lambda j: (_put(j, step=10**12), bytes(64)),
+    "step_float": lambda j: (_put(j, step=5.0), bytes(64)),
+    "owner_path": lambda j: (_put(j, owner="../../etc"), bytes(64)),
+    "owner_negative": lambda j: (_put(j, owner=-1), bytes(64)),
+    "owner_outside_world": lambda j: (_put(j, owner=2, manifest=manifest_dict(j.job_id, 5, 2)), bytes(64)),
+    "manifest_other_shard": lambda j: (_put(j, manifest=manifest_dict(j.job_id, 6, 0)), bytes(64)),
+    "manifest_other_job": lambda j: (_put(j, manifest=manifest_dict("../x", 5, 1)), bytes(64)),
+    "item_past_end": lambda j: (_put(j, manifest=manifest_dict(j.job_id, 5, 1, 64, [ManifestItem("w", 60, 8, 0)])), bytes(64)),
+    "item_negative_offset": lambda j: (_put(j, manifest=manifest_dict(j.job_id, 5, 1, 64, [ManifestItem("w", -8, 8, 0)])), bytes(64)),
+    "negative_data_bytes": lambda j: (_put(j, manifest=manifest_dict(j.job_id, 5, 1, -64, [])), b""),
+    "manifest_not_object": lambda j: (_put(j, manifest="../../etc/passwd"), bytes(64)),
+    "get_shard_owner_path": lambda j: ({"op": "get_shard", "job_id": j.job_id, "step": 5, "owner": "../../etc"}, None),
+    "get_shard_step_negative": lambda j: ({"op": "get_shard", "job_id": j.job_id, "step": -1, "owner": 1}, None),
+    "read_items_owner_path": lambda j: (_read(j, owner="../../etc"), None),
+    "read_items_step_path": lambda j: (_read(j, step="../5"), None),
+    "read_items_past_end": lambda j: (_read(j, ranges=[[0, 4096], [4000, 1 << 20]]), None),
+    "read_items_negative_offset": lambda j: (_read(j, ranges=[[-4096, 4096]]), None),
+    "read_items_malformed_range": lambda j: (_read(j, ranges=[["/etc/passwd", 1]]), None),
+    "put_metadata_step_negative": lambda j: ({"op": "put_metadata", "job_id": j.job_id, "step": -1, "nbytes": 64}, bytes(64)),
+    "put_metadata_names_other_job": lambda j: _put_metadata(j, _meta_blob("../x", 5)),
+    "put_metadata_names_other_step": lambda j: _put_metadata(j, _meta_blob(j.job_id, 6)),
+}
+
+
+@pytest.mark.parametrize("kind", list(PATHS))
+def test_peer_supplied_names_are_never_paths(make_job, tcp_warnings, kind):
+    job = make_job()
+    receiver, sender = pair(job)
+    req, payload = PATHS[kind](job)
+    if req["op"] == "read_items":  # something real to read around: a committed 4 KiB shard
+        assert_serves(job, receiver, sender, step=5)
+    steps_before = receiver.store.steps()
+    before = snapshot(job.root)
+    with connect(receiver) as s:
+        p.client_handshake(s, receiver.secret)
+        p.send_frame(s, req)
+        frames = frames_to_eof(s, on_ready=lambda: s.sendall(payload or b""))
+    assert frames == [] or frames[-1].get("status") == "error", frames
+    assert all(f.get("status") in ("ready", "error") for f in frames), frames
+    wait_for(lambda: tcp_warnings(), "a warning about the rejected request")
+    after = snapshot(job.root)
+    new = sorted(set(after) - set(before))
+    assert new == [], f"a rejected request created {new}"
+    assert not os.path.exists(os.path.join(job.node_dir(0), "x"))
+    assert not os.path.exists(os.path.join(job.root, "x"))
+    assert receiver.store.steps() == steps_before
+    assert_serves(job, receiver, sender, step=7)
+
+
+# --------------------------------------------------------------------------- peers dying
+def test_receiver_killed_mid_transfer(make_job):
+    """The partner SIGKILLs itself after receiving half a replica (MLCHECKPOINT_CRASH_AT)."""
+    job = make_job()
+    sender = job.endpoint(0, timeout=60)
+    step, nbytes = 5, 16 << 20
+    m = make_shard(sender.store, step, 0, nbytes, seed=1)
+    proc = job.spawn(1, "serve", env={"MLCHECKPOINT_CRASH_AT": f"replica_mid_recv@{step}#0"})
+    job.status("1.ready", proc)
+    with pytest.raises(ReplicationError):
+        sender.push_shard(1, step, 0)
+    assert proc.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()
+    # the shard was never committed on the dead partner; only debris is left
+    rstore = LocalStore(job.node_dir(1), job.job_id, create=False)
+    with pytest.raises(ShardNotFoundError):
+        rstore.read_manifest(step, 0)
+    assert rstore.step_state(step).committed_ranks == set()
+    left = debris(rstore)
+    assert left, "expected the half-received buffer to be left behind"
+    removed = rstore.gc()
+    assert sorted(os.path.basename(x) for x in removed) == sorted(left)
+    assert debris(rstore) == []
+    assert rstore.step_state(step).committed_ranks == set()
+    # the sender is unharmed: its shard is intact and a push to the dead peer fails, not hangs
+    sender.store.verify_shard(step, 0)
+    with pytest.raises(ReplicationError):
+        sender.push_shard(1, step, 0)
+    assert m.data_bytes == nbytes
+    # whatever gc leaves of the step (an empty directory), it is never taken for a checkpoint
+    st = rstore.step_state(step)
+    assert not st.committed_ranks and not st.has_metadata and not st.complete
+    assert rstore.complete_steps() == []
+
+
+def test_sender_killed_mid_transfer(make_job, tcp_warnings, monkeypatch):
+    """A sender process is SIGKILLed while its shard is on the wire: the receiver stays up,
+    commits nothing, drops the half-filled buffer and then takes a full push from another rank."""
+    job = make_job(world=3)
+    step, owner, nbytes = 7, 1, 128 << 20  # far more than the socket buffers hold
+    half_received, go_on = threading.Event(), threading.Event()
+    real_crash_point = tcp.crash_point
+
+    def pause_at_half(name, s=None, r=None):  # receiver side: hold the transfer at half way
+        if name == "replica_mid_recv" and (s, r) == (step, owner) and not half_received.is_set():
+            half_received.set()
+            go_on.wait(WAIT)
+        real_crash_point(name, s, r)
+
+    monkeypatch.setattr(tcp, "crash_point", pause_at_half)
+    receiver = job.endpoint(0, timeout=60)
+    rstore = receiver.store
+    proc = job.spawn(owner, "push", peer=0, step=step, nbytes=nbytes, seed=3, timeout=60)
+    try:
+        wait_for(half_received.is_set, "the receiver to get half the shard", diag=job.logs)
+        partial = rstore.data_path(step, owner) + layout.PARTIAL
+        assert os.path.exists(partial)
+        with pytest.raises(ShardNotFoundError):
+            rstore.read_manifest(step, owner)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=WAIT) == -signal.SIGKILL
+    finally:
+        go_on.set()
+    wait_for(lambda: not os.path.exists(partial), "the aborted receive to drop its buffer",
+             diag=lambda: "\n".join(tcp_warnings()))
+    wait_for(lambda: any("closed after" in m for m in tcp_warnings()), "a warning about the cut transfer")
+    assert not os.path.exists(os.path.join(job.status_dir, f"{owner}.result"))
+    with pytest.raises(ShardNotFoundError):
+        rstore.read_manifest(step, owner)
+    assert debris(rstore) == []
+    assert rstore.gc() == []  # nothing left for gc
+    st = rstore.step_state(step)
+    assert not st.committed_ranks and not st.has_metadata and rstore.complete_steps() == []
+    # another rank holding the same shard pushes it in full, and it lands verified
+    other = job.endpoint(2)
+    m = make_shard(other.store, step, owner, nbytes, seed=3)
+    assert other.push_shard(0, step, owner) == nbytes
+    got = rstore.verify_shard(step, owner)
+    assert [(i.offset, i.nbytes, i.checksum) for i in got.items] == \
+        [(i.offset, i.nbytes, i.checksum) for i in m.items]
+    with open(rstore.data_path(step, owner), "rb") as a, open(other.store.data_path(step, owner), "rb") as b:
+        assert a.read(nbytes) == b.read(nbytes)
+
+
+# --------------------------------------------------------------------------- replicator behaviour
+def topology(rank: int, world: int = 2) -> Topology:
+    return Topology(rank=rank, world_size=world, local_rank=0, local_world_size=1,
+                    node_rank=rank, num_nodes=world)
+
+
+def small_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(32, 16, generator=g), "step": torch.tensor([step])}
+
+
+def save(store: LocalStore, step: int, rep: Replicator | None) -> None:
+    """A training step's checkpoint: a real DCP save into the store, nudging the replicator."""
+    notify = rep.notify if rep is not None else None
+    dcp.save(small_state(step), storage_writer=MemoryStorageWriter(step, store, on_commit=notify,
+                                                                  on_metadata=notify))
+
+
+def start_replicator(job: Job, t: TcpTransport, rank: int = 0) -> Replicator:
+    rep = Replicator(t.store, t, t.rdzv, topology(rank), poll_interval=0.05)
+    job.replicators.append(rep)
+    rep.activate()  # a manager does this once it has resumed (or saves)
+    return rep
+
+
+class RecordingTcp(TcpTransport):
+    """A real TcpTransport that remembers which shards it pushed."""
+
+    def __init__(self, *a, **kw):
+        self.pushed: list[tuple[int, int, int]] = []
+        super().__init__(*a, **kw)
+
+    def push_shard(self, peer: int, step: int, owner: int) -> int:
+        self.pushed.append((peer, step, owner))
+        return super().push_shard(peer, step, owner)
+
+
+def test_replicator_pushes_only_the_newest_and_supersedes_the_rest(make_job):
+    job = make_job()
+    sender = job.endpoint(0, cls=RecordingTcp)
+    receiver = job.endpoint(1)
+    for step in (1, 2, 3):  # committed before the replicator gets to run
+        save(sender.store, step, None)
+    rep = start_replicator(job, sender)
+    wait_for(lambda: (st := rep.state(3)) is not None and st.state == "replicated",
+             "step 3 to be replicated", diag=lambda: repr([rep.state(s) for s in (1, 2, 3)]))
+    assert sender.pushed == [(1, 3, 0)]
+    for s in (1, 2):
+        st = rep.state(s)
+        assert st is not None and st.state == "superseded" and "3" in (st.reason or ""), st
+        assert st.attempts == 0
+    rstore = receiver.store
+    assert [s for s in rstore.steps() if 0 in rstore.step_state(s).committed_ranks] == [3]
+    rstore.verify_shard(3, 0)
+    # a newer save is pushed too; the superseded steps stay superseded and are never sent
+    save(sender.store, 4, rep)
+    wait_for(lambda: (st := rep.state(4)) is not None and st.state == "replicated", "step 4 replicated")
+    assert sender.pushed == [(1, 3, 0), (1, 4, 0)]
+    assert [rep.state(s).state for s in (1, 2, 3, 4)] == ["superseded", "superseded", "replicated", "replicated"]
+    # rank 0 also sent the newest step's metadata to the partner node
+    wait_for(lambda: rstore.step_state(4).has_metadata, "metadata of step 4 on the partner")
+
+
+def test_stopped_partner_does_not_stall_saves(make_job):
+    """A partner frozen with SIGSTOP: saves keep committing locally while the push to it is
+    stuck; once it resumes, replication catches up with the newest step (older ones dropped)."""
+    job = make_job()
+    sender = job.endpoint(0, timeout=WAIT, cls=RecordingTcp)
+    proc = job.spawn(1, "serve", timeout=WAIT)
+    job.status("1.ready", proc)
+    rstore = LocalStore(job.node_dir(1), job.job_id, create=False)
+    rep = start_replicator(job, sender)
+    store = sender.store
+
+    def state(s):
+        st = rep.state(s)
+        return None if st is None else st.state
+
+    save(store, 0, rep)
+    wait_for(lambda: state(0) == "replicated", "step 0 replicated to the live partner", diag=job.logs)
+    rstore.verify_shard(0, 0)
+
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: proc_state(proc.pid) == "T", "the partner to stop")
+        save(store, 1, rep)
+        # the replicator has started pushing step 1 and is stuck on the frozen partner
+        wait_for(lambda: (st := rep.state(1)) is not None and st.attempts >= 1, "a push of step 1")
+        for step in (2, 3):  # training goes on: these saves return and commit locally
+            save(store, step, rep)
+        for step in (1, 2, 3):
+            store.verify_shard(step, 0)
+            assert store.step_state(step).complete
+            assert not os.path.exists(rstore.manifest_path(step, 0))
+        assert state(1) in ("committed", "failed"), rep.state(1)  # pending, not replicated
+        assert state(2) in (None, "committed") and state(3) in (None, "committed")
+        assert proc_state(proc.pid) == "T"
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+    wait_for(lambda: state(3) == "replicated", "the newest step to be replicated after SIGCONT",
+             diag=lambda: f"{[rep.state(s) for s in range(4)]}\n{job.logs()}")
+    rstore.verify_shard(3, 0)
+    with open(rstore.data_path(3, 0), "rb") as a, open(store.data_path(3, 0), "rb") as b:
+        n = store.read_manifest(3, 0).data_bytes
+        assert a.read(n) == b.read(n)
+    assert state(2) == "superseded", rep.state(2)  # queued behind the stuck push: dropped
+    assert (1, 2, 0) not in sender.pushed
+    assert not os.path.exists(rstore.manifest_path(2, 0))
+    assert state(1) != "committed"
+    wait_for(lambda: os.path.exists(rstore.metadata_path(3)), "metadata of step 3 on the partner")
+    assert proc.poll() is None  # the partner survived being frozen

@@ -1,0 +1,81 @@
+"""Worker: one replication endpoint (a simulated node's rank) in a process of its own, so a test
+can SIGKILL or SIGSTOP it for real. No torchrun: it joins the test's TCPStore directly.
+
+argv: one JSON object
+    host, port       the test's TCPStore
+    job, rank, world the job as the Rendezvous sees it
+    dir              this node's MLCHECKPOINT_LOCAL_DIR
+    status_dir       where ``<rank>.ready`` (our listener address) and ``<rank>.result`` go
+    timeout          TcpTransport socket timeout (seconds)
+    cmd              "serve": listen until stdin closes (or we are killed)
+                     "push": commit a shard (step, owner=rank, nbytes, seed) here, then push it
+                             to rank ``peer`` and report {"ok", "bytes" | "error"}
+
+``make_shard`` is also imported by the tests, so both sides build byte-identical shards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import sys
+
+import numpy as np
+
+from mlcheckpoint.store import LocalStore, Manifest, ManifestItem
+from mlcheckpoint.store.checksum import checksum
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s r%(process)d %(name)s %(levelname)s %(message)s")
+
+
+def make_shard(store: LocalStore, step: int, owner: int, nbytes: int, seed: int = 0,
+               nitems: int = 4) -> Manifest:
+    """Commit a shard of ``nbytes`` deterministic bytes (a function of seed) in ``nitems`` items."""
+    shard = store.begin_shard(step, owner, nbytes)
+    data = np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8)
+    shard.buffer.array[:] = data
+    bounds = np.linspace(0, nbytes, nitems + 1).astype(int)
+    for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+        shard.add_item(ManifestItem(key=f"item{k}", offset=int(a), nbytes=int(b - a),
+                                    checksum=checksum(shard.buffer.array[a:b]), kind="bytes"))
+    return shard.commit(world_size=1)
+
+
+def write_status(status_dir: str, name: str, obj: dict) -> None:
+    path = os.path.join(status_dir, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    import torch.distributed as dist
+
+    from mlcheckpoint.replication import Rendezvous, ReplicationError
+    from mlcheckpoint.replication.tcp import TcpTransport
+
+    store = LocalStore(cfg["dir"], cfg["job"])
+    if cfg["cmd"] == "push":
+        make_shard(store, cfg["step"], cfg["rank"], cfg["nbytes"], cfg.get("seed", 0))
+    c10d = dist.TCPStore(cfg["host"], cfg["port"], is_master=False)
+    rdzv = Rendezvous(c10d, cfg["job"], cfg["rank"], cfg["world"], timeout=120)
+    transport = TcpTransport(store, rdzv, host="127.0.0.1", timeout=cfg.get("timeout", 60))
+    write_status(cfg["status_dir"], f"{cfg['rank']}.ready", {"address": transport.address,
+                                                              "pid": os.getpid()})
+    if cfg["cmd"] == "serve":
+        sys.stdin.read()  # the test closes our stdin to end us gracefully
+    elif cfg["cmd"] == "push":
+        try:
+            sent = transport.push_shard(cfg["peer"], cfg["step"], cfg["rank"])
+            result = {"ok": True, "bytes": sent}
+        except ReplicationError as e:
+            result = {"ok": False, "error": str(e)}
+        write_status(cfg["status_dir"], f"{cfg['rank']}.result", result)
+    transport.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -74,9 +74,14 @@ class Job:
                 raise SystemExit(f"node {k} failed; see {self.root}/{self.job_id}-node{k}.log")
 
     def kill(self, k: int, sig: int = signal.SIGKILL) -> None:
+        """Signal node k's agent and all its ranks (torchrun puts ranks in their own sessions)."""
         p = self.procs[k]
         if p.poll() is None:
-            os.killpg(p.pid, sig)
+            for pid in process_tree(p.pid):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
             p.wait(timeout=60)
 
     def holdings(self) -> str:
@@ -96,6 +101,25 @@ class Job:
             parts.append(f"node {k}: steps {sorted(inv)}; step {newest}: own shards of ranks {own}, "
                          f"replicas of ranks {replicas}{', metadata' if st.has_metadata else ''}")
         return "\n           ".join(parts)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
 
 
 def read_progress(path: str) -> int:

@@ -238,6 +238,7 @@ class CheckpointManager:
         finally:
             if pinned:
                 self.pins.unpin(step)
+                self._apply_retention()  # the step may have been held past ``keep``
 
     def _after_save(self, result: SaveResult, metadata: Any) -> None:
         step = result.step

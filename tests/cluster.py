@@ -35,13 +35,9 @@ class Node:
     log_path: str = ""
 
     def kill(self) -> None:
-        """SIGKILL every process of this node (agent and ranks)."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+        """SIGKILL every process of this node: the agent and its ranks (torchrun starts ranks in
+        sessions of their own, so the agent's process group alone would miss them)."""
+        lose_node(self)
 
     def wipe(self) -> None:
         """Lose the node's memory: what a replacement machine starts with."""
@@ -81,6 +77,7 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.kill_all()
+        kill_strays(self)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def start(self, script: str, *args: str, nodes: list[int] | None = None, env: dict | None = None,

@@ -89,6 +89,7 @@ class _StepView:
     meta_nodes: list[int] = field(default_factory=list)
     owner_nodes: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     owner_bytes: dict[int, int] = field(default_factory=dict)
+    refused: set[int] = field(default_factory=set)  # owners with a copy that failed verification
 
 
 def _holdings(nodes: list[NodeInventory], bad: set[BadCopy]) -> dict[int, _StepView]:
@@ -103,7 +104,9 @@ def _holdings(nodes: list[NodeInventory], bad: set[BadCopy]) -> dict[int, _StepV
                 if v.required is None:
                     v.required, v.world_size = copy.required, copy.world_size
             for owner, nbytes in copy.shard_bytes:
-                if (step, owner, inv.node) not in bad:
+                if (step, owner, inv.node) in bad:
+                    v.refused.add(owner)
+                else:
                     v.owner_nodes[owner].append(inv.node)
                     v.owner_bytes[owner] = nbytes
     return view
@@ -114,9 +117,19 @@ def _incomplete(v: _StepView) -> str | None:
         return "no surviving node has its metadata"
     missing = [r for r in v.required if not v.owner_nodes.get(r)]
     if missing:
-        shown = missing[:8] + (["..."] if len(missing) > 8 else [])
-        return f"shards of ranks {shown} are on no surviving node"
+        corrupt = [r for r in missing if r in v.refused]
+        lost = [r for r in missing if r not in v.refused]
+        why = []
+        if corrupt:
+            why.append(f"every surviving copy of ranks {_few(corrupt)}'s shards failed verification")
+        if lost:
+            why.append(f"shards of ranks {_few(lost)} are on no surviving node")
+        return "; ".join(why)
     return None
+
+
+def _few(ranks: list[int]) -> list:
+    return ranks[:8] + (["..."] if len(ranks) > 8 else [])
 
 
 def _newest_protected(view: dict[int, _StepView]) -> int | None:

@@ -238,17 +238,19 @@ class Recovery:
         raise ShardNotFoundError(f"could not fetch rank {owner}'s shard of step {step}: {errors}")
 
     def _finish(self, d: Decision, notes: list[str], t0: float) -> ResumeInfo:
+        if self.topo.local_rank == 0:
+            # Before the last collective: once it returns, other ranks may start saving (and
+            # create files under step numbers this drop would otherwise race with).
+            dropped = self.store.drop_steps_after(d.step)
+            if dropped:
+                log.info("mlcheckpoint: dropped steps %s newer than the resumed one on node %d",
+                         dropped, self.topo.node_rank)
         source = {MEMORY: "peer" if self.bytes_fetched else "local", PERSISTENT: "persistent"}.get(d.kind)
         gathered = self.comm.all_gather((source, self.bytes_fetched))
         sources = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
         overall = source
         if d.kind == MEMORY:
             overall = "peer" if "peer" in sources.values() else "local"
-        if self.topo.local_rank == 0:
-            dropped = self.store.drop_steps_after(d.step)
-            if dropped:
-                log.info("mlcheckpoint: dropped steps %s newer than the resumed one on node %d",
-                         dropped, self.topo.node_rank)
         reason = "; ".join([r for r in [d.reason, *notes] if r]) or None
         info = ResumeInfo(step=d.step, source=overall, seconds=time.perf_counter() - t0,
                           sources=sources, bytes_fetched=sum(b for _, b in gathered), reason=reason)

@@ -315,7 +315,9 @@ class LocalStore:
         if layout.METADATA in names:
             try:
                 header, _ = self.read_metadata(step)
-            except (CorruptShardError, ShardNotFoundError) as e:
+            except ShardNotFoundError:
+                pass  # retired between the listing and the read
+            except CorruptShardError as e:
                 log.warning("ignoring metadata of step %d: %s", step, e)
             else:
                 st.has_metadata = True

@@ -1,0 +1,63 @@
+"""Worker: save asynchronously right after resume, many rounds (one fresh job id each).
+
+variant fresh:  resume finds nothing (fresh start), then steps 0 and 1 are async-saved at once.
+variant resave: steps 0..3 are saved, then step 3 is made what a crash before its global
+                metadata leaves (shards committed, no metadata); a new CheckpointManager (the
+                restarted run) resumes (step 2) and at once async-saves steps 3 and 4.
+Either way a last CheckpointManager must resume the newest step exactly. No barrier follows a
+resume: a training loop saves as soon as it likes. Reports "round-<i>" per rank and round.
+
+argv: rounds variant
+"""
+
+import os
+import sys
+
+import torch.distributed as dist
+from common import diff, empty_like, init, model_state, report
+
+from mlcheckpoint import CheckpointManager
+
+
+def resume(job: str, rank: int, world: int) -> tuple[CheckpointManager, dict]:
+    ckpt = CheckpointManager(job_id=job)
+    sd = empty_like(model_state(rank, 0, world))
+    info = ckpt.resume(sd)
+    mismatch = [] if info.step is None else diff(model_state(rank, info.step, world), sd)
+    return ckpt, {"step": info.step, "source": info.source, "match": not mismatch,
+                  "reason": info.reason}
+
+
+def main() -> None:
+    rounds, variant = int(sys.argv[1]), sys.argv[2]
+    rank, world = init()
+    base = os.environ["MLCHECKPOINT_JOB_ID"]
+    for i in range(rounds):
+        job = f"{base}-{variant}{i}"
+        if variant == "resave":
+            ckpt = CheckpointManager(job_id=job)
+            for step in range(4):
+                ckpt.save(model_state(rank, step, world), step)
+            dist.barrier()
+            if rank == 0:  # the crash: step 3's shards are committed, its metadata never written
+                os.unlink(ckpt.store.metadata_path(3))
+            dist.barrier()
+            ckpt.close()
+            steps = (3, 4)
+        else:
+            steps = (0, 1)
+
+        ckpt, first = resume(job, rank, world)  # the (re)started run ...
+        for step in steps:  # ... trains on and saves
+            ckpt.async_save(model_state(rank, step, world), step).result()
+        ckpt.close()
+        dist.barrier()
+
+        ckpt, second = resume(job, rank, world)
+        ckpt.close()
+        report(f"round-{i}", {"first": first, "second": second})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

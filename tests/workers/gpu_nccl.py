@@ -1,0 +1,34 @@
+"""Worker: replication over a dedicated NCCL group between two simulated nodes (one GPU each)."""
+
+import os
+
+import torch
+import torch.distributed as dist
+from common import model_state, report
+
+from mlcheckpoint import CheckpointManager, LocalStore
+
+
+def main() -> None:
+    local = int(os.environ["LOCAL_RANK"])
+    # simulated nodes share one machine: node k uses GPUs after those of nodes < k
+    torch.cuda.set_device(int(os.environ["GROUP_RANK"]) * int(os.environ["LOCAL_WORLD_SIZE"]) + local)
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    rank = dist.get_rank()
+    ckpt = CheckpointManager(replication="pg")
+    ckpt.replicator.transport.close()  # swap the gloo transport for an NCCL one
+    from mlcheckpoint.replication.pg import PgTransport
+    ckpt.replicator.transport = PgTransport(ckpt.store, ckpt.replicator.rdzv, backend="nccl",
+                                            pins=ckpt.pins)
+    sd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in model_state(rank, 1).items()}
+    ckpt.async_save(sd, 1).result()
+    protected = ckpt.wait_replicated(1, 120)
+    dist.barrier()
+    held = sorted(LocalStore().step_state(1).committed_ranks)
+    report("nccl", {"protected": protected, "held": held})
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -10,7 +10,6 @@ for it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import threading
@@ -160,7 +159,7 @@ class PgTransport(Transport):
                 except ShardNotFoundError:
                     self._reply(peer, tag, {"status": "missing"})
                     return
-                self._reply(peer, tag, {"status": "ok", "manifest": dataclasses.asdict(m)})
+                self._reply(peer, tag, {"status": "ok", "manifest": m.to_dict()})
                 if m.data_bytes:
                     self._send_bytes(buf.array, peer, tag)
         elif op == "read_items":
@@ -204,7 +203,7 @@ class PgTransport(Transport):
         with self._client_lock, self.pins.pinned(step):
             m, buf = self.store.map_shard(step, owner)
             tag = self._post(peer, {"op": "put_shard", "step": step, "owner": owner,
-                                    "manifest": dataclasses.asdict(m)})
+                                    "manifest": m.to_dict()})
             self._await_reply(tag)
             try:
                 if m.data_bytes:

@@ -7,7 +7,6 @@ straight into the destination mapping: no user-space copy on either side.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
@@ -214,7 +213,7 @@ class TcpTransport(Transport):
             except ShardNotFoundError:
                 p.send_frame(conn, {"status": "missing"})
                 return
-            p.send_frame(conn, {"status": "ok", "manifest": dataclasses.asdict(m)})
+            p.send_frame(conn, {"status": "ok", "manifest": m.to_dict()})
             send_file(conn, self.store.data_path(step, owner), m.data_bytes)
 
     def _on_read_items(self, conn: socket.socket, req: dict, step: int) -> None:
@@ -290,7 +289,7 @@ class TcpTransport(Transport):
             m = self.store.read_manifest(step, owner)
             with self._connect(peer) as sock:
                 resp = self._request(sock, {"op": "put_shard", "step": step, "owner": owner,
-                                            "manifest": dataclasses.asdict(m)})
+                                            "manifest": m.to_dict()})
                 if resp.get("status") == "have":
                     return 0
                 send_file(sock, self.store.data_path(step, owner), m.data_bytes)

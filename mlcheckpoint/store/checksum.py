@@ -1,7 +1,9 @@
 """Checksums of shard bytes, fused with the copy so the bytes are hashed while cache-hot.
 
-xxh3_64 runs at ~30 GB/s here; hashing a 2 MiB chunk right after copying it (still in L2)
-keeps a save at ~0.75x memcpy, where copy-then-hash of the whole tensor costs ~0.6x.
+xxh3_64 runs at ~30 GB/s here; hashing a chunk right after copying it (still in cache) keeps
+a save at ~0.75x memcpy, where copy-then-hash of the whole tensor costs ~0.6x. 8 MiB chunks
+(in L3) hash nearly as fast as 2 MiB ones and cost 4x fewer parallel-copy launches, which
+matters when the CPU is busy.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 import xxhash
 
 ALGORITHM = "xxh3_64"
-CHUNK_BYTES = 2 << 20
+CHUNK_BYTES = 8 << 20
 
 
 def checksum(buf) -> int:

@@ -38,8 +38,16 @@ class Manifest:
     algorithm: str = ALGORITHM
     format: int = FORMAT_VERSION
 
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("job_id", "step", "rank", "data_bytes", "world_size",
+                                           "created", "algorithm", "format")}
+        # Built by hand: dataclasses.asdict deep-copies every item and costs ~10 ms per 500 items.
+        d["items"] = [{"key": i.key, "offset": i.offset, "nbytes": i.nbytes, "checksum": i.checksum,
+                       "kind": i.kind, "dtype": i.dtype, "shape": i.shape} for i in self.items]
+        return d
+
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "Manifest":

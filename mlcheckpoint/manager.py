@@ -403,10 +403,10 @@ class CheckpointManager:
 
 def _unwrap(e: CheckpointException, what: str) -> BaseException:
     """DCP wraps per-rank errors; surface ours (e.g. CapacityError) as themselves."""
-    for rank, failure in sorted(e.failures.items()):
+    for _, failure in sorted(e.failures.items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(exc, MLCheckpointError):
-            return exc
+        if isinstance(exc, MLCheckpointError) or not isinstance(exc, Exception):
+            return exc  # ours, or an interrupt (KeyboardInterrupt, SystemExit): as it was
     first = next(iter(e.failures.values()), None)
     exc = first[0] if isinstance(first, tuple) else first
     return MLCheckpointError(f"{what} failed on ranks {sorted(e.failures)}: {exc!r}")

@@ -10,6 +10,7 @@ raw. Every length is bounded before anything is allocated; every read has a time
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -105,6 +106,36 @@ def recv_frame(sock: socket.socket) -> dict:
     if not isinstance(obj, dict):
         raise ProtocolError("malformed frame: not an object")
     return obj
+
+
+def use_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket with SO_RCVTIMEO/SO_SNDTIMEO instead of Python's timeout mode.
+
+    Python's timeout mode polls before every recv/send (and turns sendfile into a poll loop):
+    10-25% slower on a 1 GiB transfer here. Kernel timeouts bound every wait just the same; a
+    wait that expires raises an OSError (EAGAIN), which callers treat like any broken transfer.
+    """
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def sendfile_all(sock: socket.socket, fd: int, offset: int, count: int) -> None:
+    """os.sendfile until ``count`` bytes are sent (kernel timeouts end a stuck peer)."""
+    end = offset + count
+    while offset < end:
+        try:
+            sent = os.sendfile(sock.fileno(), fd, offset, end - offset)
+        except BlockingIOError:
+            raise ProtocolError("peer stopped reading (send timed out)") from None
+        except OSError as e:
+            if e.errno == errno.EINTR:
+                continue
+            raise
+        if sent == 0:
+            raise ProtocolError(f"sendfile stopped {end - offset} bytes short (file truncated?)")
+        offset += sent
 
 
 def want_int(obj: dict, key: str, lo: int, hi: int) -> int:

@@ -12,8 +12,10 @@ import os
 import socket
 import threading
 
+import xxhash
+
 from .._faults import crash_point
-from ..errors import MLCheckpointError, ShardNotFoundError
+from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..store import LocalStore, Manifest
 from ..store.checksum import checksum
 from . import protocol as p
@@ -54,19 +56,52 @@ def manifest_from_wire(obj: object, job_id: str, step: int, owner: int) -> Manif
     return m
 
 
+class StreamingVerifier:
+    """Hashes each item as its bytes arrive (cache-hot), so no checksum pass trails the
+    transfer; ``check`` raises CorruptShardError naming the first bad item."""
+
+    def __init__(self, array, m: Manifest):
+        self.array, self.m = array, m
+        self.items = sorted(m.items, key=lambda it: it.offset)
+        self.i, self.done, self.bad = 0, 0, None
+        self.h = xxhash.xxh3_64()
+
+    def feed(self, upto: int) -> None:
+        while self.i < len(self.items):
+            it = self.items[self.i]
+            start, stop = max(self.done, it.offset), min(upto, it.offset + it.nbytes)
+            if stop > start:
+                self.h.update(self.array[start:stop])
+                self.done = stop
+            if upto < it.offset + it.nbytes:
+                return
+            if self.h.intdigest() != it.checksum and self.bad is None:
+                self.bad = it
+            self.h.reset()
+            self.i += 1
+
+    def check(self) -> None:
+        self.feed(self.m.data_bytes)
+        if self.bad is not None:
+            raise CorruptShardError(f"replica of step {self.m.step} rank {self.m.rank}: checksum "
+                                    f"mismatch in {self.bad.key!r} on arrival")
+
+
 def receive_shard(sock: socket.socket, store: LocalStore, m: Manifest) -> None:
     """Receive ``m.data_bytes`` into a new buffer for (step, owner), verify, commit."""
     shard = store.begin_shard(m.step, m.rank, m.data_bytes)
     try:
         half = m.data_bytes // 2
+        verifier = StreamingVerifier(shard.buffer.array, m)
 
         def progress(got: int, total: int) -> None:
+            verifier.feed(got)
             if got >= half:
                 crash_point("replica_mid_recv", m.step, m.rank)
 
         if m.data_bytes:
             p.recv_into_exact(sock, memoryview(shard.buffer.array), progress)
-        shard.verify(m)
+        verifier.check()
         shard.commit_manifest(m)
     except BaseException:
         shard.abort()
@@ -77,9 +112,7 @@ def send_file(sock: socket.socket, path: str, nbytes: int) -> None:
     if nbytes == 0:
         return
     with open(path, "rb") as f:
-        sent = sock.sendfile(f, 0, nbytes)
-    if sent != nbytes:
-        raise ReplicationError(f"sent {sent} of {nbytes} bytes of {path}")
+        p.sendfile_all(sock, f.fileno(), 0, nbytes)
 
 
 def same_shard(a: Manifest, b: Manifest) -> bool:
@@ -155,7 +188,7 @@ class TcpTransport(Transport):
             conn.close()
             return
         try:
-            conn.settimeout(self.timeout)
+            p.use_kernel_timeouts(conn, self.timeout)
             while not self._closed.is_set():
                 try:
                     req = p.recv_frame(conn)
@@ -237,8 +270,7 @@ class TcpTransport(Transport):
             p.send_frame(conn, {"status": "ok"})
             with open(self.store.data_path(step, owner), "rb") as f:
                 for offset, nbytes in checked:
-                    if nbytes and conn.sendfile(f, offset, nbytes) != nbytes:
-                        raise ReplicationError("short sendfile")
+                    p.sendfile_all(conn, f.fileno(), offset, nbytes)
 
     def _on_put_metadata(self, conn: socket.socket, req: dict, step: int) -> None:
         nbytes = p.want_int(req, "nbytes", 1, MAX_METADATA_BYTES)
@@ -271,6 +303,7 @@ class TcpTransport(Transport):
         try:
             sock.settimeout(self.timeout)
             p.client_handshake(sock, self.secret)
+            p.use_kernel_timeouts(sock, self.timeout)
             yield sock
         except (OSError, p.ProtocolError) as e:
             raise ReplicationError(f"transfer with rank {peer} failed: {e}") from None

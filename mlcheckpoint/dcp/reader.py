@@ -206,8 +206,11 @@ class MemoryStorageReader(StorageReader):
         planner.commit_tensor(req, target)
 
     def _corrupt(self, rank: int, req: ReadItem, node: int | None) -> None:
-        where = f"node {node}" + (" (this node)" if node == self.node else "")
+        if node == self.node:
+            where = f"node {node} ({self.store.data_path(self.step, rank)})"
+        else:
+            where = f"node {node} (job {self.store.job_id})"
         msg = (f"checksum mismatch reading {req.storage_index.fqn!r} of step {self.step} from "
-               f"rank {rank}'s shard on {where} (job {self.store.job_id})")
+               f"rank {rank}'s shard on {where}")
         log.error(msg)
         raise CorruptShardError(msg, copy=(self.step, rank, node))

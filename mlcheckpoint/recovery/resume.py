@@ -54,8 +54,10 @@ class Recovery:
 
     def run(self, state_dict: dict) -> ResumeInfo:
         t0 = time.perf_counter()
+        self.phases: dict[str, float] = {}
         self.store.gc(ranks=[self.topo.rank])  # what a crash of this rank left behind
         nodes, persistent_step = self._gather_inventory()
+        self._lap("inventory", t0)
         bad: set[BadCopy] = set()
         bad_steps: set[int] = set()
         notes: list[str] = []
@@ -65,14 +67,18 @@ class Recovery:
             self.decision = d
             if d.kind != MEMORY:
                 break
+            t = time.perf_counter()
             problems = self._gather_problems(self._fetch(d))
             if not problems:
                 problems = self._gather_problems(self._verify(d))
+            self._lap("fetch+verify", t)
             if problems:
                 bad |= {copy for copy, _ in problems}
                 notes += [why for _, why in problems]
                 continue
+            t = time.perf_counter()
             failure, bad_copy = self._load(state_dict, d)
+            self._lap("load", t)
             if failure is None:
                 break
             notes.append(failure)
@@ -86,6 +92,9 @@ class Recovery:
         if d.kind == PERSISTENT:
             self.load(state_dict, self.persistent.reader(d.step))
         return self._finish(d, notes, t0)
+
+    def _lap(self, phase: str, since: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
     # ------------------------------------------------------------------ phases
     def _gather_inventory(self):
@@ -126,32 +135,23 @@ class Recovery:
         return problems
 
     def _verify(self, d: Decision) -> list[tuple[BadCopy, str]]:
-        """Check this rank's share of the copies this node will read; quarantine bad ones.
+        """Check this node's copy of the step's metadata before anyone loads with it.
 
-        Own shards (and, when resharding, every local copy) are checked up front so a bad one
-        is replaced by its replica before loading; anything else is verified as it is read.
+        Shard bytes are not hashed here: the reader verifies every item as it copies it into
+        the model (one pass), and a mismatch names the bad copy, which is then refused and the
+        load retried from another copy (see ``run``). Hashing up front would read every byte
+        twice.
         """
-        problems = []
-        step = d.step
-        node, lr, lws = self.topo.node_rank, self.topo.local_rank, self.topo.local_world_size
-        mine = set(self.topo.ranks_of_node(node))
-        if lr == 0:
-            try:
-                self.store.read_metadata(step)
-            except CorruptShardError as e:
-                problems.append(((step, None, node), f"node {node}: {e}"))
-            except ShardNotFoundError:
-                pass
-        for owner in sorted(self.store.step_state(step).committed_ranks):
-            if owner % lws != lr or (not d.resharded and owner not in mine):
-                continue
-            try:
-                self.store.verify_shard(step, owner)
-            except CorruptShardError as e:
-                log.warning("mlcheckpoint: refusing corrupt copy on node %d: %s", node, e)
-                self.store.retire_shard(step, owner)  # never read again; a replica serves
-                problems.append(((step, owner, node), f"node {node}: {e}"))
-        return problems
+        if self.topo.local_rank != 0:
+            return []
+        try:
+            self.store.read_metadata(d.step)
+        except CorruptShardError as e:
+            node = self.topo.node_rank
+            return [((d.step, None, node), f"node {node}: {e}")]
+        except ShardNotFoundError:
+            pass
+        return []
 
     def _load(self, state_dict: dict, d: Decision) -> tuple[str | None, BadCopy | None]:
         self.bytes_fetched = 0  # count what the attempt that succeeds read, not failed ones
@@ -171,8 +171,11 @@ class Recovery:
         return None, None
 
     def _quarantine(self, copy: BadCopy) -> None:
+        """Uncommit a copy found corrupt, on the node that holds it, so nobody reads it again."""
         step, owner, node = copy
         if node == self.topo.node_rank and self.topo.local_rank == 0 and owner is not None:
+            log.warning("mlcheckpoint: refusing corrupt copy of rank %d's shard of step %d on node %d",
+                        owner, step, node)
             self.store.retire_shard(step, owner)
 
     def _remote_read(self, step: int, owner: int, ranges, sinks) -> int:
@@ -257,6 +260,8 @@ class Recovery:
         if d.step is None:
             log.info("mlcheckpoint: no usable checkpoint, starting fresh (%s)", reason)
         else:
-            log.info("mlcheckpoint: resumed step %d from %s in %.3fs (%d bytes from peers)%s",
-                     d.step, overall, info.seconds, info.bytes_fetched, f"; {reason}" if reason else "")
+            log.info("mlcheckpoint: resumed step %d from %s in %.3fs (%d bytes from peers; %s)%s",
+                     d.step, overall, info.seconds, info.bytes_fetched,
+                     ", ".join(f"{k} {v:.3f}s" for k, v in self.phases.items()),
+                     f"; {reason}" if reason else "")
         return info

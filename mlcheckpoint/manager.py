@@ -137,7 +137,12 @@ class CheckpointManager:
         self.replica_owners = self.replicator.sources
 
     def _on_replica_received(self, step: int, owner: int) -> None:
-        self.store.apply_retention([owner], self.keep, protected=self._protected_steps())
+        # Runs on a listener thread: use the last known protected step rather than asking the
+        # c10d store (a new client per connection thread); a stale value only keeps more.
+        protected = self.pins.steps()
+        if self.replicator is not None and self.replicator.known_protected() is not None:
+            protected.add(self.replicator.known_protected())
+        self.store.apply_retention([owner], self.keep, protected=protected)
 
     # ------------------------------------------------------------------ DCP-native
     def storage_writer(self, step: int) -> MemoryStorageWriter:

@@ -7,14 +7,13 @@ Corrupt or truncated shards must be refused at resume in favour of an older good
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
 import time
 
 import pytest
-from cluster import Cluster, kill_strays, lose_node
+from cluster import Cluster, lose_node
 
 from mlcheckpoint import LocalStore
 from mlcheckpoint.store import layout
@@ -26,15 +25,9 @@ NPROC = 2
 LAUNCH_TIMEOUT = 120
 
 
-@contextlib.contextmanager
-def cluster(nnodes: int = 1, nproc: int = NPROC):
-    """A Cluster whose every process is gone afterwards, orphaned ranks included."""
-    with Cluster(nnodes, nproc) as c:
-        try:
-            yield c
-        finally:
-            c.kill_all()
-            kill_strays(c)
+def cluster(nnodes: int = 1, nproc: int = NPROC) -> Cluster:
+    """A Cluster (its exit kills every process it started, orphaned ranks included)."""
+    return Cluster(nnodes, nproc)
 
 
 # (crash point, rank that dies, save mode used): every point, over the several save paths.

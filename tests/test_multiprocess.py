@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 import torch
-from cluster import Cluster, kill_strays
+from cluster import Cluster
 
 from mlcheckpoint import LocalStore
 
@@ -17,15 +16,9 @@ NPROC = 2
 LAUNCH_TIMEOUT = 120
 
 
-@contextlib.contextmanager
-def cluster(nnodes: int = 1, nproc: int = NPROC):
-    """A Cluster whose every process is gone afterwards, orphaned ranks included."""
-    with Cluster(nnodes, nproc) as c:
-        try:
-            yield c
-        finally:
-            c.kill_all()
-            kill_strays(c)
+def cluster(nnodes: int = 1, nproc: int = NPROC) -> Cluster:
+    """A Cluster (its exit kills every process it started, orphaned ranks included)."""
+    return Cluster(nnodes, nproc)
 
 
 def clear_results(c: Cluster, *names: str) -> None:

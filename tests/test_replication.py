@@ -8,13 +8,12 @@ report the step replicated and protected.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
 import pytest
 import torch
-from cluster import WORKERS, Cluster, kill_strays
+from cluster import WORKERS, Cluster
 
 from mlcheckpoint import LocalStore
 from mlcheckpoint.replication import PairwiseRing
@@ -30,15 +29,9 @@ LAUNCH_TIMEOUT = 150
 LAST = 2  # steps 0..LAST are saved; with keep=2 retention runs on both nodes of every pair
 
 
-@contextlib.contextmanager
-def cluster(nnodes: int, nproc: int):
-    """A Cluster whose every process is gone afterwards (orphaned ranks, DCP helper processes)."""
-    with Cluster(nnodes, nproc) as c:
-        try:
-            yield c
-        finally:
-            c.kill_all()
-            kill_strays(c)
+def cluster(nnodes: int, nproc: int) -> Cluster:
+    """A Cluster (its exit kills every process it started, orphaned ranks included)."""
+    return Cluster(nnodes, nproc)
 
 
 def node_stores(c: Cluster) -> list[LocalStore]:

@@ -100,6 +100,10 @@ class Replicator:
                 break
         return self._newest_protected
 
+    def known_protected(self) -> int | None:
+        """The newest protected step found so far (no store round trip)."""
+        return self._newest_protected
+
     def seed_protected(self, step: int | None) -> None:
         """After a restart the counters are new: take the newest step found on two nodes."""
         if step is not None and (self._newest_protected is None or step > self._newest_protected):

@@ -3,7 +3,6 @@
 argv: last mode transport ; mode = async | sync | dcp | dcp_async_process
 """
 
-import os
 import sys
 
 import torch.distributed as dist

@@ -540,3 +540,21 @@ def test_2x2_killed_mid_load_then_resumes(run2x2):
         assert r["bytes_fetched"] > 0, r
     assert all(h["protected"] for h in run2x2["killread_healed"].values()), run2x2["killread_healed"]
     assert run2x2["killread_after"][1].get(3) == (True, [0, 1, 2, 3]), run2x2["killread_after"]
+
+
+def test_replaced_node_recovers_over_the_process_group_transport():
+    """Recovery over replication="pg": the replaced node's rank streams its shard from the
+    partner (read_items over gloo), then rebuilds its tmpfs copy (get_shard over gloo)."""
+    with cluster(2, 1) as c:
+        c.run("save_resume.py", "0", "2", "async", "0", "pg", timeout=LAUNCH_TIMEOUT)
+        assert all(r["protected"] for r in c.results("protected").values())
+        c.nodes[1].wipe()
+        c.run("save_resume.py", "3", "2", "async", "0", "pg", timeout=LAUNCH_TIMEOUT)
+        res = c.results("resume")
+        assert all(r["step"] == 2 and r["match"] for r in res.values()), res
+        assert res[0]["sources"] == {"0": "local", "1": "peer"}, res
+        assert res[0]["bytes_fetched"] > 0
+        assert all(r["protected"] for r in c.results("healed").values())  # replicas rebuilt
+        store = LocalStore(c.nodes[1].local_dir, c.job_id, create=False)
+        assert store.step_state(2).committed_ranks == {0, 1}
+        store.verify_shard(2, 1)  # node 1's own shard is back in its memory, intact

@@ -151,30 +151,21 @@ class PgTransport(Transport):
             self._reply(peer, tag, {"status": "ok"}, phase="done")
             if self.on_received is not None:
                 self.on_received(step, m.rank)
-        elif op == "get_shard":
-            owner = int(msg["owner"])
+        elif op in ("get_shard", "read_items"):
             with self.pins.pinned(step):
                 try:
-                    m, buf = self.store.map_shard(step, owner)
+                    m, buf = self.store.map_shard(step, int(msg["owner"]))
                 except ShardNotFoundError:
                     self._reply(peer, tag, {"status": "missing"})
                     return
-                self._reply(peer, tag, {"status": "ok", "manifest": m.to_dict()})
-                if m.data_bytes:
-                    self._send_bytes(buf.array, peer, tag)
-        elif op == "read_items":
-            owner = int(msg["owner"])
-            with self.pins.pinned(step):
-                try:
-                    m, buf = self.store.map_shard(step, owner)
-                except ShardNotFoundError:
-                    self._reply(peer, tag, {"status": "missing"})
-                    return
-                ranges = [(int(o), int(n)) for o, n in msg["ranges"]]
-                if any(o < 0 or n < 0 or o + n > m.data_bytes for o, n in ranges):
-                    self._reply(peer, tag, {"status": "error", "error": "range outside the shard"})
-                    return
-                self._reply(peer, tag, {"status": "ok"})
+                if op == "get_shard":  # the whole shard, with its manifest
+                    ranges, reply = [(0, m.data_bytes)], {"status": "ok", "manifest": m.to_dict()}
+                else:  # byte ranges, straight into the requester's tensors
+                    ranges, reply = [(int(o), int(n)) for o, n in msg["ranges"]], {"status": "ok"}
+                    if any(o < 0 or n < 0 or o + n > m.data_bytes for o, n in ranges):
+                        self._reply(peer, tag, {"status": "error", "error": "range outside the shard"})
+                        return
+                self._reply(peer, tag, reply)
                 for o, n in ranges:
                     if n:
                         self._send_bytes(buf.array[o:o + n], peer, tag)

@@ -1,6 +1,6 @@
 """Worker: resume (reporting what was found), then save steps [first, last].
 
-argv: first last mode [persistent_every] ; mode = sync | async | dcp | dcp_async
+argv: first last mode [persistent_every [transport]] ; mode = sync | async | dcp | dcp_async
 """
 
 import os
@@ -17,9 +17,11 @@ from mlcheckpoint import CheckpointManager
 def main() -> None:
     first, last, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     persist_every = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    transport = sys.argv[5] if len(sys.argv) > 5 else "tcp"
 
     rank, world = init()
-    ckpt = CheckpointManager(persistent_dir=os.environ["TEST_PERSISTENT_DIR"] if persist_every else None)
+    ckpt = CheckpointManager(persistent_dir=os.environ["TEST_PERSISTENT_DIR"] if persist_every else None,
+                             replication=transport)
     sd = empty_like(model_state(rank, 0, world))
     info = ckpt.resume(sd)
     mismatch = [] if info.step is None else diff(model_state(rank, info.step, world), sd)

@@ -152,6 +152,11 @@ class CheckpointManager:
         """
         self._check_open()
         self._apply_retention()
+        return self._writer(step)
+
+    def _writer(self, step: int) -> MemoryStorageWriter:
+        # save/async_save retire old steps after each save, on the background thread, so they
+        # skip the up-front retention (an inventory and c10d round trips on the training thread).
         notify = None
         if self.replicator is not None:
             self.replicator.activate()
@@ -165,15 +170,16 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
     def save(self, state_dict: dict[str, Any], step: int, *, persistent: bool = False) -> SaveResult:
         """Save ``step`` and return once it is committed in tmpfs on every rank."""
+        self._check_open()
         self._wait_in_flight()
-        writer = self.storage_writer(step)
+        writer = self._writer(step)
         t0 = time.perf_counter()
         try:
             metadata = dcp.save(state_dict, storage_writer=writer, process_group=self._save_pg)
         except CheckpointException as e:
             raise _unwrap(e, f"save of step {step}") from None
         seconds = time.perf_counter() - t0
-        result = SaveResult(step, self._shard_bytes(step), seconds, seconds, persistent)
+        result = SaveResult(step, _committed_bytes(writer), seconds, seconds, persistent)
         self._after_save(result, metadata)
         if persistent:
             self._write_persistent(state_dict, step)
@@ -188,8 +194,9 @@ class CheckpointManager:
         fails here (e.g. CapacityError) the error is raised at once and the other ranks' saves
         of this step fail too, so no rank waits for it.
         """
+        self._check_open()
         self._wait_in_flight()
-        writer = self.storage_writer(step)
+        writer = self._writer(step)
         t0 = time.perf_counter()
         stage_error: BaseException | None = None
         try:
@@ -214,7 +221,7 @@ class CheckpointManager:
             err = _unwrap(e, f"async save of step {step}")
             log.error("mlcheckpoint: %s", err)
             raise err from None
-        result = SaveResult(step, self._shard_bytes(step), blocking, time.perf_counter() - t0, persistent)
+        result = SaveResult(step, _committed_bytes(writer), blocking, time.perf_counter() - t0, persistent)
         self._after_save(result, metadata)
         if persistent:
             # The persistent write reads the staged views of this step's tmpfs buffers: pin the
@@ -273,12 +280,6 @@ class CheckpointManager:
         """Retire this rank's own shards and the replicas it keeps beyond ``keep``."""
         self.store.apply_retention([self.rank, *self.replica_owners], self.keep,
                                    protected=self._protected_steps())
-
-    def _shard_bytes(self, step: int) -> int:
-        try:
-            return self.store.read_manifest(step, self.rank).data_bytes
-        except MLCheckpointError:
-            return 0
 
     # ------------------------------------------------------------------ resume
     def resume(self, state_dict: dict[str, Any]) -> ResumeInfo:
@@ -404,6 +405,10 @@ class CheckpointManager:
         out: list[Any] = [None] * dist.get_world_size(self._save_pg)
         dist.all_gather_object(out, obj, group=self._save_pg)
         return out
+
+
+def _committed_bytes(writer: MemoryStorageWriter) -> int:
+    return writer.committed.data_bytes if writer.committed is not None else 0
 
 
 def _unwrap(e: CheckpointException, what: str) -> BaseException:

@@ -18,14 +18,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """Every tensor leaf (DTensor: its local shard) of a nested dict/list/tuple, in order."""
-    out: list[torch.Tensor] = []
-    _walk(obj, lambda t: out.append(_local(t)) or t)
-    return out
+    """Every tensor leaf (DTensor: its local shard) of a nested dict/list/tuple, in order
+    (the same order ``stage_into`` lays them out). Copies nothing."""
+    if isinstance(obj, torch.Tensor):
+        return [_local(obj)]
+    if isinstance(obj, dict):
+        obj = obj.values()
+    elif not isinstance(obj, (list, tuple)) or hasattr(obj, "_fields"):
+        return []
+    return [t for v in obj for t in tensors_of(v)]
 
 
-def staged_bytes(obj: Any) -> int:
-    return sum(align(t.numel() * t.element_size()) for t in tensors_of(obj))
+def staged_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(align(t.numel() * t.element_size()) for t in tensors)
 
 
 def stage_into(obj: Any, buffer_tensor: torch.Tensor) -> Any:
@@ -59,9 +64,8 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor) -> Any:
 def _walk(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _walk(v, fn)) for k, v in obj.items()) if type(obj) is not dict \
-            else {k: _walk(v, fn) for k, v in obj.items()}
+    if isinstance(obj, dict):  # a plain dict whatever the mapping type: DCP only needs Mapping
+        return {k: _walk(v, fn) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_walk(v, fn) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):

@@ -24,7 +24,7 @@ from .._faults import crash_point
 from ..store.checksum import checksum, copy_into
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardWriter, align
-from ..store.manifest import ManifestItem
+from ..store.manifest import Manifest, ManifestItem
 from . import staging
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._staged_rank: int | None = None
         self._staged_bytes = 0
         self._poison: BaseException | None = None
+        self.committed: Manifest | None = None  # this rank's manifest once write_data committed
 
     def poison(self, error: BaseException) -> None:
         """Make this rank's write fail with ``error``, so DCP fails the step on every rank."""
@@ -101,11 +102,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     # ---------------------------------------------------------------- AsyncStager
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into this step's tmpfs buffer; return views of it."""
-        nbytes = staging.staged_bytes(state_dict)
+        tensors = staging.tensors_of(state_dict)
+        nbytes = staging.staged_bytes(tensors)
         self._staged_rank = _default_rank()
         shard = self.store.begin_shard(self.step, self._staged_rank, nbytes)
         try:
-            if any(t.device.type != "cpu" for t in staging.tensors_of(state_dict)):
+            if any(t.device.type != "cpu" for t in tensors):
                 shard.buffer.register_for_device_copies()
             staged = staging.stage_into(state_dict, shard.buffer.tensor)
         except BaseException:
@@ -160,7 +162,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                     crash_point("mid_data", self.step, self.rank)
                 results.append(self._write_item(shard, item, planner))
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-            shard.commit(world_size=world)
+            self.committed = shard.commit(world_size=world)
         except BaseException:
             shard.abort()
             raise
@@ -182,9 +184,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         nbytes = 0
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
-                p = item.tensor_data.properties
                 nbytes += align(torch.Size(item.tensor_data.size).numel()
-                                * torch.tensor([], dtype=p.dtype).element_size())
+                                * item.tensor_data.properties.dtype.itemsize)
         return self.store.begin_shard(self.step, self.rank, nbytes)
 
     def _write_item(self, shard: ShardWriter, item, planner: SavePlanner) -> WriteResult:

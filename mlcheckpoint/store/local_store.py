@@ -131,6 +131,7 @@ class LocalStore:
         self.pool_dir = os.path.join(self.job_dir, layout.POOL)
         self.memory_limit_bytes = memory_limit_bytes
         self.mappings = MappingCache()
+        self._verified_headers: dict[str, tuple[tuple, MetadataHeader]] = {}
         if create:
             os.makedirs(self.local_dir, mode=0o700, exist_ok=True)
             for d in (self.job_dir, self.steps_dir, self.pool_dir):
@@ -228,13 +229,16 @@ class LocalStore:
         header = MetadataHeader(job_id=self.job_id, step=step, world_size=world_size,
                                 ranks=sorted(set(ranks)), total_bytes=total_bytes,
                                 payload_bytes=len(payload), checksum=checksum(payload))
-        self.write_metadata_file(step, encode_metadata(header, payload))
+        self._install_metadata(step, encode_metadata(header, payload))
 
     def write_metadata_file(self, step: int, raw: bytes) -> None:
         """Install an encoded metadata file (e.g. received from a peer) after verifying it."""
         header, _ = decode_metadata(raw)
         if header.step != step or header.job_id != self.job_id:
             raise ValueError(f"metadata is for {header.job_id}/{header.step}, not {self.job_id}/{step}")
+        self._install_metadata(step, raw)
+
+    def _install_metadata(self, step: int, raw: bytes) -> None:
         os.makedirs(self.step_dir(step), mode=0o700, exist_ok=True)
         path = self.metadata_path(step)
         tmp = f"{path}.{secrets.token_hex(4)}{layout.TMP}"
@@ -314,7 +318,7 @@ class LocalStore:
                 st.committed_ranks.add(r)
         if layout.METADATA in names:
             try:
-                header, _ = self.read_metadata(step)
+                header = self._metadata_header(step)
             except ShardNotFoundError:
                 pass  # retired between the listing and the read
             except CorruptShardError as e:
@@ -325,6 +329,23 @@ class LocalStore:
                 st.world_size = header.world_size
                 st.total_bytes = header.total_bytes
         return st
+
+    def _metadata_header(self, step: int) -> MetadataHeader:
+        """The verified header of a step's metadata. The whole file is checksummed once per
+        version (inode, size, mtime): listings run often (the replicator polls) and metadata of
+        a large model is megabytes."""
+        path = self.metadata_path(step)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise ShardNotFoundError(f"step {step} has no global metadata on this node") from None
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._verified_headers.get(path)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        header, _ = self.read_metadata(step)
+        self._verified_headers[path] = (version, header)
+        return header
 
     def inventory(self) -> dict[int, StepState]:
         return {s: self.step_state(s) for s in self.steps()}

@@ -5,9 +5,15 @@
 Measured in one run on this machine:
   * baseline: DCP FileSystemReader loading the same state dict from /dev/shm (one process)
   * baseline: a raw single-stream loopback socket transfer of the same bytes
+  * baseline: the same 2-rank job resuming from its persistent DCP checkpoint
+    (FileSystemWriter/FileSystemReader) on /dev/shm, memory wiped on both nodes: stock DCP
+    doing exactly the job ours does, under the same concurrency
   * resume from local memory: 2 simulated nodes x 1 rank (torchrun), every shard local
-  * resume from peer: node 1 replaced by an empty machine; its rank fetches its shard from
-    node 0's replica (and verifies it) before loading
+  * resume from peer: node 1 replaced by an empty machine; its rank reads its shard from
+    node 0's replica (verifying it) into the model. Both simulated nodes share this machine's
+    cores, so node 0's own local load competes with node 1's transfer, which it would not on
+    two machines; a second job where node 0 has almost nothing to load shows the transfer
+    alone ("peer, lopsided").
   * plan_resume() on simulated inventories of 1k, 4k and 16k ranks
 Targets: local >= 10x FileSystemReader; peer >= 0.8x raw socket; planner < 1 s at 16k ranks.
 """
@@ -40,15 +46,17 @@ from mlcheckpoint import CheckpointManager
 mode, size, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+if rank == 0 and os.environ.get("BENCH_LOPSIDED"):
+    size //= 1024  # node 0 has (almost) nothing of its own to load
 def state(fill):
     # a few large tensors and many small ones, under per-rank keys (each rank's own bytes)
     big = size // 5
     d = {f"r{rank}.big{i}": torch.full((big // 4,), float(fill + i)) for i in range(4)}
     d.update({f"r{rank}.small{i}": torch.full((size // 5 // 200 // 4,), float(i)) for i in range(200)})
     return d
-ckpt = CheckpointManager()
+ckpt = CheckpointManager(persistent_dir=os.environ.get("BENCH_PERSISTENT"))
 if mode == "save":
-    ckpt.save(state(rank), 1)
+    ckpt.save(state(rank), 1, persistent=bool(os.environ.get("BENCH_PERSISTENT")))
     ok = ckpt.wait_replicated(1, 600)
     result = {"protected": ok}
 else:
@@ -74,19 +82,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(root: str, job: str, mode: str, size: int, dirs: list[str]) -> dict[int, dict]:
+def run_job(root: str, job: str, mode: str, size: int, dirs: list[str],
+            env: dict[str, str] | None = None) -> dict[int, dict]:
     script = os.path.join(root, "worker.py")
     with open(script, "w") as f:
         f.write(WORKER)
     port, out = free_port(), os.path.join(root, f"out-{mode}-{uuid.uuid4().hex[:4]}")
     procs = []
     for k, d in enumerate(dirs):
-        env = dict(os.environ, MLCHECKPOINT_LOCAL_DIR=d, MLCHECKPOINT_JOB_ID=job, OMP_NUM_THREADS="1",
-                   PYTHONPATH=ROOT)
+        env_k = dict(os.environ, MLCHECKPOINT_LOCAL_DIR=d, MLCHECKPOINT_JOB_ID=job, OMP_NUM_THREADS="1",
+                     PYTHONPATH=ROOT, **(env or {}))
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(dirs)}", f"--node-rank={k}",
                "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", script,
                mode, str(size), out]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        procs.append(subprocess.Popen(cmd, env=env_k, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     for p in procs:
         text = p.communicate(timeout=900)[0].decode()
@@ -182,13 +191,23 @@ def main(argv: list[str] | None = None) -> dict:
         for d in dirs:
             os.makedirs(d)
         job = f"bench-{uuid.uuid4().hex[:6]}"
-        saved = run_job(root, job, "save", size, dirs)
+        persistent = {"BENCH_PERSISTENT": os.path.join(root, "persistent")}
+        saved = run_job(root, job, "save", size, dirs, persistent)
         assert all(r["protected"] for r in saved.values()), saved
-        local, peer = [], []
+        local, from_fs, peer, lopsided = [], [], [], []
         for _ in range(args.reps):
-            r = run_job(root, job, "resume", size, dirs)
+            r = run_job(root, job, "resume", size, dirs, persistent)
             assert all(x["exact"] and x["source"] == "local" for x in r.values()), r
             local.append(max(x["seconds"] for x in r.values()))
+        for _ in range(args.reps):  # memory gone on both nodes: stock DCP from /dev/shm
+            wiped = [os.path.join(root, f"wiped{k}") for k in range(2)]
+            for w in wiped:
+                os.makedirs(w)
+            r = run_job(root, job, "resume", size, wiped, persistent)
+            assert all(x["exact"] and x["source"] == "persistent" for x in r.values()), r
+            from_fs.append(max(x["seconds"] for x in r.values()))
+            for w in wiped:
+                shutil.rmtree(w)
         for _ in range(args.reps):
             shutil.rmtree(dirs[1])
             os.makedirs(dirs[1])
@@ -196,28 +215,50 @@ def main(argv: list[str] | None = None) -> dict:
             assert r[1]["source"] == "peer" and all(x["exact"] for x in r.values()), r
             peer.append(r[1]["seconds"])
             res["peer_bytes_fetched"] = r[1]["bytes_fetched"]
+        lop = {"BENCH_LOPSIDED": "1"}
+        lop_dirs = [os.path.join(root, f"lop{k}") for k in range(2)]
+        for d in lop_dirs:
+            os.makedirs(d)
+        saved = run_job(root, job + "-lop", "save", size, lop_dirs, lop)
+        assert all(r["protected"] for r in saved.values()), saved
+        for _ in range(args.reps):
+            shutil.rmtree(lop_dirs[1])
+            os.makedirs(lop_dirs[1])
+            r = run_job(root, job + "-lop", "resume", size, lop_dirs, lop)
+            assert r[1]["source"] == "peer" and all(x["exact"] for x in r.values()), r
+            lopsided.append(r[1]["seconds"])
         res["resume_local_s"] = sorted(local)[len(local) // 2]
+        res["resume_persistent_s"] = sorted(from_fs)[len(from_fs) // 2]
         res["resume_peer_s"] = sorted(peer)[len(peer) // 2]
+        res["resume_peer_lopsided_s"] = sorted(lopsided)[len(lopsided) // 2]
         res["planner_s"] = bench_planner()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     fsr, raw = res["filesystem_reader_s"], res["raw_socket_s"]
     loc, peer_s = res["resume_local_s"], res["resume_peer_s"]
+    pers, lop_s = res["resume_persistent_s"], res["resume_peer_lopsided_s"]
     print(f"recovery benchmark: {size / 2**30:.2f} GiB per rank, 2 simulated nodes x 1 rank, "
-          f"{res['cores']} cores, torch {res['torch']}")
-    print(f"{'measurement':44s} {'seconds':>8s} {'GB/s':>7s}  ratio")
-    print(f"{'DCP FileSystemReader from /dev/shm (baseline)':44s} {fsr:8.3f} {gb / fsr:7.2f}")
-    print(f"{'raw socket, single stream (baseline)':44s} {raw:8.3f} {gb / raw:7.2f}")
-    print(f"{'resume from local memory (whole resume)':44s} {loc:8.3f} {gb / loc:7.2f}  "
-          f"{fsr / loc:.1f}x FileSystemReader")
-    print(f"{'resume from peer (node replaced, whole resume)':44s} {peer_s:8.3f} {gb / peer_s:7.2f}  "
-          f"{raw / peer_s:.2f}x raw socket")
+          f"{res['cores']} cores, torch {res['torch']}; medians of {args.reps}")
+    rows = [
+        ("DCP FileSystemReader from /dev/shm, 1 process (baseline)", fsr, ""),
+        ("resume from persistent DCP on /dev/shm, 2 ranks (baseline)", pers, ""),
+        ("raw socket, single stream (baseline)", raw, ""),
+        ("resume from local memory, 2 ranks", loc,
+         f"{fsr / loc:.1f}x FileSystemReader, {pers / loc:.1f}x the same job via DCP FS"),
+        ("resume from peer, node 1 replaced", peer_s, f"{raw / peer_s:.2f}x raw socket"),
+        ("resume from peer, lopsided (node 0 idle)", lop_s, f"{raw / lop_s:.2f}x raw socket"),
+    ]
+    print(f"{'measurement':60s} {'seconds':>8s} {'GB/s':>7s}  ratio")
+    for name, t, ratio in rows:
+        print(f"{name:60s} {t:8.3f} {gb / t:7.2f}  {ratio}")
     for world, t in res["planner_s"].items():
-        print(f"{'plan_resume, ' + str(world) + ' ranks':44s} {t:8.4f}")
+        print(f"{'plan_resume, ' + str(world) + ' ranks':60s} {t:8.4f}")
     print("targets:")
-    checks = {"local >= 10x FileSystemReader": fsr / loc >= 10,
-              "peer >= 0.8x raw socket": raw / peer_s >= 0.8,
+    checks = {"local >= 10x FileSystemReader (1 process)": fsr / loc >= 10,
+              "local >= 10x the same job resuming via DCP FS": pers / loc >= 10,
+              "peer >= 0.8x raw socket (node 0 loading too)": raw / peer_s >= 0.8,
+              "peer >= 0.8x raw socket (lopsided)": raw / lop_s >= 0.8,
               "planner < 1 s at 16k ranks": res["planner_s"][16384] < 1.0}
     for name, ok in checks.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import pickle
 from collections import Counter, defaultdict
-from torch.futures import Future
+from concurrent.futures import Future as ConcurrentFuture
 from typing import Any, Callable
 
 import numpy as np
@@ -19,20 +20,32 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from ..errors import CorruptShardError, ShardNotFoundError
-from ..store.checksum import as_byte_tensor, checksum, verify_into
+from ..store import copier
+from ..store.checksum import as_byte_tensor, checksum
 from ..store.layout import ItemLocation
-from ..store.local_store import LocalStore
+from ..store.local_store import LocalStore, ShardSource
 from .writer import parse_step
 
 log = logging.getLogger(__name__)
 
 # fetch(step, rank) makes rank's shard of step present in the local store (rank=None: metadata).
 Fetcher = Callable[[int, "int | None"], None]
-# remote(step, owner, ranges, sinks) reads byte ranges of a shard this node lacks from a node
-# that holds it, straight into the sinks; returns the node it read from.
-RemoteRead = Callable[[int, int, "list[tuple[int, int]]", list], int]
+# remote(step, owner, ranges, sinks, on_range) reads byte ranges of a shard this node lacks from
+# a node that holds it, straight into the sinks, calling on_range(i) as range i lands; returns
+# the node it read from.
+RemoteRead = Callable[[int, int, "list[tuple[int, int]]", list, Callable[[int], None]], int]
+
+
+def _fits_directly(target: torch.Tensor, req: ReadItem, metadata: Metadata) -> bool:
+    """Whether a whole stored item can be copied raw into ``target`` (same dtype and size,
+    dense, on the CPU)."""
+    dtype = metadata.state_dict_metadata[req.storage_index.fqn].properties.dtype
+    return (target.device.type == "cpu" and target.is_contiguous() and not target.is_conj()
+            and not target.is_neg() and target.dtype == dtype
+            and target.numel() == math.prod(req.lengths))
 
 
 class MemoryStorageReader(StorageReader):
@@ -111,7 +124,7 @@ class MemoryStorageReader(StorageReader):
             by_rank[self._location(req.storage_index).rank].append(req)
         for rank, reqs in sorted(by_rank.items()):
             try:
-                _, buf = self.store.map_shard(self.step, rank)
+                source = self.store.open_shard(self.step, rank)
             except ShardNotFoundError:
                 if self.remote is not None:
                     self._read_remote(rank, reqs, planner)
@@ -119,26 +132,48 @@ class MemoryStorageReader(StorageReader):
                 if self.fetch is None:
                     raise
                 self.fetch(self.step, rank)
-                _, buf = self.store.map_shard(self.step, rank)
-            self._read_local(rank, reqs, buf, planner)
+                source = self.store.open_shard(self.step, rank)
+            with source:
+                self._read_local(rank, reqs, source, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_local(self, rank: int, reqs: list[ReadItem], buf, planner: LoadPlanner) -> None:
-        verified: set[tuple[int, int]] = set()
+    def _read_local(self, rank: int, reqs: list[ReadItem], source: ShardSource,
+                    planner: LoadPlanner) -> None:
+        """Verify and copy every item of one mapped shard; the copies and hashes run together
+        on the copier's threads, then the items are handed to the planner."""
+        spans: list[copier.Span] = []
+        checked: list[tuple[ReadItem, ItemLocation]] = []
+        later: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []  # (req, target, view)
+        seen: set[tuple[int, int]] = set()
         for req in reqs:
             loc = self._location(req.storage_index)
-            src = buf.array[loc.offset:loc.offset + loc.nbytes]
-            first = (loc.offset, loc.nbytes) not in verified
-            verified.add((loc.offset, loc.nbytes))
-            if req.type == LoadItemType.BYTE_IO:
-                if checksum(src) != loc.checksum:
-                    self._corrupt(rank, req, self.node)
-                planner.load_bytes(req, io.BytesIO(src.tobytes()))
-            else:
-                self._read_tensor(req, loc, src, planner, verify=first, rank=rank)
             self.bytes_read += loc.nbytes
+            if req.type == LoadItemType.BYTE_IO:
+                raw = source.read(loc.offset, loc.nbytes)
+                if checksum(raw) != loc.checksum:
+                    self._corrupt(rank, req, self.node)
+                planner.load_bytes(req, io.BytesIO(raw))
+                continue
+            first = (loc.offset, loc.nbytes) not in seen
+            seen.add((loc.offset, loc.nbytes))
+            target = planner.resolve_tensor(req).detach()
+            direct = first and self._whole_item(req) and _fits_directly(target, req, self._metadata)
+            if first:
+                spans.append(source.span(loc.offset, loc.nbytes,
+                                         target.data_ptr() if direct else None))
+                checked.append((req, loc))
+            later.append((req, target, None if direct else loc))
+        for (req, loc), digest in zip(checked, copier.process(spans)):
+            if digest != loc.checksum:
+                self._corrupt(rank, req, self.node)
+        for req, target, loc in later:
+            if loc is not None:  # resharded, cast or on a device: torch copies from the mapping
+                src = source.mapping().array[loc.offset:loc.offset + loc.nbytes]
+                view = self._stored_view(req, src)
+                target.copy_(view.reshape(target.shape) if target.shape != view.shape else view)
+            planner.commit_tensor(req, target)
 
     def _read_remote(self, rank: int, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         """Stream the items of a shard held elsewhere, into the targets where possible."""
@@ -164,12 +199,20 @@ class MemoryStorageReader(StorageReader):
             loc = self._location(req.storage_index)
             sinks.setdefault((loc.offset, loc.nbytes), np.empty(loc.nbytes, dtype=np.uint8))
         ranges = sorted(sinks)
-        node = self.remote(self.step, rank, ranges, [sinks[k] for k in ranges])
-        checks = {self._location(r.storage_index).offset: self._location(r.storage_index) for r in reqs}
-        for loc in checks.values():
-            if checksum(sinks[(loc.offset, loc.nbytes)]) != loc.checksum:
-                bad = next(r for r in reqs if self._location(r.storage_index).offset == loc.offset)
-                self._corrupt(rank, bad, node)
+        # Each range is hashed on the copier's threads as soon as it lands, while the next
+        # ones arrive; a retry from another holder refills the sinks and hashes them again.
+        hashing: dict[tuple[int, int], ConcurrentFuture] = {}
+
+        def landed(i: int) -> None:
+            sink = sinks[ranges[i]]
+            hashing[ranges[i]] = copier.hash_later(copier.Span(src=sink.ctypes.data, nbytes=sink.nbytes))
+
+        node = self.remote(self.step, rank, ranges, [sinks[k] for k in ranges], landed)
+        checks = {self._location(r.storage_index).offset: (r, self._location(r.storage_index))
+                  for r in reqs}
+        for req, loc in checks.values():
+            if hashing[(loc.offset, loc.nbytes)].result()[0] != loc.checksum:
+                self._corrupt(rank, req, node)
         for i, req in enumerate(reqs):
             loc = self._location(req.storage_index)
             sink = sinks[(loc.offset, loc.nbytes)]
@@ -178,32 +221,27 @@ class MemoryStorageReader(StorageReader):
             elif i in direct:
                 planner.commit_tensor(req, targets[i])
             else:
-                self._read_tensor(req, loc, sink, planner, verify=False, rank=rank, target=targets[i])
+                view = self._stored_view(req, sink)
+                target = targets[i]
+                target.copy_(view.reshape(target.shape) if target.shape != view.shape else view)
+                planner.commit_tensor(req, target)
             self.bytes_read += loc.nbytes
 
-    def _read_tensor(self, req: ReadItem, loc: ItemLocation, src, planner: LoadPlanner, *,
-                     verify: bool, rank: int, target: torch.Tensor | None = None) -> None:
+    def _whole_item(self, req: ReadItem) -> bool:
+        """Whether ``req`` asks for all of the stored item (no resharding)."""
+        idx = req.storage_index
+        return (not any(req.storage_offsets)
+                and tuple(req.lengths) == tuple(self._chunk_sizes[(idx.fqn, tuple(idx.offset))]))
+
+    def _stored_view(self, req: ReadItem, src: np.ndarray) -> torch.Tensor:
+        """The part of a stored item that ``req`` asks for, as a tensor view of ``src``."""
         assert self._metadata is not None
         idx = req.storage_index
         dtype = self._metadata.state_dict_metadata[idx.fqn].properties.dtype
-        sizes = self._chunk_sizes[(idx.fqn, tuple(idx.offset))]
-        stored = torch.from_numpy(src).view(dtype).view(sizes)
-        view = stored
+        view = torch.from_numpy(src).view(dtype).view(self._chunk_sizes[(idx.fqn, tuple(idx.offset))])
         for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
             view = view.narrow(dim, off, length)
-        if target is None:
-            target = planner.resolve_tensor(req).detach()
-        whole = view.numel() == stored.numel()
-        if (verify and whole and target.device.type == "cpu" and target.is_contiguous()
-                and target.dtype == dtype and target.numel() == stored.numel()):
-            ok = verify_into(target, src, loc.checksum)  # one pass: hash and copy per chunk
-        else:
-            ok = (not verify) or checksum(src) == loc.checksum
-            if ok:
-                target.copy_(view.reshape(target.shape) if target.shape != view.shape else view)
-        if not ok:
-            self._corrupt(rank, req, self.node)
-        planner.commit_tensor(req, target)
+        return view
 
     def _corrupt(self, rank: int, req: ReadItem, node: int | None) -> None:
         if node == self.node:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+from dataclasses import dataclass
 from torch.futures import Future
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._faults import crash_point
-from ..store.checksum import checksum, copy_into
+from ..store import copier
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardWriter, align
 from ..store.manifest import Manifest, ManifestItem
@@ -45,6 +46,29 @@ def parse_step(checkpoint_id: Any) -> int:
     if not s.isdigit():
         raise ValueError(f"checkpoint_id {checkpoint_id!r} does not name a step")
     return int(s)
+
+
+def _plain_cpu(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be copied raw from its address."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+@dataclass
+class _Placed:
+    """A write item with its place in the shard; ``span`` is the copy/hash still to run."""
+
+    item: Any
+    offset: int
+    nbytes: int
+    tensor: torch.Tensor | None = None  # also keeps the source alive until it is copied
+    span: copier.Span | None = None
+    digest: int = 0
+
+
+def _copy_and_hash(placed: list[_Placed]) -> None:
+    todo = [p for p in placed if p.span is not None]
+    for p, digest in zip(todo, copier.process([p.span for p in todo])):
+        p.digest = digest
 
 
 class MemoryStorageWriter(StorageWriter, AsyncStager):
@@ -156,11 +180,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         shard = self._open_shard(plan, planner)
         try:
             crash_point("before_data", self.step, self.rank)
-            results = []
-            for i, item in enumerate(plan.items):
-                if i == len(plan.items) // 2:
-                    crash_point("mid_data", self.step, self.rank)
-                results.append(self._write_item(shard, item, planner))
+            placed = [self._place(shard, item, planner) for item in plan.items]
+            if any(p.tensor is not None and p.tensor.device.type != "cpu" for p in placed):
+                torch.accelerator.synchronize()  # the device copies must land before hashing
+            half = len(placed) // 2
+            _copy_and_hash(placed[:half])
+            crash_point("mid_data", self.step, self.rank)
+            _copy_and_hash(placed[half:])
+            results = [self._record(shard, p) for p in placed]
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             self.committed = shard.commit(world_size=world)
         except BaseException:
@@ -188,30 +215,47 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                                 * item.tensor_data.properties.dtype.itemsize)
         return self.store.begin_shard(self.step, self.rank, nbytes)
 
-    def _write_item(self, shard: ShardWriter, item, planner: SavePlanner) -> WriteResult:
+    def _place(self, shard: ShardWriter, item, planner: SavePlanner) -> _Placed:
+        """Decide where ``item`` goes in the shard; the tensor copies run later, all at once."""
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
             raw = data.getvalue()
             offset, digest = shard.append_bytes(raw)
-            nbytes, kind, dtype, shape = len(raw), "bytes", None, None
-        else:
-            t = data.detach()
-            nbytes = t.numel() * t.element_size()
-            offset = shard.buffer.contains(t)
-            if offset is not None:  # staged: the bytes are already in place
-                digest = checksum(shard.buffer.array[offset:offset + nbytes])
-            elif shard.cursor + nbytes <= shard.buffer.size:
-                offset = shard.cursor
-                digest = copy_into(shard.buffer.array[offset:offset + nbytes], t)
-                shard.cursor = align(offset + nbytes)
-            else:  # a tensor DCP produced after staging: append it like a byte item
-                offset, digest = shard.append_bytes(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-            kind, dtype, shape = "tensor", str(t.dtype).removeprefix("torch."), list(t.shape)
-        shard.add_item(ManifestItem(key=_key(item.index), offset=offset, nbytes=nbytes,
-                                    checksum=digest, kind=kind, dtype=dtype, shape=shape))
-        loc = ItemLocation(rank=self.rank, offset=offset, nbytes=nbytes, checksum=digest,
-                           is_tensor=kind == "tensor")
-        return WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=loc)
+            return _Placed(item, offset, len(raw), digest=digest)
+        t = data.detach()
+        nbytes = t.numel() * t.element_size()
+        base = shard.buffer.base_ptr
+        offset = shard.buffer.contains(t)
+        if offset is not None:  # staged: the bytes are already in place, only hash them
+            return _Placed(item, offset, nbytes, t, copier.Span(src=base + offset, nbytes=nbytes))
+        if shard.cursor + nbytes > shard.buffer.size:
+            # A tensor DCP produced after staging: append it like a byte item.
+            raw = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+            offset, digest = shard.append_bytes(raw)
+            return _Placed(item, offset, nbytes, t, digest=digest)
+        offset = shard.cursor
+        shard.cursor = align(offset + nbytes)
+        if _plain_cpu(t):
+            span = copier.Span(src=t.data_ptr(), nbytes=nbytes, dst=base + offset)
+        else:  # strided view or device tensor: torch copies it now; the hash comes with the rest
+            on_device = t.device.type != "cpu"
+            if on_device:  # device-to-host straight into the (page-locked) tmpfs buffer
+                shard.buffer.register_for_device_copies()
+            dst = shard.buffer.tensor[offset:offset + nbytes].view(t.dtype).view(t.shape)
+            dst.copy_(t, non_blocking=on_device)
+            span = copier.Span(src=base + offset, nbytes=nbytes)
+        return _Placed(item, offset, nbytes, t, span)
+
+    def _record(self, shard: ShardWriter, p: _Placed) -> WriteResult:
+        is_tensor = p.tensor is not None
+        shard.add_item(ManifestItem(
+            key=_key(p.item.index), offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
+            kind="tensor" if is_tensor else "bytes",
+            dtype=str(p.tensor.dtype).removeprefix("torch.") if is_tensor else None,
+            shape=list(p.tensor.shape) if is_tensor else None))
+        loc = ItemLocation(rank=self.rank, offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
+                           is_tensor=is_tensor)
+        return WriteResult(index=p.item.index, size_in_bytes=p.nbytes, storage_data=loc)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in results

@@ -178,7 +178,7 @@ class Recovery:
                         owner, step, node)
             self.store.retire_shard(step, owner)
 
-    def _remote_read(self, step: int, owner: int, ranges, sinks) -> int:
+    def _remote_read(self, step: int, owner: int, ranges, sinks, on_range=None) -> int:
         """Stream byte ranges of a shard this node lacks from a holder; return its node."""
         d = self.decision
         preferred = [f.src_rank for f in d.fetches if f.owner == owner
@@ -188,7 +188,8 @@ class Recovery:
         errors = []
         for src in dict.fromkeys(preferred + holders[start:] + holders[:start]):
             try:
-                self.bytes_fetched += self.transport.read_items(src, step, owner, ranges, sinks)
+                self.bytes_fetched += self.transport.read_items(src, step, owner, ranges, sinks,
+                                                                on_range)
                 return self._node_of(src)
             except (MLCheckpointError, OSError) as e:
                 errors.append(f"rank {src}: {e}")

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import threading
+from typing import Callable
 import time
 from datetime import timedelta
 
@@ -231,7 +232,7 @@ class PgTransport(Transport):
         return m.data_bytes
 
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
-                   sinks: list) -> int:
+                   sinks: list, on_range: Callable[[int], None] | None = None) -> int:
         with self._client_lock:
             tag = self._post(peer, {"op": "read_items", "step": step, "owner": owner,
                                     "ranges": [list(r) for r in ranges]})
@@ -239,9 +240,11 @@ class PgTransport(Transport):
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
             try:
-                for (_, n), sink in zip(ranges, sinks):
+                for i, ((_, n), sink) in enumerate(zip(ranges, sinks)):
                     if n:
                         self._recv_bytes(sink, peer, tag)
+                    if on_range is not None:
+                        on_range(i)
             except RuntimeError as e:
                 raise ReplicationError(f"reading step {step} rank {owner} from {peer} failed: {e}") from None
         return sum(n for _, n in ranges)

@@ -11,13 +11,12 @@ import logging
 import os
 import socket
 import threading
-
-import xxhash
+from typing import Callable
 
 from .._faults import crash_point
 from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..store import LocalStore, Manifest
-from ..store.checksum import checksum
+from ..store.checksum import StreamingChecksum, checksum
 from . import protocol as p
 from .rendezvous import Rendezvous
 from .transport import OnReceived, Pins, ReplicationError, Transport
@@ -64,7 +63,7 @@ class StreamingVerifier:
         self.array, self.m = array, m
         self.items = sorted(m.items, key=lambda it: it.offset)
         self.i, self.done, self.bad = 0, 0, None
-        self.h = xxhash.xxh3_64()
+        self.h = StreamingChecksum() if self.items else None
 
     def feed(self, upto: int) -> None:
         while self.i < len(self.items):
@@ -75,10 +74,11 @@ class StreamingVerifier:
                 self.done = stop
             if upto < it.offset + it.nbytes:
                 return
-            if self.h.intdigest() != it.checksum and self.bad is None:
+            if self.h.digest() != it.checksum and self.bad is None:
                 self.bad = it
-            self.h.reset()
             self.i += 1
+            if self.i < len(self.items):
+                self.h = StreamingChecksum()
 
     def check(self) -> None:
         self.feed(self.m.data_bytes)
@@ -241,13 +241,14 @@ class TcpTransport(Transport):
         owner = p.want_int(req, "owner", 0, 1 << 20)
         with self.pins.pinned(step):
             try:
-                m = self.store.read_manifest(step, owner)
-                self.store.map_shard(step, owner)  # checks the data file is whole
+                source = self.store.open_shard(step, owner)  # checks the data file is whole
             except ShardNotFoundError:
                 p.send_frame(conn, {"status": "missing"})
                 return
-            p.send_frame(conn, {"status": "ok", "manifest": m.to_dict()})
-            send_file(conn, self.store.data_path(step, owner), m.data_bytes)
+            with source:  # sent from the open file: a shard only served needs no mapping here
+                p.send_frame(conn, {"status": "ok", "manifest": source.manifest.to_dict()})
+                if source.manifest.data_bytes:
+                    p.sendfile_all(conn, source.fd, 0, source.manifest.data_bytes)
 
     def _on_read_items(self, conn: socket.socket, req: dict, step: int) -> None:
         owner = p.want_int(req, "owner", 0, 1 << 20)
@@ -256,21 +257,20 @@ class TcpTransport(Transport):
             raise p.ProtocolError("malformed ranges")
         with self.pins.pinned(step):
             try:
-                m = self.store.read_manifest(step, owner)
-                self.store.map_shard(step, owner)
+                source = self.store.open_shard(step, owner)
             except ShardNotFoundError:
                 p.send_frame(conn, {"status": "missing"})
                 return
-            checked = []
-            for r in ranges:
-                if (not isinstance(r, list) or len(r) != 2 or not all(isinstance(x, int) for x in r)
-                        or r[0] < 0 or r[1] < 0 or r[0] + r[1] > m.data_bytes):
-                    raise p.ProtocolError(f"range {r!r} outside the shard")
-                checked.append(r)
-            p.send_frame(conn, {"status": "ok"})
-            with open(self.store.data_path(step, owner), "rb") as f:
+            with source:
+                checked = []
+                for r in ranges:
+                    if (not isinstance(r, list) or len(r) != 2 or not all(isinstance(x, int) for x in r)
+                            or r[0] < 0 or r[1] < 0 or r[0] + r[1] > source.manifest.data_bytes):
+                        raise p.ProtocolError(f"range {r!r} outside the shard")
+                    checked.append(r)
+                p.send_frame(conn, {"status": "ok"})
                 for offset, nbytes in checked:
-                    p.sendfile_all(conn, f.fileno(), offset, nbytes)
+                    p.sendfile_all(conn, source.fd, offset, nbytes)
 
     def _on_put_metadata(self, conn: socket.socket, req: dict, step: int) -> None:
         nbytes = p.want_int(req, "nbytes", 1, MAX_METADATA_BYTES)
@@ -355,17 +355,19 @@ class TcpTransport(Transport):
         return m.data_bytes
 
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
-                   sinks: list) -> int:
+                   sinks: list, on_range: Callable[[int], None] | None = None) -> int:
         total = 0
         with self._connect(peer) as sock:
             resp = self._request(sock, {"op": "read_items", "step": step, "owner": owner,
                                         "ranges": [list(r) for r in ranges]})
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
-            for (_, nbytes), sink in zip(ranges, sinks):
+            for i, ((_, nbytes), sink) in enumerate(zip(ranges, sinks)):
                 if nbytes:
                     p.recv_into_exact(sock, memoryview(sink).cast("B"))
                 total += nbytes
+                if on_range is not None:
+                    on_range(i)
         return total
 
     def fetch_metadata(self, peer: int, step: int) -> None:

@@ -78,12 +78,13 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
-                   sinks: list) -> int:
+                   sinks: list, on_range: Callable[[int], None] | None = None) -> int:
         """Read byte ranges of shard (step, owner) held by rank ``peer`` straight into ``sinks``
         (writable uint8 numpy arrays, one per range, of the range's size); return the bytes.
+        ``on_range(i)`` is called as soon as range ``i`` has landed.
 
         Nothing is written to our store: recovery streams a replaced node's bytes directly into
-        the model's tensors. The caller verifies checksums.
+        the model's tensors. The caller verifies checksums (while later ranges arrive).
         """
 
     @abc.abstractmethod

@@ -40,11 +40,8 @@ class MappedFile:
             os.close(fd)
         self.array = np.frombuffer(self._mm, dtype=np.uint8, count=size)
         self.tensor = torch.from_numpy(self.array)
+        self.base_ptr = self.array.ctypes.data  # address of byte 0 (stable while mapped)
         self._cuda_registered = False
-
-    @property
-    def base_ptr(self) -> int:
-        return self.array.ctypes.data
 
     def contains(self, t: torch.Tensor) -> int | None:
         """Byte offset of ``t`` inside this mapping if it is a contiguous CPU view of it."""
@@ -101,6 +98,14 @@ class MappingCache:
             self._by_key[key] = mf
             return mf
 
+    def lookup(self, st: os.stat_result, size: int) -> MappedFile | None:
+        """This process's mapping of the file ``st`` describes, if one covers ``size`` bytes."""
+        with self._lock:
+            mf = self._by_key.get((st.st_dev, st.st_ino))
+        if mf is None or mf.size < size or st.st_size < size:
+            return None
+        return mf if mf.size == size else _SubMapping(mf, size)
+
     def forget(self, path: str) -> None:
         """Drop the mapping of a file about to be deleted, so its pages can be freed."""
         try:
@@ -128,6 +133,7 @@ class _SubMapping(MappedFile):
         self._parent = parent
         self.array = parent.array[:size]
         self.tensor = parent.tensor[:size]
+        self.base_ptr = parent.base_ptr
 
     @property
     def _cuda_registered(self) -> bool:  # type: ignore[override]

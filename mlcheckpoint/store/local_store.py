@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 from .._faults import crash_point
 from ..config import resolve_job_id, resolve_local_dir
 from ..errors import CapacityError, CorruptShardError, ShardNotFoundError
-from . import layout
+from . import copier, layout
 from .buffers import MappedFile, MappingCache
 from .checksum import checksum
 from .manifest import Manifest, ManifestItem, MetadataHeader, decode_metadata, encode_metadata
@@ -113,6 +113,40 @@ class ShardWriter:
         if not self._committed:
             self.store._discard(self.partial_path)
             self.store._remove_step_if_empty(self.step)
+
+
+class ShardSource:
+    """A committed shard open for reading, through this process's mapping of it when it has
+    one (warm page tables: a plain memcpy) or else through the file (``pread``: a process
+    that reads a shard once, like a resume, skips building page tables for it)."""
+
+    def __init__(self, store: "LocalStore", manifest: Manifest, path: str, fd: int,
+                 st: os.stat_result):
+        self.store, self.manifest, self.path, self.fd = store, manifest, path, fd
+        self.mapped = store.mappings.lookup(st, manifest.data_bytes)
+
+    def span(self, offset: int, nbytes: int, dst: int | None):
+        """The copier span that verifies (and, with ``dst``, copies) ``nbytes`` at ``offset``."""
+        if self.mapped is None and dst is not None:
+            return copier.Span(src=offset, nbytes=nbytes, dst=dst, fd=self.fd)
+        return copier.Span(src=self.mapping().base_ptr + offset, nbytes=nbytes, dst=dst)
+
+    def mapping(self) -> MappedFile:
+        if self.mapped is None:
+            self.mapped = self.store.mappings.map(self.path, self.manifest.data_bytes)
+        return self.mapped
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return os.pread(self.fd, nbytes, offset)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> "ShardSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class LocalStore:
@@ -273,6 +307,20 @@ class LocalStore:
         if size < m.data_bytes:
             raise CorruptShardError(f"{path} is truncated: {size} of {m.data_bytes} bytes")
         return m, self.mappings.map(path, m.data_bytes)
+
+    def open_shard(self, step: int, rank: int) -> "ShardSource":
+        """Open a committed shard for reading (not verified: readers check each item)."""
+        m = self.read_manifest(step, rank)
+        path = self.data_path(step, rank)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptShardError(f"{path} is missing though its manifest is committed") from None
+        st = os.fstat(fd)
+        if st.st_size < m.data_bytes:
+            os.close(fd)
+            raise CorruptShardError(f"{path} is truncated: {st.st_size} of {m.data_bytes} bytes")
+        return ShardSource(self, m, path, fd, st)
 
     def verify_shard(self, step: int, rank: int) -> Manifest:
         """Check every item's checksum; raises CorruptShardError naming the first bad item."""

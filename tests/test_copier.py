@@ -1,0 +1,218 @@
+"""Checksums over chunks and the threaded copier: the definitions, and that save and load use
+them correctly on items that span many chunks, through a mapping and through pread."""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
+
+from mlcheckpoint import CorruptShardError, LocalStore, MemoryStorageReader, MemoryStorageWriter
+from mlcheckpoint.store import checksum as cs
+from mlcheckpoint.store import copier
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+CHUNK = cs.CHUNK_BYTES
+SIZES = [0, 1, 100, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 77]
+
+
+def reference_checksum(data: bytes) -> int:
+    """The format, written out independently of the implementation."""
+    if len(data) <= CHUNK:
+        return xxhash.xxh3_64_intdigest(data)
+    digests = [xxhash.xxh3_64_intdigest(data[i:i + CHUNK]) for i in range(0, len(data), CHUNK)]
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
+
+
+def random_bytes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_hashing_binds_xxhash_c_function():
+    """Without the ctypes binding hashing holds the GIL and the copier threads serialise."""
+    assert cs._XXH3 is not None
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_checksum_matches_the_documented_format(n):
+    a = random_bytes(n, n)
+    assert cs.checksum(a) == cs.checksum(a.tobytes()) == reference_checksum(a.tobytes())
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_streaming_checksum_equals_one_shot_for_any_pieces(n):
+    a = random_bytes(n, n)
+    rnd = random.Random(n)
+    for _ in range(3):
+        s, i = cs.StreamingChecksum(), 0
+        while i < n:
+            k = rnd.choice([1, 7, 4096, CHUNK - 3, CHUNK, CHUNK + 5])
+            s.update(a[i:i + k])
+            i += k
+        assert s.digest() == reference_checksum(a.tobytes())
+
+
+@pytest.mark.parametrize("where", [0, CHUNK - 1, CHUNK, 2 * CHUNK + 5, 3 * CHUNK + 76])
+def test_a_flip_in_any_chunk_changes_the_checksum(where):
+    a = random_bytes(3 * CHUNK + 77)
+    before = cs.checksum(a)
+    a[where] ^= 0x01
+    assert cs.checksum(a) != before
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copier_copies_and_hashes_every_span(threads):
+    sizes = [0, 5, 3 * CHUNK + 11, 7 << 20, 1000, CHUNK]
+    srcs = [torch.from_numpy(random_bytes(n, i)) for i, n in enumerate(sizes)]
+    dsts = [np.zeros(n, np.uint8) for n in sizes]
+    spans = [copier.Span(src=s.data_ptr(), nbytes=n, dst=d.ctypes.data)
+             for s, d, n in zip(srcs, dsts, sizes)]
+    digests = copier.process(spans, threads=threads)
+    for s, d, digest in zip(srcs, dsts, digests):
+        assert d.tobytes() == s.numpy().tobytes()
+        assert digest == reference_checksum(d.tobytes())
+    # hash-only spans give the same digests and touch nothing
+    again = copier.process([copier.Span(src=d.ctypes.data, nbytes=d.nbytes) for d in dsts],
+                           threads=threads)
+    assert again == digests
+
+
+def test_copier_reads_from_a_file_and_reports_a_short_file(tmp_path):
+    data = random_bytes(5 * CHUNK + 3)
+    path = tmp_path / "shard"
+    path.write_bytes(data.tobytes())
+    dst = np.zeros(data.nbytes - 10, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        [digest] = copier.process([copier.Span(src=10, nbytes=dst.nbytes, dst=dst.ctypes.data, fd=fd)],
+                                  threads=2)
+        assert dst.tobytes() == data.tobytes()[10:]
+        assert digest == reference_checksum(data.tobytes()[10:])
+        with pytest.raises(CorruptShardError, match="short"):
+            copier.process([copier.Span(src=20, nbytes=dst.nbytes, dst=dst.ctypes.data, fd=fd)])
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- save and load, large items
+
+def big_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": torch.randn(3 * CHUNK // 4 + 5, generator=g),             # 3+ chunks
+            "w": torch.randn(1024, 1100, generator=g).to(torch.bfloat16),    # ~1 chunk
+            "t": torch.randn(700, 900, generator=g).t(),                     # strided source
+            "small": [torch.randn(13, generator=g) for _ in range(50)],
+            "step": seed}
+
+
+def zeros_like(sd):
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros(sd.shape, dtype=sd.dtype)
+    if isinstance(sd, dict):
+        return {k: zeros_like(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [zeros_like(v) for v in sd]
+    return None
+
+
+def assert_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        for k in a:
+            assert_equal(a[k], b[k])
+    elif isinstance(a, list):
+        for x, y in zip(a, b):
+            assert_equal(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_manifest_checksums_follow_the_format(store_dir, mode):
+    store = LocalStore(store_dir, "job-copier")
+    try:
+        sd = big_state()
+        writer = MemoryStorageWriter(1, store)
+        if mode == "save":
+            dcp.save(sd, storage_writer=writer)
+        else:
+            dcp.async_save(sd, storage_writer=writer).result(timeout=60)
+        m = store.read_manifest(1, 0)
+        assert m.algorithm == cs.ALGORITHM
+        with open(store.data_path(1, 0), "rb") as f:
+            data = f.read()
+        assert any(it.nbytes > CHUNK for it in m.items)
+        for it in m.items:
+            assert it.checksum == reference_checksum(data[it.offset:it.offset + it.nbytes]), it.key
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["mapped", "pread"])
+def test_load_verifies_every_chunk_of_large_items(store_dir, fresh):
+    """A flip in a late chunk of a multi-chunk item fails the load, whether the loading store
+    reads through its mapping (the saving process) or with pread (a fresh process)."""
+    store = LocalStore(store_dir, "job-copier")
+    try:
+        sd = big_state(1)
+        dcp.save(sd, storage_writer=MemoryStorageWriter(1, store))
+        reader_store = LocalStore(store_dir, "job-copier") if fresh else store
+        out = zeros_like(sd)
+        dcp.load(out, storage_reader=MemoryStorageReader(1, reader_store))
+        assert_equal(sd, out)
+        # a fresh store reads with pread and leaves nothing mapped; the writer's store reuses its mapping
+        assert (reader_store.mappings._by_key == {}) == fresh
+        it = next(i for i in store.read_manifest(1, 0).items if i.key.startswith("emb"))
+        with open(store.data_path(1, 0), "r+b") as f:
+            f.seek(it.offset + 2 * CHUNK + 9)
+            b = f.read(1)
+            f.seek(it.offset + 2 * CHUNK + 9)
+            f.write(bytes([b[0] ^ 0x10]))
+        with pytest.raises(CheckpointException) as ei:
+            dcp.load(zeros_like(sd), storage_reader=MemoryStorageReader(1, reader_store))
+        errs = [f[0] if isinstance(f, tuple) else f for f in ei.value.failures.values()]
+        assert errs and all(isinstance(e, CorruptShardError) for e in errs)
+        assert "'emb'" in str(errs[0])
+        if fresh:
+            reader_store.close()
+    finally:
+        store.close()
+
+
+def test_load_into_resharded_and_cast_targets_through_pread_store(store_dir):
+    """Items that cannot be copied raw (another dtype, a strided target) map the shard on demand."""
+    store = LocalStore(store_dir, "job-copier")
+    fresh = LocalStore(store_dir, "job-copier")
+    try:
+        sd = big_state(2)
+        dcp.save(sd, storage_writer=MemoryStorageWriter(1, store))
+        out = zeros_like(sd)
+        out["w"] = torch.zeros(1024, 1100, dtype=torch.float32)        # cast on load
+        out["t"] = torch.zeros(700, 900).t()                            # strided target
+        dcp.load(out, storage_reader=MemoryStorageReader(1, fresh))
+        assert torch.equal(out["w"], sd["w"].float())
+        assert torch.equal(out["t"], sd["t"])
+        assert torch.equal(out["emb"], sd["emb"])
+    finally:
+        fresh.close()
+        store.close()
+
+
+@pytest.mark.parametrize("value,expected", [("3", 3), (" 1 ", 1), ("0", None), ("two", None), ("-2", None)])
+def test_copy_threads_setting(monkeypatch, value, expected):
+    from mlcheckpoint import ConfigError
+    monkeypatch.setenv("MLCHECKPOINT_COPY_THREADS", value)
+    if expected is None:
+        with pytest.raises(ConfigError, match="MLCHECKPOINT_COPY_THREADS"):
+            copier.default_threads()
+    else:
+        assert copier.default_threads() == expected

@@ -111,6 +111,7 @@ class Config:
     receiver_keep: int  # retention the TCP/pg receiver applies after each receipt
     compute_s: float  # simulated training compute between saves
     timeout_s: float
+    streams: int | None  # TCP streams per push (None: the transport's default)
     shm_dir: str
     quick: bool
     json_path: str | None
@@ -135,6 +136,8 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--compute-s", type=float, default=None,
                    help="simulated training compute after each async_save (default 0.5 s; 0.1 with "
                         "--quick)")
+    p.add_argument("--streams", type=int, default=None,
+                   help="TCP streams per push (default: the transport's, $MLCHECKPOINT_TCP_STREAMS or 4)")
     p.add_argument("--no-pg", action="store_true", help="skip the process-group transport")
     p.add_argument("--no-train", action="store_true", help="skip the 2-node training-thread run")
     p.add_argument("--timeout", type=float, default=600.0,
@@ -158,6 +161,7 @@ def parse_args(argv: list[str] | None) -> Config:
     compute_s = a.compute_s if a.compute_s is not None else (0.1 if a.quick else 0.5)
     return Config(size_bytes=int(size_gb * GiB), rounds=rounds, pg_rounds=pg_rounds, saves=saves,
                   keep=a.keep, receiver_keep=2, compute_s=compute_s, timeout_s=a.timeout,
+                  streams=a.streams,
                   shm_dir=a.shm_dir, quick=a.quick, json_path=a.json)
 
 
@@ -732,7 +736,8 @@ class Bench:
         store_s = LocalStore(os.path.join(self.root, "sender-tcp"), tcp_job)
         rdzv = Rendezvous(self.store, tcp_job, 0, 2)
         self.store.set("peer/tcp/go", "true")
-        transport = tcp_mod.TcpTransport(store_s, rdzv, host="127.0.0.1", timeout=cfg.timeout_s)
+        transport = tcp_mod.TcpTransport(store_s, rdzv, host="127.0.0.1", timeout=cfg.timeout_s,
+                                         streams=cfg.streams)
         tcp_rows: list[dict] = []
         try:
             self.wait_key("peer/tcp/ready")

@@ -78,12 +78,15 @@ class CheckpointManager:
         replication_host: interface the TCP listener binds (default: the one routing to
             MASTER_ADDR; env MLCHECKPOINT_REPLICATION_HOST).
         replication_timeout: seconds any single replication socket operation may block.
+        replication_streams: TCP connections one large shard is pushed over (default
+            ``$MLCHECKPOINT_TCP_STREAMS`` or 4; each stream carries at least 64 MiB).
     """
 
     def __init__(self, persistent_dir: str | None = None, *, job_id: str | None = None,
                  local_dir: str | None = None, keep: int = 2,
                  memory_limit_bytes: int | None = None, replication: str = "tcp",
-                 replication_host: str | None = None, replication_timeout: float = 60.0):
+                 replication_host: str | None = None, replication_timeout: float = 60.0,
+                 replication_streams: int | None = None):
         if keep < 1:
             raise ConfigError("keep must be at least 1")
         if replication not in ("tcp", "pg", "none"):
@@ -119,16 +122,18 @@ class CheckpointManager:
             replication = "none"
         self.replication_mode = replication
         if replication != "none":
-            self._start_replication(replication, replication_host, replication_timeout)
+            self._start_replication(replication, replication_host, replication_timeout,
+                                    replication_streams)
         log.debug("CheckpointManager job=%s dir=%s rank=%d/%d node=%d/%d", self.job_id,
                   self.store.job_dir, self.rank, self.topology.world_size,
                   self.topology.node_rank, self.topology.num_nodes)
 
-    def _start_replication(self, mode: str, host: str | None, timeout: float) -> None:
+    def _start_replication(self, mode: str, host: str | None, timeout: float,
+                           streams: int | None) -> None:
         rdzv = Rendezvous.from_default_group(self.job_id)
         if mode == "tcp":
             transport = TcpTransport(self.store, rdzv, host=host, timeout=timeout, pins=self.pins,
-                                     on_received=self._on_replica_received)
+                                     on_received=self._on_replica_received, streams=streams)
         else:
             from .replication.pg import PgTransport
             transport = PgTransport(self.store, rdzv, timeout=timeout, pins=self.pins,

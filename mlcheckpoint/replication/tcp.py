@@ -2,6 +2,12 @@
 
 Payloads leave with sendfile() straight from the tmpfs file and arrive with recv_into()
 straight into the destination mapping: no user-space copy on either side.
+
+A large shard can go over several streams (``streams``): one TCP stream often cannot fill a
+fast link. The receiver answers the offer with a one-time token; the sender opens the other
+connections (each authenticated like any other) and names the token and its stripe on each.
+The receiver verifies and commits only once every stripe has landed, and on any failure
+stops the other stripes before it gives the buffer back.
 """
 
 from __future__ import annotations
@@ -9,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import threading
 from typing import Callable
 
 from .._faults import crash_point
-from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
-from ..store import LocalStore, Manifest
+from ..errors import ConfigError, CorruptShardError, MLCheckpointError, ShardNotFoundError
+from ..store import LocalStore, Manifest, copier
 from ..store.checksum import StreamingChecksum, checksum
 from . import protocol as p
 from .rendezvous import Rendezvous
@@ -26,6 +33,25 @@ log = logging.getLogger(__name__)
 MAX_METADATA_BYTES = 4 << 30
 MAX_STEP = 10**12
 MAX_RANGES = 1 << 20
+MAX_STREAMS = 16
+# Stripes smaller than this are not worth a connection of their own.
+MIN_STRIPE_BYTES = 64 << 20
+
+
+def default_streams() -> int:
+    """``MLCHECKPOINT_TCP_STREAMS`` if set, else 4."""
+    env = os.environ.get("MLCHECKPOINT_TCP_STREAMS", "").strip()
+    if not env:
+        return 4
+    if not env.isdigit() or not 1 <= int(env) <= MAX_STREAMS:
+        raise ConfigError(f"MLCHECKPOINT_TCP_STREAMS={env!r}: expected a whole number in 1..{MAX_STREAMS}")
+    return int(env)
+
+
+def stripes(nbytes: int, streams: int) -> list[tuple[int, int]]:
+    """(offset, length) of each stream's part of a shard: contiguous, 64-byte aligned cuts."""
+    cuts = [0] + [min(nbytes, (nbytes * i // streams) // 64 * 64) for i in range(1, streams)] + [nbytes]
+    return [(a, b - a) for a, b in zip(cuts, cuts[1:])]
 
 
 def default_host() -> str:
@@ -108,6 +134,57 @@ def receive_shard(sock: socket.socket, store: LocalStore, m: Manifest) -> None:
         raise
 
 
+def verify_landed(array, m: Manifest) -> None:
+    """Check every item of a shard that arrived out of order (striped), on the copier's threads."""
+    base = array.ctypes.data
+    digests = copier.process([copier.Span(src=base + it.offset, nbytes=it.nbytes) for it in m.items])
+    for it, digest in zip(m.items, digests):
+        if digest != it.checksum:
+            raise CorruptShardError(f"replica of step {m.step} rank {m.rank}: checksum mismatch "
+                                    f"in {it.key!r} on arrival")
+
+
+class StripedReceive:
+    """A shard arriving over several connections: stripe 0 on the offering connection, the
+    others on connections that present ``token``."""
+
+    def __init__(self, array, m: Manifest, streams: int):
+        self.array, self.m = array, m
+        self.stripes = stripes(m.data_bytes, streams)
+        self.token = secrets.token_hex(16)
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.conns: dict[int, socket.socket] = {}
+        self.done = [threading.Event() for _ in self.stripes]
+        self.errors: list[BaseException | None] = [None] * len(self.stripes)
+
+    def claim(self, index: int, conn: socket.socket) -> tuple[int, int]:
+        with self.lock:
+            if self.cancelled or index in self.conns or not 0 < index < len(self.stripes):
+                raise p.ProtocolError(f"stripe {index} of transfer is not open")
+            self.conns[index] = conn
+        return self.stripes[index]
+
+    def wait(self, timeout: float) -> None:
+        for i, ev in enumerate(self.done[1:], 1):
+            if not ev.wait(timeout):
+                raise p.ProtocolError(f"stripe {i} of step {self.m.step} rank {self.m.rank} "
+                                      f"did not arrive within {timeout:.0f}s")
+            if self.errors[i] is not None:
+                raise p.ProtocolError(f"stripe {i} failed: {self.errors[i]}")
+
+    def cancel(self) -> None:
+        """Stop every stripe still arriving and wait until none writes into the buffer."""
+        with self.lock:
+            self.cancelled = True
+            conns = dict(self.conns)
+        for conn in conns.values():
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for i in conns:
+            self.done[i].wait()
+
+
 def send_file(sock: socket.socket, path: str, nbytes: int) -> None:
     if nbytes == 0:
         return
@@ -129,6 +206,8 @@ class TcpTransport(Transport):
         host: interface to listen on (default: the one that routes to MASTER_ADDR).
         timeout: seconds any single socket operation may block.
         max_shard_bytes: largest shard a peer may send us (checked before allocating).
+        streams: connections a large shard is pushed over (default ``default_streams()``).
+        min_stripe_bytes: the least a stream carries, so small shards use fewer streams.
     """
 
     name = "tcp"
@@ -137,8 +216,15 @@ class TcpTransport(Transport):
                  timeout: float = 60.0, pins: Pins | None = None,
                  on_received: OnReceived | None = None, max_shard_bytes: int = 1 << 40,
                  max_connections: int = 32, max_handshakes: int = 128,
-                 handshake_timeout: float = 5.0):
+                 handshake_timeout: float = 5.0, streams: int | None = None,
+                 min_stripe_bytes: int = MIN_STRIPE_BYTES):
         self.store, self.rdzv = store, rdzv
+        self.streams = streams if streams is not None else default_streams()
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise ConfigError(f"streams must be in 1..{MAX_STREAMS}, not {self.streams}")
+        self.min_stripe_bytes = max(1, min_stripe_bytes)
+        self._striped: dict[str, StripedReceive] = {}  # token -> transfer awaiting its stripes
+        self._striped_lock = threading.Lock()
         self.timeout = timeout
         self.handshake_timeout = min(handshake_timeout, timeout)
         # Connections that have not authenticated yet get their own, larger pool and a short
@@ -205,7 +291,7 @@ class TcpTransport(Transport):
 
     def _dispatch(self, conn: socket.socket, req: dict, addr) -> None:
         handlers = {"put_shard": self._on_put_shard, "get_shard": self._on_get_shard,
-                    "read_items": self._on_read_items,
+                    "read_items": self._on_read_items, "put_part": self._on_put_part,
                     "put_metadata": self._on_put_metadata, "get_metadata": self._on_get_metadata}
         handler = handlers.get(req.get("op"))
         if handler is None:
@@ -231,11 +317,60 @@ class TcpTransport(Transport):
             if same_shard(self.store.read_manifest(step, owner), m):
                 p.send_frame(conn, {"status": "have"})
                 return
-        p.send_frame(conn, {"status": "ready"})
-        receive_shard(conn, self.store, m)
+        streams = p.want_int(req, "streams", 1, MAX_STREAMS + 1) if "streams" in req else 1
+        if streams == 1:
+            p.send_frame(conn, {"status": "ready"})
+            receive_shard(conn, self.store, m)
+        else:
+            self._receive_striped(conn, m, streams)
         p.send_frame(conn, {"status": "ok"})
         if self.on_received is not None:
             self.on_received(step, owner)
+
+    def _receive_striped(self, conn: socket.socket, m: Manifest, streams: int) -> None:
+        shard = self.store.begin_shard(m.step, m.rank, m.data_bytes)
+        rx = StripedReceive(shard.buffer.array, m, streams)
+        with self._striped_lock:
+            self._striped[rx.token] = rx
+        try:
+            p.send_frame(conn, {"status": "ready", "token": rx.token})
+            offset, nbytes = rx.stripes[0]
+            half = nbytes // 2
+
+            def progress(got: int, total: int) -> None:
+                if got >= half:
+                    crash_point("replica_mid_recv", m.step, m.rank)
+
+            if nbytes:
+                p.recv_into_exact(conn, memoryview(rx.array[offset:offset + nbytes]), progress)
+            rx.wait(self.timeout)
+            verify_landed(rx.array, m)
+            shard.commit_manifest(m)
+            log.debug("received step %d rank %d over %d streams", m.step, m.rank, streams)
+        except BaseException:
+            rx.cancel()  # no stripe may still write once the buffer goes back to the pool
+            shard.abort()
+            raise
+        finally:
+            with self._striped_lock:
+                self._striped.pop(rx.token, None)
+
+    def _on_put_part(self, conn: socket.socket, req: dict, step: int) -> None:
+        index = p.want_int(req, "index", 1, MAX_STREAMS)
+        with self._striped_lock:
+            rx = self._striped.get(req.get("token")) if isinstance(req.get("token"), str) else None
+        if rx is None or rx.m.step != step:
+            raise p.ProtocolError("stripe for a transfer that is not open")
+        offset, nbytes = rx.claim(index, conn)
+        try:
+            p.send_frame(conn, {"status": "ready"})
+            if nbytes:
+                p.recv_into_exact(conn, memoryview(rx.array[offset:offset + nbytes]))
+        except BaseException as e:
+            rx.errors[index] = e
+            raise
+        finally:
+            rx.done[index].set()
 
     def _on_get_shard(self, conn: socket.socket, req: dict, step: int) -> None:
         owner = p.want_int(req, "owner", 0, 1 << 20)
@@ -320,16 +455,58 @@ class TcpTransport(Transport):
     def push_shard(self, peer: int, step: int, owner: int) -> int:
         with self.pins.pinned(step):
             m = self.store.read_manifest(step, owner)
+            streams = max(1, min(self.streams, m.data_bytes // self.min_stripe_bytes))
+            offer = {"op": "put_shard", "step": step, "owner": owner, "manifest": m.to_dict()}
+            if streams > 1:
+                offer["streams"] = streams
             with self._connect(peer) as sock:
-                resp = self._request(sock, {"op": "put_shard", "step": step, "owner": owner,
-                                            "manifest": m.to_dict()})
+                resp = self._request(sock, offer)
                 if resp.get("status") == "have":
                     return 0
-                send_file(sock, self.store.data_path(step, owner), m.data_bytes)
+                if streams == 1:
+                    send_file(sock, self.store.data_path(step, owner), m.data_bytes)
+                else:
+                    self._send_striped(sock, peer, m, streams, resp.get("token"))
                 resp = p.recv_frame(sock)
                 if resp.get("status") != "ok":
                     raise ReplicationError(f"rank {peer} rejected step {step} rank {owner}: {resp.get('error')}")
         return m.data_bytes
+
+    def _send_striped(self, sock: socket.socket, peer: int, m: Manifest, streams: int,
+                      token: object) -> None:
+        if not isinstance(token, str):
+            raise p.ProtocolError("receiver gave no token for a striped transfer")
+        parts = stripes(m.data_bytes, streams)
+        errors: list[BaseException] = []
+        with open(self.store.data_path(m.step, m.rank), "rb") as f:
+
+            def send_part(index: int) -> None:
+                try:
+                    with self._connect(peer) as part:
+                        resp = self._request(part, {"op": "put_part", "step": m.step, "owner": m.rank,
+                                                    "token": token, "index": index})
+                        if resp.get("status") != "ready":
+                            raise ReplicationError(f"rank {peer} refused stripe {index}: {resp}")
+                        offset, nbytes = parts[index]
+                        if nbytes:
+                            p.sendfile_all(part, f.fileno(), offset, nbytes)
+                except BaseException as e:  # reported below, on the pushing thread
+                    errors.append(e)
+
+            threads = [threading.Thread(target=send_part, args=(i,), daemon=True,
+                                        name=f"mlckpt-tcp-stripe{i}") for i in range(1, streams)]
+            for t in threads:
+                t.start()
+            try:
+                offset, nbytes = parts[0]
+                if nbytes:
+                    p.sendfile_all(sock, f.fileno(), offset, nbytes)
+            finally:
+                for t in threads:
+                    t.join()
+        if errors:
+            raise ReplicationError(f"striped push of step {m.step} rank {m.rank} to rank {peer} "
+                                   f"failed: {errors[0]}")
 
     def push_metadata(self, peer: int, step: int) -> None:
         raw = self.store.read_metadata_file(step)

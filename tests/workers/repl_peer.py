@@ -7,6 +7,7 @@ argv: one JSON object
     dir              this node's MLCHECKPOINT_LOCAL_DIR
     status_dir       where ``<rank>.ready`` (our listener address) and ``<rank>.result`` go
     timeout          TcpTransport socket timeout (seconds)
+    streams, min_stripe_bytes   how pushes are striped (default: one stream)
     cmd              "serve": listen until stdin closes (or we are killed)
                      "push": commit a shard (step, owner=rank, nbytes, seed) here, then push it
                              to rank ``peer`` and report {"ok", "bytes" | "error"}
@@ -62,7 +63,9 @@ def main() -> None:
         make_shard(store, cfg["step"], cfg["rank"], cfg["nbytes"], cfg.get("seed", 0))
     c10d = dist.TCPStore(cfg["host"], cfg["port"], is_master=False)
     rdzv = Rendezvous(c10d, cfg["job"], cfg["rank"], cfg["world"], timeout=120)
-    transport = TcpTransport(store, rdzv, host="127.0.0.1", timeout=cfg.get("timeout", 60))
+    transport = TcpTransport(store, rdzv, host="127.0.0.1", timeout=cfg.get("timeout", 60),
+                             streams=cfg.get("streams", 1),
+                             min_stripe_bytes=cfg.get("min_stripe_bytes", 64 << 20))
     write_status(cfg["status_dir"], f"{cfg['rank']}.ready", {"address": transport.address,
                                                               "pid": os.getpid()})
     if cfg["cmd"] == "serve":

@@ -1,0 +1,176 @@
+"""Pushing one shard over several TCP streams: it lands whole and verified, a bad stripe or a
+dead sender leaves nothing behind, and a connection cannot join a transfer it was not given.
+
+Real TcpTransports over loopback (in this process or in one of their own), as in
+test_replication_faults.py, whose helpers these tests share.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import pytest
+from test_replication_faults import (WAIT, connect, debris, frames_to_eof, make_job, make_shard,  # noqa: F401
+                                     pair, tcp_warnings, wait_for)
+
+from mlcheckpoint import ConfigError, ShardNotFoundError
+from mlcheckpoint.replication import ReplicationError, tcp
+from mlcheckpoint.replication import protocol as p
+from mlcheckpoint.replication.tcp import TcpTransport, stripes
+
+pytestmark = pytest.mark.timeout(300)
+
+MiB = 1 << 20
+
+
+def striped_pair(job, streams: int = 4):
+    receiver = job.endpoint(0)
+    sender = job.endpoint(1, streams=streams, min_stripe_bytes=MiB)
+    return receiver, sender
+
+
+def same_bytes(a: TcpTransport, b: TcpTransport, step: int, owner: int, nbytes: int) -> bool:
+    with open(a.store.data_path(step, owner), "rb") as x, open(b.store.data_path(step, owner), "rb") as y:
+        return x.read(nbytes) == y.read(nbytes)
+
+
+@pytest.mark.parametrize("nbytes", [8 * MiB + 7, 3 * MiB, 2 * MiB - 1])
+def test_striped_push_lands_whole_and_verified(make_job, caplog, nbytes):
+    caplog.set_level(logging.DEBUG, logger="mlcheckpoint.replication.tcp")
+    job = make_job()
+    receiver, sender = striped_pair(job, streams=4)
+    m = make_shard(sender.store, 3, 1, nbytes, seed=5, nitems=7)
+    assert sender.push_shard(0, 3, 1) == nbytes
+    got = receiver.store.verify_shard(3, 1)
+    assert [(i.offset, i.nbytes, i.checksum) for i in got.items] == \
+        [(i.offset, i.nbytes, i.checksum) for i in m.items]
+    assert same_bytes(receiver, sender, 3, 1, nbytes)
+    expected = max(1, min(4, nbytes // MiB))
+    if expected > 1:
+        assert f"received step 3 rank 1 over {expected} streams" in caplog.text
+    assert receiver._striped == {}  # no transfer left open
+    assert debris(receiver.store) == []
+    # a second push of the same shard is a no-op ("have")
+    assert sender.push_shard(0, 3, 1) == 0
+
+
+def test_corrupt_stripe_is_refused_and_nothing_is_committed(make_job, tcp_warnings):
+    job = make_job()
+    receiver, sender = striped_pair(job, streams=3)
+    nbytes = 6 * MiB
+    make_shard(sender.store, 4, 1, nbytes, seed=2)
+    # a bit flips in the sender's copy after commit, in the last stripe
+    pos = stripes(nbytes, 3)[2][0] + 1234
+    with open(sender.store.data_path(4, 1), "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x80]))
+    with pytest.raises(ReplicationError, match="checksum mismatch"):
+        sender.push_shard(0, 4, 1)
+    with pytest.raises(ShardNotFoundError):
+        receiver.store.read_manifest(4, 1)
+    wait_for(lambda: debris(receiver.store) == [], "the refused buffer to be dropped")
+    assert receiver._striped == {}
+    # the listener still takes a good striped push
+    make_shard(sender.store, 5, 1, nbytes, seed=3)
+    assert sender.push_shard(0, 5, 1) == nbytes
+    receiver.store.verify_shard(5, 1)
+
+
+def test_sender_killed_mid_striped_transfer(make_job, tcp_warnings, monkeypatch):
+    """SIGKILL a sender process while its stripes are on the wire: the receiver stops every
+    stripe, commits nothing, leaves no buffer behind and serves the next push."""
+    job = make_job(world=3)
+    step, owner, nbytes = 7, 1, 96 * MiB
+    half_received, go_on = threading.Event(), threading.Event()
+    real_crash_point = tcp.crash_point
+
+    def pause_at_half(name, s=None, r=None):  # receiver: hold stripe 0 half way
+        if name == "replica_mid_recv" and (s, r) == (step, owner) and not half_received.is_set():
+            half_received.set()
+            go_on.wait(WAIT)
+        real_crash_point(name, s, r)
+
+    monkeypatch.setattr(tcp, "crash_point", pause_at_half)
+    receiver = job.endpoint(0)
+    rstore = receiver.store
+    proc = job.spawn(owner, "push", peer=0, step=step, nbytes=nbytes, seed=3, streams=4,
+                     min_stripe_bytes=MiB)
+    try:
+        wait_for(half_received.is_set, "the receiver to get half of stripe 0", diag=job.logs)
+        assert len(receiver._striped) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=WAIT) == -signal.SIGKILL
+    finally:
+        go_on.set()
+    wait_for(lambda: receiver._striped == {} and debris(rstore) == [],
+             "the aborted striped receive to drop its buffer", diag=lambda: "\n".join(tcp_warnings()))
+    with pytest.raises(ShardNotFoundError):
+        rstore.read_manifest(step, owner)
+    assert rstore.gc() == [] and rstore.complete_steps() == []
+    other = job.endpoint(2, streams=4, min_stripe_bytes=MiB)
+    m = make_shard(other.store, step, owner, nbytes, seed=3)
+    assert other.push_shard(0, step, owner) == nbytes
+    got = rstore.verify_shard(step, owner)
+    assert [i.checksum for i in got.items] == [i.checksum for i in m.items]
+
+
+@pytest.mark.parametrize("token", ["unknown", "not-a-string", "reused"])
+def test_stripe_for_a_transfer_not_open_is_refused(make_job, tcp_warnings, token):
+    """Knowing the job secret is not enough to write into another transfer's buffer."""
+    job = make_job()
+    receiver, sender = striped_pair(job)
+    if token == "reused":  # the token of a transfer that has finished
+        make_shard(sender.store, 2, 1, 4 * MiB, seed=1)
+        seen = []
+        real = tcp.StripedReceive.__init__
+
+        def remember(self, *a, **kw):
+            real(self, *a, **kw)
+            seen.append(self.token)
+
+        tcp.StripedReceive.__init__ = remember
+        try:
+            sender.push_shard(0, 2, 1)
+        finally:
+            tcp.StripedReceive.__init__ = real
+        value = seen[0]
+    else:
+        value = 12345 if token == "not-a-string" else "f" * 32
+    before = receiver.store.steps()
+    with connect(receiver) as s:
+        p.client_handshake(s, receiver.secret)
+        p.send_frame(s, {"op": "put_part", "job_id": job.job_id, "step": 2, "owner": 1,
+                         "token": value, "index": 1})
+        frames = frames_to_eof(s, on_ready=lambda: s.sendall(bytes(4096)))
+    assert all(f.get("status") != "ready" for f in frames), frames
+    wait_for(lambda: any("not open" in m for m in tcp_warnings()), "a warning about the stripe")
+    assert receiver.store.steps() == before
+    make_shard(sender.store, 6, 1, 4 * MiB, seed=6)
+    assert sender.push_shard(0, 6, 1) == 4 * MiB
+
+
+def test_stream_settings_are_checked(make_job, monkeypatch):
+    job = make_job()
+    job.endpoint(0)
+    with pytest.raises(ConfigError, match="streams"):
+        job.endpoint(1, streams=0)
+    monkeypatch.setenv("MLCHECKPOINT_TCP_STREAMS", "lots")
+    with pytest.raises(ConfigError, match="MLCHECKPOINT_TCP_STREAMS"):
+        tcp.default_streams()
+    monkeypatch.setenv("MLCHECKPOINT_TCP_STREAMS", "2")
+    assert tcp.default_streams() == 2
+
+
+def test_stripes_cover_the_shard_exactly():
+    for nbytes in (0, 1, 63, 64, 1000, 96 * MiB + 5):
+        for k in range(1, 9):
+            parts = stripes(nbytes, k)
+            assert len(parts) == k
+            assert parts[0][0] == 0 and sum(n for _, n in parts) == nbytes
+            assert all(a + n == b for (a, n), (b, _) in zip(parts, parts[1:]))
+            assert all(a % 64 == 0 for a, _ in parts)

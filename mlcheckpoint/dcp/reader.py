@@ -170,7 +170,7 @@ class MemoryStorageReader(StorageReader):
                 self._corrupt(rank, req, self.node)
         for req, target, loc in later:
             if loc is not None:  # resharded, cast or on a device: torch copies from the mapping
-                src = source.mapping().array[loc.offset:loc.offset + loc.nbytes]
+                src = source.mapping(loc.offset + loc.nbytes).array[loc.offset:loc.offset + loc.nbytes]
                 view = self._stored_view(req, src)
                 target.copy_(view.reshape(target.shape) if target.shape != view.shape else view)
             planner.commit_tensor(req, target)

@@ -98,13 +98,12 @@ class MappingCache:
             self._by_key[key] = mf
             return mf
 
-    def lookup(self, st: os.stat_result, size: int) -> MappedFile | None:
-        """This process's mapping of the file ``st`` describes, if one covers ``size`` bytes."""
+    def lookup(self, st: os.stat_result) -> MappedFile | None:
+        """This process's mapping of the file ``st`` describes, if any (it may cover only the
+        file's first bytes: byte items are appended past the mapped region)."""
         with self._lock:
             mf = self._by_key.get((st.st_dev, st.st_ino))
-        if mf is None or mf.size < size or st.st_size < size:
-            return None
-        return mf if mf.size == size else _SubMapping(mf, size)
+        return mf if mf is not None and mf.size <= st.st_size else None
 
     def forget(self, path: str) -> None:
         """Drop the mapping of a file about to be deleted, so its pages can be freed."""

@@ -123,16 +123,17 @@ class ShardSource:
     def __init__(self, store: "LocalStore", manifest: Manifest, path: str, fd: int,
                  st: os.stat_result):
         self.store, self.manifest, self.path, self.fd = store, manifest, path, fd
-        self.mapped = store.mappings.lookup(st, manifest.data_bytes)
+        self.mapped = store.mappings.lookup(st)
 
     def span(self, offset: int, nbytes: int, dst: int | None):
         """The copier span that verifies (and, with ``dst``, copies) ``nbytes`` at ``offset``."""
-        if self.mapped is None and dst is not None:
+        if dst is not None and (self.mapped is None or offset + nbytes > self.mapped.size):
             return copier.Span(src=offset, nbytes=nbytes, dst=dst, fd=self.fd)
-        return copier.Span(src=self.mapping().base_ptr + offset, nbytes=nbytes, dst=dst)
+        return copier.Span(src=self.mapping(offset + nbytes).base_ptr + offset, nbytes=nbytes, dst=dst)
 
-    def mapping(self) -> MappedFile:
-        if self.mapped is None:
+    def mapping(self, end: int) -> MappedFile:
+        """A mapping of the shard that covers its first ``end`` bytes."""
+        if self.mapped is None or self.mapped.size < end:
             self.mapped = self.store.mappings.map(self.path, self.manifest.data_bytes)
         return self.mapped
 

@@ -174,3 +174,35 @@ def test_stripes_cover_the_shard_exactly():
             assert parts[0][0] == 0 and sum(n for _, n in parts) == nbytes
             assert all(a + n == b for (a, n), (b, _) in zip(parts, parts[1:]))
             assert all(a % 64 == 0 for a, _ in parts)
+
+
+def test_read_items_over_several_streams(make_job, caplog):
+    """Recovery reads ranges of a peer's shard over several streams: every range lands whole,
+    and it is reported once, only after all of its bytes are in place."""
+    import numpy as np
+
+    job = make_job()
+    holder, reader = striped_pair(job, streams=4)
+    nbytes = 9 * MiB + 123
+    make_shard(holder.store, 8, 0, nbytes, seed=8)
+    with open(holder.store.data_path(8, 0), "rb") as f:
+        data = f.read(nbytes)
+    ranges = [(0, 5 * MiB), (5 * MiB, 0), (5 * MiB, 100), (5 * MiB + 100, 4 * MiB), (nbytes - 23, 23)]
+    sinks = [np.zeros(n, np.uint8) for _, n in ranges]
+    reported: list[int] = []
+    complete_when_reported: list[bool] = []
+
+    def on_range(i: int) -> None:
+        off, n = ranges[i]
+        complete_when_reported.append(sinks[i].tobytes() == data[off:off + n])
+        reported.append(i)
+
+    caplog.set_level(logging.DEBUG, logger="mlcheckpoint.replication.tcp")
+    assert reader.read_items(0, 8, 0, ranges, sinks, on_range) == sum(n for _, n in ranges)
+    assert "over 4 streams" in caplog.text
+    assert sorted(reported) == list(range(len(ranges)))
+    assert all(complete_when_reported)
+    for (off, n), sink in zip(ranges, sinks):
+        assert sink.tobytes() == data[off:off + n]
+    with pytest.raises(ShardNotFoundError):
+        reader.read_items(0, 9, 0, ranges, sinks)

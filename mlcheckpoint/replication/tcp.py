@@ -533,18 +533,62 @@ class TcpTransport(Transport):
 
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
                    sinks: list, on_range: Callable[[int], None] | None = None) -> int:
-        total = 0
-        with self._connect(peer) as sock:
-            resp = self._request(sock, {"op": "read_items", "step": step, "owner": owner,
-                                        "ranges": [list(r) for r in ranges]})
-            if resp.get("status") == "missing":
-                raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
-            for i, ((_, nbytes), sink) in enumerate(zip(ranges, sinks)):
-                if nbytes:
-                    p.recv_into_exact(sock, memoryview(sink).cast("B"))
-                total += nbytes
-                if on_range is not None:
-                    on_range(i)
+        total = sum(n for _, n in ranges)
+        streams = max(1, min(self.streams, total // self.min_stripe_bytes))
+        # Cut the ranges into pieces and deal them to the streams in equal byte counts; a range
+        # is reported once its last piece has landed, whichever stream carried it.
+        pieces: list[tuple[int, int, int, memoryview]] = []  # (range index, offset, nbytes, sink)
+        piece_bytes = max(1, -(-total // (streams * 4)))
+        for i, ((offset, nbytes), sink) in enumerate(zip(ranges, sinks)):
+            view = memoryview(sink).cast("B")
+            for start in range(0, max(nbytes, 1), piece_bytes):
+                n = min(piece_bytes, nbytes - start)
+                pieces.append((i, offset + start, n, view[start:start + n]))
+        groups: list[list] = [[] for _ in range(streams)]
+        share, done = max(total, 1) / streams, 0
+        for piece in pieces:
+            groups[min(streams - 1, int(done // share))].append(piece)
+            done += piece[2]
+        left = [sum(1 for pc in pieces if pc[0] == i) for i in range(len(ranges))]
+        lock = threading.Lock()
+
+        def landed(i: int) -> None:
+            with lock:
+                left[i] -= 1
+                last = left[i] == 0
+            if last and on_range is not None:
+                on_range(i)
+
+        def read_group(group: list) -> None:
+            with self._connect(peer) as sock:
+                resp = self._request(sock, {"op": "read_items", "step": step, "owner": owner,
+                                            "ranges": [[off, n] for _, off, n, _ in group]})
+                if resp.get("status") == "missing":
+                    raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
+                for i, _, n, view in group:
+                    if n:
+                        p.recv_into_exact(sock, view)
+                    landed(i)
+
+        errors: list[BaseException] = []
+
+        def run(group: list) -> None:
+            try:
+                read_group(group)
+            except BaseException as e:  # raised below, once no stream writes into the sinks
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(g,), daemon=True, name="mlckpt-tcp-read")
+                   for g in groups[1:] if g]
+        for t in threads:
+            t.start()
+        run(groups[0])
+        for t in threads:
+            t.join()
+        if errors:
+            raise next((e for e in errors if isinstance(e, ShardNotFoundError)), errors[0])
+        log.debug("read %d bytes of step %d rank %d from rank %d over %d streams", total, step,
+                  owner, peer, len(threads) + 1)
         return total
 
     def fetch_metadata(self, peer: int, step: int) -> None:

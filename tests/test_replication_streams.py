@@ -5,6 +5,10 @@ Real TcpTransports over loopback (in this process or in one of their own), as in
 test_replication_faults.py, whose helpers these tests share.
 """
 
+# The fixtures make_job and tcp_warnings come from test_replication_faults: pytest finds them
+# by name in this module, and test parameters named after them are not redefinitions.
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 import logging
@@ -12,14 +16,17 @@ import os
 import signal
 import threading
 
+import numpy as np
 import pytest
-from test_replication_faults import (WAIT, connect, debris, frames_to_eof, make_job, make_shard,  # noqa: F401
-                                     pair, tcp_warnings, wait_for)
+from test_replication_faults import (WAIT, connect, debris, frames_to_eof, make_job,  # noqa: F401
+                                     make_shard, manifest_dict, tcp_warnings, wait_for)
 
 from mlcheckpoint import ConfigError, ShardNotFoundError
 from mlcheckpoint.replication import ReplicationError, tcp
 from mlcheckpoint.replication import protocol as p
 from mlcheckpoint.replication.tcp import TcpTransport, stripes
+from mlcheckpoint.store import ManifestItem
+from mlcheckpoint.store.checksum import checksum
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -179,8 +186,6 @@ def test_stripes_cover_the_shard_exactly():
 def test_read_items_over_several_streams(make_job, caplog):
     """Recovery reads ranges of a peer's shard over several streams: every range lands whole,
     and it is reported once, only after all of its bytes are in place."""
-    import numpy as np
-
     job = make_job()
     holder, reader = striped_pair(job, streams=4)
     nbytes = 9 * MiB + 123
@@ -206,3 +211,32 @@ def test_read_items_over_several_streams(make_job, caplog):
         assert sink.tobytes() == data[off:off + n]
     with pytest.raises(ShardNotFoundError):
         reader.read_items(0, 9, 0, ranges, sinks)
+
+
+def test_missing_stripe_times_out_and_commits_nothing(make_job, tcp_warnings):
+    """An offer whose other stripes never come: the receiver gives up after its timeout, drops
+    the buffer and keeps serving."""
+    job = make_job()
+    receiver = job.endpoint(0, timeout=2)
+    sender = job.endpoint(1, streams=2, min_stripe_bytes=MiB)
+    nbytes = 2 * MiB
+    data = os.urandom(nbytes)
+    offer = {"op": "put_shard", "job_id": job.job_id, "step": 3, "owner": 1, "streams": 2,
+             "manifest": manifest_dict(job.job_id, 3, 1, nbytes,
+                                       [ManifestItem("w", 0, nbytes, checksum(data))])}
+    with connect(receiver) as s:
+        p.client_handshake(s, receiver.secret)
+        p.send_frame(s, offer)
+        ready = p.recv_frame(s)
+        assert ready["status"] == "ready" and isinstance(ready["token"], str)
+        first, _ = stripes(nbytes, 2)
+        s.sendall(data[:first[1]])  # stripe 0 only; stripe 1 never comes
+        frames = frames_to_eof(s)
+    assert all(f.get("status") != "ok" for f in frames), frames
+    wait_for(lambda: any("did not arrive" in m for m in tcp_warnings()), "the stripe timeout")
+    with pytest.raises(ShardNotFoundError):
+        receiver.store.read_manifest(3, 1)
+    wait_for(lambda: debris(receiver.store) == [] and receiver._striped == {}, "the buffer to go")
+    make_shard(sender.store, 4, 1, nbytes, seed=4)
+    assert sender.push_shard(0, 4, 1) == nbytes
+    receiver.store.verify_shard(4, 1)

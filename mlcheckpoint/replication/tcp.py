@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from typing import Callable
 
 from .._faults import crash_point
@@ -166,8 +167,9 @@ class StripedReceive:
         return self.stripes[index]
 
     def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         for i, ev in enumerate(self.done[1:], 1):
-            if not ev.wait(timeout):
+            if not ev.wait(max(0.0, deadline - time.monotonic())):
                 raise p.ProtocolError(f"stripe {i} of step {self.m.step} rank {self.m.rank} "
                                       f"did not arrive within {timeout:.0f}s")
             if self.errors[i] is not None:
@@ -359,7 +361,7 @@ class TcpTransport(Transport):
         index = p.want_int(req, "index", 1, MAX_STREAMS)
         with self._striped_lock:
             rx = self._striped.get(req.get("token")) if isinstance(req.get("token"), str) else None
-        if rx is None or rx.m.step != step:
+        if rx is None or rx.m.step != step or req.get("owner") != rx.m.rank:
             raise p.ProtocolError("stripe for a transfer that is not open")
         offset, nbytes = rx.claim(index, conn)
         try:

@@ -171,6 +171,11 @@ def test_stream_settings_are_checked(make_job, monkeypatch):
         tcp.default_streams()
     monkeypatch.setenv("MLCHECKPOINT_TCP_STREAMS", "2")
     assert tcp.default_streams() == 2
+    monkeypatch.setenv("MLCHECKPOINT_TCP_MIN_STRIPE", "0")
+    with pytest.raises(ConfigError, match="MLCHECKPOINT_TCP_MIN_STRIPE"):
+        tcp.default_min_stripe_bytes()
+    monkeypatch.setenv("MLCHECKPOINT_TCP_MIN_STRIPE", "4096")
+    assert job.endpoint(1).min_stripe_bytes == 4096
 
 
 def test_stripes_cover_the_shard_exactly():

@@ -49,6 +49,16 @@ def default_streams() -> int:
     return int(env)
 
 
+def default_min_stripe_bytes() -> int:
+    """``MLCHECKPOINT_TCP_MIN_STRIPE`` (bytes) if set, else MIN_STRIPE_BYTES."""
+    env = os.environ.get("MLCHECKPOINT_TCP_MIN_STRIPE", "").strip()
+    if not env:
+        return MIN_STRIPE_BYTES
+    if not env.isdigit() or int(env) < 1:
+        raise ConfigError(f"MLCHECKPOINT_TCP_MIN_STRIPE={env!r}: expected a byte count >= 1")
+    return int(env)
+
+
 def stripes(nbytes: int, streams: int) -> list[tuple[int, int]]:
     """(offset, length) of each stream's part of a shard: contiguous, 64-byte aligned cuts."""
     cuts = [0] + [min(nbytes, (nbytes * i // streams) // 64 * 64) for i in range(1, streams)] + [nbytes]
@@ -209,7 +219,8 @@ class TcpTransport(Transport):
         timeout: seconds any single socket operation may block.
         max_shard_bytes: largest shard a peer may send us (checked before allocating).
         streams: connections a large shard is pushed over (default ``default_streams()``).
-        min_stripe_bytes: the least a stream carries, so small shards use fewer streams.
+        min_stripe_bytes: the least a stream carries, so small shards use fewer streams
+            (default ``default_min_stripe_bytes()``).
     """
 
     name = "tcp"
@@ -219,12 +230,12 @@ class TcpTransport(Transport):
                  on_received: OnReceived | None = None, max_shard_bytes: int = 1 << 40,
                  max_connections: int = 32, max_handshakes: int = 128,
                  handshake_timeout: float = 5.0, streams: int | None = None,
-                 min_stripe_bytes: int = MIN_STRIPE_BYTES):
+                 min_stripe_bytes: int | None = None):
         self.store, self.rdzv = store, rdzv
         self.streams = streams if streams is not None else default_streams()
         if not 1 <= self.streams <= MAX_STREAMS:
             raise ConfigError(f"streams must be in 1..{MAX_STREAMS}, not {self.streams}")
-        self.min_stripe_bytes = max(1, min_stripe_bytes)
+        self.min_stripe_bytes = min_stripe_bytes or default_min_stripe_bytes()
         self._striped: dict[str, StripedReceive] = {}  # token -> transfer awaiting its stripes
         self._striped_lock = threading.Lock()
         self.timeout = timeout

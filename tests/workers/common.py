@@ -8,6 +8,9 @@ import torch
 import torch.distributed as dist
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s r%(process)d %(name)s %(levelname)s %(message)s")
+# A test can ask for one of our loggers at DEBUG (e.g. MLCKPT_TEST_DEBUG=mlcheckpoint.replication.tcp).
+if os.environ.get("MLCKPT_TEST_DEBUG"):
+    logging.getLogger(os.environ["MLCKPT_TEST_DEBUG"]).setLevel(logging.DEBUG)
 
 
 def init() -> tuple[int, int]:

@@ -1,0 +1,98 @@
+"""Striping one shard over several TCP streams: where the cuts go, and the receiver's record of
+a transfer whose stripes arrive on separate connections (see ``tcp.py`` for the protocol).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import threading
+import time
+
+from ..errors import ConfigError, CorruptShardError
+from ..store import Manifest, copier
+from . import protocol as p
+
+MAX_STREAMS = 16
+# Stripes smaller than this are not worth a connection of their own.
+MIN_STRIPE_BYTES = 64 << 20
+
+
+def default_streams() -> int:
+    """``MLCHECKPOINT_TCP_STREAMS`` if set, else 4."""
+    env = os.environ.get("MLCHECKPOINT_TCP_STREAMS", "").strip()
+    if not env:
+        return 4
+    if not env.isdigit() or not 1 <= int(env) <= MAX_STREAMS:
+        raise ConfigError(f"MLCHECKPOINT_TCP_STREAMS={env!r}: expected a whole number in 1..{MAX_STREAMS}")
+    return int(env)
+
+
+def default_min_stripe_bytes() -> int:
+    """``MLCHECKPOINT_TCP_MIN_STRIPE`` (bytes) if set, else MIN_STRIPE_BYTES."""
+    env = os.environ.get("MLCHECKPOINT_TCP_MIN_STRIPE", "").strip()
+    if not env:
+        return MIN_STRIPE_BYTES
+    if not env.isdigit() or int(env) < 1:
+        raise ConfigError(f"MLCHECKPOINT_TCP_MIN_STRIPE={env!r}: expected a byte count >= 1")
+    return int(env)
+
+
+def stripes(nbytes: int, streams: int) -> list[tuple[int, int]]:
+    """(offset, length) of each stream's part of a shard: contiguous, 64-byte aligned cuts."""
+    cuts = [0] + [min(nbytes, (nbytes * i // streams) // 64 * 64) for i in range(1, streams)] + [nbytes]
+    return [(a, b - a) for a, b in zip(cuts, cuts[1:])]
+
+
+def verify_landed(array, m: Manifest) -> None:
+    """Check every item of a shard that arrived out of order (striped), on the copier's threads."""
+    base = array.ctypes.data
+    digests = copier.process([copier.Span(src=base + it.offset, nbytes=it.nbytes) for it in m.items])
+    for it, digest in zip(m.items, digests):
+        if digest != it.checksum:
+            raise CorruptShardError(f"replica of step {m.step} rank {m.rank}: checksum mismatch "
+                                    f"in {it.key!r} on arrival")
+
+
+class StripedReceive:
+    """A shard arriving over several connections: stripe 0 on the offering connection, the
+    others on connections that present ``token``."""
+
+    def __init__(self, array, m: Manifest, streams: int):
+        self.array, self.m = array, m
+        self.stripes = stripes(m.data_bytes, streams)
+        self.token = secrets.token_hex(16)
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.conns: dict[int, socket.socket] = {}
+        self.done = [threading.Event() for _ in self.stripes]
+        self.errors: list[BaseException | None] = [None] * len(self.stripes)
+
+    def claim(self, index: int, conn: socket.socket) -> tuple[int, int]:
+        with self.lock:
+            if self.cancelled or index in self.conns or not 0 < index < len(self.stripes):
+                raise p.ProtocolError(f"stripe {index} of transfer is not open")
+            self.conns[index] = conn
+        return self.stripes[index]
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for i, ev in enumerate(self.done[1:], 1):
+            if not ev.wait(max(0.0, deadline - time.monotonic())):
+                raise p.ProtocolError(f"stripe {i} of step {self.m.step} rank {self.m.rank} "
+                                      f"did not arrive within {timeout:.0f}s")
+            if self.errors[i] is not None:
+                raise p.ProtocolError(f"stripe {i} failed: {self.errors[i]}")
+
+    def cancel(self) -> None:
+        """Stop every stripe still arriving and wait until none writes into the buffer."""
+        with self.lock:
+            self.cancelled = True
+            conns = dict(self.conns)
+        for conn in conns.values():
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for i in conns:
+            self.done[i].wait()

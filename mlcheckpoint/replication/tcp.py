@@ -135,6 +135,8 @@ class TcpTransport(Transport):
         host: interface to listen on (default: the one that routes to MASTER_ADDR).
         timeout: seconds any single socket operation may block.
         max_shard_bytes: largest shard a peer may send us (checked before allocating).
+        max_connections: authenticated connections served at once; a striped push or read
+            takes ``streams`` of them, and after a resharding many ranks may read from one.
         streams: connections a large shard is pushed over (default ``default_streams()``).
         min_stripe_bytes: the least a stream carries, so small shards use fewer streams
             (default ``default_min_stripe_bytes()``).
@@ -145,7 +147,7 @@ class TcpTransport(Transport):
     def __init__(self, store: LocalStore, rdzv: Rendezvous, *, host: str | None = None,
                  timeout: float = 60.0, pins: Pins | None = None,
                  on_received: OnReceived | None = None, max_shard_bytes: int = 1 << 40,
-                 max_connections: int = 32, max_handshakes: int = 128,
+                 max_connections: int = 128, max_handshakes: int = 128,
                  handshake_timeout: float = 5.0, streams: int | None = None,
                  min_stripe_bytes: int | None = None):
         self.store, self.rdzv = store, rdzv

@@ -11,6 +11,7 @@ recovery and the persistent fallback together.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -114,6 +115,8 @@ class CheckpointManager:
         self.replicator: Replicator | None = None
         self.replica_owners: list[int] = []
         self._heal_thread: threading.Thread | None = None
+        self._warmer: threading.Thread | None = None  # prepares buffers of the next saves
+        self._prepared: dict[int, int] = {}  # owner rank -> shard size its buffers were made for
         if replication != "none" and self.topology.num_nodes == 1:
             log.info("mlcheckpoint: single node, replication off (nothing to pair with)")
             replication = "none"
@@ -148,6 +151,8 @@ class CheckpointManager:
         if self.replicator is not None and self.replicator.known_protected() is not None:
             protected.add(self.replicator.known_protected())
         self.store.apply_retention([owner], self.keep, protected=protected)
+        with contextlib.suppress(MLCheckpointError):
+            self._prepare_buffers(owner, self.store.read_manifest(step, owner).data_bytes)
 
     # ------------------------------------------------------------------ DCP-native
     def storage_writer(self, step: int) -> MemoryStorageWriter:
@@ -271,6 +276,26 @@ class CheckpointManager:
         if self.replicator is not None:
             self.replicator.notify()
         self._apply_retention()
+        self._prepare_buffers(self.rank, result.bytes)
+
+    def _prepare_buffers(self, owner: int, nbytes: int) -> None:
+        """Make the buffers of ``owner``'s next checkpoints now, on a background thread, so
+        the first ``keep`` saves (or received replicas) after this one do not touch fresh
+        tmpfs pages. Once a steady state recycles buffers this does nothing."""
+        with self._lock:
+            if (self._closed or nbytes <= 0 or self._prepared.get(owner, -1) >= nbytes
+                    or (self._warmer is not None and self._warmer.is_alive())):
+                return
+            self._prepared[owner] = nbytes
+            self._warmer = threading.Thread(target=self._warm, args=(owner, nbytes), daemon=True,
+                                            name="mlckpt-prepare")
+            self._warmer.start()
+
+    def _warm(self, owner: int, nbytes: int) -> None:
+        try:
+            self.store.prewarm(owner, nbytes, self.keep)
+        except (OSError, MLCheckpointError) as e:  # only an optimisation: saves still work
+            log.warning("mlcheckpoint: could not prepare buffers for rank %d: %s", owner, e)
 
     def _protected_steps(self) -> set[int]:
         """Steps retention must keep: those being read, and the newest replicated everywhere."""
@@ -382,6 +407,10 @@ class CheckpointManager:
             self._closed = True
             self._save_executor.shutdown(wait=True)
             self._persist_executor.shutdown(wait=True)
+            with self._lock:
+                warmer = self._warmer
+            if warmer is not None:
+                warmer.join()
             if self.replicator is not None:
                 self.replicator.close()
                 self.replicator.transport.close()

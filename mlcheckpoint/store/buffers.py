@@ -9,6 +9,7 @@ into pages (and page tables) that are already there.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -19,7 +20,33 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_MAP_FLAGS = mmap.MAP_SHARED
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def _bind_madvise():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+_MADVISE = _bind_madvise()
+
+
+def _populate(address: int, size: int) -> bool:
+    """Fault in (allocating if need be) every page of a shared mapping, without the GIL.
+
+    ``mmap(MAP_POPULATE)`` does the same work but Python holds the GIL through it: seconds on
+    a fresh 1 GiB file here, during which every other thread of the process stands still.
+    """
+    if _MADVISE is None or size == 0:
+        return False
+    return _MADVISE(address, size, _MADV_POPULATE_WRITE) == 0
 
 
 class MappedFile:
@@ -36,11 +63,18 @@ class MappedFile:
             # mmap of length 0 is invalid; an empty shard still gets a one-byte mapping.
             self._mm = mmap.mmap(fd, max(size, 1), flags=_MAP_FLAGS,
                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.array = np.frombuffer(self._mm, dtype=np.uint8, count=size)
+            self.base_ptr = self.array.ctypes.data  # address of byte 0 (stable while mapped)
+            if not _populate(self.base_ptr, size):  # old kernel: the populating mmap instead
+                self.array = None
+                self._mm.close()
+                self._mm = mmap.mmap(fd, max(size, 1), flags=_MAP_FLAGS | getattr(mmap, "MAP_POPULATE", 0),
+                                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                self.array = np.frombuffer(self._mm, dtype=np.uint8, count=size)
+                self.base_ptr = self.array.ctypes.data
         finally:
             os.close(fd)
-        self.array = np.frombuffer(self._mm, dtype=np.uint8, count=size)
         self.tensor = torch.from_numpy(self.array)
-        self.base_ptr = self.array.ctypes.data  # address of byte 0 (stable while mapped)
         self._cuda_registered = False
 
     def contains(self, t: torch.Tensor) -> int | None:
@@ -88,15 +122,16 @@ class MappingCache:
         with self._lock:
             mf = self._by_key.get(key)
             if mf is not None and mf.size >= size and st.st_size >= size:
-                if mf.size == size:
-                    return mf
-                return _SubMapping(mf, size)
-            if mf is not None:
-                del self._by_key[key]
-                mf.release()
-            mf = MappedFile(path, size)
-            self._by_key[key] = mf
-            return mf
+                return mf if mf.size == size else _SubMapping(mf, size)
+        # Map outside the lock: populating a fresh file's pages can take seconds, and another
+        # thread's save must not wait behind a buffer being prepared in the background.
+        new = MappedFile(path, size)
+        with self._lock:
+            old = self._by_key.get(key)
+            self._by_key[key] = new
+        if old is not None:
+            old.release()
+        return new
 
     def lookup(self, st: os.stat_result) -> MappedFile | None:
         """This process's mapping of the file ``st`` describes, if any (it may cover only the

@@ -465,6 +465,49 @@ class LocalStore:
             return dest
         return None
 
+    def prewarm(self, rank: int, nbytes: int, keep: int) -> int:
+        """Get ready, in advance, the buffers ``rank``'s next saves will need.
+
+        A steady state holds ``keep`` committed shards plus one being written; until retention
+        starts recycling, each new save would touch fresh tmpfs pages (0.35-0.8 GB/s here,
+        against 15 GB/s into a warm buffer). This makes the missing ones now (pooled files
+        whose pages are allocated and mapped in this process), off the save path. It never
+        goes past the capacity checks a save would make, and stops quietly at the first that
+        fails. Returns how many buffers it made.
+        """
+        made = 0
+        for _ in range(keep + 1):
+            # Re-counted before each buffer: a save running meanwhile takes one of its own.
+            in_use = sum(1 for step in self.steps()
+                         if os.path.exists(self.data_path(step, rank))
+                         or os.path.exists(self.data_path(step, rank) + layout.PARTIAL))
+            own = [c for c in self._pool_ranked(rank, nbytes) if not c[0]]
+            ready = sum(1 for c in own if not c[1])
+            if in_use + ready >= keep + 1 or len(own) >= POOL_PER_RANK:
+                break
+            try:  # leave room for a save that checked capacity before we allocate
+                self._preflight(2 * nbytes, reusable=0)
+            except CapacityError as e:
+                log.debug("not preparing more buffers for rank %d: %s", rank, e)
+                break
+            name = layout.pool_name(rank, secrets.token_hex(8))
+            tmp = os.path.join(self.pool_dir, name + layout.PARTIAL)  # gc's if we die here
+            fd = _private(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+            try:
+                self.mappings.map(tmp, nbytes)  # populated: the pages exist from now on
+            except OSError:
+                self._unlink(tmp)
+                raise
+            os.rename(tmp, os.path.join(self.pool_dir, name))  # same inode: the mapping stays
+            made += 1
+        if made:
+            log.debug("prepared %d buffer(s) of %d bytes for rank %d", made, nbytes, rank)
+        return made
+
     def _to_pool(self, path: str, rank: int) -> None:
         dest = os.path.join(self.pool_dir, layout.pool_name(rank, secrets.token_hex(8)))
         try:
@@ -580,6 +623,18 @@ class LocalStore:
                     self._remove_step_if_empty(step)
                 elif not committed:
                     self._remove_step_if_empty(step, keep_metadata=True)  # nothing left in it
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.pool_dir):  # buffers whose preparation was cut short
+                owner = layout.parse_pool_name(e.name.removesuffix(layout.PARTIAL))
+                if not e.name.endswith(layout.PARTIAL) or owner is None:
+                    continue
+                if owners is not None and owner not in owners:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    if now - e.stat().st_mtime < min_age_s:
+                        continue
+                self._unlink(e.path)
+                removed.append(e.path)
         if removed:
             log.info("gc removed %d uncommitted file(s) of job %s", len(removed), self.job_id)
         return removed

@@ -1,0 +1,122 @@
+"""Buffers prepared ahead of the first saves: made off the save path, taken by the next saves
+warm (already mapped), never more than a steady state holds, never past capacity."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mlcheckpoint import CheckpointManager, LocalStore
+from mlcheckpoint.store import buffers, layout
+from test_store import payload, pool_files, put_metadata, put_shard, put_step
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+JOB = "job-prewarm"
+N = 4096  # put_step's shard size
+
+
+@pytest.fixture
+def store(store_dir):
+    s = LocalStore(store_dir, JOB)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def mapped_inodes(store: LocalStore) -> set[int]:
+    return {ino for _dev, ino in store.mappings._by_key}
+
+
+def test_prewarm_prepares_what_the_next_saves_need(store):
+    put_step(store, 1)  # one committed shard of rank 0
+    assert store.prewarm(0, N, keep=2) == 2  # keep=2: two more before recycling starts
+    pooled = pool_files(store)
+    assert len(pooled) == 2
+    inodes = {os.stat(p).st_ino for p in pooled}
+    assert inodes <= mapped_inodes(store)  # pages populated and mapped in this process
+    assert all(os.stat(p).st_size == N for p in pooled)
+    assert store.prewarm(0, N, keep=2) == 0  # nothing more to do
+
+    sw = store.begin_shard(2, 0, N)  # the next save takes a prepared buffer: same inode
+    assert os.stat(sw.partial_path).st_ino in inodes
+    assert sw.buffer is store.mappings._by_key[(os.stat(sw.partial_path).st_dev,
+                                               os.stat(sw.partial_path).st_ino)]
+    sw.buffer.array[:] = 7
+    sw.commit()
+    put_metadata(store, 2)
+    assert store.prewarm(0, N, keep=2) == 0  # 2 in use + 1 ready = keep + 1
+    assert store.prewarm(1, N, keep=2) == 2  # other owners (replicas) are counted apart
+
+
+def test_prewarm_counts_a_save_in_flight(store):
+    put_step(store, 1)
+    sw = store.begin_shard(2, 0, N)  # a save running while we prepare
+    assert store.prewarm(0, N, keep=2) == 1
+    sw.abort()
+
+
+def test_prewarm_stops_at_capacity_and_saves_still_work(store_dir):
+    big = 1 << 20
+    store = LocalStore(store_dir, JOB)
+    try:
+        put_shard(store, 1, 0, payload(1, 0, big))
+        put_metadata(store, 1)
+        # room for one more shard, not for a prepared buffer plus a save's worth of headroom
+        store.memory_limit_bytes = store.usage_bytes() + big + big // 2
+        assert store.prewarm(0, big, keep=2) == 0
+        assert pool_files(store) == []
+        put_shard(store, 2, 0, payload(2, 0, big))  # the save itself is unaffected
+        put_metadata(store, 2)
+        assert store.complete_steps() == [1, 2]
+    finally:
+        store.close()
+
+
+def test_gc_removes_a_buffer_cut_short_while_being_prepared(store):
+    os.makedirs(store.pool_dir, exist_ok=True)
+    debris = os.path.join(store.pool_dir, layout.pool_name(0, "ab" * 8) + layout.PARTIAL)
+    with open(debris, "wb") as f:
+        f.write(b"\0" * N)
+    assert layout.parse_pool_name(os.path.basename(debris)) is None  # never taken for a buffer
+    assert store.gc(ranks=[1]) == []  # another rank's sweep leaves it
+    assert store.gc() == [debris]
+    assert not os.path.exists(debris)
+
+
+def test_mapping_populates_without_mmap_populate():
+    """Fresh buffers are faulted in with madvise through ctypes, which releases the GIL
+    (mmap(MAP_POPULATE) holds it for seconds on a large fresh file here)."""
+    assert buffers._MADVISE is not None
+    path = "/dev/shm/mlckpt-test-populate-" + os.urandom(4).hex()
+    try:
+        with open(path, "wb") as f:
+            f.truncate(8 << 20)
+        mf = buffers.MappedFile(path, 8 << 20)
+        assert buffers._populate(mf.base_ptr, mf.size)
+        mf.array[:] = 3
+        mf.release()
+    finally:
+        os.unlink(path)
+
+
+def test_manager_prepares_buffers_after_the_first_save(store_dir):
+    sd = {"w": torch.randn(256, 256), "b": torch.randn(300)}
+    with CheckpointManager(job_id=JOB, local_dir=store_dir, keep=2, replication="none") as ckpt:
+        ckpt.save(sd, 1)
+        warmer = ckpt._warmer
+        assert warmer is not None
+        warmer.join(timeout=60)
+        store = ckpt.store
+        prepared = {os.stat(p).st_ino for p in pool_files(store)}
+        assert len(prepared) == 2
+        ckpt.save(sd, 2)
+        ckpt.save(sd, 3)
+        used = {os.stat(store.data_path(s, 0)).st_ino for s in (2, 3)}
+        assert used == prepared  # saves 2 and 3 wrote into the prepared buffers
+        out = {"w": torch.zeros(256, 256), "b": torch.zeros(300)}
+        assert ckpt.resume(out).step == 3
+        assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])

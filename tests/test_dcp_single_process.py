@@ -309,6 +309,50 @@ def test_staged_writer_survives_pickling(store):
     assert store.gc() == []
 
 
+def _as_sent_to_another_process(staged, buffer: torch.Tensor):
+    """What DCP's PROCESS mode hands its checkpoint process: the staged views, re-pointed at
+    one copy of their whole storage (torch multiprocessing moves it into its own shared
+    memory), each at its old offset."""
+    copy = buffer.clone()
+
+    def repoint(t):
+        if isinstance(t, torch.Tensor):
+            off = t.storage_offset() * t.element_size()
+            n = t.numel() * t.element_size()
+            return copy[off:off + n].view(t.dtype).view(t.shape)
+        if isinstance(t, dict):
+            return {k: repoint(v) for k, v in t.items()}
+        return t
+
+    return repoint(staged), copy
+
+
+@pytest.mark.parametrize("diverge", [False, True])
+def test_process_mode_writes_each_tensor_once(store, caplog, diverge):
+    """The checkpoint process recognises the staged views' copies and only hashes the staged
+    bytes (no second copy of every tensor in the shard); a copy whose bytes differ from the
+    staged ones is written from what was sent, with a warning."""
+    sd = {"w": torch.randn(64, 64), "b": torch.randn(100).to(torch.bfloat16), "note": "hi"}
+    w = MemoryStorageWriter(5, store)
+    staged = w.stage(sd)
+    staged_bytes = w._staged_bytes
+    sent, copy = _as_sent_to_another_process(staged, w._staged.buffer.tensor)
+    if diverge:
+        sent["w"][0, 0] += 1.0  # the copy no longer matches the staged region
+    w2 = pickle.loads(pickle.dumps(w))
+    with caplog.at_level("WARNING", logger="mlcheckpoint.dcp.writer"):
+        dcp.save(sent, storage_writer=w2)
+    m = store.read_manifest(5, 0)
+    tensors = [i for i in m.items if i.kind == "tensor"]
+    assert max(i.offset + i.nbytes for i in tensors) <= staged_bytes  # stored once, in place
+    assert m.data_bytes < staged_bytes + 4096  # only the byte item follows
+    out = {"w": torch.zeros(64, 64), "b": torch.zeros(100, dtype=torch.bfloat16), "note": None}
+    dcp.load(out, storage_reader=MemoryStorageReader(5, store))
+    assert torch.equal(out["w"], sent["w"]) and torch.equal(out["b"], sent["b"])
+    assert out["note"] == "hi"
+    assert ("differ from the tensor DCP sent" in caplog.text) == diverge
+
+
 def test_callbacks_fire_on_commit(store):
     calls = []
     w = MemoryStorageWriter(2, store, on_commit=lambda s, r: calls.append(("shard", s, r)),

@@ -86,6 +86,11 @@ def check_replicated(c: Cluster, nnodes: int, nproc: int, last: int = LAST) -> N
             copies.append((m, read_data(s, last, r, m.data_bytes)))
         (m0, d0), (m1, d1) = copies
         assert m0.data_bytes == m1.data_bytes
+        # every tensor is stored once, in the mapped (staged) region; byte items follow it
+        # (a PROCESS-mode save used to append a second copy of every tensor after them)
+        tensor_end = max(i.offset + i.nbytes for i in m0.items if i.kind == "tensor")
+        bytes_start = min((i.offset for i in m0.items if i.kind == "bytes"), default=tensor_end)
+        assert tensor_end <= bytes_start, [(i.key, i.kind, i.offset) for i in m0.items]
         assert [(i.key, i.offset, i.nbytes, i.checksum) for i in m0.items] == \
             [(i.key, i.offset, i.nbytes, i.checksum) for i in m1.items]
         assert d0 == d1, f"rank {r}'s shard of step {last} differs between nodes {holders}"

@@ -63,6 +63,23 @@ class _Placed:
     tensor: torch.Tensor | None = None  # also keeps the source alive until it is copied
     span: copier.Span | None = None
     digest: int = 0
+    twin: copier.Span | None = None  # the tensor whose bytes ``span`` should already hold
+
+
+def _confirm_restaged(placed: list[_Placed]) -> None:
+    """Compare each PROCESS-mode tensor with the staged region it was taken for (by checksum);
+    where they differ, copy it there after all."""
+    twins = [p for p in placed if p.twin is not None]
+    if not twins:
+        return
+    digests = copier.process([s for p in twins for s in (p.span, p.twin)])
+    for i, p in enumerate(twins):
+        staged, sent = digests[2 * i], digests[2 * i + 1]
+        if staged != sent:
+            log.warning("staged bytes of %s differ from the tensor DCP sent; copying it",
+                        p.item.index.fqn)
+            p.span = copier.Span(src=p.twin.src, nbytes=p.nbytes, dst=p.span.src)
+        p.twin = None
 
 
 def _copy_and_hash(placed: list[_Placed]) -> None:
@@ -183,6 +200,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             placed = [self._place(shard, item, planner) for item in plan.items]
             if any(p.tensor is not None and p.tensor.device.type != "cpu" for p in placed):
                 torch.accelerator.synchronize()  # the device copies must land before hashing
+            _confirm_restaged(placed)
             half = len(placed) // 2
             _copy_and_hash(placed[:half])
             crash_point("mid_data", self.step, self.rank)
@@ -228,6 +246,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         offset = shard.buffer.contains(t)
         if offset is not None:  # staged: the bytes are already in place, only hash them
             return _Placed(item, offset, nbytes, t, copier.Span(src=base + offset, nbytes=nbytes))
+        offset = self._restaged_offset(t, nbytes)
+        if offset is not None:  # PROCESS mode: a copy of a staged view; confirmed before use
+            return _Placed(item, offset, nbytes, t, copier.Span(src=base + offset, nbytes=nbytes),
+                           twin=copier.Span(src=t.data_ptr(), nbytes=nbytes))
         if shard.cursor + nbytes > shard.buffer.size:
             # A tensor DCP produced after staging: append it like a byte item.
             raw = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -245,6 +267,21 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             dst.copy_(t, non_blocking=on_device)
             span = copier.Span(src=base + offset, nbytes=nbytes)
         return _Placed(item, offset, nbytes, t, span)
+
+    def _restaged_offset(self, t: torch.Tensor, nbytes: int) -> int | None:
+        """Where a tensor DCP handed to its checkpoint process (PROCESS mode) was staged.
+
+        DCP sends the staged views to that process through torch multiprocessing, which moves
+        their storage (our whole staging buffer) into shared memory of its own. A view keeps
+        its offset in that storage, so it names the staged region its bytes came from, and the
+        bytes need not be written a second time. ``_confirm_restaged`` checks the contents
+        match before they are used.
+        """
+        if (self._staged_rank is None or self._staged is not None or not _plain_cpu(t)
+                or t.untyped_storage().nbytes() < self._staged_bytes):
+            return None
+        offset = t.storage_offset() * t.element_size()
+        return offset if offset + nbytes <= self._staged_bytes else None
 
     def _record(self, shard: ShardWriter, p: _Placed) -> WriteResult:
         is_tensor = p.tensor is not None

@@ -66,9 +66,10 @@ class _Placed:
     twin: copier.Span | None = None  # the tensor whose bytes ``span`` should already hold
 
 
-def _confirm_restaged(placed: list[_Placed]) -> None:
-    """Compare each PROCESS-mode tensor with the staged region it was taken for (by checksum);
-    where they differ, copy it there after all."""
+def _confirm_restaged(shard: ShardWriter, placed: list[_Placed]) -> None:
+    """Compare each PROCESS-mode tensor with the staged region it was taken for (by checksum).
+    Where they differ the tensor is appended like any late tensor: the region may hold
+    another item's staged bytes, so it is never overwritten."""
     twins = [p for p in placed if p.twin is not None]
     if not twins:
         return
@@ -76,9 +77,11 @@ def _confirm_restaged(placed: list[_Placed]) -> None:
     for i, p in enumerate(twins):
         staged, sent = digests[2 * i], digests[2 * i + 1]
         if staged != sent:
-            log.warning("staged bytes of %s differ from the tensor DCP sent; copying it",
+            log.warning("staged bytes of %s differ from the tensor DCP sent; writing it anew",
                         p.item.index.fqn)
-            p.span = copier.Span(src=p.twin.src, nbytes=p.nbytes, dst=p.span.src)
+            raw = p.tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+            p.offset, p.digest = shard.append_bytes(raw)
+            p.span = None
         p.twin = None
 
 
@@ -200,7 +203,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             placed = [self._place(shard, item, planner) for item in plan.items]
             if any(p.tensor is not None and p.tensor.device.type != "cpu" for p in placed):
                 torch.accelerator.synchronize()  # the device copies must land before hashing
-            _confirm_restaged(placed)
+            _confirm_restaged(shard, placed)
             half = len(placed) // 2
             _copy_and_hash(placed[:half])
             crash_point("mid_data", self.step, self.rank)

@@ -7,6 +7,8 @@ import tempfile
 
 import pytest
 
+from mlcheckpoint import LocalStore
+
 # Settings read from the environment; tests that depend on their absence use ``clean_env``.
 MLCHECKPOINT_ENV_VARS = ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
                          "MLCHECKPOINT_LOCAL_DIR", "MLCHECKPOINT_CRASH_AT")
@@ -20,6 +22,16 @@ def store_dir():
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def store(store_dir, request):
+    """A LocalStore in a fresh tmpfs directory, for the job named by the test module's JOB."""
+    s = LocalStore(store_dir, request.module.JOB)
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 @pytest.fixture

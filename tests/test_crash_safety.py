@@ -299,22 +299,14 @@ def warnings_for(log: str, job: str, step: int, problem: str) -> list[str]:
             if "WARNING" in line and problem in line and f"/{job}/steps/{step:012d}/" in line]
 
 
-def test_corrupt_byte_refused(corruption_runs):
+@pytest.mark.parametrize("damage,problem", [("flip", "checksum mismatch"), ("truncate", "truncated")])
+def test_damaged_shard_refused(corruption_runs, damage, problem):
     r = corruption_runs
-    job = r["jobs"]["flip"]
-    check_resumed(r["flip"], 2, "local", r["log"])
-    for res in r["flip"].values():
-        assert "step 3" in res["reason"] and "checksum mismatch" in res["reason"], res["reason"]
-    assert warnings_for(r["log"], job, 3, "checksum mismatch"), r["log"]
-
-
-def test_truncated_shard_refused(corruption_runs):
-    r = corruption_runs
-    job = r["jobs"]["truncate"]
-    check_resumed(r["truncate"], 2, "local", r["log"])
-    for res in r["truncate"].values():
-        assert "step 3" in res["reason"] and "truncated" in res["reason"], res["reason"]
-    assert warnings_for(r["log"], job, 3, "truncated"), r["log"]
+    job = r["jobs"][damage]
+    check_resumed(r[damage], 2, "local", r["log"])
+    for res in r[damage].values():
+        assert "step 3" in res["reason"] and problem in res["reason"], res["reason"]
+    assert warnings_for(r["log"], job, 3, problem), r["log"]
 
 
 def test_all_memory_corrupt_uses_persistent(corruption_runs):

@@ -21,15 +21,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 @pytest.fixture
-def store(store_dir):
-    s = LocalStore(store_dir, JOB)
-    try:
-        yield s
-    finally:
-        s.close()
-
-
-@pytest.fixture
 def dirs(store_dir):
     """(local_dir, persistent_dir), both removed with store_dir."""
     return os.path.join(store_dir, "local"), os.path.join(store_dir, "persistent")

@@ -18,15 +18,6 @@ JOB = "job-prewarm"
 N = 4096  # put_step's shard size
 
 
-@pytest.fixture
-def store(store_dir):
-    s = LocalStore(store_dir, JOB)
-    try:
-        yield s
-    finally:
-        s.close()
-
-
 def mapped_inodes(store: LocalStore) -> set[int]:
     return {ino for _dev, ino in store.mappings._by_key}
 

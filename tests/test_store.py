@@ -16,15 +16,6 @@ from mlcheckpoint.store.manifest import Manifest, ManifestItem
 JOB = "job-store"
 
 
-@pytest.fixture
-def store(store_dir):
-    s = LocalStore(store_dir, JOB)
-    try:
-        yield s
-    finally:
-        s.close()
-
-
 def payload(step: int, rank: int, nbytes: int = 4096) -> bytes:
     """Deterministic bytes that differ per (step, rank)."""
     return np.random.default_rng(step * 1000 + rank).integers(0, 256, nbytes, dtype=np.uint8).tobytes()

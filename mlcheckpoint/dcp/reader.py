@@ -48,6 +48,12 @@ def _fits_directly(target: torch.Tensor, req: ReadItem, metadata: Metadata) -> b
             and target.numel() == math.prod(req.lengths))
 
 
+def _copy_view(target: torch.Tensor, view: torch.Tensor) -> None:
+    """Copy (and cast) the stored part ``view`` into ``target``, reshaping where DCP's
+    request and the target disagree only in shape."""
+    target.copy_(view.reshape(target.shape) if target.shape != view.shape else view)
+
+
 class MemoryStorageReader(StorageReader):
     """Loads one checkpoint step from the node's tmpfs store with ``dcp.load``.
 
@@ -171,8 +177,7 @@ class MemoryStorageReader(StorageReader):
         for req, target, loc in later:
             if loc is not None:  # resharded, cast or on a device: torch copies from the mapping
                 src = source.mapping(loc.offset + loc.nbytes).array[loc.offset:loc.offset + loc.nbytes]
-                view = self._stored_view(req, src)
-                target.copy_(view.reshape(target.shape) if target.shape != view.shape else view)
+                _copy_view(target, self._stored_view(req, src))
             planner.commit_tensor(req, target)
 
     def _read_remote(self, rank: int, reqs: list[ReadItem], planner: LoadPlanner) -> None:
@@ -188,11 +193,7 @@ class MemoryStorageReader(StorageReader):
                 continue
             target = planner.resolve_tensor(req).detach()
             targets[i] = target
-            dtype = self._metadata.state_dict_metadata[req.storage_index.fqn].properties.dtype
-            if (uses[key] == 1 and target.device.type == "cpu" and target.is_contiguous()
-                    and target.dtype == dtype and target.numel() * target.element_size() == loc.nbytes
-                    and tuple(req.lengths) == tuple(self._chunk_sizes[(req.storage_index.fqn,
-                                                                        tuple(req.storage_index.offset))])):
+            if uses[key] == 1 and self._whole_item(req) and _fits_directly(target, req, self._metadata):
                 sinks[key] = as_byte_tensor(target).numpy()  # bytes land in the model directly
                 direct.add(i)
         for req in reqs:
@@ -221,10 +222,8 @@ class MemoryStorageReader(StorageReader):
             elif i in direct:
                 planner.commit_tensor(req, targets[i])
             else:
-                view = self._stored_view(req, sink)
-                target = targets[i]
-                target.copy_(view.reshape(target.shape) if target.shape != view.shape else view)
-                planner.commit_tensor(req, target)
+                _copy_view(targets[i], self._stored_view(req, sink))
+                planner.commit_tensor(req, targets[i])
             self.bytes_read += loc.nbytes
 
     def _whole_item(self, req: ReadItem) -> bool:

@@ -76,13 +76,18 @@ def _confirm_restaged(shard: ShardWriter, placed: list[_Placed]) -> None:
     digests = copier.process([s for p in twins for s in (p.span, p.twin)])
     for i, p in enumerate(twins):
         staged, sent = digests[2 * i], digests[2 * i + 1]
-        if staged != sent:
+        if staged == sent:
+            p.digest = staged  # hashed already: nothing left to do for this item
+        else:
             log.warning("staged bytes of %s differ from the tensor DCP sent; writing it anew",
                         p.item.index.fqn)
-            raw = p.tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-            p.offset, p.digest = shard.append_bytes(raw)
-            p.span = None
-        p.twin = None
+            p.offset, p.digest = _append_tensor(shard, p.tensor)
+        p.span = p.twin = None
+
+
+def _append_tensor(shard: ShardWriter, t: torch.Tensor) -> tuple[int, int]:
+    """Append a tensor's bytes after the mapped region, like a byte item."""
+    return shard.append_bytes(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
 
 
 def _copy_and_hash(placed: list[_Placed]) -> None:
@@ -254,9 +259,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             return _Placed(item, offset, nbytes, t, copier.Span(src=base + offset, nbytes=nbytes),
                            twin=copier.Span(src=t.data_ptr(), nbytes=nbytes))
         if shard.cursor + nbytes > shard.buffer.size:
-            # A tensor DCP produced after staging: append it like a byte item.
-            raw = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-            offset, digest = shard.append_bytes(raw)
+            offset, digest = _append_tensor(shard, t)  # a tensor DCP produced after staging
             return _Placed(item, offset, nbytes, t, digest=digest)
         offset = shard.cursor
         shard.cursor = align(offset + nbytes)

@@ -10,10 +10,13 @@ import secrets
 import socket
 import threading
 import time
+from typing import Callable, TypeVar
 
 from ..errors import ConfigError, CorruptShardError
 from ..store import Manifest, copier
 from . import protocol as p
+
+T = TypeVar("T")
 
 MAX_STREAMS = 16
 # Stripes smaller than this are not worth a connection of their own.
@@ -28,6 +31,29 @@ def default_streams() -> int:
     if not env.isdigit() or not 1 <= int(env) <= MAX_STREAMS:
         raise ConfigError(f"MLCHECKPOINT_TCP_STREAMS={env!r}: expected a whole number in 1..{MAX_STREAMS}")
     return int(env)
+
+
+def run_streams(work: Callable[[T], None], jobs: list[T]) -> list[BaseException]:
+    """Run ``work(job)`` for every job, the first on the calling thread and each other one on a
+    thread of its own. Returns, once all have finished (so none still writes anywhere), what
+    they raised."""
+    errors: list[BaseException] = []
+
+    def run(job: T) -> None:
+        try:
+            work(job)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(job,), daemon=True, name="mlckpt-tcp-stream")
+               for job in jobs[1:]]
+    for t in threads:
+        t.start()
+    if jobs:
+        run(jobs[0])
+    for t in threads:
+        t.join()
+    return errors
 
 
 def default_min_stripe_bytes() -> int:

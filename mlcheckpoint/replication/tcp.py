@@ -17,16 +17,18 @@ import logging
 import os
 import socket
 import threading
+from collections import Counter
 from typing import Callable
 
 from .._faults import crash_point
 from ..errors import ConfigError, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..store import LocalStore, Manifest
+from ..store.copier import split_evenly
 from ..store.checksum import StreamingChecksum, checksum
 from . import protocol as p
 from .rendezvous import Rendezvous
 from .striping import (MAX_STREAMS, StripedReceive, default_min_stripe_bytes, default_streams,
-                       stripes, verify_landed)
+                       run_streams, stripes, verify_landed)
 from .transport import OnReceived, Pins, ReplicationError, Transport
 
 log = logging.getLogger(__name__)
@@ -409,33 +411,25 @@ class TcpTransport(Transport):
         if not isinstance(token, str):
             raise p.ProtocolError("receiver gave no token for a striped transfer")
         parts = stripes(m.data_bytes, streams)
-        errors: list[BaseException] = []
         with open(self.store.data_path(m.step, m.rank), "rb") as f:
 
-            def send_part(index: int) -> None:
-                try:
-                    with self._connect(peer) as part:
-                        resp = self._request(part, {"op": "put_part", "step": m.step, "owner": m.rank,
-                                                    "token": token, "index": index})
-                        if resp.get("status") != "ready":
-                            raise ReplicationError(f"rank {peer} refused stripe {index}: {resp}")
-                        offset, nbytes = parts[index]
-                        if nbytes:
-                            p.sendfile_all(part, f.fileno(), offset, nbytes)
-                except BaseException as e:  # reported below, on the pushing thread
-                    errors.append(e)
-
-            threads = [threading.Thread(target=send_part, args=(i,), daemon=True,
-                                        name=f"mlckpt-tcp-stripe{i}") for i in range(1, streams)]
-            for t in threads:
-                t.start()
-            try:
-                offset, nbytes = parts[0]
+            def send_stripe(conn: socket.socket, index: int) -> None:
+                offset, nbytes = parts[index]
                 if nbytes:
-                    p.sendfile_all(sock, f.fileno(), offset, nbytes)
-            finally:
-                for t in threads:
-                    t.join()
+                    p.sendfile_all(conn, f.fileno(), offset, nbytes)
+
+            def send_part(index: int) -> None:
+                if index == 0:  # stripe 0 goes on the offering connection
+                    send_stripe(sock, 0)
+                    return
+                with self._connect(peer) as part:
+                    resp = self._request(part, {"op": "put_part", "step": m.step, "owner": m.rank,
+                                                "token": token, "index": index})
+                    if resp.get("status") != "ready":
+                        raise ReplicationError(f"rank {peer} refused stripe {index}: {resp}")
+                    send_stripe(part, index)
+
+            errors = run_streams(send_part, list(range(streams)))
         if errors:
             raise ReplicationError(f"striped push of step {m.step} rank {m.rank} to rank {peer} "
                                    f"failed: {errors[0]}")
@@ -476,12 +470,8 @@ class TcpTransport(Transport):
             for start in range(0, max(nbytes, 1), piece_bytes):
                 n = min(piece_bytes, nbytes - start)
                 pieces.append((i, offset + start, n, view[start:start + n]))
-        groups: list[list] = [[] for _ in range(streams)]
-        share, done = max(total, 1) / streams, 0
-        for piece in pieces:
-            groups[min(streams - 1, int(done // share))].append(piece)
-            done += piece[2]
-        left = [sum(1 for pc in pieces if pc[0] == i) for i in range(len(ranges))]
+        groups = [g for g in split_evenly(pieces, lambda piece: piece[2], streams) if g]
+        left = Counter(piece[0] for piece in pieces)
         lock = threading.Lock()
 
         def landed(i: int) -> None:
@@ -502,25 +492,11 @@ class TcpTransport(Transport):
                         p.recv_into_exact(sock, view)
                     landed(i)
 
-        errors: list[BaseException] = []
-
-        def run(group: list) -> None:
-            try:
-                read_group(group)
-            except BaseException as e:  # raised below, once no stream writes into the sinks
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(g,), daemon=True, name="mlckpt-tcp-read")
-                   for g in groups[1:] if g]
-        for t in threads:
-            t.start()
-        run(groups[0])
-        for t in threads:
-            t.join()
+        errors = run_streams(read_group, groups)  # returns once no stream writes into the sinks
         if errors:
             raise next((e for e in errors if isinstance(e, ShardNotFoundError)), errors[0])
         log.debug("read %d bytes of step %d rank %d from rank %d over %d streams", total, step,
-                  owner, peer, len(threads) + 1)
+                  owner, peer, len(groups))
         return total
 
     def fetch_metadata(self, peer: int, step: int) -> None:

@@ -49,6 +49,12 @@ def _populate(address: int, size: int) -> bool:
     return _MADVISE(address, size, _MADV_POPULATE_WRITE) == 0
 
 
+def _map(fd: int, size: int, flags: int) -> tuple[mmap.mmap, np.ndarray]:
+    # mmap of length 0 is invalid; an empty shard still gets a one-byte mapping.
+    mm = mmap.mmap(fd, max(size, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return mm, np.frombuffer(mm, dtype=np.uint8, count=size)
+
+
 class MappedFile:
     """One tmpfs file mapped read-write, exposed as a uint8 numpy array and torch tensor."""
 
@@ -60,18 +66,12 @@ class MappedFile:
                 os.ftruncate(fd, size)
             self.key = (st.st_dev, st.st_ino)
             self.size = size
-            # mmap of length 0 is invalid; an empty shard still gets a one-byte mapping.
-            self._mm = mmap.mmap(fd, max(size, 1), flags=_MAP_FLAGS,
-                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            self.array = np.frombuffer(self._mm, dtype=np.uint8, count=size)
-            self.base_ptr = self.array.ctypes.data  # address of byte 0 (stable while mapped)
-            if not _populate(self.base_ptr, size):  # old kernel: the populating mmap instead
-                self.array = None
+            self._mm, self.array = _map(fd, size, _MAP_FLAGS)
+            if size and not _populate(self.array.ctypes.data, size):
+                self.array = None  # old kernel: the populating (GIL-holding) mmap instead
                 self._mm.close()
-                self._mm = mmap.mmap(fd, max(size, 1), flags=_MAP_FLAGS | getattr(mmap, "MAP_POPULATE", 0),
-                                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                self.array = np.frombuffer(self._mm, dtype=np.uint8, count=size)
-                self.base_ptr = self.array.ctypes.data
+                self._mm, self.array = _map(fd, size, _MAP_FLAGS | getattr(mmap, "MAP_POPULATE", 0))
+            self.base_ptr = self.array.ctypes.data  # address of byte 0 (stable while mapped)
         finally:
             os.close(fd)
         self.tensor = torch.from_numpy(self.array)

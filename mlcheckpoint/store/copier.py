@@ -20,6 +20,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import ConfigError, CorruptShardError
 from .checksum import CHUNK_BYTES, combine, hash_at, n_chunks
@@ -81,6 +82,16 @@ def _forget_pool_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
+def split_evenly(pieces: list[tuple], size: Callable[[tuple], int], parts: int) -> list[list[tuple]]:
+    """Deal ``pieces`` (in order) into ``parts`` contiguous runs of about equal total size."""
+    groups: list[list[tuple]] = [[] for _ in range(parts)]
+    share, done = max(sum(map(size, pieces)), 1) / parts, 0
+    for piece in pieces:
+        groups[min(parts - 1, int(done // share))].append(piece)
+        done += size(piece)
+    return groups
+
+
 def _pread_into(fd: int, offset: int, address: int, n: int) -> None:
     view = memoryview((ctypes.c_char * n).from_address(address)).cast("B")
     got = 0
@@ -127,11 +138,7 @@ def process(spans: list[Span], threads: int | None = None) -> list[int]:
         _run(pieces, out)
     else:
         # Contiguous runs of equal byte counts: each thread walks its own stretch of memory.
-        groups: list[list] = [[] for _ in range(threads)]
-        share, done = total / threads, 0
-        for piece in pieces:
-            groups[min(threads - 1, int(done // share))].append(piece)
-            done += piece[4]
+        groups = split_evenly(pieces, lambda piece: piece[4], threads)
         pool = _executor(threads)
         futures = [pool.submit(_run, g, out) for g in groups[1:] if g]
         try:

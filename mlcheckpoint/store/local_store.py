@@ -74,16 +74,20 @@ class ShardWriter:
         self.cursor = 0  # next free offset for items copied in by write_data
         self._committed = False
 
-    def append_bytes(self, data: bytes) -> tuple[int, int]:
-        """Append a small byte item after the mapped region; returns (offset, checksum)."""
+    def append_bytes(self, data) -> tuple[int, int]:
+        """Append an item (bytes or any contiguous buffer) after the mapped region; returns
+        (offset, checksum)."""
         offset = align(self.data_bytes)
+        view = memoryview(data).cast("B")
         fd = os.open(self.partial_path, os.O_WRONLY)
         try:
-            os.pwrite(fd, data, offset)
+            done = 0
+            while done < view.nbytes:  # one write stops short of 2 GiB
+                done += os.pwrite(fd, view[done:], offset + done)
         finally:
             os.close(fd)
-        self.data_bytes = offset + len(data)
-        return offset, checksum(data)
+        self.data_bytes = offset + view.nbytes
+        return offset, checksum(view)
 
     def add_item(self, item: ManifestItem) -> None:
         self.items.append(item)

@@ -1,11 +1,14 @@
 """Checksums over chunks and the threaded copier: the definitions, and that save and load use
-them correctly on items that span many chunks, through a mapping and through pread."""
+them correctly on items that span many chunks, through a mapping and through pread. The
+copier's tests run with its C loop (``_hashcopy.c``) and with its Python loop."""
 
 from __future__ import annotations
 
 import os
 import random
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,6 +25,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 CHUNK = cs.CHUNK_BYTES
 SIZES = [0, 1, 100, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 77]
+C_LOOP_BUILT = cs.native_hash_copy is not None
+
+
+@pytest.fixture(params=["c", "python"])
+def copy_loop(request, monkeypatch):
+    """Run the test with the copier's C loop, then with its Python loop."""
+    if request.param == "c":
+        if not C_LOOP_BUILT:
+            pytest.skip("the C copy loop was not built here (no C compiler at install)")
+    else:
+        monkeypatch.setattr(copier, "native_hash_copy", None)
+    return request.param
 
 
 def reference_checksum(data: bytes) -> int:
@@ -69,8 +84,10 @@ def test_a_flip_in_any_chunk_changes_the_checksum(where):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_copier_copies_and_hashes_every_span(threads):
-    sizes = [0, 5, 3 * CHUNK + 11, 7 << 20, 1000, CHUNK]
+def test_copier_copies_and_hashes_every_span(threads, copy_loop):
+    # around the C loop's piece (8 chunks) and its stream-store threshold (256 KiB) too
+    sizes = [0, 5, 3 * CHUNK + 11, 7 << 20, 1000, CHUNK, 8 * CHUNK, 8 * CHUNK + 1,
+             17 * CHUNK + 3, (256 << 10) - 1, 256 << 10, (512 << 10) + 63]
     srcs = [torch.from_numpy(random_bytes(n, i)) for i, n in enumerate(sizes)]
     dsts = [np.zeros(n, np.uint8) for n in sizes]
     spans = [copier.Span(src=s.data_ptr(), nbytes=n, dst=d.ctypes.data)
@@ -83,6 +100,51 @@ def test_copier_copies_and_hashes_every_span(threads):
     again = copier.process([copier.Span(src=d.ctypes.data, nbytes=d.nbytes) for d in dsts],
                            threads=threads)
     assert again == digests
+
+
+def test_copier_handles_unaligned_addresses(copy_loop):
+    """Stream stores need 16-byte aligned destinations: odd offsets take the unaligned head
+    and tail paths, and nothing outside the destination range is touched."""
+    n = 3 * CHUNK + 101
+    src = random_bytes(n + 64, 7)
+    for s_off, d_off in [(0, 1), (3, 0), (5, 13), (15, 15), (1, 63)]:
+        dst = np.full(n + 128, 0xAB, np.uint8)
+        [digest] = copier.process([copier.Span(src=src.ctypes.data + s_off, nbytes=n,
+                                               dst=dst.ctypes.data + d_off)], threads=2)
+        assert dst[d_off:d_off + n].tobytes() == src[s_off:s_off + n].tobytes()
+        assert (dst[:d_off] == 0xAB).all() and (dst[d_off + n:] == 0xAB).all()
+        assert digest == reference_checksum(src[s_off:s_off + n].tobytes())
+
+
+@pytest.mark.skipif(not C_LOOP_BUILT, reason="the C copy loop was not built here")
+def test_c_loop_rejects_bad_arguments():
+    a = random_bytes(16)
+    out = np.zeros(1, np.uint64)
+    with pytest.raises(ValueError):
+        cs.native_hash_copy(a.ctypes.data, 0, -1, CHUNK, out.ctypes.data)
+    with pytest.raises(ValueError):
+        cs.native_hash_copy(a.ctypes.data, 0, 16, 0, out.ctypes.data)
+    with pytest.raises(ValueError):
+        cs.native_hash_copy(0, 0, 16, CHUNK, out.ctypes.data)  # no source
+    with pytest.raises(ValueError):
+        cs.native_hash_copy(a.ctypes.data, 0, 16, CHUNK, 0)  # nowhere for the digest
+
+
+def test_c_loop_can_be_switched_off():
+    """MLCHECKPOINT_NATIVE=0 (an escape hatch if the C loop misbehaves somewhere) selects the
+    Python loop, and a save still works with it."""
+    code = ("import torch, torch.distributed.checkpoint as dcp, sys, tempfile\n"
+            "from mlcheckpoint.store import checksum, copier\n"
+            "from mlcheckpoint import LocalStore, MemoryStorageWriter\n"
+            "assert checksum.native_hash_copy is None and copier.native_hash_copy is None\n"
+            "store = LocalStore(sys.argv[1], 'job-nat')\n"
+            "dcp.save({'w': torch.arange(3 << 20)}, storage_writer=MemoryStorageWriter(1, store))\n"
+            "print(store.read_manifest(1, 0).items[0].nbytes)\n")
+    with __import__("tempfile").TemporaryDirectory(dir="/dev/shm") as d:
+        out = subprocess.run([sys.executable, "-W", "ignore", "-c", code, d], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "MLCHECKPOINT_NATIVE": "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(8 * (3 << 20))
 
 
 def test_copier_reads_from_a_file_and_reports_a_short_file(tmp_path):
@@ -137,7 +199,7 @@ def assert_equal(a, b):
 
 
 @pytest.mark.parametrize("mode", ["save", "async_save"])
-def test_manifest_checksums_follow_the_format(store_dir, mode):
+def test_manifest_checksums_follow_the_format(store_dir, mode, copy_loop):
     store = LocalStore(store_dir, "job-copier")
     try:
         sd = big_state()
@@ -158,7 +220,7 @@ def test_manifest_checksums_follow_the_format(store_dir, mode):
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["mapped", "pread"])
-def test_load_verifies_every_chunk_of_large_items(store_dir, fresh):
+def test_load_verifies_every_chunk_of_large_items(store_dir, fresh, copy_loop):
     """A flip in a late chunk of a multi-chunk item fails the load, whether the loading store
     reads through its mapping (the saving process) or with pread (a fresh process)."""
     store = LocalStore(store_dir, "job-copier")

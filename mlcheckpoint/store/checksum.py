@@ -8,13 +8,15 @@ are independent, so one large tensor is copied and hashed by several threads at 
 The hashing itself calls xxhash's C function directly through ctypes: ctypes drops the GIL for
 the call, which the ``xxhash`` module does not, so hashing threads run in parallel with each
 other and with the copies. If the C symbols are not found the module's Python API is used
-(same digests, serialised on the GIL).
+(same digests, serialised on the GIL). The copier's C loop (``_hashcopy.c``, when built) is
+handed the same library's streaming functions, so its digests are these too.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import struct
 
 import numpy as np
@@ -40,6 +42,27 @@ def _bind_xxh3():
 
 
 _XXH3 = _bind_xxh3()
+
+
+def _bind_native():
+    """The C inner loop (``_hashcopy.c``) bound to xxhash's streaming functions, or None:
+    not built (no C compiler at install), switched off with ``MLCHECKPOINT_NATIVE=0``, or the
+    xxhash symbols are missing. Without it the copier runs its Python loop (same digests)."""
+    if os.environ.get("MLCHECKPOINT_NATIVE", "").strip() == "0":
+        return None
+    try:
+        from . import _hashcopy
+        lib = ctypes.CDLL(xxhash._xxhash.__file__)
+        names = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset",
+                 "XXH3_64bits_update", "XXH3_64bits_digest")
+        _hashcopy.bind(*(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names))
+    except (ImportError, OSError, AttributeError, ValueError) as e:
+        log.info("mlcheckpoint: C copy loop unavailable (%s); using the Python loop", e)
+        return None
+    return _hashcopy.hash_copy
+
+
+native_hash_copy = _bind_native()
 
 
 def hash_at(address: int, nbytes: int) -> int:

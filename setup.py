@@ -1,0 +1,10 @@
+"""Builds the optional C inner loop of the copier (mlcheckpoint/store/_hashcopy.c).
+
+Everything else is in pyproject.toml. Without a C compiler the build skips the extension
+(optional=True) and mlcheckpoint uses its pure-Python copier: same results, slower saves.
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("mlcheckpoint.store._hashcopy", ["mlcheckpoint/store/_hashcopy.c"],
+                             optional=True)])

@@ -175,6 +175,26 @@ def test_sync_and_async_save_store_identical_tensor_bytes(store):
     assert_same(sd, b)
 
 
+def test_staging_checksums_the_source_and_the_commit_trusts_it(store, monkeypatch):
+    """``stage`` takes each contiguous tensor's checksum while copying it, so the commit in
+    the background reads none of the staged bytes again; and because the checksum is the
+    source's, a staged byte that changes before the commit is caught by the next load."""
+    from mlcheckpoint.store import copier
+    sd = {"w": torch.randn(300, 300), "b": torch.randn(1000).to(torch.bfloat16), "step": 4}
+    w = MemoryStorageWriter(6, store)
+    staged = w.stage(sd)
+    hashed = []
+    real = copier.process
+    monkeypatch.setattr(copier, "process", lambda spans, *a, **k: hashed.extend(spans) or real(spans, *a, **k))
+    staged["w"][7, 7] += 1.0  # a stray write into the staged buffer before the commit
+    dcp.save(staged, storage_writer=w)
+    assert sum(s.nbytes for s in hashed) == 0
+    out = {"w": torch.zeros(300, 300), "b": torch.zeros(1000, dtype=torch.bfloat16), "step": 0}
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(out, storage_reader=MemoryStorageReader(6, store))
+    assert "'w'" in str(ei.value)
+
+
 def test_tensor_bytes_are_stored_raw(store):
     w = torch.randn(64, 32)
     h = torch.arange(100, dtype=torch.int16).reshape(10, 10).t()  # non-contiguous source

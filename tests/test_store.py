@@ -7,6 +7,7 @@ import stat
 
 import numpy as np
 import pytest
+import torch
 
 from mlcheckpoint import CorruptShardError, LocalStore, ShardNotFoundError
 from mlcheckpoint.store import layout
@@ -500,3 +501,22 @@ def test_resaving_committed_step_replaces_it(store):
     assert step_files(store, 1) == {"metadata", "rank-00000.data", "rank-00000.manifest"}
     assert store.complete_steps() == [1]
     assert store.gc() == []
+
+
+def test_buffer_tensor_points_at_the_mapping_after_torch_moves_its_storage(store_dir):
+    """DCP's PROCESS mode hands staged views to its checkpoint process with torch
+    multiprocessing, which moves their storage into new shared memory. The next save staged
+    into the same (cached, recycled) buffer must still land in the tmpfs file."""
+    from mlcheckpoint.store.buffers import MappedFile
+    path = os.path.join(store_dir, "buf")
+    with open(path, "wb") as f:
+        f.truncate(4096)
+    mf = MappedFile(path, 4096)
+    try:
+        mf.tensor[100:200].share_memory_()  # what sending a staged view to a process does
+        assert mf.tensor.data_ptr() == mf.base_ptr
+        mf.tensor[:4].copy_(torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
+        with open(path, "rb") as f:
+            assert f.read(4) == bytes([1, 2, 3, 4])
+    finally:
+        mf.release()

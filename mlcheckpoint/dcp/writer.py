@@ -48,11 +48,6 @@ def parse_step(checkpoint_id: Any) -> int:
     return int(s)
 
 
-def _plain_cpu(t: torch.Tensor) -> bool:
-    """Whether ``t``'s bytes can be copied raw from its address."""
-    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-
-
 @dataclass
 class _Placed:
     """A write item with its place in the shard; ``span`` is the copy/hash still to run."""
@@ -67,18 +62,19 @@ class _Placed:
 
 
 def _confirm_restaged(shard: ShardWriter, placed: list[_Placed]) -> None:
-    """Compare each PROCESS-mode tensor with the staged region it was taken for (by checksum).
-    Where they differ the tensor is appended like any late tensor: the region may hold
-    another item's staged bytes, so it is never overwritten."""
+    """Compare each PROCESS-mode tensor with the staged region it was taken for (by checksum;
+    the region's was usually taken while staging). Where they differ the tensor is appended
+    like any late tensor: the region may hold another item's staged bytes, so it is never
+    overwritten."""
     twins = [p for p in placed if p.twin is not None]
     if not twins:
         return
-    digests = copier.process([s for p in twins for s in (p.span, p.twin)])
-    for i, p in enumerate(twins):
-        staged, sent = digests[2 * i], digests[2 * i + 1]
-        if staged == sent:
-            p.digest = staged  # hashed already: nothing left to do for this item
-        else:
+    unhashed = [p for p in twins if p.span is not None]  # staged by torch: no checksum yet
+    digests = copier.process([p.twin for p in twins] + [p.span for p in unhashed])
+    for p, digest in zip(unhashed, digests[len(twins):]):
+        p.digest = digest
+    for p, sent in zip(twins, digests):
+        if p.digest != sent:
             log.warning("staged bytes of %s differ from the tensor DCP sent; writing it anew",
                         p.item.index.fqn)
             p.offset, p.digest = _append_tensor(shard, p.tensor)
@@ -100,8 +96,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     """Writes one checkpoint step into the node's tmpfs store.
 
     Use with ``dcp.save`` (copies with checksums fused in) or ``dcp.async_save`` (``stage``
-    copies straight into the tmpfs buffer, so the blocking part is one memcpy; hashing and
-    commit happen in DCP's background thread or process).
+    copies straight into the tmpfs buffer, checksumming on the way, so the blocking part is
+    one pass over the state dict; the commit happens in DCP's background thread or process).
 
     Args:
         step: the training step this checkpoint holds (a non-negative int).
@@ -128,6 +124,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._staged: ShardWriter | None = None
         self._staged_rank: int | None = None
         self._staged_bytes = 0
+        self._staged_digests: dict[int, tuple[int, int]] = {}  # offset -> (nbytes, checksum)
         self._poison: BaseException | None = None
         self.committed: Manifest | None = None  # this rank's manifest once write_data committed
 
@@ -158,7 +155,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         try:
             if any(t.device.type != "cpu" for t in tensors):
                 shard.buffer.register_for_device_copies()
-            staged = staging.stage_into(state_dict, shard.buffer.tensor)
+            staged, self._staged_digests = staging.stage_into(state_dict, shard.buffer.tensor)
         except BaseException:
             shard.abort()
             raise
@@ -220,7 +217,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             shard.abort()
             raise
         finally:
-            self._staged, self._staged_rank = None, None
+            self._staged, self._staged_rank, self._staged_digests = None, None, {}
         log.debug("committed step %d rank %d (%d items)", self.step, self.rank, len(results))
         if self.on_commit is not None:
             self.on_commit(self.step, self.rank)
@@ -252,18 +249,22 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         nbytes = t.numel() * t.element_size()
         base = shard.buffer.base_ptr
         offset = shard.buffer.contains(t)
-        if offset is not None:  # staged: the bytes are already in place, only hash them
-            return _Placed(item, offset, nbytes, t, copier.Span(src=base + offset, nbytes=nbytes))
+        if offset is not None:  # staged: the bytes are in place; hash them unless staging did
+            digest = self._staged_checksum(offset, nbytes)
+            span = None if digest is not None else copier.Span(src=base + offset, nbytes=nbytes)
+            return _Placed(item, offset, nbytes, t, span, digest=digest or 0)
         offset = self._restaged_offset(t, nbytes)
         if offset is not None:  # PROCESS mode: a copy of a staged view; confirmed before use
-            return _Placed(item, offset, nbytes, t, copier.Span(src=base + offset, nbytes=nbytes),
+            digest = self._staged_checksum(offset, nbytes)
+            span = None if digest is not None else copier.Span(src=base + offset, nbytes=nbytes)
+            return _Placed(item, offset, nbytes, t, span, digest=digest or 0,
                            twin=copier.Span(src=t.data_ptr(), nbytes=nbytes))
         if shard.cursor + nbytes > shard.buffer.size:
             offset, digest = _append_tensor(shard, t)  # a tensor DCP produced after staging
             return _Placed(item, offset, nbytes, t, digest=digest)
         offset = shard.cursor
         shard.cursor = align(offset + nbytes)
-        if _plain_cpu(t):
+        if staging.plain_cpu(t):
             span = copier.Span(src=t.data_ptr(), nbytes=nbytes, dst=base + offset)
         else:  # strided view or device tensor: torch copies it now; the hash comes with the rest
             on_device = t.device.type != "cpu"
@@ -274,6 +275,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             span = copier.Span(src=base + offset, nbytes=nbytes)
         return _Placed(item, offset, nbytes, t, span)
 
+    def _staged_checksum(self, offset: int, nbytes: int) -> int | None:
+        """The checksum ``stage`` took of the region at ``offset``, if it took one of this size."""
+        known = self._staged_digests.get(offset)
+        return known[1] if known is not None and known[0] == nbytes else None
+
     def _restaged_offset(self, t: torch.Tensor, nbytes: int) -> int | None:
         """Where a tensor DCP handed to its checkpoint process (PROCESS mode) was staged.
 
@@ -283,7 +289,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         bytes need not be written a second time. ``_confirm_restaged`` checks the contents
         match before they are used.
         """
-        if (self._staged_rank is None or self._staged is not None or not _plain_cpu(t)
+        if (self._staged_rank is None or self._staged is not None or not staging.plain_cpu(t)
                 or t.untyped_storage().nbytes() < self._staged_bytes):
             return None
         offset = t.storage_offset() * t.element_size()

@@ -74,8 +74,22 @@ class MappedFile:
             self.base_ptr = self.array.ctypes.data  # address of byte 0 (stable while mapped)
         finally:
             os.close(fd)
-        self.tensor = torch.from_numpy(self.array)
+        self._tensor: torch.Tensor | None = None
         self._cuda_registered = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The mapping as a flat uint8 tensor.
+
+        Made anew when the last one no longer points at the mapping: DCP's PROCESS mode hands
+        staged views to its checkpoint process through torch multiprocessing, which moves their
+        storage (this tensor's) into new shared memory. Views taken after that would stage the
+        next save into that memory instead of the tmpfs file.
+        """
+        t = self._tensor
+        if t is None or t.data_ptr() != self.base_ptr:
+            t = self._tensor = torch.from_numpy(self.array)
+        return t
 
     def contains(self, t: torch.Tensor) -> int | None:
         """Byte offset of ``t`` inside this mapping if it is a contiguous CPU view of it."""
@@ -101,7 +115,7 @@ class MappedFile:
         if self._cuda_registered:
             torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
             self._cuda_registered = False
-        self.tensor = None  # type: ignore[assignment]
+        self._tensor = None
         self.array = None  # type: ignore[assignment]
         try:
             self._mm.close()
@@ -166,8 +180,11 @@ class _SubMapping(MappedFile):
         self.size = size
         self._parent = parent
         self.array = parent.array[:size]
-        self.tensor = parent.tensor[:size]
         self.base_ptr = parent.base_ptr
+
+    @property
+    def tensor(self) -> torch.Tensor:  # type: ignore[override]
+        return self._parent.tensor[:self.size]
 
     @property
     def _cuda_registered(self) -> bool:  # type: ignore[override]

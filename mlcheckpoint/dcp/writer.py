@@ -248,17 +248,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         t = data.detach()
         nbytes = t.numel() * t.element_size()
         base = shard.buffer.base_ptr
-        offset = shard.buffer.contains(t)
-        if offset is not None:  # staged: the bytes are in place; hash them unless staging did
+        offset, twin = shard.buffer.contains(t), None  # staged: the bytes are in place
+        if offset is None:  # PROCESS mode: a copy of a staged view; confirmed before use
+            offset = self._restaged_offset(t, nbytes)
+            twin = copier.Span(src=t.data_ptr(), nbytes=nbytes) if offset is not None else None
+        if offset is not None:  # hash the staged region unless staging did
             digest = self._staged_checksum(offset, nbytes)
             span = None if digest is not None else copier.Span(src=base + offset, nbytes=nbytes)
-            return _Placed(item, offset, nbytes, t, span, digest=digest or 0)
-        offset = self._restaged_offset(t, nbytes)
-        if offset is not None:  # PROCESS mode: a copy of a staged view; confirmed before use
-            digest = self._staged_checksum(offset, nbytes)
-            span = None if digest is not None else copier.Span(src=base + offset, nbytes=nbytes)
-            return _Placed(item, offset, nbytes, t, span, digest=digest or 0,
-                           twin=copier.Span(src=t.data_ptr(), nbytes=nbytes))
+            return _Placed(item, offset, nbytes, t, span, digest=digest or 0, twin=twin)
         if shard.cursor + nbytes > shard.buffer.size:
             offset, digest = _append_tensor(shard, t)  # a tensor DCP produced after staging
             return _Placed(item, offset, nbytes, t, digest=digest)

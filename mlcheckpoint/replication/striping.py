@@ -23,6 +23,16 @@ MAX_STREAMS = 16
 MIN_STRIPE_BYTES = 64 << 20
 
 
+def split_evenly(pieces: list[tuple], size: Callable[[tuple], int], parts: int) -> list[list[tuple]]:
+    """Deal ``pieces`` (in order) into ``parts`` contiguous runs of about equal total size."""
+    groups: list[list[tuple]] = [[] for _ in range(parts)]
+    share, done = max(sum(map(size, pieces)), 1) / parts, 0
+    for piece in pieces:
+        groups[min(parts - 1, int(done // share))].append(piece)
+        done += size(piece)
+    return groups
+
+
 def default_streams() -> int:
     """``MLCHECKPOINT_TCP_STREAMS`` if set, else 4."""
     env = os.environ.get("MLCHECKPOINT_TCP_STREAMS", "").strip()

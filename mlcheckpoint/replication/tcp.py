@@ -23,12 +23,11 @@ from typing import Callable
 from .._faults import crash_point
 from ..errors import ConfigError, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..store import LocalStore, Manifest
-from ..store.copier import split_evenly
 from ..store.checksum import StreamingChecksum, checksum
 from . import protocol as p
 from .rendezvous import Rendezvous
 from .striping import (MAX_STREAMS, StripedReceive, default_min_stripe_bytes, default_streams,
-                       run_streams, stripes, verify_landed)
+                       run_streams, split_evenly, stripes, verify_landed)
 from .transport import OnReceived, Pins, ReplicationError, Transport
 
 log = logging.getLogger(__name__)

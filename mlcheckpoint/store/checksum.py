@@ -29,11 +29,20 @@ CHUNK_BYTES = 2 << 20
 ALGORITHM = "xxh3_64/chunks-2MiB"
 
 
-def _bind_xxh3():
+def _xxhash_library() -> ctypes.CDLL | None:
+    """The ``xxhash`` package's extension, opened for its exported C functions."""
     try:
-        lib = ctypes.CDLL(xxhash._xxhash.__file__)
-        fn = lib.XXH3_64bits
+        return ctypes.CDLL(xxhash._xxhash.__file__)
     except (OSError, AttributeError):
+        return None
+
+
+_LIB = _xxhash_library()
+
+
+def _bind_xxh3():
+    fn = getattr(_LIB, "XXH3_64bits", None)  # None also when _LIB is
+    if fn is None:
         log.debug("xxhash C symbols not reachable; hashing holds the GIL")
         return None
     fn.restype = ctypes.c_uint64
@@ -52,11 +61,10 @@ def _bind_native():
         return None
     try:
         from . import _hashcopy
-        lib = ctypes.CDLL(xxhash._xxhash.__file__)
         names = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset",
                  "XXH3_64bits_update", "XXH3_64bits_digest")
-        _hashcopy.bind(*(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names))
-    except (ImportError, OSError, AttributeError, ValueError) as e:
+        _hashcopy.bind(*(ctypes.cast(getattr(_LIB, n), ctypes.c_void_p).value for n in names))
+    except (ImportError, AttributeError, ValueError) as e:
         log.info("mlcheckpoint: C copy loop unavailable (%s); using the Python loop", e)
         return None
     return _hashcopy.hash_copy

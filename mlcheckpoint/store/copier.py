@@ -8,10 +8,13 @@ and the calling thread take in turn. Each piece is hashed at its source first an
 right after, from cache: hashing the destination after the copy instead was 15-25% slower
 here, because the copy's stores had pushed the piece out of the core's 1 MiB L2 by then.
 
+The C loop (``_hashcopy.c``, when built) does a piece of up to 16 MiB per call instead, with
+the same digests; see there.
+
 Items are contiguous CPU byte ranges given by address (or by offset in an open shard file, for
 a process that has not mapped it: ``pread`` skips building page tables for a mapping used
-once); callers keep the memory alive and check the sizes. Non-contiguous or device tensors are first copied by torch in the caller, then only
-hashed here.
+once); callers keep the memory alive and check the sizes. Non-contiguous or device tensors
+are first copied by torch in the caller, then only hashed here.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -68,8 +70,9 @@ _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
 
 
-def _executor(threads: int) -> ThreadPoolExecutor:
+def _executor() -> ThreadPoolExecutor:
     global _pool, _pool_threads
+    threads = default_threads()  # re-read: the setting may change between saves
     with _lock:
         if _pool is None or _pool_threads != threads:
             if _pool is not None:
@@ -85,16 +88,6 @@ def _forget_pool_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
-
-
-def split_evenly(pieces: list[tuple], size: Callable[[tuple], int], parts: int) -> list[list[tuple]]:
-    """Deal ``pieces`` (in order) into ``parts`` contiguous runs of about equal total size."""
-    groups: list[list[tuple]] = [[] for _ in range(parts)]
-    share, done = max(sum(map(size, pieces)), 1) / parts, 0
-    for piece in pieces:
-        groups[min(parts - 1, int(done // share))].append(piece)
-        done += size(piece)
-    return groups
 
 
 def _pread_into(fd: int, offset: int, address: int, n: int) -> None:
@@ -158,7 +151,7 @@ class _Batch:
         if self._left == 0:
             self._all_done.set()
         if workers > 0 and len(self._pieces) > 1:
-            pool = _executor(default_threads())
+            pool = _executor()
             for _ in range(min(workers, len(self._pieces))):
                 pool.submit(self._work)
 
@@ -188,7 +181,7 @@ class _Batch:
 def hash_later(span: Span) -> Future:
     """Hash ``span`` on the copier's threads; the future's result is its checksum. Lets a
     receiver verify what has landed while the rest is still arriving."""
-    return _executor(default_threads()).submit(process, [span], 1)
+    return _executor().submit(process, [span], 1)
 
 
 def process(spans: list[Span], threads: int | None = None) -> list[int]:

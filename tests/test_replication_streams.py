@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 
 import numpy as np
 import pytest
@@ -88,32 +87,21 @@ def test_corrupt_stripe_is_refused_and_nothing_is_committed(make_job, tcp_warnin
     receiver.store.verify_shard(5, 1)
 
 
-def test_sender_killed_mid_striped_transfer(make_job, tcp_warnings, monkeypatch):
-    """SIGKILL a sender process while its stripes are on the wire: the receiver stops every
-    stripe, commits nothing, leaves no buffer behind and serves the next push."""
+def test_sender_killed_mid_striped_transfer(make_job, tcp_warnings):
+    """SIGKILL a sender process once a stripe is half sent: the receiver stops every stripe,
+    commits nothing, leaves no buffer behind and serves the next push.
+
+    The sender kills itself (a crash point) rather than being killed from here, so the bytes
+    it never sent cannot already sit in the kernel's socket buffers and complete the shard."""
     job = make_job(world=3)
     step, owner, nbytes = 7, 1, 96 * MiB
-    half_received, go_on = threading.Event(), threading.Event()
-    real_crash_point = tcp.crash_point
-
-    def pause_at_half(name, s=None, r=None):  # receiver: hold stripe 0 half way
-        if name == "replica_mid_recv" and (s, r) == (step, owner) and not half_received.is_set():
-            half_received.set()
-            go_on.wait(WAIT)
-        real_crash_point(name, s, r)
-
-    monkeypatch.setattr(tcp, "crash_point", pause_at_half)
     receiver = job.endpoint(0)
     rstore = receiver.store
     proc = job.spawn(owner, "push", peer=0, step=step, nbytes=nbytes, seed=3, streams=4,
-                     min_stripe_bytes=MiB)
-    try:
-        wait_for(half_received.is_set, "the receiver to get half of stripe 0", diag=job.logs)
-        assert len(receiver._striped) == 1
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=WAIT) == -signal.SIGKILL
-    finally:
-        go_on.set()
+                     min_stripe_bytes=MiB, env={"MLCHECKPOINT_CRASH_AT": f"replica_mid_send@{step}"})
+    assert proc.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()
+    wait_for(lambda: any(f"step {step}" in m for m in tcp_warnings()),
+             "the receiver to report the broken push", diag=job.logs)
     wait_for(lambda: receiver._striped == {} and debris(rstore) == [],
              "the aborted striped receive to drop its buffer", diag=lambda: "\n".join(tcp_warnings()))
     with pytest.raises(ShardNotFoundError):

@@ -414,8 +414,10 @@ class TcpTransport(Transport):
 
             def send_stripe(conn: socket.socket, index: int) -> None:
                 offset, nbytes = parts[index]
-                if nbytes:
-                    p.sendfile_all(conn, f.fileno(), offset, nbytes)
+                half = nbytes // 2
+                p.sendfile_all(conn, f.fileno(), offset, half)
+                crash_point("replica_mid_send", m.step, m.rank)
+                p.sendfile_all(conn, f.fileno(), offset + half, nbytes - half)
 
             def send_part(index: int) -> None:
                 if index == 0:  # stripe 0 goes on the offering connection

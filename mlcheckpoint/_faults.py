@@ -2,8 +2,8 @@
 
 Set MLCHECKPOINT_CRASH_AT="<point>" or "<point>@<step>" (optionally "...#<rank>") in a test's
 environment. Unset, each check costs one dict lookup. Points: before_data, mid_data,
-before_manifest, mid_commit, before_metadata, replica_mid_recv, replica_mid_send (a striped
-push, once any stripe is half sent).
+before_manifest, mid_commit, before_metadata, replica_mid_recv, replica_mid_send (a push,
+once one of its streams has sent half its bytes).
 """
 
 from __future__ import annotations

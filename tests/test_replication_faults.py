@@ -573,9 +573,13 @@ def test_receiver_killed_mid_transfer(make_job):
 
 def test_sender_killed_mid_transfer(make_job, tcp_warnings, monkeypatch):
     """A sender process is SIGKILLed while its shard is on the wire: the receiver stays up,
-    commits nothing, drops the half-filled buffer and then takes a full push from another rank."""
+    commits nothing, drops the half-filled buffer and then takes a full push from another rank.
+
+    The sender kills itself once it has sent half (a crash point), so the other half cannot
+    already be on its way in socket buffers; the receiver holds at half way meanwhile, so the
+    transfer can be looked at while it is open."""
     job = make_job(world=3)
-    step, owner, nbytes = 7, 1, 128 << 20  # far more than the socket buffers hold
+    step, owner, nbytes = 7, 1, 32 << 20
     half_received, go_on = threading.Event(), threading.Event()
     real_crash_point = tcp.crash_point
 
@@ -588,15 +592,15 @@ def test_sender_killed_mid_transfer(make_job, tcp_warnings, monkeypatch):
     monkeypatch.setattr(tcp, "crash_point", pause_at_half)
     receiver = job.endpoint(0, timeout=60)
     rstore = receiver.store
-    proc = job.spawn(owner, "push", peer=0, step=step, nbytes=nbytes, seed=3, timeout=60)
+    proc = job.spawn(owner, "push", peer=0, step=step, nbytes=nbytes, seed=3, timeout=60,
+                     env={"MLCHECKPOINT_CRASH_AT": f"replica_mid_send@{step}"})
     try:
         wait_for(half_received.is_set, "the receiver to get half the shard", diag=job.logs)
         partial = rstore.data_path(step, owner) + layout.PARTIAL
         assert os.path.exists(partial)
         with pytest.raises(ShardNotFoundError):
             rstore.read_manifest(step, owner)
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=WAIT) == -signal.SIGKILL
+        assert proc.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()
     finally:
         go_on.set()
     wait_for(lambda: not os.path.exists(partial), "the aborted receive to drop its buffer",

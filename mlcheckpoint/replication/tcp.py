@@ -115,11 +115,12 @@ def receive_shard(sock: socket.socket, store: LocalStore, m: Manifest) -> None:
         raise
 
 
-def send_file(sock: socket.socket, path: str, nbytes: int) -> None:
-    if nbytes == 0:
-        return
-    with open(path, "rb") as f:
-        p.sendfile_all(sock, f.fileno(), 0, nbytes)
+def send_range(sock: socket.socket, fd: int, offset: int, nbytes: int, m: Manifest) -> None:
+    """Send one stream's range of a shard file (a test can SIGKILL the sender half way)."""
+    half = nbytes // 2
+    p.sendfile_all(sock, fd, offset, half)
+    crash_point("replica_mid_send", m.step, m.rank)
+    p.sendfile_all(sock, fd, offset + half, nbytes - half)
 
 
 def same_shard(a: Manifest, b: Manifest) -> bool:
@@ -397,7 +398,8 @@ class TcpTransport(Transport):
                 if resp.get("status") == "have":
                     return 0
                 if streams == 1:
-                    send_file(sock, self.store.data_path(step, owner), m.data_bytes)
+                    with open(self.store.data_path(step, owner), "rb") as f:
+                        send_range(sock, f.fileno(), 0, m.data_bytes, m)
                 else:
                     self._send_striped(sock, peer, m, streams, resp.get("token"))
                 resp = p.recv_frame(sock)
@@ -412,23 +414,16 @@ class TcpTransport(Transport):
         parts = stripes(m.data_bytes, streams)
         with open(self.store.data_path(m.step, m.rank), "rb") as f:
 
-            def send_stripe(conn: socket.socket, index: int) -> None:
-                offset, nbytes = parts[index]
-                half = nbytes // 2
-                p.sendfile_all(conn, f.fileno(), offset, half)
-                crash_point("replica_mid_send", m.step, m.rank)
-                p.sendfile_all(conn, f.fileno(), offset + half, nbytes - half)
-
             def send_part(index: int) -> None:
                 if index == 0:  # stripe 0 goes on the offering connection
-                    send_stripe(sock, 0)
+                    send_range(sock, f.fileno(), *parts[0], m)
                     return
                 with self._connect(peer) as part:
                     resp = self._request(part, {"op": "put_part", "step": m.step, "owner": m.rank,
                                                 "token": token, "index": index})
                     if resp.get("status") != "ready":
                         raise ReplicationError(f"rank {peer} refused stripe {index}: {resp}")
-                    send_stripe(part, index)
+                    send_range(part, f.fileno(), *parts[index], m)
 
             errors = run_streams(send_part, list(range(streams)))
         if errors:

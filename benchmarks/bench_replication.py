@@ -754,11 +754,10 @@ class Bench:
         raw: RawSender | None = None
         raw_rows: dict[str, list[dict]] = {k: [] for k, *_ in RAW_VARIANTS}
         send_timers = Timers()
-        orig_send_file = tcp_mod.send_file
-        tcp_mod.send_file = send_timers.wrap("tx_sendfile_s", orig_send_file, mark="tx_start")
         # a striped push sends over several connections at once: time it as a whole
-        tcp_mod.TcpTransport._send_striped = send_timers.wrap(
-            "tx_sendfile_s", tcp_mod.TcpTransport._send_striped, mark="tx_start")
+        orig_send = {name: getattr(tcp_mod.TcpTransport, name) for name in ("_send_whole", "_send_striped")}
+        for name, fn in orig_send.items():
+            setattr(tcp_mod.TcpTransport, name, send_timers.wrap("tx_sendfile_s", fn, mark="tx_start"))
 
         def raw_round(variants) -> None:
             for key, _label, how, flags in variants:
@@ -794,7 +793,8 @@ class Bench:
         finally:
             transport.close()
             store_s.destroy()
-            tcp_mod.send_file = orig_send_file
+            for name, fn in orig_send.items():
+                setattr(tcp_mod.TcpTransport, name, fn)
             self.store.set("peer/tcp/done", "1")
         self.wait_key("peer/tcp/closed")
         res["raw"] = {key: {"label": label, "reps": raw_rows[key]} for key, label, *_ in RAW_VARIANTS}

@@ -398,14 +398,17 @@ class TcpTransport(Transport):
                 if resp.get("status") == "have":
                     return 0
                 if streams == 1:
-                    with open(self.store.data_path(step, owner), "rb") as f:
-                        send_range(sock, f.fileno(), 0, m.data_bytes, m)
+                    self._send_whole(sock, m)
                 else:
                     self._send_striped(sock, peer, m, streams, resp.get("token"))
                 resp = p.recv_frame(sock)
                 if resp.get("status") != "ok":
                     raise ReplicationError(f"rank {peer} rejected step {step} rank {owner}: {resp.get('error')}")
         return m.data_bytes
+
+    def _send_whole(self, sock: socket.socket, m: Manifest) -> None:
+        with open(self.store.data_path(m.step, m.rank), "rb") as f:
+            send_range(sock, f.fileno(), 0, m.data_bytes, m)
 
     def _send_striped(self, sock: socket.socket, peer: int, m: Manifest, streams: int,
                       token: object) -> None:

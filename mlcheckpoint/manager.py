@@ -29,6 +29,7 @@ from .dcp import MemoryStorageReader, MemoryStorageWriter
 from .dcp.writer import commit_metadata
 from .errors import ConfigError, MLCheckpointError
 from . import history
+from ._gc import gc_paused
 from .persistent import PersistentStorage
 from .replication import Pins, Rendezvous, Replicator
 from .recovery import Recovery, ResumeInfo
@@ -185,7 +186,8 @@ class CheckpointManager:
         writer = self._writer(step)
         t0 = time.perf_counter()
         try:
-            metadata = dcp.save(state_dict, storage_writer=writer, process_group=self._save_pg)
+            with gc_paused():
+                metadata = dcp.save(state_dict, storage_writer=writer, process_group=self._save_pg)
         except CheckpointException as e:
             raise _unwrap(e, f"save of step {step}") from None
         seconds = time.perf_counter() - t0
@@ -210,7 +212,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         stage_error: BaseException | None = None
         try:
-            staged = writer.stage(_stateful_to_state_dict(state_dict))
+            with gc_paused():
+                staged = writer.stage(_stateful_to_state_dict(state_dict))
         except (MLCheckpointError, OSError) as e:
             stage_error, staged = e, {}
             writer.poison(e)  # fail this step on every rank instead of leaving them waiting
@@ -226,7 +229,8 @@ class CheckpointManager:
     def _finish_async_save(self, writer: MemoryStorageWriter, staged: dict[str, Any], step: int,
                            persistent: bool, t0: float, blocking: float) -> SaveResult:
         try:
-            metadata = dcp.save(staged, storage_writer=writer, process_group=self._save_pg)
+            with gc_paused():
+                metadata = dcp.save(staged, storage_writer=writer, process_group=self._save_pg)
         except CheckpointException as e:
             err = _unwrap(e, f"async save of step {step}")
             log.error("mlcheckpoint: %s", err)
@@ -347,7 +351,8 @@ class CheckpointManager:
 
     def _load(self, state_dict: dict[str, Any], reader: Any) -> None:
         try:
-            dcp.load(state_dict, storage_reader=reader, process_group=self._save_pg)
+            with gc_paused():
+                dcp.load(state_dict, storage_reader=reader, process_group=self._save_pg)
         except CheckpointException as e:
             raise _unwrap(e, "load") from None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,6 +23,25 @@ WORKERS = os.path.join(HERE, "workers")
 
 
 def free_port() -> int:
+    """A port for torchrun's rendezvous store, free now and likely still free when it binds.
+
+    Taken below the kernel's ephemeral range: a port the kernel hands out (port 0) may be
+    handed out again, to any connection or listener, before the agent binds it.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .._gc import pausing_gc
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..store import copier
 from ..store.checksum import as_byte_tensor, checksum
@@ -89,6 +90,7 @@ class MemoryStorageReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
 
+    @pausing_gc
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
             _, payload = self.store.read_metadata(self.step)
@@ -102,6 +104,7 @@ class MemoryStorageReader(StorageReader):
             raise CorruptShardError(f"metadata of step {self.step} is not a DCP Metadata")
         return metadata
 
+    @pausing_gc
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         self._metadata = metadata
@@ -124,6 +127,7 @@ class MemoryStorageReader(StorageReader):
             raise CorruptShardError(f"item {index} was not written by mlcheckpoint")
         return loc
 
+    @pausing_gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_rank: dict[int, list[ReadItem]] = defaultdict(list)
         for req in plan.items:

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._faults import crash_point
+from .._gc import pausing_gc
 from ..store import copier
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardWriter, align
@@ -146,6 +147,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         return state
 
     # ---------------------------------------------------------------- AsyncStager
+    @pausing_gc
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into this step's tmpfs buffer; return views of it."""
         tensors = staging.tensors_of(state_dict)
@@ -196,6 +198,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False  # never inferred from a path: users pass the writer explicitly
 
+    @pausing_gc
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._poison is not None:
             raise self._poison
@@ -303,6 +306,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                            is_tensor=is_tensor)
         return WriteResult(index=p.item.index, size_in_bytes=p.nbytes, storage_data=loc)
 
+    @pausing_gc
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in results
                                  for wr in rank_results}

@@ -12,6 +12,9 @@ argv[1]: a JSON list of job specs, each a dict:
     heal     after the resume, report whether the loaded step is protected again
     await_own    after the resume, wait (at most 60 s) until this rank's own shard of the
              loaded step is committed on this node (e.g. rebuilt after a replacement)
+    back_to_back  save the next step at once; by default each saved step is first replicated
+             (as in a job with compute between saves), so which steps the nodes hold does
+             not depend on whether the replicator skipped a step for a newer one
     kill_after_read  this rank SIGKILLs itself as soon as its first transfer of shard bytes
              from a peer (Transport.read_items or fetch_shard) has returned during the resume
 
@@ -110,6 +113,8 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
                                  "protected": ckpt.wait_replicated(info.step, 60)})
     for step in range(int(spec.get("first", 1)), int(spec.get("last", 0)) + 1):
         ckpt.save(state(step), step, persistent=bool(persist) and step % persist == 0)
+        if ckpt.replicator is not None and not spec.get("back_to_back"):
+            ckpt.wait_replicated(step, 60)
     ckpt.wait()
     report(f"listing-{job}", {"entries": [e.__dict__ for e in ckpt.list()]})
     ckpt.close()

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
+from test_dcp_single_process import zeros_like_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mlcheckpoint import CorruptShardError, LocalStore, MemoryStorageReader, MemoryStorageWriter
@@ -175,16 +176,6 @@ def big_state(seed: int = 0) -> dict:
             "step": seed}
 
 
-def zeros_like(sd):
-    if isinstance(sd, torch.Tensor):
-        return torch.zeros(sd.shape, dtype=sd.dtype)
-    if isinstance(sd, dict):
-        return {k: zeros_like(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [zeros_like(v) for v in sd]
-    return None
-
-
 def assert_equal(a, b):
     if isinstance(a, torch.Tensor):
         assert torch.equal(a, b)
@@ -228,7 +219,7 @@ def test_load_verifies_every_chunk_of_large_items(store_dir, fresh, copy_loop):
         sd = big_state(1)
         dcp.save(sd, storage_writer=MemoryStorageWriter(1, store))
         reader_store = LocalStore(store_dir, "job-copier") if fresh else store
-        out = zeros_like(sd)
+        out = zeros_like_state(sd)
         dcp.load(out, storage_reader=MemoryStorageReader(1, reader_store))
         assert_equal(sd, out)
         # a fresh store reads with pread and leaves nothing mapped; the writer's store reuses its mapping
@@ -240,7 +231,7 @@ def test_load_verifies_every_chunk_of_large_items(store_dir, fresh, copy_loop):
             f.seek(it.offset + 2 * CHUNK + 9)
             f.write(bytes([b[0] ^ 0x10]))
         with pytest.raises(CheckpointException) as ei:
-            dcp.load(zeros_like(sd), storage_reader=MemoryStorageReader(1, reader_store))
+            dcp.load(zeros_like_state(sd), storage_reader=MemoryStorageReader(1, reader_store))
         errs = [f[0] if isinstance(f, tuple) else f for f in ei.value.failures.values()]
         assert errs and all(isinstance(e, CorruptShardError) for e in errs)
         assert "'emb'" in str(errs[0])
@@ -257,7 +248,7 @@ def test_load_into_resharded_and_cast_targets_through_pread_store(store_dir):
     try:
         sd = big_state(2)
         dcp.save(sd, storage_writer=MemoryStorageWriter(1, store))
-        out = zeros_like(sd)
+        out = zeros_like_state(sd)
         out["w"] = torch.zeros(1024, 1100, dtype=torch.float32)        # cast on load
         out["t"] = torch.zeros(700, 900).t()                            # strided target
         dcp.load(out, storage_reader=MemoryStorageReader(1, fresh))

@@ -61,7 +61,7 @@ def zeros_like_state(sd):
     if isinstance(sd, dict):
         return {k: zeros_like_state(v) for k, v in sd.items()}
     if isinstance(sd, list):
-        return [None] * len(sd)
+        return [zeros_like_state(v) for v in sd]
     return None
 
 

@@ -24,6 +24,7 @@ from .._faults import crash_point
 from ..errors import ConfigError, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..store import LocalStore, Manifest
 from ..store.checksum import StreamingChecksum, checksum
+from ..store.local_store import ShardSource
 from . import protocol as p
 from .rendezvous import Rendezvous
 from .striping import (MAX_STREAMS, StripedReceive, default_min_stripe_bytes, default_streams,
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 MAX_METADATA_BYTES = 4 << 30
 MAX_STEP = 10**12
 MAX_RANGES = 1 << 20
+
+
 def default_host() -> str:
     """The local address that routes to MASTER_ADDR: peers can reach us there (no packet sent)."""
     host = os.environ.get("MLCHECKPOINT_REPLICATION_HOST")
@@ -306,13 +309,19 @@ class TcpTransport(Transport):
         finally:
             rx.done[index].set()
 
+    def _open_or_missing(self, conn: socket.socket, step: int, owner: int) -> ShardSource | None:
+        """The shard to serve (its data file checked whole), or None once "missing" is sent."""
+        try:
+            return self.store.open_shard(step, owner)
+        except ShardNotFoundError:
+            p.send_frame(conn, {"status": "missing"})
+            return None
+
     def _on_get_shard(self, conn: socket.socket, req: dict, step: int) -> None:
         owner = p.want_int(req, "owner", 0, 1 << 20)
         with self.pins.pinned(step):
-            try:
-                source = self.store.open_shard(step, owner)  # checks the data file is whole
-            except ShardNotFoundError:
-                p.send_frame(conn, {"status": "missing"})
+            source = self._open_or_missing(conn, step, owner)
+            if source is None:
                 return
             with source:  # sent from the open file: a shard only served needs no mapping here
                 p.send_frame(conn, {"status": "ok", "manifest": source.manifest.to_dict()})
@@ -325,10 +334,8 @@ class TcpTransport(Transport):
         if not isinstance(ranges, list) or len(ranges) > MAX_RANGES:
             raise p.ProtocolError("malformed ranges")
         with self.pins.pinned(step):
-            try:
-                source = self.store.open_shard(step, owner)
-            except ShardNotFoundError:
-                p.send_frame(conn, {"status": "missing"})
+            source = self._open_or_missing(conn, step, owner)
+            if source is None:
                 return
             with source:
                 checked = []

@@ -303,15 +303,8 @@ class LocalStore:
 
     def map_shard(self, step: int, rank: int) -> tuple[Manifest, MappedFile]:
         """Map a committed shard (not verified; see ``verify_shard``)."""
-        m = self.read_manifest(step, rank)
-        path = self.data_path(step, rank)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise CorruptShardError(f"{path} is missing though its manifest is committed") from None
-        if size < m.data_bytes:
-            raise CorruptShardError(f"{path} is truncated: {size} of {m.data_bytes} bytes")
-        return m, self.mappings.map(path, m.data_bytes)
+        with self.open_shard(step, rank) as source:  # checks the data file is whole
+            return source.manifest, self.mappings.map(source.path, source.manifest.data_bytes)
 
     def open_shard(self, step: int, rank: int) -> "ShardSource":
         """Open a committed shard for reading (not verified: readers check each item)."""

@@ -1,13 +1,26 @@
-"""Where a job's checkpoints live: job id and local directory resolution."""
+"""Settings and their validation: job id, local directory, retention, memory limit.
+
+Each setting is checked once, where it enters (CheckpointManager or LocalStore), and a bad one
+raises ConfigError naming the setting and what to do, instead of a raw exception later.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import logging
+import operator
 import os
 import re
+from typing import Iterator
 
 from .errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 DEFAULT_LOCAL_DIR = "/dev/shm/mlcheckpoint"
+MEMORY_LIMIT_ENV = "MLCHECKPOINT_MEMORY_LIMIT"
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -41,4 +54,115 @@ def resolve_local_dir(local_dir: str | os.PathLike | None = None) -> str:
     """Explicit argument, else MLCHECKPOINT_LOCAL_DIR, else /dev/shm/mlcheckpoint."""
     if local_dir is None:
         local_dir = os.environ.get("MLCHECKPOINT_LOCAL_DIR") or DEFAULT_LOCAL_DIR
-    return os.path.abspath(os.fspath(local_dir))
+    path = os.fspath(local_dir)
+    if not isinstance(path, str) or path == "":
+        # "" would resolve to the current directory: checkpoints on disk, wherever the job ran.
+        raise ConfigError(
+            f"local_dir={local_dir!r} names no directory: pass a tmpfs directory such as "
+            f"{DEFAULT_LOCAL_DIR!r} (or leave local_dir unset for that default, or set "
+            "MLCHECKPOINT_LOCAL_DIR)")
+    return os.path.abspath(path)
+
+
+@contextlib.contextmanager
+def local_dir_errors(local_dir: str) -> Iterator[None]:
+    """Turn what the OS says while creating the store's directories into a ConfigError that
+    names ``local_dir`` and the fix (a regular file in the way, a read-only or foreign dir)."""
+    fix = "pass local_dir= (or set MLCHECKPOINT_LOCAL_DIR to) a writable directory on tmpfs"
+    try:
+        yield
+    except (FileExistsError, NotADirectoryError) as e:
+        raise ConfigError(f"local_dir {local_dir!r} cannot hold checkpoints: {e.filename!r} is "
+                          f"a file, not a directory; {fix}") from e
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        why = "is on a read-only filesystem" if e.errno == errno.EROFS else "is not writable by this user"
+        raise ConfigError(f"local_dir {local_dir!r} {why} ({e.strerror}: {e.filename!r}); "
+                          f"{fix}") from e
+
+
+# statfs f_type of the filesystems that keep their files in memory, and names of a few others
+# for the warning's wording.
+_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs", 0x958458F6: "hugetlbfs"}
+_OTHER_FS = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x794C7630: "overlayfs",
+            0x6969: "nfs", 0xFF534D42: "cifs", 0x65735546: "fuse", 0x2FC12FC1: "zfs"}
+_warned_not_memory: set[str] = set()
+
+
+def filesystem_type(path: str) -> int | None:
+    """statfs(2)'s f_type of the filesystem holding ``path``; None where it cannot be read."""
+    try:
+        statfs = ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes; f_type comes first
+    if statfs(os.fsencode(path), buf) != 0:
+        return None
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def warn_if_not_memory(local_dir: str) -> None:
+    """Warn (once per directory and process) when ``local_dir`` is not on tmpfs/ramfs."""
+    fs = filesystem_type(local_dir)
+    if fs is None or fs in _MEMORY_FS or local_dir in _warned_not_memory:
+        return
+    _warned_not_memory.add(local_dir)
+    log.warning(
+        "mlcheckpoint: local_dir %s is on %s, not tmpfs: in-memory checkpoints go to that "
+        "filesystem instead, so saves and resumes run at its speed, not at memory speed, and "
+        "take its space. Point local_dir= or MLCHECKPOINT_LOCAL_DIR at a tmpfs directory such "
+        "as %s.", local_dir, _OTHER_FS.get(fs, f"a filesystem of type {fs:#x}"), DEFAULT_LOCAL_DIR)
+
+
+def validate_keep(keep: object) -> int:
+    """``keep``: how many complete checkpoints to keep, a whole number >= 1."""
+    try:
+        value = None if isinstance(keep, bool) else operator.index(keep)  # type: ignore[arg-type]
+    except TypeError:
+        value = None
+    if value is None or value < 1:
+        raise ConfigError(f"keep={keep!r}: keep is how many checkpoints to keep and must be a "
+                          "whole number >= 1 (an int such as 1 or 2)")
+    return value
+
+
+# Binary for the bare letters and the -iB forms (like mount's size=8g); SI for KB, MB, GB, TB.
+_UNITS = {"": 1, "b": 1,
+          "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+          "m": 1 << 20, "mi": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+          "t": 1 << 40, "ti": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: object, setting: str) -> int:
+    """A positive byte count from an int or a string such as "8589934592", "8G", "8GiB",
+    "8GB" or "1.5T" (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024; KB/MB/GB/TB of 1000)."""
+    number = _size_of(value)
+    if number is None or not 1 <= number < float("inf"):
+        raise ConfigError(
+            f"{setting}={value!r} is not a size: give a positive number of bytes, optionally "
+            "with a unit: K, M, G, T or KiB, MiB, GiB, TiB (powers of 1024), or KB, MB, GB, TB "
+            "(powers of 1000), e.g. 8GiB")
+    return int(number)
+
+
+def _size_of(value: object) -> int | float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if m is None or m[2].lower() not in _UNITS:
+        return None
+    unit = _UNITS[m[2].lower()]
+    return int(m[1]) * unit if m[1].isdigit() else float(m[1]) * unit
+
+
+def resolve_memory_limit(memory_limit_bytes: int | str | None = None) -> int | None:
+    """The memory limit in bytes: the argument, else $MLCHECKPOINT_MEMORY_LIMIT, else None."""
+    if memory_limit_bytes is not None:
+        return parse_bytes(memory_limit_bytes, "memory_limit_bytes")
+    env = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    return parse_bytes(env, MEMORY_LIMIT_ENV) if env else None

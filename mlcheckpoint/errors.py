@@ -21,6 +21,9 @@ class CapacityError(MLCheckpointError):
         self.needed = needed
         self.available = available
 
+    def __reduce__(self):  # survives DCP's gathering of exceptions across ranks
+        return (_capacity_error, (type(self), str(self), self.needed, self.available))
+
 
 class CorruptShardError(MLCheckpointError):
     """Bytes on tmpfs do not match the checksum recorded when they were committed.
@@ -39,3 +42,7 @@ class CorruptShardError(MLCheckpointError):
 
 class ShardNotFoundError(MLCheckpointError):
     """A shard or the global metadata of a step is not present (or not committed)."""
+
+
+def _capacity_error(cls: type, message: str, needed: int, available: int) -> CapacityError:
+    return cls(message, needed=needed, available=available)

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dic
 
 from .dcp import MemoryStorageReader, MemoryStorageWriter
 from .dcp.writer import commit_metadata
+from .config import resolve_memory_limit, validate_keep
 from .errors import ConfigError, MLCheckpointError
 from . import history
 from ._gc import gc_paused
@@ -36,6 +37,7 @@ from .recovery import Recovery, ResumeInfo
 from .recovery.resume import Comm
 from .replication.tcp import TcpTransport
 from .store import LocalStore
+from .store.identity import Lineage, new_id
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -89,15 +91,13 @@ class CheckpointManager:
                  memory_limit_bytes: int | None = None, replication: str = "tcp",
                  replication_host: str | None = None, replication_timeout: float = 60.0,
                  replication_streams: int | None = None):
-        if keep < 1:
-            raise ConfigError("keep must be at least 1")
+        keep = validate_keep(keep)
+        memory_limit_bytes = resolve_memory_limit(memory_limit_bytes)
         if replication not in ("tcp", "pg", "none"):
             raise ConfigError(f"replication must be 'tcp', 'pg' or 'none', not {replication!r}")
         self.topology = Topology.detect()
         self.rank = self.topology.rank
         self.keep = keep
-        if memory_limit_bytes is None and os.environ.get("MLCHECKPOINT_MEMORY_LIMIT"):
-            memory_limit_bytes = int(os.environ["MLCHECKPOINT_MEMORY_LIMIT"])
         self.store = LocalStore(local_dir, job_id, memory_limit_bytes=memory_limit_bytes)
         self.job_id = self.store.job_id
         self.persistent = PersistentStorage(persistent_dir) if persistent_dir else None
@@ -106,6 +106,9 @@ class CheckpointManager:
         # not interleave their collectives; neither may share the training group.
         self._save_pg = dist.new_group(backend="gloo") if self._distributed else None
         self._persist_pg = dist.new_group(backend="gloo") if self._distributed else None
+        # This run's identity, agreed by every rank (rank 0's): every save names it, and a
+        # resume extends it with the run it loaded from (see store/identity.py).
+        self.lineage = Lineage(self._all_gather(new_id())[0])
         self._save_executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-save")
         self._persist_executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-persist")
         self._in_flight: Future | None = None
@@ -134,7 +137,8 @@ class CheckpointManager:
 
     def _start_replication(self, mode: str, host: str | None, timeout: float,
                            streams: int | None) -> None:
-        rdzv = Rendezvous.from_default_group(self.job_id)
+        # The replication secret is agreed over our own gloo group, never the c10d store.
+        rdzv = Rendezvous.from_default_group(self.job_id, group=self._save_pg)
         if mode == "tcp":
             transport = TcpTransport(self.store, rdzv, host=host, timeout=timeout, pins=self.pins,
                                      on_received=self._on_replica_received, streams=streams)
@@ -172,7 +176,8 @@ class CheckpointManager:
         if self.replicator is not None:
             self.replicator.activate()
             notify = self.replicator.notify
-        return MemoryStorageWriter(step, self.store, on_commit=notify, on_metadata=notify)
+        return MemoryStorageWriter(step, self.store, on_commit=notify, on_metadata=notify,
+                                   lineage=self.lineage)
 
     def storage_reader(self, step: int) -> MemoryStorageReader:
         """A reader for ``dcp.load`` of an in-memory ``step``."""
@@ -192,7 +197,7 @@ class CheckpointManager:
             raise _unwrap(e, f"save of step {step}") from None
         seconds = time.perf_counter() - t0
         result = SaveResult(step, _committed_bytes(writer), seconds, seconds, persistent)
-        self._after_save(result, metadata)
+        self._after_save(result, metadata, writer.save_id)
         if persistent:
             self._write_persistent(state_dict, step)
         return result
@@ -236,7 +241,7 @@ class CheckpointManager:
             log.error("mlcheckpoint: %s", err)
             raise err from None
         result = SaveResult(step, _committed_bytes(writer), blocking, time.perf_counter() - t0, persistent)
-        self._after_save(result, metadata)
+        self._after_save(result, metadata, writer.save_id)
         if persistent:
             # The persistent write reads the staged views of this step's tmpfs buffers: pin the
             # step so retention does not recycle them meanwhile.
@@ -266,7 +271,7 @@ class CheckpointManager:
                 self.pins.unpin(step)
                 self._apply_retention()  # the step may have been held past ``keep``
 
-    def _after_save(self, result: SaveResult, metadata: Any) -> None:
+    def _after_save(self, result: SaveResult, metadata: Any, save_id: str) -> None:
         step = result.step
         history.record(self.store.job_dir, "save", step=step, rank=self.rank, bytes=result.bytes,
                        seconds=round(result.seconds, 6), blocking_seconds=round(result.blocking_seconds, 6))
@@ -274,9 +279,10 @@ class CheckpointManager:
         # without waiting for the coordinator's push.
         if self.topology.local_rank == 0 and self.topology.node_rank != 0:
             try:
-                self.store.read_metadata(step)
-            except MLCheckpointError:
-                commit_metadata(self.store, step, metadata, self.topology.world_size)
+                self.store.read_metadata(step, save_id)
+            except MLCheckpointError:  # none yet, or an earlier save's of this step number
+                commit_metadata(self.store, step, metadata, self.topology.world_size,
+                                save_id=save_id, lineage=self.lineage)
         if self.replicator is not None:
             self.replicator.notify()
         self._apply_retention()
@@ -328,8 +334,9 @@ class CheckpointManager:
         self._wait_in_flight()
         recovery = Recovery(self.store, self.topology, Comm(self._all_gather),
                             transport=self.replicator.transport if self.replicator else None,
-                            persistent=self.persistent, load=self._load)
+                            persistent=self.persistent, load=self._load, lineage=self.lineage)
         info = recovery.run(state_dict)
+        self.lineage = recovery.lineage  # later saves descend from what was loaded
         history.record(self.store.job_dir, "resume", step=info.step, rank=self.rank,
                        source=info.sources.get(self.rank, info.source), seconds=round(info.seconds, 6),
                        bytes=recovery.bytes_fetched, reason=info.reason)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+from typing import Iterator
 
 import pytest
 import torch
@@ -135,19 +137,26 @@ def test_begin_shard_checks_limit_before_writing(store_dir):
 
 # ---------------------------------------------------------------- a real, small tmpfs
 
-@pytest.fixture
-def small_tmpfs(store_dir):
-    mnt = os.path.join(store_dir, "small")
-    os.mkdir(mnt)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", mnt],
+@contextlib.contextmanager
+def mounted_tmpfs(path: str, options: str) -> Iterator[str]:
+    """A tmpfs of its own mounted at ``path`` (made if missing) with mount ``options`` (e.g.
+    "size=8m"), unmounted afterwards, pass or fail; skips the test where mounting is refused."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path],
                          capture_output=True, text=True)
     if res.returncode != 0:
-        pytest.skip(f"cannot mount an 8 MiB tmpfs here (needs root/CAP_SYS_ADMIN): "
+        pytest.skip(f"cannot mount a tmpfs ({options}) here (needs root/CAP_SYS_ADMIN): "
                     f"{res.stderr.strip() or res.returncode}")
     try:
-        yield mnt
+        yield path
     finally:
-        subprocess.run(["umount", "-l", mnt], check=False)
+        subprocess.run(["umount", "-l", path], check=False)
+
+
+@pytest.fixture
+def small_tmpfs(store_dir):
+    with mounted_tmpfs(os.path.join(store_dir, "small"), "size=8m,mode=0700") as mnt:
+        yield mnt
 
 
 def test_full_tmpfs_raises_capacity_error_and_keeps_checkpoints(small_tmpfs):

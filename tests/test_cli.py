@@ -112,3 +112,28 @@ def test_history_records_saves_and_resume(job, cli):
 def test_unknown_job_is_a_clear_error(job, cli):
     code, _, err = cli(job, "verify", "--job", "nosuchjob")
     assert code == 2 and "no job 'nosuchjob'" in err
+
+
+def test_verify_checks_bytes_against_the_step_metadata(job, cli):
+    """A flipped data byte whose manifest checksum was rewritten to match still fails: verify
+    checks against the checksums the step's metadata recorded, as a resume does."""
+    from mlcheckpoint.store.checksum import checksum
+    from mlcheckpoint.store.manifest import Manifest
+
+    store = LocalStore(job, "clijob", create=False)
+    m = store.read_manifest(2, 0)
+    item = max(m.items, key=lambda it: it.nbytes)
+    with open(store.data_path(2, 0), "r+b") as f:
+        f.seek(item.offset + 10)
+        b = f.read(1)
+        f.seek(item.offset + 10)
+        f.write(bytes([b[0] ^ 0x01]))
+        f.seek(item.offset)
+        forged = checksum(f.read(item.nbytes))
+    d = m.to_dict()
+    next(i for i in d["items"] if i["key"] == item.key)["checksum"] = forged
+    with open(store.manifest_path(2, 0), "wb") as f:
+        f.write(Manifest.from_dict(d).to_bytes())
+    store.close()
+    code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2")
+    assert code == 1 and "CORRUPT" in out and "metadata item" in out, out

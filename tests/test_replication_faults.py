@@ -120,6 +120,7 @@ class Job:
         self.root, self.world = root, world
         self.job_id = f"faults-{uuid.uuid4().hex[:10]}"
         self.c10d = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        self.secret = os.urandom(32)  # the launcher's secret: given to every endpoint, never stored
         self.status_dir = os.path.join(root, "status")
         os.makedirs(self.status_dir)
         self.transports: list[TcpTransport] = []
@@ -135,10 +136,10 @@ class Job:
         return LocalStore(self.node_dir(rank), self.job_id)
 
     def rdzv(self, rank: int) -> Rendezvous:
-        return Rendezvous(self.c10d, self.job_id, rank, self.world, timeout=WAIT)
+        return Rendezvous(self.c10d, self.job_id, rank, self.world, timeout=WAIT, secret=self.secret)
 
     def endpoint(self, rank: int, timeout: float = 60, cls=TcpTransport, **kw) -> TcpTransport:
-        """An in-process endpoint. Rank 0 makes the job's secret: create it first."""
+        """An in-process endpoint."""
         t = cls(self.store(rank), self.rdzv(rank), host="127.0.0.1", timeout=timeout, **kw)
         self.transports.append(t)
         return t
@@ -150,7 +151,8 @@ class Job:
                       cmd=cmd, **cfg)
         e = dict(os.environ)
         e.pop("MLCHECKPOINT_CRASH_AT", None)
-        e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
+        e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                  "MLCHECKPOINT_REPLICATION_SECRET": self.secret.hex(), **(env or {})})
         with open(self.log_path(rank), "a") as logf:
             proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "repl_peer.py"),
                                      json.dumps(config)], env=e, stdin=subprocess.PIPE,

@@ -66,9 +66,11 @@ class MemoryStorageReader(StorageReader):
 
     def __init__(self, step: int, store: LocalStore | None = None, *, job_id: str | None = None,
                  local_dir: str | None = None, fetch: Fetcher | None = None,
-                 remote: RemoteRead | None = None, node: int | None = None):
+                 remote: RemoteRead | None = None, node: int | None = None,
+                 save_id: str | None = None):
         super().__init__()
         self.step = parse_step(step)
+        self.save_id = save_id  # recovery's choice: copies of any other save count as absent
         self.store = store if store is not None else LocalStore(local_dir, job_id)
         self.fetch = fetch
         self.remote = remote
@@ -93,12 +95,12 @@ class MemoryStorageReader(StorageReader):
     @pausing_gc
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
-            _, payload = self.store.read_metadata(self.step)
+            _, payload = self.store.read_metadata(self.step, self.save_id)
         except ShardNotFoundError:
             if self.fetch is None:
                 raise
             self.fetch(self.step, None)
-            _, payload = self.store.read_metadata(self.step)
+            _, payload = self.store.read_metadata(self.step, self.save_id)
         metadata = pickle.loads(payload)
         if not isinstance(metadata, Metadata):
             raise CorruptShardError(f"metadata of step {self.step} is not a DCP Metadata")
@@ -134,7 +136,7 @@ class MemoryStorageReader(StorageReader):
             by_rank[self._location(req.storage_index).rank].append(req)
         for rank, reqs in sorted(by_rank.items()):
             try:
-                source = self.store.open_shard(self.step, rank)
+                source = self._open_local(rank)
             except ShardNotFoundError:
                 if self.remote is not None:
                     self._read_remote(rank, reqs, planner)
@@ -142,12 +144,20 @@ class MemoryStorageReader(StorageReader):
                 if self.fetch is None:
                     raise
                 self.fetch(self.step, rank)
-                source = self.store.open_shard(self.step, rank)
+                source = self._open_local(rank)
             with source:
                 self._read_local(rank, reqs, source, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _open_local(self, rank: int) -> ShardSource:
+        """This node's copy of ``rank``'s shard; a damaged copy is named, so recovery can
+        refuse it alone and read another."""
+        try:
+            return self.store.open_shard(self.step, rank, self.save_id)
+        except CorruptShardError as e:
+            raise CorruptShardError(str(e), copy=(self.step, rank, self.node)) from None
 
     def _read_local(self, rank: int, reqs: list[ReadItem], source: ShardSource,
                     planner: LoadPlanner) -> None:

@@ -8,6 +8,7 @@ into one mapped shard buffer -> the shard is committed with its manifest -> the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from .._faults import crash_point
 from .._gc import pausing_gc
+from ..errors import MLCheckpointError
 from ..store import copier
+from ..store.identity import Lineage, new_id
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardWriter, align
 from ..store.manifest import Manifest, ManifestItem
@@ -107,6 +110,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             into DCP's PROCESS-mode checkpoint process).
         on_metadata: called with (step) on the coordinator after the global metadata is
             committed (likewise not pickled).
+        lineage: the run this save belongs to and the runs it descends from (recorded in the
+            metadata, so recovery never mixes incarnations of a step); CheckpointManager passes
+            its own.
     """
 
     _synchronize_after_execute = False  # stage() is synchronous: nothing to wait for
@@ -114,12 +120,15 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def __init__(self, step: int, store: LocalStore | None = None, *, job_id: str | None = None,
                  local_dir: str | None = None,
                  on_commit: Callable[[int, int], None] | None = None,
-                 on_metadata: Callable[[int], None] | None = None):
+                 on_metadata: Callable[[int], None] | None = None,
+                 lineage: Lineage | None = None):
         super().__init__()
         self.step = parse_step(step)
         self.store = store if store is not None else LocalStore(local_dir, job_id)
         self.on_commit = on_commit
         self.on_metadata = on_metadata
+        self.lineage = lineage or Lineage()
+        self.save_id = ""  # made by the coordinator's global plan, sent to every rank in it
         self.rank = _default_rank()
         self.is_coordinator = False
         self._staged: ShardWriter | None = None
@@ -189,7 +198,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        # One id for this save, chosen once and carried to every rank in its plan: shards and
+        # metadata of two saves of the same step can then never be taken for one checkpoint.
+        save_id = new_id()
+        return [dataclasses.replace(plan, storage_data=save_id) for plan in plans]
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id)
@@ -215,7 +227,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             _copy_and_hash(placed[half:])
             results = [self._record(shard, p) for p in placed]
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-            self.committed = shard.commit(world_size=world)
+            self.save_id = _plan_save_id(plan)
+            self.committed = shard.commit(world_size=world, save_id=self.save_id,
+                                          run_id=self.lineage.run_id)
         except BaseException:
             shard.abort()
             raise
@@ -229,11 +243,15 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         return fut
 
     def _open_shard(self, plan: SavePlan, planner: SavePlanner) -> ShardWriter:
-        if self._staged_rank is not None and self._staged_rank == self.rank:
-            if self._staged is not None:
-                return self._staged
-            # PROCESS mode: stage() ran in the trainer; reopen its buffer here by name.
-            return self.store.reopen_shard(self.step, self.rank, self._staged_bytes)
+        if self._staged_rank is not None:
+            shard = self._staged
+            if shard is None:  # PROCESS mode: stage() ran in the trainer; reopen its buffer by name
+                shard = self.store.reopen_shard(self.step, self._staged_rank, self._staged_bytes)
+            if shard.rank != self.rank:
+                # stage() runs before DCP names the rank it saves as: the process's rank in the
+                # default group, where DCP may use another (no_dist: 0; a group of its own).
+                shard.reassign(self.rank)
+            return shard
         nbytes = 0
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
@@ -311,16 +329,28 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in results
                                  for wr in rank_results}
         crash_point("before_metadata", self.step, self.rank)
-        commit_metadata(self.store, self.step, metadata, world_size=len(results))
+        commit_metadata(self.store, self.step, metadata, world_size=len(results),
+                        save_id=self.save_id, lineage=self.lineage)
         if self.on_metadata is not None:
             self.on_metadata(self.step)
 
 
-def commit_metadata(store: LocalStore, step: int, metadata: Metadata, world_size: int) -> None:
+def _plan_save_id(plan: SavePlan) -> str:
+    save_id = plan.storage_data
+    if not isinstance(save_id, str) or not save_id:
+        raise MLCheckpointError("the save plan carries no save id: MemoryStorageWriter's "
+                                "prepare_global_plan did not run (use_collectives=False is "
+                                "not supported)")
+    return save_id
+
+
+def commit_metadata(store: LocalStore, step: int, metadata: Metadata, world_size: int, *,
+                    save_id: str, lineage: Lineage) -> None:
     """Commit DCP's global metadata (with our ItemLocations as storage_data) into ``store``."""
     locations = list(metadata.storage_data.values())
     payload = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
     store.write_metadata(step, payload, world_size=world_size,
                          ranks={loc.rank for loc in locations},
-                         total_bytes=sum(loc.nbytes for loc in locations))
+                         total_bytes=sum(loc.nbytes for loc in locations),
+                         save_id=save_id, lineage=lineage)
     log.debug("committed metadata of step %d (%d items)", step, len(locations))

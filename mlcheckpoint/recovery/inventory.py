@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..store import LocalStore
+from ..store.identity import Lineage
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,20 @@ class StepCopy:
     required: tuple[int, ...] | None = None  # ranks the step needs (from the metadata header)
     world_size: int | None = None  # world size when the step was saved
     shard_bytes: tuple[tuple[int, int], ...] = ()  # (owner, bytes), to balance fetches
+    # Which save the metadata here describes, by which run, descending from which runs, when.
+    save_id: str = ""
+    run_id: str = ""
+    ancestors: tuple[tuple[str, int], ...] = ()
+    created: float = 0.0
+    shard_saves: tuple[tuple[int, str], ...] = ()  # (owner, save id of its shard here)
+
+    def save_of(self, owner: int) -> str:
+        """The save id of ``owner``'s shard here ("" when unrecorded)."""
+        return dict(self.shard_saves).get(owner, "")
+
+    @property
+    def lineage(self) -> Lineage:
+        return Lineage(self.run_id, self.ancestors)
 
 
 @dataclass
@@ -27,7 +42,8 @@ class NodeInventory:
 
 
 def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInventory:
-    """List committed shards and valid metadata of this job's store (no checksums computed)."""
+    """List committed shards and valid metadata of this job's store (no checksums computed;
+    a shard whose manifest is unreadable or whose data file is short is not listed)."""
     inv = NodeInventory(node=node, ranks=list(ranks))
     for step, st in store.inventory().items():
         sizes = []
@@ -36,8 +52,13 @@ def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInvent
                 sizes.append((owner, os.stat(store.data_path(step, owner)).st_size))
             except FileNotFoundError:
                 continue
+        h = st.header
+        identity = {} if h is None else {
+            "save_id": h.save_id, "run_id": h.run_id, "created": h.created,
+            "ancestors": Lineage.from_header(h.run_id, h.lineage).ancestors}
         inv.steps[step] = StepCopy(
             owners=frozenset(o for o, _ in sizes), has_metadata=st.has_metadata,
             required=tuple(st.required_ranks) if st.required_ranks is not None else None,
-            world_size=st.world_size, shard_bytes=tuple(sizes))
+            world_size=st.world_size, shard_bytes=tuple(sizes),
+            shard_saves=tuple((o, st.shard_saves[o]) for o, _ in sizes), **identity)
     return inv

@@ -4,6 +4,11 @@ No I/O, no torch.distributed: every rank runs it on the same gathered inputs and
 the same decision. Inputs: each node's inventory, the newest persistent step, the current
 world size, and copies found bad so far. Output: the step and where its bytes come from,
 or "persistent", or "fresh".
+
+A step is one *save*: its metadata and shards name the same save id, and only copies of that
+save count towards it. The newest save any node holds fixes the job's history (its run and the
+runs it descends from); saves outside that history (another incarnation of the job, e.g. a node
+that comes back with an older run's memory) are never candidates.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .inventory import NodeInventory
+from ..store.identity import Lineage
+from .inventory import NodeInventory, StepCopy
 
 MEMORY, PERSISTENT, FRESH = "memory", "persistent", "fresh"
 
@@ -39,6 +45,10 @@ class Decision:
     resharded: bool = False  # saved with another world size: DCP reshards, reads fetch lazily
     newest_protected: int | None = None  # newest step with every shard on two nodes
     reason: str = ""
+    save_id: str = ""  # the save of ``step`` to load: every copy read must name it
+    lineage: Lineage | None = None  # the loaded save's run and ancestors
+    history: Lineage | None = None  # the history of the newest save found (None: nothing found)
+    stranded: list[int] = field(default_factory=list)  # complete newer steps not chosen
 
 
 # A copy found unusable: (step, owner or None for metadata, node).
@@ -56,15 +66,21 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     """
     bad = set(bad_copies)
     excluded_steps = set(bad_steps)
-    view = _holdings(nodes, bad)
+    history = _history(nodes, bad)
+    view = _holdings(nodes, bad, history)
     reasons: list[str] = []
     newest_protected = _newest_protected(view)
+    stranded: list[int] = []
+    foreign = _foreign_steps(nodes, history)
+    if foreign:
+        reasons.append(f"steps {_few(foreign)} belong to another run of this job and are ignored")
     for step in sorted(view, reverse=True):
         if persistent_step is not None and persistent_step > step:
             reasons.append(f"persistent step {persistent_step} is newer than memory step {step}")
             break
         if step in excluded_steps:
             reasons.append(f"step {step} failed earlier")
+            stranded.append(step)
             continue
         why = _incomplete(view[step])
         if why is None:
@@ -72,18 +88,21 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
             if decision is not None:
                 decision.reason = "; ".join(reasons)
                 decision.newest_protected = newest_protected
+                decision.history, decision.stranded = history, stranded
                 return decision
             why = "needs fetching but replication is off"
+            stranded.append(step)
         reasons.append(f"step {step} unusable: {why}")
-    if persistent_step is not None:
-        return Decision(PERSISTENT, persistent_step, reason="; ".join(reasons),
-                        newest_protected=newest_protected)
-    return Decision(FRESH, None, reason="; ".join(reasons) or "no checkpoint found",
-                    newest_protected=newest_protected)
+    kind, step_ = (PERSISTENT, persistent_step) if persistent_step is not None else (FRESH, None)
+    return Decision(kind, step_, reason="; ".join(reasons) or "no checkpoint found",
+                    newest_protected=newest_protected, history=history,
+                    stranded=[s for s in stranded if step_ is None or s > step_])
 
 
 @dataclass
 class _StepView:
+    save_id: str = ""
+    lineage: Lineage | None = None
     required: tuple[int, ...] | None = None
     world_size: int | None = None
     meta_nodes: list[int] = field(default_factory=list)
@@ -92,18 +111,71 @@ class _StepView:
     refused: set[int] = field(default_factory=set)  # owners with a copy that failed verification
 
 
-def _holdings(nodes: list[NodeInventory], bad: set[BadCopy]) -> dict[int, _StepView]:
-    view: dict[int, _StepView] = defaultdict(_StepView)
+def _metadata_copies(nodes: list[NodeInventory], bad: set[BadCopy]):
+    """(node inventory, step, copy) for every usable metadata copy on a node with live ranks."""
     for inv in nodes:
         if not inv.ranks:
             continue  # a node without live ranks cannot serve anything
         for step, copy in inv.steps.items():
-            v = view[step]
             if copy.has_metadata and (step, None, inv.node) not in bad:
-                v.meta_nodes.append(inv.node)
-                if v.required is None:
-                    v.required, v.world_size = copy.required, copy.world_size
+                yield inv, step, copy
+
+
+def _history(nodes: list[NodeInventory], bad: set[BadCopy]) -> Lineage | None:
+    """The history of the newest save any surviving node holds (by its coordinator's clock):
+    that save's run and the runs it descends from. Runs are minutes apart, clocks of one
+    cluster far closer, so the newest save belongs to the run that ran last."""
+    newest = max(((c.created, c.save_id, step) for _, step, c in _metadata_copies(nodes, bad)),
+                 default=None)
+    if newest is None:
+        return None
+    for _, step, c in _metadata_copies(nodes, bad):
+        if (c.created, c.save_id, step) == newest:
+            return c.lineage
+    return None
+
+
+def _foreign_steps(nodes: list[NodeInventory], history: Lineage | None) -> list[int]:
+    return sorted({step for _, step, c in _metadata_copies(nodes, set())
+                   if history is not None and not history.admits(c.run_id, step)})
+
+
+def _chosen_saves(nodes: list[NodeInventory], bad: set[BadCopy],
+                  history: Lineage | None) -> dict[int, StepCopy]:
+    """Per step, the newest save of it that belongs to ``history`` (a step saved twice in one
+    run counts as its later save)."""
+    chosen: dict[int, StepCopy] = {}
+    for _, step, c in _metadata_copies(nodes, bad):
+        if history is None or not history.admits(c.run_id, step):
+            continue
+        if step not in chosen or (c.created, c.save_id) > (chosen[step].created, chosen[step].save_id):
+            chosen[step] = c
+    return chosen
+
+
+def _holdings(nodes: list[NodeInventory], bad: set[BadCopy],
+              history: Lineage | None) -> dict[int, _StepView]:
+    chosen = _chosen_saves(nodes, bad, history)
+    view: dict[int, _StepView] = {}
+    for step, meta in chosen.items():
+        view[step] = _StepView(save_id=meta.save_id, lineage=meta.lineage, required=meta.required,
+                               world_size=meta.world_size)
+    for inv, step, copy in _metadata_copies(nodes, bad):
+        if step in view and copy.save_id == view[step].save_id:
+            view[step].meta_nodes.append(inv.node)
+    foreign = set(_foreign_steps(nodes, history))
+    for inv in nodes:
+        if not inv.ranks:
+            continue
+        for step, copy in inv.steps.items():
+            if step not in view and step not in foreign:
+                view[step] = _StepView()  # shards without metadata: listed, never usable
+            v = view.get(step)
+            if v is None or v.required is None:
+                continue  # no usable metadata of this step names a save of our history
             for owner, nbytes in copy.shard_bytes:
+                if copy.save_of(owner) != v.save_id:
+                    continue  # a shard of another save of this step: never part of this one
                 if (step, owner, inv.node) in bad:
                     v.refused.add(owner)
                 else:
@@ -155,7 +227,8 @@ def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size:
         turn[node] += 1
         return ranks[turn[node] % len(ranks)]
 
-    d = Decision(MEMORY, step, resharded=v.world_size != world_size)
+    d = Decision(MEMORY, step, resharded=v.world_size != world_size, save_id=v.save_id,
+                 lineage=v.lineage)
     d.holders = {o: [r for n in sorted(set(ns)) for r in node_ranks[n]] for o, ns in v.owner_nodes.items()}
     d.metadata_holders = [r for n in sorted(set(v.meta_nodes)) for r in node_ranks[n]]
     for node, ranks in sorted(node_ranks.items()):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from ..dcp import MemoryStorageReader
 from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..store import LocalStore
+from ..store.identity import Lineage
 from ..topology import Topology
 from .inventory import take_inventory
 from .planner import FRESH, MEMORY, PERSISTENT, BadCopy, Decision, plan_resume
@@ -46,9 +47,10 @@ class Recovery:
     """One rank's part of a resume. ``transport`` is None when replication is off."""
 
     def __init__(self, store: LocalStore, topology: Topology, comm: Comm, *, transport=None,
-                 persistent=None, load: Callable[[dict, Any], None]):
+                 persistent=None, load: Callable[[dict, Any], None], lineage: Lineage):
         self.store, self.topo, self.comm = store, topology, comm
         self.transport, self.persistent, self.load = transport, persistent, load
+        self.lineage = lineage  # this run's; after ``run``, extended by what it loaded
         self.bytes_fetched = 0
         self.decision: Decision | None = None
 
@@ -145,7 +147,7 @@ class Recovery:
         if self.topo.local_rank != 0:
             return []
         try:
-            self.store.read_metadata(d.step)
+            self.store.read_metadata(d.step, d.save_id)
         except CorruptShardError as e:
             node = self.topo.node_rank
             return [((d.step, None, node), f"node {node}: {e}")]
@@ -158,7 +160,8 @@ class Recovery:
         remote = self.transport is not None
         reader = MemoryStorageReader(d.step, self.store, node=self.topo.node_rank,
                                      fetch=self._lazy_fetch if remote else None,
-                                     remote=self._remote_read if remote else None)
+                                     remote=self._remote_read if remote else None,
+                                     save_id=d.save_id)
         try:
             self.load(state_dict, reader)
         except MLCheckpointError as e:
@@ -204,7 +207,7 @@ class Recovery:
         if d is None or d.kind != MEMORY or d.resharded or self.transport is None:
             return done
         owner = self.topo.rank
-        if owner not in d.holders or owner in self.store.step_state(d.step).committed_ranks:
+        if owner not in d.holders or owner in self.store.step_state(d.step).ranks_of(d.save_id):
             return done
         for src in [r for r in d.holders[owner] if self._node_of(r) != self.topo.node_rank]:
             try:
@@ -228,7 +231,7 @@ class Recovery:
         start = self.topo.rank % len(holders)  # spread readers over holders
         errors = []
         with self.store.fetch_lock(step, owner):
-            if owner is not None and owner in self.store.step_state(step).committed_ranks:
+            if owner is not None and owner in self.store.step_state(step).ranks_of(d.save_id):
                 return  # another rank of this node fetched it meanwhile
             for src in holders[start:] + holders[:start]:
                 try:
@@ -242,10 +245,12 @@ class Recovery:
         raise ShardNotFoundError(f"could not fetch rank {owner}'s shard of step {step}: {errors}")
 
     def _finish(self, d: Decision, notes: list[str], t0: float) -> ResumeInfo:
+        if d.kind == MEMORY and d.lineage is not None:
+            self.lineage = self.lineage.resumed(d.lineage, d.step)
         if self.topo.local_rank == 0:
             # Before the last collective: once it returns, other ranks may start saving (and
             # create files under step numbers this drop would otherwise race with).
-            dropped = self.store.drop_steps_after(d.step)
+            dropped = self.store.settle(self.lineage, d.step, set_aside=d.stranded)
             if dropped:
                 log.info("mlcheckpoint: dropped steps %s newer than the resumed one on node %d",
                          dropped, self.topo.node_rank)

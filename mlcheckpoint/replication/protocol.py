@@ -1,4 +1,5 @@
-"""Wire format of the TCP transport: authenticated handshake, then framed JSON + raw payloads.
+"""Wire format of the TCP transport: authenticated handshake, then framed JSON + raw payloads;
+and the checks on what any peer sends (both transports).
 
 Handshake (before either side reads anything else):
     server -> b"MLCK" version(1) nonce_s(32)
@@ -19,11 +20,15 @@ import socket
 import struct
 
 from ..errors import MLCheckpointError
+from ..store import Manifest
+from ..store.manifest import decode_metadata
 
 MAGIC = b"MLCK"
 FRAME = b"MLCF"
 VERSION = 1
 NONCE = 32
+GREETING_BYTES = len(MAGIC) + 1 + NONCE
+CLIENT_REPLY_BYTES = NONCE + 32
 MAX_FRAME_BYTES = 16 << 20  # JSON headers (a manifest of many thousand items fits)
 
 
@@ -65,18 +70,30 @@ def recv_into_exact(sock: socket.socket, view: memoryview, on_progress=None) -> 
             on_progress(got, n)
 
 
-def server_handshake(sock: socket.socket, secret: bytes) -> None:
+def greeting() -> tuple[bytes, bytes]:
+    """What a server sends first, and the nonce it must remember to check the reply."""
     nonce_s = os.urandom(NONCE)
-    sock.sendall(MAGIC + bytes([VERSION]) + nonce_s)
-    reply = recv_exact(sock, NONCE + 32)
+    return MAGIC + bytes([VERSION]) + nonce_s, nonce_s
+
+
+def answer_client(secret: bytes, nonce_s: bytes, reply: bytes) -> bytes:
+    """The server's proof for a client whose ``reply`` to our greeting is right; raises
+    ProtocolError for a stranger."""
     nonce_c, mac = reply[:NONCE], reply[NONCE:]
-    if not hmac.compare_digest(mac, _mac(secret, b"client", nonce_s, nonce_c)):
+    if len(reply) != CLIENT_REPLY_BYTES or not hmac.compare_digest(mac, _mac(secret, b"client", nonce_s, nonce_c)):
         raise ProtocolError("peer failed authentication")
-    sock.sendall(_mac(secret, b"server", nonce_c, nonce_s))
+    return _mac(secret, b"server", nonce_c, nonce_s)
+
+
+def server_handshake(sock: socket.socket, secret: bytes) -> None:
+    """The server side on a blocking socket (the TCP listener runs the same steps in its gate)."""
+    hello, nonce_s = greeting()
+    sock.sendall(hello)
+    sock.sendall(answer_client(secret, nonce_s, recv_exact(sock, CLIENT_REPLY_BYTES)))
 
 
 def client_handshake(sock: socket.socket, secret: bytes) -> None:
-    hello = recv_exact(sock, len(MAGIC) + 1 + NONCE)
+    hello = recv_exact(sock, GREETING_BYTES)
     if hello[:4] != MAGIC or hello[4] != VERSION:
         raise ProtocolError("not an mlcheckpoint replication endpoint (bad greeting)")
     nonce_s = hello[5:]
@@ -144,3 +161,68 @@ def want_int(obj: dict, key: str, lo: int, hi: int) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
         raise ProtocolError(f"field {key!r}={v!r} outside [{lo}, {hi})")
     return v
+
+
+def want_str(obj: dict, key: str, max_len: int = 256) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str) or len(v) > max_len:
+        raise ProtocolError(f"field {key!r} is not a string of at most {max_len} characters")
+    return v
+
+
+def manifest_from_wire(obj: object, job_id: str, step: int, owner: int) -> Manifest:
+    """Rebuild and check a manifest sent by a peer (any malformation is a ProtocolError)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("items"), list):
+        raise ProtocolError("malformed manifest")
+    try:
+        m = Manifest.from_dict(obj)
+        for name in ("step", "rank", "data_bytes", "world_size", "format"):
+            _check_int(getattr(m, name), name)
+        if not isinstance(m.created, (int, float)):
+            raise ValueError(f"created={m.created!r} is not a number")
+        for it in m.items:
+            if not all(isinstance(v, str) for v in (it.key, it.kind)) or \
+                    not isinstance(it.dtype, (str, type(None))):
+                raise ValueError(f"item key/kind/dtype {it.key!r}/{it.kind!r}/{it.dtype!r}")
+            for name in ("offset", "nbytes", "checksum"):
+                _check_int(getattr(it, name), f"item {name}")
+            if it.shape is not None:
+                if not isinstance(it.shape, list):
+                    raise ValueError(f"item shape {it.shape!r} is not a list")
+                for n in it.shape:
+                    _check_int(n, "item shape")
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ProtocolError(f"malformed manifest: {e}") from None
+    if (m.job_id, m.step, m.rank) != (job_id, step, owner):
+        raise ProtocolError(f"manifest names {m.job_id}/{m.step}/{m.rank}, expected {job_id}/{step}/{owner}")
+    return m
+
+
+def metadata_from_wire(raw: bytes, job_id: str, step: int) -> bytes:
+    """Check a step's metadata file sent by a peer (its checksum, and that it is of this job and
+    step, with fields of the right types); any malformation is a ProtocolError."""
+    try:
+        header, _ = decode_metadata(raw)
+        for name in ("step", "world_size", "total_bytes", "payload_bytes", "checksum", "format"):
+            _check_int(getattr(header, name), name)
+        if not isinstance(header.ranks, list):
+            raise ValueError("ranks is not a list")
+        for r in header.ranks:
+            _check_int(r, "rank")
+    except (TypeError, ValueError, KeyError, AttributeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"malformed metadata: {e}") from None
+    if (header.job_id, header.step) != (job_id, step):
+        raise ProtocolError(f"metadata names {header.job_id!r}/{header.step}, expected {job_id}/{step}")
+    return raw
+
+
+def _check_int(v: object, name: str) -> None:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"{name}={v!r} is not an integer")
+
+
+def check_offer(m: Manifest, max_shard_bytes: int) -> None:
+    """Every check on a replica a peer offers us, made before anything is allocated for it; both
+    transports call it (the one place to add a check on what a replica may be)."""
+    if m.data_bytes > max_shard_bytes:
+        raise ProtocolError(f"shard of {m.data_bytes} bytes exceeds max_shard_bytes")

@@ -4,8 +4,9 @@ It watches the store for this rank's committed shards (nudged by the writer, and
 saves made in DCP's PROCESS mode are seen too), pushes the newest one to the partner rank(s),
 and records per step: committed -> replicated (partner verified the checksums) or failed.
 Rank 0 also pushes each step's global metadata to one rank of every other node.
-Job-wide progress is counted in the c10d store, so any rank can tell when a step is
-*protected* (every shard and the metadata on two nodes).
+Job-wide progress is counted in the c10d store, per save (a step saved twice is two saves),
+so any rank can tell when a step is *protected*: every shard and the metadata of the save this
+node holds are on two nodes.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ class StepReplication:
     """This rank's view of one step's replication."""
 
     step: int
+    save_id: str = ""  # the save of ``step`` this state is about (a re-save starts afresh)
     state: str = "committed"  # committed | replicated | failed | superseded
     acked_by: list[int] = field(default_factory=list)
     reason: str | None = None
     attempts: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    metadata_pushed: bool = False
+    metadata_pushed: str | None = None  # the save whose metadata reached the other nodes
 
 
 class Replicator:
@@ -84,11 +86,25 @@ class Replicator:
             return self._states.get(step)
 
     # ------------------------------------------------------------------ job-wide view
+    def _save_here(self, step: int) -> str | None:
+        """The save of ``step`` this rank holds: its own shard's, else the metadata's."""
+        st = self.store.step_state(step)
+        return st.shard_saves.get(self.topology.rank, st.save_id)
+
     def is_protected(self, step: int) -> bool:
-        """Every rank's shard and the metadata of ``step`` are on two nodes (job-wide)."""
-        shards = self.rdzv.add(f"shards/{step}", 0)
-        meta = self.rdzv.add(f"meta/{step}", 0)
+        """Every rank's shard and the metadata of the save of ``step`` held here are on two
+        nodes (job-wide)."""
+        save = self._save_here(step)
+        if save is None:
+            return False
+        shards = self.rdzv.add(f"shards/{step}/{save}", 0)
+        meta = self.rdzv.add(f"meta/{step}/{save}", 0)
         return shards >= self.topology.world_size and meta >= 1
+
+    def is_superseded(self, step: int) -> bool:
+        """Some rank skipped this save for a newer one: it will never be protected."""
+        save = self._save_here(step)
+        return save is not None and self.rdzv.add(f"superseded/{step}/{save}", 0) > 0
 
     def newest_protected(self, candidates: list[int]) -> int | None:
         """Newest protected step among ``candidates`` (those newer than the last one found)."""
@@ -112,6 +128,10 @@ class Replicator:
     def wait_replicated(self, step: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while not self.is_protected(step):
+            if self.is_superseded(step):
+                log.warning("mlcheckpoint: step %d will not be replicated: a newer step "
+                            "superseded it before it was pushed", step)
+                return False
             if time.monotonic() >= deadline:
                 return False
             self._wake.set()
@@ -132,36 +152,51 @@ class Replicator:
 
     def _replicate_newest(self) -> None:
         inv = self.store.inventory()
-        mine = sorted(s for s, st in inv.items() if self.topology.rank in st.committed_ranks)
-        todo = [s for s in mine if self._needs_push(s)]
+        rank = self.topology.rank
+        mine = {s: st.shard_saves[rank] for s, st in sorted(inv.items()) if rank in st.committed_ranks}
+        todo = [s for s, save in mine.items() if self._needs_push(s, save)]
         if todo:
             newest = todo[-1]
+            superseded = []
             with self._lock:  # older pending work is dropped: only the newest step matters
                 for s in todo[:-1]:
-                    st = self._states.setdefault(s, StepReplication(s))
+                    st = self._state_for(s, mine[s])
                     if st.state in ("committed", "failed"):
                         st.state, st.reason = "superseded", f"step {newest} is newer"
-            self._push_shard(newest)
+                        superseded.append(s)
+            for s in superseded:
+                self.rdzv.add(f"superseded/{s}/{mine[s]}", 1)
+            self._push_shard(newest, mine[newest])
         if self.metadata_targets:  # only the newest step's metadata matters, like its shards
             with_meta = [s for s in mine if inv[s].has_metadata]
-            if with_meta and not self._metadata_done(with_meta[-1]):
-                self._push_metadata(with_meta[-1])
+            if with_meta:
+                newest_meta = inv[with_meta[-1]]
+                if not self._metadata_done(newest_meta.step, newest_meta.save_id):
+                    self._push_metadata(newest_meta.step, newest_meta.save_id)
 
-    def _needs_push(self, step: int) -> bool:
+    def _state_for(self, step: int, save_id: str) -> StepReplication:
+        """The state of this save of ``step``; a new save of the step starts afresh. Call with
+        the lock held."""
+        st = self._states.get(step)
+        if st is None or st.save_id != save_id:
+            st = self._states[step] = StepReplication(step, save_id)
+        return st
+
+    def _needs_push(self, step: int, save_id: str) -> bool:
         with self._lock:
             st = self._states.get(step)
-        if st is None:
+        if st is None or st.save_id != save_id:
             return True
         return st.state == "committed" or (st.state == "failed" and st.attempts < self.retries)
 
-    def _metadata_done(self, step: int) -> bool:
+    def _metadata_done(self, step: int, save_id: str | None) -> bool:
         with self._lock:
             st = self._states.get(step)
-            return st is not None and st.metadata_pushed
+            return st is not None and st.metadata_pushed == save_id
 
-    def _push_shard(self, step: int) -> None:
+    def _push_shard(self, step: int, save_id: str) -> None:
         with self._lock:
-            st = self._states.setdefault(step, StepReplication(step))
+            st = self._state_for(step, save_id)
             st.attempts += 1
         t0 = time.perf_counter()
         sent = 0
@@ -183,14 +218,16 @@ class Replicator:
         with self._lock:
             st.state, st.reason = "replicated", None
             st.bytes, st.seconds = sent, time.perf_counter() - t0
-        self.rdzv.add(f"shards/{step}", 1)
+        # Counted for the save the partners acknowledged: they compared save ids, so an ack
+        # for an earlier save of this step cannot count here.
+        self.rdzv.add(f"shards/{step}/{save_id}", 1)
         history.record(self.store.job_dir, "replicate", step=step, rank=self.topology.rank,
                        targets=self.targets, bytes=sent, seconds=round(st.seconds, 6),
                        transport=self.transport.name)
         log.debug("replicated step %d rank %d to %s: %d bytes in %.3fs", step,
                   self.topology.rank, self.targets, sent, st.seconds)
 
-    def _push_metadata(self, step: int) -> None:
+    def _push_metadata(self, step: int, save_id: str | None) -> None:
         try:
             for peer in self.metadata_targets:
                 self.transport.push_metadata(peer, step)
@@ -199,8 +236,9 @@ class Replicator:
             self._retry_later()
             return
         with self._lock:
-            self._states.setdefault(step, StepReplication(step)).metadata_pushed = True
-        self.rdzv.add(f"meta/{step}", 1)
+            st = self._states.setdefault(step, StepReplication(step, save_id or ""))
+            st.metadata_pushed = save_id
+        self.rdzv.add(f"meta/{step}/{save_id}", 1)
 
     def _retry_later(self) -> None:
         threading.Timer(1.0, self._wake.set).start()
@@ -221,7 +259,7 @@ class Replicator:
                 return
             st = self.state(newest)
             meta_ok = (not self.metadata_targets or not inv[newest].has_metadata
-                       or self._metadata_done(newest))
+                       or self._metadata_done(newest, inv[newest].save_id))
             if st is not None and st.state in ("replicated", "superseded") and meta_ok:
                 return
             if st is not None and st.state == "failed" and st.attempts >= self.retries:

@@ -21,11 +21,14 @@ from collections import Counter
 from typing import Callable
 
 from .._faults import crash_point
+from .._ratelimit import RateLimitedLog
 from ..errors import ConfigError, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..store import LocalStore, Manifest
 from ..store.checksum import StreamingChecksum, checksum
 from ..store.local_store import ShardSource
 from . import protocol as p
+from .gate import LoginGate
+from .protocol import manifest_from_wire
 from .rendezvous import Rendezvous
 from .striping import (MAX_STREAMS, StripedReceive, default_min_stripe_bytes, default_streams,
                        run_streams, split_evenly, stripes, verify_landed)
@@ -36,6 +39,10 @@ log = logging.getLogger(__name__)
 MAX_METADATA_BYTES = 4 << 30
 MAX_STEP = 10**12
 MAX_RANGES = 1 << 20
+# What a malformed request can raise in a handler: answered with an error frame, never left to
+# kill the connection's thread.
+MALFORMED = (MLCheckpointError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+             OverflowError)
 
 
 def default_host() -> str:
@@ -50,19 +57,6 @@ def default_host() -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
-
-
-def manifest_from_wire(obj: object, job_id: str, step: int, owner: int) -> Manifest:
-    """Rebuild and check a manifest sent by a peer."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("items"), list):
-        raise p.ProtocolError("malformed manifest")
-    try:
-        m = Manifest.from_dict(obj)
-    except (TypeError, ValueError, KeyError) as e:
-        raise p.ProtocolError(f"malformed manifest: {e}") from None
-    if (m.job_id, m.step, m.rank) != (job_id, step, owner):
-        raise p.ProtocolError(f"manifest names {m.job_id}/{m.step}/{m.rank}, expected {job_id}/{step}/{owner}")
-    return m
 
 
 class StreamingVerifier:
@@ -127,7 +121,9 @@ def send_range(sock: socket.socket, fd: int, offset: int, nbytes: int, m: Manife
 
 
 def same_shard(a: Manifest, b: Manifest) -> bool:
-    return a.data_bytes == b.data_bytes and [(i.offset, i.nbytes, i.checksum) for i in a.items] == \
+    """Whether a held replica is the offered one: the same save (a step saved again is a new
+    save, even with equal bytes) and the same bytes."""
+    return a.save_id == b.save_id and a.data_bytes == b.data_bytes and [(i.offset, i.nbytes, i.checksum) for i in a.items] == \
         [(i.offset, i.nbytes, i.checksum) for i in b.items]
 
 
@@ -142,6 +138,9 @@ class TcpTransport(Transport):
         max_shard_bytes: largest shard a peer may send us (checked before allocating).
         max_connections: authenticated connections served at once; a striped push or read
             takes ``streams`` of them, and after a resharding many ranks may read from one.
+        max_handshakes, max_handshakes_per_address: connections in the handshake at once, in
+            all and from one address; beyond either, the oldest is closed (see ``gate.py``).
+        handshake_timeout: seconds a connection may take to authenticate.
         streams: connections a large shard is pushed over (default ``default_streams()``).
         min_stripe_bytes: the least a stream carries, so small shards use fewer streams
             (default ``default_min_stripe_bytes()``).
@@ -152,9 +151,9 @@ class TcpTransport(Transport):
     def __init__(self, store: LocalStore, rdzv: Rendezvous, *, host: str | None = None,
                  timeout: float = 60.0, pins: Pins | None = None,
                  on_received: OnReceived | None = None, max_shard_bytes: int = 1 << 40,
-                 max_connections: int = 128, max_handshakes: int = 128,
-                 handshake_timeout: float = 5.0, streams: int | None = None,
-                 min_stripe_bytes: int | None = None):
+                 max_connections: int = 128, max_handshakes: int = 256,
+                 max_handshakes_per_address: int = 64, handshake_timeout: float = 3.0,
+                 streams: int | None = None, min_stripe_bytes: int | None = None):
         self.store, self.rdzv = store, rdzv
         self.streams = streams if streams is not None else default_streams()
         if not 1 <= self.streams <= MAX_STREAMS:
@@ -163,84 +162,74 @@ class TcpTransport(Transport):
         self._striped: dict[str, StripedReceive] = {}  # token -> transfer awaiting its stripes
         self._striped_lock = threading.Lock()
         self.timeout = timeout
-        self.handshake_timeout = min(handshake_timeout, timeout)
-        # Connections that have not authenticated yet get their own, larger pool and a short
-        # deadline, so idle strangers cannot use up the slots partners need.
-        self._handshakes = threading.BoundedSemaphore(max_handshakes)
         self.pins = pins or Pins()
         self.on_received = on_received
         self.max_shard_bytes = max_shard_bytes
         self.secret = rdzv.secret()
-        self._slots = threading.BoundedSemaphore(max_connections)
+        # Anything a peer or a stranger can make happen at will is logged through this.
+        self.logs = RateLimitedLog(log)
+        self._slots = threading.BoundedSemaphore(max_connections)  # authenticated sessions
         self._closed = threading.Event()
-        self._listener = socket.create_server((host or default_host(), 0), backlog=64)
+        self._listener = socket.create_server((host or default_host(), 0), backlog=256)
         self.address = "%s:%d" % self._listener.getsockname()[:2]
-        self._thread = threading.Thread(target=self._accept_loop, name="mlckpt-tcp-accept",
-                                        daemon=True)
-        self._thread.start()
+        # Unauthenticated connections never take a session slot or a thread: one gate thread
+        # serves their handshakes, with its own budgets and a short deadline.
+        self._gate = LoginGate(self._listener, self.secret, self._start_session, logs=self.logs,
+                               timeout=min(handshake_timeout, timeout), max_pending=max_handshakes,
+                               per_address=max_handshakes_per_address)
         rdzv.publish("tcp", self.address)
         log.debug("replication listener of rank %d on %s", rdzv.rank, self.address)
 
     # ------------------------------------------------------------------ server
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, addr = self._listener.accept()
-            except OSError:
-                return  # closed
-            if not self._handshakes.acquire(blocking=False):
-                log.warning("refusing replication connection from %s: too many handshakes", addr)
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
-                             name="mlckpt-tcp-conn").start()
-
-    def _serve(self, conn: socket.socket, addr) -> None:
-        try:
-            conn.settimeout(self.handshake_timeout)
-            try:
-                p.server_handshake(conn, self.secret)
-            except (p.ProtocolError, OSError) as e:
-                log.warning("refused replication connection from %s: %s", addr, e)
-                conn.close()
-                return
-        finally:
-            self._handshakes.release()
+    def _start_session(self, conn: socket.socket, addr, proof: bytes) -> None:
+        """A connection logged in (on the gate's thread): serve it on a thread of its own."""
         if not self._slots.acquire(blocking=False):
-            log.warning("refusing replication connection from %s: too many open", addr)
+            self.logs.warning("full", "refusing replication connection from %s: too many open", addr)
             conn.close()
             return
+        threading.Thread(target=self._serve, args=(conn, addr, proof), daemon=True,
+                         name="mlckpt-tcp-conn").start()
+
+    def _serve(self, conn: socket.socket, addr, proof: bytes) -> None:
         try:
             p.use_kernel_timeouts(conn, self.timeout)
+            conn.sendall(proof)
             while not self._closed.is_set():
                 try:
                     req = p.recv_frame(conn)
                 except p.ProtocolError as e:
                     if "closed after 0 of" not in str(e):
-                        log.warning("replication peer %s: %s", addr, e)
+                        self.logs.warning("request", "replication peer %s: %s", addr, e)
                     return
                 self._dispatch(conn, req, addr)
         except (OSError, p.ProtocolError) as e:
-            log.warning("replication connection from %s failed: %s", addr, e)
+            self.logs.warning("request", "replication connection from %s failed: %s", addr, e)
+        except Exception:  # a bug: say so, but keep the listener's other sessions alive
+            self.logs.log(logging.ERROR, "bug", "replication connection from %s failed", addr,
+                          exc_info=True)
         finally:
             conn.close()
             self._slots.release()
 
     def _dispatch(self, conn: socket.socket, req: dict, addr) -> None:
+        """Run one request; anything malformed in it is answered with an error frame, after
+        which the connection is closed (ProtocolError)."""
         handlers = {"put_shard": self._on_put_shard, "get_shard": self._on_get_shard,
                     "read_items": self._on_read_items, "put_part": self._on_put_part,
                     "put_metadata": self._on_put_metadata, "get_metadata": self._on_get_metadata}
-        handler = handlers.get(req.get("op"))
-        if handler is None:
-            raise p.ProtocolError(f"unknown operation {req.get('op')!r}")
-        if req.get("job_id") != self.store.job_id:
-            p.send_frame(conn, {"status": "error", "error": "wrong job"})
-            raise p.ProtocolError(f"request for job {req.get('job_id')!r}")
-        step = p.want_int(req, "step", 0, MAX_STEP)
+        op = req.get("op")
+        step = None
         try:
+            handler = handlers.get(op) if isinstance(op, str) else None
+            if handler is None:
+                raise p.ProtocolError(f"unknown operation {str(op)[:100]!r}")
+            if req.get("job_id") != self.store.job_id:
+                raise p.ProtocolError(f"request for job {str(req.get('job_id'))[:100]!r}")
+            step = p.want_int(req, "step", 0, MAX_STEP)
             handler(conn, req, step)
-        except (MLCheckpointError, ValueError) as e:
-            log.warning("replication request %s of step %d from %s failed: %s", req.get("op"), step, addr, e)
+        except MALFORMED as e:
+            self.logs.warning("request", "replication request %.100r of step %s from %s failed: %s",
+                              op, step, addr, e)
             with contextlib.suppress(OSError):
                 p.send_frame(conn, {"status": "error", "error": str(e)[:2000]})
             raise p.ProtocolError(str(e)) from None
@@ -248,8 +237,7 @@ class TcpTransport(Transport):
     def _on_put_shard(self, conn: socket.socket, req: dict, step: int) -> None:
         owner = p.want_int(req, "owner", 0, self.rdzv.world_size)
         m = manifest_from_wire(req.get("manifest"), self.store.job_id, step, owner)
-        if m.data_bytes > self.max_shard_bytes:
-            raise p.ProtocolError(f"shard of {m.data_bytes} bytes exceeds max_shard_bytes")
+        p.check_offer(m, self.max_shard_bytes)
         with contextlib.suppress(MLCheckpointError):
             if same_shard(self.store.read_manifest(step, owner), m):
                 p.send_frame(conn, {"status": "have"})
@@ -355,8 +343,8 @@ class TcpTransport(Transport):
                 p.send_frame(conn, {"status": "have"})
                 return
         p.send_frame(conn, {"status": "ready"})
-        raw = p.recv_growing(conn, nbytes)
-        self.store.write_metadata_file(step, raw)  # verifies before installing
+        raw = p.metadata_from_wire(p.recv_growing(conn, nbytes), self.store.job_id, step)
+        self.store.write_metadata_file(step, raw)
         p.send_frame(conn, {"status": "ok"})
 
     def _on_get_metadata(self, conn: socket.socket, req: dict, step: int) -> None:
@@ -511,11 +499,12 @@ class TcpTransport(Transport):
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} has no metadata of step {step}")
             nbytes = p.want_int(resp, "nbytes", 1, MAX_METADATA_BYTES)
-            self.store.write_metadata_file(step, p.recv_growing(sock, nbytes))
+            raw = p.metadata_from_wire(p.recv_growing(sock, nbytes), self.store.job_id, step)
+            self.store.write_metadata_file(step, raw)
 
     def close(self) -> None:
         self._closed.set()
+        self._gate.close()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
-        self._thread.join(timeout=5)

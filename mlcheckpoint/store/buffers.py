@@ -10,6 +10,7 @@ into pages (and page tables) that are already there.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 
 _MAP_FLAGS = mmap.MAP_SHARED
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+# What the kernel says when a filesystem (or the memory behind it) has no room left.
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFAULT})
 
 
 def _bind_madvise():
@@ -43,15 +46,48 @@ def _populate(address: int, size: int) -> bool:
 
     ``mmap(MAP_POPULATE)`` does the same work but Python holds the GIL through it: seconds on
     a fresh 1 GiB file here, during which every other thread of the process stands still.
+    Returns False where the kernel cannot do it (before 5.14). Raises OSError where a page
+    cannot be had (EFAULT: touching it would SIGBUS, e.g. a full tmpfs; ENOMEM).
     """
     if _MADVISE is None or size == 0:
         return False
-    return _MADVISE(address, size, _MADV_POPULATE_WRITE) == 0
+    if _MADVISE(address, size, _MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in NO_ROOM:
+        raise OSError(err, f"cannot allocate the pages of a {size}-byte buffer: {os.strerror(err)}")
+    return False
 
 
-def _map(fd: int, size: int, flags: int) -> tuple[mmap.mmap, np.ndarray]:
-    # mmap of length 0 is invalid; an empty shard still gets a one-byte mapping.
-    mm = mmap.mmap(fd, max(size, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+def reserve(fd: int, size: int, offset: int = 0) -> None:
+    """Allocate the file's pages in [offset, offset + size) now, growing the file if need be.
+
+    A tmpfs page first touched through a mapping when the filesystem is full kills the process
+    with SIGBUS. Reserved here, a full tmpfs is an OSError (ENOSPC) before any byte is written.
+    A file with no holes (a recycled buffer) costs one fstat.
+    """
+    if size <= 0:
+        return
+    st = os.fstat(fd)
+    if offset + size <= st.st_size and st.st_blocks * 512 >= st.st_size:
+        return  # every page is there already
+    try:
+        os.posix_fallocate(fd, offset, size)
+    except OSError as e:
+        if e.errno in NO_ROOM:
+            raise
+        # A filesystem that cannot reserve (rare: glibc emulates fallocate where the kernel
+        # lacks it): the populate below still refuses cleanly where a page cannot be had.
+        log.debug("cannot reserve %d bytes: %s", size, e)
+
+
+def _map(fd: int, size: int, flags: int) -> tuple[mmap.mmap | None, np.ndarray]:
+    if size == 0:
+        # A rank left with no tensor bytes (an empty or non-tensor state dict, or everything
+        # de-duplicated to another rank) still commits a shard. mmap cannot map 0 bytes, nor
+        # map past the end of an empty file, so there is no mapping: an empty array stands in.
+        return None, np.empty(0, dtype=np.uint8)
+    mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return mm, np.frombuffer(mm, dtype=np.uint8, count=size)
 
 
@@ -64,10 +100,11 @@ class MappedFile:
             st = os.fstat(fd)
             if st.st_size < size:
                 os.ftruncate(fd, size)
+            reserve(fd, size)  # its pages exist before anything touches them: no SIGBUS
             self.key = (st.st_dev, st.st_ino)
             self.size = size
             self._mm, self.array = _map(fd, size, _MAP_FLAGS)
-            if size and not _populate(self.array.ctypes.data, size):
+            if size and not self._populated():
                 self.array = None  # old kernel: the populating (GIL-holding) mmap instead
                 self._mm.close()
                 self._mm, self.array = _map(fd, size, _MAP_FLAGS | getattr(mmap, "MAP_POPULATE", 0))
@@ -76,6 +113,15 @@ class MappedFile:
             os.close(fd)
         self._tensor: torch.Tensor | None = None
         self._cuda_registered = False
+
+    def _populated(self) -> bool:
+        """Populate the fresh mapping (see ``_populate``); unmapped again if that fails."""
+        try:
+            return _populate(self.array.ctypes.data, self.size)
+        except OSError:
+            self.array = None  # type: ignore[assignment]
+            self._mm.close()
+            raise
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -117,6 +163,8 @@ class MappedFile:
             self._cuda_registered = False
         self._tensor = None
         self.array = None  # type: ignore[assignment]
+        if self._mm is None:  # an empty file: nothing was mapped
+            return
         try:
             self._mm.close()
         except BufferError:

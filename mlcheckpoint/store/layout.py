@@ -7,6 +7,7 @@
         steps/<step:012d>/rank-<r:05d>.manifest   per-item checksums; its presence = committed
         steps/<step:012d>/*.partial, *.tmp    in-flight writes: invisible, removed by gc
         pool/rank-<r:05d>-<token>.buf         retired shard buffers kept for reuse (pages stay touched)
+        orphans/<step:012d>-<token>/          a complete step a resume did not load, set aside
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from dataclasses import dataclass
 
 STEPS = "steps"
 POOL = "pool"
+ORPHANS = "orphans"
 METADATA = "metadata"
 PARTIAL = ".partial"
 TMP = ".tmp"
 
 _STEP_RE = re.compile(r"^(\d{12})$")
+_ORPHAN_RE = re.compile(r"^(\d{12})-[0-9a-f]{8}$")
 _MANIFEST_RE = re.compile(r"^rank-(\d{5})\.manifest$")
 _POOL_RE = re.compile(r"^rank-(\d{5})-[0-9a-f]{16}\.buf$")
 
@@ -34,6 +37,15 @@ def step_dirname(step: int) -> str:
 
 def parse_step_dirname(name: str) -> int | None:
     m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def orphan_dirname(step: int, token: str) -> str:
+    return f"{step_dirname(step)}-{token}"
+
+
+def parse_orphan_dirname(name: str) -> int | None:
+    m = _ORPHAN_RE.match(name)
     return int(m.group(1)) if m else None
 
 

@@ -23,12 +23,15 @@ from typing import Iterable, Iterator
 
 
 from .._faults import crash_point
-from ..config import resolve_job_id, resolve_local_dir
+from ..config import (local_dir_errors, resolve_job_id, resolve_local_dir, resolve_memory_limit,
+                      warn_if_not_memory)
 from ..errors import CapacityError, CorruptShardError, ShardNotFoundError
-from . import copier, layout
-from .buffers import MappedFile, MappingCache
+from . import buffers, copier, layout
+from .buffers import NO_ROOM, MappedFile, MappingCache
 from .checksum import checksum
-from .manifest import Manifest, ManifestItem, MetadataHeader, decode_metadata, encode_metadata
+from .identity import Lineage
+from .manifest import (Manifest, ManifestItem, MetadataHeader, decode_metadata, encode_metadata,
+                       item_locations)
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +57,23 @@ class StepState:
     required_ranks: list[int] | None = None  # from the metadata header, when present
     world_size: int | None = None
     total_bytes: int | None = None
+    header: MetadataHeader | None = None  # the metadata's verified header, when present
+    shard_saves: dict[int, str] = field(default_factory=dict)  # owner -> save id of its shard
+
+    @property
+    def save_id(self) -> str | None:
+        """The save the metadata here describes (None without metadata)."""
+        return self.header.save_id if self.header is not None else None
+
+    def ranks_of(self, save_id: str | None) -> set[int]:
+        """Owners whose committed shard here belongs to the save ``save_id``."""
+        return {r for r in self.committed_ranks if self.shard_saves.get(r) == save_id}
 
     @property
     def complete(self) -> bool:
-        """Metadata and every needed rank's shard are committed on this node."""
+        """Metadata and every needed rank's shard of that same save are committed here."""
         return (self.has_metadata and self.required_ranks is not None
-                and set(self.required_ranks) <= self.committed_ranks)
+                and set(self.required_ranks) <= self.ranks_of(self.save_id))
 
 
 class ShardWriter:
@@ -81,9 +95,14 @@ class ShardWriter:
         view = memoryview(data).cast("B")
         fd = os.open(self.partial_path, os.O_WRONLY)
         try:
+            buffers.reserve(fd, view.nbytes, offset)  # a full tmpfs refuses before any byte
             done = 0
             while done < view.nbytes:  # one write stops short of 2 GiB
                 done += os.pwrite(fd, view[done:], offset + done)
+        except OSError as e:
+            if e.errno in NO_ROOM:
+                raise self.store._no_room(view.nbytes) from e
+            raise
         finally:
             os.close(fd)
         self.data_bytes = offset + view.nbytes
@@ -92,9 +111,10 @@ class ShardWriter:
     def add_item(self, item: ManifestItem) -> None:
         self.items.append(item)
 
-    def commit(self, world_size: int = 1) -> Manifest:
+    def commit(self, world_size: int = 1, *, save_id: str = "", run_id: str = "") -> Manifest:
         manifest = Manifest(job_id=self.store.job_id, step=self.step, rank=self.rank,
-                            data_bytes=self.data_bytes, items=self.items, world_size=world_size)
+                            data_bytes=self.data_bytes, items=self.items, world_size=world_size,
+                            save_id=save_id, run_id=run_id)
         self.store._commit_shard(self.partial_path, manifest)
         self._committed = True
         return manifest
@@ -112,6 +132,13 @@ class ShardWriter:
             raise ValueError("manifest does not describe this buffer")
         self.store._commit_shard(self.partial_path, manifest)
         self._committed = True
+
+    def reassign(self, rank: int) -> None:
+        """Make this uncommitted shard ``rank``'s (same step, same buffer: only its name moves)."""
+        partial = self.store.data_path(self.step, rank) + layout.PARTIAL
+        self.store._discard(partial)  # debris of an earlier attempt at that shard
+        os.rename(self.partial_path, partial)  # same inode: the mapping stays valid
+        self.partial_path, self.rank = partial, rank
 
     def abort(self) -> None:
         if not self._committed:
@@ -168,14 +195,17 @@ class LocalStore:
         self.job_dir = os.path.join(self.local_dir, self.job_id)
         self.steps_dir = os.path.join(self.job_dir, layout.STEPS)
         self.pool_dir = os.path.join(self.job_dir, layout.POOL)
-        self.memory_limit_bytes = memory_limit_bytes
+        self.memory_limit_bytes = resolve_memory_limit(memory_limit_bytes)
         self.mappings = MappingCache()
         self._verified_headers: dict[str, tuple[tuple, MetadataHeader]] = {}
+        self._manifest_ids: dict[str, tuple[tuple, str, int]] = {}
         if create:
-            os.makedirs(self.local_dir, mode=0o700, exist_ok=True)
-            for d in (self.job_dir, self.steps_dir, self.pool_dir):
-                os.makedirs(d, mode=0o700, exist_ok=True)
-            os.chmod(self.job_dir, 0o700)
+            with local_dir_errors(self.local_dir):
+                os.makedirs(self.local_dir, mode=0o700, exist_ok=True)
+                for d in (self.job_dir, self.steps_dir, self.pool_dir):
+                    os.makedirs(d, mode=0o700, exist_ok=True)
+                os.chmod(self.job_dir, 0o700)
+            warn_if_not_memory(self.local_dir)
 
     # The mapping cache is per process; a pickled store (DCP's PROCESS mode) starts empty.
     def __getstate__(self):
@@ -221,23 +251,41 @@ class LocalStore:
         """
         partial = self.data_path(step, rank) + layout.PARTIAL
         self._discard(partial)  # debris of an earlier attempt at the same shard
+        try:
+            # The ranks of a node share one tmpfs: its space is checked and reserved in one
+            # step, so two ranks cannot both pass the check and then both write into it.
+            with self.locked():
+                self._claim(step, rank, nbytes, partial)
+            buffer = self.mappings.map(partial, nbytes)
+        except BaseException as e:  # leave nothing behind, as a refused shard does
+            no_room = isinstance(e, OSError) and e.errno in NO_ROOM
+            if no_room:  # a buffer whose pages could not be had is no buffer to recycle
+                self._unlink(partial)
+            self._discard(partial)
+            self._remove_step_if_empty(step)
+            if no_room:
+                raise self._no_room(nbytes) from e
+            raise
+        return ShardWriter(self, step, rank, buffer, partial)
+
+    def _claim(self, step: int, rank: int, nbytes: int, partial: str) -> None:
+        """Check capacity, then put at ``partial`` a buffer of ``nbytes`` whose pages are all
+        allocated (OSError ENOSPC when they cannot be). Runs under the node's lock."""
         candidate = self._pool_candidate(rank, nbytes)
         # Capacity first: a refused shard must leave nothing behind, not even its step folder.
         self._preflight(nbytes, reusable=candidate[1] if candidate else 0)
         os.makedirs(self.step_dir(step), mode=0o700, exist_ok=True)
-        recycled = self._take_from_pool(rank, nbytes, partial)
-        if recycled is None:
-            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-            finally:
-                os.close(fd)
+        # An empty shard (a rank with no tensor bytes) has no pages to reuse: the pooled buffers
+        # stay for saves that do.
+        recycled = self._take_from_pool(rank, nbytes, partial) if nbytes else None
+        flags = os.O_RDWR if recycled else os.O_RDWR | os.O_CREAT | os.O_EXCL
+        fd = os.open(partial, flags, 0o600)
         try:
-            buffer = self.mappings.map(partial, nbytes)
-        except OSError:
-            self._discard(partial)
-            raise
-        return ShardWriter(self, step, rank, buffer, partial)
+            if recycled is None:
+                os.ftruncate(fd, nbytes)
+            buffers.reserve(fd, nbytes)  # never SIGBUS when the pages are first touched
+        finally:
+            os.close(fd)
 
     def reopen_shard(self, step: int, rank: int, nbytes: int) -> ShardWriter:
         """Continue an uncommitted shard that was staged earlier (possibly by another process)."""
@@ -263,11 +311,12 @@ class LocalStore:
         os.replace(tmp, mpath)  # commit point
 
     def write_metadata(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
-                       total_bytes: int) -> None:
-        """Commit the global DCP metadata of a step (atomic; idempotent for equal content)."""
+                       total_bytes: int, save_id: str = "", lineage: Lineage | None = None) -> None:
+        """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
         header = MetadataHeader(job_id=self.job_id, step=step, world_size=world_size,
                                 ranks=sorted(set(ranks)), total_bytes=total_bytes,
-                                payload_bytes=len(payload), checksum=checksum(payload))
+                                payload_bytes=len(payload), checksum=checksum(payload),
+                                save_id=save_id, **(lineage or Lineage()).header_fields())
         self._install_metadata(step, encode_metadata(header, payload))
 
     def write_metadata_file(self, step: int, raw: bytes) -> None:
@@ -306,9 +355,16 @@ class LocalStore:
         with self.open_shard(step, rank) as source:  # checks the data file is whole
             return source.manifest, self.mappings.map(source.path, source.manifest.data_bytes)
 
-    def open_shard(self, step: int, rank: int) -> "ShardSource":
-        """Open a committed shard for reading (not verified: readers check each item)."""
+    def open_shard(self, step: int, rank: int, save_id: str | None = None) -> "ShardSource":
+        """Open a committed shard for reading (not verified: readers check each item).
+
+        With ``save_id``, a shard of another save of this step counts as absent
+        (ShardNotFoundError). A damaged shard raises CorruptShardError.
+        """
         m = self.read_manifest(step, rank)
+        if save_id is not None and m.save_id != save_id:
+            raise ShardNotFoundError(f"step {step} rank {rank} here belongs to save {m.save_id!r}, "
+                                     f"not {save_id!r}")
         path = self.data_path(step, rank)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -321,21 +377,49 @@ class LocalStore:
         return ShardSource(self, m, path, fd, st)
 
     def verify_shard(self, step: int, rank: int) -> Manifest:
-        """Check every item's checksum; raises CorruptShardError naming the first bad item."""
+        """Check every item's checksum; raises CorruptShardError naming the first bad item.
+
+        Checked against the manifest and, when this node has the step's metadata, against the
+        checksums the metadata recorded (what a resume checks: a manifest rewritten to match
+        damaged bytes does not pass) and its save id.
+        """
         m, buf = self.map_shard(step, rank)
-        for it in m.items:
-            if checksum(buf.array[it.offset:it.offset + it.nbytes]) != it.checksum:
+        expected = [(it.offset, it.nbytes, it.checksum, f"item {it.key!r}") for it in m.items]
+        try:
+            header, payload = self.read_metadata(step)
+        except ShardNotFoundError:
+            pass
+        else:
+            if header.save_id != m.save_id:
+                raise CorruptShardError(f"step {step} rank {rank}: the shard belongs to save "
+                                        f"{m.save_id!r}, the metadata to {header.save_id!r}")
+            try:
+                locations = item_locations(payload)
+            except ValueError as e:
+                raise CorruptShardError(f"metadata of step {step}: {e}") from None
+            expected += [(loc.offset, loc.nbytes, loc.checksum, f"metadata item at {loc.offset}")
+                         for loc in locations if loc.rank == rank]
+        for offset, nbytes, digest, what in expected:
+            if offset + nbytes > buf.size:
+                raise CorruptShardError(f"step {step} rank {rank}: {what} lies past the shard's "
+                                        f"{buf.size} bytes")
+            if checksum(buf.array[offset:offset + nbytes]) != digest:
                 raise CorruptShardError(
-                    f"checksum mismatch in step {step} rank {rank} item {it.key!r} "
+                    f"checksum mismatch in step {step} rank {rank} {what} "
                     f"({self.data_path(step, rank)})")
         return m
 
-    def read_metadata(self, step: int) -> tuple[MetadataHeader, bytes]:
+    def read_metadata(self, step: int, save_id: str | None = None) -> tuple[MetadataHeader, bytes]:
+        """The verified metadata of a step; with ``save_id``, another save's counts as absent."""
         raw = self.read_metadata_file(step)
         try:
-            return decode_metadata(raw)
+            header, payload = decode_metadata(raw)
         except (ValueError, TypeError, KeyError) as e:
             raise CorruptShardError(f"metadata of step {step} is corrupt: {e}") from e
+        if save_id is not None and header.save_id != save_id:
+            raise ShardNotFoundError(f"metadata of step {step} here belongs to save "
+                                     f"{header.save_id!r}, not {save_id!r}")
+        return header, payload
 
     def read_metadata_file(self, step: int) -> bytes:
         try:
@@ -361,6 +445,13 @@ class LocalStore:
         for name in names:
             r = layout.parse_manifest_name(name)
             if r is not None:
+                try:
+                    st.shard_saves[r] = self._manifest_identity(step, r)
+                except ShardNotFoundError:
+                    continue  # retired between the listing and the read
+                except CorruptShardError as e:
+                    log.warning("ignoring step %d rank %d here: %s", step, r, e)
+                    continue
                 st.committed_ranks.add(r)
         if layout.METADATA in names:
             try:
@@ -371,6 +462,7 @@ class LocalStore:
                 log.warning("ignoring metadata of step %d: %s", step, e)
             else:
                 st.has_metadata = True
+                st.header = header
                 st.required_ranks = header.ranks
                 st.world_size = header.world_size
                 st.total_bytes = header.total_bytes
@@ -393,6 +485,32 @@ class LocalStore:
         self._verified_headers[path] = (version, header)
         return header
 
+    def _manifest_identity(self, step: int, rank: int) -> str:
+        """The save id a committed shard's manifest names, once its data file is checked whole.
+
+        Cached per manifest version like metadata headers: the replicator lists often. A
+        shard whose manifest is unreadable or whose data file is missing or short raises
+        CorruptShardError, so it is never counted as held.
+        """
+        path = self.manifest_path(step, rank)
+        try:
+            st = os.stat(path)
+            data_size = os.stat(self.data_path(step, rank)).st_size
+        except FileNotFoundError:
+            if os.path.exists(path):
+                raise CorruptShardError(f"{self.data_path(step, rank)} is missing though its "
+                                        f"manifest is committed") from None
+            raise ShardNotFoundError(f"step {step} rank {rank} is not committed here") from None
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._manifest_ids.get(path)
+        if cached is None or cached[0] != version:
+            m = self.read_manifest(step, rank)
+            cached = self._manifest_ids[path] = (version, m.save_id, m.data_bytes)
+        if data_size < cached[2]:
+            raise CorruptShardError(f"{self.data_path(step, rank)} is truncated: {data_size} of "
+                                    f"{cached[2]} bytes")
+        return cached[1]
+
     def inventory(self) -> dict[int, StepState]:
         return {s: self.step_state(s) for s in self.steps()}
 
@@ -414,8 +532,7 @@ class LocalStore:
         needed = nbytes - reusable
         if needed <= 0:
             return
-        vfs = os.statvfs(self.job_dir)
-        free = vfs.f_bavail * vfs.f_frsize
+        free = self._free_bytes()
         if needed > free:
             raise CapacityError(
                 f"checkpoint shard needs {needed / 2**20:.1f} MiB more but {self.local_dir} has "
@@ -429,6 +546,20 @@ class LocalStore:
                     f"checkpoint shard needs {needed / 2**20:.1f} MiB more but job {self.job_id} "
                     f"already uses {used / 2**20:.1f} MiB of its {self.memory_limit_bytes / 2**20:.1f}"
                     f" MiB memory limit", needed=needed, available=max(room, 0))
+
+    def _free_bytes(self) -> int:
+        vfs = os.statvfs(self.job_dir)
+        return vfs.f_bavail * vfs.f_frsize
+
+    def _no_room(self, needed: int) -> CapacityError:
+        """The error for space that ran out after the check passed: another rank of this node
+        or another program took it meanwhile."""
+        free = self._free_bytes()
+        return CapacityError(
+            f"checkpoint data needs {needed / 2**20:.1f} MiB but {self.local_dir} ran out of "
+            f"space while reserving it ({free / 2**20:.1f} MiB free now; other ranks of this node "
+            f"or other programs use the rest); enlarge the tmpfs, lower keep=, or set "
+            f"MLCHECKPOINT_LOCAL_DIR to a larger one", needed=needed, available=free)
 
     # ------------------------------------------------------------------ recycling
     def _pool_candidate(self, rank: int, nbytes: int) -> tuple[str, int] | None:
@@ -482,23 +613,24 @@ class LocalStore:
             ready = sum(1 for c in own if not c[1])
             if in_use + ready >= keep + 1 or len(own) >= POOL_PER_RANK:
                 break
-            try:  # leave room for a save that checked capacity before we allocate
-                self._preflight(2 * nbytes, reusable=0)
-            except CapacityError as e:
-                log.debug("not preparing more buffers for rank %d: %s", rank, e)
-                break
             name = layout.pool_name(rank, secrets.token_hex(8))
             tmp = os.path.join(self.pool_dir, name + layout.PARTIAL)  # gc's if we die here
-            fd = _private(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             try:
-                os.ftruncate(fd, nbytes)
-            finally:
-                os.close(fd)
-            try:
+                with self.locked():  # checked and reserved in one step, as a save's buffer is
+                    self._preflight(2 * nbytes, reusable=0)  # a save's worth must stay free
+                    fd = _private(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                    try:
+                        os.ftruncate(fd, nbytes)
+                        buffers.reserve(fd, nbytes)
+                    finally:
+                        os.close(fd)
                 self.mappings.map(tmp, nbytes)  # populated: the pages exist from now on
-            except OSError:
+            except (CapacityError, OSError) as e:
                 self._unlink(tmp)
-                raise
+                if isinstance(e, OSError) and e.errno not in NO_ROOM:
+                    raise
+                log.debug("not preparing more buffers for rank %d: %s", rank, e)
+                break
             os.rename(tmp, os.path.join(self.pool_dir, name))  # same inode: the mapping stays
             made += 1
         if made:
@@ -506,15 +638,23 @@ class LocalStore:
         return made
 
     def _to_pool(self, path: str, rank: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_size == 0:  # an empty shard's file: nothing to recycle, and
+                self._unlink(path)          # pooling it would evict a warm buffer of this rank
+                return
         dest = os.path.join(self.pool_dir, layout.pool_name(rank, secrets.token_hex(8)))
         try:
             os.rename(path, dest)
         except FileNotFoundError:
             return
-        mine = sorted((e for e in os.scandir(self.pool_dir) if layout.parse_pool_name(e.name) == rank),
-                      key=lambda e: e.stat().st_mtime, reverse=True)
-        for extra in mine[POOL_PER_RANK:]:
-            self._unlink(extra.path)
+        mine = []
+        for e in os.scandir(self.pool_dir):
+            if layout.parse_pool_name(e.name) == rank:
+                # Another rank of this node may take (rename) a pooled file at any moment.
+                with contextlib.suppress(FileNotFoundError):
+                    mine.append((e.stat().st_mtime, e.path))
+        for _, extra in sorted(mine, reverse=True)[POOL_PER_RANK:]:
+            self._unlink(extra)
 
     def _unlink(self, path: str) -> None:
         self.mappings.forget(path)
@@ -557,9 +697,10 @@ class LocalStore:
     def apply_retention(self, ranks: Iterable[int], keep: int, protected: Iterable[int] = ()) -> list[int]:
         """Keep the newest ``keep`` complete steps of each owner rank in ``ranks``.
 
-        A step counts as complete for rank r when the step's metadata and r's shard are both
-        committed here. Steps newer than the oldest kept one (e.g. a save in flight) and
-        ``protected`` steps are never touched. Returns the steps retired.
+        A step counts as complete for rank r when the step's metadata and r's shard of the
+        same save are both committed here. Steps newer than the oldest kept one (e.g. a save in
+        flight) and ``protected`` steps are never touched. Steps a resume set aside go once a
+        newer step is complete here. Returns the steps retired.
         """
         if keep < 1:
             raise ValueError("keep must be >= 1")
@@ -567,7 +708,7 @@ class LocalStore:
         inv = self.inventory()
         retired: set[int] = set()
         for rank in ranks:
-            complete = [s for s, st in inv.items() if st.has_metadata and rank in st.committed_ranks]
+            complete = [s for s, st in inv.items() if rank in st.ranks_of(st.save_id)]
             if len(complete) <= keep:
                 continue
             oldest_kept = sorted(complete)[-keep]
@@ -580,6 +721,12 @@ class LocalStore:
             for s, st in inv.items():
                 if s < oldest_kept and s not in protected and not st.committed_ranks:
                     self._remove_step_if_empty(s)
+        newest_complete = max((s for s, st in inv.items() if st.complete), default=None)
+        for step, path in self.orphans():
+            if newest_complete is not None and step < newest_complete:
+                log.info("removing step %d set aside at an earlier resume: step %d is complete",
+                         step, newest_complete)
+                shutil.rmtree(path, ignore_errors=True)
         return sorted(retired)
 
     def gc(self, ranks: Iterable[int] | None = None, min_age_s: float = 0.0) -> list[str]:
@@ -636,29 +783,89 @@ class LocalStore:
             log.info("gc removed %d uncommitted file(s) of job %s", len(removed), self.job_id)
         return removed
 
-    def drop_steps_after(self, step: int | None) -> list[int]:
-        """Delete every step newer than ``step`` (all steps if None) on this node.
+    def settle(self, lineage: Lineage, loaded: int | None, set_aside: Iterable[int] = ()) -> list[int]:
+        """After a resume: keep only what belongs to the job's history up to the loaded step.
 
-        After a resume those steps are orphans of the failed run: the job continues from
-        ``step`` and will write new checkpoints under the same numbers, so a later resume must
-        never mistake them for its own.
+        - Steps newer than ``loaded`` (all steps if None) are orphans of the failed run: the
+          job continues from ``loaded`` and saves new checkpoints under the same numbers.
+          They are dropped, except those in ``set_aside`` (complete steps that recovery did
+          not load, e.g. because loading them failed): those move out of sight into
+          ``orphans/`` (an operator may still want them; gc removes them once the job has a
+          complete step past them), never deleted.
+        - In older steps, every file of a save outside ``lineage`` (another run of this job)
+          and every unreadable shard is removed.
+        Returns the steps dropped or set aside.
         """
-        dropped = [s for s in self.steps() if step is None or s > step]
-        for s in dropped:
-            d = self.step_dir(s)
-            with self.locked(), contextlib.suppress(FileNotFoundError):
-                names = os.listdir(d)
-                for name in names:  # uncommit everything first
-                    if name.endswith(".manifest"):
-                        self._unlink(os.path.join(d, name))
-                for name in os.listdir(d):
-                    owner = _owner_of(name)
-                    if owner is not None and name.endswith(".data"):
-                        self._to_pool(os.path.join(d, name), owner)
-                    else:
-                        self._unlink(os.path.join(d, name))
-                os.rmdir(d)
-        return dropped
+        aside = set(set_aside)
+        gone = []
+        for step in self.steps():
+            if loaded is not None and step <= loaded:
+                self._drop_foreign(step, lineage)
+                continue
+            gone.append(step)
+            if step in aside:
+                self._set_aside(step)
+            else:
+                self._drop_step(step)
+        return gone
+
+    def _drop_foreign(self, step: int, lineage: Lineage) -> None:
+        st = self.step_state(step)
+        for rank in self._manifest_ranks(step):
+            try:
+                m = self.read_manifest(step, rank)
+                keep = lineage.admits(m.run_id, step) and rank in st.committed_ranks
+            except ShardNotFoundError:
+                continue
+            except CorruptShardError:
+                keep = False
+            if not keep:
+                log.info("dropping step %d rank %d here: not part of this job's history or damaged",
+                         step, rank)
+                self.retire_shard(step, rank)
+        if st.header is not None and not lineage.admits(st.header.run_id, step):
+            self._unlink(self.metadata_path(step))
+        self._remove_step_if_empty(step, keep_metadata=True)  # a replaced node's shards come later
+
+    def _manifest_ranks(self, step: int) -> list[int]:
+        try:
+            names = os.listdir(self.step_dir(step))
+        except FileNotFoundError:
+            return []
+        return sorted(r for r in map(layout.parse_manifest_name, names) if r is not None)
+
+    def _drop_step(self, step: int) -> None:
+        d = self.step_dir(step)
+        with self.locked(), contextlib.suppress(FileNotFoundError):
+            names = os.listdir(d)
+            for name in names:  # uncommit everything first
+                if layout.parse_manifest_name(name) is not None:
+                    self._unlink(os.path.join(d, name))
+            for name in os.listdir(d):
+                owner = _owner_of(name)
+                if owner is not None and name.endswith(".data"):
+                    self._to_pool(os.path.join(d, name), owner)
+                else:
+                    self._unlink(os.path.join(d, name))
+            os.rmdir(d)
+
+    def _set_aside(self, step: int) -> None:
+        dest = os.path.join(self.job_dir, layout.ORPHANS, layout.orphan_dirname(step, secrets.token_hex(4)))
+        os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+        with self.locked(), contextlib.suppress(FileNotFoundError):
+            os.rename(self.step_dir(step), dest)
+            log.warning("step %d is complete but was not resumed; kept out of the way in %s "
+                        "until the job has a newer complete step", step, dest)
+
+    def orphans(self) -> list[tuple[int, str]]:
+        """(step, path) of steps set aside by ``settle``."""
+        root = os.path.join(self.job_dir, layout.ORPHANS)
+        try:
+            names = os.listdir(root)
+        except FileNotFoundError:
+            return []
+        found = ((layout.parse_orphan_dirname(n), os.path.join(root, n)) for n in names)
+        return sorted((step, path) for step, path in found if step is not None)
 
     @contextlib.contextmanager
     def fetch_lock(self, step: int, owner: int | None) -> Iterator[None]:

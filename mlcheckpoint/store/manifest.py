@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from dataclasses import asdict, dataclass, field
 
 from .checksum import ALGORITHM, checksum
+from .layout import ItemLocation
 
 FORMAT_VERSION = 1
 # A manifest or metadata header larger than this is not ours (or is corrupt): refuse to parse it.
@@ -37,10 +39,12 @@ class Manifest:
     created: float = field(default_factory=time.time)
     algorithm: str = ALGORITHM
     format: int = FORMAT_VERSION
+    save_id: str = ""  # the save (incarnation of ``step``) these bytes belong to
+    run_id: str = ""  # the run of the job that made that save
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("job_id", "step", "rank", "data_bytes", "world_size",
-                                           "created", "algorithm", "format")}
+                                           "created", "algorithm", "format", "save_id", "run_id")}
         # Built by hand: dataclasses.asdict deep-copies every item and costs ~10 ms per 500 items.
         d["items"] = [{"key": i.key, "offset": i.offset, "nbytes": i.nbytes, "checksum": i.checksum,
                        "kind": i.kind, "dtype": i.dtype, "shape": i.shape} for i in self.items]
@@ -71,6 +75,7 @@ def _check_layout(m: Manifest) -> None:
     """Reject manifests whose items fall outside the data (corrupt or hostile)."""
     if m.data_bytes < 0 or m.step < 0 or m.rank < 0:
         raise ValueError("negative size, step or rank in manifest")
+    check_identity(m.run_id, m.save_id)
     for it in m.items:
         if it.offset < 0 or it.nbytes < 0 or it.offset + it.nbytes > m.data_bytes:
             raise ValueError(f"item {it.key!r} lies outside the shard's {m.data_bytes} bytes")
@@ -89,6 +94,32 @@ class MetadataHeader:
     checksum: int
     created: float = field(default_factory=time.time)
     format: int = FORMAT_VERSION
+    save_id: str = ""  # every shard of this save names the same id in its manifest
+    run_id: str = ""
+    # The runs this save descends from: (run id, newest step of that run it builds on), oldest
+    # first. Recovery uses it to refuse steps of another incarnation of the job.
+    lineage: list[list] = field(default_factory=list)
+
+
+def check_identity(run_id: object, save_id: object) -> None:
+    """Ids are short printable tokens (they travel in headers a peer sends)."""
+    for name, value in (("run_id", run_id), ("save_id", save_id)):
+        if not isinstance(value, str) or len(value) > 64 or not value.isascii():
+            raise ValueError(f"malformed {name} {value!r}")
+
+
+def check_lineage(lineage: object) -> None:
+    if not isinstance(lineage, list) or len(lineage) > MAX_LINEAGE:
+        raise ValueError("malformed lineage")
+    for entry in lineage:
+        if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[1], int)
+                or isinstance(entry[1], bool)):
+            raise ValueError(f"malformed lineage entry {entry!r}")
+        check_identity(entry[0], "")
+
+
+# Ancestor runs remembered in a header; older ones no longer matter to a resume.
+MAX_LINEAGE = 32
 
 
 def encode_metadata(header: MetadataHeader, payload: bytes) -> bytes:
@@ -100,7 +131,12 @@ def decode_metadata(raw: bytes) -> tuple[MetadataHeader, bytes]:
     nl = raw.find(b"\n", 0, MAX_HEADER_BYTES)
     if nl < 0:
         raise ValueError("metadata file has no header line")
-    header = MetadataHeader(**json.loads(raw[:nl]))
+    fields = json.loads(raw[:nl])
+    if not isinstance(fields, dict):
+        raise ValueError("metadata header is not an object")
+    header = MetadataHeader(**fields)
+    check_identity(header.run_id, header.save_id)
+    check_lineage(header.lineage)
     payload = raw[nl + 1:]
     if header.format != FORMAT_VERSION:
         raise ValueError(f"unsupported metadata format {header.format}")
@@ -109,3 +145,16 @@ def decode_metadata(raw: bytes) -> tuple[MetadataHeader, bytes]:
     if checksum(payload) != header.checksum:
         raise ValueError("metadata checksum mismatch")
     return header, payload
+
+
+def item_locations(payload: bytes) -> list[ItemLocation]:
+    """Where every item of a step lives, with its checksum, from a verified metadata payload
+    (DCP's pickled Metadata; our own file, checksummed, never a peer's unverified bytes)."""
+    try:
+        metadata = pickle.loads(payload)
+        locations = list(metadata.storage_data.values())
+    except Exception as e:  # an unpicklable payload is a corrupt file, whatever pickle raised
+        raise ValueError(f"metadata payload is not DCP metadata: {e!r}") from None
+    if not all(isinstance(loc, ItemLocation) for loc in locations):
+        raise ValueError("metadata items were not written by mlcheckpoint")
+    return locations

@@ -1,0 +1,157 @@
+"""Step numbers are not identities: runs of one job that reuse them, steps saved twice, and
+damaged local copies beside intact replicas. Real torchrun jobs on two simulated nodes.
+
+Launches of tests/workers/incarnation_job.py (each a fresh set of processes, 2 nodes x 1 rank):
+  A  run A saves; "resave" saves step 5 twice with different bytes
+  -- node 1 of "mixed" is copied aside (run A's memory) and both nodes wiped; node 1 of
+     "resave" wiped; node 0's own shard of step 3 damaged in three ways --
+  B  run B of "mixed" starts over and saves steps 1-3 again with other values; the rest resume
+  -- node 1 of "mixed" comes back with run A's memory --
+  C  "mixed" resumes again
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from cluster import Cluster
+
+from mlcheckpoint import LocalStore
+
+pytestmark = pytest.mark.timeout(600)
+
+DAMAGES = ("truncated", "deleted", "bad_manifest")
+
+
+def launch(c: Cluster, table: dict[str, dict]) -> None:
+    for fn in os.listdir(c.out_dir):
+        os.unlink(os.path.join(c.out_dir, fn))
+    specs = [dict(spec, job=f"{c.job_id}-{name}") for name, spec in table.items()]
+    c.run("incarnation_job.py", json.dumps(specs), timeout=240)
+
+
+def results(c: Cluster, kind: str, name: str) -> dict[int, dict]:
+    return c.results(f"{kind}-{c.job_id}-{name}")
+
+
+def job_dir(c: Cluster, node: int, name: str) -> str:
+    return os.path.join(c.nodes[node].local_dir, f"{c.job_id}-{name}")
+
+
+def open_store(c: Cluster, node: int, name: str) -> LocalStore:
+    return LocalStore(c.nodes[node].local_dir, f"{c.job_id}-{name}", create=False)
+
+
+def shard_ids(c: Cluster, node: int, name: str) -> dict[tuple[int, int], tuple[str, str, list]]:
+    """(step, owner) -> (save id, run id, item checksums) of every committed shard on a node."""
+    store = open_store(c, node, name)
+    try:
+        out = {}
+        for step, st in store.inventory().items():
+            for owner in st.committed_ranks:
+                m = store.read_manifest(step, owner)
+                out[(step, owner)] = (m.save_id, m.run_id, [it.checksum for it in m.items])
+        return out
+    finally:
+        store.close()
+
+
+def damage(c: Cluster, name: str, how: str) -> None:
+    """Damage node 0's own shard (rank 0) of step 3; node 1's replica stays intact."""
+    store = open_store(c, 0, name)
+    try:
+        data, manifest = store.data_path(3, 0), store.manifest_path(3, 0)
+    finally:
+        store.close()
+    if how == "truncated":
+        os.truncate(data, os.path.getsize(data) // 2)
+    elif how == "deleted":
+        os.unlink(data)
+    else:
+        with open(manifest, "wb") as f:
+            f.write(b"{not json")
+
+
+@pytest.fixture(scope="module")
+def run():
+    with Cluster(2) as c:
+        o: dict = {"c": c}
+        saved = {"saves": [[2, 0], [3, 0]], "wait": True}
+        launch(c, {"mixed": {"saves": [[1, 0], [2, 0], [3, 0]], "wait": True},
+                   "resave": {"saves": [[4, 0], [5, 0], [5, 1]], "wait": True},
+                   **{d: saved for d in DAMAGES}})
+        o["resave_saves"] = results(c, "saves", "resave")
+        o["resave_ids"] = {n: shard_ids(c, n, "resave") for n in (0, 1)}
+        o["mixed_a_ids"] = shard_ids(c, 1, "mixed")
+        run_a_node1 = os.path.join(c.root, "run-a-node1")
+        shutil.copytree(job_dir(c, 1, "mixed"), run_a_node1)
+        for n in (0, 1):
+            shutil.rmtree(job_dir(c, n, "mixed"))
+        shutil.rmtree(job_dir(c, 1, "resave"))
+        for d in DAMAGES:
+            damage(c, d, d)
+
+        launch(c, {"mixed": {"resume": True, "saves": [[1, 1], [2, 1], [3, 1]], "wait": True},
+                   "resave": {"resume": True}, **{d: {"resume": True} for d in DAMAGES}})
+        o["mixed_b_fresh"] = results(c, "resume", "mixed")
+        o["resave"] = results(c, "resume", "resave")
+        for d in DAMAGES:
+            o[d] = results(c, "resume", d)
+            o[f"{d}_after"] = {n: shard_ids(c, n, d) for n in (0, 1)}
+        o["mixed_b_ids"] = {n: shard_ids(c, n, "mixed") for n in (0, 1)}
+        shutil.rmtree(job_dir(c, 1, "mixed"))  # node 1 returns with run A's memory
+        shutil.copytree(run_a_node1, job_dir(c, 1, "mixed"))
+
+        launch(c, {"mixed": {"resume": True}})
+        o["mixed"] = results(c, "resume", "mixed")
+        o["mixed_after"] = {n: shard_ids(c, n, "mixed") for n in (0, 1)}
+        yield o
+
+
+def test_older_run_on_a_returning_node_is_never_mixed_in(run):
+    assert run["mixed_b_fresh"][0]["step"] is None  # both nodes were wiped: run B starts over
+    a, b = run["mixed_a_ids"], run["mixed_b_ids"][0]
+    assert {k[0] for k in a} == {k[0] for k in b} == {2, 3}  # the same step numbers, twice
+    assert all(a[k][0] != b[k][0] for k in a)  # ...as different saves
+    res = run["mixed"]
+    assert sorted(res) == [0, 1]
+    for rank, r in res.items():
+        # every rank holds run B's step 3 exactly: rank 1's bytes came from node 0's replica,
+        # not from the run-A copy of "step 3" on its own node
+        assert r["step"] == 3 and r["salts"] == [1], (rank, r)
+        assert "another run" in (r["reason"] or ""), r
+    assert res[1]["source"] == "peer"
+    # run A's files are gone from the returning node; only run B's remain
+    run_b = {v[1] for v in run["mixed_b_ids"][0].values()}
+    assert {v[1] for v in run["mixed_after"][1].values()} <= run_b, run["mixed_after"]
+
+
+def test_step_saved_twice_is_replicated_again(run):
+    saves = run["resave_saves"]
+    assert all(r["replicated"] == [True, True, True] for r in saves.values()), saves
+    ids = run["resave_ids"]
+    for owner in (0, 1):
+        own, replica = ids[owner][(5, owner)], ids[1 - owner][(5, owner)]
+        assert own == replica, (owner, own, replica)  # the partner holds the second save
+    assert ids[0][(5, 0)][2] != ids[0][(4, 0)][2]
+
+
+def test_step_saved_twice_resumes_its_second_version_after_losing_a_node(run):
+    res = run["resave"]
+    for rank, r in res.items():
+        assert r["step"] == 5 and r["salts"] == [1], (rank, r)
+    assert res[1]["source"] == "peer"
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_damaged_local_copy_is_replaced_by_the_intact_replica(run, how):
+    res = run[how]
+    for rank, r in res.items():
+        assert r["step"] == 3 and r["salts"] == [0], (how, rank, r)
+    assert res[0]["source"] == "peer", res
+    after = run[f"{how}_after"]
+    # the replica on node 1 was not dropped, and node 0's own copy was rebuilt from it
+    assert (3, 0) in after[1], after

@@ -1,0 +1,58 @@
+"""Worker for tests of save identity: runs of one job that reuse step numbers.
+
+argv[1]: a JSON list of job specs, run one after the other, each a dict:
+    job      job id
+    resume   call ``ckpt.resume`` first and report what it loaded
+    saves    [[step, salt], ...] saved in order with ``ckpt.save``; ``salt`` changes every value,
+             so two saves of one step with different salts hold different bytes
+    wait     after each save, ``wait_replicated(step)`` (reported)
+
+Reports "resume-<job>" {step, source, reason, salts: the salts whose state equals what was
+loaded} and "saves-<job>" {replicated: [bool per save], seconds: [per wait]}.
+"""
+
+import json
+import sys
+import time
+
+import torch.distributed as dist
+from common import empty_like, equal, init, model_state, report
+
+from mlcheckpoint import CheckpointManager
+
+SALTS = range(4)
+
+
+def state(rank: int, step: int, salt: int, world: int) -> dict:
+    return model_state(rank, step + 100_000 * salt, world)
+
+
+def run_job(spec: dict, rank: int, world: int) -> None:
+    job = spec["job"]
+    ckpt = CheckpointManager(job_id=job)
+    if spec.get("resume"):
+        sd = empty_like(state(rank, 0, 0, world))
+        info = ckpt.resume(sd)
+        salts = [] if info.step is None else [s for s in SALTS if equal(state(rank, info.step, s, world), sd)]
+        report(f"resume-{job}", {"step": info.step, "source": info.source, "reason": info.reason,
+                                 "salts": salts})
+    replicated, seconds = [], []
+    for step, salt in spec.get("saves", []):
+        ckpt.save(state(rank, step, salt, world), step)
+        if spec.get("wait"):
+            t0 = time.monotonic()
+            replicated.append(ckpt.wait_replicated(step, 60))
+            seconds.append(time.monotonic() - t0)
+    report(f"saves-{job}", {"replicated": replicated, "seconds": seconds})
+    ckpt.close()
+
+
+def main() -> None:
+    rank, world = init()
+    for spec in json.loads(sys.argv[1]):
+        run_job(spec, rank, world)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Worker: a replicating job that a test probes and attacks from outside while it runs.
+
+1. Save step 0 and wait until it is protected; report "ready" (this rank's secret, listener
+   address and the job's MASTER_PORT: only the test may learn the secret, from this file).
+2. Wait for ``$TEST_OUT_DIR/go`` (the test has started its attack on the replication port).
+3. Save steps 1..last, waiting after each until it is protected (or ``timeout`` passes);
+   report "attacked" with, per step, whether it was protected.
+4. Wait for ``$TEST_OUT_DIR/stop`` (the test may still probe the job), then end.
+
+argv: last timeout
+"""
+
+import os
+import sys
+import time
+
+import torch.distributed as dist
+from common import init, model_state, report
+
+from mlcheckpoint import CheckpointManager
+
+
+def wait_for_file(path: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} never appeared")
+        time.sleep(0.05)
+
+
+def main() -> None:
+    last, timeout = int(sys.argv[1]), float(sys.argv[2])
+    rank, world = init()
+    ckpt = CheckpointManager(replication="tcp")
+    transport = ckpt.replicator.transport
+    ckpt.save(model_state(rank, 0, world), 0)
+    first_protected = ckpt.wait_replicated(0, 60)
+    report("ready", {"secret": transport.secret.hex(), "address": transport.address,
+                     "master_port": int(os.environ["MASTER_PORT"]), "protected": first_protected,
+                     "prefix": ckpt.replicator.rdzv.prefix})
+    wait_for_file(os.path.join(os.environ["TEST_OUT_DIR"], "go"))
+    protected = {}
+    for step in range(1, last + 1):
+        ckpt.save(model_state(rank, step, world), step)
+        protected[step] = ckpt.wait_replicated(step, timeout)
+    report("attacked", {"protected": protected})
+    wait_for_file(os.path.join(os.environ["TEST_OUT_DIR"], "stop"))
+    dist.barrier()
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,8 @@ from .config import resolve_local_dir, validate_job_id
 from .errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from .persistent import PersistentStorage
 from .store import LocalStore
+from .store.layout import ItemLocation
+from .store.manifest import item_locations
 
 EXIT_OK, EXIT_CORRUPT, EXIT_MISSING = 0, 1, 2
 
@@ -109,9 +111,13 @@ def cmd_verify(args) -> int:
         return EXIT_MISSING
     st = store.step_state(step)
     results, verdict = [], EXIT_OK
+    locations: list[ItemLocation] = []  # the checksums a resume checks the bytes against
     try:
-        store.read_metadata(step)
+        locations = item_locations(store.read_metadata(step)[1])
         results.append({"item": "metadata", "status": "ok"})
+    except ValueError as e:
+        results.append({"item": "metadata", "status": "corrupt", "error": str(e)})
+        verdict = EXIT_CORRUPT
     except CorruptShardError as e:
         results.append({"item": "metadata", "status": "corrupt", "error": str(e)})
         verdict = EXIT_CORRUPT
@@ -120,7 +126,7 @@ def cmd_verify(args) -> int:
         verdict = max(verdict, EXIT_MISSING) if verdict != EXIT_CORRUPT else verdict
     for rank in sorted(st.committed_ranks):
         try:
-            m = store.verify_shard(step, rank)
+            m = store.verify_shard(step, rank, [loc for loc in locations if loc.rank == rank])
             results.append({"item": f"rank {rank}", "status": "ok", "bytes": m.data_bytes,
                             "items": len(m.items)})
         except (CorruptShardError, ShardNotFoundError) as e:

@@ -82,8 +82,10 @@ def run():
         saved = {"saves": [[2, 0], [3, 0]], "wait": True}
         launch(c, {"mixed": {"saves": [[1, 0], [2, 0], [3, 0]], "wait": True},
                    "resave": {"saves": [[4, 0], [5, 0], [5, 1]], "wait": True},
+                   "skipped": {"skip": [6, 7, 8]},
                    **{d: saved for d in DAMAGES}})
         o["resave_saves"] = results(c, "saves", "resave")
+        o["skipped"] = results(c, "saves", "skipped")
         o["resave_ids"] = {n: shard_ids(c, n, "resave") for n in (0, 1)}
         o["mixed_a_ids"] = shard_ids(c, 1, "mixed")
         run_a_node1 = os.path.join(c.root, "run-a-node1")
@@ -155,3 +157,10 @@ def test_damaged_local_copy_is_replaced_by_the_intact_replica(run, how):
     after = run[f"{how}_after"]
     # the replica on node 1 was not dropped, and node 0's own copy was rebuilt from it
     assert (3, 0) in after[1], after
+
+
+def test_waiting_for_a_step_the_replicator_skipped_answers_at_once(run):
+    for rank, r in run["skipped"].items():
+        # 7 was superseded by 8 (found together), so it can never be protected; 8 is
+        assert r["replicated"][1:] == [False, True], (rank, r)
+        assert r["seconds"][1] < 100, (rank, r)  # answered, not timed out (the wait is 120 s)

@@ -7,6 +7,7 @@ independent model of "which step is usable and what must move where", over rando
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter, defaultdict
 
@@ -595,3 +596,81 @@ def test_bad_everything_is_fresh_or_persistent(persistent):
     d = plan_resume(nodes, persistent, 2, bad_copies=bad)
     assert d.kind == (FRESH if persistent is None else PERSISTENT)
     assert d.step == persistent and d.fetches == []
+
+
+# ---------------------------------------------------------------------------- saves and runs
+def saved(owners, run, save, created, *, shard_save=None, ancestors=(), required=(0, 1), world=2,
+          meta=True) -> StepCopy:
+    """A node's copy of one save: metadata of ``save`` by ``run`` and shards of ``shard_save``
+    (default: the same save)."""
+    base = copy(owners, meta=meta, required=required, world_size=world)
+    shard_save = save if shard_save is None else shard_save
+    return dataclasses.replace(base, save_id=save if meta else "", run_id=run if meta else "",
+                               created=created if meta else 0.0, ancestors=tuple(ancestors),
+                               shard_saves=tuple((o, shard_save) for o in sorted(owners)))
+
+
+def test_a_returning_node_with_an_older_run_of_the_same_steps_is_not_mixed_in():
+    # run A saved steps 2-3 on both nodes; run B (a fresh start on new machines) saved 2-3 again.
+    # Node 1 came back with run A's memory; node 0 has run B's, including node 1's replica.
+    nodes = cluster(2, 1, {
+        0: {s: saved({0, 1}, "B", f"b{s}", 200 + s) for s in (2, 3)},
+        1: {s: saved({0, 1}, "A", f"a{s}", 100 + s) for s in (2, 3)},
+    })
+    d = plan_resume(nodes, None, 2)
+    assert (d.kind, d.step, d.save_id) == (MEMORY, 3, "b3")
+    # rank 1 reads run B's bytes from node 0, never the run-A copy on its own node
+    assert d.sources == {0: "local", 1: "peer"}
+    assert [(f.dst_rank, f.src_rank, f.owner) for f in d.fetches] == [(1, 0, None), (1, 0, 1)]
+    assert d.holders == {0: [0], 1: [0]}
+    assert "another run" in d.reason
+
+
+def test_steps_of_the_failed_run_newer_than_what_was_resumed_are_foreign():
+    # run A saved 1-3; run B resumed A's step 2 (3 was incomplete then) and saved 3 again, but
+    # B's step 3 lost a shard. A's step 3, complete on node 1, is not part of B's history.
+    nodes = cluster(2, 1, {
+        0: {1: saved({0, 1}, "A", "a1", 101), 2: saved({0, 1}, "A", "a2", 102),
+            3: saved({0}, "B", "b3", 203, ancestors=[("A", 2)])},
+        1: {3: saved({0, 1}, "A", "a3", 103), 2: saved({0, 1}, "A", "a2", 102)},
+    })
+    d = plan_resume(nodes, None, 2)
+    assert (d.step, d.save_id) == (2, "a2"), d
+    assert d.history.run_id == "B" and d.history.admits("A", 2) and not d.history.admits("A", 3)
+    assert mentions_step(d.reason, 3)
+
+
+def test_a_shard_of_another_save_of_the_step_does_not_count():
+    # step 5 saved twice in one run: node 1 still holds rank 0's replica of the first save
+    nodes = cluster(2, 1, {
+        0: {5: saved({0}, "R", "second", 20, shard_save="second")},
+        1: {5: dataclasses.replace(saved({0, 1}, "R", "second", 20),
+                                   shard_saves=((0, "first"), (1, "second")))},
+    })
+    d = plan_resume(nodes, None, 2)
+    assert (d.step, d.save_id) == (5, "second")
+    assert d.holders[0] == [0]  # only node 0 holds rank 0's shard of the second save
+    nodes[0].steps.clear()  # lose node 0: the first save's replica cannot complete step 5
+    d = plan_resume(nodes, None, 2)
+    assert d.kind == FRESH and "ranks [0]" in d.reason
+
+
+def test_the_later_save_of_a_step_saved_twice_wins():
+    both = {0: "first", 1: "first"}
+    nodes = cluster(2, 1, {
+        0: {5: saved({0, 1}, "R", "second", 20)},
+        1: {5: dataclasses.replace(saved({0, 1}, "R", "first", 10),
+                                   shard_saves=tuple(both.items()))},
+    })
+    d = plan_resume(nodes, None, 2)
+    assert (d.step, d.save_id) == (5, "second") and d.holders == {0: [0], 1: [0]}
+
+
+def test_complete_steps_that_were_not_loaded_are_stranded_not_dropped():
+    nodes = paired(2, 1, [2, 3])
+    d = plan_resume(nodes, None, 2, bad_steps={3})
+    assert d.step == 2 and d.stranded == [3]
+    d = plan_resume(nodes, None, 2, bad_steps={2, 3})
+    assert d.kind == FRESH and d.stranded == [3, 2]
+    d = plan_resume(nodes, 2, 2, bad_steps={2, 3})  # persistent step 2: only 3 is newer
+    assert d.kind == PERSISTENT and d.stranded == [3]

@@ -13,6 +13,7 @@ from mlcheckpoint import CorruptShardError, LocalStore, ShardNotFoundError
 from mlcheckpoint.store import layout
 from mlcheckpoint.store.checksum import checksum
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
+from mlcheckpoint.store.identity import Lineage
 
 JOB = "job-store"
 
@@ -520,3 +521,58 @@ def test_buffer_tensor_points_at_the_mapping_after_torch_moves_its_storage(store
             assert f.read(4) == bytes([1, 2, 3, 4])
     finally:
         mf.release()
+
+
+# ---------------------------------------------------------------------------- settling after a resume
+def put_save(store: LocalStore, step: int, run: str, ranks=(0, 1)) -> None:
+    """A step of run ``run``: shards and metadata naming one save id."""
+    save = f"{run}-{step}"
+    for r in ranks:
+        begin(store, step, r, payload(step, r)).commit(save_id=save, run_id=run)
+    store.write_metadata(step, f"meta-of-{step}".encode(), world_size=len(ranks), ranks=ranks,
+                         total_bytes=4096 * len(ranks), save_id=save, lineage=Lineage(run))
+
+
+def test_settle_keeps_history_drops_other_runs_and_sets_complete_newer_steps_aside(store):
+    put_save(store, 1, "A")
+    put_save(store, 2, "A")
+    put_save(store, 3, "A")
+    put_save(store, 4, "A")
+    begin(store, 2, 1, payload(9, 1)).commit(save_id="X-2", run_id="X")  # another run's replica
+    # resumed step 2 of run A in run B; step 4 was complete but did not load: set aside
+    gone = store.settle(Lineage("B", (("A", 2),)), 2, set_aside=[4])
+    assert gone == [3, 4]
+    assert store.steps() == [1, 2]
+    assert store.step_state(2).committed_ranks == {0}  # run X's shard is gone
+    assert store.step_state(1).complete
+    assert [s for s, _ in store.orphans()] == [4]
+    # the orphan goes once the job has a newer complete step here, not before
+    put_save(store, 3, "B")
+    store.apply_retention([0, 1], keep=5)
+    assert [s for s, _ in store.orphans()] == [4]
+    put_save(store, 5, "B")
+    store.apply_retention([0, 1], keep=5)
+    assert store.orphans() == []
+
+
+def test_settle_drops_another_runs_metadata_but_keeps_a_replaced_nodes_fetched_metadata(store):
+    put_save(store, 3, "A", ranks=(0,))
+    for r in (0,):
+        store.retire_shard(3, r)
+    store.write_metadata(3, b"m", world_size=1, ranks=[0], total_bytes=1, save_id="A-3",
+                         lineage=Lineage("A"))
+    store.settle(Lineage("B", (("A", 3),)), 3)
+    assert store.step_state(3).has_metadata  # fetched before the shard: kept for the heal
+    store.settle(Lineage("C"), 3)
+    assert 3 not in store.steps()
+
+
+def test_inventory_skips_damaged_shards_and_complete_needs_one_save(store):
+    put_save(store, 3, "A")
+    assert store.step_state(3).complete
+    os.truncate(store.data_path(3, 1), 10)
+    st = store.step_state(3)
+    assert st.committed_ranks == {0} and not st.complete
+    begin(store, 3, 1, payload(3, 1)).commit(save_id="A-other", run_id="A")
+    st = store.step_state(3)
+    assert st.committed_ranks == {0, 1} and st.ranks_of("A-3") == {0} and not st.complete

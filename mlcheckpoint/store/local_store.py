@@ -30,8 +30,8 @@ from . import buffers, copier, layout
 from .buffers import NO_ROOM, MappedFile, MappingCache
 from .checksum import checksum
 from .identity import Lineage
-from .manifest import (Manifest, ManifestItem, MetadataHeader, decode_metadata, encode_metadata,
-                       item_locations)
+from .layout import ItemLocation
+from .manifest import Manifest, ManifestItem, MetadataHeader, decode_metadata, encode_metadata
 
 log = logging.getLogger(__name__)
 
@@ -376,29 +376,22 @@ class LocalStore:
             raise CorruptShardError(f"{path} is truncated: {st.st_size} of {m.data_bytes} bytes")
         return ShardSource(self, m, path, fd, st)
 
-    def verify_shard(self, step: int, rank: int) -> Manifest:
+    def verify_shard(self, step: int, rank: int, recorded: Iterable[ItemLocation] = ()) -> Manifest:
         """Check every item's checksum; raises CorruptShardError naming the first bad item.
 
-        Checked against the manifest and, when this node has the step's metadata, against the
-        checksums the metadata recorded (what a resume checks: a manifest rewritten to match
-        damaged bytes does not pass) and its save id.
+        Checked against the manifest and against ``recorded``: the item locations the step's
+        metadata holds for this rank (what a resume checks, so a manifest rewritten to match
+        damaged bytes does not pass). A shard of another save than the metadata here fails.
         """
         m, buf = self.map_shard(step, rank)
         expected = [(it.offset, it.nbytes, it.checksum, f"item {it.key!r}") for it in m.items]
-        try:
-            header, payload = self.read_metadata(step)
-        except ShardNotFoundError:
-            pass
-        else:
+        expected += [(loc.offset, loc.nbytes, loc.checksum, f"metadata item at offset {loc.offset}")
+                     for loc in recorded]
+        with contextlib.suppress(ShardNotFoundError):
+            header, _ = self.read_metadata(step)
             if header.save_id != m.save_id:
                 raise CorruptShardError(f"step {step} rank {rank}: the shard belongs to save "
                                         f"{m.save_id!r}, the metadata to {header.save_id!r}")
-            try:
-                locations = item_locations(payload)
-            except ValueError as e:
-                raise CorruptShardError(f"metadata of step {step}: {e}") from None
-            expected += [(loc.offset, loc.nbytes, loc.checksum, f"metadata item at {loc.offset}")
-                         for loc in locations if loc.rank == rank]
         for offset, nbytes, digest, what in expected:
             if offset + nbytes > buf.size:
                 raise CorruptShardError(f"step {step} rank {rank}: {what} lies past the shard's "

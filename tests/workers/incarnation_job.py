@@ -6,6 +6,8 @@ argv[1]: a JSON list of job specs, run one after the other, each a dict:
     saves    [[step, salt], ...] saved in order with ``ckpt.save``; ``salt`` changes every value,
              so two saves of one step with different salts hold different bytes
     wait     after each save, ``wait_replicated(step)`` (reported)
+    skip     steps saved back to back while this rank's replicator is held, so it finds them
+             all at once and pushes only the newest; then ``wait_replicated`` of each
 
 Reports "resume-<job>" {step, source, reason, salts: the salts whose state equals what was
 loaded} and "saves-<job>" {replicated: [bool per save], seconds: [per wait]}.
@@ -21,6 +23,7 @@ from common import empty_like, equal, init, model_state, report
 from mlcheckpoint import CheckpointManager
 
 SALTS = range(4)
+SKIP_TIMEOUT = 120
 
 
 def state(rank: int, step: int, salt: int, world: int) -> dict:
@@ -42,6 +45,15 @@ def run_job(spec: dict, rank: int, world: int) -> None:
         if spec.get("wait"):
             t0 = time.monotonic()
             replicated.append(ckpt.wait_replicated(step, 60))
+            seconds.append(time.monotonic() - t0)
+    skip = spec.get("skip", [])
+    if skip:
+        with ckpt.replicator._lock:  # the replicator thread waits here: it sees every step late
+            for step in skip:
+                ckpt.save(state(rank, step, 0, world), step)
+        for step in skip:
+            t0 = time.monotonic()
+            replicated.append(ckpt.wait_replicated(step, SKIP_TIMEOUT))
             seconds.append(time.monotonic() - t0)
     report(f"saves-{job}", {"replicated": replicated, "seconds": seconds})
     ckpt.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -194,6 +193,7 @@ class CheckpointManager:
             with gc_paused():
                 metadata = dcp.save(state_dict, storage_writer=writer, process_group=self._save_pg)
         except CheckpointException as e:
+            self._drop_failed_shard(writer)
             raise _unwrap(e, f"save of step {step}") from None
         seconds = time.perf_counter() - t0
         result = SaveResult(step, _committed_bytes(writer), seconds, seconds, persistent)
@@ -237,6 +237,7 @@ class CheckpointManager:
             with gc_paused():
                 metadata = dcp.save(staged, storage_writer=writer, process_group=self._save_pg)
         except CheckpointException as e:
+            self._drop_failed_shard(writer)
             err = _unwrap(e, f"async save of step {step}")
             log.error("mlcheckpoint: %s", err)
             raise err from None
@@ -250,6 +251,14 @@ class CheckpointManager:
             with self._lock:
                 self._persist_futures = [f for f in self._persist_futures if not f.done()] + [pf]
         return result
+
+    def _drop_failed_shard(self, writer: MemoryStorageWriter) -> None:
+        """A step that failed on some rank is no checkpoint: give back the space this rank's
+        shard of it took (else a CapacityError on one rank leaves the others' shards holding
+        the tmpfs for the rest of the run)."""
+        if writer.committed is not None:
+            with contextlib.suppress(OSError, MLCheckpointError):
+                self.store.retire_shard(writer.step, self.rank)
 
     def _write_persistent(self, state_dict: dict[str, Any], step: int, pinned: bool = False) -> None:
         assert self.persistent is not None, "persistent=True needs CheckpointManager(persistent_dir=...)"

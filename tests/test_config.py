@@ -1,14 +1,26 @@
-"""Job id and local directory resolution (mlcheckpoint.config) and its use by LocalStore."""
+"""Settings (mlcheckpoint.config) and their use by LocalStore and CheckpointManager: job id,
+local directory, keep, memory limit. A bad setting is a ConfigError that names it and says
+what to do, never a raw exception later."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import subprocess
+import tempfile
 
 import pytest
+import torch
 
-from mlcheckpoint import ConfigError, LocalStore
-from mlcheckpoint.config import (DEFAULT_LOCAL_DIR, resolve_job_id, resolve_local_dir,
-                                 validate_job_id)
+from mlcheckpoint import CapacityError, CheckpointManager, ConfigError, LocalStore
+from mlcheckpoint.config import (_MEMORY_FS, DEFAULT_LOCAL_DIR, filesystem_type, parse_bytes,
+                                 resolve_job_id, resolve_local_dir, resolve_memory_limit,
+                                 validate_job_id, validate_keep)
+from test_capacity import mounted_tmpfs
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+MiB = 1 << 20
 
 
 # ---------------------------------------------------------------- job id
@@ -126,3 +138,168 @@ def test_local_store_uses_env_settings(clean_env, store_dir):
         assert os.path.isdir(store.job_dir)
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------- local dir: clear errors
+
+def manager(local_dir, **kw) -> CheckpointManager:
+    return CheckpointManager(job_id="job-config", local_dir=local_dir, replication="none", **kw)
+
+
+def test_local_dir_that_is_a_file_is_a_config_error(store_dir):
+    path = os.path.join(store_dir, "a-file")
+    with open(path, "w") as f:
+        f.write("not a directory")
+    for local_dir in (path, os.path.join(path, "below")):
+        with pytest.raises(ConfigError) as ei:
+            manager(local_dir)
+        assert path in str(ei.value) and "not a directory" in str(ei.value)
+        assert "MLCHECKPOINT_LOCAL_DIR" in str(ei.value)
+    with open(path) as f:
+        assert f.read() == "not a directory"
+
+
+@pytest.mark.parametrize("job_dir_exists", [False, True])
+def test_read_only_local_dir_is_a_config_error(store_dir, job_dir_exists):
+    mnt = os.path.join(store_dir, "ro")
+    with mounted_tmpfs(mnt, "size=1m,mode=0700"):
+        if job_dir_exists:  # a restart finds its directory, now on a read-only mount
+            LocalStore(mnt, "job-config").close()
+        subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+        with pytest.raises(ConfigError) as ei:
+            manager(mnt)
+        msg = str(ei.value)
+        assert mnt in msg and "read-only" in msg and "local_dir" in msg
+
+
+def test_empty_local_dir_is_refused_and_nothing_lands_in_the_cwd(store_dir, monkeypatch):
+    monkeypatch.chdir(store_dir)
+    with pytest.raises(ConfigError) as ei:
+        manager("")
+    assert "local_dir=''" in str(ei.value) and DEFAULT_LOCAL_DIR in str(ei.value)
+    with pytest.raises(ConfigError):
+        resolve_local_dir("")
+    assert os.listdir(store_dir) == []
+
+
+def _directory_not_in_memory():
+    """A fresh directory on a filesystem that is not tmpfs/ramfs, or None."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for parent in ("/var/tmp", here):
+        fs = filesystem_type(parent) if os.path.isdir(parent) else None
+        if fs is not None and fs not in _MEMORY_FS:
+            return tempfile.mkdtemp(prefix="mlckpt-test-disk-", dir=parent)
+    return None
+
+
+def test_local_dir_not_on_tmpfs_warns_once(caplog):
+    path = _directory_not_in_memory()
+    if path is None:
+        pytest.skip("no directory outside tmpfs/ramfs to try")
+    try:
+        with caplog.at_level(logging.WARNING, logger="mlcheckpoint"):
+            for _ in range(2):
+                LocalStore(path, "job-config").close()
+        warnings = [r for r in caplog.records if "not tmpfs" in r.getMessage()]
+        assert len(warnings) == 1
+        assert path in warnings[0].getMessage() and "memory speed" in warnings[0].getMessage()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_local_dir_in_memory_does_not_warn(store_dir, caplog):
+    ramfs = os.path.join(store_dir, "ramfs")
+    os.mkdir(ramfs)
+    mounted = subprocess.run(["mount", "-t", "ramfs", "ramfs", ramfs], capture_output=True).returncode == 0
+    try:
+        with caplog.at_level(logging.WARNING, logger="mlcheckpoint"):
+            LocalStore(store_dir, "job-config").close()  # tmpfs (/dev/shm)
+            if mounted:
+                LocalStore(ramfs, "job-config").close()
+        assert not [r for r in caplog.records if "not tmpfs" in r.getMessage()]
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", ramfs], check=False)
+
+
+# ---------------------------------------------------------------- keep
+
+@pytest.mark.parametrize("bad", [1.5, "2", True, 0, -1, None, 2.0])
+def test_keep_must_be_a_positive_int(store_dir, bad):
+    with pytest.raises(ConfigError) as ei:
+        manager(os.path.join(store_dir, "local"), keep=bad)
+    assert f"keep={bad!r}" in str(ei.value)
+    assert not os.path.exists(os.path.join(store_dir, "local"))  # refused before anything
+
+
+def test_keep_accepts_ints():
+    import numpy as np
+    assert validate_keep(1) == 1 and validate_keep(3) == 3 and validate_keep(np.int64(2)) == 2
+
+
+# ---------------------------------------------------------------- memory limit
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("8589934592", 8 << 30), ("8G", 8 << 30), ("8GiB", 8 << 30), ("8gi", 8 << 30),
+    ("8GB", 8 * 10**9), ("8 gb", 8 * 10**9), ("512MiB", 512 << 20), ("512M", 512 << 20),
+    ("500MB", 500 * 10**6), ("64K", 64 << 10), ("64kB", 64000), ("1.5T", 3 << 39),
+    ("1TB", 10**12), (" 4096 ", 4096), ("4096B", 4096), (4096, 4096)])
+def test_sizes_with_units(text, nbytes):
+    assert parse_bytes(text, "x") == nbytes
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "8 GBs", "-1", "0", "1e9", "8GB8", True, 0, -5])
+def test_bad_sizes_are_refused(bad):
+    with pytest.raises(ConfigError) as ei:
+        parse_bytes(bad, "memory_limit_bytes")
+    assert "memory_limit_bytes" in str(ei.value) and "GiB" in str(ei.value)
+
+
+def test_memory_limit_env_with_units(store_dir, monkeypatch):
+    monkeypatch.setenv("MLCHECKPOINT_MEMORY_LIMIT", "8GB")
+    with manager(store_dir) as ckpt:
+        assert ckpt.store.memory_limit_bytes == 8 * 10**9
+    store = LocalStore(store_dir, "job-config")  # the same variable, read the same way
+    assert store.memory_limit_bytes == 8 * 10**9
+    store.close()
+    monkeypatch.setenv("MLCHECKPOINT_MEMORY_LIMIT", "")
+    assert resolve_memory_limit() is None
+    assert resolve_memory_limit("1MiB") == MiB  # the argument wins over the variable
+
+
+def test_bad_memory_limit_env_is_a_config_error(store_dir, monkeypatch):
+    monkeypatch.setenv("MLCHECKPOINT_MEMORY_LIMIT", "eight gigs")
+    with pytest.raises(ConfigError) as ei:
+        manager(os.path.join(store_dir, "local"))
+    assert "MLCHECKPOINT_MEMORY_LIMIT='eight gigs'" in str(ei.value)
+    assert not os.path.exists(os.path.join(store_dir, "local"))
+
+
+def test_memory_limit_argument_with_units_is_enforced(store_dir):
+    with manager(store_dir, memory_limit_bytes="256KiB") as ckpt:
+        assert ckpt.store.memory_limit_bytes == 256 << 10
+        with pytest.raises(CapacityError):
+            ckpt.save({"w": torch.zeros(MiB // 4)}, 1)
+
+
+# ---------------------------------------------------------------- a pickled value too large
+
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_pickled_value_larger_than_free_space_is_a_capacity_error(store_dir, how):
+    """DCP pickles non-tensor values (byte items) and they are appended after the tensors:
+    one larger than the tmpfs's free space is a CapacityError, and the earlier step stays."""
+    with mounted_tmpfs(os.path.join(store_dir, "small"), "size=4m,mode=0700") as mnt:
+        with manager(mnt, keep=2) as ckpt:
+            ckpt.save({"w": torch.arange(1024.0), "blob": b"small"}, 1)
+            big = {"w": torch.arange(1024.0) + 1, "blob": os.urandom(6 * MiB)}
+            with pytest.raises(CapacityError) as ei:
+                if how == "save":
+                    ckpt.save(big, 2)
+                else:
+                    ckpt.async_save(big, 2).result(timeout=60)
+            assert mnt in str(ei.value) and ei.value.needed > 6 * MiB
+            ckpt.wait()
+            assert ckpt.store.complete_steps() == [1]
+            out = {"w": torch.zeros(1024), "blob": b""}
+            assert ckpt.resume(out).step == 1
+            assert torch.equal(out["w"], torch.arange(1024.0)) and out["blob"] == b"small"

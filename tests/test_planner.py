@@ -674,3 +674,50 @@ def test_complete_steps_that_were_not_loaded_are_stranded_not_dropped():
     assert d.kind == FRESH and d.stranded == [3, 2]
     d = plan_resume(nodes, 2, 2, bad_steps={2, 3})  # persistent step 2: only 3 is newer
     assert d.kind == PERSISTENT and d.stranded == [3]
+
+
+@st.composite
+def incarnations(draw):
+    """Two runs of a job left copies of the same step numbers on the nodes, mixed at random.
+    Run B is newer and may descend from run A up to some step."""
+    nnodes = draw(st.integers(2, 4))
+    world = nnodes
+    upto = draw(st.one_of(st.none(), st.integers(0, 4)))
+    runs = {"A": (100.0, ()), "B": (200.0, () if upto is None else (("A", upto),))}
+    nodes = []
+    for n in range(nnodes):
+        inv = {}
+        for s in draw(st.sets(st.integers(1, 4), max_size=4)):
+            meta_run = draw(st.sampled_from(["A", "B", None]))
+            owners = draw(st.sets(st.integers(0, world - 1), max_size=world))
+            shard_runs = {o: draw(st.sampled_from(["A", "B"])) for o in sorted(owners)}
+            created, ancestors = runs[meta_run or "A"]
+            base = copy(owners, meta=meta_run is not None, required=range(world), world_size=world)
+            inv[s] = dataclasses.replace(
+                base, save_id=f"{meta_run}{s}" if meta_run else "", run_id=meta_run or "",
+                created=created + s if meta_run else 0.0, ancestors=ancestors if meta_run else (),
+                shard_saves=tuple((o, f"{r}{s}") for o, r in shard_runs.items()))
+        nodes.append(NodeInventory(n, [n], inv))
+    return nodes, world
+
+
+@PROPERTY
+@given(incarnations())
+def test_property_a_decision_never_combines_two_saves(sc):
+    nodes, world = sc
+    d = plan_resume(nodes, None, world)
+    if d.kind != MEMORY:
+        return
+    held = {inv.node: inv.steps.get(d.step) for inv in nodes}
+    assert d.history is not None and d.history.admits(d.save_id[0], d.step)
+    assert d.save_id == f"{d.save_id[0]}{d.step}"
+    for node in {r for r in d.metadata_holders}:  # one rank per node: rank == node
+        assert held[node].has_metadata and held[node].save_id == d.save_id
+    for owner, holders in d.holders.items():
+        for node in holders:
+            assert held[node].save_of(owner) == d.save_id, (owner, node, d)
+    for owner in range(world):
+        assert d.holders.get(owner), (owner, d)  # every shard of the save is somewhere
+    # the newest save any node holds is run B's whenever B left any metadata behind
+    if any(c.run_id == "B" for inv in nodes for c in inv.steps.values() if c.has_metadata):
+        assert d.history.run_id == "B"

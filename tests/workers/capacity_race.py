@@ -4,19 +4,22 @@ them, not of both (tests/test_capacity_tmpfs.py mounts it as this node's local_d
 argv: phase
   save:   step 1 fits. Step 2 (BIG MiB of its own per rank) is tried with save(), then with
           async_save(): each must fail with CapacityError on every rank, and the process lives.
-  resume: the restarted job loads step 1 bit-exact, then saves step 3 (small) again.
+          Step 1 then loads bit-exact, and step 3 (MID MiB per rank: fits only once the shard
+          one rank did write of step 2 has been given back) is saved.
+  resume: the restarted job resumes step 3 bit-exact.
 """
 
 import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from common import diff, empty_like, init, report
 
 from mlcheckpoint import CapacityError, CheckpointManager
 
 MiB = 1 << 20
-SMALL, BIG = 1, 20
+SMALL, MID, BIG = 1, 7, 20
 
 
 def state(rank: int, step: int, mib: int) -> dict:
@@ -38,20 +41,22 @@ def outcome(attempt) -> str:
 def save_phase(ckpt: CheckpointManager, rank: int) -> None:
     ckpt.save(state(rank, 1, SMALL), 1)
     big = state(rank, 2, BIG)
-    report("race", {
-        "save": outcome(lambda: ckpt.save(big, 2)),
-        "async_save": outcome(lambda: ckpt.async_save(big, 2).result(timeout=120)),
-    })
+    save2 = outcome(lambda: ckpt.save(big, 2))
+    async_save2 = outcome(lambda: ckpt.async_save(big, 2).result(timeout=120))
     ckpt.wait()
+    complete = ckpt.store.complete_steps()
+    loaded = empty_like(state(rank, 1, SMALL))
+    dcp.load(loaded, storage_reader=ckpt.storage_reader(1), process_group=ckpt._save_pg)
+    report("race", {"save": save2, "async_save": async_save2, "complete": complete,
+                    "step1_mismatch": diff(state(rank, 1, SMALL), loaded),
+                    "save3": outcome(lambda: ckpt.save(state(rank, 3, MID), 3))})
 
 
 def resume_phase(ckpt: CheckpointManager, rank: int) -> None:
-    sd = empty_like(state(rank, 1, SMALL))
+    sd = empty_like(state(rank, 3, MID))
     info = ckpt.resume(sd)
-    mismatch = diff(state(rank, 1, SMALL), sd)
-    report("resumed", {"step": info.step, "source": info.source, "mismatch": mismatch,
-                       "save3": outcome(lambda: ckpt.save(state(rank, 3, SMALL), 3)),
-                       "complete": ckpt.store.complete_steps()})
+    report("resumed", {"step": info.step, "source": info.source,
+                       "mismatch": diff(state(rank, 3, MID), sd)})
 
 
 def main() -> None:

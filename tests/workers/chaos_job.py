@@ -18,7 +18,8 @@ incarnations must never be mixed or mistaken for each other.
 Writes, in $TEST_OUT_DIR (outside every node's local_dir, so it survives wipes):
     chaos-r<round>.rank<k>.json  the resume: step, incarnation, source, exact match, digest
     chaos-progress.rank<k>.txt   append-only lines "<round> <event> <step> <time>": pid, resume,
-        resumed, save (about to save step), saved (save returned), ack (wait_replicated was True)
+        resumed, save (about to save step), saved (save returned), ack / noack (wait_replicated
+        returned True / False), closed
 """
 
 import hashlib
@@ -150,8 +151,9 @@ def main() -> None:
         else:
             ckpt.save(chaos_state(step, rnd, rank), step)
         progress("saved", step)
-        if wait_ack and ckpt.wait_replicated(step, float(cfg["ack_timeout"])):
-            progress("ack", step)
+        if wait_ack:
+            acked = ckpt.wait_replicated(step, float(cfg["ack_timeout"]))
+            progress("ack" if acked else "noack", step)
         step += 1
         time.sleep(choice.uniform(0, float(cfg["compute"])))  # training between saves
     ckpt.close()

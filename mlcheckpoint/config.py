@@ -72,8 +72,9 @@ def local_dir_errors(local_dir: str) -> Iterator[None]:
     try:
         yield
     except (FileExistsError, NotADirectoryError) as e:
-        raise ConfigError(f"local_dir {local_dir!r} cannot hold checkpoints: {e.filename!r} is "
-                          f"a file, not a directory; {fix}") from e
+        what = repr(e.filename) if isinstance(e, FileExistsError) else f"a part of {e.filename!r}"
+        raise ConfigError(f"local_dir {local_dir!r} cannot hold checkpoints: {what} is a file, "
+                          f"not a directory; {fix}") from e
     except OSError as e:
         if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import pytest
 from cluster import Cluster, _dead, kill_strays, lose_node
 
-SEED = int(os.environ.get("MLCHECKPOINT_CHAOS_SEED", "20240611"))
+SEED = int(os.environ.get("MLCHECKPOINT_CHAOS_SEED", "373"))
 ROUNDS = int(os.environ.get("MLCHECKPOINT_CHAOS_ROUNDS", "6"))
 HANG_S = 120  # a launch making no progress for this long is reported as hung
 

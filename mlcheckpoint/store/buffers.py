@@ -77,7 +77,7 @@ def reserve(fd: int, size: int, offset: int = 0) -> None:
         if e.errno in NO_ROOM:
             raise
         # A filesystem that cannot reserve (rare: glibc emulates fallocate where the kernel
-        # lacks it): the populate below still refuses cleanly where a page cannot be had.
+        # lacks it): populating the mapping still refuses cleanly where a page cannot be had.
         log.debug("cannot reserve %d bytes: %s", size, e)
 
 

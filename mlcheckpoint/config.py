@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import logging
 import operator
 import os
@@ -34,8 +35,9 @@ def validate_job_id(job_id: str) -> str:
     return job_id
 
 
-def resolve_job_id(job_id: str | None = None) -> str:
-    """Explicit argument, else MLCHECKPOINT_JOB_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID."""
+def resolve_job_id(job_id: str | None = None, *, derive_from: str | None = None) -> str:
+    """Explicit argument, else MLCHECKPOINT_JOB_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID, else an
+    id derived from ``derive_from`` (the persistent folder: it survives a restart)."""
     if job_id is not None:
         return validate_job_id(str(job_id))
     for var in ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
@@ -43,11 +45,25 @@ def resolve_job_id(job_id: str | None = None) -> str:
         # torchrun sets TORCHELASTIC_RUN_ID=none when --rdzv-id is not given.
         if value and not (var == "TORCHELASTIC_RUN_ID" and value == "none"):
             return validate_job_id(value)
+    if derive_from:
+        return derived_job_id(derive_from)
     raise ConfigError(
         "no job id: pass CheckpointManager(job_id=...), set MLCHECKPOINT_JOB_ID, or launch with "
-        "torchrun --rdzv-id=<id> (TORCHELASTIC_RUN_ID) or under SLURM (SLURM_JOB_ID). The id must "
-        "stay the same across restarts of the job so the restarted job finds its checkpoints."
+        "torchrun --rdzv-id=<id> (TORCHELASTIC_RUN_ID) or under SLURM (SLURM_JOB_ID), or give a "
+        "persistent_dir to derive one from. The id must stay the same across restarts of the job "
+        "so the restarted job finds its checkpoints."
     )
+
+
+def derived_job_id(location: str) -> str:
+    """A job id from the persistent folder's absolute path (or URL): the same on every rank and
+    after every restart of the job, as long as the folder stays the same."""
+    if "://" not in location:
+        location = os.path.abspath(location)
+    job_id = "dir-" + hashlib.sha256(location.encode()).hexdigest()[:16]
+    log.info("mlcheckpoint: no job id set (MLCHECKPOINT_JOB_ID, torchrun --rdzv-id, SLURM_JOB_ID): "
+             "using %s, derived from the persistent folder %s", job_id, location)
+    return job_id
 
 
 def resolve_local_dir(local_dir: str | os.PathLike | None = None) -> str:

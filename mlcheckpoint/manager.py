@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -26,11 +28,11 @@ from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dic
 
 from .dcp import MemoryStorageReader, MemoryStorageWriter
 from .dcp.writer import commit_metadata
-from .config import resolve_memory_limit, validate_keep
+from .config import resolve_job_id, resolve_memory_limit, validate_keep
 from .errors import ConfigError, MLCheckpointError
 from . import history
 from ._gc import gc_paused
-from .persistent import PersistentStorage
+from .persistent import PersistentStorage, open_persistent
 from .replication import Pins, Rendezvous, Replicator
 from .recovery import Recovery, ResumeInfo
 from .recovery.resume import Comm
@@ -71,8 +73,10 @@ class CheckpointManager:
     dedicated gloo process groups, so checkpoint collectives never share the training group).
 
     Args:
-        persistent_dir: directory or fsspec URL for long-term DCP checkpoints, or None.
-        job_id: defaults to MLCHECKPOINT_JOB_ID, TORCHELASTIC_RUN_ID, then SLURM_JOB_ID.
+        persistent_dir: directory or fsspec URL for long-term DCP checkpoints, a
+            ``PersistentStorage`` that speaks a framework's folder layout, or None.
+        job_id: defaults to MLCHECKPOINT_JOB_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID, then an id
+            derived from ``persistent_dir`` (logged); without any of them, ConfigError.
         local_dir: tmpfs directory; defaults to MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint.
         keep: complete in-memory checkpoints kept per rank (the newest ones).
         memory_limit_bytes: cap on this job's tmpfs usage on this node (default
@@ -85,8 +89,8 @@ class CheckpointManager:
             ``$MLCHECKPOINT_TCP_STREAMS`` or 4; each stream carries at least 64 MiB).
     """
 
-    def __init__(self, persistent_dir: str | None = None, *, job_id: str | None = None,
-                 local_dir: str | None = None, keep: int = 2,
+    def __init__(self, persistent_dir: str | PersistentStorage | None = None, *,
+                 job_id: str | None = None, local_dir: str | None = None, keep: int = 2,
                  memory_limit_bytes: int | None = None, replication: str = "tcp",
                  replication_host: str | None = None, replication_timeout: float = 60.0,
                  replication_streams: int | None = None):
@@ -97,9 +101,11 @@ class CheckpointManager:
         self.topology = Topology.detect()
         self.rank = self.topology.rank
         self.keep = keep
+        self.persistent = open_persistent(persistent_dir)
+        # Plain torchrun gives no job id: the persistent folder, which a restart keeps, names one.
+        job_id = resolve_job_id(job_id, derive_from=self.persistent and self.persistent.location)
         self.store = LocalStore(local_dir, job_id, memory_limit_bytes=memory_limit_bytes)
         self.job_id = self.store.job_id
-        self.persistent = PersistentStorage(persistent_dir) if persistent_dir else None
         self._distributed = dist.is_available() and dist.is_initialized()
         # Two groups: in-memory saves and persistent writes run on different threads and must
         # not interleave their collectives; neither may share the training group.
@@ -130,6 +136,8 @@ class CheckpointManager:
         if replication != "none":
             self._start_replication(replication, replication_host, replication_timeout,
                                     replication_streams)
+            assert self.replicator is not None
+            self.replicator.transport.accept_from(self.lineage)
         log.debug("CheckpointManager job=%s dir=%s rank=%d/%d node=%d/%d", self.job_id,
                   self.store.job_dir, self.rank, self.topology.world_size,
                   self.topology.node_rank, self.topology.num_nodes)
@@ -365,6 +373,23 @@ class CheckpointManager:
             self._heal_thread.start()
         return info
 
+    def continue_from(self, step: int | None) -> None:
+        """The job continues from ``step`` (None: from scratch), restored without ``resume``:
+        e.g. a framework loaded a checkpoint the user named from its own folder. Call it
+        instead of ``resume`` on every rank (collective). In-memory steps newer than ``step``
+        are dropped on every node, as after a resume: the job saves new ones under their
+        numbers, and retention must not keep the abandoned ones as the newest."""
+        self._check_open()
+        self._wait_in_flight()
+        if self.topology.local_rank == 0:
+            dropped = self.store.settle(self.lineage, step)
+            if dropped:
+                log.info("mlcheckpoint: dropped steps %s newer than step %s on node %d", dropped,
+                         step, self.topology.node_rank)
+        self._all_gather(None)  # no rank saves before every node has settled
+        if self.replicator is not None:
+            self.replicator.activate(reset=True)
+
     def _load(self, state_dict: dict[str, Any], reader: Any) -> None:
         try:
             with gc_paused():
@@ -412,36 +437,68 @@ class CheckpointManager:
         for f in pending:
             f.exception()  # wait; errors were logged where they happened
 
-    def close(self) -> None:
+    def close(self, failed: bool | None = None, *, timeout: float = 60.0) -> None:
         """Wait for saves and replication in flight, then release threads, sockets and
-        mappings. Collective when distributed: every rank calls it. Idempotent."""
+        mappings. Idempotent.
+
+        When the job ends normally this is collective: every rank calls it, and each waits at
+        most ``timeout`` seconds for the others (partners may still be pushing replicas to it)
+        before closing anyway. When the job is failing it waits for no other rank and no
+        collective work in flight, so a rank that raised exits at once instead of being held by
+        ranks that will never come. Failing means ``failed=True``, or, by default, that close is
+        called while an exception is being handled (from an ``except`` block, as torchtitan's
+        trainer does, or from ``with`` on an error).
+        """
         if self._closed:
             return
+        if failed is None:
+            failed = sys.exc_info()[1] is not None
         try:
-            self.wait()
-            if self.replicator is not None:
-                self.replicator.drain(timeout=60)
-            if self._distributed:
-                # Partners may still push to our listener: close only once everyone drained.
-                dist.barrier(group=self._save_pg)
+            if failed:
+                log.warning("mlcheckpoint: closing after an error on this rank: not waiting for "
+                            "other ranks or for saves in flight")
+            else:
+                self.wait()
+                if self.replicator is not None:
+                    self.replicator.drain(timeout=timeout)
+                if self._distributed:
+                    # Partners may still push to our listener: close only once everyone drained.
+                    self._barrier(timeout)
         finally:
-            self._closed = True
-            self._save_executor.shutdown(wait=True)
-            self._persist_executor.shutdown(wait=True)
-            with self._lock:
-                warmer = self._warmer
-            if warmer is not None:
-                warmer.join()
-            if self.replicator is not None:
-                self.replicator.close()
-                self.replicator.transport.close()
+            self._release(wait=not failed)
+
+    def _barrier(self, timeout: float) -> None:
+        """A barrier on the checkpoint group that gives up after ``timeout`` seconds: a rank
+        that never arrives (it failed) must not hold the others until the group's own timeout."""
+        try:
+            dist.barrier(group=self._save_pg, async_op=True).wait(timeout=timedelta(seconds=timeout))
+        except RuntimeError as e:  # timed out, or a peer is gone
+            log.warning("mlcheckpoint: not every rank reached close() within %.0fs; closing "
+                        "anyway (%s)", timeout, str(e).splitlines()[0] if str(e) else e)
+
+    def _release(self, wait: bool) -> None:
+        self._closed = True
+        self._save_executor.shutdown(wait=wait, cancel_futures=not wait)
+        self._persist_executor.shutdown(wait=wait, cancel_futures=not wait)
+        with self._lock:
+            warmer = self._warmer
+            futures = [f for f in [self._in_flight, *self._persist_futures] if f is not None]
+        if warmer is not None and wait:
+            warmer.join()
+        if self.replicator is not None:
+            self.replicator.close()
+            self.replicator.transport.close()
+        threads = [t for t in (warmer, self._heal_thread) if t is not None]
+        if all(f.done() for f in futures) and not any(t.is_alive() for t in threads):
+            # Else (a failing close) work still running uses these mappings: they go with the
+            # process.
             self.store.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(failed=exc_type is not None)
 
     def _check_open(self) -> None:
         if self._closed:

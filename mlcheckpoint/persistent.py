@@ -3,6 +3,12 @@
 Each step is a stock DCP checkpoint in ``<persistent_dir>/step-<step:012d>``; DCP writes its
 ``.metadata`` last, so a step counts only once that file exists. Any DCP user can load it
 with plain ``dcp.load`` and FileSystemReader.
+
+A framework that keeps its own folder names its steps its own way: ``step_format`` says how
+(torchtitan: ``"step-{step}"``), so recovery weighs that folder's newest step against memory
+and loads one of them, once. A folder whose checkpoints only the framework can read (e.g.
+Lightning's, with its ``meta.pt``) subclasses ``PersistentStorage`` and overrides ``steps``
+and ``restore``.
 """
 
 from __future__ import annotations
@@ -10,29 +16,58 @@ from __future__ import annotations
 import logging
 import os
 import re
+from typing import Any, Callable
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from .errors import ConfigError
+
 log = logging.getLogger(__name__)
-_STEP_RE = re.compile(r"^step-(\d{12})$")
+DEFAULT_STEP_FORMAT = "step-{step:012d}"
 
 
 def _is_url(location: str) -> bool:
     return "://" in location and not location.startswith("file://")
 
 
+class StepNames:
+    """Folder names of steps, from a format such as ``"step-{step:012d}"`` or ``"step-{step}"``.
+
+    A name counts only if formatting its number gives it back, so ``step-7`` is not a step of
+    ``"step-{step:012d}"`` and ``step-0007`` not one of ``"step-{step}"``.
+    """
+
+    def __init__(self, step_format: str = DEFAULT_STEP_FORMAT):
+        m = re.fullmatch(r"([^{}]*)\{step(?::[^{}]*)?\}([^{}]*)", step_format)
+        if m is None or "/" in step_format:
+            raise ConfigError(f"step_format={step_format!r}: give one folder name with a single "
+                              "{step} field, e.g. 'step-{step}' or 'step-{step:012d}'")
+        self.format = step_format
+        self._pattern = re.compile(re.escape(m[1]) + r"(\d+)" + re.escape(m[2]))
+
+    def name(self, step: int) -> str:
+        return self.format.format(step=step)
+
+    def parse(self, name: str) -> int | None:
+        m = self._pattern.fullmatch(name)
+        if m is None or self.name(int(m[1])) != name:
+            return None
+        return int(m[1])
+
+
 class PersistentStorage:
     """Lists, writes and reads DCP checkpoints under one directory or URL."""
 
-    def __init__(self, location: str | os.PathLike):
+    def __init__(self, location: str | os.PathLike, *, step_format: str = DEFAULT_STEP_FORMAT):
         self.location = os.fspath(location)
         if self.location.startswith("file://"):
             self.location = self.location[len("file://"):]
         self.is_url = _is_url(self.location)
+        self.names = StepNames(step_format)
 
     def path(self, step: int) -> str:
-        return f"{self.location.rstrip('/')}/step-{step:012d}"
+        return f"{self.location.rstrip('/')}/{self.names.name(step)}"
 
     def writer(self, step: int) -> StorageWriter:
         if self.is_url:
@@ -46,6 +81,12 @@ class PersistentStorage:
             return FsspecReader(self.path(step))
         return FileSystemReader(self.path(step))
 
+    def restore(self, state_dict: dict[str, Any], step: int,
+                load: Callable[[dict[str, Any], StorageReader], None]) -> None:
+        """Load ``step`` into ``state_dict``; recovery calls this once it chose this folder.
+        ``load`` is the manager's ``dcp.load`` on its checkpoint group."""
+        load(state_dict, self.reader(step))
+
     def steps(self) -> list[int]:
         """Complete persistent steps (those with DCP's .metadata), oldest first."""
         try:
@@ -53,13 +94,13 @@ class PersistentStorage:
                 import fsspec
                 fs, root = fsspec.core.url_to_fs(self.location)
                 names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
-                exists = lambda step: fs.exists(f"{root.rstrip('/')}/step-{step:012d}/.metadata")  # noqa: E731
+                exists = lambda step: fs.exists(f"{root.rstrip('/')}/{self.names.name(step)}/.metadata")  # noqa: E731
             else:
                 names = os.listdir(self.location)
                 exists = lambda step: os.path.exists(os.path.join(self.path(step), ".metadata"))  # noqa: E731
         except FileNotFoundError:
             return []
-        steps = [int(m.group(1)) for m in map(_STEP_RE.match, names) if m]
+        steps = [s for s in map(self.names.parse, names) if s is not None]
         return sorted(s for s in steps if exists(s))
 
     def size_bytes(self, step: int) -> int | None:
@@ -69,3 +110,11 @@ class PersistentStorage:
         for root, _, files in os.walk(self.path(step)):
             total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
         return total
+
+
+def open_persistent(persistent: str | os.PathLike | PersistentStorage | None) -> PersistentStorage | None:
+    """``CheckpointManager(persistent_dir=...)`` takes a folder, a URL, or a PersistentStorage
+    that speaks a framework's layout."""
+    if persistent is None or isinstance(persistent, PersistentStorage):
+        return persistent
+    return PersistentStorage(persistent) if os.fspath(persistent) else None

@@ -13,3 +13,13 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
     python -m pip install -q --disable-pip-version-check torch==2.13.0
 fi
 python -m pip install -q --disable-pip-version-check -e ".[test]"
+# Framework integrations, for their tests (tests/test_integration_*.py). Pinned, and torch held
+# at the build above: torchtitan without its trainer's dependencies (its checkpointer needs only
+# tyro), Lightning with a constraint so it cannot replace torch with a CUDA build.
+if ! python -c "import importlib.metadata as m, sys; sys.exit([m.version(p) for p in ('torchtitan', 'tyro', 'lightning')] != ['0.3.0', '1.0.17', '2.6.6'])" 2>/dev/null; then
+    constraints=$(mktemp)
+    trap 'rm -f "$constraints"' EXIT
+    python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$constraints"
+    python -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0
+    python -m pip install -q --disable-pip-version-check -c "$constraints" tyro==1.0.17 lightning==2.6.6
+fi

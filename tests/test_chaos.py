@@ -201,6 +201,7 @@ class Chaos:
         for k in wiped:
             self.c.nodes[k].wipe()
         self.stats["wipes"] += len(wiped)
+        self.stats["wipes skipped (the pair had lost a node)"] += len(p.wipe) - len(wiped)
         self.plans[-1] += f" wiped {wiped}"
 
     def inject(self, rnd: int, p: Plan) -> None:
@@ -308,7 +309,10 @@ class Chaos:
 
     def summary(self) -> str:
         events = Counter(e.kind for e in self.all_events())
+        incarnations = Counter(step for step, _ in self.saved_before(len(self.plans)))
         self.stats["steps saved"] = events["saved"]
+        self.stats["step numbers saved by several incarnations"] = \
+            sum(1 for n in incarnations.values() if n > 1)
         self.stats["waits acknowledged"] = events["ack"]
         self.stats["waits timed out"] = events["noack"]
         return (f"chaos seed={self.seed} nodes={self.c.nnodes}: "

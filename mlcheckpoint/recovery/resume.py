@@ -92,7 +92,7 @@ class Recovery:
         else:
             d = Decision(FRESH, None, reason="gave up after too many failed attempts")
         if d.kind == PERSISTENT:
-            self.load(state_dict, self.persistent.reader(d.step))
+            self.persistent.restore(state_dict, d.step, self.load)  # its own layout and loader
         return self._finish(d, notes, t0)
 
     def _lap(self, phase: str, since: float) -> None:
@@ -247,6 +247,8 @@ class Recovery:
     def _finish(self, d: Decision, notes: list[str], t0: float) -> ResumeInfo:
         if d.kind == MEMORY and d.lineage is not None:
             self.lineage = self.lineage.resumed(d.lineage, d.step)
+        if self.transport is not None:  # before the last collective: partners push after it
+            self.transport.accept_from(self.lineage)
         if self.topo.local_rank == 0:
             # Before the last collective: once it returns, other ranks may start saving (and
             # create files under step numbers this drop would otherwise race with).

@@ -45,8 +45,7 @@ MAX_STEP = 10**12
 MAX_RANGES = 1 << 20
 MAX_TAG = 1 << 30  # gloo tags are 32-bit
 # What a malformed request can raise while it is handled: answered with an error reply.
-MALFORMED = (MLCheckpointError, ValueError, TypeError, KeyError, IndexError, AttributeError,
-             OverflowError)
+MALFORMED = p.MALFORMED
 
 
 class Seal:
@@ -76,7 +75,10 @@ class Seal:
             raise p.ProtocolError(f"control message at {key} is malformed: {e}") from None
         if not hmac.compare_digest(mac, self._mac(key, answers, body)):
             raise p.ProtocolError(f"control message at {key} failed authentication")
-        msg = json.loads(body)
+        try:
+            msg = json.loads(body)
+        except ValueError as e:
+            raise p.ProtocolError(f"control message at {key} is malformed: {e}") from None
         if not isinstance(msg, dict):
             raise p.ProtocolError(f"control message at {key} is not an object")
         return msg
@@ -243,14 +245,15 @@ class PgTransport(Transport):
             step = p.want_int(msg, "step", 0, MAX_STEP)
             handler(msg, step, peer, tag, nonce, reply)
         except (*MALFORMED, RuntimeError) as e:  # RuntimeError: gloo's send/recv failed
-            self.logs.warning("request", "mlcheckpoint: pg transport request %.100r from rank %d "
-                              "failed: %s", op, peer, e)
+            log.warning("mlcheckpoint: pg transport request %.100r from rank %d failed: %s", op,
+                        peer, e)  # a sealed request: a rank of this job, worth every line
             reply({"status": "error", "error": str(e)[:2000]})
 
     def _on_put_shard(self, msg: dict, step: int, peer: int, tag: int, nonce: str, reply) -> None:
         owner = p.want_int(msg, "owner", 0, self.rdzv.world_size)
         m = p.manifest_from_wire(msg.get("manifest"), self.store.job_id, step, owner)
         p.check_offer(m, self.max_shard_bytes)
+        self.check_admitted(m.run_id, step)
         shard = self.store.begin_shard(m.step, m.rank, m.data_bytes)
         reply({"status": "ready"}, then="done")
         self._receive_shard(m, peer, tag, lambda: shard)
@@ -277,7 +280,8 @@ class PgTransport(Transport):
 
     def _on_put_metadata(self, msg: dict, step: int, peer: int, tag: int, nonce: str, reply) -> None:
         raw = self._take_blob(peer, nonce, msg.get("sha256"))
-        self.store.write_metadata_file(step, p.metadata_from_wire(raw, self.store.job_id, step))
+        self.check_admitted(p.metadata_from_wire(raw, self.store.job_id, step).run_id, step)
+        self.store.write_metadata_file(step, raw)
         reply({"status": "ok"})
 
     def _on_get_metadata(self, msg: dict, step: int, peer: int, tag: int, nonce: str, reply) -> None:
@@ -351,7 +355,8 @@ class PgTransport(Transport):
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} has no metadata of step {step}")
             raw = self._take_blob(peer, nonce, resp.get("sha256"))
-            self.store.write_metadata_file(step, p.metadata_from_wire(raw, self.store.job_id, step))
+            p.metadata_from_wire(raw, self.store.job_id, step)
+            self.store.write_metadata_file(step, raw)
 
     def close(self) -> None:
         self._closed.set()

@@ -21,7 +21,7 @@ import struct
 
 from ..errors import MLCheckpointError
 from ..store import Manifest
-from ..store.manifest import decode_metadata
+from ..store.manifest import MetadataHeader, decode_metadata
 
 MAGIC = b"MLCK"
 FRAME = b"MLCF"
@@ -30,6 +30,11 @@ NONCE = 32
 GREETING_BYTES = len(MAGIC) + 1 + NONCE
 CLIENT_REPLY_BYTES = NONCE + 32
 MAX_FRAME_BYTES = 16 << 20  # JSON headers (a manifest of many thousand items fits)
+
+
+# What a handler turns into an error reply: bad input from a peer must never kill a thread.
+MALFORMED = (MLCheckpointError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+             OverflowError)
 
 
 class ProtocolError(MLCheckpointError):
@@ -80,7 +85,8 @@ def answer_client(secret: bytes, nonce_s: bytes, reply: bytes) -> bytes:
     """The server's proof for a client whose ``reply`` to our greeting is right; raises
     ProtocolError for a stranger."""
     nonce_c, mac = reply[:NONCE], reply[NONCE:]
-    if len(reply) != CLIENT_REPLY_BYTES or not hmac.compare_digest(mac, _mac(secret, b"client", nonce_s, nonce_c)):
+    expected = _mac(secret, b"client", nonce_s, nonce_c)
+    if len(reply) != CLIENT_REPLY_BYTES or not hmac.compare_digest(mac, expected):
         raise ProtocolError("peer failed authentication")
     return _mac(secret, b"server", nonce_c, nonce_s)
 
@@ -198,7 +204,7 @@ def manifest_from_wire(obj: object, job_id: str, step: int, owner: int) -> Manif
     return m
 
 
-def metadata_from_wire(raw: bytes, job_id: str, step: int) -> bytes:
+def metadata_from_wire(raw: bytes, job_id: str, step: int) -> MetadataHeader:
     """Check a step's metadata file sent by a peer (its checksum, and that it is of this job and
     step, with fields of the right types); any malformation is a ProtocolError."""
     try:
@@ -213,7 +219,7 @@ def metadata_from_wire(raw: bytes, job_id: str, step: int) -> bytes:
         raise ProtocolError(f"malformed metadata: {e}") from None
     if (header.job_id, header.step) != (job_id, step):
         raise ProtocolError(f"metadata names {header.job_id!r}/{header.step}, expected {job_id}/{step}")
-    return raw
+    return header
 
 
 def _check_int(v: object, name: str) -> None:

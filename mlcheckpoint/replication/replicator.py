@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import history
+from .._ratelimit import RateLimitedLog
 from ..store import LocalStore
 from ..topology import Topology
 from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets
@@ -60,6 +61,8 @@ class Replicator:
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._newest_protected: int | None = None
+        self._metadata_retry_at = 0.0  # no metadata push before this (monotonic) time
+        self._logs = RateLimitedLog(log)
         # Paused until the job has resumed (or saves): before that the store may hold steps the
         # resume is about to drop, and pushing them would only waste the link.
         self._active = threading.Event()
@@ -97,14 +100,14 @@ class Replicator:
         save = self._save_here(step)
         if save is None:
             return False
-        shards = self.rdzv.add(f"shards/{step}/{save}", 0)
-        meta = self.rdzv.add(f"meta/{step}/{save}", 0)
+        shards = self.rdzv.add(self.rdzv.counter("shards", step, save), 0)
+        meta = self.rdzv.add(self.rdzv.counter("meta", step, save), 0)
         return shards >= self.topology.world_size and meta >= 1
 
     def is_superseded(self, step: int) -> bool:
         """Some rank skipped this save for a newer one: it will never be protected."""
         save = self._save_here(step)
-        return save is not None and self.rdzv.add(f"superseded/{step}/{save}", 0) > 0
+        return save is not None and self.rdzv.add(self.rdzv.counter("superseded", step, save), 0) > 0
 
     def newest_protected(self, candidates: list[int]) -> int | None:
         """Newest protected step among ``candidates`` (those newer than the last one found)."""
@@ -165,13 +168,14 @@ class Replicator:
                         st.state, st.reason = "superseded", f"step {newest} is newer"
                         superseded.append(s)
             for s in superseded:
-                self.rdzv.add(f"superseded/{s}/{mine[s]}", 1)
+                self.rdzv.add(self.rdzv.counter("superseded", s, mine[s]), 1)
             self._push_shard(newest, mine[newest])
         if self.metadata_targets:  # only the newest step's metadata matters, like its shards
             with_meta = [s for s in mine if inv[s].has_metadata]
             if with_meta:
                 newest_meta = inv[with_meta[-1]]
-                if not self._metadata_done(newest_meta.step, newest_meta.save_id):
+                if (not self._metadata_done(newest_meta.step, newest_meta.save_id)
+                        and time.monotonic() >= self._metadata_retry_at):
                     self._push_metadata(newest_meta.step, newest_meta.save_id)
 
     def _state_for(self, step: int, save_id: str) -> StepReplication:
@@ -220,7 +224,7 @@ class Replicator:
             st.bytes, st.seconds = sent, time.perf_counter() - t0
         # Counted for the save the partners acknowledged: they compared save ids, so an ack
         # for an earlier save of this step cannot count here.
-        self.rdzv.add(f"shards/{step}/{save_id}", 1)
+        self.rdzv.add(self.rdzv.counter("shards", step, save_id), 1)
         history.record(self.store.job_dir, "replicate", step=step, rank=self.topology.rank,
                        targets=self.targets, bytes=sent, seconds=round(st.seconds, 6),
                        transport=self.transport.name)
@@ -232,13 +236,16 @@ class Replicator:
             for peer in self.metadata_targets:
                 self.transport.push_metadata(peer, step)
         except (MLCheckpointError, OSError) as e:
-            log.warning("mlcheckpoint: pushing metadata of step %d failed: %s", step, e)
+            # wait_replicated wakes the replicator every few ms: retry once a second, not then
+            self._metadata_retry_at = time.monotonic() + 1.0
+            self._logs.warning("metadata", "mlcheckpoint: pushing metadata of step %d failed: %s",
+                               step, e)
             self._retry_later()
             return
         with self._lock:
             st = self._states.setdefault(step, StepReplication(step, save_id or ""))
             st.metadata_pushed = save_id
-        self.rdzv.add(f"meta/{step}/{save_id}", 1)
+        self.rdzv.add(self.rdzv.counter("meta", step, save_id), 1)
 
     def _retry_later(self) -> None:
         threading.Timer(1.0, self._wake.set).start()

@@ -41,8 +41,7 @@ MAX_STEP = 10**12
 MAX_RANGES = 1 << 20
 # What a malformed request can raise in a handler: answered with an error frame, never left to
 # kill the connection's thread.
-MALFORMED = (MLCheckpointError, ValueError, TypeError, KeyError, IndexError, AttributeError,
-             OverflowError)
+MALFORMED = p.MALFORMED
 
 
 def default_host() -> str:
@@ -152,7 +151,7 @@ class TcpTransport(Transport):
                  timeout: float = 60.0, pins: Pins | None = None,
                  on_received: OnReceived | None = None, max_shard_bytes: int = 1 << 40,
                  max_connections: int = 128, max_handshakes: int = 256,
-                 max_handshakes_per_address: int = 64, handshake_timeout: float = 3.0,
+                 max_handshakes_per_address: int = 64, handshake_timeout: float = 5.0,
                  streams: int | None = None, min_stripe_bytes: int | None = None):
         self.store, self.rdzv = store, rdzv
         self.streams = streams if streams is not None else default_streams()
@@ -199,11 +198,11 @@ class TcpTransport(Transport):
                     req = p.recv_frame(conn)
                 except p.ProtocolError as e:
                     if "closed after 0 of" not in str(e):
-                        self.logs.warning("request", "replication peer %s: %s", addr, e)
+                        log.warning("replication peer %s: %s", addr, e)
                     return
                 self._dispatch(conn, req, addr)
         except (OSError, p.ProtocolError) as e:
-            self.logs.warning("request", "replication connection from %s failed: %s", addr, e)
+            log.warning("replication connection from %s failed: %s", addr, e)
         except Exception:  # a bug: say so, but keep the listener's other sessions alive
             self.logs.log(logging.ERROR, "bug", "replication connection from %s failed", addr,
                           exc_info=True)
@@ -228,8 +227,10 @@ class TcpTransport(Transport):
             step = p.want_int(req, "step", 0, MAX_STEP)
             handler(conn, req, step)
         except MALFORMED as e:
-            self.logs.warning("request", "replication request %.100r of step %s from %s failed: %s",
-                              op, step, addr, e)
+            # A logged-in peer is a rank of this job: every failure it meets is worth a line
+            # (strangers never get here; the login gate rate-limits what they cause).
+            log.warning("replication request %.100r of step %s from %s failed: %s", op, step,
+                        addr, e)
             with contextlib.suppress(OSError):
                 p.send_frame(conn, {"status": "error", "error": str(e)[:2000]})
             raise p.ProtocolError(str(e)) from None
@@ -238,6 +239,7 @@ class TcpTransport(Transport):
         owner = p.want_int(req, "owner", 0, self.rdzv.world_size)
         m = manifest_from_wire(req.get("manifest"), self.store.job_id, step, owner)
         p.check_offer(m, self.max_shard_bytes)
+        self.check_admitted(m.run_id, step)
         with contextlib.suppress(MLCheckpointError):
             if same_shard(self.store.read_manifest(step, owner), m):
                 p.send_frame(conn, {"status": "have"})
@@ -343,7 +345,8 @@ class TcpTransport(Transport):
                 p.send_frame(conn, {"status": "have"})
                 return
         p.send_frame(conn, {"status": "ready"})
-        raw = p.metadata_from_wire(p.recv_growing(conn, nbytes), self.store.job_id, step)
+        raw = p.recv_growing(conn, nbytes)
+        self.check_admitted(p.metadata_from_wire(raw, self.store.job_id, step).run_id, step)
         self.store.write_metadata_file(step, raw)
         p.send_frame(conn, {"status": "ok"})
 
@@ -499,7 +502,8 @@ class TcpTransport(Transport):
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} has no metadata of step {step}")
             nbytes = p.want_int(resp, "nbytes", 1, MAX_METADATA_BYTES)
-            raw = p.metadata_from_wire(p.recv_growing(sock, nbytes), self.store.job_id, step)
+            raw = p.recv_growing(sock, nbytes)
+            p.metadata_from_wire(raw, self.store.job_id, step)
             self.store.write_metadata_file(step, raw)
 
     def close(self) -> None:

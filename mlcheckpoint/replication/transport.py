@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Callable, Iterator
 
 from ..errors import MLCheckpointError
+from ..store.identity import Lineage
 
 
 class ReplicationError(MLCheckpointError):
@@ -59,6 +60,20 @@ class Transport(abc.ABC):
     """Moves committed shards and metadata between ranks of one job."""
 
     name: str = "?"
+    # Replicas are received only of saves in this history (set by ``accept_from``).
+    history: Lineage | None = None
+
+    def accept_from(self, history: Lineage) -> None:
+        """Receive replicas only of saves made by this run or by the runs it resumed from (up
+        to the step it took from each): a peer can then never plant a step of another
+        incarnation of the job, or one no run of it saved."""
+        self.history = history
+
+    def check_admitted(self, run_id: str, step: int) -> None:
+        """Refuse a replica (shard or metadata) of a save outside ``history``."""
+        if self.history is not None and not self.history.admits(run_id, step):
+            raise ReplicationError(f"replica of step {step} belongs to run {run_id!r}, which is "
+                                   f"not part of this job's history")
 
     @abc.abstractmethod
     def push_shard(self, peer: int, step: int, owner: int) -> int:

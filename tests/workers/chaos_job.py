@@ -112,6 +112,15 @@ def arm_crash_point(first_step: int | None = None) -> None:
         os.environ["MLCHECKPOINT_CRASH_AT"] = f"{point}@{first_step + int(rel) - 1}"
 
 
+def train(sd: dict) -> None:
+    """Change every tensor of the live state in place, as the next training step would."""
+    for v in sd.values():
+        if isinstance(v, torch.Tensor):
+            v.add_(1)
+        elif isinstance(v, dict):
+            train(v)
+
+
 def check_resume(info, sd: dict, rank: int) -> dict:
     """Is what was loaded exactly what this rank saved at the reported step?"""
     out = {"step": info.step, "source": info.source, "sources": info.sources,
@@ -146,10 +155,12 @@ def main() -> None:
         use_async = choice.random() < float(cfg["async"])
         wait_ack = choice.random() < float(cfg["ack"])
         progress("save", step)
+        sd = chaos_state(step, rnd, rank)
         if use_async:
-            ckpt.async_save(chaos_state(step, rnd, rank), step)
+            ckpt.async_save(sd, step)
         else:
-            ckpt.save(chaos_state(step, rnd, rank), step)
+            ckpt.save(sd, step)
+        train(sd)  # an async save must already hold its own copy
         progress("saved", step)
         if wait_ack:
             acked = ckpt.wait_replicated(step, float(cfg["ack_timeout"]))

@@ -3,11 +3,11 @@
 1. Save step 0 and wait until it is protected; report "ready" (this rank's secret, listener
    address and the job's MASTER_PORT: only the test may learn the secret, from this file).
 2. Wait for ``$TEST_OUT_DIR/go`` (the test has started its attack on the replication port).
-3. Save steps 1..last, waiting after each until it is protected (or ``timeout`` passes);
-   report "attacked" with, per step, whether it was protected.
+3. Save steps 1..last, waiting after each until it is protected (or ``timeout`` passes) and
+   then ``pause`` seconds; report "attacked" with, per step, whether it was protected.
 4. Wait for ``$TEST_OUT_DIR/stop`` (the test may still probe the job), then end.
 
-argv: last timeout
+argv: last timeout pause
 """
 
 import os
@@ -29,7 +29,7 @@ def wait_for_file(path: str, timeout: float = 300) -> None:
 
 
 def main() -> None:
-    last, timeout = int(sys.argv[1]), float(sys.argv[2])
+    last, timeout, pause = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
     rank, world = init()
     ckpt = CheckpointManager(replication="tcp")
     transport = ckpt.replicator.transport
@@ -43,6 +43,7 @@ def main() -> None:
     for step in range(1, last + 1):
         ckpt.save(model_state(rank, step, world), step)
         protected[step] = ckpt.wait_replicated(step, timeout)
+        time.sleep(pause)
     report("attacked", {"protected": protected})
     wait_for_file(os.path.join(os.environ["TEST_OUT_DIR"], "stop"))
     dist.barrier()

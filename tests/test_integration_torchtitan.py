@@ -1,0 +1,84 @@
+"""torchtitan 0.3.0: mlcheckpoint's checkpointer, driven as torchtitan's Trainer drives it, on
+2 simulated nodes (FSDP2 over gloo, AdamW, an LR schedule, per-rank dataloader state).
+
+One job checkpoints to memory every 2 steps and to torchtitan's folder every 4, until step 7,
+then trains on to step 10 unsaved: the uninterrupted reference. Then
+- node 1 is lost (its memory wiped): the restart resumes step 6 from node 0's replicas;
+- checkpoint.load_step=4: torchtitan loads that step of its folder, newer memory is dropped;
+- both nodes are lost: the restart falls back to torchtitan's own step-4 in its folder;
+and each ends bit for bit where the reference did. In the second restart rank 1 then raises
+mid-step while rank 0 waits in a collective: both close() from ``except``, as torchtitan's
+train.py does, and the job exits instead of hanging in close()'s barrier.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("mlcheckpoint.integrations.torchtitan",
+                    reason="needs the [torchtitan] extra (scripts/setup.sh installs it)")
+
+from cluster import Cluster  # noqa: E402
+
+STEPS, SAVED_UNTIL = "10", "7"
+
+
+def _load(cluster: Cluster, tag: str) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(cluster.out_dir, f"titan_{tag}.pt"))
+
+
+def _assert_same_run(cluster: Cluster, tag: str, ref: dict, resumed_step: int,
+                     source: str | None) -> None:
+    got = cluster.results(f"titan_{tag}")
+    assert sorted(got) == [0, 1], cluster.logs()
+    for rank, r in got.items():
+        if source is None:  # torchtitan's own load
+            assert r["resume"] is None
+        else:
+            assert r["resume"]["step"] == resumed_step and r["resume"]["source"] == source, r["resume"]
+        assert r["resumed_step"] == resumed_step  # the train state came back
+        later = {s: loss for s, loss in ref[rank]["losses"].items() if int(s) > resumed_step}
+        assert r["losses"] == later  # every loss after the resume, exactly
+        assert (r["position"], r["lr"]) == (ref[rank]["position"], ref[rank]["lr"])
+    expected, final = _load(cluster, "ref"), _load(cluster, tag)
+    assert expected.keys() == final.keys() and any(k.startswith("optim.") for k in final)
+    differ = [k for k in expected if not torch.equal(expected[k], final[k])]
+    assert not differ, f"{tag}: parameters/optimizer state differ from the reference: {differ}"
+
+
+def test_torchtitan_checkpointer_resumes_from_partner_then_from_its_folder():
+    with Cluster(2) as cluster:
+        dump = os.path.join(cluster.root, "dump")
+        cluster.run("titan_train.py", dump, STEPS, SAVED_UNTIL, env={"TITAN_TAG": "ref"})
+        ref = cluster.results("titan_ref")
+        assert ref[0]["folder"] == ["step-4"], ref[0]  # torchtitan's own save, every 4 steps
+        folder_at_crash = os.path.join(cluster.root, "dump-at-crash")
+        shutil.copytree(dump, folder_at_crash)
+
+        # Node 1 is replaced by an empty machine: memory still holds step 6 on node 0.
+        cluster.nodes[1].wipe()
+        cluster.run("titan_train.py", dump, STEPS, env={"TITAN_TAG": "peer", "TITAN_SEED": "1"})
+        _assert_same_run(cluster, "peer", ref, 6, "peer")
+        peer = cluster.results("titan_peer")[0]
+        assert peer["resume"]["sources"] == {"0": "local", "1": "peer"}
+        # After the resume torchtitan's own saves go on: step 8, and the last step.
+        assert {"step-8", "step-10"} <= set(peer["folder"]), peer["folder"]
+
+        # checkpoint.load_step=4 names a step of the folder: torchtitan loads it, and memory's
+        # steps 8 and 10 from the run above are dropped, not kept as the newest.
+        cluster.run("titan_train.py", dump, STEPS, env={"TITAN_TAG": "step4", "TITAN_SEED": "3",
+                                                        "TITAN_LOAD_STEP": "4"})
+        _assert_same_run(cluster, "step4", ref, 4, None)
+        assert all(r["memory_after_load"] == [] for r in cluster.results("titan_step4").values())
+
+        # Both nodes lost: only torchtitan's folder as it was at the crash is left.
+        for node in cluster.nodes:
+            node.wipe()
+        cluster.start("titan_train.py", folder_at_crash, STEPS,
+                      env={"TITAN_TAG": "folder", "TITAN_SEED": "2", "TITAN_RAISE_AT_END": "1"})
+        codes = cluster.wait(timeout=90)  # a close() that waits for the failed rank hangs here
+        _assert_same_run(cluster, "folder", ref, 4, "persistent")
+        assert codes != [0, 0] and "injected failure on rank 1" in cluster.logs()
+        assert "closing after an error on this rank" in cluster.nodes[1].log()

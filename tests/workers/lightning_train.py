@@ -1,0 +1,107 @@
+"""Worker: a 2-process CPU Lightning Trainer with FSDP2 (ModelParallelStrategy's path).
+
+argv: phase folder
+  save      - MLCheckpointStrategy; to memory every 2 steps (MemoryCheckpoint) and Lightning's
+              own sharded checkpoint into ``folder`` every 2 steps (ModelCheckpoint); after step
+              7 (memory holds step 6) every rank SIGKILLs itself.
+  resume    - MLCheckpointStrategy, fit(ckpt_path=LATEST): resumes through the strategy.
+  lightning - plain ModelParallelStrategy, fit(ckpt_path=<folder>/step=6): Lightning's own
+              sharded resume of the same step.
+Resumed phases train to step 10 and report "lightning_<tag>" (env LIGHTNING_TAG, default the
+phase): losses per step, the global step and epoch they resumed at, the resume source; rank 0
+saves the full final parameters and optimizer state to <TEST_OUT_DIR>/lightning_<tag>.pt.
+"""
+
+import os
+import signal
+import sys
+
+import lightning as L
+import torch
+from common import report
+from fsdp_train import full_tensors
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+from mlcheckpoint.integrations.lightning import LATEST, MemoryCheckpoint, MLCheckpointStrategy
+
+KILL_AFTER, RESUME_STEP, MAX_STEPS = 7, 6, 10
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+
+    def configure_model(self):
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 8, generator=g))
+        return DataLoader(data, batch_size=4, shuffle=True)
+
+
+class Record(Callback):
+    """Losses by global step; after KILL_AFTER in the save phase, the job dies."""
+
+    def __init__(self, kill: bool):
+        self.kill, self.losses, self.start = kill, {}, None
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = (trainer.global_step, trainer.current_epoch)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses[trainer.global_step] = outputs["loss"].item()
+        if self.kill and trainer.global_step == KILL_AFTER:
+            trainer.strategy.checkpoints.wait()  # step 6 is committed in memory
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    phase, folder = sys.argv[1], sys.argv[2]
+    tag = os.environ.get("LIGHTNING_TAG", phase)
+    L.seed_everything(1 if phase == "save" else 2, verbose=False)  # resumes start elsewhere
+    if phase == "lightning":
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    else:
+        strategy = MLCheckpointStrategy(data_parallel_size=2, tensor_parallel_size=1, folder=folder)
+    record = Record(kill=phase == "save")
+    memory = [] if phase == "lightning" else [MemoryCheckpoint(every_n_train_steps=2)]
+    own = ModelCheckpoint(dirpath=folder if phase == "save" else f"{folder}-{tag}",
+                          filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=MAX_STEPS, strategy=strategy,
+                        callbacks=[record, own] + memory,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    model = Net()
+    ckpt_path = {"save": None, "resume": LATEST,
+                 "lightning": os.path.join(folder, f"step={RESUME_STEP}.ckpt")}[phase]
+    trainer.fit(model, ckpt_path=ckpt_path)
+    msd, osd = get_state_dict(model, trainer.optimizers[0])
+    tensors = full_tensors({"model": msd, "optim": osd})
+    if trainer.global_rank == 0:
+        torch.save(tensors, os.path.join(os.environ["TEST_OUT_DIR"], f"lightning_{tag}.pt"))
+    info = getattr(strategy, "last_resume", None)
+    report(f"lightning_{tag}", {"losses": record.losses, "start": record.start,
+                                  "source": info and info.source, "global_step": trainer.global_step})
+
+
+if __name__ == "__main__":
+    main()

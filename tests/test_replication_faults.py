@@ -739,3 +739,30 @@ def test_stopped_partner_does_not_stall_saves(make_job):
     assert state(1) != "committed"
     wait_for(lambda: os.path.exists(rstore.metadata_path(3)), "metadata of step 3 on the partner")
     assert proc.poll() is None  # the partner survived being frozen
+
+
+def test_replicas_outside_the_jobs_history_are_refused(make_job):
+    """A rank receives replicas only of saves made by its run or by the runs it resumed from
+    (up to the step it took from each): a peer cannot plant another incarnation's step."""
+    from mlcheckpoint.store.identity import Lineage
+
+    job = make_job()
+    receiver, sender = job.endpoint(0), job.endpoint(1)
+    receiver.accept_from(Lineage("run-b", (("run-a", 5),)))
+    refused = [(6, "run-a"), (1_000_000_000, "run-x"), (3, "run-x")]
+    admitted = [(5, "run-a"), (2, "run-a"), (7, "run-b"), (8, "run-b")]
+    for step, run in refused + admitted:
+        make_shard(sender.store, step, 1, 4096, seed=step, run_id=run)
+    for step, run in refused:
+        with pytest.raises(ReplicationError, match="not part of this job's history"):
+            sender.push_shard(0, step, 1)
+    for step, run in admitted:
+        assert sender.push_shard(0, step, 1) == 4096
+    assert sorted(receiver.store.steps()) == sorted(s for s, _ in admitted)
+    # metadata of another run is refused the same way
+    header = MetadataHeader(job_id=job.job_id, step=3, world_size=2, ranks=[0, 1], total_bytes=64,
+                            payload_bytes=1, checksum=checksum(b"m"), run_id="run-x", save_id="x3")
+    sender.store._install_metadata(3, encode_metadata(header, b"m"))
+    with pytest.raises(ReplicationError, match="not part of this job's history"):
+        sender.push_metadata(0, 3)
+    assert 3 not in receiver.store.steps()

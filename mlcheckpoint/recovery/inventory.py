@@ -24,6 +24,7 @@ class StepCopy:
     ancestors: tuple[tuple[str, int], ...] = ()
     created: float = 0.0
     shard_saves: tuple[tuple[int, str], ...] = ()  # (owner, save id of its shard here)
+    damaged: tuple[tuple[int, str], ...] = ()  # (owner, why) for unusable shard copies here
 
     def save_of(self, owner: int) -> str:
         """The save id of ``owner``'s shard here ("" when unrecorded)."""
@@ -60,5 +61,6 @@ def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInvent
             owners=frozenset(o for o, _ in sizes), has_metadata=st.has_metadata,
             required=tuple(st.required_ranks) if st.required_ranks is not None else None,
             world_size=st.world_size, shard_bytes=tuple(sizes),
-            shard_saves=tuple((o, st.shard_saves[o]) for o, _ in sizes), **identity)
+            shard_saves=tuple((o, st.shard_saves[o]) for o, _ in sizes),
+            damaged=tuple(sorted(st.damaged.items())), **identity)
     return inv

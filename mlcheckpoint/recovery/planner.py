@@ -109,6 +109,7 @@ class _StepView:
     owner_nodes: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     owner_bytes: dict[int, int] = field(default_factory=dict)
     refused: set[int] = field(default_factory=set)  # owners with a copy that failed verification
+    damage: list[str] = field(default_factory=list)  # what the inventories found wrong
 
 
 def _metadata_copies(nodes: list[NodeInventory], bad: set[BadCopy]):
@@ -173,6 +174,9 @@ def _holdings(nodes: list[NodeInventory], bad: set[BadCopy],
             v = view.get(step)
             if v is None or v.required is None:
                 continue  # no usable metadata of this step names a save of our history
+            for owner, why in copy.damaged:  # listed by its node, unusable: a refused copy
+                v.refused.add(owner)
+                v.damage.append(f"node {inv.node}: {why}")
             for owner, nbytes in copy.shard_bytes:
                 if copy.save_of(owner) != v.save_id:
                     continue  # a shard of another save of this step: never part of this one
@@ -193,7 +197,9 @@ def _incomplete(v: _StepView) -> str | None:
         lost = [r for r in missing if r not in v.refused]
         why = []
         if corrupt:
-            why.append(f"every surviving copy of ranks {_few(corrupt)}'s shards failed verification")
+            damage = f" ({'; '.join(v.damage[:2])})" if v.damage else ""
+            why.append(f"every surviving copy of ranks {_few(corrupt)}'s shards failed "
+                       f"verification{damage}")
         if lost:
             why.append(f"shards of ranks {_few(lost)} are on no surviving node")
         return "; ".join(why)

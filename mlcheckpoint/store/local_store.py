@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 
 
 from .._faults import crash_point
+from .._ratelimit import RateLimitedLog
 from ..config import (local_dir_errors, resolve_job_id, resolve_local_dir, resolve_memory_limit,
                       warn_if_not_memory)
 from ..errors import CapacityError, CorruptShardError, ShardNotFoundError
@@ -34,6 +35,9 @@ from .layout import ItemLocation
 from .manifest import Manifest, ManifestItem, MetadataHeader, decode_metadata, encode_metadata
 
 log = logging.getLogger(__name__)
+# Listings run every few hundred ms (the replicator polls): say so about a damaged copy now and
+# then, not each time.
+_damage_log = RateLimitedLog(log, interval=300.0)
 
 ALIGN = 64
 # Retired buffers kept per owner rank; one is enough for steady state, two absorb a save that
@@ -59,6 +63,7 @@ class StepState:
     total_bytes: int | None = None
     header: MetadataHeader | None = None  # the metadata's verified header, when present
     shard_saves: dict[int, str] = field(default_factory=dict)  # owner -> save id of its shard
+    damaged: dict[int, str] = field(default_factory=dict)  # owner -> why its copy is unusable
 
     @property
     def save_id(self) -> str | None:
@@ -444,7 +449,9 @@ class LocalStore:
                 except ShardNotFoundError:
                     continue  # retired between the listing and the read
                 except CorruptShardError as e:
-                    log.warning("ignoring step %d rank %d here: %s", step, r, e)
+                    st.damaged[r] = str(e)
+                    _damage_log.warning(self.manifest_path(step, r), "ignoring step %d rank %d "
+                                        "here: %s", step, r, e)
                     continue
                 st.committed_ranks.add(r)
         if layout.METADATA in names:

@@ -32,8 +32,9 @@ logging.basicConfig(level=logging.INFO, format="%(asctime)s r%(process)d %(name)
 
 
 def make_shard(store: LocalStore, step: int, owner: int, nbytes: int, seed: int = 0,
-               nitems: int = 4) -> Manifest:
-    """Commit a shard of ``nbytes`` deterministic bytes (a function of seed) in ``nitems`` items."""
+               nitems: int = 4, run_id: str = "") -> Manifest:
+    """Commit a shard of ``nbytes`` deterministic bytes (a function of seed) in ``nitems`` items,
+    as a save of run ``run_id``."""
     shard = store.begin_shard(step, owner, nbytes)
     data = np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8)
     shard.buffer.array[:] = data
@@ -41,7 +42,7 @@ def make_shard(store: LocalStore, step: int, owner: int, nbytes: int, seed: int 
     for k, (a, b) in enumerate(itertools.pairwise(bounds)):
         shard.add_item(ManifestItem(key=f"item{k}", offset=int(a), nbytes=int(b - a),
                                     checksum=checksum(shard.buffer.array[a:b]), kind="bytes"))
-    return shard.commit(world_size=1)
+    return shard.commit(world_size=1, save_id=f"{run_id}-{step}-{seed}", run_id=run_id)
 
 
 def write_status(status_dir: str, name: str, obj: dict) -> None:

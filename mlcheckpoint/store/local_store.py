@@ -324,13 +324,12 @@ class LocalStore:
                                 save_id=save_id, **(lineage or Lineage()).header_fields())
         self._install_metadata(step, encode_metadata(header, payload))
 
-    def write_metadata_file(self, step: int, raw: bytes) -> MetadataHeader:
+    def write_metadata_file(self, step: int, raw: bytes) -> None:
         """Install an encoded metadata file (e.g. received from a peer) after verifying it."""
         header, _ = decode_metadata(raw)
         if header.step != step or header.job_id != self.job_id:
             raise ValueError(f"metadata is for {header.job_id}/{header.step}, not {self.job_id}/{step}")
         self._install_metadata(step, raw)
-        return header
 
     def _install_metadata(self, step: int, raw: bytes) -> None:
         os.makedirs(self.step_dir(step), mode=0o700, exist_ok=True)

@@ -43,6 +43,8 @@ ALIGN = 64
 # Retired buffers kept per owner rank; one is enough for steady state, two absorb a save that
 # overlaps a retirement.
 POOL_PER_RANK = 2
+# Buffers prepared in the background reserve their pages in pieces of this size.
+_PREPARE_PIECE = 64 << 20
 # A recycled buffer is shrunk when it is this much larger than needed.
 _SHRINK_SLACK = 64 << 20
 
@@ -616,14 +618,19 @@ class LocalStore:
             name = layout.pool_name(rank, secrets.token_hex(8))
             tmp = os.path.join(self.pool_dir, name + layout.PARTIAL)  # gc's if we die here
             try:
-                with self.locked():  # checked and reserved in one step, as a save's buffer is
+                with self.locked():
                     self._preflight(2 * nbytes, reusable=0)  # a save's worth must stay free
                     fd = _private(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-                    try:
-                        os.ftruncate(fd, nbytes)
-                        buffers.reserve(fd, nbytes)
-                    finally:
-                        os.close(fd)
+                try:
+                    os.ftruncate(fd, nbytes)
+                    # Reserved a piece at a time, each under the node's lock like a save's whole
+                    # buffer: a save that comes meanwhile waits for one piece, not for the
+                    # buffer, and if it takes the room, this preparation stops (ENOSPC) instead.
+                    for start in range(0, nbytes, _PREPARE_PIECE):
+                        with self.locked():
+                            buffers.reserve(fd, min(_PREPARE_PIECE, nbytes - start), start)
+                finally:
+                    os.close(fd)
                 self.mappings.map(tmp, nbytes)  # populated: the pages exist from now on
             except (CapacityError, OSError) as e:
                 self._unlink(tmp)

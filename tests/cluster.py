@@ -160,6 +160,21 @@ class Cluster:
                     out[int(fn[len(name) + 5:-5])] = json.load(f)
         return out
 
+    # Tests that run several jobs in one launch name each ``<cluster job id>-<name>``.
+    def sub_job(self, name: str) -> str:
+        return f"{self.job_id}-{name}"
+
+    def sub_job_dir(self, node: int, name: str) -> str:
+        return os.path.join(self.nodes[node].local_dir, self.sub_job(name))
+
+    def sub_job_store(self, node: int, name: str):
+        """That job's LocalStore on ``node`` (the caller closes it)."""
+        from mlcheckpoint import LocalStore
+        return LocalStore(self.nodes[node].local_dir, self.sub_job(name), create=False)
+
+    def sub_job_results(self, kind: str, name: str) -> dict[int, dict]:
+        return self.results(f"{kind}-{self.sub_job(name)}")
+
 
 # --------------------------------------------------------------------------- whole-node kills
 # torchrun starts every rank in a session of its own, so signalling the agent's process group

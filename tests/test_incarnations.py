@@ -19,7 +19,6 @@ import shutil
 import pytest
 from cluster import Cluster
 
-from mlcheckpoint import LocalStore
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,25 +28,13 @@ DAMAGES = ("truncated", "deleted", "bad_manifest")
 def launch(c: Cluster, table: dict[str, dict]) -> None:
     for fn in os.listdir(c.out_dir):
         os.unlink(os.path.join(c.out_dir, fn))
-    specs = [dict(spec, job=f"{c.job_id}-{name}") for name, spec in table.items()]
+    specs = [dict(spec, job=c.sub_job(name)) for name, spec in table.items()]
     c.run("incarnation_job.py", json.dumps(specs), timeout=240)
-
-
-def results(c: Cluster, kind: str, name: str) -> dict[int, dict]:
-    return c.results(f"{kind}-{c.job_id}-{name}")
-
-
-def job_dir(c: Cluster, node: int, name: str) -> str:
-    return os.path.join(c.nodes[node].local_dir, f"{c.job_id}-{name}")
-
-
-def open_store(c: Cluster, node: int, name: str) -> LocalStore:
-    return LocalStore(c.nodes[node].local_dir, f"{c.job_id}-{name}", create=False)
 
 
 def shard_ids(c: Cluster, node: int, name: str) -> dict[tuple[int, int], tuple[str, str, list]]:
     """(step, owner) -> (save id, run id, item checksums) of every committed shard on a node."""
-    store = open_store(c, node, name)
+    store = c.sub_job_store(node, name)
     try:
         out = {}
         for step, st in store.inventory().items():
@@ -61,7 +48,7 @@ def shard_ids(c: Cluster, node: int, name: str) -> dict[tuple[int, int], tuple[s
 
 def damage(c: Cluster, name: str, how: str) -> None:
     """Damage node 0's own shard (rank 0) of step 3; node 1's replica stays intact."""
-    store = open_store(c, 0, name)
+    store = c.sub_job_store(0, name)
     try:
         data, manifest = store.data_path(3, 0), store.manifest_path(3, 0)
     finally:
@@ -84,31 +71,31 @@ def run():
                    "resave": {"saves": [[4, 0], [5, 0], [5, 1]], "wait": True},
                    "skipped": {"skip": [6, 7, 8]},
                    **{d: saved for d in DAMAGES}})
-        o["resave_saves"] = results(c, "saves", "resave")
-        o["skipped"] = results(c, "saves", "skipped")
+        o["resave_saves"] = c.sub_job_results("saves", "resave")
+        o["skipped"] = c.sub_job_results("saves", "skipped")
         o["resave_ids"] = {n: shard_ids(c, n, "resave") for n in (0, 1)}
         o["mixed_a_ids"] = shard_ids(c, 1, "mixed")
         run_a_node1 = os.path.join(c.root, "run-a-node1")
-        shutil.copytree(job_dir(c, 1, "mixed"), run_a_node1)
+        shutil.copytree(c.sub_job_dir(1, "mixed"), run_a_node1)
         for n in (0, 1):
-            shutil.rmtree(job_dir(c, n, "mixed"))
-        shutil.rmtree(job_dir(c, 1, "resave"))
+            shutil.rmtree(c.sub_job_dir(n, "mixed"))
+        shutil.rmtree(c.sub_job_dir(1, "resave"))
         for d in DAMAGES:
             damage(c, d, d)
 
         launch(c, {"mixed": {"resume": True, "saves": [[1, 1], [2, 1], [3, 1]], "wait": True},
                    "resave": {"resume": True}, **{d: {"resume": True} for d in DAMAGES}})
-        o["mixed_b_fresh"] = results(c, "resume", "mixed")
-        o["resave"] = results(c, "resume", "resave")
+        o["mixed_b_fresh"] = c.sub_job_results("resume", "mixed")
+        o["resave"] = c.sub_job_results("resume", "resave")
         for d in DAMAGES:
-            o[d] = results(c, "resume", d)
+            o[d] = c.sub_job_results("resume", d)
             o[f"{d}_after"] = {n: shard_ids(c, n, d) for n in (0, 1)}
         o["mixed_b_ids"] = {n: shard_ids(c, n, "mixed") for n in (0, 1)}
-        shutil.rmtree(job_dir(c, 1, "mixed"))  # node 1 returns with run A's memory
-        shutil.copytree(run_a_node1, job_dir(c, 1, "mixed"))
+        shutil.rmtree(c.sub_job_dir(1, "mixed"))  # node 1 returns with run A's memory
+        shutil.copytree(run_a_node1, c.sub_job_dir(1, "mixed"))
 
         launch(c, {"mixed": {"resume": True}})
-        o["mixed"] = results(c, "resume", "mixed")
+        o["mixed"] = c.sub_job_results("resume", "mixed")
         o["mixed_after"] = {n: shard_ids(c, n, "mixed") for n in (0, 1)}
         yield o
 

@@ -101,15 +101,15 @@ def launch(c: Cluster, nnodes: int, table: dict[str, dict], *, dies: int | None 
 
 
 def results(c: Cluster, kind: str, name: str) -> dict[int, dict]:
-    return c.results(f"{kind}-{c.job_id}-{name}")
+    return c.sub_job_results(kind, name)
 
 
 def job_dir(c: Cluster, node: int, name: str) -> str:
-    return os.path.join(c.nodes[node].local_dir, f"{c.job_id}-{name}")
+    return c.sub_job_dir(node, name)
 
 
 def open_store(c: Cluster, node: int, name: str) -> LocalStore:
-    return LocalStore(c.nodes[node].local_dir, f"{c.job_id}-{name}", create=False)
+    return c.sub_job_store(node, name)
 
 
 def holdings(c: Cluster, node: int, name: str) -> dict[int, tuple[bool, list[int]]]:

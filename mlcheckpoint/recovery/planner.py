@@ -67,11 +67,11 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     bad = set(bad_copies)
     excluded_steps = set(bad_steps)
     history = _history(nodes, bad)
-    view = _holdings(nodes, bad, history)
+    foreign = _foreign_steps(nodes, history)
+    view = _holdings(nodes, bad, history, set(foreign))
     reasons: list[str] = []
     newest_protected = _newest_protected(view)
     stranded: list[int] = []
-    foreign = _foreign_steps(nodes, history)
     if foreign:
         reasons.append(f"steps {_few(foreign)} belong to another run of this job and are ignored")
     for step in sorted(view, reverse=True):
@@ -126,14 +126,9 @@ def _history(nodes: list[NodeInventory], bad: set[BadCopy]) -> Lineage | None:
     """The history of the newest save any surviving node holds (by its coordinator's clock):
     that save's run and the runs it descends from. Runs are minutes apart, clocks of one
     cluster far closer, so the newest save belongs to the run that ran last."""
-    newest = max(((c.created, c.save_id, step) for _, step, c in _metadata_copies(nodes, bad)),
-                 default=None)
-    if newest is None:
-        return None
-    for _, step, c in _metadata_copies(nodes, bad):
-        if (c.created, c.save_id, step) == newest:
-            return c.lineage
-    return None
+    newest = max(_metadata_copies(nodes, bad), default=None,
+                 key=lambda found: (found[2].created, found[2].save_id, found[1]))
+    return None if newest is None else newest[2].lineage
 
 
 def _foreign_steps(nodes: list[NodeInventory], history: Lineage | None) -> list[int]:
@@ -154,8 +149,8 @@ def _chosen_saves(nodes: list[NodeInventory], bad: set[BadCopy],
     return chosen
 
 
-def _holdings(nodes: list[NodeInventory], bad: set[BadCopy],
-              history: Lineage | None) -> dict[int, _StepView]:
+def _holdings(nodes: list[NodeInventory], bad: set[BadCopy], history: Lineage | None,
+              foreign: set[int]) -> dict[int, _StepView]:
     chosen = _chosen_saves(nodes, bad, history)
     view: dict[int, _StepView] = {}
     for step, meta in chosen.items():
@@ -164,7 +159,6 @@ def _holdings(nodes: list[NodeInventory], bad: set[BadCopy],
     for inv, step, copy in _metadata_copies(nodes, bad):
         if step in view and copy.save_id == view[step].save_id:
             view[step].meta_nodes.append(inv.node)
-    foreign = set(_foreign_steps(nodes, history))
     for inv in nodes:
         if not inv.ranks:
             continue

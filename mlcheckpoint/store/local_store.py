@@ -818,10 +818,10 @@ class LocalStore:
 
     def _drop_foreign(self, step: int, lineage: Lineage) -> None:
         st = self.step_state(step)
-        for rank in self._manifest_ranks(step):
+        for rank in sorted(st.committed_ranks | st.damaged.keys()):
             try:
-                m = self.read_manifest(step, rank)
-                keep = lineage.admits(m.run_id, step) and rank in st.committed_ranks
+                keep = (rank not in st.damaged
+                        and lineage.admits(self.read_manifest(step, rank).run_id, step))
             except ShardNotFoundError:
                 continue
             except CorruptShardError:
@@ -833,13 +833,6 @@ class LocalStore:
         if st.header is not None and not lineage.admits(st.header.run_id, step):
             self._unlink(self.metadata_path(step))
         self._remove_step_if_empty(step, keep_metadata=True)  # a replaced node's shards come later
-
-    def _manifest_ranks(self, step: int) -> list[int]:
-        try:
-            names = os.listdir(self.step_dir(step))
-        except FileNotFoundError:
-            return []
-        return sorted(r for r in map(layout.parse_manifest_name, names) if r is not None)
 
     def _drop_step(self, step: int) -> None:
         d = self.step_dir(step)

@@ -17,17 +17,20 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_local import build_state_dict, make_memcpy, tensors_of, warm_target  # noqa: E402
-
-from mlcheckpoint import CheckpointManager  # noqa: E402
+from benchmarks.common import (
+    make_memcpy,
+    make_workspace,
+    model_state_dict,
+    tensors_of,
+    warm_target,
+)
+from mlcheckpoint import CheckpointManager
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,9 +40,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gap-s", type=float, default=8.0, help="simulated compute between saves")
     ap.add_argument("--keep", type=int, default=2)
     args = ap.parse_args(argv)
-    sd, _ = build_state_dict(int(args.size_gb * (1 << 30)))
+    sd, _ = model_state_dict(int(args.size_gb * (1 << 30)))
     memcpy = make_memcpy(tensors_of(sd), tensors_of(warm_target(sd)))
-    root = tempfile.mkdtemp(prefix="mlckpt-bench-first-", dir="/dev/shm")
+    root = make_workspace("mlckpt-bench-first-")
     blocking, copies = [], []
     try:
         with CheckpointManager(job_id="bench-first", local_dir=root, keep=args.keep,

@@ -24,18 +24,23 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_local import build_state_dict, make_memcpy, tensors_of, warm_target  # noqa: E402
-
-from mlcheckpoint import CheckpointManager  # noqa: E402
+from benchmarks.common import (
+    make_memcpy,
+    make_workspace,
+    median,
+    model_state_dict,
+    p90,
+    tensors_of,
+    warm_target,
+)
+from mlcheckpoint import CheckpointManager
 
 SETTINGS = (("paused", "1"), ("collector on", "0"))
 
@@ -73,12 +78,12 @@ def training_step(garbage: int) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    sd, _ = build_state_dict(int(args.size_gb * (1 << 30)))
+    sd, _ = model_state_dict(int(args.size_gb * (1 << 30)))
     memcpy = make_memcpy(tensors_of(sd), tensors_of(warm_target(sd)))
     heap = [[i, None] for i in range(args.heap_objects)]  # lists: each one tracked by gc
     gc.collect()
     print(f"python heap: {len(gc.get_objects()):,} tracked objects; gc thresholds {gc.get_threshold()}")
-    root = tempfile.mkdtemp(prefix="mlckpt-bench-gc-", dir=args.shm_dir)
+    root = make_workspace("mlckpt-bench-gc-", args.shm_dir)
     log = GcLog()
     out: dict = {}
     try:
@@ -127,19 +132,18 @@ def report(kind: str, rows: dict) -> None:
     print(f"  {'setting':13s} {'saves':>5s} {'median':>7s} {'mean':>7s} {'p90':>7s} {'max':>7s} "
           f"{'x memcpy':>8s}   collections during saves (gen0/1/2, ms)   during training steps")
     for name, r in rows.items():
-        t = sorted(r["t"])
+        t = r["t"]
         mean = statistics.fmean(t)
-        p90 = t[min(len(t) - 1, int(0.9 * len(t)))]
         ratio = statistics.fmean(r["memcpy"]) / mean
         s, tr = r["save"], r["train"]
         n = len(t)
-        print(f"  {name:13s} {n:5d} {statistics.median(t):7.3f} {mean:7.3f} {p90:7.3f} {max(t):7.3f} "
+        print(f"  {name:13s} {n:5d} {median(t):7.3f} {mean:7.3f} {p90(t):7.3f} {max(t):7.3f} "
               f"{ratio:7.2f}x   {'/'.join(map(str, s['n'])):>14s} {s['s'] * 1e3:8.0f} ms"
               f"   {'/'.join(map(str, tr['n'])):>14s} {tr['s'] * 1e3:8.0f} ms")
         if r["commit"]:
-            c = sorted(r["commit"])
-            print(f"  {'':13s} until committed: median {statistics.median(c):.3f} mean "
-                  f"{statistics.fmean(c):.3f} p90 {c[min(len(c) - 1, int(0.9 * len(c)))]:.3f} max {max(c):.3f}")
+            c = r["commit"]
+            print(f"  {'':13s} until committed: median {median(c):.3f} mean "
+                  f"{statistics.fmean(c):.3f} p90 {p90(c):.3f} max {max(c):.3f}")
     print("  full collections per save (during saves, during training): " + ", ".join(
         f"{name} {r['save']['n'][2] / len(r['t']):.2f}, {r['train']['n'][2] / len(r['t']):.2f}"
         for name, r in rows.items()))

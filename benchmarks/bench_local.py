@@ -7,7 +7,9 @@ small tensors, float32 and bfloat16, plus non-tensor values):
 * memcpy into warm buffers (the limit), DCP FileSystemWriter save / FileSystemReader load into
   /dev/shm, and torch.save into a /dev/shm file (the baselines);
 * mlcheckpoint: the first (cold) save, steady-state saves, load, and the time async_save holds
-  the caller, with the anonymous memory it uses on the side.
+  the caller, with the anonymous memory it uses on the side;
+* mlcheckpoint: ``resume`` in a fresh child process (a restarted job: new interpreter, new
+  CheckpointManager, no warm mappings) of what this process saved, beside the same-process load.
 
 Run from the repository root:
 
@@ -24,17 +26,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
-import platform
+import re
 import secrets
 import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import threading
-import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -45,32 +44,37 @@ if REPO_ROOT not in sys.path:  # run as a script from a checkout: import the pac
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from typing_extensions import Self
 
-import mlcheckpoint
+from benchmarks.common import (
+    GB,
+    GiB,
+    Helpers,
+    StateDict,
+    TensorSpec,
+    check_equal,
+    dcp_fs_load,
+    dcp_fs_save,
+    exit_on_sigterm,
+    machine_info,
+    make_memcpy,
+    make_workspace,
+    model_state_dict,
+    quiet_dcp,
+    scrub,
+    tensors_of,
+    timed,
+    warm_target,
+)
+from benchmarks.local_report import (
+    evaluate_targets,
+    print_header,
+    print_memory,
+    print_series,
+    print_table,
+    print_targets,
+)
 from mlcheckpoint import CheckpointManager
-
-StateDict = dict[str, Any]
-
-GB = 1e9  # throughput is reported in decimal GB/s
-MiB = 1 << 20
-GiB = 1 << 30
-
-# State dict shape: most bytes in a few large matrices (embeddings, MLP weights), the rest in
-# a few hundred small tensors (norms, biases, small projections) of 4 KiB-1 MiB.
-LARGE_COUNT = 5
-LARGE_SHARE = 0.75
-LARGE_COLS = 4096
-SMALL_MIN, SMALL_MAX = 4 << 10, 1 << 20
-SMALL_SUFFIXES = ("ln_1.weight", "ln_1.bias", "attn.proj.bias", "ln_2.weight", "mlp.fc.bias")
-
-# Targets (see the "targets" section of the output).
-TARGET_SAVE_VS_MEMCPY = 0.7
-TARGET_SAVE_VS_FS = 10.0
-TARGET_LOAD_VS_MEMCPY = 0.6
-TARGET_LOAD_VS_FS = 10.0
-TARGET_ASYNC_BLOCKING_MEMCPYS = 1.5
-TARGET_ANON_GROWTH = 0.25
 
 RSS_FIELDS = ("RssAnon", "RssShmem", "RssFile")
 
@@ -85,6 +89,7 @@ class Config:
     fs_reps: int  # DCP FileSystemWriter saves and FileSystemReader loads
     torch_save_reps: int
     loads: int
+    fresh_resumes: int  # resumes in a fresh child process (0: skip)
     shm_dir: str
     sample_interval_s: float
     quick: bool
@@ -104,6 +109,9 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--shm-dir", default="/dev/shm", help="tmpfs to work in (default /dev/shm)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for the whole run (default: torch's default)")
+    p.add_argument("--fresh-resumes", type=int, default=None,
+                   help="resumes of the last save by a fresh child process (default 3; 1 with "
+                        "--quick; 0 skips)")
     args = p.parse_args(argv)
     size_gb = args.size_gb if args.size_gb is not None else (0.0625 if args.quick else 1.0)
     saves = args.saves if args.saves is not None else (5 if args.quick else 10)
@@ -117,6 +125,8 @@ def parse_args(argv: list[str] | None) -> Config:
     return Config(size_bytes=int(size_gb * GiB), saves=saves, steady=max(1, min(5, saves - 3)),
                   memcpy_reps=2 if args.quick else 5, fs_reps=1 if args.quick else 3,
                   torch_save_reps=1 if args.quick else 2, loads=2 if args.quick else 5,
+                  fresh_resumes=(args.fresh_resumes if args.fresh_resumes is not None
+                                 else 1 if args.quick else 3),
                   shm_dir=args.shm_dir, sample_interval_s=0.002, quick=args.quick,
                   json_path=args.json, threads=args.threads)
 
@@ -151,73 +161,12 @@ def _dtype_counts(rows: list[tuple[str, list[int], str, int]]) -> dict[str, int]
     return counts
 
 
-def _fill(t: torch.Tensor, pool: torch.Tensor, gen: torch.Generator) -> None:
-    """Fill ``t`` by tiling a random pool from a random start: realistic (finite, non-constant)
-    values at memcpy speed, where torch.randn would take several seconds per GiB."""
-    flat, n, p = t.view(-1), t.numel(), pool.numel()
-    start, pos = int(torch.randint(0, p, (1,), generator=gen)), 0
-    while pos < n:
-        k = min(n - pos, p - start)
-        flat[pos:pos + k].copy_(pool[start:start + k])
-        pos, start = pos + k, 0
-
-
-def build_state_dict(size_bytes: int, seed: int = 0) -> tuple[StateDict, Composition]:
-    """A nested {"model": {...}, "step": int, "run_name": str} state dict of ~size_bytes."""
-    gen = torch.Generator().manual_seed(seed)
-    pools = {dt: torch.randn(1 << 20, generator=gen).to(dt) for dt in (torch.float32, torch.bfloat16)}
-    model: dict[str, torch.Tensor] = {}
-    large, small = [], []
-
-    def add(name: str, shape: list[int], dtype: torch.dtype, table: list) -> int:
-        t = torch.empty(shape, dtype=dtype)
-        _fill(t, pools[dtype], gen)
-        model[name] = t
-        table.append((name, shape, str(dtype).removeprefix("torch."), t.nbytes))
-        return t.nbytes
-
-    per_large = int(size_bytes * LARGE_SHARE) // LARGE_COUNT
-    used = 0
-    for i in range(LARGE_COUNT):
-        dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
-        n_rows = max(1, per_large // (LARGE_COLS * dtype.itemsize))
-        used += add(f"blocks.{i}.mlp.fc.weight", [n_rows, LARGE_COLS], dtype, large)
-    j = 0
-    while size_bytes - used >= SMALL_MIN:
-        nbytes = min(size_bytes - used, int(torch.randint(SMALL_MIN, SMALL_MAX + 1, (1,), generator=gen)))
-        dtype = torch.bfloat16 if torch.rand(1, generator=gen).item() < 0.5 else torch.float32
-        name = f"blocks.{j // len(SMALL_SUFFIXES)}.{SMALL_SUFFIXES[j % len(SMALL_SUFFIXES)]}"
-        used += add(name, [nbytes // dtype.itemsize], dtype, small)
-        j += 1
-    sd = {"model": model, "step": 123456, "run_name": "bench-local"}
-    return sd, Composition(used, large, small, {"step": "int", "run_name": "str"})
-
-
-def tensors_of(sd: StateDict) -> list[torch.Tensor]:
-    return list(sd["model"].values())
-
-
-def warm_target(sd: StateDict) -> StateDict:
-    """Same structure and shapes, tensors allocated and touched (copied once), values reset."""
-    model = {k: torch.empty_like(t).copy_(t) for k, t in sd["model"].items()}
-    return {"model": model, "step": 0, "run_name": ""}
-
-
-def check_equal(expected: StateDict, got: StateDict, what: str) -> None:
-    """Fail loudly if a load did not reproduce the state dict (a fast wrong load is no result)."""
-    for k, t in expected["model"].items():
-        if not torch.equal(t, got["model"][k]):
-            raise AssertionError(f"{what}: tensor {k!r} differs after load")
-    for k in ("step", "run_name"):
-        if got[k] != expected[k]:
-            raise AssertionError(f"{what}: {k} is {got[k]!r}, expected {expected[k]!r}")
-
-
-def scrub(target: StateDict) -> None:
-    """Reset the target between loads, so a load that silently does nothing fails check_equal."""
-    for t in target["model"].values():
-        t.zero_()
-    target["step"], target["run_name"] = 0, ""
+def composition(specs: list[TensorSpec]) -> Composition:
+    """What the state dict holds (the large matrices are the 2-d tensors of ``model_layout``)."""
+    rows = [(s.name, list(s.shape), str(s.dtype).removeprefix("torch."), s.nbytes) for s in specs]
+    large = [r for r in rows if len(r[1]) == 2]
+    small = [r for r in rows if len(r[1]) != 2]
+    return Composition(sum(r[3] for r in rows), large, small, {"step": "int", "run_name": "str"})
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -282,12 +231,6 @@ class Measurement:
         return statistics.median(t / m for m, t in zip(self.series.memcpy_s, self.series.seconds))
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
 def read_rss() -> dict[str, int]:
     """RssAnon/RssShmem/RssFile of this process in bytes, from /proc/self/status."""
     out = {}
@@ -324,7 +267,7 @@ class RssSampler:
         while not self._stop.wait(self.interval_s):
             self._sample()
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> Self:
         gc.collect()
         self.baseline = read_rss()
         self.peak = dict(self.baseline)
@@ -346,16 +289,6 @@ class RssSampler:
 
 
 # ---------------------------------------------------------------------------------- baselines
-def make_memcpy(src: list[torch.Tensor], dst: list[torch.Tensor]) -> Callable[[], float]:
-    """A function that copies every tensor into its already-touched twin and returns the time."""
-    def once() -> float:
-        t0 = time.perf_counter()
-        for d, s in zip(dst, src):
-            d.copy_(s)
-        return time.perf_counter() - t0
-    return once
-
-
 def bench_torch_save(sd: StateDict, root: str, reps: int, memcpy: Callable[[], float]) -> Series:
     out = Series()
     for i in range(reps):
@@ -374,10 +307,10 @@ def bench_fs(sd: StateDict, target: StateDict, root: str, reps: int,
         if path:
             shutil.rmtree(path)  # keep only the last one (for the loads)
         path = os.path.join(root, f"dcp-fs-{i}")
-        saves.run(memcpy, lambda p=path: dcp.save(sd, storage_writer=FileSystemWriter(p)))
+        saves.run(memcpy, lambda p=path: dcp_fs_save(sd, p))
     for _ in range(reps):
         # The paired memcpy writes into `target` too: scrub it afterwards.
-        loads.run(memcpy, lambda: dcp.load(target, storage_reader=FileSystemReader(path)),
+        loads.run(memcpy, lambda: dcp_fs_load(target, path),
                   prepare=lambda: scrub(target))
     check_equal(sd, target, "FileSystemReader load")
     shutil.rmtree(path)
@@ -394,6 +327,8 @@ class OursResult:
     save_bytes: list[int] = field(default_factory=list)  # SaveResult.bytes of each save
     memory: dict[str, dict[str, Any]] = field(default_factory=dict)
     mapped_shmem_end: int = 0  # RssShmem after the async saves: the buffers this process maps
+    fresh_resumes: Series = field(default_factory=Series)  # ckpt.resume in a fresh process
+    fresh_phases: list[dict[str, float]] = field(default_factory=list)  # the child's Recovery phases
 
 
 def run_saves(ckpt: CheckpointManager, sd: StateDict, steps: range, cfg: Config,
@@ -430,182 +365,85 @@ def run_async_saves(ckpt: CheckpointManager, sd: StateDict, steps: range, cfg: C
     out.mapped_shmem_end = sampler.end.get("RssShmem", 0)
 
 
+def run_fresh_resumes(job_id: str, local_dir: str, root: str, cfg: Config,
+                      memcpy: Callable[[], float], out: OursResult) -> None:
+    """A restarted job is a fresh process: a child (new interpreter, new CheckpointManager, no
+    warm mappings) resumes what this process saved. Only its ``resume`` call is timed; the
+    memcpy paired with it runs here, right before the child starts."""
+    helpers = Helpers(root)
+    try:
+        for i in range(cfg.fresh_resumes):
+            result_path = os.path.join(root, f"fresh-resume-{i}.json")
+            args = {"job_id": job_id, "local_dir": local_dir, "size_bytes": cfg.size_bytes,
+                    "threads": cfg.threads, "out": result_path}
+            out.fresh_resumes.memcpy_s.append(memcpy())
+            proc = helpers.spawn([sys.executable, os.path.abspath(__file__), "--_resume-child",
+                                  json.dumps(args)], f"fresh-resume-{i}")
+            helpers.wait([proc], timeout=600)
+            with open(result_path) as f:
+                child = json.load(f)
+            out.fresh_resumes.seconds.append(child["seconds"])
+            out.fresh_phases.append(child["phases"])
+    finally:
+        helpers.close()
+
+
+def resume_child(args: dict[str, Any]) -> None:
+    """The child of ``run_fresh_resumes``: resume into a touched state dict (as a model's
+    parameters are), check every byte, report the time and Recovery's phases."""
+    if args["threads"] is not None:
+        torch.set_num_threads(args["threads"])
+    expected, _ = model_state_dict(args["size_bytes"])  # same seed: the bytes the parent saved
+    target = warm_target(expected)
+    phases = PhaseLog()
+    with quiet_dcp(), CheckpointManager(job_id=args["job_id"], local_dir=args["local_dir"], keep=2,
+                                        replication="none") as ckpt:
+        seconds, info = timed(lambda: ckpt.resume(target))
+    if info.step is None or info.source != "local":
+        raise RuntimeError(f"fresh-process resume found nothing to load: {info}")
+    check_equal(expected, target, "fresh-process resume")
+    with open(args["out"], "w") as f:
+        json.dump({"seconds": seconds, "resume_info_seconds": info.seconds, "step": info.step,
+                   "phases": getattr(info, "phases", None) or phases.phases}, f)
+
+
+class PhaseLog(logging.Handler):
+    """Picks Recovery's phase times out of its "resumed step" log line."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.phases: dict[str, float] = {}
+        logger = logging.getLogger("mlcheckpoint")
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "resumed step" in msg:
+            self.phases = {m[1].strip(): float(m[2]) for m in re.finditer(r"(?:; |, )([a-z+_ ]+) (\d+\.\d+)s", msg)}
+
+
 def bench_ours(sd: StateDict, target: StateDict, root: str, cfg: Config,
                memcpy: Callable[[], float]) -> OursResult:
     out = OursResult()
-    ckpt = CheckpointManager(job_id=f"bench-{secrets.token_hex(4)}",
-                             local_dir=os.path.join(root, "mlcheckpoint"), keep=2, replication="none")
+    job_id, local_dir = f"bench-{secrets.token_hex(4)}", os.path.join(root, "mlcheckpoint")
+    ckpt = CheckpointManager(job_id=job_id, local_dir=local_dir, keep=2, replication="none")
     try:
         run_saves(ckpt, sd, range(cfg.saves), cfg, memcpy, out)
         run_loads(ckpt, sd, target, cfg.saves - 1, cfg.loads, memcpy, out)
         run_async_saves(ckpt, sd, range(cfg.saves, 2 * cfg.saves), cfg, memcpy, out)
+        ckpt.wait()
+        run_fresh_resumes(job_id, local_dir, root, cfg, memcpy, out)
     finally:
         ckpt.close()  # the caller removes the directory itself
     return out
 
 
-# ---------------------------------------------------------------------------------- report
-def machine_info(shm_dir: str) -> dict[str, Any]:
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                   platform.processor())
-    vfs = os.statvfs(shm_dir)
-    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "kernel": platform.release(),
-            "load_average": os.getloadavg(), "mlcheckpoint": mlcheckpoint.__version__,
-            "shm_dir": shm_dir, "shm_total_bytes": vfs.f_blocks * vfs.f_frsize,
-            "shm_free_bytes": vfs.f_bavail * vfs.f_frsize}
-
-
-def _size(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB" if n >= MiB else f"{n / 1024:.1f} KiB"
-
-
-def _signed(n: int) -> str:
-    return ("+" if n >= 0 else "-") + _size(abs(n))
-
-
-def _fmt(xs: list[float]) -> str:
-    return " ".join(f"{x:.3f}" for x in xs)
-
-
-def print_header(machine: dict[str, Any], comp: dict[str, Any], cfg: Config) -> None:
-    print("mlcheckpoint local benchmark (single process, no process group)")
-    print(f"machine: {machine['cores']} cores ({machine['usable_cores']} usable), {machine['cpu']}, "
-          f"Linux {machine['kernel']}, load average {machine['load_average'][0]:.2f} at start")
-    print(f"         torch {machine['torch']} ({machine['torch_threads']} intra-op threads), "
-          f"Python {machine['python']}, mlcheckpoint {machine['mlcheckpoint']}")
-    print(f"tmpfs:   {machine['shm_dir']} {_size(machine['shm_total_bytes'])} "
-          f"({_size(machine['shm_free_bytes'])} free)")
-    small = comp["small"]
-    print(f"state dict: {_size(comp['total_bytes'])} in {comp['tensors']} tensors + "
-          f"{len(comp['non_tensors'])} non-tensor values "
-          f"({', '.join(f'{k}: {v}' for k, v in comp['non_tensors'].items())})")
-    for t in comp["large"]:
-        print(f"  large  {t['name']:<24} {t['shape']!s:<14} {t['dtype']:<9} {_size(t['bytes'])}")
-    dtypes = ", ".join(f"{d} x{n}" for d, n in small["dtypes"].items())
-    print(f"  small  {small['count']} tensors, {_size(small['bytes'])} in all, "
-          f"{_size(small['min_bytes'])}-{_size(small['max_bytes'])} "
-          f"(median {_size(small['median_bytes'])}); {dtypes}")
-    print(f"runs: {cfg.saves} saves per series (steady state = last {cfg.steady}), {cfg.loads} loads, "
-          f"{cfg.fs_reps} DCP FS saves/loads, {cfg.torch_save_reps} torch.save; a memcpy before each "
-          f"of those\n      and {cfg.memcpy_reps} more at the start and at the end"
-          + (" [--quick]" if cfg.quick else ""))
-    print()
-
-
-def print_table(rows: dict[str, Measurement]) -> None:
-    print("ours = mlcheckpoint CheckpointManager(keep=2, replication='none'). GB = 1e9 bytes.")
-    print("seconds, GB/s: median of the reps (steady state and async_save: the last reps of the "
-          "series, after buffers\nare recycled); best GB/s: the fastest rep.")
-    print("x memcpy: median over the reps of (memcpy time / this time), each rep paired with a "
-          "memcpy of the whole\nstate dict timed right before it, so both see the same machine load. "
-          "x DCP FS: best GB/s over the best\nGB/s of FileSystemWriter (saves) or FileSystemReader "
-          "(loads). Higher is faster.")
-    print(f"{'measurement':<34}{'reps':>5}{'seconds':>9}{'GB/s':>8}{'best GB/s':>11}"
-          f"{'x memcpy':>10}{'x DCP FS':>10}")
-    print("-" * 87)
-    fs_save, fs_load = rows["fs_save"], rows["fs_load"]
-    for key, m in rows.items():
-        vs_fs = "-"
-        if key.startswith("ours_") or key == "torch_save":
-            ref = fs_load if "load" in key else fs_save
-            vs_fs = f"{m.best_gbps / ref.best_gbps:.2f}x"
-        print(f"{m.label:<34}{len(m.series.seconds):>5}{m.seconds:>9.4f}{m.gbps:>8.2f}"
-              f"{m.best_gbps:>11.2f}{m.x_memcpy:>9.2f}x{vs_fs:>10}")
-    print()
-
-
-def print_series(nbytes: int, memcpy_before: list[float], memcpy_after: list[float],
-                 ours: OursResult) -> None:
-    """Every rep, in order: shows warm-up, buffer recycling and noise."""
-    print(f"memcpy alone: {nbytes / statistics.median(memcpy_before) / GB:.2f} GB/s at the start, "
-          f"{nbytes / statistics.median(memcpy_after) / GB:.2f} GB/s at the end (medians)")
-    print("ours, seconds per rep, in order:")
-    series = (("saves", ours.saves), ("loads", ours.loads), ("async_save blocking", ours.async_blocking))
-    for name, s in series:
-        print(f"  {name:<24}{_fmt(s.seconds)}")
-        print(f"  {'  paired memcpy':<24}{_fmt(s.memcpy_s)}")
-    print(f"  {'async_save to commit':<24}{_fmt(ours.async_total_s)}")
-    print()
-
-
-def print_memory(memory: dict[str, dict[str, Any]], mapped_shmem: int, interval_s: float) -> None:
-    print(f"memory: peak growth over the value right before each phase (sampled every "
-          f"{interval_s * 1000:.0f} ms)")
-    print(f"{'phase':<22}{'samples':>8}{'RssAnon':>24}{'RssShmem':>12}{'RssFile':>12}")
-    for phase, r in memory.items():
-        g = r["peak_growth"]
-        anon = f"{_signed(g['RssAnon'])} ({r['anon_growth_fraction']:.1%})"
-        print(f"{phase:<22}{r['samples']:>8}{anon:>24}{_signed(g['RssShmem']):>12}"
-              f"{_signed(g['RssFile']):>12}")
-    print(f"RssShmem at the end: {_size(mapped_shmem)} (the shard buffers this process keeps mapped: "
-          "kept steps and pooled buffers).")
-    print("Note: mlcheckpoint's shard buffers are tmpfs files mapped into the process, so their pages "
-          "count as RssShmem\n(and RssFile on some kernels): they ARE the checkpoint, not a copy of it. "
-          "A hidden full copy of the state\ndict would show as RssAnon growth, which is what the target "
-          "checks.")
-    print()
-
-
-def evaluate_targets(estimates: dict[str, dict[str, float]],
-                     memory: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """PASS/FAIL per target, each on the estimate that is robust for it on a shared machine.
-
-    memcpy ratios: paired (memcpy and the rep see the same load). DCP FS ratios: best reps.
-    Pairing does not normalise the FS baselines: they are mostly single-threaded, and under CPU
-    contention torch's multi-threaded memcpy slows down far more than a file write does.
-    """
-    checks = [  # name, key in the estimates, basis, op, threshold
-        ("steady-state save >= 0.7x memcpy", "save_vs_memcpy", "paired", ">=", TARGET_SAVE_VS_MEMCPY),
-        ("steady-state save >= 10x FileSystemWriter", "save_vs_fs_writer", "best", ">=", TARGET_SAVE_VS_FS),
-        ("load >= 0.6x memcpy", "load_vs_memcpy", "paired", ">=", TARGET_LOAD_VS_MEMCPY),
-        ("load >= 10x FileSystemReader", "load_vs_fs_reader", "best", ">=", TARGET_LOAD_VS_FS),
-        ("async_save blocking <= 1.5x one memcpy", "async_blocking_in_memcpys", "paired", "<=",
-         TARGET_ASYNC_BLOCKING_MEMCPYS),
-    ]
-    ops = {">=": float.__ge__, "<=": float.__le__, "<": float.__lt__}
-    targets = []
-    for name, key, basis, op, threshold in checks:
-        value = estimates[basis][key]
-        targets.append({"name": name, "value": value, "basis": basis, "op": op, "threshold": threshold,
-                        "estimates": {b: e[key] for b, e in estimates.items()},
-                        "pass": bool(ops[op](float(value), float(threshold)))})
-    anon = max(r["anon_growth_fraction"] for r in memory.values())
-    targets.append({"name": "peak RssAnon growth < 25% of state dict", "value": anon, "basis": "peak",
-                    "op": "<", "threshold": TARGET_ANON_GROWTH, "estimates": {},
-                    "pass": bool(anon < TARGET_ANON_GROWTH)})
-    return targets
-
-
-def print_targets(targets: list[dict[str, Any]]) -> None:
-    print("targets: memcpy ratios judged on the paired estimate, DCP FS ratios on the best reps (see the\n"
-          "README); the other estimates are shown for reference")
-    for t in targets:
-        value = f"{t['value']:.1%}" if not t["estimates"] else f"{t['value']:.2f}x"
-        others = ", ".join(f"{b} {v:.2f}x" for b, v in t["estimates"].items() if b != t["basis"])
-        line = f"  {'PASS' if t['pass'] else 'FAIL'}  {t['name']:<42}{value:>8} {t['basis']:<7}"
-        print((line + (f"  ({others})" if others else "")).rstrip())
-    passed = sum(t["pass"] for t in targets)
-    print(f"  {passed}/{len(targets)} passed")
-
-
 # ---------------------------------------------------------------------------------- driver
-def make_workspace(shm_dir: str, size_bytes: int) -> str:
-    # Peak tmpfs use: keep=2 steps + one in flight + up to two pooled buffers, or one DCP/torch
-    # checkpoint at a time; ask for a margin on top.
-    vfs = os.statvfs(shm_dir)
-    free = vfs.f_bavail * vfs.f_frsize
-    if free < 6 * size_bytes:
-        raise SystemExit(f"{shm_dir} has {_size(free)} free; this run needs about {_size(6 * size_bytes)}")
-    return tempfile.mkdtemp(prefix="mlckpt-bench-local-", dir=shm_dir)
-
-
 def build_rows(cfg: Config, nbytes: int, memcpy_all: list[float], torch_save: Series,
                fs_save: Series, fs_load: Series, ours: OursResult) -> dict[str, Measurement]:
     async_total = ours.async_total_s[-cfg.steady:]
-    return {
+    rows = {
         "memcpy": Measurement("memcpy into warm buffers (limit)", Series(memcpy_all, memcpy_all), nbytes),
         "torch_save": Measurement("torch.save -> /dev/shm file", torch_save, nbytes),
         "fs_save": Measurement("DCP FileSystemWriter save", fs_save, nbytes),
@@ -620,6 +458,10 @@ def build_rows(cfg: Config, nbytes: int, memcpy_all: list[float], torch_save: Se
                                         Series(async_total, ours.async_blocking.memcpy_s[-cfg.steady:]),
                                         nbytes, info={"all": ours.async_total_s}),
     }
+    if ours.fresh_resumes.seconds:
+        rows["ours_resume_fresh"] = Measurement("ours: resume, fresh process", ours.fresh_resumes,
+                                                nbytes, info={"phases": ours.fresh_phases})
+    return rows
 
 
 def ratios(rows: dict[str, Measurement]) -> dict[str, dict[str, float]]:
@@ -648,14 +490,20 @@ def ratios(rows: dict[str, Measurement]) -> dict[str, dict[str, float]]:
                       "load_vs_fs_reader": t["fs_load"] / t["ours_load"],
                       "async_blocking_in_memcpys": t["ours_async_blocking"] / t["memcpy"],
                       "torch_save_vs_memcpy": t["memcpy"] / t["torch_save"]}
+    if "ours_resume_fresh" in rows:
+        out["paired"]["fresh_resume_vs_memcpy"] = rows["ours_resume_fresh"].x_memcpy
+        for basis, stat in (("medians", statistics.median), ("best", min)):
+            out[basis]["fresh_resume_vs_memcpy"] = (stat(rows["memcpy"].series.seconds)
+                                                   / stat(rows["ours_resume_fresh"].series.seconds))
     return out
 
 
 def measure(cfg: Config, root: str) -> dict[str, Any]:
     machine = machine_info(cfg.shm_dir)
-    sd, comp = build_state_dict(cfg.size_bytes)
-    composition = comp.as_dict()
-    print_header(machine, composition, cfg)
+    sd, specs = model_state_dict(cfg.size_bytes)
+    comp = composition(specs)
+    composition_dict = comp.as_dict()
+    print_header(machine, composition_dict, cfg)
     target = warm_target(sd)
     memcpy = make_memcpy(tensors_of(sd), tensors_of(target))
     nbytes = comp.total_bytes
@@ -669,7 +517,7 @@ def measure(cfg: Config, root: str) -> dict[str, Any]:
 
     # The memcpy row: every memcpy of the run, the paired ones included.
     memcpy_all = (memcpy_before + torch_save.memcpy_s + fs_save.memcpy_s + fs_load.memcpy_s
-                  + ours.saves.memcpy_s + ours.loads.memcpy_s + ours.async_blocking.memcpy_s + memcpy_after)
+                  + ours.saves.memcpy_s + ours.loads.memcpy_s + ours.async_blocking.memcpy_s + ours.fresh_resumes.memcpy_s + memcpy_after)
     rows = build_rows(cfg, nbytes, memcpy_all, torch_save, fs_save, fs_load, ours)
     estimates = ratios(rows)
     print_table(rows)
@@ -680,7 +528,7 @@ def measure(cfg: Config, root: str) -> dict[str, Any]:
     return {
         "config": asdict(cfg),
         "machine": {**machine, "load_average_end": os.getloadavg()},
-        "state_dict": composition,
+        "state_dict": composition_dict,
         "results": {k: {"label": m.label, "seconds": m.seconds, "gbps": m.gbps,
                         "best_gbps": m.best_gbps, "x_memcpy": m.x_memcpy, "in_memcpys": m.in_memcpys,
                         "samples": m.series.seconds, "paired_memcpy": m.series.memcpy_s, **m.info}
@@ -695,14 +543,14 @@ def measure(cfg: Config, root: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the report and return every figure (see --json)."""
     cfg = parse_args(argv)
-    root = make_workspace(cfg.shm_dir, cfg.size_bytes)
+    # Peak tmpfs use: keep=2 steps + one in flight + up to two pooled buffers, or one DCP/torch
+    # checkpoint at a time; ask for a margin on top.
+    root = make_workspace("mlckpt-bench-local-", cfg.shm_dir, need_bytes=6 * cfg.size_bytes)
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        with warnings.catch_warnings():
-            # dcp.save/load without a process group warn once per call that they run single-process.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with quiet_dcp():
             figures = measure(cfg, root)
     finally:
         torch.set_num_threads(threads_before)  # main() may be called from a longer-lived process
@@ -715,6 +563,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    # Turn SIGTERM into SystemExit so the finally blocks remove what was written to /dev/shm.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    main()
+    exit_on_sigterm()
+    if len(sys.argv) == 3 and sys.argv[1] == "--_resume-child":
+        resume_child(json.loads(sys.argv[2]))
+    else:
+        main()

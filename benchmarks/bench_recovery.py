@@ -1,3 +1,4 @@
+#!/usr/bin/env python
 """Recovery benchmark: resume from local memory and from a peer, and the planner at scale.
 
     python benchmarks/bench_recovery.py [--size-gb 1.0] [--json out.json] [--quick]
@@ -24,83 +25,84 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 import uuid
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if ROOT not in sys.path:  # run as a script from a checkout: import the package from it
+    sys.path.insert(0, ROOT)
 
-from mlcheckpoint.recovery.inventory import NodeInventory, StepCopy  # noqa: E402
-from mlcheckpoint.recovery.planner import plan_resume  # noqa: E402
+from benchmarks.common import (
+    Helpers,
+    dcp_fs_load,
+    dcp_fs_save,
+    free_port,
+    make_workspace,
+    median,
+    raw_socket_seconds,
+    timed,
+    torchrun_cmd,
+)
+from mlcheckpoint.recovery.inventory import NodeInventory, StepCopy
+from mlcheckpoint.recovery.planner import plan_resume
 
-WORKER = r'''
-import json, os, sys, time, torch, torch.distributed as dist
-from mlcheckpoint import CheckpointManager
-mode, size, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-if rank == 0 and os.environ.get("BENCH_LOPSIDED"):
-    size //= 1024  # node 0 has (almost) nothing of its own to load
-def state(fill):
-    # a few large tensors and many small ones, under per-rank keys (each rank's own bytes)
+THIS_FILE = os.path.abspath(__file__)
+
+
+def flat_state(size: int, prefix: str = "", fill: int = 0) -> dict[str, torch.Tensor]:
+    """A few large tensors and many small ones; ``prefix`` keys them per rank (each rank's own
+    bytes), ``fill`` sets the large ones' values (a resume is checked against fill = rank)."""
     big = size // 5
-    d = {f"r{rank}.big{i}": torch.full((big // 4,), float(fill + i)) for i in range(4)}
-    d.update({f"r{rank}.small{i}": torch.full((size // 5 // 200 // 4,), float(i)) for i in range(200)})
+    d = {f"{prefix}big{i}": torch.full((big // 4,), float(fill + i)) for i in range(4)}
+    d.update({f"{prefix}small{i}": torch.full((size // 5 // 200 // 4,), float(i)) for i in range(200)})
     return d
-ckpt = CheckpointManager(persistent_dir=os.environ.get("BENCH_PERSISTENT"))
-if mode == "save":
-    ckpt.save(state(rank), 1, persistent=bool(os.environ.get("BENCH_PERSISTENT")))
-    ok = ckpt.wait_replicated(1, 600)
-    result = {"protected": ok}
-else:
-    sd = {k: torch.empty_like(v) for k, v in state(0).items()}
-    for t in sd.values():
-        t.fill_(-1)  # touch the destination, as a real model's parameters are
-    dist.barrier()
-    info = ckpt.resume(sd)
-    ref = state(rank)
-    result = {"step": info.step, "source": info.sources.get(rank), "seconds": info.seconds,
-              "bytes_fetched": info.bytes_fetched,
-              "exact": all(torch.equal(sd[k], ref[k]) for k in ref)}
-with open(f"{out}.{rank}", "w") as f:
-    json.dump(result, f)
-ckpt.close()
-dist.destroy_process_group()
-'''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def worker(mode: str, size: int, out: str) -> None:
+    """One rank of the simulated job (under torchrun): save step 1, or resume it and check it."""
+    import torch.distributed as dist
+
+    from mlcheckpoint import CheckpointManager
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0 and os.environ.get("BENCH_LOPSIDED"):
+        size //= 1024  # node 0 has (almost) nothing of its own to load
+    ckpt = CheckpointManager(persistent_dir=os.environ.get("BENCH_PERSISTENT"))
+    if mode == "save":
+        ckpt.save(flat_state(size, f"r{rank}.", rank), 1, persistent=bool(os.environ.get("BENCH_PERSISTENT")))
+        result: dict = {"protected": ckpt.wait_replicated(1, 600)}
+    else:
+        sd = {k: torch.empty_like(v) for k, v in flat_state(size, f"r{rank}.").items()}
+        for t in sd.values():
+            t.fill_(-1)  # touch the destination, as a real model's parameters are
+        dist.barrier()
+        info = ckpt.resume(sd)
+        ref = flat_state(size, f"r{rank}.", rank)
+        result = {"step": info.step, "source": info.sources.get(rank), "seconds": info.seconds,
+                  "bytes_fetched": info.bytes_fetched, "exact": all(torch.equal(sd[k], ref[k]) for k in ref)}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+    ckpt.close()
+    dist.destroy_process_group()
 
 
 def run_job(root: str, job: str, mode: str, size: int, dirs: list[str],
             env: dict[str, str] | None = None) -> dict[int, dict]:
-    script = os.path.join(root, "worker.py")
-    with open(script, "w") as f:
-        f.write(WORKER)
+    """A job of one torchrun agent per directory in ``dirs`` (a simulated node each)."""
     port, out = free_port(), os.path.join(root, f"out-{mode}-{uuid.uuid4().hex[:4]}")
-    procs = []
-    for k, d in enumerate(dirs):
-        env_k = dict(os.environ, MLCHECKPOINT_LOCAL_DIR=d, MLCHECKPOINT_JOB_ID=job, OMP_NUM_THREADS="1",
-                     PYTHONPATH=ROOT, **(env or {}))
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(dirs)}", f"--node-rank={k}",
-               "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", script,
-               mode, str(size), out]
-        procs.append(subprocess.Popen(cmd, env=env_k, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    for p in procs:
-        text = p.communicate(timeout=900)[0].decode()
-        if p.returncode != 0:
-            raise RuntimeError(f"{mode} job failed:\n{text[-4000:]}")
+    helpers = Helpers(root)
+    try:
+        procs = [helpers.spawn(torchrun_cmd(THIS_FILE, ["--_worker", mode, str(size), out], nnodes=len(dirs),
+                                            node_rank=k, port=port),
+                               f"{mode}-{os.path.basename(out)}-node{k}",
+                               env={"MLCHECKPOINT_LOCAL_DIR": d, "MLCHECKPOINT_JOB_ID": job, **(env or {})})
+                 for k, d in enumerate(dirs)]
+        helpers.wait(procs, timeout=900)
+    finally:
+        helpers.close()
     results = {}
     for k in range(len(dirs)):
         with open(f"{out}.{k}") as f:
@@ -109,47 +111,18 @@ def run_job(root: str, job: str, mode: str, size: int, dirs: list[str],
 
 
 def bench_filesystem_reader(root: str, size: int, reps: int) -> float:
-    import torch.distributed.checkpoint as dcp
-    big = size // 5
-    sd = {f"big{i}": torch.full((big // 4,), float(i)) for i in range(4)}
-    sd.update({f"small{i}": torch.full((size // 5 // 200 // 4,), float(i)) for i in range(200)})
+    sd = flat_state(size)
     path = os.path.join(root, "fs-ckpt")
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    dcp_fs_save(sd, path)
     target = {k: torch.empty_like(v).fill_(-1) for k, v in sd.items()}
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-        times.append(time.perf_counter() - t0)
+    times = [timed(lambda: dcp_fs_load(target, path))[0] for _ in range(reps)]
     shutil.rmtree(path)
-    return sorted(times)[len(times) // 2]
+    return median(times)
 
 
-def bench_raw_socket(size: int, reps: int) -> float:
+def bench_raw_socket(root: str, size: int, reps: int) -> float:
     """Single stream over loopback: sendall from memory, recv_into a warm buffer."""
-    src = bytearray(os.urandom(1 << 20)) * (size // (1 << 20))
-    dst = bytearray(len(src))
-    times = []
-    for _ in range(reps):
-        srv = socket.create_server(("127.0.0.1", 0))
-        port = srv.getsockname()[1]
-
-        def send() -> None:
-            with socket.create_connection(("127.0.0.1", port)) as c:
-                c.sendall(memoryview(src))
-
-        t = threading.Thread(target=send)
-        t0 = time.perf_counter()
-        t.start()
-        conn, _ = srv.accept()
-        view, got = memoryview(dst), 0
-        while got < len(dst):
-            got += conn.recv_into(view[got:])
-        t.join()
-        times.append(time.perf_counter() - t0)
-        conn.close()
-        srv.close()
-    return sorted(times)[len(times) // 2]
+    return median(raw_socket_seconds(size, root, reps, how="sendall"))
 
 
 def bench_planner(ranks_per_node: int = 8) -> dict[int, float]:
@@ -164,9 +137,7 @@ def bench_planner(ranks_per_node: int = 8) -> dict[int, float]:
             copy = StepCopy(frozenset(owners), True, tuple(range(world)), world,
                             tuple((o, 1 << 30) for o in sorted(owners)))
             nodes.append(NodeInventory(n, ranks, {} if n == 3 else {98: copy, 99: copy}))
-        t0 = time.perf_counter()
-        d = plan_resume(nodes, 50, world)
-        out[world] = time.perf_counter() - t0
+        out[world], d = timed(lambda nodes=nodes, world=world: plan_resume(nodes, 50, world))
         assert d.step == 99 and len([f for f in d.fetches if f.owner is not None]) == ranks_per_node
     return out
 
@@ -181,12 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.size_gb, args.reps = 0.05, 1
     size = int(args.size_gb * (1 << 30)) // (1 << 20) * (1 << 20)
-    root = tempfile.mkdtemp(prefix="mlckpt-bench-recovery-", dir="/dev/shm")
+    root = make_workspace("mlckpt-bench-recovery-")
     gb = size / 1e9
     res: dict = {"bytes_per_rank": size, "cores": os.cpu_count(), "torch": torch.__version__}
     try:
         res["filesystem_reader_s"] = bench_filesystem_reader(root, size, args.reps)
-        res["raw_socket_s"] = bench_raw_socket(size, args.reps)
+        res["raw_socket_s"] = bench_raw_socket(root, size, args.reps)
         dirs = [os.path.join(root, f"node{k}") for k in range(2)]
         for d in dirs:
             os.makedirs(d)
@@ -227,10 +198,10 @@ def main(argv: list[str] | None = None) -> dict:
             r = run_job(root, job + "-lop", "resume", size, lop_dirs, lop)
             assert r[1]["source"] == "peer" and all(x["exact"] for x in r.values()), r
             lopsided.append(r[1]["seconds"])
-        res["resume_local_s"] = sorted(local)[len(local) // 2]
-        res["resume_persistent_s"] = sorted(from_fs)[len(from_fs) // 2]
-        res["resume_peer_s"] = sorted(peer)[len(peer) // 2]
-        res["resume_peer_lopsided_s"] = sorted(lopsided)[len(lopsided) // 2]
+        res["resume_local_s"] = median(local)
+        res["resume_persistent_s"] = median(from_fs)
+        res["resume_peer_s"] = median(peer)
+        res["resume_peer_lopsided_s"] = median(lopsided)
         res["planner_s"] = bench_planner()
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -270,4 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 5 and sys.argv[1] == "--_worker":
+        worker(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    else:
+        main()

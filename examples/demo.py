@@ -26,7 +26,7 @@ import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from mlcheckpoint import LocalStore  # noqa: E402
+from mlcheckpoint import LocalStore
 
 T0 = time.monotonic()
 
@@ -64,9 +64,9 @@ class Job:
                    "--steps", str(self.steps), "--out", out, "--progress", progress,
                    "--persistent-dir", os.path.join(self.root, "persistent", self.job_id),
                    "--persist-every", "5", "--step-delay", str(step_delay)]
-            log = open(os.path.join(self.root, f"{self.job_id}-node{k}.log"), "a")
-            self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
+            with open(os.path.join(self.root, f"{self.job_id}-node{k}.log"), "a") as log:
+                self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                   start_new_session=True))
 
     def wait(self, timeout: float = 600) -> None:
         for k, p in enumerate(self.procs):
@@ -150,8 +150,9 @@ def main() -> int:
 
         job = Job(root, f"demo-{uuid.uuid4().hex[:6]}", n, g, args.steps)
         progress = os.path.join(root, "run.progress")
-        say(f"job {job.job_id}: {n} nodes x {g} ranks; async_save to RAM every step, replicated to the "
-            f"partner node; persistent DCP checkpoint every 5 steps")
+        say(f"job {job.job_id}: {n} nodes x {g} ranks; async_save to RAM every step, overlapped "
+            f"with the next step and replicated to the partner node; persistent DCP checkpoint "
+            f"every 5 steps")
         job.start(os.path.join(root, "run.json"), progress, step_delay=0.3)
         while read_progress(progress) < args.kill_at:
             if any(p.poll() is not None for p in job.procs):

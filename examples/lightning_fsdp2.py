@@ -19,7 +19,11 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from mlcheckpoint.integrations.lightning import LATEST, MemoryCheckpoint, MLCheckpointStrategy
+from mlcheckpoint.integrations.lightning import (
+    LATEST,
+    MemoryCheckpoint,
+    MLCheckpointStrategy,
+)
 
 
 class Regressor(L.LightningModule):

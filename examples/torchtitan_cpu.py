@@ -53,9 +53,9 @@ def patch_torchtitan_for_cpu() -> None:
         sys.modules[stub.__name__] = stub
 
     import torch.distributed.fsdp._fully_shard._fsdp_collectives as fsdp_collectives
-    import torchtitan.components.metrics as metrics
     import torchtitan.distributed.utils as dist_utils
     from torch.nn.attention.flex_attention import create_mask
+    from torchtitan.components import metrics
     from torchtitan.models.common import attention
 
     class CpuMemoryMonitor:  # the device memory monitor asks CUDA for its name and capacity
@@ -125,8 +125,10 @@ def launch(workdir: str, name: str, job: str, dump: str, env_extra: dict | None 
                "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
                "--max-restarts=0", os.path.abspath(__file__), "--worker", *TRAIN_ARGS,
                f"--dump_folder={dump}"]
-        log = open(os.path.join(workdir, f"{name}.node{node}.log"), "w")
-        procs.append(subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT))
+        # The child holds its own copy of the descriptor: ours can close at once.
+        with open(os.path.join(workdir, f"{name}.node{node}.log"), "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
     return [p.wait(timeout=600) for p in procs]
 
 

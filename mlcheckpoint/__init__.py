@@ -1,11 +1,24 @@
 """mlcheckpoint: peer-replicated, in-memory checkpoints for PyTorch DCP."""
 
 from .dcp import MemoryStorageReader, MemoryStorageWriter
-from .errors import (CapacityError, ConfigError, CorruptShardError, MLCheckpointError,
-                     ShardNotFoundError)
+from .errors import (
+    CapacityError,
+    ConfigError,
+    CorruptShardError,
+    MLCheckpointError,
+    ProtocolError,
+    ReplicationError,
+    ShardNotFoundError,
+    StagingError,
+)
 from .manager import CheckpointEntry, CheckpointManager, ResumeInfo, SaveResult
+from .options import Options
 from .store import LocalStore
 
-__all__ = ["CheckpointEntry", "CheckpointManager", "ResumeInfo", "SaveResult", "CapacityError", "ConfigError", "CorruptShardError", "LocalStore", "MLCheckpointError",
-           "MemoryStorageReader", "MemoryStorageWriter", "ShardNotFoundError"]
+__all__ = [
+    "CapacityError", "CheckpointEntry", "CheckpointManager", "ConfigError", "CorruptShardError",
+    "LocalStore", "MLCheckpointError", "MemoryStorageReader", "MemoryStorageWriter", "Options",
+    "ProtocolError", "ReplicationError", "ResumeInfo", "SaveResult", "ShardNotFoundError",
+    "StagingError",
+]
 __version__ = "0.1.0"

@@ -1,29 +1,56 @@
-"""Crash points for tests: SIGKILL this process at a named stage of a save.
+"""Fault points for tests: SIGKILL this process, or hold it, at a named stage.
 
-Set MLCHECKPOINT_CRASH_AT="<point>" or "<point>@<step>" (optionally "...#<rank>") in a test's
-environment. Unset, each check costs one dict lookup. Points: before_data, mid_data,
-before_manifest, mid_commit, before_metadata, replica_mid_recv, replica_mid_send (a push,
-once one of its streams has sent half its bytes).
+Crash: set MLCHECKPOINT_CRASH_AT="<point>" or "<point>@<step>" (optionally "...#<rank>") in a
+test's environment. Points: before_data, mid_data, before_manifest, mid_commit,
+before_metadata, replica_mid_recv, replica_mid_send (a push, once one of its streams has sent
+half its bytes).
+
+Pause: MLCHECKPOINT_PAUSE_AT="<point>[@<step>][#<rank>]=<path>" holds the calling thread at
+the point until the file <path> exists, so a test makes two ranks meet in the one order that
+exposes a race, every run. Points: resume_agreed (right after resume's last collective).
+
+Unset, each check costs one dict lookup.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+
+from .config import env_str
 
 _ENV = "MLCHECKPOINT_CRASH_AT"
+_PAUSE_ENV = "MLCHECKPOINT_PAUSE_AT"
+PAUSE_LIMIT_S = 120.0  # a pause whose file never comes fails the run instead of hiding the race
+
+
+def _matches(where: str, name: str, step: int | None, rank: int | None) -> bool:
+    """Whether ``where`` ("<point>[@<step>][#<rank>]") names this point, step and rank."""
+    head, _, want_rank = where.partition("#")
+    point, _, want_step = head.partition("@")
+    if point != name:
+        return False
+    if want_step and step is not None and int(want_step) != step:
+        return False
+    return not (want_rank and rank is not None and int(want_rank) != rank)
 
 
 def crash_point(name: str, step: int | None = None, rank: int | None = None) -> None:
-    spec = os.environ.get(_ENV)
+    spec = env_str(_ENV)
+    if spec and _matches(spec, name, step, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause_point(name: str, step: int | None = None, rank: int | None = None) -> None:
+    spec = env_str(_PAUSE_ENV)
     if not spec:
         return
-    point, _, rest = spec.partition("@")
-    want_step, _, want_rank = rest.partition("#")
-    if point != name:
+    where, _, path = spec.partition("=")
+    if not _matches(where, name, step, rank):
         return
-    if want_step and step is not None and int(want_step) != step:
-        return
-    if want_rank and rank is not None and int(want_rank) != rank:
-        return
-    os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + PAUSE_LIMIT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{_PAUSE_ENV}: {path} did not appear within {PAUSE_LIMIT_S:.0f} s")
+        time.sleep(0.01)

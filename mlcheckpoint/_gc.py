@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from .config import env_flag
+
 log = logging.getLogger(__name__)
 
 _ENV = "MLCHECKPOINT_PAUSE_GC"
@@ -38,7 +40,7 @@ F = TypeVar("F", bound=Callable)
 
 
 def enabled() -> bool:
-    return os.environ.get(_ENV, "1") != "0"
+    return env_flag(_ENV, True)
 
 
 @contextlib.contextmanager

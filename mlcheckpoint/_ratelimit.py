@@ -32,7 +32,7 @@ class RateLimitedLog:
                 return False
             self._last[key] = now
             left_out = self._left_out.pop(key, 0)
-        if left_out:
+        if left_out and last is not None:  # events are left out only after a logged one
             msg += " (%d similar events in the last %.0fs not logged)"
             args = (*args, left_out, now - last)
         kw.setdefault("stacklevel", 2)  # the record names our caller, not this module

@@ -2,6 +2,14 @@
 
 Each command looks at this node's tmpfs (``--local-dir``, default MLCHECKPOINT_LOCAL_DIR or
 /dev/shm/mlcheckpoint). Tables for people by default, ``--json`` for scripts.
+
+Exit codes, ordered by severity (a script may test ``status >= EXIT_CORRUPT``); ``verify``
+returns the worst it found:
+
+    0  ok          every checksum of the step verified, and the step is whole on this node
+    1  incomplete  what is here is intact, but shards or the metadata live on other nodes
+    2  not found   no such job or step on this node (also a bad argument or setting)
+    3  corrupt     bytes here fail their checksum: a resume refuses this copy
 """
 
 from __future__ import annotations
@@ -15,19 +23,24 @@ import time
 from typing import Any
 
 from . import history
-from .config import resolve_local_dir, validate_job_id
+from .config import env_str, resolve_local_dir, validate_job_id
 from .errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from .persistent import PersistentStorage
 from .store import LocalStore
-from .store.layout import ItemLocation
+from .store.layout import STEPS, ItemLocation
 from .store.manifest import item_locations
 
-EXIT_OK, EXIT_CORRUPT, EXIT_MISSING = 0, 1, 2
+EXIT_OK, EXIT_INCOMPLETE, EXIT_NOT_FOUND, EXIT_CORRUPT = 0, 1, 2, 3  # by severity
+VERDICTS = {EXIT_OK: "ok", EXIT_INCOMPLETE: "incomplete", EXIT_NOT_FOUND: "not found",
+            EXIT_CORRUPT: "corrupt"}
+EXIT_CODES_HELP = ("exit status, by severity: 0 ok, 1 incomplete on this node (the rest "
+                   "intact), 2 job or step not found, 3 corrupt")
 
 
-def _size(n: int | None) -> str:
-    if n is None:
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
         return "-"
+    n = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -45,7 +58,7 @@ def _jobs(local_dir: str, job: str | None) -> list[str]:
     if job is not None:
         return [validate_job_id(job)]
     try:
-        return sorted(d for d in os.listdir(local_dir) if os.path.isdir(os.path.join(local_dir, d, "steps")))
+        return sorted(d for d in os.listdir(local_dir) if os.path.isdir(os.path.join(local_dir, d, STEPS)))
     except FileNotFoundError:
         return []
 
@@ -61,7 +74,7 @@ def cmd_ls(args) -> int:
     out = []
     for job in _jobs(args.local_dir, args.job):
         store = _store(args, job)
-        steps = []
+        steps: list[dict[str, Any]] = []
         for step, st in store.inventory().items():
             sizes = {}
             for r in sorted(st.committed_ranks):
@@ -78,8 +91,8 @@ def cmd_ls(args) -> int:
         replicated = {e["step"] for e in events if e.get("event") == "replicate"}
         for s in steps:
             s["replicated_from_here"] = s["step"] in replicated
-        entry = {"job": job, "dir": store.job_dir, "steps": steps,
-                 "usage_bytes": store.usage_bytes()}
+        entry: dict[str, Any] = {"job": job, "dir": store.job_dir, "steps": steps,
+                                 "usage_bytes": store.usage_bytes()}
         if args.persistent:
             entry["persistent_steps"] = PersistentStorage(args.persistent).steps()
         out.append(entry)
@@ -108,22 +121,20 @@ def cmd_verify(args) -> int:
     step = args.step if args.step is not None else (max(steps) if steps else None)
     if step is None or step not in steps:
         print(f"step {step} not found for job {args.job}", file=sys.stderr)
-        return EXIT_MISSING
+        return EXIT_NOT_FOUND
     st = store.step_state(step)
-    results, verdict = [], EXIT_OK
+    results: list[dict[str, Any]] = []
+    verdict = EXIT_OK
     locations: list[ItemLocation] = []  # the checksums a resume checks the bytes against
     try:
         locations = item_locations(store.read_metadata(step)[1])
         results.append({"item": "metadata", "status": "ok"})
-    except ValueError as e:
-        results.append({"item": "metadata", "status": "corrupt", "error": str(e)})
-        verdict = EXIT_CORRUPT
     except CorruptShardError as e:
         results.append({"item": "metadata", "status": "corrupt", "error": str(e)})
         verdict = EXIT_CORRUPT
     except ShardNotFoundError:
-        results.append({"item": "metadata", "status": "missing"})
-        verdict = max(verdict, EXIT_MISSING) if verdict != EXIT_CORRUPT else verdict
+        results.append({"item": "metadata", "status": "not on this node"})
+        verdict = max(verdict, EXIT_INCOMPLETE)
     for rank in sorted(st.committed_ranks):
         try:
             m = store.verify_shard(step, rank, [loc for loc in locations if loc.rank == rank])
@@ -135,20 +146,21 @@ def cmd_verify(args) -> int:
     missing = sorted(set(st.required_ranks or ()) - st.committed_ranks)
     for rank in missing:
         results.append({"item": f"rank {rank}", "status": "not on this node"})
-    if missing and verdict == EXIT_OK:
-        verdict = EXIT_MISSING
+    if missing:
+        verdict = max(verdict, EXIT_INCOMPLETE)
     if args.json:
-        print(json.dumps({"job": args.job, "step": step, "verdict": ["ok", "corrupt", "incomplete"][verdict],
-                          "results": results}, indent=1))
+        print(json.dumps({"job": args.job, "step": step, "verdict": VERDICTS[verdict],
+                          "exit_status": verdict, "results": results}, indent=1))
     else:
         print(_table([[r["item"], r["status"], _size(r.get("bytes")), r.get("error", "")] for r in results],
                      ["shard", "status", "bytes", "detail"]))
-        print(f"step {step}: " + ["OK", "CORRUPT", "INCOMPLETE on this node"][verdict])
+        print(f"step {step}: " + {EXIT_OK: "OK", EXIT_INCOMPLETE: "INCOMPLETE on this node",
+                                  EXIT_CORRUPT: "CORRUPT"}[verdict])
     return verdict
 
 
 def cmd_gc(args) -> int:
-    report = []
+    report: list[dict[str, Any]] = []
     for job in _jobs(args.local_dir, args.job):
         store = _store(args, job)
         if args.remove:
@@ -193,22 +205,25 @@ def cmd_bench(args, extra: list[str]) -> int:
     script = os.path.join(root, "benchmarks", f"bench_{args.which}.py")
     if not os.path.exists(script):
         print(f"benchmark {script} not found (benchmarks ship with the source tree)", file=sys.stderr)
-        return EXIT_MISSING
+        return EXIT_NOT_FOUND
     return subprocess.call([sys.executable, script, *extra])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mlcheckpoint", description="Inspect and manage in-memory checkpoints on this node.")
+    ap = argparse.ArgumentParser(prog="mlcheckpoint", description="Inspect and manage in-memory checkpoints on this node.",
+                                 epilog=EXIT_CODES_HELP)
     ap.add_argument("--local-dir", default=None, help="tmpfs root (default: $MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    default_job = os.environ.get("MLCHECKPOINT_JOB_ID")
+    default_job = env_str("MLCHECKPOINT_JOB_ID")
 
     p = sub.add_parser("ls", help="steps per job: size, state, which shards are here")
     p.add_argument("--job", default=default_job)
     p.add_argument("--persistent", help="also list persistent steps in this directory/URL")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("verify", help="check every checksum of a step; exit 0 ok, 1 corrupt, 2 incomplete")
+    p = sub.add_parser("verify", help="check every checksum of a step; " + EXIT_CODES_HELP,
+                       description="Check every checksum of a step on this node against the "
+                       "step's metadata, as a resume does.", epilog=EXIT_CODES_HELP)
     p.add_argument("--job", default=default_job, required=default_job is None)
     p.add_argument("--step", type=int, help="default: the newest step")
     p.add_argument("--json", action="store_true")
@@ -243,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc, "history": cmd_history}[args.cmd](args)
     except MLCheckpointError as e:
         print(f"mlcheckpoint: {e}", file=sys.stderr)
-        return EXIT_MISSING
+        return EXIT_NOT_FOUND
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""Settings and their validation: job id, local directory, retention, memory limit.
+"""Settings and their validation: the environment variables, job id, local directory,
+retention, memory limit.
 
-Each setting is checked once, where it enters (CheckpointManager or LocalStore), and a bad one
-raises ConfigError naming the setting and what to do, instead of a raw exception later.
+Every environment variable mlcheckpoint reads is listed in ``ENV_VARS`` and read only through
+``env_str``/``env_int``/``env_flag`` here. Each setting is checked where it enters
+(``options.Options`` for CheckpointManager, or LocalStore), and a bad one raises ConfigError
+naming the setting and what to do, instead of a raw exception later.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import logging
 import operator
 import os
 import re
-from typing import Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from .errors import ConfigError
 
@@ -25,11 +29,83 @@ MEMORY_LIMIT_ENV = "MLCHECKPOINT_MEMORY_LIMIT"
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-def validate_job_id(job_id: str) -> str:
-    """A job id becomes a directory name: allow only a safe, path-free alphabet."""
+# ---------------------------------------------------------------- environment variables
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One variable mlcheckpoint reads; ``default`` as docs/configuration.md shows it."""
+
+    name: str
+    default: str
+
+
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("MLCHECKPOINT_JOB_ID", "unset"),
+    EnvVar("TORCHELASTIC_RUN_ID", "unset"),
+    EnvVar("SLURM_JOB_ID", "unset"),
+    EnvVar("MLCHECKPOINT_LOCAL_DIR", DEFAULT_LOCAL_DIR),
+    EnvVar(MEMORY_LIMIT_ENV, "unset (no limit)"),
+    EnvVar("MLCHECKPOINT_REPLICATION_HOST", "unset"),
+    EnvVar("MLCHECKPOINT_TCP_STREAMS", "4"),
+    EnvVar("MLCHECKPOINT_TCP_MIN_STRIPE", "67108864"),
+    EnvVar("MLCHECKPOINT_COPY_THREADS", "min(4, usable cores)"),
+    EnvVar("MLCHECKPOINT_NATIVE", "1"),
+    EnvVar("MLCHECKPOINT_PAUSE_GC", "1"),
+    EnvVar("MLCHECKPOINT_CRASH_AT", "unset"),
+    EnvVar("MLCHECKPOINT_PAUSE_AT", "unset"),
+    EnvVar("MLCHECKPOINT_REPLICATION_SECRET", "unset"),
+    EnvVar("MLCHECKPOINT_REPLICATION_SECRET_FILE", "unset"),
+    # Set by the launcher (torchrun, or torch.distributed's env:// init).
+    EnvVar("RANK", "0"),
+    EnvVar("WORLD_SIZE", "1"),
+    EnvVar("LOCAL_RANK", "RANK % LOCAL_WORLD_SIZE"),
+    EnvVar("LOCAL_WORLD_SIZE", "WORLD_SIZE"),
+    EnvVar("GROUP_RANK", "RANK // LOCAL_WORLD_SIZE"),
+    EnvVar("MASTER_ADDR", "127.0.0.1"),
+    EnvVar("MASTER_PORT", "29500"),
+    EnvVar("TORCHELASTIC_RESTART_COUNT", "0"),
+)}
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
+
+
+def env_str(name: str) -> str | None:
+    """The value of the variable ``name`` (one of ``ENV_VARS``), stripped; None when unset or
+    empty. The only place mlcheckpoint reads its environment."""
+    if name not in ENV_VARS:  # a new variable must be listed (and so documented) first
+        raise KeyError(f"{name} is not in mlcheckpoint.config.ENV_VARS")
+    return os.environ.get(name, "").strip() or None
+
+
+def env_int(name: str, default: int, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """A whole number from the variable ``name``, ``default`` when unset or empty."""
+    text = env_str(name)
+    if text is None:
+        return default
+    value = int(text) if text.isdecimal() else None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        bounds = f"in {minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise ConfigError(f"{name}={text!r}: expected a whole number {bounds}")
+    return value
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """On or off from the variable ``name``: 1/0 (also true/false, yes/no, on/off)."""
+    text = env_str(name)
+    if text is None:
+        return default
+    if text.lower() not in _FLAGS:
+        raise ConfigError(f"{name}={text!r}: expected 1 (on) or 0 (off)")
+    return _FLAGS[text.lower()]
+
+
+def validate_job_id(job_id: str, variable: str | None = None) -> str:
+    """A job id becomes a directory name: allow only a safe, path-free alphabet. ``variable``:
+    the environment variable it came from, named in the error."""
     if not isinstance(job_id, str) or not _JOB_ID_RE.match(job_id) or job_id in (".", ".."):
+        given = f"{variable}={job_id!r}" if variable else repr(job_id)
         raise ConfigError(
-            f"invalid job id {job_id!r}: use 1-128 characters from [A-Za-z0-9._-], "
+            f"invalid job id {given}: use 1-128 characters from [A-Za-z0-9._-], "
             "starting with a letter or digit"
         )
     return job_id
@@ -41,10 +117,10 @@ def resolve_job_id(job_id: str | None = None, *, derive_from: str | None = None)
     if job_id is not None:
         return validate_job_id(str(job_id))
     for var in ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        value = os.environ.get(var)
+        value = env_str(var)
         # torchrun sets TORCHELASTIC_RUN_ID=none when --rdzv-id is not given.
         if value and not (var == "TORCHELASTIC_RUN_ID" and value == "none"):
-            return validate_job_id(value)
+            return validate_job_id(value, var)
     if derive_from:
         return derived_job_id(derive_from)
     raise ConfigError(
@@ -69,7 +145,7 @@ def derived_job_id(location: str) -> str:
 def resolve_local_dir(local_dir: str | os.PathLike | None = None) -> str:
     """Explicit argument, else MLCHECKPOINT_LOCAL_DIR, else /dev/shm/mlcheckpoint."""
     if local_dir is None:
-        local_dir = os.environ.get("MLCHECKPOINT_LOCAL_DIR") or DEFAULT_LOCAL_DIR
+        local_dir = env_str("MLCHECKPOINT_LOCAL_DIR") or DEFAULT_LOCAL_DIR
     path = os.fspath(local_dir)
     if not isinstance(path, str) or path == "":
         # "" would resolve to the current directory: checkpoints on disk, wherever the job ran.
@@ -181,5 +257,5 @@ def resolve_memory_limit(memory_limit_bytes: int | str | None = None) -> int | N
     """The memory limit in bytes: the argument, else $MLCHECKPOINT_MEMORY_LIMIT, else None."""
     if memory_limit_bytes is not None:
         return parse_bytes(memory_limit_bytes, "memory_limit_bytes")
-    env = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    env = env_str(MEMORY_LIMIT_ENV)
     return parse_bytes(env, MEMORY_LIMIT_ENV) if env else None

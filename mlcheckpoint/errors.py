@@ -40,8 +40,22 @@ class CorruptShardError(MLCheckpointError):
         return (type(self), (str(self), self.copy))
 
 
+class StagingError(MLCheckpointError):
+    """An overlapped save could not take its snapshot exactly (a tensor was resized or
+    replaced before it was copied, or the manager closed while it was being taken). The step
+    is not committed on any rank; the previous one stays resumable."""
+
+
 class ShardNotFoundError(MLCheckpointError):
     """A shard or the global metadata of a step is not present (or not committed)."""
+
+
+class ReplicationError(MLCheckpointError):
+    """A push or fetch failed (peer gone, timed out, refused, or bytes failed verification)."""
+
+
+class ProtocolError(ReplicationError):
+    """A peer broke the replication protocol, failed authentication or timed out."""
 
 
 def _capacity_error(cls: type, message: str, needed: int, available: int) -> CapacityError:

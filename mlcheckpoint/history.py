@@ -12,8 +12,10 @@ import os
 import time
 from typing import Any
 
+from .store.layout import HISTORY
+
 log = logging.getLogger(__name__)
-FILENAME = "history.jsonl"
+FILENAME = HISTORY  # layout.py names every file of a job directory
 
 
 def record(job_dir: str, event: str, **fields: Any) -> None:

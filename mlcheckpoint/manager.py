@@ -21,24 +21,29 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+from typing_extensions import Self
 
-from .dcp import MemoryStorageReader, MemoryStorageWriter
-from .dcp.writer import commit_metadata
-from .config import resolve_job_id, resolve_memory_limit, validate_keep
-from .errors import ConfigError, MLCheckpointError
 from . import history
 from ._gc import gc_paused
+from .dcp import MemoryStorageReader, MemoryStorageWriter
+from .dcp.errors import unwrap_checkpoint_exception
+from .dcp.writer import commit_metadata
+from .errors import ConfigError, MLCheckpointError
+from .options import Options
 from .persistent import PersistentStorage, open_persistent
-from .replication import Pins, Rendezvous, Replicator
 from .recovery import Recovery, ResumeInfo
 from .recovery.resume import Comm
-from .replication.tcp import TcpTransport
+from .replication import Pins, ReceiveSink, Rendezvous, Replicator
+from .replication.factory import make_transport
+from .snapshot import GuardHandle, Snapshotter
 from .store import LocalStore
 from .store.identity import Lineage, new_id
+from .store.retention import RetentionPolicy
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -51,11 +56,12 @@ class SaveResult:
     blocking_seconds: float  # time the caller was held (staging for async_save)
     seconds: float  # until committed in tmpfs on every rank
     persistent: bool = False
+    overlapped_bytes: int = 0  # copied on the staging thread while training went on
 
 
 @dataclass
 class CheckpointEntry:
-    """One row of ``CheckpointManager.list()``."""
+    """One row of ``CheckpointManager.checkpoints()``."""
 
     step: int
     location: str  # "memory" or "persistent"
@@ -81,7 +87,8 @@ class CheckpointManager:
         keep: complete in-memory checkpoints kept per rank (the newest ones).
         memory_limit_bytes: cap on this job's tmpfs usage on this node (default
             MLCHECKPOINT_MEMORY_LIMIT; None: only the tmpfs free space).
-        replication: "tcp", "pg" or "none". Off by itself on a single node.
+        replication: "tcp", "pg" (gloo), "nccl" (GPU buffers over NCCL) or "none". Off by
+            itself on a single node.
         replication_host: interface the TCP listener binds (default: the one routing to
             MASTER_ADDR; env MLCHECKPOINT_REPLICATION_HOST).
         replication_timeout: seconds any single replication socket operation may block.
@@ -91,20 +98,26 @@ class CheckpointManager:
 
     def __init__(self, persistent_dir: str | PersistentStorage | None = None, *,
                  job_id: str | None = None, local_dir: str | None = None, keep: int = 2,
-                 memory_limit_bytes: int | None = None, replication: str = "tcp",
+                 memory_limit_bytes: int | str | None = None, replication: str = "tcp",
                  replication_host: str | None = None, replication_timeout: float = 60.0,
                  replication_streams: int | None = None):
-        keep = validate_keep(keep)
-        memory_limit_bytes = resolve_memory_limit(memory_limit_bytes)
-        if replication not in ("tcp", "pg", "none"):
-            raise ConfigError(f"replication must be 'tcp', 'pg' or 'none', not {replication!r}")
+        self.persistent = open_persistent(persistent_dir)
+        # Every argument and MLCHECKPOINT_* variable, resolved and checked before anything is
+        # written. Plain torchrun gives no job id: the persistent folder, which a restart
+        # keeps, names one.
+        self.options = opts = Options.resolve(
+            job_id=job_id, local_dir=local_dir, keep=keep, memory_limit_bytes=memory_limit_bytes,
+            replication=replication, replication_host=replication_host,
+            replication_timeout=replication_timeout, replication_streams=replication_streams,
+            derive_job_id_from=None if self.persistent is None else self.persistent.location)
+        replication, replication_host = opts.replication, opts.replication_host
+        replication_timeout = opts.replication_timeout
+        replication_streams = opts.replication_streams
         self.topology = Topology.detect()
         self.rank = self.topology.rank
-        self.keep = keep
-        self.persistent = open_persistent(persistent_dir)
-        # Plain torchrun gives no job id: the persistent folder, which a restart keeps, names one.
-        job_id = resolve_job_id(job_id, derive_from=self.persistent and self.persistent.location)
-        self.store = LocalStore(local_dir, job_id, memory_limit_bytes=memory_limit_bytes)
+        self.keep = opts.keep
+        self.store = LocalStore(opts.local_dir, opts.job_id,
+                                memory_limit_bytes=opts.memory_limit_bytes)
         self.job_id = self.store.job_id
         self._distributed = dist.is_available() and dist.is_initialized()
         # Two groups: in-memory saves and persistent writes run on different threads and must
@@ -117,6 +130,8 @@ class CheckpointManager:
         self._save_executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-save")
         self._persist_executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-persist")
         self._in_flight: Future | None = None
+        self.snapshots = Snapshotter()  # overlapped saves: the staging thread and the guards
+        self._overlapped_step: int | None = None  # the save in flight, if it was overlapped
         self._persist_futures: list[Future] = []
         self.pins = Pins()  # steps whose buffers a transfer or persistent write reads
         self._lock = threading.Lock()
@@ -146,23 +161,16 @@ class CheckpointManager:
                            streams: int | None) -> None:
         # The replication secret is agreed over our own gloo group, never the c10d store.
         rdzv = Rendezvous.from_default_group(self.job_id, group=self._save_pg)
-        if mode == "tcp":
-            transport = TcpTransport(self.store, rdzv, host=host, timeout=timeout, pins=self.pins,
-                                     on_received=self._on_replica_received, streams=streams)
-        else:
-            from .replication.pg import PgTransport
-            transport = PgTransport(self.store, rdzv, timeout=timeout, pins=self.pins,
-                                    on_received=self._on_replica_received)
+        sink = ReceiveSink(self.store, pins=self.pins, on_received=self._on_replica_received)
+        transport = make_transport(mode, self.store, rdzv, sink, host=host, timeout=timeout,
+                                   streams=streams)
         self.replicator = Replicator(self.store, transport, rdzv, self.topology)
         self.replica_owners = self.replicator.sources
 
     def _on_replica_received(self, step: int, owner: int) -> None:
         # Runs on a listener thread: use the last known protected step rather than asking the
         # c10d store (a new client per connection thread); a stale value only keeps more.
-        protected = self.pins.steps()
-        if self.replicator is not None and self.replicator.known_protected() is not None:
-            protected.add(self.replicator.known_protected())
-        self.store.apply_retention([owner], self.keep, protected=protected)
+        self._retention().apply(self.store, [owner], ask=False)
         with contextlib.suppress(MLCheckpointError):
             self._prepare_buffers(owner, self.store.read_manifest(step, owner).data_bytes)
 
@@ -184,7 +192,7 @@ class CheckpointManager:
             self.replicator.activate()
             notify = self.replicator.notify
         return MemoryStorageWriter(step, self.store, on_commit=notify, on_metadata=notify,
-                                   lineage=self.lineage)
+                                   lineage=self.lineage, snapshots=self.snapshots)
 
     def storage_reader(self, step: int) -> MemoryStorageReader:
         """A reader for ``dcp.load`` of an in-memory ``step``."""
@@ -194,7 +202,9 @@ class CheckpointManager:
     def save(self, state_dict: dict[str, Any], step: int, *, persistent: bool = False) -> SaveResult:
         """Save ``step`` and return once it is committed in tmpfs on every rank."""
         self._check_open()
+        self._check_persistent(persistent)
         self._wait_in_flight()
+        self._raise_overlapped_failure()
         writer = self._writer(step)
         t0 = time.perf_counter()
         try:
@@ -202,7 +212,7 @@ class CheckpointManager:
                 metadata = dcp.save(state_dict, storage_writer=writer, process_group=self._save_pg)
         except CheckpointException as e:
             self._drop_failed_shard(writer)
-            raise _unwrap(e, f"save of step {step}") from None
+            raise unwrap_checkpoint_exception(e, f"save of step {step}") from None
         seconds = time.perf_counter() - t0
         result = SaveResult(step, _committed_bytes(writer), seconds, seconds, persistent)
         self._after_save(result, metadata, writer.save_id)
@@ -210,23 +220,59 @@ class CheckpointManager:
             self._write_persistent(state_dict, step)
         return result
 
-    def async_save(self, state_dict: dict[str, Any], step: int, *,
-                   persistent: bool = False) -> Future[SaveResult]:
-        """Copy ``state_dict`` into tmpfs and return; commit (and persist) in the background.
+    def guard(self, optimizer: torch.optim.Optimizer) -> GuardHandle:
+        """Make ``async_save`` overlap its copy with the next step: every
+        ``optimizer.step()`` first waits until the snapshot in flight is taken.
 
-        Only the copy holds the caller. At most one in-memory save is in flight: a second call
-        first waits for the previous one. The future's result is a SaveResult; if staging
-        fails here (e.g. CapacityError) the error is raised at once and the other ranks' saves
-        of this step fail too, so no rank waits for it.
+        Call once per optimizer, after creating it. From then on ``async_save`` returns
+        without copying the optimizer's parameters and state (only ``optimizer.step()``
+        changes them); they are copied on a background thread while forward and backward
+        run. Everything else in the state dict is captured when ``async_save`` is called.
+        Returns a handle whose ``remove()`` takes the guard off.
+        """
+        return self.snapshots.guard(optimizer)
+
+    def wait_staged(self) -> None:
+        """Wait until the snapshot of the save in flight is taken: call it before changing a
+        guarded optimizer's tensors outside ``optimizer.step()`` (or any tensor, after
+        ``async_save(..., overlap=True)``). Raises this rank's staging failure, if any."""
+        self.snapshots.wait()
+
+    def async_save(self, state_dict: dict[str, Any], step: int, *,
+                   persistent: bool = False, overlap: bool | None = None) -> Future[SaveResult]:
+        """Snapshot ``state_dict`` into tmpfs; commit (and persist) in the background.
+
+        ``overlap``: None (default) overlaps the copy of guarded optimizers' tensors with
+        training once ``guard(optimizer)`` was called, and otherwise returns once every byte
+        is copied; False always copies before returning; True copies every tensor in the
+        background, and the caller must call ``wait_staged()`` before changing any of them.
+        Everything that is not a tensor (``state_dict()`` of Stateful objects, scalars) is
+        captured at call time.
+
+        At most one in-memory save is in flight: a second call first waits for the previous
+        one. The future's result is a SaveResult. A failure while copying here (e.g.
+        CapacityError) is raised at once; a failure of an overlapped copy is raised at this
+        rank's next guard point, and the failed step at every rank's next save or async_save
+        (which then saves nothing: call it again). Either way the other ranks' saves of this
+        step fail too (no rank waits for it) and the previous step stays resumable.
         """
         self._check_open()
+        self._check_persistent(persistent)
         self._wait_in_flight()
+        self._raise_overlapped_failure()
+        overlapped = self.snapshots.guarded if overlap is None else overlap
         writer = self._writer(step)
         t0 = time.perf_counter()
         stage_error: BaseException | None = None
+        staged: dict[str, Any] | Future[dict[str, Any]] = {}
         try:
             with gc_paused():
-                staged = writer.stage(_stateful_to_state_dict(state_dict))
+                flat = _stateful_to_state_dict(state_dict)  # Stateful objects: at call time
+                if overlapped:
+                    staged = writer.stage_overlapped(
+                        flat, None if overlap else self.snapshots.deferrable())
+                else:
+                    staged = writer.stage_now(flat)
         except (MLCheckpointError, OSError) as e:
             stage_error, staged = e, {}
             writer.poison(e)  # fail this step on every rank instead of leaving them waiting
@@ -235,21 +281,37 @@ class CheckpointManager:
                                          persistent, t0, blocking)
         with self._lock:
             self._in_flight = fut
+            self._overlapped_step = step if overlapped and stage_error is None else None
         if stage_error is not None:
             raise stage_error
         return fut
 
-    def _finish_async_save(self, writer: MemoryStorageWriter, staged: dict[str, Any], step: int,
+    def _raise_overlapped_failure(self) -> None:
+        """The previous save overlapped and failed (on some rank: the commit is collective):
+        raise that here, once, on every rank alike, so that all ranks skip this call together
+        (even the rank whose guard raised it already)."""
+        with self._lock:
+            fut, step, self._overlapped_step = self._in_flight, self._overlapped_step, None
+        error = fut.exception() if step is not None and fut is not None else None
+        if error is not None:
+            self.snapshots.forget_failure()
+            raise error
+
+    def _finish_async_save(self, writer: MemoryStorageWriter,
+                           staged: dict[str, Any] | Future[dict[str, Any]], step: int,
                            persistent: bool, t0: float, blocking: float) -> SaveResult:
+        if isinstance(staged, Future):
+            staged = staged.result()  # the staging thread's copy; its failure poisoned writer
         try:
             with gc_paused():
                 metadata = dcp.save(staged, storage_writer=writer, process_group=self._save_pg)
         except CheckpointException as e:
             self._drop_failed_shard(writer)
-            err = _unwrap(e, f"async save of step {step}")
+            err = unwrap_checkpoint_exception(e, f"async save of step {step}")
             log.error("mlcheckpoint: %s", err)
             raise err from None
-        result = SaveResult(step, _committed_bytes(writer), blocking, time.perf_counter() - t0, persistent)
+        result = SaveResult(step, _committed_bytes(writer), blocking, time.perf_counter() - t0,
+                            persistent, writer.overlapped_bytes)
         self._after_save(result, metadata, writer.save_id)
         if persistent:
             # The persistent write reads the staged views of this step's tmpfs buffers: pin the
@@ -280,7 +342,7 @@ class CheckpointManager:
             history.record(self.store.job_dir, "persistent", step=step, rank=self.rank,
                            seconds=round(seconds, 6), location=self.persistent.path(step))
         except CheckpointException as e:
-            err = _unwrap(e, f"persistent save of step {step}")
+            err = unwrap_checkpoint_exception(e, f"persistent save of step {step}")
             log.error("mlcheckpoint: %s", err)
             raise err from None
         finally:
@@ -324,19 +386,14 @@ class CheckpointManager:
         except (OSError, MLCheckpointError) as e:  # only an optimisation: saves still work
             log.warning("mlcheckpoint: could not prepare buffers for rank %d: %s", owner, e)
 
-    def _protected_steps(self) -> set[int]:
-        """Steps retention must keep: those being read, and the newest replicated everywhere."""
-        protected = self.pins.steps()
-        if self.replicator is not None:
-            newest = self.replicator.newest_protected(self.store.steps())
-            if newest is not None:
-                protected.add(newest)
-        return protected
+    def _retention(self) -> RetentionPolicy:
+        """Retention's policy: ``keep`` steps per owner, never a step being read nor the newest
+        replicated everywhere (stateless: made from what the manager holds now)."""
+        return RetentionPolicy(self.keep, self.pins, self.replicator)
 
     def _apply_retention(self) -> None:
         """Retire this rank's own shards and the replicas it keeps beyond ``keep``."""
-        self.store.apply_retention([self.rank, *self.replica_owners], self.keep,
-                                   protected=self._protected_steps())
+        self._retention().apply(self.store, [self.rank, *self.replica_owners])
 
     # ------------------------------------------------------------------ resume
     def resume(self, state_dict: dict[str, Any]) -> ResumeInfo:
@@ -349,28 +406,13 @@ class CheckpointManager:
         """
         self._check_open()
         self._wait_in_flight()
-        recovery = Recovery(self.store, self.topology, Comm(self._all_gather),
-                            transport=self.replicator.transport if self.replicator else None,
-                            persistent=self.persistent, load=self._load, lineage=self.lineage)
-        info = recovery.run(state_dict)
-        self.lineage = recovery.lineage  # later saves descend from what was loaded
+        resumed = self._recovery().run(state_dict)
+        self.lineage = resumed.lineage  # later saves descend from what was loaded
+        self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
+        info = resumed.info
         history.record(self.store.job_dir, "resume", step=info.step, rank=self.rank,
                        source=info.sources.get(self.rank, info.source), seconds=round(info.seconds, 6),
-                       bytes=recovery.bytes_fetched, reason=info.reason)
-        if self.replicator is not None and recovery.decision is not None:
-            # Re-protect what was loaded now, not at the next save: a replaced node gets its own
-            # shard back and the partner's replicas; the newest step that survived on two nodes
-            # is kept until a newer one is protected.
-            self.replicator.seed_protected(recovery.decision.newest_protected)
-            self.replicator.activate(reset=True)
-            replicator = self.replicator
-
-            def heal() -> None:
-                if recovery.heal():
-                    replicator.notify()
-
-            self._heal_thread = threading.Thread(target=heal, name="mlckpt-heal", daemon=True)
-            self._heal_thread.start()
+                       bytes=resumed.bytes_fetched, reason=info.reason)
         return info
 
     def continue_from(self, step: int | None) -> None:
@@ -381,24 +423,14 @@ class CheckpointManager:
         numbers, and retention must not keep the abandoned ones as the newest."""
         self._check_open()
         self._wait_in_flight()
-        if self.topology.local_rank == 0:
-            dropped = self.store.settle(self.lineage, step)
-            if dropped:
-                log.info("mlcheckpoint: dropped steps %s newer than step %s on node %d", dropped,
-                         step, self.topology.node_rank)
-        self._all_gather(None)  # no rank saves before every node has settled
-        if self.replicator is not None:
-            self.replicator.activate(reset=True)
+        self._recovery().continue_from(step)
 
-    def _load(self, state_dict: dict[str, Any], reader: Any) -> None:
-        try:
-            with gc_paused():
-                dcp.load(state_dict, storage_reader=reader, process_group=self._save_pg)
-        except CheckpointException as e:
-            raise _unwrap(e, "load") from None
+    def _recovery(self) -> Recovery:
+        return Recovery(self.store, self.topology, Comm(self._all_gather), lineage=self.lineage,
+                        group=self._save_pg, replicator=self.replicator, persistent=self.persistent)
 
     # ------------------------------------------------------------------ listing
-    def list(self) -> list[CheckpointEntry]:
+    def checkpoints(self) -> list[CheckpointEntry]:
         """In-memory steps on this node and persistent steps, oldest first."""
         entries = []
         for step, st in self.store.inventory().items():
@@ -478,6 +510,8 @@ class CheckpointManager:
 
     def _release(self, wait: bool) -> None:
         self._closed = True
+        # Not waiting: a snapshot in flight fails rather than commits what training changes.
+        self.snapshots.close(wait=wait)
         self._save_executor.shutdown(wait=wait, cancel_futures=not wait)
         self._persist_executor.shutdown(wait=wait, cancel_futures=not wait)
         with self._lock:
@@ -494,15 +528,21 @@ class CheckpointManager:
             # process.
             self.store.close()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close(failed=exc_type is not None)
 
     def _check_open(self) -> None:
         if self._closed:
             raise MLCheckpointError("CheckpointManager is closed")
+
+    def _check_persistent(self, persistent: bool) -> None:
+        # Refused at the call, before anything is staged or pinned.
+        if persistent and self.persistent is None:
+            raise ConfigError("persistent=True needs CheckpointManager(persistent_dir=...): "
+                              "no persistent folder was given")
 
     def _wait_in_flight(self) -> None:
         with self._lock:
@@ -522,13 +562,3 @@ class CheckpointManager:
 def _committed_bytes(writer: MemoryStorageWriter) -> int:
     return writer.committed.data_bytes if writer.committed is not None else 0
 
-
-def _unwrap(e: CheckpointException, what: str) -> BaseException:
-    """DCP wraps per-rank errors; surface ours (e.g. CapacityError) as themselves."""
-    for _, failure in sorted(e.failures.items()):
-        exc = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(exc, MLCheckpointError) or not isinstance(exc, Exception):
-            return exc  # ours, or an interrupt (KeyboardInterrupt, SystemExit): as it was
-    first = next(iter(e.failures.values()), None)
-    exc = first[0] if isinstance(first, tuple) else first
-    return MLCheckpointError(f"{what} failed on ranks {sorted(e.failures)}: {exc!r}")

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
@@ -61,8 +62,7 @@ class PersistentStorage:
 
     def __init__(self, location: str | os.PathLike, *, step_format: str = DEFAULT_STEP_FORMAT):
         self.location = os.fspath(location)
-        if self.location.startswith("file://"):
-            self.location = self.location[len("file://"):]
+        self.location = self.location.removeprefix("file://")
         self.is_url = _is_url(self.location)
         self.names = StepNames(step_format)
 
@@ -84,7 +84,7 @@ class PersistentStorage:
     def restore(self, state_dict: dict[str, Any], step: int,
                 load: Callable[[dict[str, Any], StorageReader], None]) -> None:
         """Load ``step`` into ``state_dict``; recovery calls this once it chose this folder.
-        ``load`` is the manager's ``dcp.load`` on its checkpoint group."""
+        ``load`` is ``dcp.load`` on the checkpoint group (recovery/load.py ``load_step``)."""
         load(state_dict, self.reader(step))
 
     def steps(self) -> list[int]:
@@ -94,10 +94,10 @@ class PersistentStorage:
                 import fsspec
                 fs, root = fsspec.core.url_to_fs(self.location)
                 names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
-                exists = lambda step: fs.exists(f"{root.rstrip('/')}/{self.names.name(step)}/.metadata")  # noqa: E731
+                exists = lambda step: fs.exists(f"{root.rstrip('/')}/{self.names.name(step)}/.metadata")
             else:
                 names = os.listdir(self.location)
-                exists = lambda step: os.path.exists(os.path.join(self.path(step), ".metadata"))  # noqa: E731
+                exists = lambda step: os.path.exists(os.path.join(self.path(step), ".metadata"))
         except FileNotFoundError:
             return []
         steps = [s for s in map(self.names.parse, names) if s is not None]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from .config import env_int
 
 
 @dataclass(frozen=True)
@@ -18,17 +19,16 @@ class Topology:
     num_nodes: int = 1
 
     @classmethod
-    def detect(cls) -> "Topology":
+    def detect(cls) -> Topology:
         """Read the launcher's view (torchrun sets LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK)."""
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
         else:
-            rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world if world == 1 else 0) or 0)
-        if local_world <= 0:
-            local_world = world  # no launcher info: treat the job as one node
-        local_rank = int(os.environ.get("LOCAL_RANK", rank % local_world))
-        node_rank = int(os.environ.get("GROUP_RANK", rank // local_world))
+            rank, world = env_int("RANK", 0, minimum=0), env_int("WORLD_SIZE", 1)
+        # No launcher info (LOCAL_WORLD_SIZE unset, or 0): treat the job as one node.
+        local_world = env_int("LOCAL_WORLD_SIZE", 0, minimum=0) or world
+        local_rank = env_int("LOCAL_RANK", rank % local_world, minimum=0)
+        node_rank = env_int("GROUP_RANK", rank // local_world, minimum=0)
         num_nodes = max(1, world // local_world)
         return cls(rank, world, local_rank, local_world, node_rank, num_nodes)
 

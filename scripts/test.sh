@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Sets everything up, then runs the test suite.
+# Sets everything up, then checks lint and types and runs the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 . .venv/bin/activate
+ruff check mlcheckpoint tests benchmarks examples scripts
+mypy mlcheckpoint
 exec python -m pytest "$@"

@@ -18,6 +18,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from typing_extensions import Self
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = os.path.join(HERE, "workers")
 
@@ -92,7 +94,7 @@ class Cluster:
             os.makedirs(d, mode=0o700)
             self.nodes.append(Node(k, d, log_path=os.path.join(self.root, f"node{k}.log")))
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -116,12 +118,11 @@ class Cluster:
                    f"--node-rank={k}", f"--nproc-per-node={self.nproc}",
                    "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
                    os.path.join(WORKERS, script), *args]
-            logf = open(node.log_path, "a")
-            logf.write(f"\n===== {' '.join(cmd[3:])}\n")
-            logf.flush()
-            node.proc = subprocess.Popen(cmd, env=e, stdout=logf, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-            logf.close()
+            with open(node.log_path, "a") as logf:
+                logf.write(f"\n===== {' '.join(cmd[3:])}\n")
+                logf.flush()
+                node.proc = subprocess.Popen(cmd, env=e, stdout=logf, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
 
     def wait(self, timeout: float = 120, nodes: list[int] | None = None) -> list[int]:
         """Wait for the nodes' agents; return exit codes. Kills everything on timeout."""
@@ -159,6 +160,13 @@ class Cluster:
                 with open(os.path.join(self.out_dir, fn)) as f:
                     out[int(fn[len(name) + 5:-5])] = json.load(f)
         return out
+
+    def clear_results(self, *names: str) -> None:
+        """Forget earlier reports (all, or those ``names``), so a launch that reports nothing
+        cannot pass on stale ones."""
+        for fn in os.listdir(self.out_dir):
+            if not names or any(fn.startswith(n + ".rank") for n in names):
+                os.unlink(os.path.join(self.out_dir, fn))
 
     # Tests that run several jobs in one launch name each ``<cluster job id>-<name>``.
     def sub_job(self, name: str) -> str:

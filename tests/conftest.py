@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 
 import pytest
+from tcp_job import TCP_LOGGER, Job
 
 from mlcheckpoint import LocalStore
 
 # Settings read from the environment; tests that depend on their absence use ``clean_env``.
 MLCHECKPOINT_ENV_VARS = ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
-                         "MLCHECKPOINT_LOCAL_DIR", "MLCHECKPOINT_CRASH_AT")
+                         "MLCHECKPOINT_LOCAL_DIR", "MLCHECKPOINT_CRASH_AT",
+                         "MLCHECKPOINT_PAUSE_AT")
 
 
 @pytest.fixture
@@ -40,3 +43,36 @@ def clean_env(monkeypatch):
     for var in MLCHECKPOINT_ENV_VARS:
         monkeypatch.delenv(var, raising=False)
     return monkeypatch
+
+
+@pytest.fixture
+def make_job():
+    """Factory of Jobs on tmpfs; every process, socket and directory is gone afterwards."""
+    made: list[Job] = []
+    roots: list[str] = []
+
+    def make(world: int = 2) -> Job:
+        root = tempfile.mkdtemp(prefix="mlckpt-faults-", dir="/dev/shm")
+        roots.append(root)
+        job = Job(root, world)
+        made.append(job)
+        return job
+
+    try:
+        yield make
+    finally:
+        for job in made:
+            job.close()
+        for root in roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def tcp_warnings(caplog):
+    caplog.set_level(logging.WARNING, logger="mlcheckpoint")
+
+    def messages() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == TCP_LOGGER and r.levelno >= logging.WARNING]
+
+    return messages

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-from typing import Iterator
 
 import pytest
 import torch
+from helpers import mounted_tmpfs
 
 from mlcheckpoint import CapacityError, CheckpointManager, LocalStore
 
@@ -136,22 +134,6 @@ def test_begin_shard_checks_limit_before_writing(store_dir):
 
 
 # ---------------------------------------------------------------- a real, small tmpfs
-
-@contextlib.contextmanager
-def mounted_tmpfs(path: str, options: str) -> Iterator[str]:
-    """A tmpfs of its own mounted at ``path`` (made if missing) with mount ``options`` (e.g.
-    "size=8m"), unmounted afterwards, pass or fail; skips the test where mounting is refused."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs ({options}) here (needs root/CAP_SYS_ADMIN): "
-                    f"{res.stderr.strip() or res.returncode}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", path], check=False)
-
 
 @pytest.fixture
 def small_tmpfs(store_dir):

@@ -327,7 +327,7 @@ def run_chaos(nnodes: int, rounds: int, test: str, env_rounds=lambda rnd: rnd) -
                 chaos.run_round(rnd, final=rnd == rounds)
             except ChaosFailure:
                 raise
-            except Exception as e:  # e.g. a node that survived SIGKILL: still name seed and round
+            except Exception as e:  # noqa: BLE001  (any failure, e.g. a node that survived SIGKILL, must name seed and round)
                 chaos.fail(rnd, f"{type(e).__name__}: {e}")
         print(chaos.summary())
         print("\n".join(chaos.plans))

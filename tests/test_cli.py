@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from mlcheckpoint import CheckpointManager, LocalStore
-from mlcheckpoint.cli import main
+from mlcheckpoint.cli import (
+    EXIT_CORRUPT,
+    EXIT_INCOMPLETE,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    main,
+)
 
 
 @pytest.fixture
@@ -38,7 +44,7 @@ def cli(capsys):
 
 def test_console_entry_point_runs_as_a_process(job):
     proc = subprocess.run([sys.executable, "-m", "mlcheckpoint.cli", "--local-dir", job, "ls", "--json"],
-                          capture_output=True, text=True, timeout=120)
+                          check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     assert json.loads(proc.stdout)[0]["job"] == "clijob"
 
@@ -65,21 +71,21 @@ def test_verify_exit_status_reflects_checksums(job, cli):
         f.seek(item.offset + 5)
         f.write(bytes([b[0] ^ 0xFF]))
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "1", "--json")
-    assert code == 1
+    assert code == EXIT_CORRUPT == 3
     verdict = json.loads(out)
     assert verdict["verdict"] == "corrupt"
     assert any(r["status"] == "corrupt" and "checksum mismatch" in r["error"] for r in verdict["results"])
     code, _, _ = cli(job, "verify", "--job", "clijob", "--step", "0")
     assert code == 0  # other steps unaffected
-    code, _, err = cli(job, "verify", "--job", "clijob", "--step", "99")
-    assert code == 2
+    code, _, _ = cli(job, "verify", "--job", "clijob", "--step", "99")
+    assert code == EXIT_NOT_FOUND == 2
 
 
 def test_verify_reports_missing_shards(job, cli):
     store = LocalStore(job, "clijob", create=False)
     os.unlink(store.manifest_path(2, 0))  # the shard is no longer committed here
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2")
-    assert code == 2 and "INCOMPLETE" in out
+    assert code == EXIT_INCOMPLETE == 1 and "INCOMPLETE" in out
 
 
 def test_gc_removes_debris_and_old_steps(job, cli):
@@ -87,7 +93,7 @@ def test_gc_removes_debris_and_old_steps(job, cli):
     debris = store.data_path(2, 5) + ".partial"
     with open(debris, "wb") as f:
         f.write(b"x" * 100)
-    code, out, _ = cli(job, "gc", "--job", "clijob", "--min-age", "0", "--keep", "1")
+    code, _, _ = cli(job, "gc", "--job", "clijob", "--min-age", "0", "--keep", "1")
     assert code == 0
     assert not os.path.exists(debris)
     assert store.complete_steps() == [2]
@@ -136,4 +142,37 @@ def test_verify_checks_bytes_against_the_step_metadata(job, cli):
         f.write(Manifest.from_dict(d).to_bytes())
     store.close()
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2")
-    assert code == 1 and "CORRUPT" in out and "metadata item" in out, out
+    assert code == EXIT_CORRUPT and "CORRUPT" in out and "metadata item" in out, out
+
+
+def _flip_tensor_byte(store: LocalStore, step: int) -> None:
+    m = store.read_manifest(step, 0)
+    item = next(it for it in m.items if it.kind == "tensor")
+    with open(store.data_path(step, 0), "r+b") as f:
+        f.seek(item.offset + 3)
+        b = f.read(1)
+        f.seek(item.offset + 3)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_verify_exit_status_is_the_worst_finding(job, cli):
+    """Exit codes rise with severity (ok < incomplete < not found < corrupt), and a step with
+    several findings exits with the worst: a corrupt shard beside missing metadata is corrupt."""
+    assert EXIT_OK < EXIT_INCOMPLETE < EXIT_NOT_FOUND < EXIT_CORRUPT
+    store = LocalStore(job, "clijob", create=False)
+    os.unlink(store.metadata_path(1))  # step 1: only the metadata is elsewhere
+    code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "1", "--json")
+    assert code == EXIT_INCOMPLETE and json.loads(out)["verdict"] == "incomplete"
+    os.unlink(store.metadata_path(2))  # step 2: metadata elsewhere and a corrupt shard here
+    _flip_tensor_byte(store, 2)
+    store.close()
+    code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2", "--json")
+    assert code == EXIT_CORRUPT and json.loads(out)["verdict"] == "corrupt"
+    assert cli(job, "verify", "--job", "clijob", "--step", "0")[0] == EXIT_OK
+
+
+def test_verify_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "0 ok, 1 incomplete on this node (the rest intact), 2 job or step not found, 3 corrupt" in out

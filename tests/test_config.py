@@ -4,20 +4,38 @@ what to do, never a raw exception later."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 
 import pytest
 import torch
+from helpers import mounted_tmpfs
 
-from mlcheckpoint import CapacityError, CheckpointManager, ConfigError, LocalStore
-from mlcheckpoint.config import (_MEMORY_FS, DEFAULT_LOCAL_DIR, filesystem_type, parse_bytes,
-                                 resolve_job_id, resolve_local_dir, resolve_memory_limit,
-                                 validate_job_id, validate_keep)
-from test_capacity import mounted_tmpfs
+import mlcheckpoint
+from mlcheckpoint import CapacityError, CheckpointManager, ConfigError, LocalStore, _gc
+from mlcheckpoint.config import (
+    _MEMORY_FS,
+    DEFAULT_LOCAL_DIR,
+    ENV_VARS,
+    env_str,
+    filesystem_type,
+    parse_bytes,
+    resolve_job_id,
+    resolve_local_dir,
+    resolve_memory_limit,
+    validate_job_id,
+    validate_keep,
+)
+from mlcheckpoint.options import Options
+from mlcheckpoint.replication.striping import default_min_stripe_bytes, default_streams
+from mlcheckpoint.store.checksum import native_enabled
+from mlcheckpoint.topology import Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 MiB = 1 << 20
@@ -210,7 +228,8 @@ def test_local_dir_not_on_tmpfs_warns_once(caplog):
 def test_local_dir_in_memory_does_not_warn(store_dir, caplog):
     ramfs = os.path.join(store_dir, "ramfs")
     os.mkdir(ramfs)
-    mounted = subprocess.run(["mount", "-t", "ramfs", "ramfs", ramfs], capture_output=True).returncode == 0
+    mounted = subprocess.run(["mount", "-t", "ramfs", "ramfs", ramfs], check=False,
+                             capture_output=True).returncode == 0
     try:
         with caplog.at_level(logging.WARNING, logger="mlcheckpoint"):
             LocalStore(store_dir, "job-config").close()  # tmpfs (/dev/shm)
@@ -288,18 +307,158 @@ def test_memory_limit_argument_with_units_is_enforced(store_dir):
 def test_pickled_value_larger_than_free_space_is_a_capacity_error(store_dir, how):
     """DCP pickles non-tensor values (byte items) and they are appended after the tensors:
     one larger than the tmpfs's free space is a CapacityError, and the earlier step stays."""
-    with mounted_tmpfs(os.path.join(store_dir, "small"), "size=4m,mode=0700") as mnt:
-        with manager(mnt, keep=2) as ckpt:
-            ckpt.save({"w": torch.arange(1024.0), "blob": b"small"}, 1)
-            big = {"w": torch.arange(1024.0) + 1, "blob": os.urandom(6 * MiB)}
-            with pytest.raises(CapacityError) as ei:
-                if how == "save":
-                    ckpt.save(big, 2)
-                else:
-                    ckpt.async_save(big, 2).result(timeout=60)
-            assert mnt in str(ei.value) and ei.value.needed > 6 * MiB
-            ckpt.wait()
-            assert ckpt.store.complete_steps() == [1]
-            out = {"w": torch.zeros(1024), "blob": b""}
-            assert ckpt.resume(out).step == 1
-            assert torch.equal(out["w"], torch.arange(1024.0)) and out["blob"] == b"small"
+    with (mounted_tmpfs(os.path.join(store_dir, "small"), "size=4m,mode=0700") as mnt,
+          manager(mnt, keep=2) as ckpt):
+        ckpt.save({"w": torch.arange(1024.0), "blob": b"small"}, 1)
+        big = {"w": torch.arange(1024.0) + 1, "blob": os.urandom(6 * MiB)}
+        with pytest.raises(CapacityError) as ei:
+            if how == "save":
+                ckpt.save(big, 2)
+            else:
+                ckpt.async_save(big, 2).result(timeout=60)
+        assert mnt in str(ei.value) and ei.value.needed > 6 * MiB
+        ckpt.wait()
+        assert ckpt.store.complete_steps() == [1]
+        out = {"w": torch.zeros(1024), "blob": b""}
+        assert ckpt.resume(out).step == 1
+        assert torch.equal(out["w"], torch.arange(1024.0)) and out["blob"] == b"small"
+
+
+# ---------------------------------------------------------------- persistent=True needs a folder
+
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_persistent_save_without_persistent_dir_is_refused_at_the_call(store_dir, how):
+    """persistent=True without persistent_dir is a ConfigError when called, before anything is
+    staged: no step is left pinned, so retention still keeps only ``keep`` steps."""
+    with manager(store_dir, keep=1) as ckpt:
+        for step in range(4):
+            state = {"w": torch.full((1024,), float(step))}
+            with pytest.raises(ConfigError, match="persistent_dir"):
+                getattr(ckpt, how)(state, step, persistent=True)
+            ckpt.async_save(state, step).result(timeout=60)
+        ckpt.wait()
+        assert ckpt.store.steps() == [3]
+
+
+# ---------------------------------------------------------------- one options object, one table
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                   "configuration.md")
+PACKAGE = os.path.dirname(os.path.abspath(mlcheckpoint.__file__))
+
+
+def _doc_table(section: str) -> dict[str, list[str]]:
+    """The rows of the first table under ``## <section>`` in docs/configuration.md, by the
+    name in their first cell (without backticks)."""
+    with open(DOC) as f:
+        body = f.read().split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in body.splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def _code(value: object) -> str:
+    return f'`"{value}"`' if isinstance(value, str) else f"`{value!r}`"
+
+
+def test_every_argument_is_documented_with_its_default():
+    rows = _doc_table("`CheckpointManager(...)`")
+    params = inspect.signature(CheckpointManager.__init__).parameters
+    assert set(rows) == set(params) - {"self"}  # none missing, none stale
+    assert rows["persistent_dir"][0] == _code(params["persistent_dir"].default)
+    resolve = inspect.signature(Options.resolve).parameters
+    for f in dataclasses.fields(Options):
+        default_cell = rows[f.name][0]
+        assert params[f.name].default == resolve[f.name].default, f.name
+        if f.default is not dataclasses.MISSING:
+            assert _code(f.default) in default_cell, (f.name, default_cell)
+        if "env" in f.metadata:
+            assert f"`${f.metadata['env']}`" in default_cell, (f.name, default_cell)
+
+
+def test_every_variable_is_documented_with_its_default():
+    rows = _doc_table("Environment variables")
+    assert set(rows) == set(ENV_VARS)  # none missing, none stale
+    for name, var in ENV_VARS.items():
+        assert rows[name][0].strip("`") == var.default, name
+    with open(DOC) as f:
+        assert set(re.findall(r"MLCHECKPOINT_\w+", f.read())) <= set(ENV_VARS)
+
+
+def test_every_variable_read_is_listed_and_read_in_one_place():
+    named, readers = set(), []
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(root, name)) as f:
+                    text = f.read()
+                named |= set(re.findall(r"MLCHECKPOINT_[A-Z_]+", text))
+                if "os.environ" in text or "getenv(" in text:
+                    readers.append(name)
+    assert named <= set(ENV_VARS)
+    assert readers == ["config.py"]
+    with pytest.raises(KeyError):
+        env_str("MLCHECKPOINT_NOT_A_SETTING")
+
+
+def test_documented_defaults_are_the_defaults(monkeypatch):
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    default = {name: var.default for name, var in ENV_VARS.items()}
+    assert default_streams() == int(default["MLCHECKPOINT_TCP_STREAMS"])
+    assert default_min_stripe_bytes() == int(default["MLCHECKPOINT_TCP_MIN_STRIPE"])
+    assert resolve_local_dir() == default["MLCHECKPOINT_LOCAL_DIR"]
+    assert native_enabled() is _gc.enabled() is True
+    assert default["MLCHECKPOINT_NATIVE"] == default["MLCHECKPOINT_PAUSE_GC"] == "1"
+    assert Topology.detect() == Topology()
+    assert (default["RANK"], default["WORLD_SIZE"]) == ("0", "1")
+
+
+@pytest.mark.parametrize("var, value", [
+    ("MLCHECKPOINT_MEMORY_LIMIT", "12x"), ("MLCHECKPOINT_TCP_STREAMS", "lots"),
+    ("MLCHECKPOINT_TCP_STREAMS", "17"), ("MLCHECKPOINT_TCP_MIN_STRIPE", "0"),
+    ("MLCHECKPOINT_COPY_THREADS", "two"), ("MLCHECKPOINT_COPY_THREADS", "0"),
+    ("MLCHECKPOINT_NATIVE", "maybe"), ("MLCHECKPOINT_PAUSE_GC", "off please"),
+    ("MLCHECKPOINT_JOB_ID", "a/b"), ("RANK", "first"), ("LOCAL_RANK", "-1"),
+    ("LOCAL_WORLD_SIZE", "2.5")])
+def test_bad_variable_is_a_config_error_at_construction(store_dir, monkeypatch, var, value):
+    """Every variable is parsed when the manager is built, also those read later (copy threads,
+    streams, the gc pause): a bad value is a ConfigError naming it, before anything is written."""
+    monkeypatch.setenv(var, value)
+    local = os.path.join(store_dir, "local")
+    with pytest.raises(ConfigError) as ei:
+        CheckpointManager(local_dir=local, replication="none",
+                          **({} if var == "MLCHECKPOINT_JOB_ID" else {"job_id": "job-config"}))
+    assert var in str(ei.value) and repr(value) in str(ei.value), str(ei.value)
+    assert not os.path.exists(local)
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("replication", "udp"), ("replication_timeout", 0), ("replication_timeout", float("nan")),
+    ("replication_timeout", "60"), ("replication_streams", 0), ("replication_streams", 17),
+    ("replication_streams", True), ("replication_host", ""), ("keep", 0)])
+def test_bad_argument_is_a_config_error_naming_it(store_dir, setting, value):
+    local = os.path.join(store_dir, "local")
+    kw = {"job_id": "job-config", "local_dir": local, "replication": "none", setting: value}
+    with pytest.raises(ConfigError) as ei:
+        CheckpointManager(**kw)
+    assert f"{setting}={value!r}" in str(ei.value)
+    assert not os.path.exists(local)
+
+
+def test_arguments_win_over_variables_and_are_kept_on_the_manager(store_dir, monkeypatch):
+    monkeypatch.setenv("MLCHECKPOINT_TCP_STREAMS", "8")
+    monkeypatch.setenv("MLCHECKPOINT_REPLICATION_HOST", "10.0.0.7")
+    from_env = Options.resolve(job_id="j", local_dir=store_dir)
+    assert (from_env.replication_streams, from_env.replication_host) == (8, "10.0.0.7")
+    explicit = Options.resolve(job_id="j", local_dir=store_dir, replication_streams=2,
+                               replication_host="127.0.0.1")
+    assert (explicit.replication_streams, explicit.replication_host) == (2, "127.0.0.1")
+    with manager(store_dir, keep=3, memory_limit_bytes="1GiB") as ckpt:
+        assert ckpt.options == Options(job_id="job-config", local_dir=store_dir, keep=3,
+                                       memory_limit_bytes=1 << 30, replication="none",
+                                       replication_host="10.0.0.7", replication_streams=8)
+        assert ckpt.store.memory_limit_bytes == 1 << 30

@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import time
 
 import pytest
 from cluster import Cluster, lose_node
+from helpers import flip_shard_byte, wait_for
 
 from mlcheckpoint import LocalStore
 from mlcheckpoint.store import layout
@@ -23,11 +23,6 @@ pytestmark = pytest.mark.timeout(600)
 
 NPROC = 2
 LAUNCH_TIMEOUT = 120
-
-
-def cluster(nnodes: int = 1, nproc: int = NPROC) -> Cluster:
-    """A Cluster (its exit kills every process it started, orphaned ranks included)."""
-    return Cluster(nnodes, nproc)
 
 
 # (crash point, rank that dies, save mode used): every point, over the several save paths.
@@ -41,12 +36,6 @@ CRASHES = [
 
 
 # ---------------------------------------------------------------------------- helpers
-def clear_results(c: Cluster) -> None:
-    for fn in os.listdir(c.out_dir):
-        if fn.endswith(".json"):
-            os.unlink(os.path.join(c.out_dir, fn))
-
-
 def open_store(local_dir: str, job_id: str) -> LocalStore:
     return LocalStore(local_dir, job_id, create=False)
 
@@ -89,20 +78,12 @@ def check_resumed(results: dict[int, dict], step: int, source: str, logs: str = 
         assert r["match"] and not r["mismatch"], (rank, r)
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 # ---------------------------------------------------------------------------- crash points
 @pytest.fixture(scope="module")
 def crash_runs():
     """One job per crash point on one node: each saves steps 0..2, then dies saving step 3.
     Then one restart (new processes) resumes every job. Yields per-point observations."""
-    with cluster() as c:
+    with Cluster(1, NPROC) as c:
         node = c.nodes[0]
         obs: dict[str, dict] = {}
         for point, rank, mode in CRASHES:
@@ -134,7 +115,7 @@ def crash_runs():
             finally:
                 store.close()
 
-        clear_results(c)
+        c.clear_results()
         log_start = len(node.log())
         c.run("multi_job.py", "4", "3", *(f"{obs[p]['job']}:sync" for p, _, _ in CRASHES),
               timeout=LAUNCH_TIMEOUT)
@@ -155,7 +136,7 @@ def crash_runs():
         # Training goes on after the restart: step 3 is saved again over what the crash left,
         # then step 4; one more restart must find step 4 intact (test_save_again_after_crash).
         specs = [f"{obs[p]['job']}:{mode}" for p, _, mode in CRASHES]
-        clear_results(c)
+        c.clear_results()
         log_start = len(node.log())
         c.start("multi_job.py", "3", "4", *specs)
         obs["resave"] = {"codes": c.wait(LAUNCH_TIMEOUT), "log": node.log()[log_start:]}
@@ -167,7 +148,7 @@ def crash_runs():
                 o["resave_debris"] = debris(store)
             finally:
                 store.close()
-        clear_results(c)
+        c.clear_results()
         c.start("multi_job.py", "5", "4", *specs)
         obs["resave"]["resume_codes"] = c.wait(LAUNCH_TIMEOUT)
         for p, _, _ in CRASHES:
@@ -239,20 +220,6 @@ def shard_paths(local_dir: str, job: str, step: int, rank: int) -> tuple[str, Ma
         store.close()
 
 
-def flip_byte(local_dir: str, job: str, step: int, rank: int) -> str:
-    """Flip one byte in the middle of the largest item of a committed shard; return its key."""
-    path, m = shard_paths(local_dir, job, step, rank)
-    item = max(m.items, key=lambda it: it.nbytes)
-    assert item.nbytes > 0
-    pos = item.offset + item.nbytes // 2
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0xFF]))
-    return item.key
-
-
 def truncate(local_dir: str, job: str, step: int, rank: int) -> None:
     path, m = shard_paths(local_dir, job, step, rank)
     os.truncate(path, m.data_bytes // 2)
@@ -262,7 +229,7 @@ def truncate(local_dir: str, job: str, step: int, rank: int) -> None:
 def corruption_runs():
     """Three jobs saving steps 0..3 (memory keeps 2 and 3); their shards are then damaged and
     one restart resumes them all."""
-    with cluster() as c:
+    with Cluster(1, NPROC) as c:
         node = c.nodes[0]
         jobs = {k: f"{c.job_id}-{k}" for k in ("flip", "truncate", "allbad")}
         c.run("multi_job.py", "0", "3", f"{jobs['flip']}:sync", f"{jobs['truncate']}:async",
@@ -278,12 +245,12 @@ def corruption_runs():
         assert os.path.isdir(os.path.join(c.persistent_dir, jobs["allbad"], "step-000000000002"))
 
         out = {"jobs": jobs}
-        out["flipped"] = flip_byte(node.local_dir, jobs["flip"], 3, 1)
+        out["flipped"] = flip_shard_byte(node.local_dir, jobs["flip"], 3, 1)
         truncate(node.local_dir, jobs["truncate"], 3, 0)
-        flip_byte(node.local_dir, jobs["allbad"], 3, 0)
+        flip_shard_byte(node.local_dir, jobs["allbad"], 3, 0)
         truncate(node.local_dir, jobs["allbad"], 2, 1)
 
-        clear_results(c)
+        c.clear_results()
         log_start = len(node.log())
         c.run("multi_job.py", "4", "3", f"{jobs['flip']}:sync", f"{jobs['truncate']}:async",
               f"{jobs['allbad']}:async:2", timeout=LAUNCH_TIMEOUT)
@@ -323,7 +290,7 @@ def test_all_memory_corrupt_uses_persistent(corruption_runs):
 
 # ---------------------------------------------------------------------------- node loss
 def test_kill_node_during_async_save_loop():
-    with cluster() as c:
+    with Cluster(1, NPROC) as c:
         node = c.nodes[0]
 
         def newest() -> int:
@@ -334,8 +301,8 @@ def test_kill_node_during_async_save_loop():
                 store.close()
 
         c.start("multi_job.py", "0", "1000000", f"{c.job_id}:async")
-        wait_for(lambda: newest() >= 12 or node.proc.poll() is not None, LAUNCH_TIMEOUT,
-                 "the save loop to commit a dozen steps")
+        wait_for(lambda: newest() >= 12 or node.proc.poll() is not None,
+                 "the save loop to commit a dozen steps", timeout=LAUNCH_TIMEOUT)
         assert node.proc.poll() is None, f"the save loop ended early:\n{c.logs()}"
         # The node dies: agent and both ranks frozen and SIGKILLed wherever they are in a save.
         killed = lose_node(node)
@@ -348,7 +315,7 @@ def test_kill_node_during_async_save_loop():
             store.close()
         assert complete and complete[-1] >= 12, complete
 
-        clear_results(c)
+        c.clear_results()
         c.run("multi_job.py", "1000001", "0", f"{c.job_id}:async", timeout=LAUNCH_TIMEOUT)
         check_resumed(c.results(f"resume-{c.job_id}"), complete[-1], "local", c.logs())
         store = open_store(node.local_dir, c.job_id)
@@ -361,9 +328,6 @@ def test_kill_node_during_async_save_loop():
 
 
 # ---------------------------------------------------------------------------- resume, then save
-RESAVE_ROUNDS = 6
-
-
 @pytest.mark.parametrize("variant,resumed,saved", [("fresh", None, 1), ("resave", 2, 4)],
                          ids=["fresh", "resave"])
 def test_async_save_right_after_resume(variant, resumed, saved):
@@ -372,19 +336,21 @@ def test_async_save_right_after_resume(variant, resumed, saved):
     fresh: nothing to resume, steps 0 and 1 are saved at once. resave: the run resumes step 2
     while step 3 is left over from the failed run, and saves steps 3 and 4 at once. Either
     way every save must succeed and a further resume must find the newest step exactly.
-    Several rounds, since the ranks of a node finish resume and start saving concurrently.
+    The ranks of a node finish resume and start saving concurrently: rank 0 is held right
+    after resume's last collective until rank 1 has staged its first save into tmpfs, the
+    order in which node-wide cleanup after that collective would delete rank 1's new files.
     """
-    with cluster() as c:
-        c.start("resume_resave.py", str(RESAVE_ROUNDS), variant)
+    with Cluster(1, NPROC) as c:
+        staged = os.path.join(c.out_dir, "staged")
+        c.start("resume_resave.py", variant, env={"MLCHECKPOINT_PAUSE_AT": f"resume_agreed#0={staged}"})
         codes = c.wait(LAUNCH_TIMEOUT)
         errors = [line for line in c.nodes[0].log().splitlines()
                   if "dropped steps" in line or ("Error" in line and "No such file" in line)][:8]
         assert codes == [0], "\n".join(errors) + "\n" + c.logs()[-3000:]
-        for i in range(RESAVE_ROUNDS):
-            res = c.results(f"round-{i}")
-            assert sorted(res) == [0, 1], (i, res)
-            for rank, r in res.items():
-                first, second = r["first"], r["second"]
-                assert first["step"] == resumed and first["match"], (i, rank, r)
-                assert (second["step"], second["source"], second["match"]) == (saved, "local", True), \
-                    (i, rank, r)
+        assert os.path.exists(staged)  # rank 1 saved while rank 0 was held
+        res = c.results("resumed")
+        assert sorted(res) == [0, 1], res
+        for rank, r in res.items():
+            first, second = r["first"], r["second"]
+            assert first["step"] == resumed and first["match"], (rank, r)
+            assert (second["step"], second["source"], second["match"]) == (saved, "local", True), (rank, r)

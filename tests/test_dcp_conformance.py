@@ -17,11 +17,20 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from cluster import Cluster
-from test_dcp_single_process import assert_same, clone_state, make_state, zeros_like_state
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from helpers import assert_same, clone_state, make_state, zeros_like_state
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    FileSystemReader,
+    FileSystemWriter,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from mlcheckpoint import CheckpointManager, LocalStore, MemoryStorageReader, MemoryStorageWriter
+from mlcheckpoint import (
+    CheckpointManager,
+    LocalStore,
+    MemoryStorageReader,
+    MemoryStorageWriter,
+)
 
 JOB = "job-conformance"
 BACKENDS = ["filesystem", "memory"]
@@ -104,8 +113,8 @@ def test_dtype_cast_on_load(backend, saved, loaded):
     backend.save(sd)
     out = {"w": torch.zeros(16, 8, dtype=loaded), "v": torch.zeros(10, dtype=loaded)[::2]}
     backend.load(out)
-    for k in sd:  # DCP copies into the target, casting as Tensor.copy_ does
-        assert out[k].dtype == loaded and torch.equal(out[k], sd[k].to(loaded)), k
+    for k, v in sd.items():  # DCP copies into the target, casting as Tensor.copy_ does
+        assert out[k].dtype == loaded and torch.equal(out[k], v.to(loaded)), k
 
 
 class Counter(Stateful):

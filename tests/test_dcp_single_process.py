@@ -8,11 +8,25 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import (
+    assert_same,
+    clone_state,
+    flip_byte,
+    make_state,
+    raw_bytes,
+    zeros_like_state,
+)
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mlcheckpoint import (CheckpointManager, CorruptShardError, LocalStore, MemoryStorageReader,
-                          MemoryStorageWriter, ResumeInfo)
+from mlcheckpoint import (
+    CheckpointManager,
+    CorruptShardError,
+    LocalStore,
+    MemoryStorageReader,
+    MemoryStorageWriter,
+    ResumeInfo,
+)
 
 JOB = "job-dcp"
 
@@ -26,73 +40,6 @@ def dirs(store_dir):
     return os.path.join(store_dir, "local"), os.path.join(store_dir, "persistent")
 
 
-def make_state(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    f32 = torch.randn(17, 9, generator=g)
-    f32[0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, float("-inf")])
-    base = torch.randn(12, 10, generator=g, dtype=torch.float64)
-    return {
-        "model": {
-            "f32": f32,
-            "f16": torch.randn(33, generator=g).to(torch.float16),
-            "bf16": torch.randn(5, 7, generator=g).to(torch.bfloat16),
-            "f64": torch.randn(3, 3, generator=g, dtype=torch.float64),
-            "layer": {"i8": torch.randint(-128, 127, (19,), generator=g, dtype=torch.int8),
-                      "i32": torch.randint(-2**31, 2**31 - 1, (4, 4), generator=g, dtype=torch.int32)},
-        },
-        "i64": torch.randint(-2**62, 2**62, (6,), generator=g, dtype=torch.int64),
-        "mask": torch.rand(23, generator=g) > 0.5,
-        "c64": torch.randn(8, generator=g, dtype=torch.complex64),
-        "scalar": torch.tensor(3.25 + seed),
-        "scalar_i": torch.tensor(-7 - seed, dtype=torch.int64),
-        "empty": torch.empty(0),
-        "empty2d": torch.zeros(0, 5, dtype=torch.int32),
-        "transposed": torch.randn(6, 4, generator=g).t(),
-        "strided": base[::3, 1::2],
-        "extra": {"step": 10 + seed, "lr": 0.125 * (seed + 1), "name": f"run-{seed}",
-                  "hist": [1, 2.5, "three"], "nested": {"deep": {"k": [seed, seed + 1]}}},
-    }
-
-
-def zeros_like_state(sd):
-    """Same structure, tensors zeroed (contiguous), non-tensors replaced by placeholders."""
-    if isinstance(sd, torch.Tensor):
-        return torch.zeros(sd.shape, dtype=sd.dtype)
-    if isinstance(sd, dict):
-        return {k: zeros_like_state(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [zeros_like_state(v) for v in sd]
-    return None
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def assert_same(expected, actual, path="sd"):
-    """Bit-exact equality (NaN and -0.0 included), dtypes and shapes too."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), path
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
-        assert raw_bytes(actual) == raw_bytes(expected), path
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and actual.keys() == expected.keys(), path
-        for k in expected:
-            assert_same(expected[k], actual[k], f"{path}.{k}")
-    else:
-        assert type(actual) is type(expected) and actual == expected, (path, actual, expected)
-
-
-def clone_state(sd):
-    if isinstance(sd, torch.Tensor):
-        return sd.clone()
-    if isinstance(sd, dict):
-        return {k: clone_state(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [clone_state(v) for v in sd]
-    return sd
-
-
 def load(step: int, store: LocalStore, template=None):
     out = zeros_like_state(template if template is not None else make_state())
     dcp.load(out, storage_reader=MemoryStorageReader(step, store))
@@ -101,14 +48,6 @@ def load(step: int, store: LocalStore, template=None):
 
 def failures(e: CheckpointException) -> list[BaseException]:
     return [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x55]))
 
 
 def item_of(store: LocalStore, step: int, key: str):
@@ -347,7 +286,7 @@ def test_process_mode_writes_each_tensor_once(store, caplog, diverge):
     w = MemoryStorageWriter(5, store)
     staged = w.stage(sd)
     staged_bytes = w._staged_bytes
-    sent, copy = _as_sent_to_another_process(staged, w._staged.buffer.tensor)
+    sent, _ = _as_sent_to_another_process(staged, w._staged.buffer.tensor)
     if diverge:
         sent["w"][0, 0] += 1.0  # the copy no longer matches the staged region
     w2 = pickle.loads(pickle.dumps(w))
@@ -403,7 +342,7 @@ def test_manager_save_list_resume(dirs):
         fut = ckpt.async_save(states[3], 3)
         ckpt.wait()
         assert fut.done() and fut.result().step == 3
-        entries = ckpt.list()
+        entries = ckpt.checkpoints()
         assert [(e.step, e.location, e.state) for e in entries] == \
             [(s, "memory", "complete") for s in (1, 2, 3)]
         assert all(e.ranks == [0] and e.bytes for e in entries)
@@ -436,7 +375,7 @@ def test_manager_resume_fresh_start(dirs):
         info = ckpt.resume(out)
         assert info.step is None and info.source is None
         assert out["model"]["f32"].abs().sum() == 0
-        assert ckpt.list() == []
+        assert ckpt.checkpoints() == []
 
 
 def test_manager_persistent_save_is_stock_dcp(dirs):
@@ -447,7 +386,7 @@ def test_manager_persistent_save_is_stock_dcp(dirs):
         assert r.persistent
         path = os.path.join(pers, f"step-{7:012d}")
         assert os.path.exists(os.path.join(path, ".metadata"))
-        assert ("persistent", 7) in {(e.location, e.step) for e in ckpt.list()}
+        assert ("persistent", 7) in {(e.location, e.step) for e in ckpt.checkpoints()}
     out = zeros_like_state(sd)
     dcp.load(out, storage_reader=FileSystemReader(path))
     assert_same(sd, out)
@@ -467,7 +406,6 @@ def test_manager_async_persistent_save(dirs):
 
 
 def test_manager_resume_from_persistent_when_memory_is_gone(dirs):
-    local, _ = dirs
     with manager(dirs, persistent=True) as ckpt:
         ckpt.save(make_state(4), 4, persistent=True)
         ckpt.save(make_state(5), 5)
@@ -514,7 +452,7 @@ def test_manager_retention_keeps_newest(dirs):
             else:
                 ckpt.async_save(make_state(s), s)
         ckpt.wait()
-        mem = [e.step for e in ckpt.list() if e.location == "memory"]
+        mem = [e.step for e in ckpt.checkpoints() if e.location == "memory"]
         assert mem == [5, 6]
         assert ckpt.store.complete_steps() == [5, 6]
         pooled = os.listdir(ckpt.store.pool_dir)
@@ -529,7 +467,7 @@ def test_manager_close_is_idempotent(dirs):
     with pytest.raises(Exception, match="closed"):
         ckpt.save({"a": torch.ones(4)}, 2)
     with manager(dirs) as again:
-        assert [e.step for e in again.list()] == [1]
+        assert [e.step for e in again.checkpoints()] == [1]
     again.close()  # after __exit__: still fine
 
 

@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_node_loss_mid_training_continues_bit_exactly():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"),
                            "--steps", "8", "--kill-at", "3"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "DEMO PASSED" in out

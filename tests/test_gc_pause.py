@@ -18,6 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from typing_extensions import Self
 
 from mlcheckpoint import CheckpointManager, _gc
 from mlcheckpoint._gc import gc_paused
@@ -154,7 +155,7 @@ class Collections:
                 return
             f = f.f_back
 
-    def __enter__(self) -> "Collections":
+    def __enter__(self) -> Self:
         self.threshold = gc.get_threshold()
         gc.set_threshold(1, 10, 10)
         gc.callbacks.append(self)

@@ -9,8 +9,8 @@ import tempfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from cluster import Cluster
+
 from mlcheckpoint import CheckpointManager, MemoryStorageReader
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -33,8 +33,8 @@ def test_async_save_stages_device_tensors_straight_into_tmpfs():
             writer.close()
             out = {k: torch.zeros_like(v, device="cuda") for k, v in expected.items()}
             dcp.load(out, storage_reader=MemoryStorageReader(1, ckpt.store))
-            for k in expected:
-                assert torch.equal(out[k].cpu(), expected[k])
+            for k, v in expected.items():
+                assert torch.equal(out[k].cpu(), v)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -80,7 +80,7 @@ def test_resume_loads_the_newest_of_memory_and_framework_folder_once(store_dir, 
         assert torch.equal(target["w"], torch.full((4, 3), float(newest)))
         assert target["extra"]["step"] == newest
         assert folder.restored == ([folder_step] if source == "persistent" else [])
-        listed = {(e.step, e.location) for e in ckpt.list()}
+        listed = {(e.step, e.location) for e in ckpt.checkpoints()}
         assert (folder_step, "persistent") in listed
 
 
@@ -131,7 +131,7 @@ def test_close_while_an_error_is_handled_does_not_wait_for_other_ranks(store_dir
                 except RuntimeError:
                     ckpt.close()
             else:
-                with pytest.raises(RuntimeError):
-                    with CheckpointManager(job_id=JOB, local_dir=store_dir, replication="none"):
-                        raise RuntimeError("a training step failed")
+                with pytest.raises(RuntimeError), \
+                        CheckpointManager(job_id=JOB, local_dir=store_dir, replication="none"):
+                    raise RuntimeError("a training step failed")
             assert caplog.text.count("closing after an error") == (1 if failing == "except" else 2)

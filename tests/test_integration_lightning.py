@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("mlcheckpoint.integrations.lightning",
                     reason="needs the [lightning] extra (scripts/setup.sh installs it)")
 
-from cluster import Cluster  # noqa: E402
+from cluster import Cluster
 
 
 def _run(cluster: Cluster, phase: str, folder: str, tag: str | None = None) -> int:

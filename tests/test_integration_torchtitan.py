@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("mlcheckpoint.integrations.torchtitan",
                     reason="needs the [torchtitan] extra (scripts/setup.sh installs it)")
 
-from cluster import Cluster  # noqa: E402
+from cluster import Cluster
 
 STEPS, SAVED_UNTIL = "10", "7"
 

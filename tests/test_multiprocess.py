@@ -16,18 +16,6 @@ NPROC = 2
 LAUNCH_TIMEOUT = 120
 
 
-def cluster(nnodes: int = 1, nproc: int = NPROC) -> Cluster:
-    """A Cluster (its exit kills every process it started, orphaned ranks included)."""
-    return Cluster(nnodes, nproc)
-
-
-def clear_results(c: Cluster, *names: str) -> None:
-    """Forget earlier reports, so a launch that reports nothing cannot pass on stale ones."""
-    for fn in os.listdir(c.out_dir):
-        if any(fn.startswith(n + ".rank") for n in names):
-            os.unlink(os.path.join(c.out_dir, fn))
-
-
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -42,7 +30,7 @@ MODES = ["sync", "async", "dcp", "dcp_async", "dcp_async_process"]
 def modes_run():
     """One job per save mode, all in the same two launches: save steps 0..3, then a restart
     (new processes) that only resumes. Yields what each job reported and left on the node."""
-    with cluster() as c:
+    with Cluster(1, NPROC) as c:
         jobs = {m: f"{c.job_id}-{m}" for m in MODES}
         specs = [f"{jobs[m]}:{m}" for m in MODES]
         out: dict[str, dict] = {m: {} for m in MODES}
@@ -58,7 +46,7 @@ def modes_run():
             finally:
                 store.close()
 
-        clear_results(c, *(f"{k}-{jobs[m]}" for m in MODES for k in ("resume", "listing")))
+        c.clear_results(*(f"{k}-{jobs[m]}" for m in MODES for k in ("resume", "listing")))
         c.run("multi_job.py", "4", "3", *specs, timeout=LAUNCH_TIMEOUT)
         for m in MODES:
             out[m]["resume"] = c.results(f"resume-{jobs[m]}")
@@ -105,7 +93,7 @@ def test_save_restart_resume(modes_run, mode):
 
 
 def test_fsdp2_async_save_and_resume():
-    with cluster() as c:
+    with Cluster(1, NPROC) as c:
         c.run("fsdp_train.py", "save", timeout=LAUNCH_TIMEOUT)
         saved = c.results("fsdp_save")
         assert sorted(saved) == [0, 1], c.logs()
@@ -132,7 +120,7 @@ def test_fsdp2_async_save_and_resume():
 
 
 def test_persistent_fallback_after_memory_loss():
-    with cluster() as c:
+    with Cluster(1, NPROC) as c:
         job = c.job_id
         # persist_every=2: steps 0 and 2 also go to the persistent directory.
         c.run("multi_job.py", "0", "3", f"{job}:async:2", timeout=LAUNCH_TIMEOUT)
@@ -145,7 +133,7 @@ def test_persistent_fallback_after_memory_loss():
 
         c.nodes[0].wipe()  # the node's tmpfs is gone (e.g. a replacement machine)
 
-        clear_results(c, f"resume-{job}", f"listing-{job}")
+        c.clear_results(f"resume-{job}", f"listing-{job}")
         c.run("multi_job.py", "4", "3", f"{job}:async:2", timeout=LAUNCH_TIMEOUT)
         res = c.results(f"resume-{job}")
         assert sorted(res) == [0, 1], c.logs()

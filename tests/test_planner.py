@@ -30,7 +30,7 @@ def copy(owners, meta=True, required=None, world_size=None, nbytes=100, sizes=No
                     shard_bytes=tuple((o, sizes.get(o, nbytes)) for o in owners))
 
 
-def cluster(nnodes: int, rpn: int, holdings: dict[int, dict[int, StepCopy]]) -> list[NodeInventory]:
+def inventories(nnodes: int, rpn: int, holdings: dict[int, dict[int, StepCopy]]) -> list[NodeInventory]:
     """``nnodes`` nodes of ``rpn`` ranks; ``holdings[node][step]`` is what survived there."""
     return [NodeInventory(n, list(range(n * rpn, (n + 1) * rpn)), dict(holdings.get(n, {})))
             for n in range(nnodes)]
@@ -48,7 +48,7 @@ def paired(nnodes: int, rpn: int, steps, *, lost=(), world=None, nbytes=100) -> 
         buddy = n ^ 1 if (n ^ 1) < nnodes else n
         owners = set(range(n * rpn, (n + 1) * rpn)) | set(range(buddy * rpn, (buddy + 1) * rpn))
         holdings[n] = {s: copy(owners, required=req, world_size=world, nbytes=nbytes) for s in steps}
-    return cluster(nnodes, rpn, holdings)
+    return inventories(nnodes, rpn, holdings)
 
 
 def shard_fetches(d: Decision) -> list[Fetch]:
@@ -78,14 +78,14 @@ def test_all_intact_resumes_newest_locally():
 
 
 def test_nothing_anywhere_is_fresh():
-    d = plan_resume(cluster(3, 2, {}), None, 6)
+    d = plan_resume(inventories(3, 2, {}), None, 6)
     assert (d.kind, d.step, d.fetches) == (FRESH, None, [])
     assert "no checkpoint" in d.reason
     assert d.newest_protected is None
 
 
 def test_nothing_in_memory_uses_persistent():
-    d = plan_resume(cluster(2, 1, {}), 7, 2)
+    d = plan_resume(inventories(2, 1, {}), 7, 2)
     assert (d.kind, d.step, d.fetches) == (PERSISTENT, 7, [])
 
 
@@ -139,7 +139,7 @@ def test_step_without_metadata_is_refused():
 
 def test_ranks_outside_required_need_no_shard():
     # Rank 1 wrote nothing at step 3 (e.g. everything it held was de-duplicated to rank 0).
-    nodes = cluster(2, 1, {0: {3: copy({0}, required=(0,), world_size=2)}, 1: {}})
+    nodes = inventories(2, 1, {0: {3: copy({0}, required=(0,), world_size=2)}, 1: {}})
     d = plan_resume(nodes, None, 2)
     assert (d.kind, d.step) == (MEMORY, 3)
     assert shard_fetches(d) == []
@@ -215,7 +215,7 @@ def test_without_transport_an_older_fully_local_step_is_used():
 
 
 def test_single_node_without_transport():
-    nodes = cluster(1, 2, {0: {7: copy({0, 1}, required=(0, 1), world_size=2)}})
+    nodes = inventories(1, 2, {0: {7: copy({0, 1}, required=(0, 1), world_size=2)}})
     d = plan_resume(nodes, None, 2, can_fetch=False)
     assert (d.kind, d.step, d.fetches) == (MEMORY, 7, [])
     assert d.sources == {0: "local", 1: "local"}
@@ -225,7 +225,7 @@ def test_single_node_without_transport():
 def test_two_replacement_nodes_fetch_from_different_holders():
     # 4 nodes x 1 rank; nodes 0 and 1 are replacements. Nodes 2 and 3 each hold every shard.
     full = copy(range(4), required=range(4), world_size=4)
-    nodes = cluster(4, 1, {2: {9: full}, 3: {9: full}})
+    nodes = inventories(4, 1, {2: {9: full}, 3: {9: full}})
     d = plan_resume(nodes, None, 4)
     assert (d.kind, d.step) == (MEMORY, 9)
     shards = shard_fetches(d)
@@ -239,7 +239,7 @@ def test_fetches_balance_bytes_not_counts():
     # holder serves the big one, the other both small ones.
     sizes = {0: 1000, 1: 10, 2: 10}
     full = copy(range(5), required=range(5), world_size=5, sizes=sizes)
-    nodes = cluster(5, 1, {3: {1: full}, 4: {1: full}})
+    nodes = inventories(5, 1, {3: {1: full}, 4: {1: full}})
     d = plan_resume(nodes, None, 5)
     served: Counter[int] = Counter()
     for f in shard_fetches(d):
@@ -263,7 +263,7 @@ def test_fetches_from_one_node_are_spread_over_its_ranks():
 def test_many_replacements_spread_over_all_holders():
     # 8 nodes x 1 rank: nodes 0..3 replaced; nodes 4..7 each hold all 8 shards.
     full = copy(range(8), required=range(8), world_size=8)
-    nodes = cluster(8, 1, {n: {2: full} for n in range(4, 8)})
+    nodes = inventories(8, 1, {n: {2: full} for n in range(4, 8)})
     d = plan_resume(nodes, None, 8)
     per_src = Counter(f.src_rank for f in shard_fetches(d))
     assert sorted(per_src) == [4, 5, 6, 7] and set(per_src.values()) == {1}, per_src
@@ -274,7 +274,7 @@ def test_other_world_size_reshards_without_eager_shard_fetches():
     # Saved by 4 ranks (one per node); resumed by 2 nodes x 1 rank that hold the shards
     # between them. DCP decides which bytes each rank reads; the reader fetches lazily.
     req = range(4)
-    nodes = cluster(2, 1, {0: {3: copy({0, 1}, required=req, world_size=4)},
+    nodes = inventories(2, 1, {0: {3: copy({0, 1}, required=req, world_size=4)},
                            1: {3: copy({2, 3}, meta=False)}})
     d = plan_resume(nodes, None, 2)
     assert (d.kind, d.step, d.resharded) == (MEMORY, 3, True)
@@ -286,7 +286,7 @@ def test_other_world_size_reshards_without_eager_shard_fetches():
 
 def test_other_world_size_with_missing_shards_falls_back():
     req = range(4)
-    nodes = cluster(2, 1, {0: {3: copy({0, 1}, required=req, world_size=4)},
+    nodes = inventories(2, 1, {0: {3: copy({0, 1}, required=req, world_size=4)},
                            1: {3: copy({0, 1}, required=req, world_size=4)}})
     d = plan_resume(nodes, 2, 2)
     assert (d.kind, d.step) == (PERSISTENT, 2)
@@ -576,7 +576,7 @@ def test_property_balanced_sources_for_replacements(nnodes, rpn, data):
     lost = sorted(data.draw(st.sets(st.integers(0, nnodes - 1), min_size=1, max_size=nnodes - 1)))
     world = nnodes * rpn
     full = copy(range(world), required=range(world), world_size=world)
-    nodes = cluster(nnodes, rpn, {n: {1: full} for n in range(nnodes) if n not in lost})
+    nodes = inventories(nnodes, rpn, {n: {1: full} for n in range(nnodes) if n not in lost})
     d = plan_resume(nodes, None, world)
     assert (d.kind, d.step) == (MEMORY, 1)
     holders = nnodes - len(lost)
@@ -613,7 +613,7 @@ def saved(owners, run, save, created, *, shard_save=None, ancestors=(), required
 def test_a_returning_node_with_an_older_run_of_the_same_steps_is_not_mixed_in():
     # run A saved steps 2-3 on both nodes; run B (a fresh start on new machines) saved 2-3 again.
     # Node 1 came back with run A's memory; node 0 has run B's, including node 1's replica.
-    nodes = cluster(2, 1, {
+    nodes = inventories(2, 1, {
         0: {s: saved({0, 1}, "B", f"b{s}", 200 + s) for s in (2, 3)},
         1: {s: saved({0, 1}, "A", f"a{s}", 100 + s) for s in (2, 3)},
     })
@@ -629,7 +629,7 @@ def test_a_returning_node_with_an_older_run_of_the_same_steps_is_not_mixed_in():
 def test_steps_of_the_failed_run_newer_than_what_was_resumed_are_foreign():
     # run A saved 1-3; run B resumed A's step 2 (3 was incomplete then) and saved 3 again, but
     # B's step 3 lost a shard. A's step 3, complete on node 1, is not part of B's history.
-    nodes = cluster(2, 1, {
+    nodes = inventories(2, 1, {
         0: {1: saved({0, 1}, "A", "a1", 101), 2: saved({0, 1}, "A", "a2", 102),
             3: saved({0}, "B", "b3", 203, ancestors=[("A", 2)])},
         1: {3: saved({0, 1}, "A", "a3", 103), 2: saved({0, 1}, "A", "a2", 102)},
@@ -642,7 +642,7 @@ def test_steps_of_the_failed_run_newer_than_what_was_resumed_are_foreign():
 
 def test_a_shard_of_another_save_of_the_step_does_not_count():
     # step 5 saved twice in one run: node 1 still holds rank 0's replica of the first save
-    nodes = cluster(2, 1, {
+    nodes = inventories(2, 1, {
         0: {5: saved({0}, "R", "second", 20, shard_save="second")},
         1: {5: dataclasses.replace(saved({0, 1}, "R", "second", 20),
                                    shard_saves=((0, "first"), (1, "second")))},
@@ -657,7 +657,7 @@ def test_a_shard_of_another_save_of_the_step_does_not_count():
 
 def test_the_later_save_of_a_step_saved_twice_wins():
     both = {0: "first", 1: "first"}
-    nodes = cluster(2, 1, {
+    nodes = inventories(2, 1, {
         0: {5: saved({0, 1}, "R", "second", 20)},
         1: {5: dataclasses.replace(saved({0, 1}, "R", "first", 10),
                                    shard_saves=tuple(both.items()))},

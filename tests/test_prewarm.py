@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from helpers import payload, pool_files, put_metadata, put_shard, put_step
 
 from mlcheckpoint import CheckpointManager, LocalStore
 from mlcheckpoint.store import buffers, layout
-from test_store import payload, pool_files, put_metadata, put_shard, put_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -22,6 +22,12 @@ def mapped_inodes(store: LocalStore) -> set[int]:
     return {ino for _dev, ino in store.mappings._by_key}
 
 
+def populated_by(store: LocalStore, paths: list[str]) -> set[str]:
+    """How the pages of the mappings of ``paths`` were faulted in ("madvise": without the GIL)."""
+    keys = [(os.stat(p).st_dev, os.stat(p).st_ino) for p in paths]
+    return {store.mappings._by_key[k].populated_by for k in keys}
+
+
 def test_prewarm_prepares_what_the_next_saves_need(store):
     put_step(store, 1)  # one committed shard of rank 0
     assert store.prewarm(0, N, keep=2) == 2  # keep=2: two more before recycling starts
@@ -29,6 +35,7 @@ def test_prewarm_prepares_what_the_next_saves_need(store):
     assert len(pooled) == 2
     inodes = {os.stat(p).st_ino for p in pooled}
     assert inodes <= mapped_inodes(store)  # pages populated and mapped in this process
+    assert populated_by(store, pooled) == {"madvise"}  # off the GIL: saves go on meanwhile
     assert all(os.stat(p).st_size == N for p in pooled)
     assert store.prewarm(0, N, keep=2) == 0  # nothing more to do
 
@@ -81,15 +88,17 @@ def test_gc_removes_a_buffer_cut_short_while_being_prepared(store):
 def test_mapping_populates_without_mmap_populate():
     """Fresh buffers are faulted in with madvise through ctypes, which releases the GIL
     (mmap(MAP_POPULATE) holds it for seconds on a large fresh file here)."""
-    assert buffers._MADVISE is not None
     path = "/dev/shm/mlckpt-test-populate-" + os.urandom(4).hex()
     try:
         with open(path, "wb") as f:
             f.truncate(8 << 20)
         mf = buffers.MappedFile(path, 8 << 20)
-        assert buffers._populate(mf.base_ptr, mf.size)
-        mf.array[:] = 3
-        mf.release()
+        try:
+            assert mf.populated_by == "madvise"
+            assert os.stat(path).st_blocks * 512 >= 8 << 20  # every page is there
+            mf.array[:] = 3
+        finally:
+            mf.release()
     finally:
         os.unlink(path)
 
@@ -104,6 +113,7 @@ def test_manager_prepares_buffers_after_the_first_save(store_dir):
         store = ckpt.store
         prepared = {os.stat(p).st_ino for p in pool_files(store)}
         assert len(prepared) == 2
+        assert populated_by(store, pool_files(store)) == {"madvise"}
         ckpt.save(sd, 2)
         ckpt.save(sd, 3)
         used = {os.stat(store.data_path(s, 0)).st_ino for s in (2, 3)}

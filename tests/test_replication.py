@@ -29,11 +29,6 @@ LAUNCH_TIMEOUT = 150
 LAST = 2  # steps 0..LAST are saved; with keep=2 retention runs on both nodes of every pair
 
 
-def cluster(nnodes: int, nproc: int) -> Cluster:
-    """A Cluster (its exit kills every process it started, orphaned ranks included)."""
-    return Cluster(nnodes, nproc)
-
-
 def node_stores(c: Cluster) -> list[LocalStore]:
     return [LocalStore(n.local_dir, c.job_id, create=False) for n in c.nodes]
 
@@ -130,7 +125,7 @@ CASES = [
 
 @pytest.mark.parametrize("nnodes,nproc,mode,transport", CASES)
 def test_newest_step_lives_on_two_nodes(nnodes, nproc, mode, transport):
-    with cluster(nnodes, nproc) as c:
+    with Cluster(nnodes, nproc) as c:
         c.run("replicate.py", str(LAST), mode, transport, timeout=LAUNCH_TIMEOUT)
         check_replicated(c, nnodes, nproc)
 
@@ -138,7 +133,7 @@ def test_newest_step_lives_on_two_nodes(nnodes, nproc, mode, transport):
 def test_striped_replication_in_a_job():
     """Shards pushed over 3 TCP streams each (stripes made small so a test-sized shard splits)
     land byte-identical and verified, exactly as single-stream ones do."""
-    with cluster(2, 2) as c:
+    with Cluster(2, 2) as c:
         c.run("replicate.py", str(LAST), "sync", "tcp", timeout=LAUNCH_TIMEOUT,
               env={"MLCHECKPOINT_TCP_STREAMS": "3", "MLCHECKPOINT_TCP_MIN_STRIPE": "1024",
                    "MLCKPT_TEST_DEBUG": "mlcheckpoint.replication.tcp"})

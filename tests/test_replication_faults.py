@@ -10,33 +10,34 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
-import shutil
 import signal
 import socket
 import struct
-import subprocess
-import sys
-import tempfile
 import threading
-import time
-import uuid
-from dataclasses import asdict
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from cluster import WORKERS
+from helpers import WAIT, wait_for
+from tcp_job import (
+    Job,
+    assert_serves,
+    connect,
+    debris,
+    frames_to_eof,
+    half_close,
+    make_shard,
+    manifest_dict,
+)
 
 from mlcheckpoint import MemoryStorageWriter, ShardNotFoundError
-from mlcheckpoint.replication import Rendezvous, ReplicationError, Replicator, tcp
+from mlcheckpoint.replication import ReplicationError, Replicator, sink
 from mlcheckpoint.replication import protocol as p
-from mlcheckpoint.replication.tcp import MAX_METADATA_BYTES, TcpTransport
+from mlcheckpoint.replication.protocol import MAX_METADATA_BYTES
+from mlcheckpoint.replication.tcp import TcpTransport
 from mlcheckpoint.store import (
     LocalStore,
-    Manifest,
     ManifestItem,
     MetadataHeader,
     layout,
@@ -45,28 +46,10 @@ from mlcheckpoint.store.checksum import checksum
 from mlcheckpoint.store.manifest import encode_metadata
 from mlcheckpoint.topology import Topology
 
-sys.path.insert(0, WORKERS)
-from repl_peer import make_shard
-
 pytestmark = pytest.mark.timeout(300)
-
-WAIT = 120  # generous bound on waiting for another process/thread (never asserted on)
-TCP_LOGGER = "mlcheckpoint.replication.tcp"
 
 
 # --------------------------------------------------------------------------- helpers
-def wait_for(cond, what: str, timeout: float = WAIT, interval: float = 0.02, diag=lambda: ""):
-    """Poll ``cond`` until truthy; fail (with ``diag()``) when it never becomes so."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for {what}\n{diag()}")
-        time.sleep(interval)
-
-
 def snapshot(root: str) -> dict[str, tuple]:
     """Every file and directory under ``root``: path -> (kind, size)."""
     out = {}
@@ -77,16 +60,6 @@ def snapshot(root: str) -> dict[str, tuple]:
             path = os.path.join(d, name)
             with contextlib.suppress(FileNotFoundError):
                 out[os.path.relpath(path, root)] = ("file", os.stat(path).st_size)
-    return out
-
-
-def debris(store: LocalStore) -> list[str]:
-    """Uncommitted files (in-flight writes) in any step directory of ``store``."""
-    out = []
-    for step in store.steps():
-        with contextlib.suppress(FileNotFoundError):
-            out += [n for n in os.listdir(store.step_dir(step))
-                    if n.endswith((layout.PARTIAL, layout.TMP))]
     return out
 
 
@@ -111,136 +84,6 @@ def proc_state(pid: int) -> str:
         return "X"
 
 
-class Job:
-    """One simulated job: a TCPStore, per-rank node dirs, in-process and subprocess endpoints.
-
-    ``close`` ends every process, listener and replicator it started (fixtures call it)."""
-
-    def __init__(self, root: str, world: int):
-        self.root, self.world = root, world
-        self.job_id = f"faults-{uuid.uuid4().hex[:10]}"
-        self.c10d = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-        self.secret = os.urandom(32)  # the launcher's secret: given to every endpoint, never stored
-        self.status_dir = os.path.join(root, "status")
-        os.makedirs(self.status_dir)
-        self.transports: list[TcpTransport] = []
-        self.replicators: list[Replicator] = []
-        self.procs: list[subprocess.Popen] = []
-
-    def node_dir(self, rank: int) -> str:
-        d = os.path.join(self.root, f"node{rank}")
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        return d
-
-    def store(self, rank: int) -> LocalStore:
-        return LocalStore(self.node_dir(rank), self.job_id)
-
-    def rdzv(self, rank: int) -> Rendezvous:
-        return Rendezvous(self.c10d, self.job_id, rank, self.world, timeout=WAIT, secret=self.secret)
-
-    def endpoint(self, rank: int, timeout: float = 60, cls=TcpTransport, **kw) -> TcpTransport:
-        """An in-process endpoint."""
-        t = cls(self.store(rank), self.rdzv(rank), host="127.0.0.1", timeout=timeout, **kw)
-        self.transports.append(t)
-        return t
-
-    def spawn(self, rank: int, cmd: str, env: dict | None = None, **cfg) -> subprocess.Popen:
-        """An endpoint in a process of its own (tests/workers/repl_peer.py)."""
-        config = dict(host="127.0.0.1", port=self.c10d.port, job=self.job_id, rank=rank,
-                      world=self.world, dir=self.node_dir(rank), status_dir=self.status_dir,
-                      cmd=cmd, **cfg)
-        e = dict(os.environ)
-        e.pop("MLCHECKPOINT_CRASH_AT", None)
-        e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                  "MLCHECKPOINT_REPLICATION_SECRET": self.secret.hex(), **(env or {})})
-        with open(self.log_path(rank), "a") as logf:
-            proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "repl_peer.py"),
-                                     json.dumps(config)], env=e, stdin=subprocess.PIPE,
-                                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def log_path(self, rank: int) -> str:
-        return os.path.join(self.root, f"peer{rank}.log")
-
-    def logs(self) -> str:
-        out = []
-        for name in sorted(os.listdir(self.root)):
-            if name.endswith(".log"):
-                with open(os.path.join(self.root, name)) as f:
-                    out.append(f"--- {name} ---\n{f.read()[-4000:]}")
-        return "\n".join(out)
-
-    def status(self, name: str, proc: subprocess.Popen | None = None) -> dict:
-        """Wait for a status file written by a subprocess endpoint."""
-        path = os.path.join(self.status_dir, name)
-
-        def ready():
-            if os.path.exists(path):
-                return True
-            if proc is not None and proc.poll() is not None:
-                pytest.fail(f"peer exited with {proc.returncode} before writing {name}\n{self.logs()}")
-            return False
-
-        wait_for(ready, name, diag=self.logs)
-        with open(path) as f:
-            return json.load(f)
-
-    def close(self) -> None:
-        for r in self.replicators:
-            r.close()
-        for t in self.transports:
-            t.close()
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    os.kill(proc.pid, signal.SIGCONT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
-            if proc.stdin is not None:
-                proc.stdin.close()
-        del self.c10d
-
-
-@pytest.fixture
-def make_job():
-    """Factory of Jobs on tmpfs; every process, socket and directory is gone afterwards."""
-    made: list[Job] = []
-    roots: list[str] = []
-
-    def make(world: int = 2) -> Job:
-        root = tempfile.mkdtemp(prefix="mlckpt-faults-", dir="/dev/shm")
-        roots.append(root)
-        job = Job(root, world)
-        made.append(job)
-        return job
-
-    try:
-        yield make
-    finally:
-        for job in made:
-            job.close()
-        for root in roots:
-            shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def tcp_warnings(caplog):
-    caplog.set_level(logging.WARNING, logger="mlcheckpoint")
-
-    def messages() -> list[str]:
-        return [r.getMessage() for r in caplog.records
-                if r.name == TCP_LOGGER and r.levelno >= logging.WARNING]
-
-    return messages
-
-
-def connect(t: TcpTransport) -> socket.socket:
-    host, port = t.address.rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=WAIT)
-
-
 def read_to_eof(sock: socket.socket) -> bytes:
     """Everything the server still sends until it closes (a reset counts as closed)."""
     chunks = []
@@ -255,48 +98,8 @@ def read_to_eof(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-def frames_to_eof(sock: socket.socket, on_ready=None) -> list[dict]:
-    """Server replies until it closes; ``on_ready`` runs when it says "ready"."""
-    frames = []
-    while True:
-        try:
-            f = p.recv_frame(sock)
-        except p.ProtocolError as e:
-            assert "closed after 0 of" in str(e), f"server sent a broken frame: {e}"
-            return frames
-        except ConnectionResetError:
-            return frames
-        frames.append(f)
-        if f.get("status") == "ready" and on_ready is not None:
-            with contextlib.suppress(OSError):
-                on_ready()
-
-
-def half_close(sock: socket.socket) -> None:
-    """We are done sending (the server may have hung up on us already)."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_WR)
-
-
 def raw_frame(body: bytes) -> bytes:
     return p.FRAME + struct.pack("!I", len(body)) + body
-
-
-def manifest_dict(job_id, step, owner, data_bytes=64, items=None) -> dict:
-    m = Manifest(job_id=job_id, step=step, rank=owner, data_bytes=data_bytes,
-                 items=items if items is not None else
-                 [ManifestItem("w", 0, data_bytes, checksum(bytes(data_bytes)))])
-    return asdict(m)
-
-
-def assert_serves(job: Job, receiver: TcpTransport, sender: TcpTransport, step: int,
-                  nbytes: int = 4096) -> None:
-    """The listener still works: a legitimate push of a fresh shard lands, verified."""
-    owner = sender.rdzv.rank
-    m = make_shard(sender.store, step, owner, nbytes, seed=step)
-    assert sender.push_shard(receiver.rdzv.rank, step, owner) == m.data_bytes
-    got = receiver.store.verify_shard(step, owner)
-    assert [i.checksum for i in got.items] == [i.checksum for i in m.items]
 
 
 def pair(job: Job, **receiver_kw) -> tuple[TcpTransport, TcpTransport]:
@@ -409,7 +212,7 @@ def _tib_shard(job, t):  # a well-formed manifest claiming a 1 TiB shard
 
 
 def _over_max_shard(job, t):
-    n = t.max_shard_bytes + 64
+    n = t.sink.max_shard_bytes + 64
     req = {"op": "put_shard", "job_id": job.job_id, "step": 9, "owner": 1,
            "manifest": manifest_dict(job.job_id, 9, 1, n, [ManifestItem("w", 0, 64, 0)])}
     return raw_frame(json.dumps(req).encode()), b"\x00" * 4096
@@ -584,7 +387,7 @@ def test_sender_killed_mid_transfer(make_job, tcp_warnings, monkeypatch):
     job = make_job(world=3)
     step, owner, nbytes = 7, 1, 32 << 20
     half_received, go_on = threading.Event(), threading.Event()
-    real_crash_point = tcp.crash_point
+    real_crash_point = sink.crash_point
 
     def pause_at_half(name, s=None, r=None):  # receiver side: hold the transfer at half way
         if name == "replica_mid_recv" and (s, r) == (step, owner) and not half_received.is_set():
@@ -592,7 +395,7 @@ def test_sender_killed_mid_transfer(make_job, tcp_warnings, monkeypatch):
             go_on.wait(WAIT)
         real_crash_point(name, s, r)
 
-    monkeypatch.setattr(tcp, "crash_point", pause_at_half)
+    monkeypatch.setattr(sink, "crash_point", pause_at_half)
     receiver = job.endpoint(0, timeout=60)
     rstore = receiver.store
     proc = job.spawn(owner, "push", peer=0, step=step, nbytes=nbytes, seed=3, timeout=60,
@@ -762,7 +565,7 @@ def test_replicas_outside_the_jobs_history_are_refused(make_job):
     # metadata of another run is refused the same way
     header = MetadataHeader(job_id=job.job_id, step=3, world_size=2, ranks=[0, 1], total_bytes=64,
                             payload_bytes=1, checksum=checksum(b"m"), run_id="run-x", save_id="x3")
-    sender.store._install_metadata(3, encode_metadata(header, b"m"))
+    sender.store.metadata.install(3, encode_metadata(header, b"m"))
     with pytest.raises(ReplicationError, match="not part of this job's history"):
         sender.push_metadata(0, 3)
     assert 3 not in receiver.store.steps()

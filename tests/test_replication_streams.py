@@ -2,28 +2,26 @@
 dead sender leaves nothing behind, and a connection cannot join a transfer it was not given.
 
 Real TcpTransports over loopback (in this process or in one of their own), as in
-test_replication_faults.py, whose helpers these tests share.
+test_replication_faults.py (tcp_job.py has the job they share).
 """
-
-# The fixtures make_job and tcp_warnings come from test_replication_faults: pytest finds them
-# by name in this module, and test parameters named after them are not redefinitions.
-# ruff: noqa: F811
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
 
 import numpy as np
 import pytest
-from test_replication_faults import (WAIT, connect, debris, frames_to_eof, make_job,  # noqa: F401
-                                     make_shard, manifest_dict, tcp_warnings, wait_for)
+from helpers import WAIT, wait_for
+from tcp_job import connect, debris, frames_to_eof, make_shard, manifest_dict
 
 from mlcheckpoint import ConfigError, ShardNotFoundError
-from mlcheckpoint.replication import ReplicationError, tcp
+from mlcheckpoint.replication import ReplicationError, striping
 from mlcheckpoint.replication import protocol as p
-from mlcheckpoint.replication.tcp import TcpTransport, stripes
+from mlcheckpoint.replication.striping import stripes
+from mlcheckpoint.replication.tcp import TcpTransport
 from mlcheckpoint.store import ManifestItem
 from mlcheckpoint.store.checksum import checksum
 
@@ -57,7 +55,7 @@ def test_striped_push_lands_whole_and_verified(make_job, caplog, nbytes):
     expected = max(1, min(4, nbytes // MiB))
     if expected > 1:
         assert f"received step 3 rank 1 over {expected} streams" in caplog.text
-    assert receiver._striped == {}  # no transfer left open
+    assert len(receiver.server.stripes) == 0  # no transfer left open
     assert debris(receiver.store) == []
     # a second push of the same shard is a no-op ("have")
     assert sender.push_shard(0, 3, 1) == 0
@@ -80,7 +78,7 @@ def test_corrupt_stripe_is_refused_and_nothing_is_committed(make_job, tcp_warnin
     with pytest.raises(ShardNotFoundError):
         receiver.store.read_manifest(4, 1)
     wait_for(lambda: debris(receiver.store) == [], "the refused buffer to be dropped")
-    assert receiver._striped == {}
+    assert len(receiver.server.stripes) == 0
     # the listener still takes a good striped push
     make_shard(sender.store, 5, 1, nbytes, seed=3)
     assert sender.push_shard(0, 5, 1) == nbytes
@@ -102,7 +100,7 @@ def test_sender_killed_mid_striped_transfer(make_job, tcp_warnings):
     assert proc.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()
     wait_for(lambda: any(f"step {step}" in m for m in tcp_warnings()),
              "the receiver to report the broken push", diag=job.logs)
-    wait_for(lambda: receiver._striped == {} and debris(rstore) == [],
+    wait_for(lambda: len(receiver.server.stripes) == 0 and debris(rstore) == [],
              "the aborted striped receive to drop its buffer", diag=lambda: "\n".join(tcp_warnings()))
     with pytest.raises(ShardNotFoundError):
         rstore.read_manifest(step, owner)
@@ -122,17 +120,17 @@ def test_stripe_for_a_transfer_not_open_is_refused(make_job, tcp_warnings, token
     if token == "reused":  # the token of a transfer that has finished
         make_shard(sender.store, 2, 1, 4 * MiB, seed=1)
         seen = []
-        real = tcp.StripedReceive.__init__
+        real = striping.StripedReceive.__init__
 
         def remember(self, *a, **kw):
             real(self, *a, **kw)
             seen.append(self.token)
 
-        tcp.StripedReceive.__init__ = remember
+        striping.StripedReceive.__init__ = remember
         try:
             sender.push_shard(0, 2, 1)
         finally:
-            tcp.StripedReceive.__init__ = real
+            striping.StripedReceive.__init__ = real
         value = seen[0]
     else:
         value = 12345 if token == "not-a-string" else "f" * 32
@@ -156,12 +154,12 @@ def test_stream_settings_are_checked(make_job, monkeypatch):
         job.endpoint(1, streams=0)
     monkeypatch.setenv("MLCHECKPOINT_TCP_STREAMS", "lots")
     with pytest.raises(ConfigError, match="MLCHECKPOINT_TCP_STREAMS"):
-        tcp.default_streams()
+        striping.default_streams()
     monkeypatch.setenv("MLCHECKPOINT_TCP_STREAMS", "2")
-    assert tcp.default_streams() == 2
+    assert striping.default_streams() == 2
     monkeypatch.setenv("MLCHECKPOINT_TCP_MIN_STRIPE", "0")
     with pytest.raises(ConfigError, match="MLCHECKPOINT_TCP_MIN_STRIPE"):
-        tcp.default_min_stripe_bytes()
+        striping.default_min_stripe_bytes()
     monkeypatch.setenv("MLCHECKPOINT_TCP_MIN_STRIPE", "4096")
     assert job.endpoint(1).min_stripe_bytes == 4096
 
@@ -172,7 +170,7 @@ def test_stripes_cover_the_shard_exactly():
             parts = stripes(nbytes, k)
             assert len(parts) == k
             assert parts[0][0] == 0 and sum(n for _, n in parts) == nbytes
-            assert all(a + n == b for (a, n), (b, _) in zip(parts, parts[1:]))
+            assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(parts))
             assert all(a % 64 == 0 for a, _ in parts)
 
 
@@ -229,7 +227,7 @@ def test_missing_stripe_times_out_and_commits_nothing(make_job, tcp_warnings):
     wait_for(lambda: any("did not arrive" in m for m in tcp_warnings()), "the stripe timeout")
     with pytest.raises(ShardNotFoundError):
         receiver.store.read_manifest(3, 1)
-    wait_for(lambda: debris(receiver.store) == [] and receiver._striped == {}, "the buffer to go")
+    wait_for(lambda: debris(receiver.store) == [] and len(receiver.server.stripes) == 0, "the buffer to go")
     make_shard(sender.store, 4, 1, nbytes, seed=4)
     assert sender.push_shard(0, 4, 1) == nbytes
     receiver.store.verify_shard(4, 1)

@@ -5,64 +5,30 @@ from __future__ import annotations
 import os
 import stat
 
-import numpy as np
 import pytest
 import torch
+from helpers import (
+    begin,
+    flip_byte,
+    payload,
+    pool_files,
+    put_metadata,
+    put_shard,
+    put_step,
+)
 
 from mlcheckpoint import CorruptShardError, LocalStore, ShardNotFoundError
 from mlcheckpoint.store import layout
 from mlcheckpoint.store.checksum import checksum
-from mlcheckpoint.store.manifest import Manifest, ManifestItem
 from mlcheckpoint.store.identity import Lineage
+from mlcheckpoint.store.manifest import Manifest, ManifestItem
 
 JOB = "job-store"
-
-
-def payload(step: int, rank: int, nbytes: int = 4096) -> bytes:
-    """Deterministic bytes that differ per (step, rank)."""
-    return np.random.default_rng(step * 1000 + rank).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
-
-
-def begin(store: LocalStore, step: int, rank: int, data: bytes):
-    """Fill an uncommitted shard with two items (halves of ``data``); return the writer."""
-    sw = store.begin_shard(step, rank, len(data))
-    sw.buffer.array[:] = np.frombuffer(data, dtype=np.uint8)
-    half = len(data) // 2
-    sw.add_item(ManifestItem("first", 0, half, checksum(data[:half]), dtype="uint8", shape=[half]))
-    sw.add_item(ManifestItem("second", half, len(data) - half, checksum(data[half:])))
-    return sw
-
-
-def put_shard(store: LocalStore, step: int, rank: int, data: bytes | None = None) -> Manifest:
-    return begin(store, step, rank, payload(step, rank) if data is None else data).commit()
-
-
-def put_metadata(store: LocalStore, step: int, ranks=(0,)) -> None:
-    store.write_metadata(step, f"meta-of-{step}".encode(), world_size=max(ranks) + 1,
-                         ranks=ranks, total_bytes=4096 * len(ranks))
-
-
-def put_step(store: LocalStore, step: int, ranks=(0,)) -> None:
-    for r in ranks:
-        put_shard(store, step, r)
-    put_metadata(store, step, ranks)
 
 
 def read_data(store: LocalStore, step: int, rank: int) -> bytes:
     with open(store.data_path(step, rank), "rb") as f:
         return f.read()
-
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
-def pool_files(store: LocalStore) -> list[str]:
-    return sorted(os.path.join(store.pool_dir, n) for n in os.listdir(store.pool_dir))
 
 
 def step_files(store: LocalStore, step: int) -> set[str]:
@@ -257,9 +223,9 @@ def test_missing_metadata_is_not_found(store):
 def test_write_metadata_file_refuses_foreign_or_bad_content(store):
     put_step(store, 1)
     raw = store.read_metadata_file(1)
-    with pytest.raises(ValueError):
+    with pytest.raises(CorruptShardError):
         store.write_metadata_file(2, raw)  # header names step 1
-    with pytest.raises(ValueError):
+    with pytest.raises(CorruptShardError):
         store.write_metadata_file(1, raw[:-1])
     assert not os.path.exists(store.metadata_path(2))
     store.write_metadata_file(1, raw)  # idempotent

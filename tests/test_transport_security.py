@@ -12,10 +12,6 @@
 Real processes, sockets, stores and process groups throughout; nothing is mocked.
 """
 
-# The fixture make_job comes from test_replication_faults: pytest finds it by name in this
-# module, and test parameters named after it are not redefinitions.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import contextlib
@@ -34,14 +30,26 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 from cluster import WORKERS, Cluster
-from test_replication_faults import (WAIT, assert_serves, connect, frames_to_eof, half_close,  # noqa: F401
-                                     make_job, make_shard, manifest_dict, wait_for)
+from helpers import WAIT, wait_for
+from tcp_job import (
+    assert_serves,
+    connect,
+    frames_to_eof,
+    half_close,
+    make_shard,
+    manifest_dict,
+)
+from typing_extensions import Self
 
 from mlcheckpoint import ConfigError
 from mlcheckpoint.replication import protocol as p
-from mlcheckpoint.replication.pg import MAX_TAG, Seal
-from mlcheckpoint.replication.rendezvous import (SECRET_ENV, SECRET_FILE_ENV, Rendezvous,
-                                                 configured_secret)
+from mlcheckpoint.replication.control import MAX_TAG, Seal
+from mlcheckpoint.replication.rendezvous import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    Rendezvous,
+    configured_secret,
+)
 from mlcheckpoint.store import LocalStore, ManifestItem, MetadataHeader
 from mlcheckpoint.store.checksum import checksum
 from mlcheckpoint.store.manifest import encode_metadata
@@ -126,7 +134,7 @@ def _secret_guesses(items: dict[str, bytes]) -> set[bytes]:
 
 
 def test_nothing_in_the_store_logs_in(attacked_job):
-    c, ready, c10d = attacked_job
+    _c, ready, c10d = attacked_job
     items = store_items(c10d)
     host, port = ready[1]["address"].rsplit(":", 1)
     assert ready[1]["address"].encode() in items.values()  # published there for all to read
@@ -157,7 +165,7 @@ class Slowloris:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="slowloris")
 
-    def __enter__(self) -> "Slowloris":
+    def __enter__(self) -> Self:
         for i in range(len(self.conns)):
             self._open(i)
         self._thread.start()
@@ -329,8 +337,8 @@ def _manifests(job_id: str, step: int, owner: int) -> dict[str, object]:
 def _metadata_blobs(job_id: str, step: int) -> dict[str, bytes]:
     """Metadata files a peer might send that are wrong in one way each."""
     payload = b"not really DCP metadata"
-    good = dict(job_id=job_id, step=step, world_size=2, ranks=[0, 1], total_bytes=64,
-                payload_bytes=len(payload), checksum=checksum(payload))
+    good = {"job_id": job_id, "step": step, "world_size": 2, "ranks": [0, 1], "total_bytes": 64,
+                "payload_bytes": len(payload), "checksum": checksum(payload)}
 
     def blob(**over) -> bytes:
         fields = {**good, **over}
@@ -438,7 +446,7 @@ class PgPeer:
         self.dir = os.path.join(root, "node0")
         os.makedirs(self.dir, mode=0o700)
         self.log_path = os.path.join(root, "pg.log")
-        cfg = dict(host="127.0.0.1", port=self.c10d.port, job=self.job_id, dir=self.dir, status_dir=root)
+        cfg = {"host": "127.0.0.1", "port": self.c10d.port, "job": self.job_id, "dir": self.dir, "status_dir": root}
         env = {**os.environ, "OMP_NUM_THREADS": "1", SECRET_ENV: self.secret.hex()}
         with open(self.log_path, "w") as logf:
             self.proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "pg_mailbox.py"),
@@ -552,14 +560,14 @@ def test_pg_control_messages_from_strangers_are_refused(pg_peer):
     msg = {"op": "put_metadata", "step": 8, "sha256": hashlib.sha256(blob).hexdigest()}
     full = {"from": 0, "tag": 1, "nonce": "n", "job_id": peer.job_id, **msg}
     forged = {
-        "unsealed": dict(raw=json.dumps(full).encode()),
-        "wrong_secret": dict(sealer=Seal(b"x" * 32, peer.session, peer.prefix)),
-        "other_run": dict(sealer=Seal(peer.secret, b"old session", peer.prefix)),
-        "other_prefix": dict(sealer=Seal(peer.secret, peer.session, "mlcheckpoint/x/0")),
-        "sealed_for_another_slot": dict(raw=peer.seal.seal("pg/mbox/0/999999", full).encode()),
-        "mac_of_another_body": dict(raw=json.dumps(
-            {"body": json.dumps(full), "mac": json.loads(peer.seal.seal("x", {}))["mac"]}).encode()),
-        "not_json": dict(raw=b"\xff{"),
+        "unsealed": {"raw": json.dumps(full).encode()},
+        "wrong_secret": {"sealer": Seal(b"x" * 32, peer.session, peer.prefix)},
+        "other_run": {"sealer": Seal(peer.secret, b"old session", peer.prefix)},
+        "other_prefix": {"sealer": Seal(peer.secret, peer.session, "mlcheckpoint/x/0")},
+        "sealed_for_another_slot": {"raw": peer.seal.seal("pg/mbox/0/999999", full).encode()},
+        "mac_of_another_body": {"raw": json.dumps(
+            {"body": json.dumps(full), "mac": json.loads(peer.seal.seal("x", {}))["mac"]}).encode()},
+        "not_json": {"raw": b"\xff{"},
     }
     for name, how in forged.items():
         peer.request(msg, blob=blob, **how)

@@ -1,8 +1,8 @@
 """MemoryStorageReader: a DCP StorageReader over the node's tmpfs store.
 
 Recovery path end: DCP asks for items -> each is located through the global metadata
-(rank, offset, checksum) -> the owner rank's shard is mapped here (or first fetched from a
-node that holds it) -> bytes are verified and copied into the state dict in one pass.
+(rank, offset, checksum) -> the owner rank's shard is read here (or streamed from a node that
+holds it, through ``remote``) -> bytes are verified and copied into the state dict in one pass.
 """
 
 from __future__ import annotations
@@ -13,12 +13,21 @@ import math
 import pickle
 from collections import Counter, defaultdict
 from concurrent.futures import Future as ConcurrentFuture
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
@@ -28,22 +37,29 @@ from ..store import copier
 from ..store.checksum import as_byte_tensor, checksum
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardSource
+from .remote import RemoteReads
 from .writer import parse_step
 
 log = logging.getLogger(__name__)
 
-# fetch(step, rank) makes rank's shard of step present in the local store (rank=None: metadata).
-Fetcher = Callable[[int, "int | None"], None]
-# remote(step, owner, ranges, sinks, on_range) reads byte ranges of a shard this node lacks from
-# a node that holds it, straight into the sinks, calling on_range(i) as range i lands; returns
-# the node it read from.
-RemoteRead = Callable[[int, int, "list[tuple[int, int]]", list, Callable[[int], None]], int]
+
+def _stored_dtype(metadata: Metadata | None, fqn: str) -> torch.dtype:
+    assert metadata is not None, "set_up_storage_reader runs before any read"
+    md = metadata.state_dict_metadata[fqn]
+    if not isinstance(md, TensorStorageMetadata):
+        raise CorruptShardError(f"item {fqn!r} is not a tensor in the checkpoint's metadata")
+    return md.properties.dtype
 
 
-def _fits_directly(target: torch.Tensor, req: ReadItem, metadata: Metadata) -> bool:
+def _chunk_key(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
+    """Where a stored tensor chunk's size is kept (``_chunk_sizes``)."""
+    return index.fqn, tuple(index.offset or ())
+
+
+def _fits_directly(target: torch.Tensor, req: ReadItem, metadata: Metadata | None) -> bool:
     """Whether a whole stored item can be copied raw into ``target`` (same dtype and size,
     dense, on the CPU)."""
-    dtype = metadata.state_dict_metadata[req.storage_index.fqn].properties.dtype
+    dtype = _stored_dtype(metadata, req.storage_index.fqn)
     return (target.device.type == "cpu" and target.is_contiguous() and not target.is_conj()
             and not target.is_neg() and target.dtype == dtype
             and target.numel() == math.prod(req.lengths))
@@ -59,20 +75,18 @@ class MemoryStorageReader(StorageReader):
     """Loads one checkpoint step from the node's tmpfs store with ``dcp.load``.
 
     Every byte is checked against the checksum recorded at save time before it is used; a
-    mismatch raises CorruptShardError. A shard this node lacks is read with ``remote`` straight
-    into the destination tensors, or else pulled into the local store with ``fetch`` (both set
-    by CheckpointManager when replication is on).
+    mismatch raises CorruptShardError. A shard this node lacks is streamed from a node that
+    holds it through ``remote`` (recovery's ``Holders``, when replication is on), straight
+    into the destination tensors; without ``remote`` it is a ShardNotFoundError.
     """
 
     def __init__(self, step: int, store: LocalStore | None = None, *, job_id: str | None = None,
-                 local_dir: str | None = None, fetch: Fetcher | None = None,
-                 remote: RemoteRead | None = None, node: int | None = None,
-                 save_id: str | None = None):
+                 local_dir: str | None = None, remote: RemoteReads | None = None,
+                 node: int | None = None, save_id: str | None = None):
         super().__init__()
         self.step = parse_step(step)
         self.save_id = save_id  # recovery's choice: copies of any other save count as absent
         self.store = store if store is not None else LocalStore(local_dir, job_id)
-        self.fetch = fetch
         self.remote = remote
         self.node = node  # this node's rank, to name a bad local copy
         self.bytes_read = 0
@@ -94,13 +108,8 @@ class MemoryStorageReader(StorageReader):
 
     @pausing_gc
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        try:
-            _, payload = self.store.read_metadata(self.step, self.save_id)
-        except ShardNotFoundError:
-            if self.fetch is None:
-                raise
-            self.fetch(self.step, None)
-            _, payload = self.store.read_metadata(self.step, self.save_id)
+        # Recovery fetched it first on a node that lacked it (Recovery._fetch).
+        _, payload = self.store.read_metadata(self.step, self.save_id)
         metadata = pickle.loads(payload)
         if not isinstance(metadata, Metadata):
             raise CorruptShardError(f"metadata of step {self.step} is not a DCP Metadata")
@@ -138,13 +147,10 @@ class MemoryStorageReader(StorageReader):
             try:
                 source = self._open_local(rank)
             except ShardNotFoundError:
-                if self.remote is not None:
-                    self._read_remote(rank, reqs, planner)
-                    continue
-                if self.fetch is None:
+                if self.remote is None:
                     raise
-                self.fetch(self.step, rank)
-                source = self._open_local(rank)
+                self._read_remote(self.remote, rank, reqs, planner)
+                continue
             with source:
                 self._read_local(rank, reqs, source, planner)
         fut: Future[None] = Future()
@@ -165,7 +171,7 @@ class MemoryStorageReader(StorageReader):
         on the copier's threads, then the items are handed to the planner."""
         spans: list[copier.Span] = []
         checked: list[tuple[ReadItem, ItemLocation]] = []
-        later: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []  # (req, target, view)
+        later: list[tuple[ReadItem, torch.Tensor, ItemLocation | None]] = []  # (req, target, loc)
         seen: set[tuple[int, int]] = set()
         for req in reqs:
             loc = self._location(req.storage_index)
@@ -188,13 +194,15 @@ class MemoryStorageReader(StorageReader):
         for (req, loc), digest in zip(checked, copier.process(spans)):
             if digest != loc.checksum:
                 self._corrupt(rank, req, self.node)
-        for req, target, loc in later:
-            if loc is not None:  # resharded, cast or on a device: torch copies from the mapping
-                src = source.mapping(loc.offset + loc.nbytes).array[loc.offset:loc.offset + loc.nbytes]
+        for req, target, stored in later:
+            if stored is not None:  # resharded, cast or on a device: torch copies from the mapping
+                end = stored.offset + stored.nbytes
+                src = source.mapping(end).array[stored.offset:end]
                 _copy_view(target, self._stored_view(req, src))
             planner.commit_tensor(req, target)
 
-    def _read_remote(self, rank: int, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_remote(self, remote: RemoteReads, rank: int, reqs: list[ReadItem],
+                     planner: LoadPlanner) -> None:
         """Stream the items of a shard held elsewhere, into the targets where possible."""
         uses = Counter((loc.offset, loc.nbytes) for loc in map(self._location, (r.storage_index for r in reqs)))
         sinks: dict[tuple[int, int], np.ndarray] = {}
@@ -222,7 +230,7 @@ class MemoryStorageReader(StorageReader):
             sink = sinks[ranges[i]]
             hashing[ranges[i]] = copier.hash_later(copier.Span(src=sink.ctypes.data, nbytes=sink.nbytes))
 
-        node = self.remote(self.step, rank, ranges, [sinks[k] for k in ranges], landed)
+        node = remote.read_ranges(self.step, rank, ranges, [sinks[k] for k in ranges], landed)
         checks = {self._location(r.storage_index).offset: (r, self._location(r.storage_index))
                   for r in reqs}
         for req, loc in checks.values():
@@ -242,16 +250,13 @@ class MemoryStorageReader(StorageReader):
 
     def _whole_item(self, req: ReadItem) -> bool:
         """Whether ``req`` asks for all of the stored item (no resharding)."""
-        idx = req.storage_index
         return (not any(req.storage_offsets)
-                and tuple(req.lengths) == tuple(self._chunk_sizes[(idx.fqn, tuple(idx.offset))]))
+                and tuple(req.lengths) == tuple(self._chunk_sizes[_chunk_key(req.storage_index)]))
 
     def _stored_view(self, req: ReadItem, src: np.ndarray) -> torch.Tensor:
         """The part of a stored item that ``req`` asks for, as a tensor view of ``src``."""
-        assert self._metadata is not None
-        idx = req.storage_index
-        dtype = self._metadata.state_dict_metadata[idx.fqn].properties.dtype
-        view = torch.from_numpy(src).view(dtype).view(self._chunk_sizes[(idx.fqn, tuple(idx.offset))])
+        dtype = _stored_dtype(self._metadata, req.storage_index.fqn)
+        view = torch.from_numpy(src).view(dtype).view(self._chunk_sizes[_chunk_key(req.storage_index)])
         for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
             view = view.narrow(dim, off, length)
         return view

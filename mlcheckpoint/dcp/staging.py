@@ -1,17 +1,26 @@
-"""Copy a state dict straight into a tmpfs shard buffer (the AsyncStager half of the writer)."""
+"""Copy a state dict straight into a tmpfs shard buffer (the AsyncStager half of the writer).
+
+``stage_into`` lays the state dict out in the buffer and copies it; given ``defer``, the
+tensors it names are only placed, and ``copy_deferred`` copies them later, on the staging
+thread (see mlcheckpoint/snapshot.py for which tensors may wait).
+"""
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..errors import StagingError
 from ..store import copier
 from ..store.local_store import align
 
 Leaf = torch.Tensor
+Digests = dict[int, tuple[int, int]]  # offset in the buffer -> (nbytes, checksum)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -39,40 +48,124 @@ def staged_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(align(t.numel() * t.element_size()) for t in tensors)
 
 
-def stage_into(obj: Any, buffer_tensor: torch.Tensor) -> tuple[Any, dict[int, tuple[int, int]]]:
-    """Return a copy of ``obj`` whose tensors are views of ``buffer_tensor`` (uint8), and the
-    checksums taken on the way: {offset in the buffer: (nbytes, checksum)}.
+@dataclass
+class _Copy:
+    """A tensor copy still to run: ``src`` into ``dst`` (a view of the buffer)."""
 
-    Tensors keep dtype, shape and DTensor sharding; other leaves are deep-copied so that
-    training may mutate the originals once this returns. Contiguous CPU tensors go through the
-    copier (checksummed in the same pass, so the commit need not read them again). Others are
-    copied by torch and hashed later: GPU tensors with non_blocking=True into the (page-locked)
-    buffer, synchronised once at the end.
+    src: torch.Tensor  # also keeps the source alive until it is copied
+    dst: torch.Tensor
+    offset: int
+    nbytes: int
+    ptr: int  # src's address when it was placed: a tensor resized or replaced since is refused
+
+
+@dataclass
+class Layout:
+    """A state dict placed in a buffer: ``staged`` holds views of it. ``digests`` has the
+    checksums taken so far; ``deferred`` the copies ``copy_deferred`` still runs; ``unhashed``
+    the regions torch copied (device or strided sources) that no checksum covers yet."""
+
+    staged: Any
+    base: int
+    digests: Digests = field(default_factory=dict)
+    deferred: list[_Copy] = field(default_factory=list)
+    unhashed: list[tuple[int, int]] = field(default_factory=list)  # (offset, nbytes)
+    ready: Any = None  # CUDA event after the call-time device copies, on the caller's stream
+
+
+def stage_into(obj: Any, buffer_tensor: torch.Tensor,
+               defer: Callable[[torch.Tensor], bool] | None = None) -> Layout:
+    """Return the layout of ``obj`` in ``buffer_tensor`` (uint8): a copy of ``obj`` whose
+    tensors are views of the buffer, with the checksums taken on the way.
+
+    Tensors keep dtype, shape and DTensor sharding; other leaves are deep-copied now, so that
+    training may mutate the originals once this returns. Every tensor is copied now unless
+    ``defer(tensor)`` says it may wait for ``copy_deferred``. Contiguous CPU tensors go through
+    the copier (checksummed in the same pass). Others are copied by torch and hashed later:
+    device tensors with non_blocking=True into the (page-locked) buffer, in the order of the
+    caller's stream, so what runs on that stream afterwards cannot change what they read.
     """
-    offset, base = 0, buffer_tensor.data_ptr()
-    on_device = False
-    spans: list[copier.Span] = []
+    layout = Layout(staged=None, base=buffer_tensor.data_ptr())
+    offset, on_device, spans = 0, False, []
 
     def stage(t: torch.Tensor) -> torch.Tensor:
         nonlocal offset, on_device
         local = _local(t).detach()
         n = local.numel() * local.element_size()
         dst = buffer_tensor[offset:offset + n].view(local.dtype).view(local.shape)
-        if plain_cpu(local):
-            spans.append(copier.Span(src=local.data_ptr(), nbytes=n, dst=base + offset))
+        if defer is not None and n and defer(local):
+            layout.deferred.append(_Copy(local, dst, offset, n, local.data_ptr()))
+        elif plain_cpu(local):
+            spans.append(copier.Span(src=local.data_ptr(), nbytes=n, dst=layout.base + offset))
         else:
             on_device |= local.device.type != "cpu"
             dst.copy_(local, non_blocking=local.device.type != "cpu")
+            layout.unhashed.append((offset, n))
         offset += align(n)
         if isinstance(t, DTensor):
             return DTensor(dst, t._spec, requires_grad=False)
         return dst
 
-    staged = _walk(obj, stage)  # the sources stay alive: ``obj`` holds them
-    digests = copier.process(spans)
-    if on_device:
-        torch.accelerator.synchronize()
-    return staged, {s.dst - base: (s.nbytes, d) for s, d in zip(spans, digests)}
+    layout.staged = _walk(obj, stage)  # the sources stay alive: ``obj`` holds them
+    _add_digests(layout, spans, copier.process(spans))
+    if on_device or any(c.src.device.type != "cpu" for c in layout.deferred):
+        if defer is None:
+            torch.accelerator.synchronize()
+        else:  # the staging thread's copies start after what the caller's stream did so far
+            layout.ready = torch.cuda.Event()
+            layout.ready.record()
+    return layout
+
+
+def copy_deferred(layout: Layout, copied: Callable[[], None] = lambda: None) -> None:
+    """Run ``layout``'s deferred copies (on the staging thread) and take every missing
+    checksum. ``copied`` is called once the bytes are in the buffer, before the hashing of
+    what torch copied: from then on training may change the sources.
+
+    Device tensors are copied on a stream of their own, ordered after the caller's stream at
+    the time of ``stage_into``, straight into the page-locked tmpfs buffer, and complete on an
+    event; the host hashes them afterwards. One copy, no bounce buffer.
+    """
+    spans, device_copies = [], []
+    for c in layout.deferred:
+        if c.src.data_ptr() != c.ptr or c.src.numel() * c.src.element_size() != c.nbytes:
+            raise StagingError(f"a tensor of {c.nbytes} bytes was resized or replaced before "
+                               "its snapshot was taken; call ckpt.wait_staged() before changing "
+                               "tensors outside optimizer.step()")
+        if plain_cpu(c.src):
+            spans.append(copier.Span(src=c.ptr, nbytes=c.nbytes, dst=layout.base + c.offset))
+        elif c.src.device.type == "cpu":
+            c.dst.copy_(c.src)
+            layout.unhashed.append((c.offset, c.nbytes))
+        else:
+            device_copies.append(c)
+    if device_copies or layout.ready is not None:
+        _copy_from_device(layout, device_copies)
+    _add_digests(layout, spans, copier.process(spans))
+    layout.deferred = []  # drop the references to the sources
+    copied()
+    hashed = [copier.Span(src=layout.base + off, nbytes=n) for off, n in layout.unhashed]
+    _add_digests(layout, hashed, copier.process(hashed))
+    layout.unhashed = []
+
+
+def _copy_from_device(layout: Layout, copies: list[_Copy]) -> None:
+    device = copies[0].src.device if copies else torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device)
+    if layout.ready is not None:
+        stream.wait_event(layout.ready)
+    with torch.cuda.stream(stream):
+        for c in copies:
+            c.dst.copy_(c.src, non_blocking=True)
+            layout.unhashed.append((c.offset, c.nbytes))
+        done = torch.cuda.Event()
+        done.record(stream)
+    done.synchronize()
+
+
+def _add_digests(layout: Layout, spans: list[copier.Span], digests: list[int]) -> None:
+    for s, d in zip(spans, digests):
+        layout.digests[(s.dst if s.dst is not None else s.src) - layout.base] = (s.nbytes, d)
 
 
 def _walk(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -8,12 +8,14 @@ into one mapped shard buffer -> the shard is committed with its manifest -> the 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import io
 import logging
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
-from torch.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,10 +23,12 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from .._faults import crash_point
 from .._gc import pausing_gc
-from ..errors import MLCheckpointError
+from ..errors import MLCheckpointError, StagingError
+from ..snapshot import Snapshotter, storage_ptr
 from ..store import copier
 from ..store.identity import Lineage, new_id
 from ..store.layout import ItemLocation
@@ -70,17 +74,18 @@ def _confirm_restaged(shard: ShardWriter, placed: list[_Placed]) -> None:
     the region's was usually taken while staging). Where they differ the tensor is appended
     like any late tensor: the region may hold another item's staged bytes, so it is never
     overwritten."""
-    twins = [p for p in placed if p.twin is not None]
+    twins = [(p, p.twin) for p in placed if p.twin is not None]
     if not twins:
         return
-    unhashed = [p for p in twins if p.span is not None]  # staged by torch: no checksum yet
-    digests = copier.process([p.twin for p in twins] + [p.span for p in unhashed])
-    for p, digest in zip(unhashed, digests[len(twins):]):
+    unhashed = [(p, p.span) for p, _ in twins if p.span is not None]  # staged by torch: no checksum yet
+    digests = copier.process([twin for _, twin in twins] + [span for _, span in unhashed])
+    for (p, _), digest in zip(unhashed, digests[len(twins):]):
         p.digest = digest
-    for p, sent in zip(twins, digests):
+    for (p, _), sent in zip(twins, digests):
         if p.digest != sent:
             log.warning("staged bytes of %s differ from the tensor DCP sent; writing it anew",
                         p.item.index.fqn)
+            assert p.tensor is not None  # twins are tensors
             p.offset, p.digest = _append_tensor(shard, p.tensor)
         p.span = p.twin = None
 
@@ -91,8 +96,8 @@ def _append_tensor(shard: ShardWriter, t: torch.Tensor) -> tuple[int, int]:
 
 
 def _copy_and_hash(placed: list[_Placed]) -> None:
-    todo = [p for p in placed if p.span is not None]
-    for p, digest in zip(todo, copier.process([p.span for p in todo])):
+    todo = [(p, p.span) for p in placed if p.span is not None]
+    for (p, _), digest in zip(todo, copier.process([span for _, span in todo])):
         p.digest = digest
 
 
@@ -102,6 +107,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     Use with ``dcp.save`` (copies with checksums fused in) or ``dcp.async_save`` (``stage``
     copies straight into the tmpfs buffer, checksumming on the way, so the blocking part is
     one pass over the state dict; the commit happens in DCP's background thread or process).
+    With a ``snapshots`` that guards an optimizer (``CheckpointManager.guard``), ``stage``
+    returns a Future instead and copies that optimizer's tensors on the staging thread:
+    ``dcp.async_save`` then returns an ``AsyncSaveResponse`` whose ``staging_completion``
+    (or the guard) must be waited on before ``optimizer.step()``.
 
     Args:
         step: the training step this checkpoint holds (a non-negative int).
@@ -113,6 +122,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         lineage: the run this save belongs to and the runs it descends from (recorded in the
             metadata, so recovery never mixes incarnations of a step); CheckpointManager passes
             its own.
+        snapshots: the staging thread and guards of overlapped saves (CheckpointManager
+            passes its own); None: ``stage`` always copies before it returns.
     """
 
     _synchronize_after_execute = False  # stage() is synchronous: nothing to wait for
@@ -121,7 +132,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                  local_dir: str | None = None,
                  on_commit: Callable[[int, int], None] | None = None,
                  on_metadata: Callable[[int], None] | None = None,
-                 lineage: Lineage | None = None):
+                 lineage: Lineage | None = None, snapshots: Snapshotter | None = None):
         super().__init__()
         self.step = parse_step(step)
         self.store = store if store is not None else LocalStore(local_dir, job_id)
@@ -136,6 +147,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._staged_bytes = 0
         self._staged_digests: dict[int, tuple[int, int]] = {}  # offset -> (nbytes, checksum)
         self._poison: BaseException | None = None
+        self._snapshots = snapshots
+        self._staging: concurrent.futures.Future[dict[str, Any]] | None = None  # overlapped stage
+        self.overlapped_bytes = 0  # tensor bytes the staging thread copies after stage returns
         self.committed: Manifest | None = None  # this rank's manifest once write_data committed
 
     def poison(self, error: BaseException) -> None:
@@ -153,12 +167,66 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         state["_staged"] = None
         state["on_commit"] = None
         state["on_metadata"] = None
+        state["_snapshots"] = None
+        state["_staging"] = None
         return state
 
     # ---------------------------------------------------------------- AsyncStager
     @pausing_gc
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, state_dict: dict[str, Any]
+              ) -> dict[str, Any] | concurrent.futures.Future[dict[str, Any]]:
+        """Copy ``state_dict`` into this step's tmpfs buffer; return views of it, or, when an
+        optimizer is guarded, a Future of them (see ``stage_overlapped``)."""
+        if self._snapshots is not None and self._snapshots.guarded:
+            return self.stage_overlapped(state_dict, self._snapshots.deferrable())
+        return self.stage_now(state_dict)
+
+    @pausing_gc
+    def stage_now(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into this step's tmpfs buffer; return views of it."""
+        layout = self._lay_out(state_dict, defer=None)
+        self._staged_digests = layout.digests
+        return layout.staged
+
+    @pausing_gc
+    def stage_overlapped(self, state_dict: dict[str, Any], deferrable: set[int] | None
+                         ) -> concurrent.futures.Future[dict[str, Any]]:
+        """Place ``state_dict`` in the buffer and copy now every tensor whose storage is not in
+        ``deferrable`` (None: defer every tensor); the rest is copied on the staging thread.
+        Everything that is not a tensor is captured now.
+
+        The Future completes with the staged views once every byte is in place and hashed.
+        A failed staging does not fail the Future: it poisons this writer, so that the
+        commit fails on every rank (DCP's collective) instead of leaving them waiting, and is
+        raised at the next guard point.
+        """
+        if self._snapshots is None:
+            raise MLCheckpointError("an overlapped stage needs the writer's snapshots "
+                                    "(CheckpointManager.storage_writer passes them)")
+        def defer(t: torch.Tensor) -> bool:
+            return deferrable is None or storage_ptr(t) in deferrable
+
+        layout = self._lay_out(state_dict, defer=defer)
+        self.overlapped_bytes = sum(c.nbytes for c in layout.deferred)
+        staged: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+        def finish(done: concurrent.futures.Future[None]) -> None:
+            error = (StagingError(f"the snapshot of step {self.step} was cancelled")
+                     if done.cancelled() else done.exception())
+            if error is not None:
+                self.poison(error)
+                self.close()  # give the buffer back: this step commits nowhere
+            self._staged_digests = layout.digests
+            staged.set_result(layout.staged)
+
+        copy = self._snapshots.submit(lambda copied: staging.copy_deferred(layout, copied),
+                                      label=self.step)
+        copy.add_done_callback(finish)
+        self._staging = staged
+        return staged
+
+    def _lay_out(self, state_dict: dict[str, Any],
+                 defer: Callable[[torch.Tensor], bool] | None) -> staging.Layout:
         tensors = staging.tensors_of(state_dict)
         nbytes = staging.staged_bytes(tensors)
         self._staged_rank = _default_rank()
@@ -166,16 +234,18 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         try:
             if any(t.device.type != "cpu" for t in tensors):
                 shard.buffer.register_for_device_copies()
-            staged, self._staged_digests = staging.stage_into(state_dict, shard.buffer.tensor)
+            layout = staging.stage_into(state_dict, shard.buffer.tensor, defer)
         except BaseException:
             shard.abort()
             raise
         shard.cursor = nbytes  # the staged region is taken
         self._staged, self._staged_bytes = shard, nbytes
-        return staged
+        return layout
 
     def synchronize_staging(self) -> None:
-        pass
+        """Wait for an overlapped stage (DCP's older protocol; prefer staging_completion)."""
+        if self._staging is not None:
+            self._staging.result()
 
     def close(self) -> None:
         if self._staged is not None:
@@ -263,20 +333,22 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         """Decide where ``item`` goes in the shard; the tensor copies run later, all at once."""
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
+            assert isinstance(data, io.BytesIO)
             raw = data.getvalue()
             offset, digest = shard.append_bytes(raw)
             return _Placed(item, offset, len(raw), digest=digest)
+        assert isinstance(data, torch.Tensor)
         t = data.detach()
         nbytes = t.numel() * t.element_size()
         base = shard.buffer.base_ptr
-        offset, twin = shard.buffer.contains(t), None  # staged: the bytes are in place
-        if offset is None:  # PROCESS mode: a copy of a staged view; confirmed before use
-            offset = self._restaged_offset(t, nbytes)
-            twin = copier.Span(src=t.data_ptr(), nbytes=nbytes) if offset is not None else None
-        if offset is not None:  # hash the staged region unless staging did
-            digest = self._staged_checksum(offset, nbytes)
-            span = None if digest is not None else copier.Span(src=base + offset, nbytes=nbytes)
-            return _Placed(item, offset, nbytes, t, span, digest=digest or 0, twin=twin)
+        staged_at, twin = shard.buffer.contains(t), None  # staged: the bytes are in place
+        if staged_at is None:  # PROCESS mode: a copy of a staged view; confirmed before use
+            staged_at = self._restaged_offset(t, nbytes)
+            twin = copier.Span(src=t.data_ptr(), nbytes=nbytes) if staged_at is not None else None
+        if staged_at is not None:  # hash the staged region unless staging did
+            known = self._staged_checksum(staged_at, nbytes)
+            span = None if known is not None else copier.Span(src=base + staged_at, nbytes=nbytes)
+            return _Placed(item, staged_at, nbytes, t, span, digest=known or 0, twin=twin)
         if shard.cursor + nbytes > shard.buffer.size:
             offset, digest = _append_tensor(shard, t)  # a tensor DCP produced after staging
             return _Placed(item, offset, nbytes, t, digest=digest)
@@ -310,16 +382,17 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         if (self._staged_rank is None or self._staged is not None or not staging.plain_cpu(t)
                 or t.untyped_storage().nbytes() < self._staged_bytes):
             return None
-        offset = t.storage_offset() * t.element_size()
+        offset = int(t.storage_offset()) * t.element_size()
         return offset if offset + nbytes <= self._staged_bytes else None
 
     def _record(self, shard: ShardWriter, p: _Placed) -> WriteResult:
-        is_tensor = p.tensor is not None
+        t = p.tensor
+        is_tensor = t is not None
         shard.add_item(ManifestItem(
             key=_key(p.item.index), offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
             kind="tensor" if is_tensor else "bytes",
-            dtype=str(p.tensor.dtype).removeprefix("torch.") if is_tensor else None,
-            shape=list(p.tensor.shape) if is_tensor else None))
+            dtype=str(t.dtype).removeprefix("torch.") if t is not None else None,
+            shape=list(t.shape) if t is not None else None))
         loc = ItemLocation(rank=self.rank, offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
                            is_tensor=is_tensor)
         return WriteResult(index=p.item.index, size_in_bytes=p.nbytes, storage_data=loc)

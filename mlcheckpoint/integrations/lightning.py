@@ -35,13 +35,17 @@ from lightning.pytorch import __version__ as lightning_version
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict, StateDictOptions)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..manager import CheckpointManager
+from ..errors import ConfigError
+from ..manager import CheckpointManager, ResumeInfo
 from ..persistent import PersistentStorage
 
 SCHEME = "mlcheckpoint://"
@@ -66,7 +70,7 @@ class MemoryCheckpoint(Callback):
 
     def __init__(self, every_n_train_steps: int):
         if every_n_train_steps < 1:
-            raise ValueError(f"every_n_train_steps={every_n_train_steps} must be >= 1")
+            raise ConfigError(f"every_n_train_steps={every_n_train_steps} must be >= 1")
         self.every_n_train_steps = every_n_train_steps
         self._last_saved: int | None = None
 
@@ -118,7 +122,7 @@ class LightningFolder(PersistentStorage):
     step is a sharded checkpoint there (DCP files and ``meta.pt``), numbered by its global
     step, and Lightning's own loader reads it."""
 
-    def __init__(self, folder: str | os.PathLike, strategy: "MLCheckpointStrategy"):
+    def __init__(self, folder: str | os.PathLike, strategy: MLCheckpointStrategy):
         super().__init__(folder)
         self.strategy = strategy
 
@@ -160,10 +164,11 @@ class MLCheckpointStrategy(ModelParallelStrategy):
                  memory_limit: str | int | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self._folder = folder
-        self._manager_args = dict(job_id=job_id, local_dir=local_dir, keep=keep,
-                                  replication=replication, memory_limit_bytes=memory_limit)
+        self._manager_args: dict[str, Any] = {
+            "job_id": job_id, "local_dir": local_dir, "keep": keep, "replication": replication,
+            "memory_limit_bytes": memory_limit}
         self.checkpoints: CheckpointManager | None = None
-        self.last_resume = None  # the ResumeInfo of the last load_checkpoint(LATEST)
+        self.last_resume: ResumeInfo | None = None  # that of the last load_checkpoint(LATEST)
         self._failed = False
 
     def setup(self, trainer) -> None:
@@ -187,14 +192,17 @@ class MLCheckpointStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.checkpoints is not None, "load_checkpoint before setup"
+        module, model = self.lightning_module, self.model
+        assert module is not None, "load_checkpoint before setup"
         if not is_memory_path(checkpoint_path):
             metadata = self._load_own(checkpoint_path, weights_only)
-            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            if module.trainer.state.fn == TrainerFn.FITTING:
                 # Training goes on from the named checkpoint: memory past it is abandoned.
                 self.checkpoints.continue_from(int(metadata.get("global_step", 0)))
             return metadata
-        state: dict[str, Any] = {"state_dict": _ModelState(self.model, self.lightning_module.strict_loading)}
-        state.update({f"optimizer_{i}": _OptimizerState(self.model, opt)
+        assert model is not None, "load_checkpoint before setup"
+        state: dict[str, Any] = {"state_dict": _ModelState(model, module.strict_loading)}
+        state.update({f"optimizer_{i}": _OptimizerState(model, opt)
                       for i, opt in enumerate(self.optimizers)})
         state[_META] = b""
         info = self.last_resume = self.checkpoints.resume(state)
@@ -210,6 +218,7 @@ class MLCheckpointStrategy(ModelParallelStrategy):
     def _fresh_start(self) -> dict[str, Any]:
         # Lightning restores whatever load_checkpoint returns: give it nothing to change (the
         # schedulers' own states) rather than an empty dict, which it cannot migrate.
+        assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         return {"pytorch-lightning_version": lightning_version,
                 "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}

@@ -26,14 +26,15 @@ Supported: torchtitan 0.3.0 exactly; its checkpointer API still changes between 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.checkpointer.dcp import CheckpointManager
 
-from ..errors import MLCheckpointError
+from ..errors import ConfigError, MLCheckpointError
 from ..manager import CheckpointManager as MemoryCheckpoints
 from ..persistent import PersistentStorage
 from ..recovery import ResumeInfo
@@ -104,7 +105,7 @@ class MemoryCheckpointManager(CheckpointManager):
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)  # slots dataclass: no zero-argument super()
             if self.persistent_interval < 0 or self.persistent_interval % self.interval:
-                raise ValueError(
+                raise ConfigError(
                     f"checkpoint.persistent_interval={self.persistent_interval} must be 0 or a "
                     f"multiple of checkpoint.interval={self.interval} (the dataloader snapshots "
                     "its state every interval steps)")

@@ -1,4 +1,4 @@
-"""Layer 4: inventory -> plan -> fetch -> verify -> load."""
+"""Layer 4: inventory -> plan -> fetch -> verify -> load -> heal (resume.py, top to bottom)."""
 
 from .inventory import NodeInventory, StepCopy, take_inventory
 from .planner import Decision, Fetch, plan_resume

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -53,14 +54,15 @@ def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInvent
                 sizes.append((owner, os.stat(store.data_path(step, owner)).st_size))
             except FileNotFoundError:
                 continue
-        h = st.header
-        identity = {} if h is None else {
-            "save_id": h.save_id, "run_id": h.run_id, "created": h.created,
-            "ancestors": Lineage.from_header(h.run_id, h.lineage).ancestors}
-        inv.steps[step] = StepCopy(
+        copy = StepCopy(
             owners=frozenset(o for o, _ in sizes), has_metadata=st.has_metadata,
             required=tuple(st.required_ranks) if st.required_ranks is not None else None,
             world_size=st.world_size, shard_bytes=tuple(sizes),
             shard_saves=tuple((o, st.shard_saves[o]) for o, _ in sizes),
-            damaged=tuple(sorted(st.damaged.items())), **identity)
+            damaged=tuple(sorted(st.damaged.items())))
+        h = st.header
+        if h is not None:  # the metadata here names its save, its run and the runs before it
+            copy = dataclasses.replace(copy, save_id=h.save_id, run_id=h.run_id, created=h.created,
+                                       ancestors=Lineage.from_header(h.run_id, h.lineage).ancestors)
+        inv.steps[step] = copy
     return inv

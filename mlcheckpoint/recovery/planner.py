@@ -14,8 +14,8 @@ that comes back with an older run's memory) are never candidates.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from ..store.identity import Lineage
 from .inventory import NodeInventory, StepCopy
@@ -41,7 +41,9 @@ class Decision:
     fetches: list[Fetch] = field(default_factory=list)
     holders: dict[int, list[int]] = field(default_factory=dict)  # owner -> ranks that serve it
     metadata_holders: list[int] = field(default_factory=list)
-    sources: dict[int, str] = field(default_factory=dict)  # rank -> "local" | "peer"
+    # rank -> "peer" when the rank's own shard is on no node of its own (a replaced node:
+    # recovery rebuilds it there after the load), else "local" (also when resharded).
+    sources: dict[int, str] = field(default_factory=dict)
     resharded: bool = False  # saved with another world size: DCP reshards, reads fetch lazily
     newest_protected: int | None = None  # newest step with every shard on two nodes
     reason: str = ""

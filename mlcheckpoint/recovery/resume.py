@@ -1,4 +1,4 @@
-"""Recovery orchestration for one rank: inventory -> plan -> fetch -> verify -> load -> heal.
+"""Recovery for one rank: inventory -> plan -> fetch -> verify -> load -> heal, top to bottom.
 
 Every rank runs the same pure planner on the same gathered inventories, so they agree on
 the step; each fetch and verification problem is gathered too, and the planner runs again
@@ -7,17 +7,27 @@ without the bad copies, so all ranks move to the next candidate together.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+import torch.distributed as dist
+
+from .._faults import pause_point
 from ..dcp import MemoryStorageReader
 from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
+from ..persistent import PersistentStorage
+from ..replication import Replicator
 from ..store import LocalStore
 from ..store.identity import Lineage
 from ..topology import Topology
-from .inventory import take_inventory
+from .holders import Holders
+from .inventory import NodeInventory, take_inventory
+from .load import load_step
 from .planner import FRESH, MEMORY, PERSISTENT, BadCopy, Decision, plan_resume
 
 log = logging.getLogger(__name__)
@@ -43,43 +53,62 @@ class Comm:
     all_gather: Callable[[Any], list[Any]]
 
 
+@dataclass
+class Resumed:
+    """What ``Recovery.run`` hands back to the manager."""
+
+    info: ResumeInfo
+    lineage: Lineage  # this run's, extended by the run it loaded from: later saves name it
+    bytes_fetched: int  # by this rank, from peers
+    healing: threading.Thread | None  # rebuilding this rank's own shard in the background
+
+
 class Recovery:
-    """One rank's part of a resume. ``transport`` is None when replication is off."""
+    """One rank's part of a resume.
 
-    def __init__(self, store: LocalStore, topology: Topology, comm: Comm, *, transport=None,
-                 persistent=None, load: Callable[[dict, Any], None], lineage: Lineage):
+    ``group`` is the checkpoint process group ``dcp.load`` runs on; ``replicator`` is None
+    when replication is off (then every node must hold what its own ranks need).
+    """
+
+    def __init__(self, store: LocalStore, topology: Topology, comm: Comm, *, lineage: Lineage,
+                 group: dist.ProcessGroup | None, replicator: Replicator | None = None,
+                 persistent: PersistentStorage | None = None):
         self.store, self.topo, self.comm = store, topology, comm
-        self.transport, self.persistent, self.load = transport, persistent, load
-        self.lineage = lineage  # this run's; after ``run``, extended by what it loaded
-        self.bytes_fetched = 0
-        self.decision: Decision | None = None
+        self.lineage, self.group = lineage, group
+        self.replicator, self.persistent = replicator, persistent
+        self.transport = replicator.transport if replicator is not None else None
+        self.phases: dict[str, float] = {}  # seconds per phase, for the log line
 
-    def run(self, state_dict: dict) -> ResumeInfo:
+    def run(self, state_dict: dict) -> Resumed:
+        """Load the newest usable checkpoint into ``state_dict``; every rank calls it."""
         t0 = time.perf_counter()
-        self.phases: dict[str, float] = {}
         self.store.gc(ranks=[self.topo.rank])  # what a crash of this rank left behind
         nodes, persistent_step = self._gather_inventory()
         self._lap("inventory", t0)
         bad: set[BadCopy] = set()
         bad_steps: set[int] = set()
         notes: list[str] = []
+        holders: Holders | None = None  # reads from other nodes, for the step being tried
         for _ in range(MAX_ROUNDS):
             d = plan_resume(nodes, persistent_step, self.topo.world_size, bad_copies=bad,
                             bad_steps=bad_steps, can_fetch=self.transport is not None)
-            self.decision = d
+            holders = None
             if d.kind != MEMORY:
                 break
+            assert d.step is not None  # a plan from memory names its step
+            if self.transport is not None:
+                holders = Holders(self.transport, self.store, self.topo, d)
             t = time.perf_counter()
-            problems = self._gather_problems(self._fetch(d))
+            problems = self._gather_problems(self._fetch(d, holders))
             if not problems:
-                problems = self._gather_problems(self._verify(d))
+                problems = self._gather_problems(self._verify(d.step, d.save_id))
             self._lap("fetch+verify", t)
             if problems:
                 bad |= {copy for copy, _ in problems}
                 notes += [why for _, why in problems]
                 continue
             t = time.perf_counter()
-            failure, bad_copy = self._load(state_dict, d)
+            failure, bad_copy = self._load(state_dict, d, holders)
             self._lap("load", t)
             if failure is None:
                 break
@@ -90,16 +119,33 @@ class Recovery:
             else:
                 bad_steps.add(d.step)
         else:
-            d = Decision(FRESH, None, reason="gave up after too many failed attempts")
+            d = Decision(FRESH, None, reason="gave up after too many failed attempts",
+                         newest_protected=d.newest_protected)
+            holders = None
         if d.kind == PERSISTENT:
-            self.persistent.restore(state_dict, d.step, self.load)  # its own layout and loader
-        return self._finish(d, notes, t0)
+            assert self.persistent is not None and d.step is not None
+            # Its own layout and reader; a framework's folder may load it its own way.
+            self.persistent.restore(state_dict, d.step, functools.partial(load_step, group=self.group))
+        fetched = holders.bytes_fetched if holders is not None else 0
+        info = self._finish(d, notes, t0, fetched)
+        healing = self._heal(d, holders)  # after the last collective, in the background
+        return Resumed(info, self.lineage, fetched, healing)
+
+    def continue_from(self, step: int | None) -> None:
+        """The job continues from ``step``, restored without ``run`` (e.g. a framework loaded
+        its own checkpoint): every node settles as after a resume of that step."""
+        self._settle(step)
+        self.comm.all_gather(None)  # no rank saves before every node has settled
+        if self.replicator is not None:
+            self.replicator.activate(reset=True)
 
     def _lap(self, phase: str, since: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
-    # ------------------------------------------------------------------ phases
-    def _gather_inventory(self):
+    # ------------------------------------------------------------------ inventory
+    def _gather_inventory(self) -> tuple[list[NodeInventory], int | None]:
+        """Each node's inventory (taken by its local rank 0) and the newest persistent step
+        (listed by rank 0): one all_gather."""
         mine = (take_inventory(self.store, self.topo.node_rank, self.topo.ranks_of_node(self.topo.node_rank))
                 if self.topo.local_rank == 0 else None)
         newest = None
@@ -112,31 +158,26 @@ class Recovery:
     def _gather_problems(self, mine: list[tuple[BadCopy, str]]) -> list[tuple[BadCopy, str]]:
         return [p for rank_problems in self.comm.all_gather(mine) for p in rank_problems]
 
-    def _node_of(self, rank: int) -> int:
-        return rank // self.topo.local_world_size
+    # ------------------------------------------------------------------ fetch and verify
+    def _fetch(self, d: Decision, holders: Holders | None) -> list[tuple[BadCopy, str]]:
+        """Fetch the metadata this node lacks (the plan names one rank per node for it).
 
-    def _fetch(self, d: Decision) -> list[tuple[BadCopy, str]]:
-        """Fetch the metadata this node lacks. Shards are not fetched here: the reader streams
-        them straight into the model (``_remote_read``), and the tmpfs copy is rebuilt after
-        the load (``heal``), off the resume's critical path."""
-        problems = []
-        for f in d.fetches:
-            if f.dst_rank != self.topo.rank or f.owner is not None:
-                continue
-            what = "metadata" if f.owner is None else f"rank {f.owner}'s shard"
-            try:
-                with self.store.fetch_lock(f.step, f.owner):
-                    if f.owner is None:
-                        self.transport.fetch_metadata(f.src_rank, f.step)
-                    else:
-                        self.bytes_fetched += self.transport.fetch_shard(f.src_rank, f.step, f.owner)
-                log.info("mlcheckpoint: fetched %s of step %d from rank %d", what, f.step, f.src_rank)
-            except (MLCheckpointError, OSError) as e:
-                problems.append(((f.step, f.owner, self._node_of(f.src_rank)),
-                                 f"fetching {what} of step {f.step} from rank {f.src_rank} failed: {e}"))
-        return problems
+        Shards are not fetched here: the reader streams them straight into the model
+        (``Holders.read_ranges``), and a replaced node's own shard is rebuilt after the load
+        (``_heal``), off the resume's critical path."""
+        mine = [f for f in d.fetches if f.owner is None and f.dst_rank == self.topo.rank]
+        if not mine or holders is None:
+            return []
+        try:
+            holders.fetch_metadata()
+        except (MLCheckpointError, OSError) as e:
+            # Refuse the copy the plan chose; the next plan picks another holder.
+            src = mine[0].src_rank
+            return [((holders.step, None, src // self.topo.local_world_size),
+                     f"fetching the metadata of step {holders.step} failed: {e}")]
+        return []
 
-    def _verify(self, d: Decision) -> list[tuple[BadCopy, str]]:
+    def _verify(self, step: int, save_id: str) -> list[tuple[BadCopy, str]]:
         """Check this node's copy of the step's metadata before anyone loads with it.
 
         Shard bytes are not hashed here: the reader verifies every item as it copies it into
@@ -147,28 +188,30 @@ class Recovery:
         if self.topo.local_rank != 0:
             return []
         try:
-            self.store.read_metadata(d.step, d.save_id)
+            self.store.read_metadata(step, save_id)
         except CorruptShardError as e:
             node = self.topo.node_rank
-            return [((d.step, None, node), f"node {node}: {e}")]
+            return [((step, None, node), f"node {node}: {e}")]
         except ShardNotFoundError:
             pass
         return []
 
-    def _load(self, state_dict: dict, d: Decision) -> tuple[str | None, BadCopy | None]:
-        self.bytes_fetched = 0  # count what the attempt that succeeds read, not failed ones
-        remote = self.transport is not None
-        reader = MemoryStorageReader(d.step, self.store, node=self.topo.node_rank,
-                                     fetch=self._lazy_fetch if remote else None,
-                                     remote=self._remote_read if remote else None,
+    # ------------------------------------------------------------------ load
+    def _load(self, state_dict: dict, d: Decision,
+              holders: Holders | None) -> tuple[str | None, BadCopy | None]:
+        """dcp.load with a reader over this node's store and, for shards this node lacks,
+        ``holders``. Returns (why it failed, the bad copy if one copy is to blame)."""
+        assert d.step is not None
+        reader = MemoryStorageReader(d.step, self.store, node=self.topo.node_rank, remote=holders,
                                      save_id=d.save_id)
         try:
-            self.load(state_dict, reader)
+            load_step(state_dict, reader, self.group)
         except MLCheckpointError as e:
-            bad_copy = getattr(e, "copy", None)
-            if bad_copy is not None and bad_copy[2] is not None:
+            copy = e.copy if isinstance(e, CorruptShardError) else None
+            if copy is not None and copy[2] is not None:
                 log.warning("mlcheckpoint: a copy of step %d is corrupt, trying another: %s", d.step, e)
-                return f"step {d.step}: {e}", tuple(bad_copy)
+                step, owner, node = copy
+                return f"step {d.step}: {e}", (step, owner, node)
             log.warning("mlcheckpoint: loading step %d failed, trying older: %s", d.step, e)
             return f"step {d.step} failed to load: {e}", None
         return None, None
@@ -181,83 +224,18 @@ class Recovery:
                         owner, step, node)
             self.store.retire_shard(step, owner)
 
-    def _remote_read(self, step: int, owner: int, ranges, sinks, on_range=None) -> int:
-        """Stream byte ranges of a shard this node lacks from a holder; return its node."""
-        d = self.decision
-        preferred = [f.src_rank for f in d.fetches if f.owner == owner
-                     and self._node_of(f.dst_rank) == self.topo.node_rank]
-        holders = [r for r in d.holders.get(owner, []) if self._node_of(r) != self.topo.node_rank]
-        start = self.topo.rank % len(holders) if holders else 0
-        errors = []
-        for src in dict.fromkeys(preferred + holders[start:] + holders[:start]):
-            try:
-                self.bytes_fetched += self.transport.read_items(src, step, owner, ranges, sinks,
-                                                                on_range)
-                return self._node_of(src)
-            except (MLCheckpointError, OSError) as e:
-                errors.append(f"rank {src}: {e}")
-        raise ShardNotFoundError(f"no holder could serve rank {owner}'s shard of step {step}: {errors}")
-
-    def heal(self) -> list[tuple[int, int]]:
-        """After a resume from memory: fetch this rank's own shard of the loaded step back into
-        tmpfs when this node lacks it (a replaced node), so replication can protect it again.
-        Runs after the load (the caller puts it on a background thread). Returns what it fetched."""
-        d = self.decision
-        done = []
-        if d is None or d.kind != MEMORY or d.resharded or self.transport is None:
-            return done
-        owner = self.topo.rank
-        if owner not in d.holders or owner in self.store.step_state(d.step).ranks_of(d.save_id):
-            return done
-        for src in [r for r in d.holders[owner] if self._node_of(r) != self.topo.node_rank]:
-            try:
-                with self.store.fetch_lock(d.step, owner):
-                    self.transport.fetch_shard(src, d.step, owner)
-                done.append((d.step, owner))
-                log.info("mlcheckpoint: rebuilt rank %d's shard of step %d from rank %d", owner, d.step, src)
-                break
-            except (MLCheckpointError, OSError) as e:
-                log.warning("mlcheckpoint: rebuilding rank %d's shard of step %d from rank %d failed: %s",
-                            owner, d.step, src, e)
-        return done
-
-    def _lazy_fetch(self, step: int, owner: int | None) -> None:
-        """The reader needs a shard this node lacks (DCP dedup or resharding): pull it."""
-        d = self.decision
-        holders = d.metadata_holders if owner is None else d.holders.get(owner, [])
-        holders = [r for r in holders if self._node_of(r) != self.topo.node_rank]
-        if not holders:
-            raise ShardNotFoundError(f"no surviving node holds rank {owner}'s shard of step {step}")
-        start = self.topo.rank % len(holders)  # spread readers over holders
-        errors = []
-        with self.store.fetch_lock(step, owner):
-            if owner is not None and owner in self.store.step_state(step).ranks_of(d.save_id):
-                return  # another rank of this node fetched it meanwhile
-            for src in holders[start:] + holders[:start]:
-                try:
-                    if owner is None:
-                        self.transport.fetch_metadata(src, step)
-                    else:
-                        self.bytes_fetched += self.transport.fetch_shard(src, step, owner)
-                    return
-                except (MLCheckpointError, OSError) as e:
-                    errors.append(f"rank {src}: {e}")
-        raise ShardNotFoundError(f"could not fetch rank {owner}'s shard of step {step}: {errors}")
-
-    def _finish(self, d: Decision, notes: list[str], t0: float) -> ResumeInfo:
-        if d.kind == MEMORY and d.lineage is not None:
+    # ------------------------------------------------------------------ finish and heal
+    def _finish(self, d: Decision, notes: list[str], t0: float, fetched: int) -> ResumeInfo:
+        if d.kind == MEMORY and d.lineage is not None and d.step is not None:
             self.lineage = self.lineage.resumed(d.lineage, d.step)
         if self.transport is not None:  # before the last collective: partners push after it
             self.transport.accept_from(self.lineage)
-        if self.topo.local_rank == 0:
-            # Before the last collective: once it returns, other ranks may start saving (and
-            # create files under step numbers this drop would otherwise race with).
-            dropped = self.store.settle(self.lineage, d.step, set_aside=d.stranded)
-            if dropped:
-                log.info("mlcheckpoint: dropped steps %s newer than the resumed one on node %d",
-                         dropped, self.topo.node_rank)
-        source = {MEMORY: "peer" if self.bytes_fetched else "local", PERSISTENT: "persistent"}.get(d.kind)
-        gathered = self.comm.all_gather((source, self.bytes_fetched))
+        # Before the last collective: once it returns, other ranks may start saving (and
+        # create files under step numbers this drop would otherwise race with).
+        self._settle(d.step, set_aside=d.stranded)
+        source = {MEMORY: "peer" if fetched else "local", PERSISTENT: "persistent"}.get(d.kind)
+        gathered = self.comm.all_gather((source, fetched))
+        pause_point("resume_agreed", d.step, self.topo.rank)  # tests: other ranks save from here
         sources = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
         overall = source
         if d.kind == MEMORY:
@@ -273,3 +251,39 @@ class Recovery:
                      ", ".join(f"{k} {v:.3f}s" for k, v in self.phases.items()),
                      f"; {reason}" if reason else "")
         return info
+
+    def _settle(self, step: int | None, set_aside: Iterable[int] = ()) -> None:
+        """On each node's local rank 0: drop what does not belong to the job's history up to
+        ``step`` (LocalStore.settle)."""
+        if self.topo.local_rank != 0:
+            return
+        dropped = self.store.settle(self.lineage, step, set_aside=set_aside)
+        if dropped:
+            log.info("mlcheckpoint: dropped steps %s newer than step %s on node %d", dropped,
+                     step, self.topo.node_rank)
+
+    def _heal(self, d: Decision, holders: Holders | None) -> threading.Thread | None:
+        """Re-protect what was loaded now, not at the next save: the newest step that survived
+        on two nodes is kept until a newer one is protected, the replicator restarts, and a
+        replaced node's rank gets its own shard back (on a background thread, off the resume's
+        critical path; the replicator then pushes it to the partner)."""
+        if self.replicator is None:
+            return None
+        self.replicator.seed_protected(d.newest_protected)
+        self.replicator.activate(reset=True)
+        # The plan's "peer" for this rank: its own shard is not on this node (never when
+        # resharded: the saved ranks are not this job's ranks).
+        if holders is None or d.sources.get(self.topo.rank) != "peer":
+            return None
+        thread = threading.Thread(target=self._rebuild_own_shard, args=(holders, self.replicator),
+                                  name="mlckpt-heal", daemon=True)
+        thread.start()
+        return thread
+
+    def _rebuild_own_shard(self, holders: Holders, replicator: Replicator) -> None:
+        try:
+            if holders.rebuild(self.topo.rank):
+                replicator.notify()
+        except (MLCheckpointError, OSError) as e:
+            log.warning("mlcheckpoint: rebuilding rank %d's shard of step %d failed: %s",
+                        self.topo.rank, holders.step, e)

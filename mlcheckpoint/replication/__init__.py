@@ -3,7 +3,8 @@
 from .pairing import PairingStrategy, PairwiseRing
 from .rendezvous import Rendezvous
 from .replicator import Replicator, StepReplication
-from .transport import Pins, ReplicationError, Transport
+from .sink import Pins, ReceiveSink
+from .transport import ReplicationError, Transport
 
-__all__ = ["PairingStrategy", "PairwiseRing", "Pins", "Rendezvous", "ReplicationError",
-           "Replicator", "StepReplication", "Transport"]
+__all__ = ["PairingStrategy", "PairwiseRing", "Pins", "ReceiveSink", "Rendezvous",
+           "ReplicationError", "Replicator", "StepReplication", "Transport"]

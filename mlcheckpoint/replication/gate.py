@@ -24,8 +24,8 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .._ratelimit import RateLimitedLog
 from . import protocol as p
@@ -111,7 +111,7 @@ class LoginGate:
             except OSError as e:  # out of file descriptors, or the listener is closed
                 if self._closed.is_set():
                     return
-                self.logs.warning("accept", "replication listener cannot accept: %s", e)
+                self.logs.log(logging.WARNING, "accept", "replication listener cannot accept: %s", e)
                 if self._pending:  # free a descriptor for the next partner
                     self._drop(next(iter(self._pending.values())))
                 return
@@ -134,8 +134,8 @@ class LoginGate:
             victim = next(iter(self._pending.values()))
         else:
             return
-        self.logs.warning("evicted", "replication handshakes over budget (%d from %s, %d in all): "
-                          "closing the oldest unauthenticated connection", self._per_host[host],
+        self.logs.log(logging.WARNING, "evicted", "replication handshakes over budget (%d from "
+                      "%s, %d in all): closing the oldest unauthenticated connection", self._per_host[host],
                           host, len(self._pending))
         self._drop(victim)
 
@@ -178,7 +178,7 @@ class LoginGate:
 
     # ------------------------------------------------------------------ endings
     def _refuse(self, q: _Pending, why: str) -> None:
-        self.logs.warning("refused", "refused replication connection from %s: %s", q.addr, why)
+        self.logs.log(logging.WARNING, "refused", "refused replication connection from %s: %s", q.addr, why)
         self._drop(q)
 
     def _forget(self, q: _Pending) -> None:

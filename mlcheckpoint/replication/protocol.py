@@ -18,8 +18,9 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Callable
 
-from ..errors import MLCheckpointError
+from ..errors import MLCheckpointError, ProtocolError
 from ..store import Manifest
 from ..store.manifest import MetadataHeader, decode_metadata
 
@@ -30,6 +31,10 @@ NONCE = 32
 GREETING_BYTES = len(MAGIC) + 1 + NONCE
 CLIENT_REPLY_BYTES = NONCE + 32
 MAX_FRAME_BYTES = 16 << 20  # JSON headers (a manifest of many thousand items fits)
+# Bounds on what a peer's request may name (both transports).
+MAX_STEP = 10**12
+MAX_RANGES = 1 << 20
+MAX_METADATA_BYTES = 4 << 30
 
 
 # What a handler turns into an error reply: bad input from a peer must never kill a thread.
@@ -37,8 +42,13 @@ MALFORMED = (MLCheckpointError, ValueError, TypeError, KeyError, IndexError, Att
              OverflowError)
 
 
-class ProtocolError(MLCheckpointError):
-    """The peer broke the protocol, failed authentication or timed out."""
+class PeerClosed(ProtocolError):
+    """The peer closed the connection before a read was complete; ``got`` bytes of it came.
+    With ``got == 0`` between requests, that is how a client says it is done."""
+
+    def __init__(self, got: int, wanted: int):
+        super().__init__(f"connection closed after {got} of {wanted} bytes")
+        self.got = got
 
 
 def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
@@ -58,21 +68,23 @@ def recv_growing(sock: socket.socket, n: int, chunk: int = 1 << 20) -> bytes:
     while len(buf) < n:
         part = sock.recv(min(chunk, n - len(buf)))
         if not part:
-            raise ProtocolError(f"connection closed after {len(buf)} of {n} bytes")
+            raise PeerClosed(len(buf), n)
         buf += part
     return bytes(buf)
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview, on_progress=None) -> None:
-    """Fill ``view`` from the socket (straight into the destination: no intermediate copy)."""
+def recv_into_exact(sock: socket.socket, view: memoryview,
+                    on_progress: Callable[[int], None] | None = None) -> None:
+    """Fill ``view`` from the socket (straight into the destination: no intermediate copy);
+    ``on_progress(got)`` is called with the bytes landed so far after every read."""
     got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:], min(n - got, 64 << 20))
         if k == 0:
-            raise ProtocolError(f"connection closed after {got} of {n} bytes")
+            raise PeerClosed(got, n)
         got += k
         if on_progress is not None:
-            on_progress(got, n)
+            on_progress(got)
 
 
 def greeting() -> tuple[bytes, bytes]:
@@ -185,7 +197,7 @@ def manifest_from_wire(obj: object, job_id: str, step: int, owner: int) -> Manif
         for name in ("step", "rank", "data_bytes", "world_size", "format"):
             _check_int(getattr(m, name), name)
         if not isinstance(m.created, (int, float)):
-            raise ValueError(f"created={m.created!r} is not a number")
+            raise TypeError(f"created={m.created!r} is not a number")
         for it in m.items:
             if not all(isinstance(v, str) for v in (it.key, it.kind)) or \
                     not isinstance(it.dtype, (str, type(None))):
@@ -212,7 +224,7 @@ def metadata_from_wire(raw: bytes, job_id: str, step: int) -> MetadataHeader:
         for name in ("step", "world_size", "total_bytes", "payload_bytes", "checksum", "format"):
             _check_int(getattr(header, name), name)
         if not isinstance(header.ranks, list):
-            raise ValueError("ranks is not a list")
+            raise TypeError("ranks is not a list")
         for r in header.ranks:
             _check_int(r, "rank")
     except (TypeError, ValueError, KeyError, AttributeError, UnicodeDecodeError) as e:
@@ -224,7 +236,21 @@ def metadata_from_wire(raw: bytes, job_id: str, step: int) -> MetadataHeader:
 
 def _check_int(v: object, name: str) -> None:
     if not isinstance(v, int) or isinstance(v, bool):
-        raise ValueError(f"{name}={v!r} is not an integer")
+        raise TypeError(f"{name}={v!r} is not an integer")
+
+
+def checked_ranges(obj: object, data_bytes: int) -> list[tuple[int, int]]:
+    """Peer-supplied (offset, nbytes) pairs, each inside a shard of ``data_bytes``."""
+    if not isinstance(obj, list) or len(obj) > MAX_RANGES:
+        raise ProtocolError("malformed ranges")
+    out = []
+    for r in obj:
+        if (not isinstance(r, list) or len(r) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+                or r[0] < 0 or r[1] < 0 or r[0] + r[1] > data_bytes):
+            raise ProtocolError(f"range {str(r)[:100]} outside the shard")
+        out.append((r[0], r[1]))
+    return out
 
 
 def check_offer(m: Manifest, max_shard_bytes: int) -> None:

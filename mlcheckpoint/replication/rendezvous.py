@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..config import env_str
 from ..errors import ConfigError
 
 SECRET_ENV = "MLCHECKPOINT_REPLICATION_SECRET"
@@ -42,7 +43,7 @@ class Rendezvous:
 
     def __init__(self, store: dist.Store, job_id: str, rank: int, world_size: int,
                  timeout: float = 300.0, *, secret: bytes | None = None, session: bytes = b""):
-        generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        generation = env_str("TORCHELASTIC_RESTART_COUNT") or "0"
         self._prefix = f"mlcheckpoint/{job_id}/{generation}"  # PrefixStore adds the "/"
         self._base = _innermost(store)
         self._local = threading.local()
@@ -69,7 +70,7 @@ class Rendezvous:
 
     @classmethod
     def from_default_group(cls, job_id: str, timeout: float = 300.0, *,
-                           group: dist.ProcessGroup | None = None) -> "Rendezvous":
+                           group: dist.ProcessGroup | None = None) -> Rendezvous:
         """Collective (every rank calls it): the default group's store, and the secret and
         session agreed over ``group`` (a dedicated gloo group; default: a new one)."""
         from torch.distributed.distributed_c10d import _get_default_store
@@ -153,10 +154,10 @@ def read_secret_file(path: str) -> bytes:
 def configured_secret() -> bytes | None:
     """The secret the launcher gave: ``$MLCHECKPOINT_REPLICATION_SECRET`` (hex), else the file
     named by ``$MLCHECKPOINT_REPLICATION_SECRET_FILE``; None when neither is set."""
-    env = os.environ.get(SECRET_ENV, "").strip()
+    env = env_str(SECRET_ENV)
     if env:
         return _parse_secret(env, SECRET_ENV)
-    path = os.environ.get(SECRET_FILE_ENV, "").strip()
+    path = env_str(SECRET_FILE_ENV)
     return read_secret_file(path) if path else None
 
 

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 
 from .. import history
 from .._ratelimit import RateLimitedLog
+from ..errors import MLCheckpointError
 from ..store import LocalStore
 from ..topology import Topology
 from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets
 from .rendezvous import Rendezvous
-from .transport import MLCheckpointError, Transport
+from .transport import Transport
 
 log = logging.getLogger(__name__)
 

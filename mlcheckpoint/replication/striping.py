@@ -5,20 +5,22 @@ a transfer whose stripes arrive on separate connections (see ``tcp.py`` for the 
 from __future__ import annotations
 
 import contextlib
-import os
+import itertools
 import secrets
 import socket
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
-from ..errors import ConfigError, CorruptShardError
-from ..store import Manifest, copier
+from ..config import env_int
+from ..store import Manifest
 from . import protocol as p
 
 T = TypeVar("T")
 
 MAX_STREAMS = 16
+DEFAULT_STREAMS = 4
 # Stripes smaller than this are not worth a connection of their own.
 MIN_STRIPE_BYTES = 64 << 20
 
@@ -34,13 +36,8 @@ def split_evenly(pieces: list[tuple], size: Callable[[tuple], int], parts: int) 
 
 
 def default_streams() -> int:
-    """``MLCHECKPOINT_TCP_STREAMS`` if set, else 4."""
-    env = os.environ.get("MLCHECKPOINT_TCP_STREAMS", "").strip()
-    if not env:
-        return 4
-    if not env.isdigit() or not 1 <= int(env) <= MAX_STREAMS:
-        raise ConfigError(f"MLCHECKPOINT_TCP_STREAMS={env!r}: expected a whole number in 1..{MAX_STREAMS}")
-    return int(env)
+    """``MLCHECKPOINT_TCP_STREAMS`` if set, else DEFAULT_STREAMS."""
+    return env_int("MLCHECKPOINT_TCP_STREAMS", DEFAULT_STREAMS, maximum=MAX_STREAMS)
 
 
 def run_streams(work: Callable[[T], None], jobs: list[T]) -> list[BaseException]:
@@ -52,7 +49,7 @@ def run_streams(work: Callable[[T], None], jobs: list[T]) -> list[BaseException]
     def run(job: T) -> None:
         try:
             work(job)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 (handed to the caller, which re-raises)
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(job,), daemon=True, name="mlckpt-tcp-stream")
@@ -68,35 +65,20 @@ def run_streams(work: Callable[[T], None], jobs: list[T]) -> list[BaseException]
 
 def default_min_stripe_bytes() -> int:
     """``MLCHECKPOINT_TCP_MIN_STRIPE`` (bytes) if set, else MIN_STRIPE_BYTES."""
-    env = os.environ.get("MLCHECKPOINT_TCP_MIN_STRIPE", "").strip()
-    if not env:
-        return MIN_STRIPE_BYTES
-    if not env.isdigit() or int(env) < 1:
-        raise ConfigError(f"MLCHECKPOINT_TCP_MIN_STRIPE={env!r}: expected a byte count >= 1")
-    return int(env)
+    return env_int("MLCHECKPOINT_TCP_MIN_STRIPE", MIN_STRIPE_BYTES)
 
 
 def stripes(nbytes: int, streams: int) -> list[tuple[int, int]]:
     """(offset, length) of each stream's part of a shard: contiguous, 64-byte aligned cuts."""
     cuts = [0] + [min(nbytes, (nbytes * i // streams) // 64 * 64) for i in range(1, streams)] + [nbytes]
-    return [(a, b - a) for a, b in zip(cuts, cuts[1:])]
-
-
-def verify_landed(array, m: Manifest) -> None:
-    """Check every item of a shard that arrived out of order (striped), on the copier's threads."""
-    base = array.ctypes.data
-    digests = copier.process([copier.Span(src=base + it.offset, nbytes=it.nbytes) for it in m.items])
-    for it, digest in zip(m.items, digests):
-        if digest != it.checksum:
-            raise CorruptShardError(f"replica of step {m.step} rank {m.rank}: checksum mismatch "
-                                    f"in {it.key!r} on arrival")
+    return [(a, b - a) for a, b in itertools.pairwise(cuts)]
 
 
 class StripedReceive:
     """A shard arriving over several connections: stripe 0 on the offering connection, the
     others on connections that present ``token``."""
 
-    def __init__(self, array, m: Manifest, streams: int):
+    def __init__(self, array: Any, m: Manifest, streams: int):
         self.array, self.m = array, m
         self.stripes = stripes(m.data_bytes, streams)
         self.token = secrets.token_hex(16)
@@ -132,3 +114,34 @@ class StripedReceive:
                 conn.shutdown(socket.SHUT_RDWR)
         for i in conns:
             self.done[i].wait()
+
+
+class OpenStripes:
+    """The striped receives of one listener still awaiting stripes, by token."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, StripedReceive] = {}
+
+    @contextlib.contextmanager
+    def opened(self, rx: StripedReceive) -> Iterator[StripedReceive]:
+        """``rx`` takes stripes while the block runs."""
+        with self._lock:
+            self._open[rx.token] = rx
+        try:
+            yield rx
+        finally:
+            with self._lock:
+                self._open.pop(rx.token, None)
+
+    def find(self, token: object, step: int, owner: object) -> StripedReceive:
+        """The open transfer a stripe names; ProtocolError for any other."""
+        with self._lock:
+            rx = self._open.get(token) if isinstance(token, str) else None
+        if rx is None or rx.m.step != step or owner != rx.m.rank:
+            raise p.ProtocolError("stripe for a transfer that is not open")
+        return rx
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)

@@ -1,79 +1,33 @@
 """The one small interface every transport implements.
 
-A transport moves *committed* shards and step metadata between ranks. The receiving side
-always writes through the LocalStore commit protocol and verifies every checksum before it
-commits, so a transfer cut anywhere leaves nothing visible.
+A transport only moves bytes: committed shards and step metadata between ranks, each call
+bounded by a timeout. What it receives lands through a ``ReceiveSink`` (``sink.py``), which
+verifies every checksum before it commits through the LocalStore commit protocol, so a
+transfer cut anywhere leaves nothing visible. Pins, the received-notification and the history
+of saves accepted live in the sink, not in the transport.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
-import threading
-from collections import Counter
-from typing import Callable, Iterator
+from collections.abc import Callable
 
-from ..errors import MLCheckpointError
+from ..errors import ReplicationError
 from ..store.identity import Lineage
+from .sink import ReceiveSink
 
-
-class ReplicationError(MLCheckpointError):
-    """A push or fetch failed (peer gone, timed out, refused, or bytes failed verification)."""
-
-
-class Pins:
-    """Steps whose buffers someone is reading (a transfer, a persistent write): retention skips
-    them, so a buffer is never recycled under a reader."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count: Counter[int] = Counter()
-
-    @contextlib.contextmanager
-    def pinned(self, step: int) -> Iterator[None]:
-        self.pin(step)
-        try:
-            yield
-        finally:
-            self.unpin(step)
-
-    def pin(self, step: int) -> None:
-        with self._lock:
-            self._count[step] += 1
-
-    def unpin(self, step: int) -> None:
-        with self._lock:
-            self._count[step] -= 1
-            if self._count[step] <= 0:
-                del self._count[step]
-
-    def steps(self) -> set[int]:
-        with self._lock:
-            return set(self._count)
-
-
-# Called on the receiving rank after a replica (step, owner rank) is committed there.
-OnReceived = Callable[[int, int], None]
+__all__ = ["ReplicationError", "Transport"]
 
 
 class Transport(abc.ABC):
     """Moves committed shards and metadata between ranks of one job."""
 
     name: str = "?"
-    # Replicas are received only of saves in this history (set by ``accept_from``).
-    history: Lineage | None = None
+    sink: ReceiveSink  # where what this transport receives lands
 
     def accept_from(self, history: Lineage) -> None:
-        """Receive replicas only of saves made by this run or by the runs it resumed from (up
-        to the step it took from each): a peer can then never plant a step of another
-        incarnation of the job, or one no run of it saved."""
-        self.history = history
-
-    def check_admitted(self, run_id: str, step: int) -> None:
-        """Refuse a replica (shard or metadata) of a save outside ``history``."""
-        if self.history is not None and not self.history.admits(run_id, step):
-            raise ReplicationError(f"replica of step {step} belongs to run {run_id!r}, which is "
-                                   f"not part of this job's history")
+        """Receive replicas only of saves in ``history`` (see ``ReceiveSink.accept_from``)."""
+        self.sink.accept_from(history)
 
     @abc.abstractmethod
     def push_shard(self, peer: int, step: int, owner: int) -> int:
@@ -89,7 +43,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def fetch_shard(self, peer: int, step: int, owner: int) -> int:
-        """Pull shard (step, owner) from rank ``peer`` into our store, verified and committed."""
+        """Pull shard (step, owner) from rank ``peer`` into our store, verified and committed;
+        return its bytes. ShardNotFoundError if the peer does not hold it."""
 
     @abc.abstractmethod
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
@@ -100,11 +55,13 @@ class Transport(abc.ABC):
 
         Nothing is written to our store: recovery streams a replaced node's bytes directly into
         the model's tensors. The caller verifies checksums (while later ranges arrive).
+        ShardNotFoundError if the peer does not hold the shard.
         """
 
     @abc.abstractmethod
     def fetch_metadata(self, peer: int, step: int) -> None:
-        """Pull the step's global metadata from rank ``peer``."""
+        """Pull the step's global metadata from rank ``peer`` (checked, then installed);
+        ShardNotFoundError if the peer has none."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -5,6 +5,11 @@ mapping of an already-populated file runs at a third of the warm rate (page-tabl
 So a process keeps every shard file it maps in a cache keyed by inode, and retired shard
 files go to a pool instead of being unlinked: the next checkpoint takes one back and copies
 into pages (and page tables) that are already there.
+
+A process that only reads a shard (a resume) maps it without populating: the copier's threads
+fault its pages in as they read, in parallel. On a tmpfs mounted with huge pages
+(``huge=within_size``, see docs/operations.md) a file's pages are 2 MiB and populating the
+whole mapping costs under a millisecond per GiB, so it is done up front there.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ import torch
 log = logging.getLogger(__name__)
 
 _MAP_FLAGS = mmap.MAP_SHARED
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
+_MADV_POPULATE_WRITE = 23
+# A tmpfs file whose pages are huge reports their size as its st_blksize.
+HUGE_PAGE_BYTES = 2 << 20
 # What the kernel says when a filesystem (or the memory behind it) has no room left.
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFAULT})
 
@@ -59,6 +67,12 @@ def _populate(address: int, size: int) -> bool:
     return False
 
 
+def on_huge_pages(st: os.stat_result) -> bool:
+    """Whether the tmpfs file ``st`` describes gets huge pages (``huge=within_size`` or
+    ``always`` on its mount); any other file system, or a kernel without them, says no."""
+    return st.st_blksize >= HUGE_PAGE_BYTES
+
+
 def reserve(fd: int, size: int, offset: int = 0) -> None:
     """Allocate the file's pages in [offset, offset + size) now, growing the file if need be.
 
@@ -92,9 +106,14 @@ def _map(fd: int, size: int, flags: int) -> tuple[mmap.mmap | None, np.ndarray]:
 
 
 class MappedFile:
-    """One tmpfs file mapped read-write, exposed as a uint8 numpy array and torch tensor."""
+    """One tmpfs file mapped read-write, exposed as a uint8 numpy array and torch tensor.
 
-    def __init__(self, path: str, size: int):
+    ``populate=False`` (a shard about to be read once, by a process that had no mapping of
+    it): small pages are left to be faulted in by whoever reads them first; huge ones are
+    populated for reading, which is cheap.
+    """
+
+    def __init__(self, path: str, size: int, populate: bool = True):
         fd = os.open(path, os.O_RDWR)
         try:
             st = os.fstat(fd)
@@ -104,15 +123,29 @@ class MappedFile:
             self.key = (st.st_dev, st.st_ino)
             self.size = size
             self._mm, self.array = _map(fd, size, _MAP_FLAGS)
-            if size and not self._populated():
-                self.array = None  # old kernel: the populating (GIL-holding) mmap instead
+            self.populated_by = ""  # how the pages were faulted in (tests check it is madvise)
+            if size and not populate:
+                self.populated_by = self._prepare_for_reading(on_huge_pages(st))
+            elif size and self._populated():
+                self.populated_by = "madvise"
+            elif size and self._mm is not None:
+                self.array = None  # type: ignore[assignment]  # old kernel: the populating (GIL-holding) mmap instead
                 self._mm.close()
                 self._mm, self.array = _map(fd, size, _MAP_FLAGS | getattr(mmap, "MAP_POPULATE", 0))
+                self.populated_by = "MAP_POPULATE"
             self.base_ptr = self.array.ctypes.data  # address of byte 0 (stable while mapped)
         finally:
             os.close(fd)
         self._tensor: torch.Tensor | None = None
         self._cuda_registered = False
+
+    def _prepare_for_reading(self, huge: bool) -> str:
+        """Populate huge pages now (one call, no faults while copying); leave small ones to
+        the readers' faults. Returns how the pages get mapped."""
+        address = self.array.ctypes.data
+        if huge and _MADVISE is not None and _MADVISE(address, self.size, _MADV_POPULATE_READ) == 0:
+            return "madvise (huge pages)"
+        return "on demand"
 
     def _populated(self) -> bool:
         """Populate the fresh mapping (see ``_populate``); unmapped again if that fails."""
@@ -120,7 +153,8 @@ class MappedFile:
             return _populate(self.array.ctypes.data, self.size)
         except OSError:
             self.array = None  # type: ignore[assignment]
-            self._mm.close()
+            if self._mm is not None:
+                self._mm.close()
             raise
 
     @property
@@ -178,7 +212,17 @@ class MappingCache:
         self._lock = threading.Lock()
         self._by_key: dict[tuple[int, int], MappedFile] = {}
 
-    def map(self, path: str, size: int) -> MappedFile:
+    # Mappings belong to one process: a pickled cache (DCP's PROCESS mode sends the store, with
+    # its parts that share this cache, to another process) arrives empty, still shared.
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def map(self, path: str, size: int, populate: bool = True) -> MappedFile:
+        """This process's mapping of the file at ``path`` (its first ``size`` bytes), mapped
+        now if need be; ``populate``: see MappedFile."""
         st = os.stat(path)
         key = (st.st_dev, st.st_ino)
         with self._lock:
@@ -187,7 +231,7 @@ class MappingCache:
                 return mf if mf.size == size else _SubMapping(mf, size)
         # Map outside the lock: populating a fresh file's pages can take seconds, and another
         # thread's save must not wait behind a buffer being prepared in the background.
-        new = MappedFile(path, size)
+        new = MappedFile(path, size, populate)
         with self._lock:
             old = self._by_key.get(key)
             self._by_key[key] = new
@@ -231,7 +275,7 @@ class _SubMapping(MappedFile):
         self.base_ptr = parent.base_ptr
 
     @property
-    def tensor(self) -> torch.Tensor:  # type: ignore[override]
+    def tensor(self) -> torch.Tensor:
         return self._parent.tensor[:self.size]
 
     @property

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import struct
 
 import numpy as np
 import torch
 import xxhash
+
+from ..config import env_flag
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ ALGORITHM = "xxh3_64/chunks-2MiB"
 def _xxhash_library() -> ctypes.CDLL | None:
     """The ``xxhash`` package's extension, opened for its exported C functions."""
     try:
-        return ctypes.CDLL(xxhash._xxhash.__file__)
+        return ctypes.CDLL(xxhash._xxhash.__file__)  # type: ignore[attr-defined]
     except (OSError, AttributeError):
         return None
 
@@ -53,11 +54,16 @@ def _bind_xxh3():
 _XXH3 = _bind_xxh3()
 
 
+def native_enabled() -> bool:
+    """``MLCHECKPOINT_NATIVE``: 0 switches the C loop off (1, the default, keeps it)."""
+    return env_flag("MLCHECKPOINT_NATIVE", True)
+
+
 def _bind_native():
     """The C inner loop (``_hashcopy.c``) bound to xxhash's streaming functions, or None:
     not built (no C compiler at install), switched off with ``MLCHECKPOINT_NATIVE=0``, or the
     xxhash symbols are missing. Without it the copier runs its Python loop (same digests)."""
-    if os.environ.get("MLCHECKPOINT_NATIVE", "").strip() == "0":
+    if not native_enabled():
         return None
     try:
         from . import _hashcopy

@@ -11,9 +11,9 @@ here, because the copy's stores had pushed the piece out of the core's 1 MiB L2 
 The C loop (``_hashcopy.c``, when built) does a piece of up to 16 MiB per call instead, with
 the same digests; see there.
 
-Items are contiguous CPU byte ranges given by address (or by offset in an open shard file, for
-a process that has not mapped it: ``pread`` skips building page tables for a mapping used
-once); callers keep the memory alive and check the sizes. Non-contiguous or device tensors
+Items are contiguous CPU byte ranges given by address; callers keep the memory alive and
+check the sizes. A shard mapped just now (a resume) has no page tables yet: its pages are
+faulted in by the threads here as they hash, two at a time. Non-contiguous or device tensors
 are first copied by torch in the caller, then only hashed here.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError, CorruptShardError
+from ..config import env_int, env_str
 from .checksum import CHUNK_BYTES, combine, hash_at, n_chunks, native_hash_copy
 
 log = logging.getLogger(__name__)
@@ -40,22 +40,17 @@ INLINE_BYTES = 4 << 20
 
 @dataclass(frozen=True)
 class Span:
-    """One item: ``nbytes`` at address ``src``; with ``dst``, copied there. With ``fd``,
-    ``src`` is an offset in that file, read into ``dst`` (and hashed there)."""
+    """One item: ``nbytes`` at address ``src``; with ``dst``, copied there."""
 
     src: int
     nbytes: int
     dst: int | None = None
-    fd: int | None = None
 
 
 def default_threads() -> int:
     """``MLCHECKPOINT_COPY_THREADS`` if set, else min(4, usable cores)."""
-    env = os.environ.get("MLCHECKPOINT_COPY_THREADS", "").strip()
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ConfigError(f"MLCHECKPOINT_COPY_THREADS={env!r}: expected a whole number >= 1")
-        return int(env)
+    if env_str("MLCHECKPOINT_COPY_THREADS") is not None:
+        return env_int("MLCHECKPOINT_COPY_THREADS", 1)
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -90,29 +85,16 @@ def _forget_pool_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def _pread_into(fd: int, offset: int, address: int, n: int) -> None:
-    view = memoryview((ctypes.c_char * n).from_address(address)).cast("B")
-    got = 0
-    while got < n:
-        k = os.preadv(fd, [view[got:]], offset + got)
-        if k == 0:
-            raise CorruptShardError(f"shard file ends {n - got} bytes short of an item")
-        got += k
-
-
 # With the C loop a piece of work is up to PIECE_BYTES (whole chunks: one call, one GIL
 # hand-off for several chunks); without it, one chunk.
 PIECE_BYTES = 8 * CHUNK_BYTES
 
-_Piece = tuple[int, int, int, int, "int | None"]  # (first digest slot, src, dst or 0, nbytes, fd)
+_Piece = tuple[int, int, int, int]  # (first digest slot, src, dst or 0, nbytes)
 
 
 def _do_piece(piece: _Piece, digests: np.ndarray) -> None:
-    slot, src, dst, n, fd = piece
-    if fd is not None:
-        _pread_into(fd, src, dst, n)
-        digests[slot] = hash_at(dst, n)
-    elif native_hash_copy is not None:
+    slot, src, dst, n = piece
+    if native_hash_copy is not None:
         native_hash_copy(src, dst, n, CHUNK_BYTES, digests.ctypes.data + 8 * slot)
     else:
         digests[slot] = hash_at(src, n)  # brings the piece into cache for the copy
@@ -132,15 +114,13 @@ class _Batch:
         self._first: list[int] = []  # each span's first digest slot
         self._pieces: list[_Piece] = []
         slots = 0
+        step = PIECE_BYTES if native_hash_copy is not None else CHUNK_BYTES
         for s in spans:
-            if s.fd is not None and not s.dst:
-                raise ValueError("a span read from a file needs a destination")
             self._first.append(slots)
-            step = PIECE_BYTES if s.fd is None and native_hash_copy is not None else CHUNK_BYTES
             for begin in range(0, max(s.nbytes, 1), step):
                 self._pieces.append((slots + begin // CHUNK_BYTES, s.src + begin,
                                      (s.dst + begin) if s.dst else 0,
-                                     min(step, s.nbytes - begin), s.fd))
+                                     min(step, s.nbytes - begin)))
             slots += n_chunks(s.nbytes)
         self._digests = np.zeros(slots, dtype=np.uint64)  # one per chunk
         self._next = itertools.count()  # next() on it is atomic under the GIL
@@ -160,7 +140,7 @@ class _Batch:
         while (i := next(self._next)) < len(pieces):
             try:
                 _do_piece(pieces[i], digests)
-            except BaseException as e:  # kept for result(); the other pieces still run
+            except BaseException as e:  # noqa: BLE001 (kept for result(); the other pieces still run)
                 self._error = self._error or e
             with self._lock:
                 self._left -= 1

@@ -32,7 +32,7 @@ class Lineage:
     ancestors: tuple[tuple[str, int], ...] = field(default_factory=tuple)
 
     @classmethod
-    def from_header(cls, run_id: str, ancestors: list) -> "Lineage":
+    def from_header(cls, run_id: str, ancestors: list) -> Lineage:
         return cls(run_id, tuple((str(r), int(s)) for r, s in ancestors))
 
     def admits(self, run_id: str, step: int) -> bool:
@@ -41,7 +41,7 @@ class Lineage:
         return run_id == self.run_id or any(run_id == r and step <= upto
                                             for r, upto in self.ancestors)
 
-    def resumed(self, loaded: "Lineage", step: int) -> "Lineage":
+    def resumed(self, loaded: Lineage, step: int) -> Lineage:
         """This run, after loading ``step`` of the run ``loaded`` describes."""
         if loaded.run_id == self.run_id:
             return self  # a run that reloads its own step has no new ancestor

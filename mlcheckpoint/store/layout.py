@@ -2,16 +2,23 @@
 
     <local_dir>/<job_id>/
         .lock                                 flock for step-level bookkeeping
+        history.jsonl                         what was saved, loaded and persisted (history.py)
+        locks/fetch-<nn>.lock                 flocks serialising fetches of one shard on a node
         steps/<step:012d>/metadata            DCP global metadata (self-verifying, renamed in)
         steps/<step:012d>/rank-<r:05d>.data   raw item bytes of rank r's shard
         steps/<step:012d>/rank-<r:05d>.manifest   per-item checksums; its presence = committed
         steps/<step:012d>/*.partial, *.tmp    in-flight writes: invisible, removed by gc
         pool/rank-<r:05d>-<token>.buf         retired shard buffers kept for reuse (pages stay touched)
+        pool/rank-<r:05d>-<token>.buf.partial a pool buffer being prepared
         orphans/<step:012d>-<token>/          a complete step a resume did not load, set aside
+
+Other modules build paths with ``JobPaths`` and ask ``classify(name)`` what a directory entry
+is; none of them tests a name's prefix or suffix.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 from dataclasses import dataclass
@@ -19,14 +26,94 @@ from dataclasses import dataclass
 STEPS = "steps"
 POOL = "pool"
 ORPHANS = "orphans"
+LOCKS = "locks"
+LOCK = ".lock"
+HISTORY = "history.jsonl"
 METADATA = "metadata"
 PARTIAL = ".partial"
 TMP = ".tmp"
 
+# Stripes of the fetch locks: a bounded set of files, whatever the number of shards.
+FETCH_LOCK_STRIPES = 64
+
 _STEP_RE = re.compile(r"^(\d{12})$")
 _ORPHAN_RE = re.compile(r"^(\d{12})-[0-9a-f]{8}$")
+_DATA_RE = re.compile(r"^rank-(\d{5})\.data$")
 _MANIFEST_RE = re.compile(r"^rank-(\d{5})\.manifest$")
 _POOL_RE = re.compile(r"^rank-(\d{5})-[0-9a-f]{16}\.buf$")
+_OWNED_RE = re.compile(r"^rank-(\d{5})")  # any file of rank r's, in flight ones included
+_FETCH_LOCK_RE = re.compile(r"^fetch-\d{2}\.lock$")
+
+
+class Kind(enum.Enum):
+    """What an entry of a job directory is."""
+
+    STEP = "step"                  # steps/<step>/
+    ORPHAN = "orphan"              # orphans/<step>-<token>/: set aside by a resume
+    DATA = "data"                  # a shard's bytes (committed once its manifest exists)
+    MANIFEST = "manifest"          # a shard's manifest: the commit point
+    METADATA = "metadata"          # a step's global metadata
+    PARTIAL = "partial"            # a shard's buffer being written (rank-r.data.partial)
+    TEMP = "temp"                  # a manifest or metadata being written (*.tmp, other *.partial)
+    POOL_BUFFER = "pool buffer"    # a retired buffer kept for reuse
+    POOL_PARTIAL = "pool partial"  # a pool buffer being prepared
+    LOCK = "lock"                  # the node lock or a fetch lock
+    HISTORY = "history"
+    FOLDER = "folder"              # steps/, pool/, orphans/, locks/
+    UNKNOWN = "unknown"            # not ours
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A classified directory entry: its kind, the owner rank its name carries (if any) and
+    the step it names (step and orphan folders)."""
+
+    kind: Kind
+    rank: int | None = None
+    step: int | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Left by a write that has not finished (or never will: gc's to remove)."""
+        return self.kind in (Kind.PARTIAL, Kind.TEMP, Kind.POOL_PARTIAL)
+
+    @property
+    def is_buffer(self) -> bool:
+        """A shard's data file, committed or not: worth recycling into the pool."""
+        return self.rank is not None and self.kind in (Kind.DATA, Kind.PARTIAL)
+
+
+_FIXED = {METADATA: Kind.METADATA, LOCK: Kind.LOCK, HISTORY: Kind.HISTORY, STEPS: Kind.FOLDER,
+          POOL: Kind.FOLDER, ORPHANS: Kind.FOLDER, LOCKS: Kind.FOLDER}
+
+
+def classify(name: str) -> Entry:
+    """What the directory entry ``name`` (a base name, anywhere in a job directory) is."""
+    if name in _FIXED:
+        return Entry(_FIXED[name])
+    if m := _STEP_RE.match(name):
+        return Entry(Kind.STEP, step=int(m.group(1)))
+    if m := _ORPHAN_RE.match(name):
+        return Entry(Kind.ORPHAN, step=int(m.group(1)))
+    if m := _DATA_RE.match(name):
+        return Entry(Kind.DATA, rank=int(m.group(1)))
+    if m := _MANIFEST_RE.match(name):
+        return Entry(Kind.MANIFEST, rank=int(m.group(1)))
+    if m := _POOL_RE.match(name):
+        return Entry(Kind.POOL_BUFFER, rank=int(m.group(1)))
+    if _FETCH_LOCK_RE.match(name):
+        return Entry(Kind.LOCK)
+    owned = _OWNED_RE.match(name)
+    rank = int(owned.group(1)) if owned else None
+    if name.endswith(PARTIAL):
+        base = name.removesuffix(PARTIAL)
+        if pool := _POOL_RE.match(base):
+            return Entry(Kind.POOL_PARTIAL, rank=int(pool.group(1)))
+        if data := _DATA_RE.match(base):
+            return Entry(Kind.PARTIAL, rank=int(data.group(1)))
+    if name.endswith((PARTIAL, TMP)):  # some other file being written: nothing to recycle
+        return Entry(Kind.TEMP, rank=rank)
+    return Entry(Kind.UNKNOWN, rank=rank)
 
 
 def step_dirname(step: int) -> str:
@@ -36,8 +123,8 @@ def step_dirname(step: int) -> str:
 
 
 def parse_step_dirname(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    e = classify(name)
+    return e.step if e.kind is Kind.STEP else None
 
 
 def orphan_dirname(step: int, token: str) -> str:
@@ -45,8 +132,8 @@ def orphan_dirname(step: int, token: str) -> str:
 
 
 def parse_orphan_dirname(name: str) -> int | None:
-    m = _ORPHAN_RE.match(name)
-    return int(m.group(1)) if m else None
+    e = classify(name)
+    return e.step if e.kind is Kind.ORPHAN else None
 
 
 def data_name(rank: int) -> str:
@@ -58,8 +145,8 @@ def manifest_name(rank: int) -> str:
 
 
 def parse_manifest_name(name: str) -> int | None:
-    m = _MANIFEST_RE.match(name)
-    return int(m.group(1)) if m else None
+    e = classify(name)
+    return e.rank if e.kind is Kind.MANIFEST else None
 
 
 def pool_name(rank: int, token: str) -> str:
@@ -67,8 +154,78 @@ def pool_name(rank: int, token: str) -> str:
 
 
 def parse_pool_name(name: str) -> int | None:
-    m = _POOL_RE.match(name)
-    return int(m.group(1)) if m else None
+    e = classify(name)
+    return e.rank if e.kind is Kind.POOL_BUFFER else None
+
+
+@dataclass(frozen=True)
+class JobPaths:
+    """Every path of one job's directory on this node."""
+
+    job_dir: str
+
+    @property
+    def steps_dir(self) -> str:
+        return os.path.join(self.job_dir, STEPS)
+
+    @property
+    def pool_dir(self) -> str:
+        return os.path.join(self.job_dir, POOL)
+
+    @property
+    def orphans_dir(self) -> str:
+        return os.path.join(self.job_dir, ORPHANS)
+
+    @property
+    def lock(self) -> str:
+        return os.path.join(self.job_dir, LOCK)
+
+    @property
+    def history(self) -> str:
+        return os.path.join(self.job_dir, HISTORY)
+
+    def step_numbers(self) -> list[int]:
+        """The steps that have a folder here, oldest first."""
+        try:
+            names = os.listdir(self.steps_dir)
+        except FileNotFoundError:
+            return []
+        return sorted(e.step for e in map(classify, names) if e.kind is Kind.STEP and e.step is not None)
+
+    def fetch_lock(self, stripe: int) -> str:
+        return os.path.join(self.job_dir, LOCKS, f"fetch-{stripe % FETCH_LOCK_STRIPES:02d}.lock")
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.steps_dir, step_dirname(step))
+
+    def data(self, step: int, rank: int) -> str:
+        return os.path.join(self.step_dir(step), data_name(rank))
+
+    def partial(self, step: int, rank: int) -> str:
+        """Where rank's shard of ``step`` is written before its commit."""
+        return self.data(step, rank) + PARTIAL
+
+    def manifest(self, step: int, rank: int) -> str:
+        return os.path.join(self.step_dir(step), manifest_name(rank))
+
+    def manifest_tmp(self, step: int, rank: int) -> str:
+        return self.manifest(step, rank) + TMP
+
+    def metadata(self, step: int) -> str:
+        return os.path.join(self.step_dir(step), METADATA)
+
+    def metadata_tmp(self, step: int, token: str) -> str:
+        return f"{self.metadata(step)}.{token}{TMP}"
+
+    def pool_buffer(self, rank: int, token: str) -> str:
+        return os.path.join(self.pool_dir, pool_name(rank, token))
+
+    def pool_partial(self, rank: int, token: str) -> str:
+        """Where a pool buffer is prepared (gc's if its maker dies)."""
+        return self.pool_buffer(rank, token) + PARTIAL
+
+    def orphan(self, step: int, token: str) -> str:
+        return os.path.join(self.orphans_dir, orphan_dirname(step, token))
 
 
 @dataclass(frozen=True)
@@ -84,7 +241,3 @@ class ItemLocation:
     nbytes: int
     checksum: int
     is_tensor: bool = True
-
-
-def join(*parts: str) -> str:
-    return os.path.join(*parts)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import pickle
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Protocol, TypeVar
 
+from ..errors import CorruptShardError
+from . import copier
 from .checksum import ALGORITHM, checksum
 from .layout import ItemLocation
 
@@ -54,14 +58,14 @@ class Manifest:
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "Manifest":
+    def from_bytes(cls, raw: bytes) -> Manifest:
         return cls.from_dict(json.loads(raw))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Manifest":
+    def from_dict(cls, d: dict) -> Manifest:
         """Build and check a manifest (from a file or a peer); raises ValueError/TypeError."""
         if not isinstance(d, dict):
-            raise ValueError(f"manifest is a JSON {type(d).__name__}, not an object")
+            raise TypeError(f"manifest is a JSON {type(d).__name__}, not an object")
         d = dict(d)
         if d.get("format") != FORMAT_VERSION or d.get("algorithm") != ALGORITHM:
             raise ValueError(f"unsupported manifest format {d.get('format')}/{d.get('algorithm')}")
@@ -127,13 +131,14 @@ def encode_metadata(header: MetadataHeader, payload: bytes) -> bytes:
 
 
 def decode_metadata(raw: bytes) -> tuple[MetadataHeader, bytes]:
-    """Parse and verify a metadata file; raises ValueError on any mismatch."""
+    """Parse and verify a metadata file; raises ValueError or TypeError on any mismatch (the
+    store reports it as CorruptShardError, the wire as ProtocolError)."""
     nl = raw.find(b"\n", 0, MAX_HEADER_BYTES)
     if nl < 0:
         raise ValueError("metadata file has no header line")
     fields = json.loads(raw[:nl])
     if not isinstance(fields, dict):
-        raise ValueError("metadata header is not an object")
+        raise TypeError("metadata header is not an object")
     header = MetadataHeader(**fields)
     check_identity(header.run_id, header.save_id)
     check_lineage(header.lineage)
@@ -153,8 +158,42 @@ def item_locations(payload: bytes) -> list[ItemLocation]:
     try:
         metadata = pickle.loads(payload)
         locations = list(metadata.storage_data.values())
-    except Exception as e:  # an unpicklable payload is a corrupt file, whatever pickle raised
-        raise ValueError(f"metadata payload is not DCP metadata: {e!r}") from None
+    except Exception as e:  # noqa: BLE001 (an unpicklable payload is a corrupt file, whatever pickle raised)
+        raise CorruptShardError(f"metadata payload is not DCP metadata: {e!r}") from None
     if not all(isinstance(loc, ItemLocation) for loc in locations):
-        raise ValueError("metadata items were not written by mlcheckpoint")
+        raise CorruptShardError("metadata items were not written by mlcheckpoint")
     return locations
+
+
+class Recorded(Protocol):
+    """An item whose place and checksum were recorded at save time (a ManifestItem, an
+    ItemLocation)."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def checksum(self) -> int: ...
+
+
+R = TypeVar("R", bound=Recorded)
+
+
+def item_digests(array, items: Sequence[Recorded]) -> list[int]:
+    """The checksums of ``items``' bytes in ``array`` (a shard's uint8 array), hashed on the
+    copier's threads. The caller checks the items lie inside the array."""
+    base = array.ctypes.data
+    return copier.process([copier.Span(src=base + it.offset, nbytes=it.nbytes) for it in items])
+
+
+def verify_items(items: Sequence[R], digests: Iterable[int], where: str,
+                 describe: Callable[[R], str] = lambda it: repr(getattr(it, "key", it)),
+                 copy: tuple | None = None) -> None:
+    """Check each item's digest against the checksum recorded for it; raises CorruptShardError
+    naming the first item that differs (``where``: the copy, ``describe``: the item)."""
+    for item, digest in zip(items, digests, strict=True):
+        if digest != item.checksum:
+            raise CorruptShardError(f"{where}: checksum mismatch in {describe(item)}", copy=copy)

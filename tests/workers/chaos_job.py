@@ -103,7 +103,7 @@ def arm_crash_point(first_step: int | None = None) -> None:
     """Set this node's crash point: before the resume (``first_step`` None) one without a
     step; after it one relative to ``first_step``, the first step this launch saves."""
     spec = os.environ.get("CHAOS_CRASH_AT")
-    if not spec or int(os.environ.get("CHAOS_CRASH_NODE", -1)) != int(os.environ["GROUP_RANK"]):
+    if not spec or int(os.environ.get("CHAOS_CRASH_NODE", "-1")) != int(os.environ["GROUP_RANK"]):
         return
     point, _, rel = spec.partition("@+")
     if not rel and first_step is None:
@@ -137,7 +137,7 @@ def check_resume(info, sd: dict, rank: int) -> dict:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     rnd = int(cfg["round"])
-    rank, world = init()
+    rank, _ = init()
     progress = Progress(rank, rnd)
     arm_crash_point()
     progress("pid", os.getpid())  # the test watches for this rank's death

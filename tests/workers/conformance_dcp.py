@@ -14,14 +14,17 @@ async_save in THREAD mode (4 ranks) and PROCESS mode (2 ranks: a replicated tens
 values); a no_dist save and load (sync and async) by one rank inside the job.
 """
 
+import functools
 import json
 import os
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import diff, init, report
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -40,7 +43,7 @@ class Backends:
     """Where each case is saved and loaded, per backend."""
 
     # One step per case, fixed: ranks that skip a case must not number the next one otherwise.
-    STEPS = {name: i + 1 for i, name in enumerate(
+    STEPS: ClassVar[dict[str, int]] = {name: i + 1 for i, name in enumerate(
         ["replicated", "dtensor", "two_ranks", "async_thread", "async_process",
          "async_process_values", "no_dist", "no_dist_async"])}
 
@@ -62,10 +65,12 @@ class Backends:
 
 
 def checked(fn):
-    """Run one backend's half of a case: its diff list, or the error it raised."""
+    """Run one backend's half of a case: its diff list, or the error it raised (any error is
+    the case's result, for the test to report; DCP raises CheckpointException, a
+    BaseException, on every rank)."""
     try:
         return fn()
-    except BaseException as e:  # DCP raises CheckpointException (a BaseException) on every rank
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
         return [f"error: {type(e).__name__}: {str(e)[-1500:]}"]
 
 
@@ -166,7 +171,7 @@ def case_2_to_4(b: Backends, backend: str, meshes: dict, rank: int) -> list[str]
 
 def scribble(sd: dict) -> None:
     """Change the live state after async_save returned, as the next training step would."""
-    for k, v in sd.items():
+    for v in sd.values():
         if isinstance(v, DTensor):
             v.to_local().add_(100)
         elif isinstance(v, torch.Tensor):
@@ -241,7 +246,7 @@ def main() -> None:
     results: dict[str, dict[str, list[str]]] = {}
     for name, run in cases.items():
         for backend in ("filesystem", "memory"):
-            results.setdefault(name, {})[backend] = checked(lambda: run(backend))
+            results.setdefault(name, {})[backend] = checked(functools.partial(run, backend))
             dist.barrier()
     # What each rank's shard holds in our store: ranks 1-3 have no item of "replicated".
     items = {}

@@ -42,7 +42,7 @@ def holdings(ckpt: CheckpointManager) -> dict:
 
 def main() -> None:
     phase = sys.argv[1]
-    rank, world = init()
+    rank, _ = init()
     ckpt = CheckpointManager(replication="tcp", keep=2)
     if phase == "save":
         dcp.save(step_state(1, rank), storage_writer=ckpt.storage_writer(1))

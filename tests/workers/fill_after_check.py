@@ -15,7 +15,8 @@ import threading
 import numpy as np
 
 from mlcheckpoint import CapacityError, LocalStore
-from mlcheckpoint.replication.tcp import receive_shard
+from mlcheckpoint.replication import protocol as p
+from mlcheckpoint.replication.sink import ReceiveSink
 from mlcheckpoint.store.checksum import checksum
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 
@@ -26,7 +27,7 @@ SHARD = 6 * MiB
 def fill_after_check(store: LocalStore, leave: int) -> None:
     """From now on, every capacity check that passes is followed at once by another program's
     file that leaves only ``leave`` bytes free: the race between the check and the copy."""
-    check = store._preflight
+    check = store.capacity.preflight
     filler = os.path.join(store.local_dir, "other-program.bin")
 
     def check_then_fill(nbytes: int, reusable: int) -> None:
@@ -39,7 +40,7 @@ def fill_after_check(store: LocalStore, leave: int) -> None:
             finally:
                 os.close(fd)
 
-    store._preflight = check_then_fill
+    store.capacity.preflight = check_then_fill  # type: ignore[method-assign]
 
 
 def committed_step(store: LocalStore, step: int) -> bytes:
@@ -87,7 +88,9 @@ def replica_scenario(store: LocalStore) -> dict:
     t = threading.Thread(target=push, daemon=True)
     t.start()
     try:
-        receive_shard(receiver, store, m)
+        with ReceiveSink(store).begin(m) as receipt:  # as the TCP listener receives a replica
+            p.recv_into_exact(receiver, receipt.array.data, receipt.landed)
+            receipt.commit()
         return {"outcome": "received"}
     finally:
         receiver.close()
@@ -117,7 +120,7 @@ def main() -> None:
         report["step1_intact"] = f.read() == step1
     report["complete"] = store.complete_steps()
     # Once the other program is gone, the store takes a shard of that size again.
-    del store._preflight
+    del store.capacity.preflight
     os.unlink(os.path.join(local_dir, "other-program.bin"))
     sw = store.begin_shard(3, 0, SHARD)
     sw.buffer.array[:] = 3

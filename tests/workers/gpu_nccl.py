@@ -15,11 +15,8 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ["GROUP_RANK"]) * int(os.environ["LOCAL_WORLD_SIZE"]) + local)
     dist.init_process_group("cpu:gloo,cuda:nccl")
     rank = dist.get_rank()
-    ckpt = CheckpointManager(replication="pg")
-    ckpt.replicator.transport.close()  # swap the gloo transport for an NCCL one
-    from mlcheckpoint.replication.pg import PgTransport
-    ckpt.replicator.transport = PgTransport(ckpt.store, ckpt.replicator.rdzv, backend="nccl",
-                                            pins=ckpt.pins)
+    ckpt = CheckpointManager(replication="nccl")
+    assert ckpt.replicator is not None and ckpt.replicator.transport.name == "pg/nccl"
     sd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in model_state(rank, 1).items()}
     ckpt.async_save(sd, 1).result()
     protected = ckpt.wait_replicated(1, 120)

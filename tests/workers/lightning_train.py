@@ -27,7 +27,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from mlcheckpoint.integrations.lightning import LATEST, MemoryCheckpoint, MLCheckpointStrategy
+from mlcheckpoint.integrations.lightning import (
+    LATEST,
+    MemoryCheckpoint,
+    MLCheckpointStrategy,
+)
 
 KILL_AFTER, RESUME_STEP, MAX_STEPS = 7, 6, 10
 

@@ -77,7 +77,7 @@ def run_job(job_id: str, mode: str, persist_every: int, first: int, last: int,
         if fut is not None:
             fut.result()
     ckpt.wait()
-    report(f"listing-{job_id}", {"entries": [e.__dict__ for e in ckpt.list()]})
+    report(f"listing-{job_id}", {"entries": [e.__dict__ for e in ckpt.checkpoints()]})
     ckpt.close()
 
 

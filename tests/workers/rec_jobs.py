@@ -116,7 +116,7 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
         if ckpt.replicator is not None and not spec.get("back_to_back"):
             ckpt.wait_replicated(step, 60)
     ckpt.wait()
-    report(f"listing-{job}", {"entries": [e.__dict__ for e in ckpt.list()]})
+    report(f"listing-{job}", {"entries": [e.__dict__ for e in ckpt.checkpoints()]})
     ckpt.close()
 
 

@@ -25,7 +25,9 @@ def main() -> None:
         elif mode == "dcp":
             dcp.save(sd, storage_writer=ckpt.storage_writer(step))
         elif mode == "dcp_async_process":
-            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+            from torch.distributed.checkpoint.state_dict_saver import (
+                AsyncCheckpointerType,
+            )
             dcp.async_save(sd, storage_writer=ckpt.storage_writer(step),
                            async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
     ckpt.wait()
@@ -39,7 +41,7 @@ def main() -> None:
             store.verify_shard(step, r)
             verified.append(r)
         held[step] = {"ranks": verified, "metadata": st.has_metadata}
-    listing = [e.__dict__ for e in ckpt.list()]
+    listing = [e.__dict__ for e in ckpt.checkpoints()]
     report("replicate", {"protected": protected, "held": held, "listing": listing,
                          "targets": ckpt.replicator.targets if ckpt.replicator else [],
                          "sources": ckpt.replica_owners})

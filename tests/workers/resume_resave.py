@@ -1,13 +1,15 @@
-"""Worker: save asynchronously right after resume, many rounds (one fresh job id each).
+"""Worker: save asynchronously right after resume (1 node x 2 ranks).
 
 variant fresh:  resume finds nothing (fresh start), then steps 0 and 1 are async-saved at once.
 variant resave: steps 0..3 are saved, then step 3 is made what a crash before its global
                 metadata leaves (shards committed, no metadata); a new CheckpointManager (the
                 restarted run) resumes (step 2) and at once async-saves steps 3 and 4.
 Either way a last CheckpointManager must resume the newest step exactly. No barrier follows a
-resume: a training loop saves as soon as it likes. Reports "round-<i>" per rank and round.
+resume: a training loop saves as soon as it likes. Rank 1 creates $TEST_OUT_DIR/staged once
+its first save after the resume is staged (the test holds rank 0 until then). Reports
+"resumed" per rank.
 
-argv: rounds variant
+argv: variant
 """
 
 import os
@@ -29,33 +31,36 @@ def resume(job: str, rank: int, world: int) -> tuple[CheckpointManager, dict]:
 
 
 def main() -> None:
-    rounds, variant = int(sys.argv[1]), sys.argv[2]
+    variant = sys.argv[1]
     rank, world = init()
-    base = os.environ["MLCHECKPOINT_JOB_ID"]
-    for i in range(rounds):
-        job = f"{base}-{variant}{i}"
-        if variant == "resave":
-            ckpt = CheckpointManager(job_id=job)
-            for step in range(4):
-                ckpt.save(model_state(rank, step, world), step)
-            dist.barrier()
-            if rank == 0:  # the crash: step 3's shards are committed, its metadata never written
-                os.unlink(ckpt.store.metadata_path(3))
-            dist.barrier()
-            ckpt.close()
-            steps = (3, 4)
-        else:
-            steps = (0, 1)
-
-        ckpt, first = resume(job, rank, world)  # the (re)started run ...
-        for step in steps:  # ... trains on and saves
-            ckpt.async_save(model_state(rank, step, world), step).result()
-        ckpt.close()
+    job = os.environ["MLCHECKPOINT_JOB_ID"]
+    if variant == "resave":
+        ckpt = CheckpointManager(job_id=job)
+        for step in range(4):
+            ckpt.save(model_state(rank, step, world), step)
         dist.barrier()
-
-        ckpt, second = resume(job, rank, world)
+        if rank == 0:  # the crash: step 3's shards are committed, its metadata never written
+            os.unlink(ckpt.store.metadata_path(3))
+        dist.barrier()
         ckpt.close()
-        report(f"round-{i}", {"first": first, "second": second})
+        steps = (3, 4)
+    else:
+        steps = (0, 1)
+
+    ckpt, first = resume(job, rank, world)  # the (re)started run ...
+    for step in steps:  # ... trains on and saves
+        saving = ckpt.async_save(model_state(rank, step, world), step)
+        if rank == 1 and step == steps[0]:
+            # its files exist under the step's number now: rank 0 may finish its resume
+            with open(os.path.join(os.environ["TEST_OUT_DIR"], "staged"), "w"):
+                pass
+        saving.result()
+    ckpt.close()
+    dist.barrier()
+
+    ckpt, second = resume(job, rank, world)
+    ckpt.close()
+    report("resumed", {"first": first, "second": second})
     dist.destroy_process_group()
 
 

@@ -13,7 +13,6 @@ from common import diff, empty_like, init, model_state, report
 from mlcheckpoint import CheckpointManager
 
 
-
 def main() -> None:
     first, last, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     persist_every = int(sys.argv[4]) if len(sys.argv) > 4 else 0
@@ -44,7 +43,9 @@ def main() -> None:
         elif mode == "dcp_async":
             dcp.async_save(sd, storage_writer=ckpt.storage_writer(step)).result()
         elif mode == "dcp_async_process":
-            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+            from torch.distributed.checkpoint.state_dict_saver import (
+                AsyncCheckpointerType,
+            )
             dcp.async_save(sd, storage_writer=ckpt.storage_writer(step),
                            async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
         # Mutate the live state right after the call: a correct async save already has its copy.
@@ -53,7 +54,7 @@ def main() -> None:
     ckpt.wait()
     if last >= first and ckpt.replicator is not None:
         report("protected", {"step": last, "protected": ckpt.wait_replicated(last, 60)})
-    report("listing", {"entries": [e.__dict__ for e in ckpt.list()]})
+    report("listing", {"entries": [e.__dict__ for e in ckpt.checkpoints()]})
     ckpt.close()
     dist.destroy_process_group()
 

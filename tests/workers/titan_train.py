@@ -26,8 +26,11 @@ import torch.distributed as dist
 from common import init, report
 from fsdp_train import full_tensors
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -136,7 +139,7 @@ def main() -> None:
     try:
         checkpointer.load(step=config.load_step)
         resumed = train_state.step
-        in_memory = sorted({e.step for e in checkpointer.checkpoints.list() if e.location == "memory"})
+        in_memory = sorted({e.step for e in checkpointer.checkpoints.checkpoints() if e.location == "memory"})
         losses = {}
         while train_state.step < total:
             train_state.step += 1

@@ -1,0 +1,25 @@
+"""What the reader needs from other nodes: byte ranges of a shard this node lacks.
+
+Declared here, in layer 2, so the reader never imports recovery or replication (layers 3
+and 4); recovery's ``Holders`` (recovery/holders.py) is the implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+
+class RemoteReads(Protocol):
+    """Reads of shards held by other nodes, for one step being loaded."""
+
+    def read_ranges(self, step: int, owner: int, ranges: list[tuple[int, int]],
+                    sinks: list[np.ndarray], on_range: Callable[[int], None]) -> int:
+        """Read the byte ranges ``(offset, nbytes)`` of ``owner``'s shard of ``step`` from a
+        node that holds it, straight into ``sinks`` (one writable uint8 array per range),
+        calling ``on_range(i)`` as range ``i`` lands. Returns the node the bytes came from
+        (so a checksum mismatch names that copy). The caller verifies the checksums.
+        Raises ShardNotFoundError when no holder can serve it."""
+        ...

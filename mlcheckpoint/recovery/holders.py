@@ -1,0 +1,100 @@
+"""Reads from other nodes during one resume attempt, and the rebuild of a replaced node's shard.
+
+Every read of bytes this node lacks goes through ``Holders``: the byte ranges the reader
+streams into the model (``read_ranges``, the ``dcp.remote.RemoteReads`` protocol), the step's
+metadata for a node without it (``fetch_metadata``), and, after the load, the whole shard of a
+replaced node's own rank (``rebuild``). Which holder to ask, and in what order, is decided in
+one place: ``holder_order``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+
+from ..errors import MLCheckpointError, ShardNotFoundError
+from ..replication.transport import Transport
+from ..store import LocalStore
+from ..topology import Topology
+from .planner import Decision
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def holder_order(plan: Decision, topology: Topology, owner: int | None) -> list[int]:
+    """Ranks on other nodes to ask for ``owner``'s shard (None: the metadata), in order: the
+    source the plan chose for this node first (it balanced the bytes each holder serves),
+    then every other holder, starting at an offset set by this rank so that the readers of
+    one node spread over the holders. A pure function of the plan and who asks."""
+    def node_of(rank: int) -> int:
+        return rank // topology.local_world_size
+
+    here = topology.node_rank
+    planned = [f.src_rank for f in plan.fetches if f.owner == owner and node_of(f.dst_rank) == here]
+    held = plan.metadata_holders if owner is None else plan.holders.get(owner, [])
+    others = [r for r in held if node_of(r) != here]
+    start = topology.rank % len(others) if others else 0
+    return list(dict.fromkeys(planned + others[start:] + others[:start]))
+
+
+class Holders:
+    """The nodes that hold the step ``plan`` loads, seen from this rank.
+
+    One per resume attempt (a plan names its step, save and holders). ``bytes_fetched``
+    counts the shard bytes read from peers for the load.
+    """
+
+    def __init__(self, transport: Transport, store: LocalStore, topology: Topology, plan: Decision):
+        assert plan.step is not None, "holders serve a step loaded from memory"
+        self.transport, self.store, self.topo, self.plan = transport, store, topology, plan
+        self.step: int = plan.step
+        self.bytes_fetched = 0
+
+    def read_ranges(self, step: int, owner: int, ranges: list[tuple[int, int]],
+                    sinks: list[np.ndarray], on_range: Callable[[int], None]) -> int:
+        """Stream byte ranges of ``owner``'s shard straight into ``sinks``; return the node
+        they came from. Nothing lands in this node's store (see ``rebuild``)."""
+        self._check_step(step)
+        nbytes, src = self._from_first_that_serves(
+            owner, lambda src: self.transport.read_items(src, step, owner, ranges, sinks, on_range))
+        self.bytes_fetched += nbytes
+        return src // self.topo.local_world_size
+
+    def fetch_metadata(self) -> None:
+        """Pull the step's global metadata into this node's store."""
+        with self.store.fetch_lock(self.step, None):
+            _, src = self._from_first_that_serves(
+                None, lambda src: self.transport.fetch_metadata(src, self.step))
+        log.info("mlcheckpoint: fetched the metadata of step %d from rank %d", self.step, src)
+
+    def rebuild(self, owner: int) -> bool:
+        """Fetch ``owner``'s whole shard into this node's store, verified and committed, so
+        replication can protect it again (a replaced node's own shard, after the load).
+        Returns False when the shard is here already."""
+        with self.store.fetch_lock(self.step, owner):
+            if owner in self.store.step_state(self.step).ranks_of(self.plan.save_id):
+                return False
+            _, src = self._from_first_that_serves(
+                owner, lambda src: self.transport.fetch_shard(src, self.step, owner))
+        log.info("mlcheckpoint: rebuilt rank %d's shard of step %d from rank %d", owner, self.step, src)
+        return True
+
+    def _from_first_that_serves(self, owner: int | None, read: Callable[[int], T]) -> tuple[T, int]:
+        """``read(src)`` from each holder of ``owner``'s shard in turn until one succeeds."""
+        errors = []
+        for src in holder_order(self.plan, self.topo, owner):
+            try:
+                return read(src), src
+            except (MLCheckpointError, OSError) as e:
+                errors.append(f"rank {src}: {e}")
+        what = "the metadata" if owner is None else f"rank {owner}'s shard"
+        raise ShardNotFoundError(f"no holder could serve {what} of step {self.step}: "
+                                 f"{errors or 'no other node holds it'}")
+
+    def _check_step(self, step: int) -> None:
+        if step != self.step:
+            raise ShardNotFoundError(f"asked for step {step} while loading step {self.step}")

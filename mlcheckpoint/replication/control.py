@@ -1,0 +1,136 @@
+"""The process-group transport's control channel: sealed messages in the job's c10d store.
+
+Anyone who can reach the master port can read and write that store, so every control message
+is sealed: an HMAC under a key derived from the job's secret and this run's session, over the
+message, the store key it was written to and, for a reply, the random nonce of the request it
+answers. A message is read once, at its key (a rank reads its mailbox slots in order), so a
+stranger can neither forge one nor replay an old one; the most it can do is delete them.
+Metadata blobs go through the store too and are accepted only with the digest the sealed
+message names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from datetime import timedelta
+
+from ..errors import ReplicationError
+from . import protocol as p
+from .rendezvous import Rendezvous
+
+MAX_TAG = 1 << 30  # gloo tags are 32-bit
+
+
+class Seal:
+    """Authenticates control messages in the store (see the module docstring)."""
+
+    def __init__(self, secret: bytes, session: bytes, prefix: str):
+        self._key = hmac.new(secret, b"mlcheckpoint pg control\0" + session, hashlib.sha256).digest()
+        self._prefix = prefix
+
+    def _mac(self, key: str, answers: str, body: str) -> str:
+        text = f"{self._prefix}/{key}\0{answers}\0{body}".encode()
+        return hmac.new(self._key, text, hashlib.sha256).hexdigest()
+
+    def seal(self, key: str, msg: dict, answers: str = "") -> str:
+        """``msg`` as stored at ``key`` (a reply names the nonce of the request it ``answers``)."""
+        body = json.dumps(msg, separators=(",", ":"))
+        return json.dumps({"body": body, "mac": self._mac(key, answers, body)})
+
+    def open(self, key: str, raw: bytes, answers: str = "") -> dict:
+        """The message stored at ``key``; ProtocolError unless we sealed it for that key."""
+        try:
+            outer = json.loads(raw)
+            body, mac = outer["body"], outer["mac"]
+            if not isinstance(body, str) or not isinstance(mac, str):
+                raise TypeError("body and mac must be strings")
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+            raise p.ProtocolError(f"control message at {key} is malformed: {e}") from None
+        if not hmac.compare_digest(mac, self._mac(key, answers, body)):
+            raise p.ProtocolError(f"control message at {key} failed authentication")
+        try:
+            msg = json.loads(body)
+        except ValueError as e:
+            raise p.ProtocolError(f"control message at {key} is malformed: {e}") from None
+        if not isinstance(msg, dict):
+            raise p.ProtocolError(f"control message at {key} is not an object")
+        return msg
+
+
+def _digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+class Mailbox:
+    """This rank's side of the control channel: requests into peers' mailboxes, replies to
+    them, and metadata blobs, all sealed; every wait bounded by ``timeout`` seconds."""
+
+    def __init__(self, rdzv: Rendezvous, job_id: str, timeout: float):
+        self.rdzv, self.job_id, self.timeout = rdzv, job_id, timeout
+        self.seal = Seal(rdzv.secret(), rdzv.session, rdzv.prefix)
+
+    def post(self, peer: int, msg: dict, nonce: str | None = None) -> tuple[int, str]:
+        """Put a request in ``peer``'s mailbox; returns its (tag, nonce)."""
+        tag = self.rdzv.add("pg/tag", 1) % MAX_TAG
+        seq = self.rdzv.add(f"pg/seq/{peer}", 1)
+        nonce = nonce or secrets.token_hex(16)
+        msg = {**msg, "from": self.rdzv.rank, "tag": tag, "nonce": nonce, "job_id": self.job_id}
+        key = f"pg/mbox/{peer}/{seq}"
+        self.rdzv.store.set(key, self.seal.seal(key, msg))
+        return tag, nonce
+
+    def take_request(self, seq: int) -> bytes | None:
+        """What is in our mailbox slot ``seq`` (removed: read once), or None if nothing yet."""
+        key = f"pg/mbox/{self.rdzv.rank}/{seq}"
+        if not self.rdzv.store.check([key]):
+            return None
+        raw = self.rdzv.store.get(key)
+        self.rdzv.store.delete_key(key)
+        return raw
+
+    def open_request(self, seq: int, raw: bytes) -> dict:
+        """The request taken from slot ``seq``; ProtocolError unless a rank of this run sealed
+        it for that slot."""
+        return self.seal.open(f"pg/mbox/{self.rdzv.rank}/{seq}", raw)
+
+    def reply(self, peer: int, tag: int, nonce: str, msg: dict, phase: str = "r") -> None:
+        key = f"pg/reply/{peer}/{tag}/{phase}"
+        self.rdzv.store.set(key, self.seal.seal(key, msg, answers=nonce))
+
+    def await_reply(self, tag: int, nonce: str, phase: str = "r") -> dict:
+        """The reply to our request (tag, nonce); ReplicationError if none comes in time, if it
+        is not sealed for this request, or if it says the peer refused."""
+        key = f"pg/reply/{self.rdzv.rank}/{tag}/{phase}"
+        try:
+            self.rdzv.store.wait([key], timedelta(seconds=self.timeout))
+        except RuntimeError as e:  # c10d raises on timeout
+            raise ReplicationError(f"no reply within {self.timeout}s: {e}") from None
+        raw = self.rdzv.store.get(key)
+        self.rdzv.store.delete_key(key)
+        try:
+            msg = self.seal.open(key, raw, answers=nonce)
+        except p.ProtocolError as e:
+            raise ReplicationError(f"refused a reply: {e}") from None
+        if msg.get("status") == "error":
+            raise ReplicationError(f"peer refused: {str(msg.get('error'))[:2000]}")
+        return msg
+
+    def put_blob(self, owner: int, nonce: str, raw: bytes) -> str:
+        """Leave ``raw`` in the store for the other side of request ``nonce``; its digest."""
+        # c10d stores bytes as they are (its type stub says str; the binding takes bytes too)
+        self.rdzv.store.set(f"pg/blob/{owner}/{nonce}", raw)  # type: ignore[arg-type]
+        return _digest(raw)
+
+    def take_blob(self, owner: int, nonce: str, digest: object) -> bytes:
+        """The blob request ``nonce`` names, if it has the digest its sealed message names."""
+        key = f"pg/blob/{owner}/{nonce}"
+        if not self.rdzv.store.check([key]):  # get() would wait for it until the store's timeout
+            raise p.ProtocolError("the metadata blob its message names is not in the store")
+        raw = self.rdzv.store.get(key)
+        self.rdzv.store.delete_key(key)
+        if not isinstance(digest, str) or not hmac.compare_digest(_digest(raw), digest):
+            raise p.ProtocolError("metadata blob does not match the digest its message names")
+        return raw

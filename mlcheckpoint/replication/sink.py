@@ -1,0 +1,217 @@
+"""The receiving end of every transport: where a replica's bytes land, and what is checked
+before they count.
+
+A transport only moves bytes. For a shard it receives it asks the sink for a ``Receipt`` (a
+fresh buffer in the store, sized by the checked manifest), fills ``receipt.array`` and calls
+``commit()``: every item's checksum is verified, then the store's commit protocol makes the
+replica visible. Leaving the receipt any other way (an error, a cut connection) aborts it, so
+a transfer cut anywhere leaves nothing visible:
+
+    with sink.begin(manifest) as receipt:
+        fill(receipt.array)     # calling receipt.landed(n) as bytes arrive in order, if they do
+        receipt.commit()
+    sink.received(manifest)     # a pushed replica, once acknowledged
+
+The sink also holds what this node decides about replicas: which saves it accepts
+(``accept_from``), the largest shard it takes, the steps pinned while a transfer reads them,
+and whom to tell once a pushed replica is in (``on_received``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from .._faults import crash_point
+from ..errors import MLCheckpointError, ReplicationError
+from ..store import LocalStore, Manifest
+from ..store.checksum import StreamingChecksum, checksum
+from ..store.identity import Lineage
+from ..store.manifest import verify_items
+from . import protocol as p
+
+if TYPE_CHECKING:
+    from ..store.shards import ShardWriter
+
+# Called on the receiving rank after a pushed replica (step, owner rank) is committed there.
+OnReceived = Callable[[int, int], None]
+
+
+class Pins:
+    """Steps whose buffers someone is reading (a transfer, a persistent write): retention skips
+    them, so a buffer is never recycled under a reader."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: Counter[int] = Counter()
+
+    @contextlib.contextmanager
+    def pinned(self, step: int) -> Iterator[None]:
+        self.pin(step)
+        try:
+            yield
+        finally:
+            self.unpin(step)
+
+    def pin(self, step: int) -> None:
+        with self._lock:
+            self._count[step] += 1
+
+    def unpin(self, step: int) -> None:
+        with self._lock:
+            self._count[step] -= 1
+            if self._count[step] <= 0:
+                del self._count[step]
+
+    def steps(self) -> set[int]:
+        with self._lock:
+            return set(self._count)
+
+
+class ReceiveSink:
+    """Where every transport of one rank lands what it receives.
+
+    Args:
+        store: this node's store.
+        pins: steps retention must skip; transports pin a step while they read its shard
+            (default: pins of its own).
+        on_received: called with (step, owner) once a replica a peer pushed is committed and
+            acknowledged (the manager applies retention there).
+        max_shard_bytes: largest shard a peer may send us (checked before allocating).
+    """
+
+    def __init__(self, store: LocalStore, *, pins: Pins | None = None,
+                 on_received: OnReceived | None = None, max_shard_bytes: int = 1 << 40):
+        self.store = store
+        self.pins = pins if pins is not None else Pins()
+        self.on_received = on_received
+        self.max_shard_bytes = max_shard_bytes
+        # Replicas are received only of saves in this history (set by ``accept_from``).
+        self.history: Lineage | None = None
+
+    # ------------------------------------------------------------------ what is accepted
+    def accept_from(self, history: Lineage) -> None:
+        """Receive replicas only of saves made by this run or by the runs it resumed from (up
+        to the step it took from each): a peer can then never plant a step of another
+        incarnation of the job, or one no run of it saved."""
+        self.history = history
+
+    def check_admitted(self, run_id: str, step: int) -> None:
+        """Refuse a replica (shard or metadata) a peer offers of a save outside ``history``."""
+        if self.history is not None and not self.history.admits(run_id, step):
+            raise ReplicationError(f"replica of step {step} belongs to run {run_id!r}, which is "
+                                   f"not part of this job's history")
+
+    def holds(self, m: Manifest) -> bool:
+        """Whether the offered replica is committed here already: the same save (a step saved
+        again is a new save, even with equal bytes) and the same bytes."""
+        try:
+            held = self.store.read_manifest(m.step, m.rank)
+        except MLCheckpointError:
+            return False
+        return held.save_id == m.save_id and held.data_bytes == m.data_bytes and \
+            _layout(held) == _layout(m)
+
+    def holds_metadata(self, step: int, digest: object) -> bool:
+        """Whether the step's metadata here has this checksum (a push of it is a no-op)."""
+        with contextlib.suppress(MLCheckpointError):
+            return checksum(self.store.read_metadata_file(step)) == digest
+        return False
+
+    # ------------------------------------------------------------------ receiving
+    def begin(self, m: Manifest) -> Receipt:
+        """A fresh buffer for the replica ``m`` describes (its size checked first)."""
+        p.check_offer(m, self.max_shard_bytes)
+        return Receipt(self.store.begin_shard(m.step, m.rank, m.data_bytes), m)
+
+    def received(self, m: Manifest) -> None:
+        """A replica a peer pushed is committed and acknowledged: tell ``on_received``."""
+        if self.on_received is not None:
+            self.on_received(m.step, m.rank)
+
+    def commit_metadata(self, step: int, raw: bytes, *, offered: bool) -> None:
+        """Check a step's metadata file from a peer and install it. ``offered``: the peer
+        pushed it (rather than answering our request), so it must be of this job's history."""
+        header = p.metadata_from_wire(raw, self.store.job_id, step)
+        if offered:
+            self.check_admitted(header.run_id, step)
+        self.store.write_metadata_file(step, raw)
+
+
+class Receipt:
+    """One replica arriving into a fresh buffer: filled by a transport, then committed or
+    aborted. As a context manager, leaving it without ``commit()`` aborts it."""
+
+    def __init__(self, shard: ShardWriter, m: Manifest):
+        self._shard, self.m = shard, m
+        self.array = shard.buffer.array  # where the transport puts the bytes
+        self._verifier = StreamingVerifier(self.array, m)
+        self._streamed = False
+
+    def landed(self, upto: int) -> None:
+        """Bytes [0, upto) are in place (one stream, in order): hash what is new while it is
+        cache-hot, so no checksum pass trails the transfer."""
+        self._streamed = True
+        self._verifier.feed(upto)
+        self.arriving(upto, self.m.data_bytes)
+
+    def arriving(self, got: int, total: int) -> None:
+        """``got`` of the ``total`` bytes one stream carries are in: from half way on, a test
+        may kill the receiver here (crash point ``replica_mid_recv``)."""
+        if got >= total // 2:
+            crash_point("replica_mid_recv", self.m.step, self.m.rank)
+
+    def commit(self) -> None:
+        """Verify every item's checksum (CorruptShardError naming the first bad one), then
+        commit the replica under its owner's manifest."""
+        if self._streamed:
+            self._verifier.check()
+        else:  # the bytes landed out of order or in bulk: hash them all now, on several threads
+            self._shard.verify(self.m)
+        self._shard.commit_manifest(self.m)
+
+    def abort(self) -> None:
+        """Give the buffer back (nothing of it becomes visible); no-op once committed."""
+        self._shard.abort()
+
+    def __enter__(self) -> Receipt:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class StreamingVerifier:
+    """Hashes each item as its bytes arrive in order, so no checksum pass trails the transfer;
+    ``check`` raises CorruptShardError naming the first bad item."""
+
+    def __init__(self, array: Any, m: Manifest):
+        self.array, self.m = array, m
+        self.items = sorted(m.items, key=lambda it: it.offset)
+        self.digests: list[int] = []  # of items[:len(digests)], complete
+        self.done = 0  # bytes hashed
+        self.h = StreamingChecksum()
+
+    def feed(self, upto: int) -> None:
+        while len(self.digests) < len(self.items):
+            it = self.items[len(self.digests)]
+            start, stop = max(self.done, it.offset), min(upto, it.offset + it.nbytes)
+            if stop > start:
+                self.h.update(self.array[start:stop])
+                self.done = stop
+            if upto < it.offset + it.nbytes:
+                return
+            self.digests.append(self.h.digest())
+            self.h = StreamingChecksum()
+
+    def check(self) -> None:
+        self.feed(self.m.data_bytes)
+        verify_items(self.items, self.digests, f"replica of step {self.m.step} rank {self.m.rank} "
+                     f"on arrival")
+
+
+def _layout(m: Manifest) -> list[tuple[int, int, int]]:
+    return [(i.offset, i.nbytes, i.checksum) for i in m.items]

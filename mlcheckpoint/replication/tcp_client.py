@@ -1,0 +1,196 @@
+"""The calling half of the TCP transport: one authenticated connection per operation.
+
+Pushes send with sendfile() straight from the tmpfs file; fetches land through the receive
+sink (``sink.py``) with recv_into() straight into the new buffer; range reads land straight in
+the caller's arrays. A large shard or read goes over several streams (see ``striping.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .._faults import crash_point
+from ..errors import ReplicationError, ShardNotFoundError
+from ..store import LocalStore, Manifest
+from ..store.checksum import checksum
+from . import protocol as p
+from .rendezvous import Rendezvous
+from .sink import ReceiveSink
+from .striping import run_streams, split_evenly, stripes
+
+# One logger for the TCP transport, server and client alike.
+log = logging.getLogger(__package__ + ".tcp")
+
+
+def send_range(sock: socket.socket, fd: int, offset: int, nbytes: int, m: Manifest) -> None:
+    """Send one stream's range of a shard file (a test can SIGKILL the sender half way)."""
+    half = nbytes // 2
+    p.sendfile_all(sock, fd, offset, half)
+    crash_point("replica_mid_send", m.step, m.rank)
+    p.sendfile_all(sock, fd, offset + half, nbytes - half)
+
+
+class TcpClient:
+    """Pushes our shards to peers and pulls theirs (arguments: see ``TcpTransport``)."""
+
+    def __init__(self, store: LocalStore, sink: ReceiveSink, rdzv: Rendezvous, *,
+                 timeout: float, streams: int, min_stripe_bytes: int):
+        self.store, self.sink, self.rdzv, self.timeout = store, sink, rdzv, timeout
+        self.streams, self.min_stripe_bytes = streams, min_stripe_bytes
+        self.secret = rdzv.secret()
+
+    @contextlib.contextmanager
+    def _connect(self, peer: int) -> Iterator[socket.socket]:
+        host, port = self.rdzv.lookup("tcp", peer).rsplit(":", 1)
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=self.timeout)
+        except OSError as e:
+            raise ReplicationError(f"cannot reach rank {peer} at {host}:{port}: {e}") from None
+        try:
+            sock.settimeout(self.timeout)
+            p.client_handshake(sock, self.secret)
+            p.use_kernel_timeouts(sock, self.timeout)
+            yield sock
+        except (OSError, p.ProtocolError) as e:
+            raise ReplicationError(f"transfer with rank {peer} failed: {e}") from None
+        finally:
+            sock.close()
+
+    def _request(self, sock: socket.socket, req: dict) -> dict:
+        p.send_frame(sock, {"job_id": self.store.job_id, **req})
+        resp = p.recv_frame(sock)
+        if resp.get("status") == "error":
+            raise ReplicationError(f"peer refused {req['op']}: {resp.get('error')}")
+        return resp
+
+    # ------------------------------------------------------------------ push
+    def push_shard(self, peer: int, step: int, owner: int) -> int:
+        with self.sink.pins.pinned(step):
+            m = self.store.read_manifest(step, owner)
+            streams = max(1, min(self.streams, m.data_bytes // self.min_stripe_bytes))
+            offer: dict[str, Any] = {"op": "put_shard", "step": step, "owner": owner,
+                                     "manifest": m.to_dict()}
+            if streams > 1:
+                offer["streams"] = streams
+            with self._connect(peer) as sock:
+                resp = self._request(sock, offer)
+                if resp.get("status") == "have":
+                    return 0
+                if streams == 1:
+                    self._send_whole(sock, m)
+                else:
+                    self._send_striped(sock, peer, m, streams, resp.get("token"))
+                resp = p.recv_frame(sock)
+                if resp.get("status") != "ok":
+                    raise ReplicationError(f"rank {peer} rejected step {step} rank {owner}: "
+                                           f"{resp.get('error')}")
+        return m.data_bytes
+
+    def _send_whole(self, sock: socket.socket, m: Manifest) -> None:
+        with open(self.store.data_path(m.step, m.rank), "rb") as f:
+            send_range(sock, f.fileno(), 0, m.data_bytes, m)
+
+    def _send_striped(self, sock: socket.socket, peer: int, m: Manifest, streams: int,
+                      token: object) -> None:
+        if not isinstance(token, str):
+            raise p.ProtocolError("receiver gave no token for a striped transfer")
+        parts = stripes(m.data_bytes, streams)
+        with open(self.store.data_path(m.step, m.rank), "rb") as f:
+
+            def send_part(index: int) -> None:
+                if index == 0:  # stripe 0 goes on the offering connection
+                    send_range(sock, f.fileno(), *parts[0], m)
+                    return
+                with self._connect(peer) as part:
+                    resp = self._request(part, {"op": "put_part", "step": m.step, "owner": m.rank,
+                                                "token": token, "index": index})
+                    if resp.get("status") != "ready":
+                        raise ReplicationError(f"rank {peer} refused stripe {index}: {resp}")
+                    send_range(part, f.fileno(), *parts[index], m)
+
+            errors = run_streams(send_part, list(range(streams)))
+        if errors:
+            raise ReplicationError(f"striped push of step {m.step} rank {m.rank} to rank {peer} "
+                                   f"failed: {errors[0]}")
+
+    def push_metadata(self, peer: int, step: int) -> None:
+        raw = self.store.read_metadata_file(step)
+        with self._connect(peer) as sock:
+            resp = self._request(sock, {"op": "put_metadata", "step": step, "nbytes": len(raw),
+                                        "checksum": checksum(raw)})
+            if resp.get("status") == "have":
+                return
+            sock.sendall(raw)
+            resp = p.recv_frame(sock)
+            if resp.get("status") != "ok":
+                raise ReplicationError(f"rank {peer} rejected metadata of step {step}: "
+                                       f"{resp.get('error')}")
+
+    # ------------------------------------------------------------------ pull
+    def fetch_shard(self, peer: int, step: int, owner: int) -> int:
+        with self._connect(peer) as sock:
+            resp = self._request(sock, {"op": "get_shard", "step": step, "owner": owner})
+            if resp.get("status") == "missing":
+                raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
+            m = p.manifest_from_wire(resp.get("manifest"), self.store.job_id, step, owner)
+            with self.sink.begin(m) as receipt:
+                if m.data_bytes:
+                    p.recv_into_exact(sock, receipt.array.data, receipt.landed)
+                receipt.commit()
+        return m.data_bytes
+
+    def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
+                   sinks: list, on_range: Callable[[int], None] | None = None) -> int:
+        total = sum(n for _, n in ranges)
+        streams = max(1, min(self.streams, total // self.min_stripe_bytes))
+        # Cut the ranges into pieces and deal them to the streams in equal byte counts; a range
+        # is reported once its last piece has landed, whichever stream carried it.
+        pieces: list[tuple[int, int, int, memoryview]] = []  # (range index, offset, nbytes, sink)
+        piece_bytes = max(1, -(-total // (streams * 4)))
+        for i, ((offset, nbytes), sink) in enumerate(zip(ranges, sinks, strict=True)):
+            view = memoryview(sink).cast("B")
+            for start in range(0, max(nbytes, 1), piece_bytes):
+                n = min(piece_bytes, nbytes - start)
+                pieces.append((i, offset + start, n, view[start:start + n]))
+        groups = [g for g in split_evenly(pieces, lambda piece: piece[2], streams) if g]
+        left = Counter(piece[0] for piece in pieces)
+        lock = threading.Lock()
+
+        def landed(i: int) -> None:
+            with lock:
+                left[i] -= 1
+                last = left[i] == 0
+            if last and on_range is not None:
+                on_range(i)
+
+        def read_group(group: list) -> None:
+            with self._connect(peer) as sock:
+                resp = self._request(sock, {"op": "read_items", "step": step, "owner": owner,
+                                            "ranges": [[off, n] for _, off, n, _ in group]})
+                if resp.get("status") == "missing":
+                    raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
+                for i, _, n, view in group:
+                    if n:
+                        p.recv_into_exact(sock, view)
+                    landed(i)
+
+        errors = run_streams(read_group, groups)  # returns once no stream writes into the sinks
+        if errors:
+            raise next((e for e in errors if isinstance(e, ShardNotFoundError)), errors[0])
+        log.debug("read %d bytes of step %d rank %d from rank %d over %d streams", total, step,
+                  owner, peer, len(groups))
+        return total
+
+    def fetch_metadata(self, peer: int, step: int) -> None:
+        with self._connect(peer) as sock:
+            resp = self._request(sock, {"op": "get_metadata", "step": step})
+            if resp.get("status") == "missing":
+                raise ShardNotFoundError(f"rank {peer} has no metadata of step {step}")
+            nbytes = p.want_int(resp, "nbytes", 1, p.MAX_METADATA_BYTES)
+            self.sink.commit_metadata(step, p.recv_growing(sock, nbytes), offered=False)

@@ -1,0 +1,157 @@
+"""Clearing up a job directory: what crashes left behind (gc), and after a resume what does
+not belong to the job's history any more (settle, set-aside steps)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ..errors import CorruptShardError, ShardNotFoundError
+from .identity import Lineage
+from .layout import Kind, classify
+
+if TYPE_CHECKING:
+    from .local_store import LocalStore
+
+log = logging.getLogger(__name__)
+
+
+def gc(store: LocalStore, ranks: Iterable[int] | None = None, min_age_s: float = 0.0) -> list[str]:
+    """Remove what crashes left behind: uncommitted buffers, temp files, orphan metadata.
+
+    ``ranks`` limits the sweep of in-flight files to those owners (a rank cleaning up after
+    itself while other ranks of the node may be saving); ``min_age_s`` spares files younger
+    than that. Returns the removed paths.
+    """
+    owners = None if ranks is None else set(ranks)
+    now = time.time()
+    removed = []
+    inventory = store.inventory()
+    complete = {s for s, st in inventory.items() if st.complete}
+    newest_complete = max(complete, default=-1)
+    for step in inventory:
+        d = store.step_dir(step)
+        with contextlib.suppress(FileNotFoundError):
+            entries = {name: classify(name) for name in os.listdir(d)}
+            committed = {e.rank for e in entries.values() if e.kind is Kind.MANIFEST}
+            for name, entry in entries.items():
+                path = os.path.join(d, name)
+                owner = entry.rank
+                if owners is not None and owner is not None and owner not in owners:
+                    continue
+                if not (entry.in_flight or (entry.kind is Kind.DATA and owner not in committed)):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    if now - os.stat(path).st_mtime < min_age_s:
+                        continue
+                if entry.is_buffer and owner is not None:
+                    store.pool.recycle(path, owner)
+                else:
+                    store.pool.unlink(path)
+                removed.append(path)
+            if owners is None and step < newest_complete and step not in complete and not committed:
+                store.shards.remove_step_if_empty(step)
+            elif not committed:
+                store.shards.remove_step_if_empty(step, keep_metadata=True)  # nothing left in it
+    with contextlib.suppress(FileNotFoundError):
+        for e in os.scandir(store.pool_dir):  # buffers whose preparation was cut short
+            entry = classify(e.name)
+            if entry.kind is not Kind.POOL_PARTIAL:
+                continue
+            if owners is not None and entry.rank not in owners:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if now - e.stat().st_mtime < min_age_s:
+                    continue
+            store.pool.unlink(e.path)
+            removed.append(e.path)
+    if removed:
+        log.info("gc removed %d uncommitted file(s) of job %s", len(removed), store.job_id)
+    return removed
+
+
+def settle(store: LocalStore, lineage: Lineage, loaded: int | None,
+           set_aside: Iterable[int] = ()) -> list[int]:
+    """After a resume: keep only what belongs to the job's history up to the loaded step.
+
+    - Steps newer than ``loaded`` (all steps if None) are orphans of the failed run: the
+      job continues from ``loaded`` and saves new checkpoints under the same numbers.
+      They are dropped, except those in ``set_aside`` (complete steps that recovery did
+      not load, e.g. because loading them failed): those move out of sight into
+      ``orphans/`` (an operator may still want them; gc removes them once the job has a
+      complete step past them), never deleted.
+    - In older steps, every file of a save outside ``lineage`` (another run of this job)
+      and every unreadable shard is removed.
+    Returns the steps dropped or set aside.
+    """
+    aside = set(set_aside)
+    gone = []
+    for step in store.steps():
+        if loaded is not None and step <= loaded:
+            _drop_foreign(store, step, lineage)
+            continue
+        gone.append(step)
+        if step in aside:
+            _set_aside(store, step)
+        else:
+            _drop_step(store, step)
+    return gone
+
+
+def _drop_foreign(store: LocalStore, step: int, lineage: Lineage) -> None:
+    st = store.step_state(step)
+    for rank in sorted(st.committed_ranks | st.damaged.keys()):
+        try:
+            keep = (rank not in st.damaged
+                    and lineage.admits(store.read_manifest(step, rank).run_id, step))
+        except ShardNotFoundError:
+            continue
+        except CorruptShardError:
+            keep = False
+        if not keep:
+            log.info("dropping step %d rank %d here: not part of this job's history or damaged",
+                     step, rank)
+            store.retire_shard(step, rank)
+    if st.header is not None and not lineage.admits(st.header.run_id, step):
+        store.pool.unlink(store.metadata_path(step))
+    store.shards.remove_step_if_empty(step, keep_metadata=True)  # a replaced node's shards come later
+
+
+def _drop_step(store: LocalStore, step: int) -> None:
+    d = store.step_dir(step)
+    with store.locked(), contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(d):  # uncommit everything first
+            if classify(name).kind is Kind.MANIFEST:
+                store.pool.unlink(os.path.join(d, name))
+        for name in os.listdir(d):
+            entry = classify(name)
+            if entry.kind is Kind.DATA and entry.rank is not None:
+                store.pool.recycle(os.path.join(d, name), entry.rank)
+            else:
+                store.pool.unlink(os.path.join(d, name))
+        os.rmdir(d)
+
+
+def _set_aside(store: LocalStore, step: int) -> None:
+    dest = store.paths.orphan(step, secrets.token_hex(4))
+    os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+    with store.locked(), contextlib.suppress(FileNotFoundError):
+        os.rename(store.step_dir(step), dest)
+        log.warning("step %d is complete but was not resumed; kept out of the way in %s "
+                    "until the job has a newer complete step", step, dest)
+
+
+def orphans(store: LocalStore) -> list[tuple[int, str]]:
+    """(step, path) of steps set aside by ``settle``."""
+    root = store.paths.orphans_dir
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = ((classify(n), os.path.join(root, n)) for n in names)
+    return sorted((e.step, path) for e, path in found if e.kind is Kind.ORPHAN and e.step is not None)

@@ -1,0 +1,126 @@
+"""What this node holds of each step: committed shards (and whose save), metadata, damage."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from .._ratelimit import RateLimitedLog
+from ..errors import CorruptShardError, ShardNotFoundError
+from .layout import JobPaths, Kind, classify
+from .manifest import MetadataHeader
+from .metadata import MetadataFiles
+from .shards import ShardFiles
+
+log = logging.getLogger(__name__)
+# Listings run every few hundred ms (the replicator polls): say so about a damaged copy now and
+# then, not each time.
+_damage_log = RateLimitedLog(log, interval=300.0)
+
+
+@dataclass
+class StepState:
+    """What this node holds of one step."""
+
+    step: int
+    has_metadata: bool = False
+    committed_ranks: set[int] = field(default_factory=set)
+    required_ranks: list[int] | None = None  # from the metadata header, when present
+    world_size: int | None = None
+    total_bytes: int | None = None
+    header: MetadataHeader | None = None  # the metadata's verified header, when present
+    shard_saves: dict[int, str] = field(default_factory=dict)  # owner -> save id of its shard
+    damaged: dict[int, str] = field(default_factory=dict)  # owner -> why its copy is unusable
+
+    @property
+    def save_id(self) -> str | None:
+        """The save the metadata here describes (None without metadata)."""
+        return self.header.save_id if self.header is not None else None
+
+    def ranks_of(self, save_id: str | None) -> set[int]:
+        """Owners whose committed shard here belongs to the save ``save_id``."""
+        return {r for r in self.committed_ranks if self.shard_saves.get(r) == save_id}
+
+    @property
+    def complete(self) -> bool:
+        """Metadata and every needed rank's shard of that same save are committed here."""
+        return (self.has_metadata and self.required_ranks is not None
+                and set(self.required_ranks) <= self.ranks_of(self.save_id))
+
+
+class Inventory:
+    """Lists the steps of one job on this node and what each holds."""
+
+    def __init__(self, paths: JobPaths, shards: ShardFiles, metadata: MetadataFiles):
+        self.paths, self.shards, self.metadata = paths, shards, metadata
+        self._manifest_ids: dict[str, tuple[tuple, str, int]] = {}
+
+    def steps(self) -> list[int]:
+        return self.paths.step_numbers()
+
+    def step_state(self, step: int) -> StepState:
+        st = StepState(step)
+        try:
+            entries = [classify(n) for n in os.listdir(self.paths.step_dir(step))]
+        except FileNotFoundError:
+            return st
+        for entry in entries:
+            r = entry.rank
+            if entry.kind is Kind.MANIFEST and r is not None:
+                try:
+                    st.shard_saves[r] = self._manifest_identity(step, r)
+                except ShardNotFoundError:
+                    continue  # retired between the listing and the read
+                except CorruptShardError as e:
+                    st.damaged[r] = str(e)
+                    _damage_log.warning(self.paths.manifest(step, r), "ignoring step %d rank %d "
+                                        "here: %s", step, r, e)
+                    continue
+                st.committed_ranks.add(r)
+        if any(entry.kind is Kind.METADATA for entry in entries):
+            try:
+                header = self.metadata.header(step)
+            except ShardNotFoundError:
+                pass  # retired between the listing and the read
+            except CorruptShardError as e:
+                log.warning("ignoring metadata of step %d: %s", step, e)
+            else:
+                st.has_metadata = True
+                st.header = header
+                st.required_ranks = header.ranks
+                st.world_size = header.world_size
+                st.total_bytes = header.total_bytes
+        return st
+
+    def _manifest_identity(self, step: int, rank: int) -> str:
+        """The save id a committed shard's manifest names, once its data file is checked whole.
+
+        Cached per manifest version like metadata headers: the replicator lists often. A
+        shard whose manifest is unreadable or whose data file is missing or short raises
+        CorruptShardError, so it is never counted as held.
+        """
+        path = self.paths.manifest(step, rank)
+        data = self.paths.data(step, rank)
+        try:
+            st = os.stat(path)
+            data_size = os.stat(data).st_size
+        except FileNotFoundError:
+            if os.path.exists(path):
+                raise CorruptShardError(f"{data} is missing though its manifest is committed") from None
+            raise ShardNotFoundError(f"step {step} rank {rank} is not committed here") from None
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._manifest_ids.get(path)
+        if cached is None or cached[0] != version:
+            m = self.shards.read_manifest(step, rank)
+            cached = self._manifest_ids[path] = (version, m.save_id, m.data_bytes)
+        if data_size < cached[2]:
+            raise CorruptShardError(f"{data} is truncated: {data_size} of {cached[2]} bytes")
+        return cached[1]
+
+    def all(self) -> dict[int, StepState]:
+        return {s: self.step_state(s) for s in self.steps()}
+
+    def complete_steps(self) -> list[int]:
+        """Steps whose metadata and every needed shard are committed here, oldest first."""
+        return [s for s, st in self.all().items() if st.complete]

@@ -1,0 +1,86 @@
+"""The global DCP metadata of each step: one self-verifying file, renamed into place."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterable
+
+from ..errors import CorruptShardError, ShardNotFoundError
+from .checksum import checksum
+from .identity import Lineage
+from .layout import JobPaths
+from .manifest import MetadataHeader, decode_metadata, encode_metadata
+
+
+class MetadataFiles:
+    """Write, install (from a peer) and read the metadata of this job's steps on this node."""
+
+    def __init__(self, paths: JobPaths, job_id: str):
+        self.paths, self.job_id = paths, job_id
+        self._verified_headers: dict[str, tuple[tuple, MetadataHeader]] = {}
+
+    def write(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
+              total_bytes: int, save_id: str = "", lineage: Lineage | None = None) -> None:
+        """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
+        header = MetadataHeader(job_id=self.job_id, step=step, world_size=world_size,
+                                ranks=sorted(set(ranks)), total_bytes=total_bytes,
+                                payload_bytes=len(payload), checksum=checksum(payload),
+                                save_id=save_id, **(lineage or Lineage()).header_fields())
+        self.install(step, encode_metadata(header, payload))
+
+    def write_file(self, step: int, raw: bytes) -> None:
+        """Install an encoded metadata file (e.g. received from a peer) after verifying it."""
+        header, _ = _decode(step, raw)
+        if header.step != step or header.job_id != self.job_id:
+            raise CorruptShardError(f"metadata is for {header.job_id}/{header.step}, "
+                                    f"not {self.job_id}/{step}")
+        self.install(step, raw)
+
+    def install(self, step: int, raw: bytes) -> None:
+        """Put an encoded metadata file in place (not verified here)."""
+        os.makedirs(self.paths.step_dir(step), mode=0o700, exist_ok=True)
+        tmp = self.paths.metadata_tmp(step, secrets.token_hex(4))
+        with open(tmp, "wb", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+            f.write(raw)
+        os.replace(tmp, self.paths.metadata(step))
+
+    def read(self, step: int, save_id: str | None = None) -> tuple[MetadataHeader, bytes]:
+        """The verified metadata of a step; with ``save_id``, another save's counts as absent."""
+        header, payload = _decode(step, self.read_file(step))
+        if save_id is not None and header.save_id != save_id:
+            raise ShardNotFoundError(f"metadata of step {step} here belongs to save "
+                                     f"{header.save_id!r}, not {save_id!r}")
+        return header, payload
+
+    def read_file(self, step: int) -> bytes:
+        try:
+            with open(self.paths.metadata(step), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise ShardNotFoundError(f"step {step} has no global metadata on this node") from None
+
+    def header(self, step: int) -> MetadataHeader:
+        """The verified header of a step's metadata. The whole file is checksummed once per
+        version (inode, size, mtime): listings run often (the replicator polls) and metadata of
+        a large model is megabytes."""
+        path = self.paths.metadata(step)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise ShardNotFoundError(f"step {step} has no global metadata on this node") from None
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._verified_headers.get(path)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        header, _ = self.read(step)
+        self._verified_headers[path] = (version, header)
+        return header
+
+
+def _decode(step: int, raw: bytes) -> tuple[MetadataHeader, bytes]:
+    """Parse and verify a metadata file; a damaged one is a CorruptShardError."""
+    try:
+        return decode_metadata(raw)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CorruptShardError(f"metadata of step {step} is corrupt: {e}") from e

@@ -1,0 +1,45 @@
+"""Overlapped saves in real torchrun jobs: DCP's own async protocol (THREAD and PROCESS), a
+background copy failing on one rank, and a 2-node job that loses a node and resumes bit for
+bit (see tests/workers/overlapped_job.py)."""
+
+from cluster import Cluster
+from helpers import wait_for
+
+STOP, TOTAL = 3, 6  # as in the worker
+
+
+def test_dcp_native_overlap_and_a_staging_failure_on_one_rank():
+    with Cluster(nnodes=1, nproc=2) as c:
+        c.run("overlapped_job.py", "native", timeout=120)
+        res = c.results("native")
+    for rank, r in res.items():
+        for mode in ("thread", "process"):
+            assert r[f"{mode}_response"], (rank, mode)  # stage() returned a Future
+            assert r[f"{mode}_overlapped"] > 0, (rank, mode)
+            assert r[f"{mode}_changed"], (rank, mode)  # the step changed what was saved ...
+            assert r[f"{mode}_differs"] == [], (rank, mode, r)  # ... after the snapshot
+        assert r["future"] == "StagingError" and r["step4_complete"] is False, (rank, r)
+        assert r["step3_differs"] == [] and r["after"] == 6, (rank, r)
+    # the failing rank hears of it at its guard, and every rank at its next save
+    assert (res[1]["guard"], res[1]["next_save"]) == ("StagingError", "StagingError"), res[1]
+    assert (res[0]["guard"], res[0]["next_save"]) == ("ok", "StagingError"), res[0]
+
+
+def test_two_node_job_with_overlapped_saves_loses_a_node_and_resumes_bit_exactly():
+    with Cluster(nnodes=2, nproc=1) as c:
+        c.start("overlapped_job.py", "train")
+        ready = wait_for(lambda: len(c.results("ready")) == 2 and c.results("ready"),
+                         "every rank saved and replicated step STOP", diag=c.logs)
+        c.nodes[1].kill()
+        c.nodes[1].wipe()
+        c.nodes[0].kill()
+        c.run("overlapped_job.py", "resume", timeout=240)
+        ref, res = c.results("reference"), c.results("resumed")
+    for rank in (0, 1):
+        assert ready[rank]["replicated"], ready
+        # the guarded optimizer owns every tensor: all of them were copied while training went on
+        assert ready[rank]["overlapped"] == ready[rank]["tensor_bytes"], ready
+        r = res[rank]
+        assert r["step"] == STOP and r["sources"] == {"0": "local", "1": "peer"}, r
+        assert r["losses"] == ref[rank]["losses"][STOP + 1:], (r, ref[rank])
+        assert r["digest"] == ref[rank]["digest"]

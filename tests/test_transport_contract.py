@@ -1,0 +1,336 @@
+"""One contract, every transport: push, fetch, range read, metadata, missing, corrupt, timeout.
+
+Each test runs over TCP with one stream, TCP with several streams, and the process-group
+transport on gloo (and on NCCL where two GPUs are present). The test process is rank 0 and
+calls the transport; rank 1 serves from a process of its own (tests/workers/transport_peer.py),
+joined through a real TCPStore and a real gloo group, so it can be frozen with SIGSTOP. Both
+sides build their transport with ``make_transport``, as the manager does. Shards are written
+and checked straight in each node's tmpfs directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from cluster import WORKERS
+from helpers import flip_byte, put_metadata, wait_for
+from tcp_job import debris
+
+from mlcheckpoint import (
+    ConfigError,
+    CorruptShardError,
+    LocalStore,
+    ReplicationError,
+    ShardNotFoundError,
+)
+from mlcheckpoint.replication import ReceiveSink, Rendezvous, Transport
+from mlcheckpoint.replication.factory import make_transport
+
+sys.path.insert(0, WORKERS)
+from repl_peer import make_shard  # a worker module, found through WORKERS
+
+pytestmark = pytest.mark.timeout(300)
+
+MiB = 1 << 20
+NBYTES = 6 * MiB + 5  # over several stripes of 1 MiB; not a multiple of anything
+TIMEOUT = 5.0  # every wait of every transport (the timeout test waits this long once each)
+PEER = 1
+
+
+@dataclass
+class Setup:
+    name: str
+    kind: str  # make_transport's
+    streams: int | None = None  # the calling side's (TCP)
+    gpus: int = 0
+
+
+SETUPS = [Setup("tcp-1-stream", "tcp", streams=1), Setup("tcp-4-streams", "tcp", streams=4),
+          Setup("pg-gloo", "pg"), Setup("pg-nccl", "nccl", gpus=2)]
+
+
+def _runnable(s: Setup) -> bool:
+    return torch.cuda.device_count() >= s.gpus
+
+
+class Job:
+    """Rank 0 here and rank 1 in a process of its own, each with one transport of every kind
+    (the peer serves; the tests call ``locals[name]``). Each rank's store is written and read
+    straight from here: ``store`` (rank 0) and ``peer_store`` (rank 1)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.job_id = f"contract-{uuid.uuid4().hex[:8]}"
+        self.status_dir = os.path.join(root, "status")
+        os.makedirs(self.status_dir)
+        self.c10d = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        self.log_path = os.path.join(root, "peer.log")
+        # Collective constructions (the process groups) happen in this order on both ranks.
+        self.kinds = list(dict.fromkeys(s.kind for s in SETUPS if _runnable(s)))
+        cfg = {"host": "127.0.0.1", "port": self.c10d.port, "job": self.job_id,
+               "dir": self.node_dir(PEER), "kinds": self.kinds, "timeout": TIMEOUT,
+               "device": 1 if "nccl" in self.kinds else None, "status_dir": self.status_dir}
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("MLCHECKPOINT_CRASH_AT", None)
+        with open(self.log_path, "w") as logf:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "transport_peer.py"),
+                                          json.dumps(cfg)], env=env, stdin=subprocess.PIPE,
+                                         stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        self.locals: dict[str, Transport] = {}
+
+    def node_dir(self, rank: int) -> str:
+        d = os.path.join(self.root, f"node{rank}")
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        return d
+
+    def start(self) -> None:
+        """Join the peer's group and build our transports (collective with the peer)."""
+        if "nccl" in self.kinds:
+            torch.cuda.set_device(0)
+        dist.init_process_group("gloo", store=dist.PrefixStore("contract", self.c10d), rank=0,
+                                world_size=2)
+        self.store = LocalStore(self.node_dir(0), self.job_id)
+        self.peer_store = LocalStore(self.node_dir(PEER), self.job_id)
+        rdzv = Rendezvous.from_default_group(self.job_id, timeout=60)
+        sink = ReceiveSink(self.store)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MLCHECKPOINT_TCP_MIN_STRIPE", str(MiB))  # so a few MiB take 4 streams
+            for s in SETUPS:
+                if _runnable(s):  # (the TCP ones both listen; the peer calls neither)
+                    self.locals[s.name] = make_transport(s.kind, self.store, rdzv, sink,
+                                                         timeout=TIMEOUT, host="127.0.0.1",
+                                                         streams=s.streams)
+        dist.barrier()
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-4000:]
+
+    def received(self, step: int, owner: int) -> bool:
+        """The peer's sink reported the pushed replica (step, owner)."""
+        return os.path.exists(os.path.join(self.status_dir, f"received-{step}-{owner}"))
+
+    def close(self) -> None:
+        for t in self.locals.values():
+            t.close()
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)  # a failed timeout test may leave it stopped
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        del self.c10d
+
+
+@pytest.fixture(scope="module")
+def job() -> Iterator[Job]:
+    assert not dist.is_initialized(), "another test left a default process group behind"
+    root = tempfile.mkdtemp(prefix="mlckpt-contract-", dir="/dev/shm")
+    j = Job(root)
+    try:
+        j.start()
+        yield j
+    finally:
+        j.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass
+class Pair:
+    """What a test works with: the job, and the transport under test on rank 0."""
+
+    job: Job
+    local: Transport
+
+    @property
+    def store(self) -> LocalStore:
+        return self.job.store
+
+    @property
+    def peer_store(self) -> LocalStore:
+        return self.job.peer_store
+
+
+def _param(s: Setup):
+    marks = [pytest.mark.gpu, pytest.mark.skipif(not _runnable(s), reason=f"needs {s.gpus} CUDA devices")] \
+        if s.gpus else []
+    return pytest.param(s, id=s.name, marks=marks)
+
+
+@pytest.fixture(params=[_param(s) for s in SETUPS])
+def pair(request, job) -> Pair:
+    return Pair(job, job.locals[request.param.name])
+
+
+_steps = iter(range(1, 1 << 20))
+
+
+@pytest.fixture
+def step() -> int:
+    """A step number no other test of the module uses (the pair lives for the whole module)."""
+    return next(_steps)
+
+
+def data_of(store: LocalStore, step: int, owner: int, nbytes: int = NBYTES) -> bytes:
+    with open(store.data_path(step, owner), "rb") as f:
+        return f.read(nbytes)
+
+
+def flip_middle_byte(store: LocalStore, step: int, owner: int) -> None:
+    """Damage a committed shard after its checksums were recorded."""
+    flip_byte(store.data_path(step, owner), NBYTES // 2)
+
+
+# --------------------------------------------------------------------------- push
+def test_push_lands_verified_and_is_reported(pair, step):
+    m = make_shard(pair.store, step, 0, NBYTES, seed=step, nitems=7)
+    assert pair.local.push_shard(PEER, step, 0) == NBYTES
+    got = pair.peer_store.verify_shard(step, 0)
+    assert [(i.offset, i.nbytes, i.checksum) for i in got.items] == \
+        [(i.offset, i.nbytes, i.checksum) for i in m.items]
+    assert got.save_id == m.save_id
+    assert data_of(pair.peer_store, step, 0) == data_of(pair.store, step, 0)
+    wait_for(lambda: pair.job.received(step, 0), "the peer's sink to report the replica",
+             diag=pair.job.log)
+    # the same save again: the peer holds it, nothing is sent
+    assert pair.local.push_shard(PEER, step, 0) == 0
+
+
+def test_push_of_a_corrupt_copy_is_refused(pair, step):
+    make_shard(pair.store, step, 0, NBYTES, seed=step)
+    flip_middle_byte(pair.store, step, 0)
+    with pytest.raises(ReplicationError, match="checksum mismatch"):
+        pair.local.push_shard(PEER, step, 0)
+    with pytest.raises(ShardNotFoundError):
+        pair.peer_store.read_manifest(step, 0)
+    wait_for(lambda: debris(pair.peer_store) == [], "the refused buffer to be dropped",
+             diag=pair.job.log)
+    assert not pair.job.received(step, 0)
+
+
+# --------------------------------------------------------------------------- fetch
+def test_fetch_lands_verified(pair, step):
+    m = make_shard(pair.peer_store, step, PEER, NBYTES, seed=step, nitems=5)
+    assert pair.local.fetch_shard(PEER, step, PEER) == NBYTES
+    got = pair.store.verify_shard(step, PEER)
+    assert [(i.offset, i.nbytes, i.checksum) for i in got.items] == \
+        [(i.offset, i.nbytes, i.checksum) for i in m.items]
+    assert data_of(pair.store, step, PEER) == data_of(pair.peer_store, step, PEER)
+
+
+def test_fetch_of_a_missing_shard(pair, step):
+    with pytest.raises(ShardNotFoundError):
+        pair.local.fetch_shard(PEER, step, PEER)
+    assert step not in pair.store.steps()
+
+
+def test_fetch_of_a_corrupt_copy_commits_nothing(pair, step):
+    make_shard(pair.peer_store, step, PEER, NBYTES, seed=step)
+    flip_middle_byte(pair.peer_store, step, PEER)
+    with pytest.raises(CorruptShardError, match="checksum mismatch"):
+        pair.local.fetch_shard(PEER, step, PEER)
+    with pytest.raises(ShardNotFoundError):
+        pair.store.read_manifest(step, PEER)
+    assert debris(pair.store) == []
+
+
+# --------------------------------------------------------------------------- range read
+def test_read_items_lands_each_range_whole(pair, step):
+    make_shard(pair.peer_store, step, PEER, NBYTES, seed=step)
+    data = data_of(pair.peer_store, step, PEER)
+    ranges = [(0, 3 * MiB), (3 * MiB, 0), (3 * MiB, 100), (3 * MiB + 100, 2 * MiB), (NBYTES - 23, 23)]
+    sinks = [np.zeros(n, np.uint8) for _, n in ranges]
+    whole_when_reported: dict[int, bool] = {}
+
+    def on_range(i: int) -> None:
+        off, n = ranges[i]
+        whole_when_reported[i] = sinks[i].tobytes() == data[off:off + n]
+
+    assert pair.local.read_items(PEER, step, PEER, ranges, sinks, on_range) == \
+        sum(n for _, n in ranges)
+    assert whole_when_reported == {i: True for i in range(len(ranges))}
+    for (off, n), sink in zip(ranges, sinks, strict=True):
+        assert sink.tobytes() == data[off:off + n]
+    assert step not in pair.store.steps()  # nothing is written to our store
+
+
+def test_read_items_of_a_missing_shard(pair, step):
+    with pytest.raises(ShardNotFoundError):
+        pair.local.read_items(PEER, step, PEER, [(0, 16)], [np.zeros(16, np.uint8)])
+
+
+def test_read_items_outside_the_shard_is_refused(pair, step):
+    make_shard(pair.peer_store, step, PEER, 4096, seed=step)
+    with pytest.raises(ReplicationError):
+        pair.local.read_items(PEER, step, PEER, [(4000, 200)], [np.zeros(200, np.uint8)])
+    # the peer still serves
+    sink = np.zeros(96, np.uint8)
+    assert pair.local.read_items(PEER, step, PEER, [(4000, 96)], [sink]) == 96
+    assert sink.tobytes() == data_of(pair.peer_store, step, PEER, 4096)[4000:]
+
+
+# --------------------------------------------------------------------------- metadata
+def test_metadata_push_and_fetch(pair, step):
+    put_metadata(pair.store, step)
+    pair.local.push_metadata(PEER, step)
+    assert pair.peer_store.read_metadata_file(step) == pair.store.read_metadata_file(step)
+    pair.local.push_metadata(PEER, step)  # again: a no-op, not an error
+    fetched = step + 500_000  # a step only the peer has metadata of
+    put_metadata(pair.peer_store, fetched)
+    pair.local.fetch_metadata(PEER, fetched)
+    assert pair.store.read_metadata_file(fetched) == pair.peer_store.read_metadata_file(fetched)
+    header, _ = pair.store.read_metadata(fetched)
+    assert header.step == fetched
+
+
+def test_fetch_of_missing_metadata(pair, step):
+    with pytest.raises(ShardNotFoundError):
+        pair.local.fetch_metadata(PEER, step)
+
+
+# --------------------------------------------------------------------------- timeout
+def test_a_frozen_peer_times_out_and_the_pair_recovers(pair, step):
+    """A peer that stops answering (SIGSTOP) fails the call after the transport's timeout,
+    with a ReplicationError rather than a hang; once it runs again, the pair works."""
+    os.kill(pair.job.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(ReplicationError):
+            pair.local.fetch_metadata(PEER, step)
+    finally:
+        os.kill(pair.job.proc.pid, signal.SIGCONT)
+    make_shard(pair.store, step, 0, 4096, seed=step)
+    assert pair.local.push_shard(PEER, step, 0) == 4096
+    pair.peer_store.verify_shard(step, 0)
+
+
+# --------------------------------------------------------------------------- the factory
+def test_factory_refuses_unknown_kinds(tmp_path):
+    c10d = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    store = LocalStore(str(tmp_path), "contract-factory")
+    rdzv = Rendezvous(c10d, store.job_id, 0, 1, secret=os.urandom(32))
+    sink = ReceiveSink(store)
+    with pytest.raises(ConfigError, match="'tcp', 'pg', 'nccl'"):
+        make_transport("udp", store, rdzv, sink)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="nccl"):
+            make_transport("nccl", store, rdzv, sink)
+    store.close()

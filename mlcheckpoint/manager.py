@@ -1,5 +1,8 @@
 """CheckpointManager: what a training loop calls. Ties the store, DCP adapters, replication,
-recovery and the persistent fallback together.
+recovery and the persistent fallback together; each public method is a few lines that hand
+over to a collaborator built in ``__init__``: ``Saver`` (saving.py, the save path),
+``PersistentWriter`` (persistent_writer.py), ``Recovery`` (recovery/), ``Retention`` and
+``BufferWarmer`` (store/), ``Replicator`` (replication/).
 
     ckpt = CheckpointManager(persistent_dir="/nfs/run42")
     info = ckpt.resume(state_dict)
@@ -15,61 +18,34 @@ import contextlib
 import logging
 import sys
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 from typing_extensions import Self
 
 from . import history
-from ._gc import gc_paused
 from .dcp import MemoryStorageReader, MemoryStorageWriter
-from .dcp.errors import unwrap_checkpoint_exception
-from .dcp.writer import commit_metadata
 from .errors import ConfigError, MLCheckpointError
+from .listing import CheckpointEntry, list_checkpoints
 from .options import Options
 from .persistent import PersistentStorage, open_persistent
+from .persistent_writer import PersistentWriter
 from .recovery import Recovery, ResumeInfo
 from .recovery.resume import Comm
 from .replication import Pins, ReceiveSink, Rendezvous, Replicator
 from .replication.factory import make_transport
+from .saving import Saver, SaveResult
 from .snapshot import GuardHandle, Snapshotter
 from .store import LocalStore
 from .store.identity import Lineage, new_id
-from .store.retention import RetentionPolicy
+from .store.retention import Retention
+from .store.warmer import BufferWarmer
 from .topology import Topology
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SaveResult:
-    step: int
-    bytes: int
-    blocking_seconds: float  # time the caller was held (staging for async_save)
-    seconds: float  # until committed in tmpfs on every rank
-    persistent: bool = False
-    overlapped_bytes: int = 0  # copied on the staging thread while training went on
-
-
-@dataclass
-class CheckpointEntry:
-    """One row of ``CheckpointManager.checkpoints()``."""
-
-    step: int
-    location: str  # "memory" or "persistent"
-    state: str  # "complete", "incomplete"
-    bytes: int | None
-    ranks: list[int] = field(default_factory=list)  # ranks whose shards are on this node
-    replication: str | None = None  # this rank's shard: committed | replicated | failed: why | ...
-    protected: bool | None = None  # every shard and the metadata on two nodes (job-wide)
 
 
 class CheckpointManager:
@@ -127,20 +103,17 @@ class CheckpointManager:
         # This run's identity, agreed by every rank (rank 0's): every save names it, and a
         # resume extends it with the run it loaded from (see store/identity.py).
         self.lineage = Lineage(self._all_gather(new_id())[0])
-        self._save_executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-save")
-        self._persist_executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-persist")
-        self._in_flight: Future | None = None
         self.snapshots = Snapshotter()  # overlapped saves: the staging thread and the guards
-        self._overlapped_step: int | None = None  # the save in flight, if it was overlapped
-        self._persist_futures: list[Future] = []
         self.pins = Pins()  # steps whose buffers a transfer or persistent write reads
-        self._lock = threading.Lock()
+        self.retention = Retention(self.store, self.rank, self.keep, self.pins)
+        self.warmer = BufferWarmer(self.store, self.keep)  # buffers of the next saves
+        self.persistent_writer = None if self.persistent is None else PersistentWriter(
+            self.persistent, job_dir=self.store.job_dir, rank=self.rank,
+            group=self._persist_pg, pins=self.pins, retention=self.retention)
         self._closed = False
         self.replicator: Replicator | None = None
         self.replica_owners: list[int] = []
         self._heal_thread: threading.Thread | None = None
-        self._warmer: threading.Thread | None = None  # prepares buffers of the next saves
-        self._prepared: dict[int, int] = {}  # owner rank -> shard size its buffers were made for
         if replication != "none" and self.topology.num_nodes == 1:
             log.info("mlcheckpoint: single node, replication off (nothing to pair with)")
             replication = "none"
@@ -151,8 +124,9 @@ class CheckpointManager:
         if replication != "none":
             self._start_replication(replication, replication_host, replication_timeout,
                                     replication_streams)
-            assert self.replicator is not None
-            self.replicator.transport.accept_from(self.lineage)
+        self.saver = Saver(self.store, self.topology, group=self._save_pg,
+                           snapshots=self.snapshots, retention=self.retention,
+                           warmer=self.warmer, replicator=self.replicator)
         log.debug("CheckpointManager job=%s dir=%s rank=%d/%d node=%d/%d", self.job_id,
                   self.store.job_dir, self.rank, self.topology.world_size,
                   self.topology.node_rank, self.topology.num_nodes)
@@ -166,13 +140,14 @@ class CheckpointManager:
                                    streams=streams)
         self.replicator = Replicator(self.store, transport, rdzv, self.topology)
         self.replica_owners = self.replicator.sources
+        self.retention.protect_replicas(self.replicator, self.replica_owners)
+        transport.accept_from(self.lineage)
 
     def _on_replica_received(self, step: int, owner: int) -> None:
-        # Runs on a listener thread: use the last known protected step rather than asking the
-        # c10d store (a new client per connection thread); a stale value only keeps more.
-        self._retention().apply(self.store, [owner], ask=False)
+        # Runs on a listener thread (the sink calls it once a replica is committed).
+        self.retention.apply_received(owner)
         with contextlib.suppress(MLCheckpointError):
-            self._prepare_buffers(owner, self.store.read_manifest(step, owner).data_bytes)
+            self.warmer.prepare(owner, self.store.read_manifest(step, owner).data_bytes)
 
     # ------------------------------------------------------------------ DCP-native
     def storage_writer(self, step: int) -> MemoryStorageWriter:
@@ -181,18 +156,10 @@ class CheckpointManager:
         Retires this rank's checkpoints beyond ``keep`` first, so their buffers are reused.
         """
         self._check_open()
-        self._apply_retention()
-        return self._writer(step)
-
-    def _writer(self, step: int) -> MemoryStorageWriter:
         # save/async_save retire old steps after each save, on the background thread, so they
-        # skip the up-front retention (an inventory and c10d round trips on the training thread).
-        notify = None
-        if self.replicator is not None:
-            self.replicator.activate()
-            notify = self.replicator.notify
-        return MemoryStorageWriter(step, self.store, on_commit=notify, on_metadata=notify,
-                                   lineage=self.lineage, snapshots=self.snapshots)
+        # skip this up-front retention (an inventory and c10d round trips on the training thread).
+        self.retention.apply()
+        return self.saver.writer(step, self.lineage)
 
     def storage_reader(self, step: int) -> MemoryStorageReader:
         """A reader for ``dcp.load`` of an in-memory ``step``."""
@@ -202,23 +169,8 @@ class CheckpointManager:
     def save(self, state_dict: dict[str, Any], step: int, *, persistent: bool = False) -> SaveResult:
         """Save ``step`` and return once it is committed in tmpfs on every rank."""
         self._check_open()
-        self._check_persistent(persistent)
-        self._wait_in_flight()
-        self._raise_overlapped_failure()
-        writer = self._writer(step)
-        t0 = time.perf_counter()
-        try:
-            with gc_paused():
-                metadata = dcp.save(state_dict, storage_writer=writer, process_group=self._save_pg)
-        except CheckpointException as e:
-            self._drop_failed_shard(writer)
-            raise unwrap_checkpoint_exception(e, f"save of step {step}") from None
-        seconds = time.perf_counter() - t0
-        result = SaveResult(step, _committed_bytes(writer), seconds, seconds, persistent)
-        self._after_save(result, metadata, writer.save_id)
-        if persistent:
-            self._write_persistent(state_dict, step)
-        return result
+        persist = self._persistent_for(persistent)
+        return self.saver.save(state_dict, step, self.lineage, persist)
 
     def guard(self, optimizer: torch.optim.Optimizer) -> GuardHandle:
         """Make ``async_save`` overlap its copy with the next step: every
@@ -257,143 +209,8 @@ class CheckpointManager:
         step fail too (no rank waits for it) and the previous step stays resumable.
         """
         self._check_open()
-        self._check_persistent(persistent)
-        self._wait_in_flight()
-        self._raise_overlapped_failure()
-        overlapped = self.snapshots.guarded if overlap is None else overlap
-        writer = self._writer(step)
-        t0 = time.perf_counter()
-        stage_error: BaseException | None = None
-        staged: dict[str, Any] | Future[dict[str, Any]] = {}
-        try:
-            with gc_paused():
-                flat = _stateful_to_state_dict(state_dict)  # Stateful objects: at call time
-                if overlapped:
-                    staged = writer.stage_overlapped(
-                        flat, None if overlap else self.snapshots.deferrable())
-                else:
-                    staged = writer.stage_now(flat)
-        except (MLCheckpointError, OSError) as e:
-            stage_error, staged = e, {}
-            writer.poison(e)  # fail this step on every rank instead of leaving them waiting
-        blocking = time.perf_counter() - t0
-        fut = self._save_executor.submit(self._finish_async_save, writer, staged, step,
-                                         persistent, t0, blocking)
-        with self._lock:
-            self._in_flight = fut
-            self._overlapped_step = step if overlapped and stage_error is None else None
-        if stage_error is not None:
-            raise stage_error
-        return fut
-
-    def _raise_overlapped_failure(self) -> None:
-        """The previous save overlapped and failed (on some rank: the commit is collective):
-        raise that here, once, on every rank alike, so that all ranks skip this call together
-        (even the rank whose guard raised it already)."""
-        with self._lock:
-            fut, step, self._overlapped_step = self._in_flight, self._overlapped_step, None
-        error = fut.exception() if step is not None and fut is not None else None
-        if error is not None:
-            self.snapshots.forget_failure()
-            raise error
-
-    def _finish_async_save(self, writer: MemoryStorageWriter,
-                           staged: dict[str, Any] | Future[dict[str, Any]], step: int,
-                           persistent: bool, t0: float, blocking: float) -> SaveResult:
-        if isinstance(staged, Future):
-            staged = staged.result()  # the staging thread's copy; its failure poisoned writer
-        try:
-            with gc_paused():
-                metadata = dcp.save(staged, storage_writer=writer, process_group=self._save_pg)
-        except CheckpointException as e:
-            self._drop_failed_shard(writer)
-            err = unwrap_checkpoint_exception(e, f"async save of step {step}")
-            log.error("mlcheckpoint: %s", err)
-            raise err from None
-        result = SaveResult(step, _committed_bytes(writer), blocking, time.perf_counter() - t0,
-                            persistent, writer.overlapped_bytes)
-        self._after_save(result, metadata, writer.save_id)
-        if persistent:
-            # The persistent write reads the staged views of this step's tmpfs buffers: pin the
-            # step so retention does not recycle them meanwhile.
-            self.pins.pin(step)
-            pf = self._persist_executor.submit(self._write_persistent, staged, step, True)
-            with self._lock:
-                self._persist_futures = [f for f in self._persist_futures if not f.done()] + [pf]
-        return result
-
-    def _drop_failed_shard(self, writer: MemoryStorageWriter) -> None:
-        """A step that failed on some rank is no checkpoint: give back the space this rank's
-        shard of it took (else a CapacityError on one rank leaves the others' shards holding
-        the tmpfs for the rest of the run)."""
-        if writer.committed is not None:
-            with contextlib.suppress(OSError, MLCheckpointError):
-                self.store.retire_shard(writer.step, self.rank)
-
-    def _write_persistent(self, state_dict: dict[str, Any], step: int, pinned: bool = False) -> None:
-        assert self.persistent is not None, "persistent=True needs CheckpointManager(persistent_dir=...)"
-        t0 = time.perf_counter()
-        try:
-            dcp.save(state_dict, storage_writer=self.persistent.writer(step),
-                     process_group=self._persist_pg)
-            seconds = time.perf_counter() - t0
-            log.info("mlcheckpoint: persistent checkpoint of step %d written to %s in %.2fs",
-                     step, self.persistent.path(step), seconds)
-            history.record(self.store.job_dir, "persistent", step=step, rank=self.rank,
-                           seconds=round(seconds, 6), location=self.persistent.path(step))
-        except CheckpointException as e:
-            err = unwrap_checkpoint_exception(e, f"persistent save of step {step}")
-            log.error("mlcheckpoint: %s", err)
-            raise err from None
-        finally:
-            if pinned:
-                self.pins.unpin(step)
-                self._apply_retention()  # the step may have been held past ``keep``
-
-    def _after_save(self, result: SaveResult, metadata: Any, save_id: str) -> None:
-        step = result.step
-        history.record(self.store.job_dir, "save", step=step, rank=self.rank, bytes=result.bytes,
-                       seconds=round(result.seconds, 6), blocking_seconds=round(result.blocking_seconds, 6))
-        # dcp.save returns the global metadata on every rank: every node stores it at once,
-        # without waiting for the coordinator's push.
-        if self.topology.local_rank == 0 and self.topology.node_rank != 0:
-            try:
-                self.store.read_metadata(step, save_id)
-            except MLCheckpointError:  # none yet, or an earlier save's of this step number
-                commit_metadata(self.store, step, metadata, self.topology.world_size,
-                                save_id=save_id, lineage=self.lineage)
-        if self.replicator is not None:
-            self.replicator.notify()
-        self._apply_retention()
-        self._prepare_buffers(self.rank, result.bytes)
-
-    def _prepare_buffers(self, owner: int, nbytes: int) -> None:
-        """Make the buffers of ``owner``'s next checkpoints now, on a background thread, so
-        the first ``keep`` saves (or received replicas) after this one do not touch fresh
-        tmpfs pages. Once a steady state recycles buffers this does nothing."""
-        with self._lock:
-            if (self._closed or nbytes <= 0 or self._prepared.get(owner, -1) >= nbytes
-                    or (self._warmer is not None and self._warmer.is_alive())):
-                return
-            self._prepared[owner] = nbytes
-            self._warmer = threading.Thread(target=self._warm, args=(owner, nbytes), daemon=True,
-                                            name="mlckpt-prepare")
-            self._warmer.start()
-
-    def _warm(self, owner: int, nbytes: int) -> None:
-        try:
-            self.store.prewarm(owner, nbytes, self.keep)
-        except (OSError, MLCheckpointError) as e:  # only an optimisation: saves still work
-            log.warning("mlcheckpoint: could not prepare buffers for rank %d: %s", owner, e)
-
-    def _retention(self) -> RetentionPolicy:
-        """Retention's policy: ``keep`` steps per owner, never a step being read nor the newest
-        replicated everywhere (stateless: made from what the manager holds now)."""
-        return RetentionPolicy(self.keep, self.pins, self.replicator)
-
-    def _apply_retention(self) -> None:
-        """Retire this rank's own shards and the replicas it keeps beyond ``keep``."""
-        self._retention().apply(self.store, [self.rank, *self.replica_owners])
+        persist = self._persistent_for(persistent)
+        return self.saver.async_save(state_dict, step, self.lineage, persist, overlap)
 
     # ------------------------------------------------------------------ resume
     def resume(self, state_dict: dict[str, Any]) -> ResumeInfo:
@@ -405,7 +222,7 @@ class CheckpointManager:
         another copy, an older step, the persistent step, then a fresh start (step None).
         """
         self._check_open()
-        self._wait_in_flight()
+        self.saver.wait()
         resumed = self._recovery().run(state_dict)
         self.lineage = resumed.lineage  # later saves descend from what was loaded
         self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
@@ -422,7 +239,7 @@ class CheckpointManager:
         are dropped on every node, as after a resume: the job saves new ones under their
         numbers, and retention must not keep the abandoned ones as the newest."""
         self._check_open()
-        self._wait_in_flight()
+        self.saver.wait()
         self._recovery().continue_from(step)
 
     def _recovery(self) -> Recovery:
@@ -432,21 +249,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ listing
     def checkpoints(self) -> list[CheckpointEntry]:
         """In-memory steps on this node and persistent steps, oldest first."""
-        entries = []
-        for step, st in self.store.inventory().items():
-            entry = CheckpointEntry(step, "memory", "complete" if st.complete else "incomplete",
-                                    st.total_bytes, sorted(st.committed_ranks))
-            if self.replicator is not None:
-                rep = self.replicator.state(step)
-                entry.replication = None if rep is None else (
-                    rep.state if rep.reason is None else f"{rep.state}: {rep.reason}")
-                entry.protected = self.replicator.is_protected(step)
-            entries.append(entry)
-        if self.persistent is not None:
-            for step in self.persistent.steps():
-                entries.append(CheckpointEntry(step, "persistent", "complete",
-                                               self.persistent.size_bytes(step)))
-        return sorted(entries, key=lambda e: (e.step, e.location))
+        return list_checkpoints(self.store, self.replicator, self.persistent)
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> bool:
         """Wait until every shard and the metadata of ``step`` are on two nodes (job-wide).
@@ -461,13 +264,11 @@ class CheckpointManager:
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
         """Block until every save, persistent write and post-resume repair has finished."""
-        self._wait_in_flight()
+        self.saver.wait()
         if self._heal_thread is not None:
             self._heal_thread.join()
-        with self._lock:
-            pending = list(self._persist_futures)
-        for f in pending:
-            f.exception()  # wait; errors were logged where they happened
+        if self.persistent_writer is not None:
+            self.persistent_writer.wait()  # raises the first failed write not raised yet
 
     def close(self, failed: bool | None = None, *, timeout: float = 60.0) -> None:
         """Wait for saves and replication in flight, then release threads, sockets and
@@ -490,7 +291,9 @@ class CheckpointManager:
                 log.warning("mlcheckpoint: closing after an error on this rank: not waiting for "
                             "other ranks or for saves in flight")
             else:
-                self.wait()
+                # A failed persistent write was logged where it happened: close goes on.
+                with contextlib.suppress(Exception):
+                    self.wait()
                 if self.replicator is not None:
                     self.replicator.drain(timeout=timeout)
                 if self._distributed:
@@ -510,20 +313,17 @@ class CheckpointManager:
 
     def _release(self, wait: bool) -> None:
         self._closed = True
+        self.warmer.stop()  # a save finishing now prepares no more buffers
         # Not waiting: a snapshot in flight fails rather than commits what training changes.
         self.snapshots.close(wait=wait)
-        self._save_executor.shutdown(wait=wait, cancel_futures=not wait)
-        self._persist_executor.shutdown(wait=wait, cancel_futures=not wait)
-        with self._lock:
-            warmer = self._warmer
-            futures = [f for f in [self._in_flight, *self._persist_futures] if f is not None]
-        if warmer is not None and wait:
-            warmer.join()
+        idle = self.saver.close(wait)
+        if self.persistent_writer is not None:
+            idle = self.persistent_writer.close(wait) and idle
+        idle = self.warmer.close(wait) and idle
         if self.replicator is not None:
             self.replicator.close()
             self.replicator.transport.close()
-        threads = [t for t in (warmer, self._heal_thread) if t is not None]
-        if all(f.done() for f in futures) and not any(t.is_alive() for t in threads):
+        if idle and not (self._heal_thread is not None and self._heal_thread.is_alive()):
             # Else (a failing close) work still running uses these mappings: they go with the
             # process.
             self.store.close()
@@ -538,17 +338,15 @@ class CheckpointManager:
         if self._closed:
             raise MLCheckpointError("CheckpointManager is closed")
 
-    def _check_persistent(self, persistent: bool) -> None:
-        # Refused at the call, before anything is staged or pinned.
-        if persistent and self.persistent is None:
+    def _persistent_for(self, persistent: bool) -> PersistentWriter | None:
+        """The writer a save with ``persistent`` uses (None: no persistent write). Refused at
+        the call, before anything is staged or pinned, when there is no persistent folder."""
+        if not persistent:
+            return None
+        if self.persistent_writer is None:
             raise ConfigError("persistent=True needs CheckpointManager(persistent_dir=...): "
                               "no persistent folder was given")
-
-    def _wait_in_flight(self) -> None:
-        with self._lock:
-            fut = self._in_flight
-        if fut is not None:
-            fut.exception()  # wait; the caller of async_save owns the result
+        return self.persistent_writer
 
     # ------------------------------------------------------------------ collectives
     def _all_gather(self, obj: Any) -> list[Any]:
@@ -557,8 +355,4 @@ class CheckpointManager:
         out: list[Any] = [None] * dist.get_world_size(self._save_pg)
         dist.all_gather_object(out, obj, group=self._save_pg)
         return out
-
-
-def _committed_bytes(writer: MemoryStorageWriter) -> int:
-    return writer.committed.data_bytes if writer.committed is not None else 0
 

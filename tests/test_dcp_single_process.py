@@ -25,6 +25,7 @@ from mlcheckpoint import (
     LocalStore,
     MemoryStorageReader,
     MemoryStorageWriter,
+    MLCheckpointError,
     ResumeInfo,
 )
 
@@ -403,6 +404,21 @@ def test_manager_async_persistent_save(dirs):
     out = zeros_like_state(expected)
     dcp.load(out, storage_reader=FileSystemReader(os.path.join(pers, f"step-{8:012d}")))
     assert_same(expected, out)
+
+
+def test_manager_wait_raises_a_failed_background_persistent_write(dirs):
+    _, pers = dirs
+    os.makedirs(pers)
+    with open(os.path.join(pers, f"step-{9:012d}"), "w"):  # a file where the step's folder goes
+        pass
+    with manager(dirs, persistent=True, keep=1) as ckpt:
+        assert ckpt.async_save(make_state(9), 9, persistent=True).result(timeout=60).persistent
+        with pytest.raises((MLCheckpointError, OSError)):
+            ckpt.wait()  # the write of step 9 failed: wait says so
+        ckpt.wait()  # raised once
+        assert ckpt.pins.steps() == set()  # the failed write gave its step back
+        ckpt.save(make_state(10), 10)
+        assert [e.step for e in ckpt.checkpoints()] == [10]
 
 
 def test_manager_resume_from_persistent_when_memory_is_gone(dirs):

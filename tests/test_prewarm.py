@@ -107,7 +107,7 @@ def test_manager_prepares_buffers_after_the_first_save(store_dir):
     sd = {"w": torch.randn(256, 256), "b": torch.randn(300)}
     with CheckpointManager(job_id=JOB, local_dir=store_dir, keep=2, replication="none") as ckpt:
         ckpt.save(sd, 1)
-        warmer = ckpt._warmer
+        warmer = ckpt.warmer.thread
         assert warmer is not None
         warmer.join(timeout=60)
         store = ckpt.store

@@ -1,7 +1,7 @@
 """MemoryStorageWriter: a DCP StorageWriter that commits each rank's shard to tmpfs.
 
 Save path: DCP plan -> ``write_data`` copies (or, after ``stage``, only hashes) every item
-into one mapped shard buffer -> the shard is committed with its manifest -> the coordinator's
+into one mapped shard buffer (where each item goes: ``placement.py``) -> the shard is committed with its manifest -> the coordinator's
 ``finish`` commits the global metadata. Tensor bytes are raw; only DCP's own byte items
 (non-tensor values) and the global metadata are pickled, as DCP pickles them.
 """
@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import io
 import logging
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,12 +27,11 @@ from .._faults import crash_point
 from .._gc import pausing_gc
 from ..errors import MLCheckpointError, StagingError
 from ..snapshot import Snapshotter, storage_ptr
-from ..store import copier
 from ..store.identity import Lineage, new_id
-from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardWriter, align
-from ..store.manifest import Manifest, ManifestItem
+from ..store.manifest import Manifest
 from . import staging
+from .placement import Placement, copy_and_hash
 
 log = logging.getLogger(__name__)
 
@@ -43,62 +40,12 @@ def _default_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _key(index) -> str:
-    offset = "" if index.offset is None else ",".join(map(str, index.offset))
-    return f"{index.fqn}@{offset}" if index.offset is not None else index.fqn
-
-
 def parse_step(checkpoint_id: Any) -> int:
     """Accept a step as int, numeric string, or 'mlcheckpoint://<job>/<step>'."""
     s = str(checkpoint_id).rstrip("/").rsplit("/", 1)[-1]
     if not s.isdigit():
         raise ValueError(f"checkpoint_id {checkpoint_id!r} does not name a step")
     return int(s)
-
-
-@dataclass
-class _Placed:
-    """A write item with its place in the shard; ``span`` is the copy/hash still to run."""
-
-    item: Any
-    offset: int
-    nbytes: int
-    tensor: torch.Tensor | None = None  # also keeps the source alive until it is copied
-    span: copier.Span | None = None
-    digest: int = 0
-    twin: copier.Span | None = None  # the tensor whose bytes ``span`` should already hold
-
-
-def _confirm_restaged(shard: ShardWriter, placed: list[_Placed]) -> None:
-    """Compare each PROCESS-mode tensor with the staged region it was taken for (by checksum;
-    the region's was usually taken while staging). Where they differ the tensor is appended
-    like any late tensor: the region may hold another item's staged bytes, so it is never
-    overwritten."""
-    twins = [(p, p.twin) for p in placed if p.twin is not None]
-    if not twins:
-        return
-    unhashed = [(p, p.span) for p, _ in twins if p.span is not None]  # staged by torch: no checksum yet
-    digests = copier.process([twin for _, twin in twins] + [span for _, span in unhashed])
-    for (p, _), digest in zip(unhashed, digests[len(twins):]):
-        p.digest = digest
-    for (p, _), sent in zip(twins, digests):
-        if p.digest != sent:
-            log.warning("staged bytes of %s differ from the tensor DCP sent; writing it anew",
-                        p.item.index.fqn)
-            assert p.tensor is not None  # twins are tensors
-            p.offset, p.digest = _append_tensor(shard, p.tensor)
-        p.span = p.twin = None
-
-
-def _append_tensor(shard: ShardWriter, t: torch.Tensor) -> tuple[int, int]:
-    """Append a tensor's bytes after the mapped region, like a byte item."""
-    return shard.append_bytes(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-
-
-def _copy_and_hash(placed: list[_Placed]) -> None:
-    todo = [(p, p.span) for p in placed if p.span is not None]
-    for (p, _), digest in zip(todo, copier.process([span for _, span in todo])):
-        p.digest = digest
 
 
 class MemoryStorageWriter(StorageWriter, AsyncStager):
@@ -284,18 +231,19 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._poison is not None:
             raise self._poison
-        shard = self._open_shard(plan, planner)
+        shard = self._open_shard(plan)
         try:
             crash_point("before_data", self.step, self.rank)
-            placed = [self._place(shard, item, planner) for item in plan.items]
+            placement = Placement(shard, self._staged_digests, self._restaged_bytes())
+            placed = [placement.place(item, planner.resolve_data(item)) for item in plan.items]
             if any(p.tensor is not None and p.tensor.device.type != "cpu" for p in placed):
                 torch.accelerator.synchronize()  # the device copies must land before hashing
-            _confirm_restaged(shard, placed)
+            placement.confirm_restaged(placed)
             half = len(placed) // 2
-            _copy_and_hash(placed[:half])
+            copy_and_hash(placed[:half])
             crash_point("mid_data", self.step, self.rank)
-            _copy_and_hash(placed[half:])
-            results = [self._record(shard, p) for p in placed]
+            copy_and_hash(placed[half:])
+            results = [placement.record(p, self.rank) for p in placed]
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             self.save_id = _plan_save_id(plan)
             self.committed = shard.commit(world_size=world, save_id=self.save_id,
@@ -312,7 +260,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         fut.set_result(results)
         return fut
 
-    def _open_shard(self, plan: SavePlan, planner: SavePlanner) -> ShardWriter:
+    def _restaged_bytes(self) -> int | None:
+        """The staged region's size when ``stage`` ran in another process (PROCESS mode: the
+        buffer is reopened by name, and DCP hands copies of the staged views); else None."""
+        return self._staged_bytes if self._staged_rank is not None and self._staged is None else None
+
+    def _open_shard(self, plan: SavePlan) -> ShardWriter:
         if self._staged_rank is not None:
             shard = self._staged
             if shard is None:  # PROCESS mode: stage() ran in the trainer; reopen its buffer by name
@@ -328,74 +281,6 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 nbytes += align(torch.Size(item.tensor_data.size).numel()
                                 * item.tensor_data.properties.dtype.itemsize)
         return self.store.begin_shard(self.step, self.rank, nbytes)
-
-    def _place(self, shard: ShardWriter, item, planner: SavePlanner) -> _Placed:
-        """Decide where ``item`` goes in the shard; the tensor copies run later, all at once."""
-        data = planner.resolve_data(item)
-        if item.type == WriteItemType.BYTE_IO:
-            assert isinstance(data, io.BytesIO)
-            raw = data.getvalue()
-            offset, digest = shard.append_bytes(raw)
-            return _Placed(item, offset, len(raw), digest=digest)
-        assert isinstance(data, torch.Tensor)
-        t = data.detach()
-        nbytes = t.numel() * t.element_size()
-        base = shard.buffer.base_ptr
-        staged_at, twin = shard.buffer.contains(t), None  # staged: the bytes are in place
-        if staged_at is None:  # PROCESS mode: a copy of a staged view; confirmed before use
-            staged_at = self._restaged_offset(t, nbytes)
-            twin = copier.Span(src=t.data_ptr(), nbytes=nbytes) if staged_at is not None else None
-        if staged_at is not None:  # hash the staged region unless staging did
-            known = self._staged_checksum(staged_at, nbytes)
-            span = None if known is not None else copier.Span(src=base + staged_at, nbytes=nbytes)
-            return _Placed(item, staged_at, nbytes, t, span, digest=known or 0, twin=twin)
-        if shard.cursor + nbytes > shard.buffer.size:
-            offset, digest = _append_tensor(shard, t)  # a tensor DCP produced after staging
-            return _Placed(item, offset, nbytes, t, digest=digest)
-        offset = shard.cursor
-        shard.cursor = align(offset + nbytes)
-        if staging.plain_cpu(t):
-            span = copier.Span(src=t.data_ptr(), nbytes=nbytes, dst=base + offset)
-        else:  # strided view or device tensor: torch copies it now; the hash comes with the rest
-            on_device = t.device.type != "cpu"
-            if on_device:  # device-to-host straight into the (page-locked) tmpfs buffer
-                shard.buffer.register_for_device_copies()
-            dst = shard.buffer.tensor[offset:offset + nbytes].view(t.dtype).view(t.shape)
-            dst.copy_(t, non_blocking=on_device)
-            span = copier.Span(src=base + offset, nbytes=nbytes)
-        return _Placed(item, offset, nbytes, t, span)
-
-    def _staged_checksum(self, offset: int, nbytes: int) -> int | None:
-        """The checksum ``stage`` took of the region at ``offset``, if it took one of this size."""
-        known = self._staged_digests.get(offset)
-        return known[1] if known is not None and known[0] == nbytes else None
-
-    def _restaged_offset(self, t: torch.Tensor, nbytes: int) -> int | None:
-        """Where a tensor DCP handed to its checkpoint process (PROCESS mode) was staged.
-
-        DCP sends the staged views to that process through torch multiprocessing, which moves
-        their storage (our whole staging buffer) into shared memory of its own. A view keeps
-        its offset in that storage, so it names the staged region its bytes came from, and the
-        bytes need not be written a second time. ``_confirm_restaged`` checks the contents
-        match before they are used.
-        """
-        if (self._staged_rank is None or self._staged is not None or not staging.plain_cpu(t)
-                or t.untyped_storage().nbytes() < self._staged_bytes):
-            return None
-        offset = int(t.storage_offset()) * t.element_size()
-        return offset if offset + nbytes <= self._staged_bytes else None
-
-    def _record(self, shard: ShardWriter, p: _Placed) -> WriteResult:
-        t = p.tensor
-        is_tensor = t is not None
-        shard.add_item(ManifestItem(
-            key=_key(p.item.index), offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
-            kind="tensor" if is_tensor else "bytes",
-            dtype=str(t.dtype).removeprefix("torch.") if t is not None else None,
-            shape=list(t.shape) if t is not None else None))
-        loc = ItemLocation(rank=self.rank, offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
-                           is_tensor=is_tensor)
-        return WriteResult(index=p.item.index, size_in_bytes=p.nbytes, storage_data=loc)
 
     @pausing_gc
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

@@ -120,3 +120,28 @@ class RetentionPolicy:
     def apply(self, store: LocalStore, owners: Iterable[int], *, ask: bool = True) -> list[int]:
         """Retire ``owners``' shards beyond ``keep`` in ``store``; returns the steps retired."""
         return store.apply_retention(owners, self.keep, protected=self.protected(store, ask=ask))
+
+
+class Retention:
+    """A CheckpointManager's retention: its policy over this rank's own shards and, once
+    replication runs, the replicas this node keeps for its partners."""
+
+    def __init__(self, store: LocalStore, rank: int, keep: int, pins: Pinned):
+        self.store = store
+        self.policy = RetentionPolicy(keep, pins)
+        self.owners = [rank]  # whose shards ``apply`` retires
+
+    def protect_replicas(self, replicas: Protection, partners: Iterable[int]) -> None:
+        """Replication started: keep the newest step replicated everywhere, and retire the
+        replicas of ``partners`` too."""
+        self.policy.replicas = replicas
+        self.owners = [self.owners[0], *partners]
+
+    def apply(self) -> list[int]:
+        """Retire this rank's shards and the replicas it keeps beyond ``keep``."""
+        return self.policy.apply(self.store, self.owners)
+
+    def apply_received(self, owner: int) -> list[int]:
+        """A replica of ``owner`` arrived (a listener thread: uses the last known protected
+        step rather than asking the c10d store; a stale value only keeps more)."""
+        return self.policy.apply(self.store, [owner], ask=False)

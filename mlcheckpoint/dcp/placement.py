@@ -1,0 +1,166 @@
+"""Where each item of a save goes in the shard buffer, and the copy + hash that fills it.
+
+``MemoryStorageWriter.write_data`` builds one ``Placement`` per shard: ``place`` decides each
+item's offset (an item ``stage`` already copied keeps its staged region; byte items and late
+tensors are appended), ``confirm_restaged`` checks PROCESS-mode tensors against the region
+they were staged in, ``copy_and_hash`` runs every copy and checksum on the copier's threads,
+and ``record`` writes the manifest entry and DCP's WriteResult.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..store import copier
+from ..store.layout import ItemLocation
+from ..store.local_store import ShardWriter, align
+from ..store.manifest import ManifestItem
+from . import staging
+
+log = logging.getLogger(__name__)
+
+
+def item_key(index: MetadataIndex) -> str:
+    """The manifest key of a DCP item: its FQN, with the chunk offset for a sharded tensor."""
+    offset = "" if index.offset is None else ",".join(map(str, index.offset))
+    return f"{index.fqn}@{offset}" if index.offset is not None else index.fqn
+
+
+@dataclass
+class Placed:
+    """A write item with its place in the shard; ``span`` is the copy/hash still to run."""
+
+    item: WriteItem
+    offset: int
+    nbytes: int
+    tensor: torch.Tensor | None = None  # also keeps the source alive until it is copied
+    span: copier.Span | None = None
+    digest: int = 0
+    twin: copier.Span | None = None  # the tensor whose bytes ``span`` should already hold
+
+
+def copy_and_hash(placed: list[Placed]) -> None:
+    """Run the copies and checksums ``place`` left to do, all at once on the copier."""
+    todo = [(p, p.span) for p in placed if p.span is not None]
+    for (p, _), digest in zip(todo, copier.process([span for _, span in todo]), strict=True):
+        p.digest = digest
+
+
+def _append_tensor(shard: ShardWriter, t: torch.Tensor) -> tuple[int, int]:
+    """Append a tensor's bytes after the mapped region, like a byte item."""
+    return shard.append_bytes(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+
+
+class Placement:
+    """Places the items of one save in ``shard``.
+
+    Args:
+        shard: this rank's shard, staged or fresh.
+        staged_digests: offset -> (nbytes, checksum) that ``stage`` took while copying.
+        restaged_bytes: the staged region's size when this runs in DCP's checkpoint process
+            (PROCESS mode) on a buffer reopened by name; None otherwise.
+    """
+
+    def __init__(self, shard: ShardWriter, staged_digests: dict[int, tuple[int, int]],
+                 restaged_bytes: int | None):
+        self.shard = shard
+        self._staged_digests = staged_digests
+        self._restaged_bytes = restaged_bytes
+
+    def place(self, item: WriteItem, data: Any) -> Placed:
+        """Decide where ``item`` (``data`` is what the planner resolved it to) goes; the tensor
+        copies run later, all at once."""
+        shard = self.shard
+        if item.type == WriteItemType.BYTE_IO:
+            assert isinstance(data, io.BytesIO)
+            raw = data.getvalue()
+            offset, digest = shard.append_bytes(raw)
+            return Placed(item, offset, len(raw), digest=digest)
+        assert isinstance(data, torch.Tensor)
+        t = data.detach()
+        nbytes = t.numel() * t.element_size()
+        base = shard.buffer.base_ptr
+        staged_at, twin = shard.buffer.contains(t), None  # staged: the bytes are in place
+        if staged_at is None:  # PROCESS mode: a copy of a staged view; confirmed before use
+            staged_at = self._restaged_offset(t, nbytes)
+            twin = copier.Span(src=t.data_ptr(), nbytes=nbytes) if staged_at is not None else None
+        if staged_at is not None:  # hash the staged region unless staging did
+            known = self._staged_checksum(staged_at, nbytes)
+            span = None if known is not None else copier.Span(src=base + staged_at, nbytes=nbytes)
+            return Placed(item, staged_at, nbytes, t, span, digest=known or 0, twin=twin)
+        if shard.cursor + nbytes > shard.buffer.size:
+            offset, digest = _append_tensor(shard, t)  # a tensor DCP produced after staging
+            return Placed(item, offset, nbytes, t, digest=digest)
+        offset = shard.cursor
+        shard.cursor = align(offset + nbytes)
+        if staging.plain_cpu(t):
+            span = copier.Span(src=t.data_ptr(), nbytes=nbytes, dst=base + offset)
+        else:  # strided view or device tensor: torch copies it now; the hash comes with the rest
+            on_device = t.device.type != "cpu"
+            if on_device:  # device-to-host straight into the (page-locked) tmpfs buffer
+                shard.buffer.register_for_device_copies()
+            dst = shard.buffer.tensor[offset:offset + nbytes].view(t.dtype).view(t.shape)
+            dst.copy_(t, non_blocking=on_device)
+            span = copier.Span(src=base + offset, nbytes=nbytes)
+        return Placed(item, offset, nbytes, t, span)
+
+    def confirm_restaged(self, placed: list[Placed]) -> None:
+        """Compare each PROCESS-mode tensor with the staged region it was taken for (by
+        checksum; the region's was usually taken while staging). Where they differ the tensor
+        is appended like any late tensor: the region may hold another item's staged bytes, so
+        it is never overwritten."""
+        twins = [(p, p.twin) for p in placed if p.twin is not None]
+        if not twins:
+            return
+        unhashed = [(p, p.span) for p, _ in twins if p.span is not None]  # staged by torch: no checksum yet
+        digests = copier.process([twin for _, twin in twins] + [span for _, span in unhashed])
+        for (p, _), digest in zip(unhashed, digests[len(twins):], strict=True):
+            p.digest = digest
+        for (p, _), sent in zip(twins, digests[:len(twins)], strict=True):
+            if p.digest != sent:
+                log.warning("staged bytes of %s differ from the tensor DCP sent; writing it anew",
+                            p.item.index.fqn)
+                assert p.tensor is not None  # twins are tensors
+                p.offset, p.digest = _append_tensor(self.shard, p.tensor)
+            p.span = p.twin = None
+
+    def record(self, p: Placed, rank: int) -> WriteResult:
+        """Add ``p`` to the shard's manifest; DCP's WriteResult carries its ItemLocation."""
+        t = p.tensor
+        is_tensor = t is not None
+        self.shard.add_item(ManifestItem(
+            key=item_key(p.item.index), offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
+            kind="tensor" if is_tensor else "bytes",
+            dtype=str(t.dtype).removeprefix("torch.") if t is not None else None,
+            shape=list(t.shape) if t is not None else None))
+        loc = ItemLocation(rank=rank, offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
+                           is_tensor=is_tensor)
+        return WriteResult(index=p.item.index, size_in_bytes=p.nbytes, storage_data=loc)
+
+    def _staged_checksum(self, offset: int, nbytes: int) -> int | None:
+        """The checksum ``stage`` took of the region at ``offset``, if it took one of this size."""
+        known = self._staged_digests.get(offset)
+        return known[1] if known is not None and known[0] == nbytes else None
+
+    def _restaged_offset(self, t: torch.Tensor, nbytes: int) -> int | None:
+        """Where a tensor DCP handed to its checkpoint process (PROCESS mode) was staged.
+
+        DCP sends the staged views to that process through torch multiprocessing, which moves
+        their storage (our whole staging buffer) into shared memory of its own. A view keeps
+        its offset in that storage, so it names the staged region its bytes came from, and the
+        bytes need not be written a second time. ``confirm_restaged`` checks the contents
+        match before they are used.
+        """
+        staged = self._restaged_bytes
+        if staged is None or not staging.plain_cpu(t) or t.untyped_storage().nbytes() < staged:
+            return None
+        offset = int(t.storage_offset()) * t.element_size()
+        return offset if offset + nbytes <= staged else None

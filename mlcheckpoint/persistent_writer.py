@@ -1,0 +1,102 @@
+"""PersistentWriter: writes steps to the persistent folder, now or on a thread of its own.
+
+``save(..., persistent=True)`` writes in the caller's thread. ``async_save(...,
+persistent=True)`` hands the staged views of the step's tmpfs buffers to ``submit``: the step
+stays pinned while the background write reads them, so retention does not recycle its
+buffers meanwhile, and is retired once the write ends if it was held past ``keep``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import history
+from .dcp.errors import unwrap_checkpoint_exception
+from .persistent import PersistentStorage
+from .replication import Pins
+from .store.retention import Retention
+
+log = logging.getLogger(__name__)
+
+
+class PersistentWriter:
+    """Writes DCP checkpoints of steps into ``storage``; collective over ``group``.
+
+    Args:
+        storage: the persistent folder (never None: without one there is no writer).
+        job_dir: the job's tmpfs folder, where history records each write.
+        rank: this rank, for history.
+        group: the process group of persistent writes (not the in-memory saves' group: the
+            two run on different threads and must not interleave their collectives).
+        pins: where a background write pins the step it reads.
+        retention: applied once a pinned step is released.
+    """
+
+    def __init__(self, storage: PersistentStorage, *, job_dir: str, rank: int,
+                 group: dist.ProcessGroup | None, pins: Pins, retention: Retention):
+        self.storage = storage
+        self.job_dir = job_dir
+        self.rank = rank
+        self.group = group
+        self.pins = pins
+        self.retention = retention
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-persist")
+        self._lock = threading.Lock()
+        self._futures: list[Future[None]] = []  # background writes not yet waited for
+
+    def write(self, state_dict: dict[str, Any], step: int) -> None:
+        """Write ``step`` now, in this thread."""
+        t0 = time.perf_counter()
+        try:
+            dcp.save(state_dict, storage_writer=self.storage.writer(step), process_group=self.group)
+        except CheckpointException as e:
+            err = unwrap_checkpoint_exception(e, f"persistent save of step {step}")
+            log.error("mlcheckpoint: %s", err)
+            raise err from None
+        seconds = time.perf_counter() - t0
+        log.info("mlcheckpoint: persistent checkpoint of step %d written to %s in %.2fs",
+                 step, self.storage.path(step), seconds)
+        history.record(self.job_dir, "persistent", step=step, rank=self.rank,
+                       seconds=round(seconds, 6), location=self.storage.path(step))
+
+    def submit(self, staged: dict[str, Any], step: int) -> None:
+        """Write ``step`` in the background from ``staged``, the views of its tmpfs buffers."""
+        self.pins.pin(step)
+        try:
+            future = self._executor.submit(self._write_pinned, staged, step)
+        except BaseException:
+            self.pins.unpin(step)
+            raise
+        with self._lock:
+            self._futures = [f for f in self._futures if not f.done() or f.exception()] + [future]
+
+    def _write_pinned(self, staged: dict[str, Any], step: int) -> None:
+        try:
+            self.write(staged, step)
+        finally:
+            self.pins.unpin(step)
+            self.retention.apply()  # the step may have been held past ``keep``
+
+    def wait(self) -> None:
+        """Wait for every background write; raise the first failure among those not raised
+        yet (each failure is raised once)."""
+        with self._lock:
+            pending, self._futures = self._futures, []
+        errors = [e for e in (f.exception() for f in pending if not f.cancelled()) if e is not None]
+        if errors:
+            raise errors[0]
+
+    def close(self, wait: bool) -> bool:
+        """Stop the writer thread (``wait``: after the writes in flight; otherwise the queued
+        ones are cancelled). Returns whether no write still runs."""
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        with self._lock:
+            return all(f.done() for f in self._futures)

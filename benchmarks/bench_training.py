@@ -63,6 +63,7 @@ from benchmarks.common import (
     size_str,
 )
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint._gilprobe import GilProbe
 
 MODES = ("none", "overlapped", "blocking", "dcp")
 LABELS = {"none": "no checkpointing", "overlapped": "ours, overlapped (guard)",
@@ -354,6 +355,22 @@ def make_savers(cfg: Config, root: str, trainer: Trainer) -> tuple[dict[str, Sav
     return savers, skipped
 
 
+def gil_holds(trainer: Trainer, saver: Saver, repeats: int = 3) -> dict[str, float]:
+    """The longest time a save kept another Python thread from running (the longest GIL
+    hold): a probe thread's worst wake-up delay while one save is staged, committed and
+    retired with the training thread idle, beside the same probe with no save running."""
+    with GilProbe() as idle:
+        time.sleep(1.0)
+    during = []
+    for _ in range(repeats):
+        with GilProbe() as probe:
+            saver.save(trainer.sd, trainer.step_no)
+            trainer.step_no += 1
+            saver.drain()
+        during.append(probe.longest_s)
+    return {"idle_s": idle.longest_s, "save_s": max(during)}
+
+
 def run(cfg: Config, root: str) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     trainer = Trainer(cfg)
@@ -379,11 +396,12 @@ def run(cfg: Config, root: str) -> dict[str, Any]:
                 f"{m} {median(t.step_s[-(cfg.steps - cfg.warmup):]):.3f} s" for m, t in times.items()))
         overlapped = savers.get("overlapped")
         manager_wait = overlapped.longest_guard_wait_s() if isinstance(overlapped, Ours) else None
+        gil = gil_holds(trainer, overlapped) if isinstance(overlapped, Ours) else None
     finally:
         for saver in savers.values():
             saver.close()
         trainer.guard_clock.remove()
-    return {"manager_longest_guard_wait_s": manager_wait,
+    return {"manager_longest_guard_wait_s": manager_wait, "gil_hold": gil,
             "shape": trainer.shape, "params": sum(p.numel() for p in trainer.model.parameters()),
             "state_bytes": trainer.state_bytes, "skipped": skipped,
             "modes": {m: asdict(t) for m, t in times.items()}}
@@ -451,6 +469,10 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], machine: dict[st
               f"{ov['optim_excess_s'] * 1e3:+.1f} ms more than without checkpoints, median"
               + (f"; the manager's own longest wait {res['manager_longest_guard_wait_s'] * 1e3:.1f} ms"
                  if res.get("manager_longest_guard_wait_s") is not None else "") + ")")
+        if res.get("gil_hold"):
+            g = res["gil_hold"]
+            print(f"ours, overlapped: longest GIL hold during a save {g['save_s'] * 1e3:.1f} ms "
+                  f"(a probe thread's worst wake-up delay; {g['idle_s'] * 1e3:.1f} ms with no save)")
     else:
         print("overlapped: not available")
     if "overlapped_vs_anchor" in s:

@@ -510,6 +510,10 @@ def test_stopped_partner_does_not_stall_saves(make_job):
 
     save(store, 0, rep)
     wait_for(lambda: state(0) == "replicated", "step 0 replicated to the live partner", diag=job.logs)
+    # The metadata push follows the shard's: stopping the partner in the middle of it would hold
+    # the replicator there (until its timeout) instead of on step 1's push, which is the case here.
+    wait_for(lambda: not rep.metadata_targets or rep.state(0).metadata_pushed is not None,
+             "step 0's metadata pushed", diag=job.logs)
     rstore.verify_shard(0, 0)
 
     os.kill(proc.pid, signal.SIGSTOP)

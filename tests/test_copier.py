@@ -24,8 +24,8 @@ from mlcheckpoint import (
     MemoryStorageReader,
     MemoryStorageWriter,
 )
+from mlcheckpoint.store import buffers, copier
 from mlcheckpoint.store import checksum as cs
-from mlcheckpoint.store import copier
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -249,6 +249,85 @@ def test_load_into_resharded_and_cast_targets_through_a_fresh_store(store_dir):
     finally:
         fresh.close()
         store.close()
+
+
+@pytest.fixture
+def huge_page_tmpfs(tmp_path):
+    """A small tmpfs mounted with huge pages (huge=within_size), unmounted after the test;
+    skipped where this process may not mount one (not root) or the kernel lacks them."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            if "[deny]" in f.read():
+                pytest.skip("huge pages are denied to every tmpfs on this machine")
+    except OSError:
+        pytest.skip("this kernel has no transparent huge pages")
+    where = tmp_path / "huge"
+    where.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64M,huge=within_size,mode=0700",
+                                  "tmpfs", str(where)], capture_output=True, check=False, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:  # no mount command
+        pytest.skip(f"cannot mount a huge-page tmpfs here: {e}")
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a huge-page tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield str(where)
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_fresh_store_on_a_huge_page_tmpfs_maps_the_shard_populated_and_verifies_it(huge_page_tmpfs):
+    """On huge pages, a fresh process populates its mapping of the shard up front (one cheap
+    call instead of a fault per page while copying); every item is still verified."""
+    store = LocalStore(huge_page_tmpfs, "job-huge")
+    fresh = LocalStore(huge_page_tmpfs, "job-huge")
+    try:
+        sd = big_state(3)
+        dcp.save(sd, storage_writer=MemoryStorageWriter(1, store))
+        assert buffers.on_huge_pages(os.stat(store.data_path(1, 0)))
+        out = zeros_like_state(sd)
+        dcp.load(out, storage_reader=MemoryStorageReader(1, fresh))
+        assert_equal(sd, out)
+        [mapped] = fresh.mappings._by_key.values()
+        assert mapped.populated_by == "madvise (huge pages)"
+        it = next(i for i in store.read_manifest(1, 0).items if i.key.startswith("emb"))
+        with open(store.data_path(1, 0), "r+b") as f:
+            f.seek(it.offset + CHUNK + 3)
+            b = f.read(1)
+            f.seek(it.offset + CHUNK + 3)
+            f.write(bytes([b[0] ^ 0x01]))
+        another = LocalStore(huge_page_tmpfs, "job-huge")  # a fresh process again: no cached mapping
+        try:
+            with pytest.raises(CheckpointException) as ei:
+                dcp.load(zeros_like_state(sd), storage_reader=MemoryStorageReader(1, another))
+            assert "'emb'" in str(ei.value)
+        finally:
+            another.close()
+    finally:
+        fresh.close()
+        store.close()
+
+
+def test_huge_page_detection_falls_back_to_faults_on_small_pages(store_dir, tmp_path):
+    """Files on small pages (a tmpfs without huge pages, a disk) are mapped for reading
+    without populating: their pages are faulted in by the copier's threads."""
+    for d in (store_dir, str(tmp_path)):
+        path = os.path.join(d, "shard")
+        data = random_bytes(3 * CHUNK + 5)
+        with open(path, "wb") as f:
+            f.write(data.tobytes())
+        st = os.stat(path)
+        assert buffers.on_huge_pages(st) == (st.st_blksize >= 2 << 20)
+        cache = buffers.MappingCache()
+        try:
+            mapped = cache.map(path, data.nbytes, populate=False)
+            assert mapped.populated_by == ("madvise (huge pages)" if buffers.on_huge_pages(st) else "on demand")
+            dst = np.zeros_like(data)
+            [digest] = copier.process([copier.Span(src=mapped.base_ptr, nbytes=data.nbytes,
+                                                   dst=dst.ctypes.data)], threads=2)
+            assert digest == reference_checksum(data.tobytes()) and np.array_equal(dst, data)
+        finally:
+            cache.clear()
 
 
 @pytest.mark.parametrize("value,expected", [("3", 3), (" 1 ", 1), ("0", None), ("two", None), ("-2", None)])

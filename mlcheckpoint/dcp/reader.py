@@ -191,7 +191,7 @@ class MemoryStorageReader(StorageReader):
                                          target.data_ptr() if direct else None))
                 checked.append((req, loc))
             later.append((req, target, None if direct else loc))
-        for (req, loc), digest in zip(checked, copier.process(spans)):
+        for (req, loc), digest in zip(checked, copier.process(spans), strict=True):
             if digest != loc.checksum:
                 self._corrupt(rank, req, self.node)
         for req, target, stored in later:

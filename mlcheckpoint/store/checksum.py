@@ -41,8 +41,15 @@ def _xxhash_library() -> ctypes.CDLL | None:
 _LIB = _xxhash_library()
 
 
+def _fastest(name: str) -> str:
+    """``name``'s ``_dispatch`` twin where the library exports one: the same function (same
+    digests) in the widest vector unit the CPU has (AVX2, AVX-512); the plain one is built for
+    SSE2 and hashes cached bytes at about half the speed here."""
+    return name + "_dispatch" if hasattr(_LIB, name + "_dispatch") else name
+
+
 def _bind_xxh3():
-    fn = getattr(_LIB, "XXH3_64bits", None)  # None also when _LIB is
+    fn = getattr(_LIB, _fastest("XXH3_64bits"), None)  # None also when _LIB is
     if fn is None:
         log.debug("xxhash C symbols not reachable; hashing holds the GIL")
         return None
@@ -68,7 +75,7 @@ def _bind_native():
     try:
         from . import _hashcopy
         names = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset",
-                 "XXH3_64bits_update", "XXH3_64bits_digest")
+                 _fastest("XXH3_64bits_update"), "XXH3_64bits_digest")
         _hashcopy.bind(*(ctypes.cast(getattr(_LIB, n), ctypes.c_void_p).value for n in names))
     except (ImportError, AttributeError, ValueError) as e:
         log.info("mlcheckpoint: C copy loop unavailable (%s); using the Python loop", e)

@@ -149,9 +149,21 @@ def copy_deferred(layout: Layout, copied: Callable[[], None] = lambda: None) -> 
     layout.unhashed = []
 
 
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}  # one per device, made once
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The dedicated stream of the device-to-host snapshot copies on ``device``: made once and
+    reused, not created per checkpoint."""
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
 def _copy_from_device(layout: Layout, copies: list[_Copy]) -> None:
     device = copies[0].src.device if copies else torch.device("cuda", torch.cuda.current_device())
-    stream = torch.cuda.Stream(device)
+    stream = _side_stream(device)
     if layout.ready is not None:
         stream.wait_event(layout.ready)
     with torch.cuda.stream(stream):
@@ -164,7 +176,7 @@ def _copy_from_device(layout: Layout, copies: list[_Copy]) -> None:
 
 
 def _add_digests(layout: Layout, spans: list[copier.Span], digests: list[int]) -> None:
-    for s, d in zip(spans, digests):
+    for s, d in zip(spans, digests, strict=True):
         layout.digests[(s.dst if s.dst is not None else s.src) - layout.base] = (s.nbytes, d)
 
 

@@ -11,14 +11,20 @@ from .errors import (
     ShardNotFoundError,
     StagingError,
 )
-from .manager import CheckpointEntry, CheckpointManager, ResumeInfo, SaveResult
+from .manager import (
+    CheckpointEntry,
+    CheckpointManager,
+    ProtectionStatus,
+    ResumeInfo,
+    SaveResult,
+)
 from .options import Options
 from .store import LocalStore
 
 __all__ = [
     "CapacityError", "CheckpointEntry", "CheckpointManager", "ConfigError", "CorruptShardError",
     "LocalStore", "MLCheckpointError", "MemoryStorageReader", "MemoryStorageWriter", "Options",
-    "ProtocolError", "ReplicationError", "ResumeInfo", "SaveResult", "ShardNotFoundError",
+    "ProtectionStatus", "ProtocolError", "ReplicationError", "ResumeInfo", "SaveResult", "ShardNotFoundError",
     "StagingError",
 ]
 __version__ = "0.1.0"

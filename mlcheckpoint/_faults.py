@@ -6,8 +6,10 @@ before_metadata, replica_mid_recv, replica_mid_send (a push, once one of its str
 half its bytes).
 
 Pause: MLCHECKPOINT_PAUSE_AT="<point>[@<step>][#<rank>]=<path>" holds the calling thread at
-the point until the file <path> exists, so a test makes two ranks meet in the one order that
-exposes a race, every run. Points: resume_agreed (right after resume's last collective).
+the point until the file <path> exists (and creates <path>.reached when it gets there, so the
+test knows), so a test makes two ranks meet in the one order that
+exposes a race, every run. Points: resume_agreed (right after resume's last collective),
+retention_planned (a retention pass between its plan and carrying it out).
 
 Unset, each check costs one dict lookup.
 """
@@ -50,6 +52,8 @@ def pause_point(name: str, step: int | None = None, rank: int | None = None) -> 
     if not _matches(where, name, step, rank):
         return
     deadline = time.monotonic() + PAUSE_LIMIT_S
+    with open(f"{path}.reached", "a"):
+        pass
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{_PAUSE_ENV}: {path} did not appear within {PAUSE_LIMIT_S:.0f} s")

@@ -91,8 +91,10 @@ def cmd_ls(args) -> int:
         replicated = {e["step"] for e in events if e.get("event") == "replicate"}
         for s in steps:
             s["replicated_from_here"] = s["step"] in replicated
+        protected = [e for e in events if e.get("event") == "protected"]
         entry: dict[str, Any] = {"job": job, "dir": store.job_dir, "steps": steps,
-                                 "usage_bytes": store.usage_bytes()}
+                                 "usage_bytes": store.usage_bytes(),
+                                 "protection": protected[-1] if protected else None}
         if args.persistent:
             entry["persistent_steps"] = PersistentStorage(args.persistent).steps()
         out.append(entry)
@@ -109,10 +111,23 @@ def cmd_ls(args) -> int:
                  "yes" if s["replicated_from_here"] else "-"] for s in entry["steps"]]
         print(_table(rows, ["step", "state", "checkpoint", "here", "shards here (ranks)",
                             "not here", "metadata", "pushed to partner"]))
+        print(_protection_line(entry["protection"]))
         if "persistent_steps" in entry:
             print(f"persistent steps in {args.persistent}: {entry['persistent_steps'] or 'none'}")
         print()
     return EXIT_OK
+
+
+def _protection_line(event: dict[str, Any] | None) -> str:
+    """The newest protected step this node's history knows of (its replicator records one
+    each time a replication round leaves its save on two nodes)."""
+    if event is None:
+        return "protected (every shard on two nodes): no step yet"
+    ago = time.time() - float(event.get("time", time.time()))
+    lag, age = event.get("lag_steps"), event.get("age_seconds")
+    return (f"protected (every shard on two nodes): step {event.get('step')}, known {ago:.0f} s "
+            f"ago; then {'?' if lag is None else lag} steps behind the newest save, saved "
+            f"{'?' if age is None else f'{age:.1f}'} s before")
 
 
 def cmd_verify(args) -> int:

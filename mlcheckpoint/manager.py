@@ -37,6 +37,8 @@ from .recovery import Recovery, ResumeInfo
 from .recovery.resume import Comm
 from .replication import Pins, ReceiveSink, Rendezvous, Replicator
 from .replication.factory import make_transport
+from .replication.lag import ProtectionStatus, save_times
+from .replication.lag import status as protection_status
 from .saving import Saver, SaveResult
 from .snapshot import GuardHandle, Snapshotter
 from .store import LocalStore
@@ -250,6 +252,15 @@ class CheckpointManager:
     def checkpoints(self) -> list[CheckpointEntry]:
         """In-memory steps on this node and persistent steps, oldest first."""
         return list_checkpoints(self.store, self.replicator, self.persistent)
+
+    def protection(self) -> ProtectionStatus:
+        """How far replication lags behind the saves: the newest protected step (every shard
+        and the metadata on two nodes), its lag in steps and its age in seconds, this rank's
+        replication rate, and how many of its saves were skipped. With replication off nothing
+        is ever protected."""
+        if self.replicator is None:
+            return protection_status(None, save_times(self.store.inventory()), None, 0)
+        return self.replicator.protection()
 
     def wait_replicated(self, step: int, timeout: float = 60.0) -> bool:
         """Wait until every shard and the metadata of ``step`` are on two nodes (job-wide).

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from dataclasses import asdict
 
@@ -25,6 +26,7 @@ from helpers import WAIT, wait_for
 
 from mlcheckpoint.replication import Rendezvous, Replicator
 from mlcheckpoint.replication import protocol as p
+from mlcheckpoint.replication.rounds import Rounds
 from mlcheckpoint.replication.tcp import TcpTransport
 from mlcheckpoint.store import LocalStore, Manifest, ManifestItem, layout
 from mlcheckpoint.store.checksum import checksum
@@ -61,6 +63,7 @@ class Job:
         self.transports: list[TcpTransport] = []
         self.replicators: list[Replicator] = []
         self.procs: list[subprocess.Popen] = []
+        self._followers: list[tuple[threading.Event, threading.Thread]] = []
 
     def node_dir(self, rank: int) -> str:
         d = os.path.join(self.root, f"node{rank}")
@@ -78,6 +81,21 @@ class Job:
         t = cls(self.store(rank), self.rdzv(rank), host="127.0.0.1", timeout=timeout, **kw)
         self.transports.append(t)
         return t
+
+    def idle_rank(self, rank: int) -> None:
+        """Take part in replication rounds as ``rank``, a rank with nothing of its own to push:
+        a replicator names the next round only once every rank of the job is done."""
+        rounds, stop = Rounds(self.rdzv(rank), self.world), threading.Event()
+
+        def follow() -> None:
+            while not stop.is_set():
+                r = rounds.next(0.05)
+                if r is not None:
+                    rounds.finish(r)
+
+        thread = threading.Thread(target=follow, name=f"rounds-{rank}", daemon=True)
+        thread.start()
+        self._followers.append((stop, thread))
 
     def spawn(self, rank: int, cmd: str, env: dict | None = None, **cfg) -> subprocess.Popen:
         """An endpoint in a process of its own (tests/workers/repl_peer.py)."""
@@ -122,6 +140,9 @@ class Job:
             return json.load(f)
 
     def close(self) -> None:
+        for stop, thread in self._followers:
+            stop.set()
+            thread.join(timeout=10)
         for r in self.replicators:
             r.close()
         for t in self.transports:

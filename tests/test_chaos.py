@@ -15,7 +15,11 @@ After every restart, from the ranks' reports:
   every non-tensor value equal), of one incarnation that really saved that step;
 - all ranks report the same step and incarnation;
 - the step is never older than the newest acknowledged one (a step for which
-  ``wait_replicated`` returned True), and when equal, it is that very incarnation.
+  ``wait_replicated`` returned True), and when equal, it is that very incarnation;
+- the step is never older than the newest step some node that was not wiped held whole
+  (metadata and every rank's shard) when the round's job was killed. That is the oracle of
+  the mode without ``wait_replicated`` (``test_chaos_back_to_back_without_acks``: 2 x 2 ranks
+  saving back to back, so replication skips steps), and it holds in every mode.
 
 The worker's state is a pure function of (step, incarnation): a job that rolls back saves the
 same step numbers again with other bytes, so mixing two runs' copies of a step is caught.
@@ -40,6 +44,8 @@ from dataclasses import dataclass, field
 
 import pytest
 from cluster import Cluster, _dead, kill_strays, lose_node
+
+from mlcheckpoint import LocalStore
 
 SEED = int(os.environ.get("MLCHECKPOINT_CHAOS_SEED", "373"))
 ROUNDS = int(os.environ.get("MLCHECKPOINT_CHAOS_ROUNDS", "6"))
@@ -99,9 +105,12 @@ class ChaosFailure(AssertionError):
 class Chaos:
     """Drives the rounds on one cluster and checks the invariants after every restart."""
 
-    def __init__(self, c: Cluster, seed: int, test: str, env_rounds=lambda rnd: rnd):
+    def __init__(self, c: Cluster, seed: int, test: str, env_rounds=lambda rnd: rnd,
+                 ack: float = 0.6):
         self.c, self.seed, self.test = c, seed, test
         self.env_rounds = env_rounds  # the MLCHECKPOINT_CHAOS_ROUNDS that runs ``rnd`` rounds
+        self.ack = ack  # how often a save waits for replication
+        self.whole_floor: int | None = None  # newest step a surviving node held whole
         self.rng = random.Random(f"{seed}/{c.nnodes}")
         self.plans: list[str] = []
         self.lost: dict[int, tuple[int, int]] = {}  # pair -> (wiped node, round of the wipe)
@@ -184,9 +193,10 @@ class Chaos:
         p = self.plan(rnd, final)
         floor = self.newest_ack(rnd)
         saved = self.saved_before(rnd)
-        self.plans.append(f"  round {rnd}: {p} (floor: newest acknowledged (step, inc) {floor})")
-        cfg = {"round": rnd, "steps": p.steps, "seed": self.seed, "async": 0.5, "ack": 0.6,
-               "ack_timeout": 10, "compute": 0.05}
+        self.plans.append(f"  round {rnd}: {p} (floor: newest acknowledged (step, inc) {floor}, "
+                          f"newest whole on a survivor {self.whole_floor})")
+        cfg = {"round": rnd, "steps": p.steps, "seed": self.seed, "async": 0.5, "ack": self.ack,
+               "ack_timeout": 10, "compute": 0.05 if self.ack else 0.0}
         env = {"CHAOS_CRASH_NODE": str(p.victim), "CHAOS_CRASH_AT": p.crash_at or ""}
         t0 = time.monotonic()
         self.c.start("chaos_job.py", json.dumps(cfg), env=env)
@@ -198,6 +208,8 @@ class Chaos:
         self.plans[-1] += f" [{time.monotonic() - t0:.1f}s]"
         self.check_resume(rnd, floor, saved, every_rank=p.how == "none")
         wiped = self.allowed_wipes(rnd, p.wipe)
+        self.whole_floor = self.newest_whole(rnd, survivors=[k for k in range(self.c.nnodes)
+                                                             if k not in wiped])
         for k in wiped:
             self.c.nodes[k].wipe()
         self.stats["wipes"] += len(wiped)
@@ -236,6 +248,24 @@ class Chaos:
         self.unchecked_kills += 1
         time.sleep(p.survivor_delay)  # the survivors notice, or go on a little
 
+    def newest_whole(self, rnd: int, survivors: list[int]) -> int | None:
+        """The newest step one of ``survivors`` holds whole now (the job is dead), if every
+        rank finished its resume this round: the resume settled every node then, so all they
+        hold is of the job's history (a node killed before that may still hold steps of a run
+        the job abandoned, which the next resume rightly skips)."""
+        ranks = range(self.c.nnodes * self.c.nproc)
+        if not all(any(e.round == rnd and e.kind == "resumed" for e in self.events(r))
+                   for r in ranks):
+            return None
+        whole = []
+        for k in survivors:
+            store = LocalStore(self.c.nodes[k].local_dir, self.c.job_id, create=False)
+            try:
+                whole += store.complete_steps()
+            finally:
+                store.close()
+        return max(whole, default=None)
+
     def saves(self, rnd: int, rank: int) -> int:
         """Saves the rank began in this round."""
         return sum(1 for e in self.events(rank) if e.round == rnd and e.kind == "save")
@@ -273,6 +303,7 @@ class Chaos:
     # ------------------------------------------------------------------ invariants
     def check_resume(self, rnd: int, floor: tuple[int, int] | None,
                      saved: set[tuple[int, int]], every_rank: bool) -> None:
+        whole_floor = self.whole_floor
         """The invariants, on what the ranks that got that far reported about their resume
         (``every_rank``: the launch was not killed, so every rank must have reported)."""
         reports = self.c.results(f"chaos-r{rnd}")
@@ -297,6 +328,10 @@ class Chaos:
                 if step == floor[0] and r["inc"] != floor[1]:
                     self.fail(rnd, f"rank {rank} resumed step {step} of incarnation {r['inc']}, "
                                    f"but incarnation {floor[1]} of it was acknowledged; report {r}")
+            if whole_floor is not None and (r["step"] is None or r["step"] < whole_floor):
+                self.fail(rnd, f"rank {rank} resumed step {r['step']}, older than step "
+                               f"{whole_floor}, which a node that was not wiped held whole when "
+                               f"the last job died; report {r}")
         verdicts = {rank: (r["step"], r["inc"], r.get("shared_digest")) for rank, r in reports.items()}
         if len(set(verdicts.values())) != 1:
             self.fail(rnd, f"ranks disagree on (step, incarnation, shared digest): {verdicts}")
@@ -319,9 +354,10 @@ class Chaos:
                 + ", ".join(f"{k}: {v}" for k, v in sorted(self.stats.items())))
 
 
-def run_chaos(nnodes: int, rounds: int, test: str, env_rounds=lambda rnd: rnd) -> None:
-    with Cluster(nnodes) as c:
-        chaos = Chaos(c, SEED, test, env_rounds)
+def run_chaos(nnodes: int, rounds: int, test: str, env_rounds=lambda rnd: rnd, *,
+              nproc: int = 1, ack: float = 0.6) -> None:
+    with Cluster(nnodes, nproc=nproc) as c:
+        chaos = Chaos(c, SEED, test, env_rounds, ack)
         for rnd in range(rounds + 1):
             try:  # the last round injects nothing: the job must come back clean after it all
                 chaos.run_round(rnd, final=rnd == rounds)
@@ -339,3 +375,11 @@ def test_chaos_two_nodes():
 
 def test_chaos_four_nodes():
     run_chaos(4, ROUNDS // 4, "test_chaos_four_nodes", env_rounds=lambda rnd: 4 * rnd)
+
+
+def test_chaos_back_to_back_without_acks():
+    """2 nodes x 2 ranks saving back to back, never waiting for replication: replication skips
+    steps, ranks must still replicate the same ones, and the floor is what a survivor held
+    whole at the kill."""
+    run_chaos(2, max(1, ROUNDS * 2 // 3), "test_chaos_back_to_back_without_acks",
+              env_rounds=lambda rnd: (rnd * 3 + 1) // 2, nproc=2, ack=0.0)

@@ -473,6 +473,7 @@ def test_replicator_pushes_only_the_newest_and_supersedes_the_rest(make_job):
     receiver = job.endpoint(1)
     for step in (1, 2, 3):  # committed before the replicator gets to run
         save(sender.store, step, None)
+    job.idle_rank(1)
     rep = start_replicator(job, sender)
     wait_for(lambda: (st := rep.state(3)) is not None and st.state == "replicated",
              "step 3 to be replicated", diag=lambda: repr([rep.state(s) for s in (1, 2, 3)]))
@@ -501,6 +502,7 @@ def test_stopped_partner_does_not_stall_saves(make_job):
     proc = job.spawn(1, "serve", timeout=WAIT)
     job.status("1.ready", proc)
     rstore = LocalStore(job.node_dir(1), job.job_id, create=False)
+    job.idle_rank(1)
     rep = start_replicator(job, sender)
     store = sender.store
 

@@ -142,8 +142,9 @@ def test_store_retention_carries_out_the_plan(store):
 class Replicas:
     """Stands in for the replicator's view of job-wide protection (a plain value here)."""
 
-    def __init__(self, newest: int | None, known: int | None):
+    def __init__(self, newest: int | None, known: int | None, round_step: int | None = None):
         self.newest, self.known, self.asked = newest, known, 0
+        self.round = round_step
 
     def newest_protected(self, candidates: list[int]) -> int | None:
         self.asked += 1
@@ -151,6 +152,9 @@ class Replicas:
 
     def known_protected(self) -> int | None:
         return self.known
+
+    def round_step(self) -> int | None:
+        return self.round
 
 
 def test_policy_keeps_pinned_and_newest_protected_steps(store):

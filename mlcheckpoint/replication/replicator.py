@@ -1,9 +1,11 @@
 """The replication manager of one rank: off the training thread, newest work first.
 
-It watches the store for this rank's committed shards (nudged by the writer, and polling so
-saves made in DCP's PROCESS mode are seen too), pushes the newest one to the partner rank(s),
-and records per step: committed -> replicated (partner verified the checksums) or failed.
-Rank 0 also pushes each step's global metadata to one rank of every other node.
+The job replicates in rounds (``rounds.py``): rank 0 names one save, the newest it holds, every
+rank pushes its shard of that save to its partner rank(s) (rank 0 also the global metadata, to
+one rank of every other node), and the next round starts once every rank is done. Saves made
+meanwhile are skipped (*superseded*) by every rank alike, so the steps that do get replicated
+are whole job-wide. Each rank records per step: committed -> replicated (partner verified the
+checksums), failed, or superseded.
 Job-wide progress is counted in the c10d store, per save (a step saved twice is two saves),
 so any rank can tell when a step is *protected*: every shard and the metadata of the save this
 node holds are on two nodes.
@@ -21,11 +23,15 @@ from .._ratelimit import RateLimitedLog
 from ..errors import MLCheckpointError
 from ..store import LocalStore
 from ..topology import Topology
+from . import lag
+from .lag import LagWarning, ProtectionStatus
 from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets
 from .rendezvous import Rendezvous
+from .rounds import Round, Rounds
 from .transport import Transport
 
 log = logging.getLogger(__name__)
+MAX_REPEAT_S = 30.0  # longest back-off before an unprotected save is named again
 
 
 @dataclass
@@ -48,7 +54,7 @@ class Replicator:
 
     def __init__(self, store: LocalStore, transport: Transport, rdzv: Rendezvous,
                  topology: Topology, strategy: PairingStrategy | None = None, *,
-                 retries: int = 3, poll_interval: float = 0.25):
+                 poll_interval: float = 0.25):
         self.store, self.transport, self.rdzv, self.topology = store, transport, rdzv, topology
         strategy = strategy or PairwiseRing()
         t = topology
@@ -56,14 +62,17 @@ class Replicator:
         self.sources = rank_sources(strategy, t.rank, t.local_world_size, t.num_nodes)
         self.metadata_targets = ([n * t.local_world_size for n in range(t.num_nodes) if n != t.node_rank]
                                  if t.rank == 0 else [])
-        self.retries, self.poll_interval = retries, poll_interval
+        self.poll_interval = poll_interval
         self._states: dict[int, StepReplication] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._newest_protected: int | None = None
-        self._metadata_retry_at = 0.0  # no metadata push before this (monotonic) time
+        self.rounds = Rounds(rdzv, t.world_size)
+        self._repeat_at = 0.0  # rank 0: not before this (monotonic) time is a round repeated
+        self._repeat_after = 1.0
         self._logs = RateLimitedLog(log)
+        self._lag_warning = LagWarning()
         # Paused until the job has resumed (or saves): before that the store may hold steps the
         # resume is about to drop, and pushing them would only waste the link.
         self._active = threading.Event()
@@ -82,6 +91,7 @@ class Replicator:
         if reset:
             with self._lock:
                 self._states.clear()
+            self.rounds.latest = None  # the loaded step may be older than the last round's
         self._active.set()
         self._wake.set()
 
@@ -124,6 +134,23 @@ class Replicator:
         """The newest protected step found so far (no store round trip)."""
         return self._newest_protected
 
+    def round_step(self) -> int | None:
+        """The step of the newest replication round this rank has seen (no store round trip):
+        its shards must stay until a newer step is protected."""
+        latest = self.rounds.latest
+        return None if latest is None else latest.step
+
+    def protection(self) -> ProtectionStatus:
+        """How far replication lags behind the saves (see ``ProtectionStatus``)."""
+        inv = self.store.inventory()
+        newest = self.newest_protected(sorted(inv))
+        with self._lock:
+            pushed = sorted((st for st in self._states.values()
+                             if st.state == "replicated" and st.seconds > 0), key=lambda st: st.step)[-5:]
+            superseded = sum(1 for st in self._states.values() if st.state == "superseded")
+        rate = sum(st.bytes for st in pushed) / sum(st.seconds for st in pushed) if pushed else None
+        return lag.status(newest, lag.save_times(inv), rate, superseded)
+
     def seed_protected(self, step: int | None) -> None:
         """After a restart the counters are new: take the newest step found on two nodes."""
         if step is not None and (self._newest_protected is None or step > self._newest_protected):
@@ -145,39 +172,111 @@ class Replicator:
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
         while not self._closed.is_set():
-            self._wake.wait(self.poll_interval)
-            self._wake.clear()
+            if self.topology.rank == 0 or not self._active.is_set():
+                # rank 0 looks for work when a save lands (notify) or at each poll; the others
+                # wait for the next round inside ``Rounds.next``, server-side
+                self._wake.wait(self.poll_interval)
+                self._wake.clear()
             if not self._active.is_set():
                 continue
             try:
-                self._replicate_newest()
+                self._replicate_rounds()
             except Exception:  # keep replicating later steps whatever happened to this one
                 log.exception("mlcheckpoint: replication pass failed")
+                self._closed.wait(self.poll_interval)
 
-    def _replicate_newest(self) -> None:
+    def _replicate_rounds(self) -> None:
+        """Do the round the job is in, if it is named; on rank 0, name the next one."""
+        wait_s = 0.0 if self.topology.rank == 0 else self.poll_interval
+        previous = self.rounds.latest
+        r = self.rounds.next(wait_s)
+        if r is not None:
+            if previous is not None and previous.number == r.number - 1:
+                self._round_closed(previous)  # every rank finished it: its counters are final
+            self._replicate(r)
+            self._wake.set()  # the next round may be named already
+        elif self.topology.rank == 0:
+            self._propose_next()
+
+    def _round_closed(self, r: Round) -> None:
+        """Round ``r`` is over on every rank: note whether its save is protected (in the node's
+        history, once per node) and, on rank 0, warn if the link cannot keep up."""
+        if self.topology.local_rank != 0 or not self.is_protected(r.step):
+            return
+        self.seed_protected(r.step)
         inv = self.store.inventory()
-        rank = self.topology.rank
-        mine = {s: st.shard_saves[rank] for s, st in sorted(inv.items()) if rank in st.committed_ranks}
-        todo = [s for s, save in mine.items() if self._needs_push(s, save)]
-        if todo:
-            newest = todo[-1]
-            superseded = []
-            with self._lock:  # older pending work is dropped: only the newest step matters
-                for s in todo[:-1]:
-                    st = self._state_for(s, mine[s])
-                    if st.state in ("committed", "failed"):
-                        st.state, st.reason = "superseded", f"step {newest} is newer"
-                        superseded.append(s)
-            for s in superseded:
-                self.rdzv.add(self.rdzv.counter("superseded", s, mine[s]), 1)
-            self._push_shard(newest, mine[newest])
-        if self.metadata_targets:  # only the newest step's metadata matters, like its shards
-            with_meta = [s for s in mine if inv[s].has_metadata]
-            if with_meta:
-                newest_meta = inv[with_meta[-1]]
-                if (not self._metadata_done(newest_meta.step, newest_meta.save_id)
-                        and time.monotonic() >= self._metadata_retry_at):
-                    self._push_metadata(newest_meta.step, newest_meta.save_id)
+        saves = lag.save_times(inv)
+        state = self.state(r.step)
+        now = lag.status(r.step, saves, None, 0)
+        history.record(self.store.job_dir, "protected", step=r.step, rank=self.topology.rank,
+                       lag_steps=now.lag_steps, age_seconds=now.age_seconds,
+                       push_seconds=None if state is None else round(state.seconds, 6))
+        if self.topology.rank == 0 and state is not None and state.state == "replicated":
+            self._lag_warning.check(state.seconds, lag.save_interval(saves), now.lag_steps)
+
+    def _propose_next(self) -> None:
+        """Rank 0: once every rank finished the current round, name the newest save this node
+        holds the metadata of (or the same save again, after a back-off, if it is not
+        protected yet)."""
+        if not self.rounds.all_done(self.rounds.finished):
+            return
+        inv = self.store.inventory()
+        saves = {s: sid for s, st in sorted(inv.items()) if (sid := st.save_id) is not None}
+        if not saves:
+            return
+        step = max(saves)
+        save_id = saves[step]
+        last = self.rounds.latest
+        if last is not None and (step, save_id) == (last.step, last.save_id):
+            if time.monotonic() < self._repeat_at or self.is_protected(step):
+                return
+            self._repeat_after = min(2 * self._repeat_after, MAX_REPEAT_S)
+        elif last is not None and step < last.step:
+            return  # nothing newer than the round in flight's save
+        else:
+            self._repeat_after = 1.0
+            self._supersede([s for s in saves if s < step and (last is None or s > last.step)],
+                            saves, step)
+        self._repeat_at = time.monotonic() + self._repeat_after
+        self.rounds.propose(self.rounds.finished + 1, step, save_id)
+
+    def _supersede(self, steps: list[int], saves: dict[int, str], newer: int) -> None:
+        """Saves the job will never replicate: a newer one was named first."""
+        for s in steps:
+            self.rdzv.add(self.rdzv.counter("superseded", s, saves[s]), 1)
+        self._mark_superseded(steps, newer)
+
+    def _mark_superseded(self, steps: list[int], newer: int) -> None:
+        """This rank's own shards of ``steps`` stay unpushed (listing and ``drain`` say so)."""
+        inv = {s: self.store.step_state(s) for s in steps}
+        with self._lock:
+            for s, st in inv.items():
+                save = st.shard_saves.get(self.topology.rank)
+                if save is None:
+                    continue
+                rep = self._state_for(s, save)
+                if rep.state in ("committed", "failed"):
+                    rep.state, rep.reason = "superseded", f"step {newer} is newer"
+
+    def _replicate(self, r: Round) -> None:
+        """Push this rank's shard of round ``r``'s save (rank 0: also its metadata), then
+        report the round done, whatever happened: the job moves on together."""
+        try:
+            older = [s for s in self.store.steps() if s < r.step]
+            self._mark_superseded(older, r.step)
+            st = self.store.step_state(r.step)
+            if st.shard_saves.get(self.topology.rank) == r.save_id:
+                self._push_shard(r.step, r.save_id)
+            else:
+                with self._lock:
+                    rep = self._state_for(r.step, r.save_id)
+                    rep.state, rep.reason = "failed", "this rank's shard of that save is not here"
+                log.info("mlcheckpoint: rank %d holds no shard of step %d (save %s) to replicate",
+                         self.topology.rank, r.step, r.save_id)
+            if self.metadata_targets and st.save_id == r.save_id:
+                self._push_metadata(r.step, r.save_id)
+        finally:
+            self.rounds.finish(r)
 
     def _state_for(self, step: int, save_id: str) -> StepReplication:
         """The state of this save of ``step``; a new save of the step starts afresh. Call with
@@ -187,13 +286,6 @@ class Replicator:
             st = self._states[step] = StepReplication(step, save_id)
         return st
 
-    def _needs_push(self, step: int, save_id: str) -> bool:
-        with self._lock:
-            st = self._states.get(step)
-        if st is None or st.save_id != save_id:
-            return True
-        return st.state == "committed" or (st.state == "failed" and st.attempts < self.retries)
-
     def _metadata_done(self, step: int, save_id: str | None) -> bool:
         with self._lock:
             st = self._states.get(step)
@@ -202,6 +294,8 @@ class Replicator:
     def _push_shard(self, step: int, save_id: str) -> None:
         with self._lock:
             st = self._state_for(step, save_id)
+            if st.state == "replicated":  # the round was named again for another rank's sake
+                return
             st.attempts += 1
         t0 = time.perf_counter()
         sent = 0
@@ -214,11 +308,8 @@ class Replicator:
         except (MLCheckpointError, OSError) as e:
             with self._lock:
                 st.state, st.reason = "failed", str(e)
-            level = logging.WARNING if st.attempts < self.retries else logging.ERROR
-            log.log(level, "mlcheckpoint: replicating step %d of rank %d failed (attempt %d/%d): %s",
-                    step, self.topology.rank, st.attempts, self.retries, e)
-            if st.attempts < self.retries:
-                self._retry_later()
+            self._logs.warning(f"push {step}", "mlcheckpoint: replicating step %d of rank %d "
+                               "failed (attempt %d): %s", step, self.topology.rank, st.attempts, e)
             return
         with self._lock:
             st.state, st.reason = "replicated", None
@@ -232,24 +323,19 @@ class Replicator:
         log.debug("replicated step %d rank %d to %s: %d bytes in %.3fs", step,
                   self.topology.rank, self.targets, sent, st.seconds)
 
-    def _push_metadata(self, step: int, save_id: str | None) -> None:
+    def _push_metadata(self, step: int, save_id: str) -> None:
+        if self._metadata_done(step, save_id):
+            return
         try:
             for peer in self.metadata_targets:
                 self.transport.push_metadata(peer, step)
         except (MLCheckpointError, OSError) as e:
-            # wait_replicated wakes the replicator every few ms: retry once a second, not then
-            self._metadata_retry_at = time.monotonic() + 1.0
             self._logs.warning("metadata", "mlcheckpoint: pushing metadata of step %d failed: %s",
                                step, e)
-            self._retry_later()
             return
         with self._lock:
-            st = self._states.setdefault(step, StepReplication(step, save_id or ""))
-            st.metadata_pushed = save_id
+            self._state_for(step, save_id).metadata_pushed = save_id
         self.rdzv.add(self.rdzv.counter("meta", step, save_id), 1)
-
-    def _retry_later(self) -> None:
-        threading.Timer(1.0, self._wake.set).start()
 
     def close(self) -> None:
         self._closed.set()
@@ -257,7 +343,8 @@ class Replicator:
         self._thread.join(timeout=30)
 
     def drain(self, timeout: float) -> None:
-        """Wait until nothing this rank committed is waiting to be pushed (best effort)."""
+        """Wait until this rank's newest shard is replicated, superseded or given up on (best
+        effort: rank 0 names it in a round once the round in flight is done)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             inv = self.store.inventory()
@@ -270,7 +357,8 @@ class Replicator:
                        or self._metadata_done(newest, inv[newest].save_id))
             if st is not None and st.state in ("replicated", "superseded") and meta_ok:
                 return
-            if st is not None and st.state == "failed" and st.attempts >= self.retries:
+            if st is not None and st.state == "failed":
                 return
             self._wake.set()
             time.sleep(0.02)
+

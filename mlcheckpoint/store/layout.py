@@ -2,6 +2,7 @@
 
     <local_dir>/<job_id>/
         .lock                                 flock for step-level bookkeeping
+        .retention.lock                       flock making each retention pass (plan + retire) atomic
         history.jsonl                         what was saved, loaded and persisted (history.py)
         locks/fetch-<nn>.lock                 flocks serialising fetches of one shard on a node
         steps/<step:012d>/metadata            DCP global metadata (self-verifying, renamed in)
@@ -28,6 +29,7 @@ POOL = "pool"
 ORPHANS = "orphans"
 LOCKS = "locks"
 LOCK = ".lock"
+RETENTION_LOCK = ".retention.lock"
 HISTORY = "history.jsonl"
 METADATA = "metadata"
 PARTIAL = ".partial"
@@ -83,7 +85,7 @@ class Entry:
         return self.rank is not None and self.kind in (Kind.DATA, Kind.PARTIAL)
 
 
-_FIXED = {METADATA: Kind.METADATA, LOCK: Kind.LOCK, HISTORY: Kind.HISTORY, STEPS: Kind.FOLDER,
+_FIXED = {METADATA: Kind.METADATA, LOCK: Kind.LOCK, RETENTION_LOCK: Kind.LOCK, HISTORY: Kind.HISTORY, STEPS: Kind.FOLDER,
           POOL: Kind.FOLDER, ORPHANS: Kind.FOLDER, LOCKS: Kind.FOLDER}
 
 
@@ -179,6 +181,10 @@ class JobPaths:
     @property
     def lock(self) -> str:
         return os.path.join(self.job_dir, LOCK)
+
+    @property
+    def retention_lock(self) -> str:
+        return os.path.join(self.job_dir, RETENTION_LOCK)
 
     @property
     def history(self) -> str:

@@ -19,6 +19,7 @@ import os
 import shutil
 from collections.abc import Iterable, Iterator
 
+from .._faults import pause_point
 from ..config import (
     local_dir_errors,
     resolve_job_id,
@@ -213,9 +214,15 @@ class LocalStore:
 
     def apply_retention(self, ranks: Iterable[int], keep: int, protected: Iterable[int] = ()) -> list[int]:
         """Keep the newest ``keep`` complete steps of each owner rank in ``ranks``
-        (``retention.plan_retention`` says which go); returns the steps retired."""
-        plan = retention.plan_retention(self.inventory(), ranks, keep, protected, self.orphans())
-        return retention.retire(self, plan)
+        (``retention.plan_retention`` says which go); returns the steps retired.
+
+        One pass at a time on a node (a flock): a plan guards the newest step it sees whole,
+        and two passes interleaved could each retire the step the other one guards.
+        """
+        with flocked(self.paths.retention_lock):
+            plan = retention.plan_retention(self.inventory(), ranks, keep, protected, self.orphans())
+            pause_point("retention_planned")  # tests: another pass or a replica comes in now
+            return retention.retire(self, plan)
 
     def gc(self, ranks: Iterable[int] | None = None, min_age_s: float = 0.0) -> list[str]:
         """Remove what crashes left behind (see ``cleanup.gc``); returns the removed paths."""

@@ -40,16 +40,25 @@ class RetentionPlan:
 def plan_retention(inventory: Mapping[int, StepState], owners: Iterable[int], keep: int,
                    protected: Iterable[int] = (),
                    set_aside: Iterable[tuple[int, str]] = ()) -> RetentionPlan:
-    """Keep the newest ``keep`` complete steps of each owner rank in ``owners``.
+    """Keep the newest ``keep`` complete steps of each owner rank in ``owners``, and the newest
+    step held whole here.
 
     A step counts as complete for rank r when the step's metadata and r's shard of the same
     save are both committed. Steps newer than the oldest kept one (e.g. a save in flight) and
     ``protected`` steps are never touched. Steps a resume ``set_aside`` go once a newer step is
     complete.
+
+    The newest step this node holds *whole* (``StepState.complete``: the metadata and every
+    rank's shard of one save, own or replica) is never touched either, whatever ranks skipped
+    and however stale the caller's ``protected`` is: a node that once held a step whole keeps
+    one until a newer one is whole here (the whole-step invariant). Every plan guards the
+    newest whole step it sees, so a step goes only once a newer one is whole, and that one in
+    turn only once a still newer one is: whatever thread plans, when.
     """
     if keep < 1:
         raise ValueError("keep must be >= 1")
-    protected = set(protected)
+    newest_whole = max((s for s, st in inventory.items() if st.complete), default=None)
+    protected = set(protected) | ({newest_whole} if newest_whole is not None else set())
     shards: list[tuple[int, int]] = []
     bare: list[int] = []
     for rank in owners:
@@ -63,10 +72,9 @@ def plan_retention(inventory: Mapping[int, StepState], owners: Iterable[int], ke
         # Metadata that outlived every shard of its step (e.g. pushed by the coordinator).
         bare += [s for s, st in inventory.items()
                  if s < oldest_kept and s not in protected and not st.committed_ranks and s not in bare]
-    newest_complete = max((s for s, st in inventory.items() if st.complete), default=None)
     aside = tuple((step, path) for step, path in set_aside
-                  if newest_complete is not None and step < newest_complete)
-    return RetentionPlan(tuple(shards), tuple(bare), aside, newest_complete)
+                  if newest_whole is not None and step < newest_whole)
+    return RetentionPlan(tuple(shards), tuple(bare), aside, newest_whole)
 
 
 def retire(store: LocalStore, plan: RetentionPlan) -> list[int]:
@@ -90,17 +98,22 @@ class Pinned(Protocol):
 
 
 class Protection(Protocol):
-    """Which steps are on two nodes, job-wide (the replicator)."""
+    """Which steps are on two nodes, job-wide, and which one is being replicated (the
+    replicator)."""
 
     def newest_protected(self, candidates: list[int]) -> int | None: ...
 
     def known_protected(self) -> int | None: ...
 
+    def round_step(self) -> int | None: ...
+
 
 @dataclass
 class RetentionPolicy:
-    """Keep ``keep`` complete steps per owner, never a pinned step, and never the newest step
-    replicated everywhere until a newer one is (see the design's retention invariant)."""
+    """Keep ``keep`` complete steps per owner, never a pinned step, never the newest step
+    replicated everywhere until a newer one is, never the step being replicated now (so its
+    shards are here when the partner's replicas of it arrive), and never the newest step held
+    whole here (``plan_retention``)."""
 
     keep: int
     pins: Pinned
@@ -108,13 +121,14 @@ class RetentionPolicy:
 
     def protected(self, store: LocalStore, *, ask: bool = True) -> set[int]:
         """Steps retention must keep. ``ask=False`` uses the last known protected step rather
-        than asking the job-wide counters (a listener thread; a stale value only keeps more)."""
+        than asking the job-wide counters (a listener thread). That value may be stale, i.e.
+        older: it then guards an older step and leaves the newest protected one to the
+        next plan that asks; the newest whole step is guarded by every plan regardless."""
         protected = self.pins.steps()
         if self.replicas is not None:
             newest = (self.replicas.newest_protected(store.steps()) if ask
                       else self.replicas.known_protected())
-            if newest is not None:
-                protected.add(newest)
+            protected |= {s for s in (newest, self.replicas.round_step()) if s is not None}
         return protected
 
     def apply(self, store: LocalStore, owners: Iterable[int], *, ask: bool = True) -> list[int]:

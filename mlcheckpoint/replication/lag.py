@@ -1,0 +1,94 @@
+"""How far replication lags behind the saves: the status users read, and a warning when the
+link cannot carry every checkpoint."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .._ratelimit import RateLimitedLog
+from ..store.inventory import StepState
+
+log = logging.getLogger(__name__)
+WARN_EVERY_S = 600.0  # the lag warning, at most this often
+
+
+@dataclass(frozen=True)
+class ProtectionStatus:
+    """What ``CheckpointManager.protection()`` returns.
+
+    Attributes:
+        newest_protected: the newest step every shard and the metadata of which are on two
+            nodes (None: none yet). Losing any one node now resumes from it or newer.
+        newest_saved: the newest step saved (its metadata is on this node).
+        lag_steps: ``newest_saved - newest_protected`` (None when nothing is protected).
+        age_seconds: seconds since the newest protected step was saved (None likewise): the
+            training a node loss now would cost, at most.
+        rate_bytes_per_s: this rank's replication throughput over its recent pushes.
+        superseded: this rank's saves that were never replicated because a newer one came
+            first (replication skips steps when the link cannot carry every checkpoint).
+    """
+
+    newest_protected: int | None
+    newest_saved: int | None
+    lag_steps: int | None
+    age_seconds: float | None
+    rate_bytes_per_s: float | None
+    superseded: int
+
+
+def status(newest_protected: int | None, saves: dict[int, float], rate: float | None,
+           superseded: int, now: float | None = None) -> ProtectionStatus:
+    """The status from the steps saved here (step -> save time) and what is protected."""
+    now = time.time() if now is None else now
+    newest_saved = max(saves, default=None)
+    lag = age = None
+    if newest_protected is not None:
+        lag = None if newest_saved is None else max(0, newest_saved - newest_protected)
+        saved_at = saves.get(newest_protected)
+        age = None if saved_at is None else max(0.0, now - saved_at)
+    return ProtectionStatus(newest_protected, newest_saved, lag, age, rate, superseded)
+
+
+def save_times(inventory: Mapping[int, StepState]) -> dict[int, float]:
+    """When each step whose metadata is in ``inventory`` was saved (the coordinator's clock)."""
+    return {s: st.header.created for s, st in inventory.items() if st.header is not None}
+
+
+def save_interval(saves: dict[int, float]) -> float | None:
+    """The median time between the recent saves (None with fewer than three)."""
+    times = sorted(saves.values())[-9:]
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    return gaps[len(gaps) // 2] if len(gaps) >= 2 else None
+
+
+class LagWarning:
+    """Warns, at most every ``WARN_EVERY_S`` seconds, when pushing one checkpoint takes longer
+    than the interval between saves: replication then protects only every n-th save, and
+    naming the interval that would fit is the useful advice."""
+
+    def __init__(self) -> None:
+        self._log = RateLimitedLog(log, interval=WARN_EVERY_S)
+
+    @staticmethod
+    def advice(push_seconds: float, interval: float, lag_steps: int) -> str | None:
+        """The warning's text, or None while replication keeps up."""
+        if lag_steps < 2 or push_seconds <= interval:
+            return None
+        every = math.ceil(push_seconds / interval)
+        return (f"mlcheckpoint: replication lags {lag_steps} steps behind the saves: pushing "
+                f"one checkpoint takes {push_seconds:.1f} s and saves come every {interval:.1f} s, "
+                f"so about one save in {every} is protected on two nodes. To protect every save, "
+                f"save at most every {push_seconds:.1f} s, or raise replication_bandwidth "
+                f"(MLCHECKPOINT_REPLICATION_BANDWIDTH) if the link has room.")
+
+    def check(self, push_seconds: float, interval: float | None, lag_steps: int | None) -> None:
+        if interval is None or lag_steps is None:
+            return
+        text = self.advice(push_seconds, interval, lag_steps)
+        if text is not None:
+            self._log.warning("lag", "%s", text)

@@ -375,7 +375,7 @@ class NetCluster:
         ``popen_kwargs`` go to subprocess.Popen. Losing the node or closing the cluster kills it."""
         proc = subprocess.Popen(["ip", "netns", "exec", self.nodes[k].netns, *argv],
                                 start_new_session=True, **popen_kwargs)
-        self._procs.append(proc)
+        self._procs = [p for p in self._procs if p.poll() is None] + [proc]
         return proc
 
     def node_env(self, k: int) -> dict[str, str]:
@@ -386,8 +386,8 @@ class NetCluster:
                     "MLCHECKPOINT_JOB_ID": self.job_id,
                     "TEST_OUT_DIR": self.out_dir, "TEST_PERSISTENT_DIR": self.persistent_dir,
                     "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    # The host name resolves to 127.0.0.1, which exists in every namespace:
-                    # left alone, gloo would advertise it to the other nodes.
+                    # Left alone, gloo advertises what the host name resolves to: loopback
+                    # on many machines (this one too), useless to the other nodes.
                     "GLOO_SOCKET_IFNAME": IFACE})
         return env
 

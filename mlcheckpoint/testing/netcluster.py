@@ -1,0 +1,526 @@
+"""An emulated cluster on one machine: N nodes in Linux network namespaces, one shaped link each.
+
+    with NetCluster(nodes=2, nproc=2, rate="1gbit") as c:
+        c.start("tests/workers/x.py", "arg")   # one torchrun agent per node, in its namespace
+        c.node(1).kill()                        # lose node 1: every process in it, SIGKILLed
+        c.node(1).wipe()                        # and its memory (its local_dir)
+        c.wait()
+
+Layout, for a cluster named ``mlckpt-net-<pid>-<n>``::
+
+    namespace <name>-sw     bridge br0, ports p0 .. p<N-1>       (the "switch")
+    namespace <name>-n<k>   lo, eth0 = 10.213.0.<k+1>/24         (node k)
+    eth0 of node k and port p<k> are the two ends of one veth pair
+
+Each link is shaped with a token bucket (tc tbf) twice: on eth0 (what node k sends) and on
+p<k> (what node k receives). The host's own namespace gets no interface, address or route,
+and the nodes have no default route: a process inside can reach only the other nodes (and
+its own loopback), never the host or anything beyond it.
+
+Each node has its own local_dir under /dev/shm and its own log. Everything (processes,
+namespaces and with them the veths, directories) is removed on ``close()``, at the end of a
+``with`` block, at interpreter exit and on SIGTERM; ``clean_stale()`` removes what a crashed
+earlier process left. Needs root and iproute2 (``ip``, ``tc``): see ``available()``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from typing_extensions import Self
+
+PREFIX = "mlckpt-net-"
+_OURS = re.compile(re.escape(PREFIX) + r"(\d+)-")  # names carry the creating process's pid
+SUBNET = "10.213.0"  # private, and only ever assigned inside our own namespaces
+IFACE = "eth0"  # every node's interface has this name (it lives in the node's own namespace)
+_PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tcp_peer.py")
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+_counter = itertools.count()
+_live: set[NetCluster] = set()  # closed at exit and on SIGTERM
+_hooks_installed = False
+
+
+# --------------------------------------------------------------------------- rates
+def parse_rate(rate: str | int | None) -> int | None:
+    """Bits per second from tc's notation ("500mbit", "1gbit", "2.5gbit") or an int of bits
+    per second; None stays None (an unshaped link)."""
+    if rate is None:
+        return None
+    if isinstance(rate, int):
+        bits = rate
+    else:
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+)([kmgt]?bit)", rate.strip().lower())
+        if not m:
+            raise ValueError(f"rate {rate!r}: expected e.g. '500mbit', '1gbit' or bits/s")
+        bits = int(float(m[1]) * _UNITS[m[2]])
+    if bits <= 0:
+        raise ValueError(f"rate {rate!r} must be positive")
+    return bits
+
+
+def tbf_params(bits_per_s: int) -> tuple[int, int]:
+    """(burst, limit) in bytes for a tbf of ``bits_per_s``: a bucket of 1 ms at the rate but at
+    least 128 KiB, and a queue of 4 buckets.
+
+    Measured on veth pairs through a bridge, one TCP stream, shaped both ways: with these, one
+    stream reaches 0.957x the rate from 200 mbit to 10 gbit, which is the ceiling (1448 bytes
+    of payload per 1514-byte frame). Smaller buckets starve it: 32 KiB held 1 gbit to 0.59x and
+    64 KiB held 5 gbit to 0.78x, since the bucket must take a 64 KiB GSO segment and more.
+    """
+    burst = max(128 * 1024, bits_per_s // 8 // 1000)
+    return burst, 4 * burst
+
+
+# --------------------------------------------------------------------------- small tools
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run an ``ip``/``tc`` command; on failure raise with its stderr (unless ``check=False``)."""
+    res = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed ({res.returncode}): {res.stderr.strip()}")
+    return res
+
+
+def _netns_names() -> list[str]:
+    return [line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line]
+
+
+def pids_in(netns: str) -> set[int]:
+    """Pids of the live processes in network namespace ``netns`` (zombies have left it)."""
+    try:
+        target = os.stat(f"/run/netns/{netns}")
+    except FileNotFoundError:
+        return set()
+    out = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                st = os.stat(f"/proc/{name}/ns/net")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                out.add(int(name))
+    return out
+
+
+def kill_netns(netns: str, timeout: float = 30) -> list[int]:
+    """SIGKILL every process in ``netns``; return their pids. Each round freezes them all
+    (SIGSTOP) before killing any, so none forks or reacts to a sibling's death in between;
+    rounds repeat until the namespace is empty (a child forked meanwhile is caught next)."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while pids := pids_in(netns):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {sorted(pids)} in {netns} survived SIGKILL")
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        seen |= pids
+        time.sleep(0.02)
+    return sorted(seen)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def clean_stale() -> list[str]:
+    """Remove what crashed earlier processes left behind: the namespaces (and the processes in
+    them) and /dev/shm directories named ``mlckpt-net-<pid>-...`` whose pid is dead. Returns
+    the names removed. Live processes' clusters are never touched."""
+    removed = []
+    for ns in _netns_names():
+        m = _OURS.match(ns)
+        if m and not _alive(int(m[1])):
+            kill_netns(ns)
+            _run(["ip", "netns", "del", ns], check=False)
+            removed.append(ns)
+    for name in os.listdir("/dev/shm"):
+        m = _OURS.match(name)
+        if m and not _alive(int(m[1])):
+            shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> str | None:
+    """None when this machine can run a NetCluster, else why not (for ``pytest.skip``).
+
+    Tries what a cluster does, in a throwaway namespace: create it, run a process in it, make
+    a veth pair and a bridge, and shape with tbf."""
+    if not sys.platform.startswith("linux"):
+        return "needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth links and tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs `{tool}` (iproute2) on PATH"
+    if not os.path.isdir("/dev/shm"):
+        return "needs /dev/shm (each node's local_dir)"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    steps = [["ip", "netns", "add", probe],
+             ["ip", "netns", "exec", probe, "true"],
+             ["ip", "-n", probe, "link", "add", "name", "probe0", "type", "veth", "peer", "name", "probe1"],
+             ["ip", "-n", probe, "link", "add", "name", "probebr", "type", "bridge"],
+             ["tc", "-n", probe, "qdisc", "add", "dev", "probe0", "root", "tbf", "rate", "1gbit",
+              "burst", "131072", "limit", "524288"]]
+    try:
+        for argv in steps:
+            try:
+                _run(argv)
+            except (RuntimeError, OSError) as e:
+                return f"cannot emulate a network here: {e}"
+        return None
+    finally:
+        _run(["ip", "netns", "del", probe], check=False)
+
+
+# --------------------------------------------------------------------------- cleanup hooks
+def _close_all() -> None:
+    for cluster in [c for c in _live if c._owner == os.getpid()]:
+        try:
+            cluster.close()
+        except Exception as e:  # noqa: BLE001 (at exit or in a signal handler: report, go on)
+            print(f"netcluster: cleanup failed: {e}", file=sys.stderr)
+
+
+def _install_hooks() -> None:
+    """Close every live cluster at exit and on SIGTERM (a killed test run must not leave its
+    namespaces, and the torchrun agents run in sessions of their own, beyond its signal)."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_close_all)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        _close_all()
+        if callable(previous):
+            previous(signum, frame)
+        else:  # die of SIGTERM, as without us
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+# --------------------------------------------------------------------------- the cluster
+class NetNode:
+    """Node ``index`` of a NetCluster: its namespace, address, local_dir, log and agent."""
+
+    def __init__(self, index: int, netns: str, address: str, local_dir: str, log_path: str):
+        self.index, self.netns, self.address = index, netns, address
+        self.local_dir, self.log_path = local_dir, log_path
+        self.port = f"p{index}"  # its switch port (in the switch namespace)
+        self.proc: subprocess.Popen | None = None  # the torchrun agent of the last start()
+
+    def kill(self) -> list[int]:
+        """Lose the node: SIGKILL every process in its namespace (the agent, its ranks, which
+        torchrun starts in sessions of their own, and anything else run there); return the
+        pids. The local_dir stays: ``wipe()`` loses that too."""
+        pids = kill_netns(self.netns)
+        if self.proc is not None:
+            self.proc.wait()
+        return pids
+
+    def wipe(self) -> None:
+        """Lose the node's memory: an empty local_dir, what a replacement machine starts with."""
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+        os.makedirs(self.local_dir, mode=0o700, exist_ok=True)
+
+    def pids(self) -> set[int]:
+        """The processes running in this node now."""
+        return pids_in(self.netns)
+
+    def log(self) -> str:
+        """Everything this node's agents and ranks printed."""
+        try:
+            with open(self.log_path) as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+
+class NetCluster:
+    """``nodes`` simulated nodes x ``nproc`` ranks, each node in a network namespace of its own
+    behind a link shaped to ``rate`` ("1gbit", "500mbit", bits/s, or None: unshaped).
+
+    Everything is set up by the constructor and removed by ``close()`` (or the end of a
+    ``with`` block). Attributes: ``nodes`` (NetNode), ``root`` (its /dev/shm directory),
+    ``out_dir`` (results of workers), ``persistent_dir``, ``job_id``, ``switch_netns``, ``rate``
+    (bits/s or None).
+    """
+
+    def __init__(self, nodes: int, nproc: int = 1, rate: str | int | None = None,
+                 job_id: str | None = None):
+        if not 1 <= nodes <= 250:
+            raise ValueError(f"nodes={nodes}: 1 to 250")
+        parse_rate(rate)  # a bad rate fails here, before anything is made
+        reason = available()
+        if reason:
+            raise RuntimeError(reason)
+        clean_stale()
+        _install_hooks()
+        self.nproc = nproc
+        self.job_id = job_id or f"net-{uuid.uuid4().hex[:10]}"
+        self.name = f"{PREFIX}{os.getpid()}-{next(_counter)}"
+        self.switch_netns = f"{self.name}-sw"
+        self.rate: int | None = None
+        self._namespaces: list[str] = []  # created so far, for close()
+        self._procs: list[subprocess.Popen] = []  # everything started, reaped by close()
+        self._starts = 0
+        self._closed = False
+        self._owner = os.getpid()  # a forked child's exit must not tear down our cluster
+        _live.add(self)
+        try:
+            self.root = tempfile.mkdtemp(prefix=self.name + "-", dir="/dev/shm")
+            self.out_dir = os.path.join(self.root, "out")
+            self.persistent_dir = os.path.join(self.root, "persistent")
+            os.makedirs(self.out_dir)
+            self.nodes = [NetNode(k, f"{self.name}-n{k}", f"{SUBNET}.{k + 1}",
+                                  os.path.join(self.root, f"node{k}"),
+                                  os.path.join(self.root, f"node{k}.log"))
+                          for k in range(nodes)]
+            for node in self.nodes:
+                os.makedirs(node.local_dir, mode=0o700)
+            self._build()
+            self.set_rate(rate)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the first error is the one to see
+                self.close()
+            raise
+
+    def _build(self) -> None:
+        sw = self.switch_netns
+        self._add_netns(sw)
+        _run(["ip", "-n", sw, "link", "add", "name", "br0", "type", "bridge"])
+        self._link_up(sw, "br0")
+        for node in self.nodes:
+            self._add_netns(node.netns)
+            _run(["ip", "-n", node.netns, "link", "set", "lo", "up"])  # torch needs loopback
+            # Made inside the switch namespace with its peer placed straight into the node's:
+            # no end of it ever appears in the host's namespace.
+            _run(["ip", "-n", sw, "link", "add", "name", node.port, "type", "veth",
+                  "peer", "name", IFACE, "netns", node.netns])
+            _run(["ip", "-n", sw, "link", "set", node.port, "master", "br0"])
+            self._link_up(sw, node.port)
+            _run(["ip", "-n", node.netns, "addr", "add", f"{node.address}/24", "dev", IFACE])
+            self._link_up(node.netns, IFACE)
+
+    def _add_netns(self, netns: str) -> None:
+        _run(["ip", "netns", "add", netns])
+        self._namespaces.append(netns)
+
+    @staticmethod
+    def _link_up(netns: str, dev: str) -> None:
+        # No IPv6 link-local address, so no router solicitations or DAD chatter on the links.
+        _run(["ip", "-n", netns, "link", "set", dev, "addrgenmode", "none"])
+        _run(["ip", "-n", netns, "link", "set", dev, "up"])
+
+    # ------------------------------------------------------------------ shaping
+    def set_rate(self, rate: str | int | None) -> None:
+        """Shape every node's link to ``rate`` in both directions (None: remove the shaping)."""
+        bits = parse_rate(rate)
+        for node in self.nodes:
+            for netns, dev in ((node.netns, IFACE), (self.switch_netns, node.port)):
+                if bits is None:  # veths default to no qdisc at all; deleting restores that
+                    _run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], check=False)
+                else:
+                    burst, limit = tbf_params(bits)
+                    _run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf",
+                          "rate", f"{bits}bit", "burst", str(burst), "limit", str(limit)])
+        self.rate = bits
+
+    # ------------------------------------------------------------------ nodes and processes
+    def node(self, k: int) -> NetNode:
+        return self.nodes[k]
+
+    def address(self, k: int) -> str:
+        """Node ``k``'s IPv4 address (on its eth0)."""
+        return self.nodes[k].address
+
+    def run_in(self, k: int, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` as a plain process in node ``k``'s namespace (a session of its own);
+        ``popen_kwargs`` go to subprocess.Popen. Losing the node or closing the cluster kills it."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.nodes[k].netns, *argv],
+                                start_new_session=True, **popen_kwargs)
+        self._procs = [p for p in self._procs if p.poll() is None] + [proc]
+        return proc
+
+    def node_env(self, k: int) -> dict[str, str]:
+        """The environment of node ``k``'s agents: ours, plus its local_dir and job id, the
+        directories tests' workers write to, and gloo bound to the node's interface."""
+        env = dict(os.environ)
+        env.update({"MLCHECKPOINT_LOCAL_DIR": self.nodes[k].local_dir,
+                    "MLCHECKPOINT_JOB_ID": self.job_id,
+                    "TEST_OUT_DIR": self.out_dir, "TEST_PERSISTENT_DIR": self.persistent_dir,
+                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    # Left alone, gloo advertises what the host name resolves to: loopback
+                    # on many machines (this one too), useless to the other nodes.
+                    "GLOO_SOCKET_IFNAME": IFACE})
+        return env
+
+    def start(self, script: str, *args: str, nodes: Sequence[int] | None = None,
+              env: dict[str, str] | None = None, nnodes: int | None = None) -> None:
+        """Start a torchrun agent running ``script`` (a path) with ``args`` in each of ``nodes``
+        (default: all), with static rendezvous at node 0's address. ``env`` adds to
+        ``node_env``; ``nnodes`` (default: all) is the job's node count."""
+        nnodes = nnodes or len(self.nodes)
+        # Inside the namespaces nothing else listens, so any port is free; a new one per start
+        # keeps a restarted job's store clear of the last one's lingering connections.
+        port = 29500 + self._starts
+        self._starts += 1
+        for k in nodes if nodes is not None else range(nnodes):
+            node = self.nodes[k]
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                   f"--node-rank={k}", f"--nproc-per-node={self.nproc}",
+                   f"--master-addr={self.address(0)}", f"--master-port={port}",
+                   "--max-restarts=0", script, *args]
+            with open(node.log_path, "a") as log:
+                log.write(f"\n===== {' '.join(cmd[3:])}\n")
+                log.flush()
+                node.proc = self.run_in(k, cmd, env={**self.node_env(k), **(env or {})},
+                                        stdout=log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 120, nodes: Sequence[int] | None = None) -> list[int]:
+        """Wait for the agents of ``nodes`` (default: all started); return their exit codes.
+        On timeout every node is killed and TimeoutError carries the logs."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for k in nodes if nodes is not None else range(len(self.nodes)):
+            proc = self.nodes[k].proc
+            if proc is None:
+                continue
+            try:
+                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+                raise TimeoutError(f"node {k} timed out; logs:\n{self.logs()}") from None
+        return codes
+
+    def run(self, script: str, *args: str, timeout: float = 120, **kwargs: Any) -> None:
+        """``start`` on all nodes and require every agent to exit 0 within ``timeout``."""
+        self.start(script, *args, **kwargs)
+        codes = self.wait(timeout)
+        if any(codes):
+            raise RuntimeError(f"exit codes {codes}; logs:\n{self.logs()}")
+
+    def kill_all(self) -> None:
+        """Lose every node's processes (their local_dirs stay)."""
+        for node in self.nodes:
+            node.kill()
+
+    def logs(self) -> str:
+        """The last lines of every node's log, for failure messages."""
+        return "\n".join(f"--- node {n.index} ({n.address}) ---\n{n.log()[-6000:]}"
+                         for n in self.nodes)
+
+    # ------------------------------------------------------------------ results (tests/workers)
+    def results(self, name: str) -> dict[int, dict]:
+        """Per-rank JSON results, ``<out_dir>/<name>.rank<r>.json`` (tests/workers' ``report``)."""
+        out = {}
+        for fn in os.listdir(self.out_dir):
+            if fn.startswith(name + ".rank") and fn.endswith(".json"):
+                with open(os.path.join(self.out_dir, fn)) as f:
+                    out[int(fn[len(name) + 5:-5])] = json.load(f)
+        return out
+
+    def clear_results(self, *names: str) -> None:
+        """Forget earlier results (all, or those ``names``)."""
+        for fn in os.listdir(self.out_dir):
+            if not names or any(fn.startswith(n + ".rank") for n in names):
+                os.unlink(os.path.join(self.out_dir, fn))
+
+    # ------------------------------------------------------------------ a baseline
+    def raw_tcp_throughput(self, src: int, dst: int, nbytes: int, timeout: float = 300) -> float:
+        """Bytes per second of one plain TCP stream (sendfile) carrying ``nbytes`` from node
+        ``src`` to node ``dst``, timed at the receiver: the link's own rate, for benchmarks to
+        set their transfers against."""
+        recv = self.run_in(dst, [sys.executable, "-I", _PEER, "recv", self.address(dst)],
+                           stdout=subprocess.PIPE, text=True)
+        send: subprocess.Popen | None = None
+        try:
+            assert recv.stdout is not None
+            ready = recv.stdout.readline().split()  # "ready <port>"
+            if ready[:1] != ["ready"]:
+                raise RuntimeError(f"receiver in node {dst} did not start: {ready}")
+            send = self.run_in(src, [sys.executable, "-I", _PEER, "send", self.address(dst),
+                                     ready[1], str(nbytes)])
+            if send.wait(timeout):
+                raise RuntimeError(f"sender in node {src} failed ({send.returncode})")
+            got, seconds = recv.communicate(timeout=timeout)[0].split()
+        finally:
+            for p in (send, recv):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if int(got) != nbytes:
+            raise RuntimeError(f"sent {nbytes} bytes, received {got}")
+        return nbytes / float(seconds)
+
+    # ------------------------------------------------------------------ cleanup
+    def close(self) -> None:
+        """Kill every process in the cluster's namespaces, delete the namespaces (the veths
+        and the bridge go with them) and the /dev/shm directory. Idempotent; raises at the end
+        if something could not be removed."""
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
+        problems = []
+        for ns in self._namespaces:
+            try:
+                kill_netns(ns)
+            except RuntimeError as e:
+                problems.append(str(e))
+        for proc in self._procs:  # reap: they are our children
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                problems.append(f"pid {proc.pid} did not exit")
+        for ns in reversed(self._namespaces):
+            _run(["ip", "netns", "del", ns], check=False)
+        left = [ns for ns in _netns_names() if ns.startswith(self.name + "-")]
+        if left:
+            problems.append(f"namespaces left: {left}")
+        if getattr(self, "root", None):
+            shutil.rmtree(self.root, ignore_errors=True)
+        if problems:
+            raise RuntimeError("netcluster cleanup: " + "; ".join(problems))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

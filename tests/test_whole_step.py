@@ -93,18 +93,16 @@ def test_plan_lets_the_old_whole_step_go_once_a_newer_one_is_whole():
 @given(events=hst.lists(hst.one_of(
     hst.tuples(hst.just("save")),
     hst.tuples(hst.just("arrive"), hst.integers(0, 4), hst.sampled_from(REPLICAS)),
-    hst.tuples(hst.just("plan"), hst.sets(hst.sampled_from(RANKS), min_size=1),
-               hst.integers(1, 3), hst.sets(hst.integers(0, 30), max_size=2)),
-    hst.tuples(hst.just("retire"))), max_size=60))
+    hst.tuples(hst.just("retain"), hst.sets(hst.sampled_from(RANKS), min_size=1),
+               hst.integers(1, 3), hst.sets(hst.integers(0, 30), max_size=2))), max_size=60))
 def test_no_arrival_order_or_stale_protection_leaves_a_node_without_a_whole_step(events):
     """Node 0 saves its own shards step after step; replicas of ranks 2 and 3 arrive for any
-    of the last few saves in any order; retention passes plan for any owners with any ``keep`` and any
-    (stale) protected steps, and carry the plan out later, after more arrivals (a pass is
-    atomic only against other passes: the node's retention lock). Once the node held a step
-    whole, it always holds one."""
+    of the last few saves in any order; retention passes run for any owners with any ``keep``
+    and any (stale) protected steps. A pass is atomic against commits and other passes (the
+    node's CommitLock: see test_interleaved_retention_passes_cannot_retire_each_others_guard).
+    Once the node held a step whole, it always holds one."""
     inv: dict[int, StepState] = {}
     saved = 0
-    pending: RetentionPlan | None = None
     ever_whole = False
     for event in events:
         if event[0] == "save":
@@ -115,12 +113,9 @@ def test_no_arrival_order_or_stale_protection_leaves_a_node_without_a_whole_step
             if step in inv:
                 inv[step].committed_ranks.add(owner)
                 inv[step].shard_saves[owner] = "s"
-        elif event[0] == "plan" and pending is None:
+        else:
             _, owners, keep, protected = event
-            pending = plan_retention(inv, sorted(owners), keep, protected)
-        elif event[0] == "retire" and pending is not None:
-            carry_out(inv, pending)
-            pending = None
+            carry_out(inv, plan_retention(inv, sorted(owners), keep, protected))
         ever_whole = ever_whole or bool(whole(inv))
         assert whole(inv) or not ever_whole, (event, {s: sorted(st.committed_ranks) for s, st in inv.items()})
 
@@ -181,10 +176,11 @@ def test_real_store_keeps_a_whole_step_when_replicas_arrive_out_of_order(store):
 
 
 def test_interleaved_retention_passes_cannot_retire_each_others_guard(store, monkeypatch, tmp_path):
-    """Pass A plans while step 15 lacks rank 3's replica (so it retires rank 0's shard of 15,
-    guarding 14) and is held before carrying that out; rank 3's replica lands, making 15
-    whole; pass B then plans (guarding 15, retiring 14). Run in that order, the two passes
-    leave no whole step; the node's retention lock makes B plan only after A is done."""
+    """Pass A plans while step 15 lacks rank 3's replica (so it means to retire rank 0's shard
+    of 15, guarding 14) and is held before carrying that out; rank 3's replica of 15 lands,
+    making 15 whole, and pass B plans (guarding 15, retiring 14's shards). Run in that order,
+    A then retires 15's shard: the node holds no whole step. The node's CommitLock keeps the
+    replica's commit and pass B waiting until A is done, so A's view stays true."""
     put_node0_step(store, 14, RANKS)
     put_node0_step(store, 15, (0, 1, 2))
     put_node0_step(store, 16, OWN)
@@ -192,18 +188,18 @@ def test_interleaved_retention_passes_cannot_retire_each_others_guard(store, mon
     monkeypatch.setenv("MLCHECKPOINT_PAUSE_AT", f"retention_planned={release}")
     a = threading.Thread(target=store.apply_retention, args=([0], 1))
     a.start()
-    # A holds at the pause point once its plan is made (it then still means to retire 15's
-    # rank 0 shard)
     wait_for(lambda: os.path.exists(f"{release}.reached"), "pass A to reach its pause")
-    put_shard(store, 15, 3)
-    assert whole_in(store) == [14, 15]
+    arrival = threading.Thread(target=put_shard, args=(store, 15, 3))
     b = threading.Thread(target=store.apply_retention, args=([0], 1))
+    arrival.start()
+    # without the lock the replica lands now; B must plan after it to retire step 14
+    arrival.join(timeout=3)
     b.start()
     b.join(timeout=3)  # without the lock B plans and retires now; with it, B waits for A
     release.touch()
-    a.join(timeout=60)
-    b.join(timeout=60)
-    assert not a.is_alive() and not b.is_alive()
+    for t in (a, arrival, b):
+        t.join(timeout=60)
+        assert not t.is_alive()
     assert whole_in(store), {s: sorted(store.step_state(s).committed_ranks) for s in store.steps()}
 
 

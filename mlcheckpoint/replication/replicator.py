@@ -14,6 +14,7 @@ node holds are on two nodes.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -220,8 +221,6 @@ class Replicator:
         """Rank 0: once every rank finished the current round, name the newest save this node
         holds the metadata of (or the same save again, after a back-off, if it is not
         protected yet)."""
-        if not self.rounds.all_done(self.rounds.finished):
-            return
         inv = self.store.inventory()
         saves = {s: sid for s, st in sorted(inv.items()) if (sid := st.save_id) is not None}
         if not saves:
@@ -229,12 +228,19 @@ class Replicator:
         step = max(saves)
         save_id = saves[step]
         last = self.rounds.latest
-        if last is not None and (step, save_id) == (last.step, last.save_id):
-            if time.monotonic() < self._repeat_at or self.is_protected(step):
+        repeat = last is not None and (step, save_id) == (last.step, last.save_id)
+        if repeat and time.monotonic() < self._repeat_at:
+            return
+        if last is not None and not repeat and step < last.step:
+            return  # nothing newer than the last round's save
+        # There is something to name: wait (server-side, briefly) for the round in flight.
+        if not self.rounds.all_done(self.rounds.finished, wait_s=self.poll_interval):
+            return
+        if repeat:
+            if self.is_protected(step):
+                self._repeat_at = math.inf  # done with it: until a newer save comes
                 return
             self._repeat_after = min(2 * self._repeat_after, MAX_REPEAT_S)
-        elif last is not None and step < last.step:
-            return  # nothing newer than the round in flight's save
         else:
             self._repeat_after = 1.0
             self._supersede([s for s in saves if s < step and (last is None or s > last.step)],

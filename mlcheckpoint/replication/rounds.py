@@ -76,15 +76,25 @@ class Rounds:
         return r
 
     def finish(self, r: Round) -> None:
-        """This rank is done with round ``r`` (pushed, or gave up)."""
-        self.rdzv.add(self.rdzv.counter("round-done", r.number), 1)
+        """This rank is done with round ``r`` (pushed, or gave up). The last rank to finish
+        says so under a key of its own, which rank 0 can wait on without polling."""
+        if self.rdzv.add(self.rdzv.counter("round-done", r.number), 1) >= self.world_size:
+            self.rdzv.store.set(self.rdzv.counter("round-all-done", r.number), "1")
         self.finished = r.number
 
-    def all_done(self, number: int) -> bool:
-        """Every rank finished round ``number`` (round 0 is the start: always done)."""
+    def all_done(self, number: int, wait_s: float = 0.0) -> bool:
+        """Every rank finished round ``number`` (round 0 is the start: always done); waits up
+        to ``wait_s`` seconds for it, server-side."""
         if number == 0:
             return True
-        return self.rdzv.add(self.rdzv.counter("round-done", number), 0) >= self.world_size
+        key = self.rdzv.counter("round-all-done", number)
+        if wait_s <= 0:
+            return bool(self.rdzv.store.check([key]))
+        try:
+            self.rdzv.store.wait([key], timedelta(seconds=wait_s))
+        except (RuntimeError, TimeoutError):
+            return False
+        return True
 
     def propose(self, number: int, step: int, save_id: str) -> Round:
         """Name round ``number`` (rank 0 only, once the previous round is all done)."""

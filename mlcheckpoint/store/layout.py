@@ -2,7 +2,7 @@
 
     <local_dir>/<job_id>/
         .lock                                 flock for step-level bookkeeping
-        .retention.lock                       flock making each retention pass (plan + retire) atomic
+        .retention.lock                       flock: retention passes (alone) against commits (shared)
         history.jsonl                         what was saved, loaded and persisted (history.py)
         locks/fetch-<nn>.lock                 flocks serialising fetches of one shard on a node
         steps/<step:012d>/metadata            DCP global metadata (self-verifying, renamed in)

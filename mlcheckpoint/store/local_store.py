@@ -33,7 +33,7 @@ from .buffers import MappedFile, MappingCache
 from .identity import Lineage
 from .inventory import Inventory, StepState
 from .layout import ItemLocation, JobPaths
-from .locks import NodeLock, flocked
+from .locks import CommitLock, NodeLock, flocked
 from .manifest import Manifest, MetadataHeader, item_digests, verify_items
 from .metadata import MetadataFiles
 from .pool import BufferPool, Capacity
@@ -62,13 +62,14 @@ class LocalStore:
         self.steps_dir = self.paths.steps_dir
         self.pool_dir = self.paths.pool_dir
         self.lock = NodeLock(self.paths.lock)
+        self.commits = CommitLock(self.paths.retention_lock)
         self.mappings = MappingCache()
         self.capacity = Capacity(self.local_dir, self.paths, self.job_id,
                                  resolve_memory_limit(memory_limit_bytes))
         self.pool = BufferPool(self.paths, self.mappings, self.capacity, self.lock)
         self.shards = ShardFiles(self.paths, self.job_id, self.mappings, self.pool, self.capacity,
-                                 self.lock)
-        self.metadata = MetadataFiles(self.paths, self.job_id)
+                                 self.lock, self.commits)
+        self.metadata = MetadataFiles(self.paths, self.job_id, self.commits)
         self.listing = Inventory(self.paths, self.shards, self.metadata)
         if create:
             with local_dir_errors(self.local_dir):
@@ -216,10 +217,12 @@ class LocalStore:
         """Keep the newest ``keep`` complete steps of each owner rank in ``ranks``
         (``retention.plan_retention`` says which go); returns the steps retired.
 
-        One pass at a time on a node (a flock): a plan guards the newest step it sees whole,
-        and two passes interleaved could each retire the step the other one guards.
+        One pass at a time on a node, and no commit during a pass (``CommitLock``): a plan
+        guards the newest step it sees whole, and a pass interleaved with another, or with the
+        commit that makes a newer step whole, could retire the step that is then the newest
+        whole one.
         """
-        with flocked(self.paths.retention_lock):
+        with self.commits.retiring():
             plan = retention.plan_retention(self.inventory(), ranks, keep, protected, self.orphans())
             pause_point("retention_planned")  # tests: another pass or a replica comes in now
             return retention.retire(self, plan)

@@ -10,14 +10,15 @@ from ..errors import CorruptShardError, ShardNotFoundError
 from .checksum import checksum
 from .identity import Lineage
 from .layout import JobPaths
+from .locks import CommitLock
 from .manifest import MetadataHeader, decode_metadata, encode_metadata
 
 
 class MetadataFiles:
     """Write, install (from a peer) and read the metadata of this job's steps on this node."""
 
-    def __init__(self, paths: JobPaths, job_id: str):
-        self.paths, self.job_id = paths, job_id
+    def __init__(self, paths: JobPaths, job_id: str, commits: CommitLock):
+        self.paths, self.job_id, self.commits = paths, job_id, commits
         self._verified_headers: dict[str, tuple[tuple, MetadataHeader]] = {}
 
     def write(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
@@ -43,7 +44,8 @@ class MetadataFiles:
         tmp = self.paths.metadata_tmp(step, secrets.token_hex(4))
         with open(tmp, "wb", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
             f.write(raw)
-        os.replace(tmp, self.paths.metadata(step))
+        with self.commits.committing():  # never while a retention pass looks and retires
+            os.replace(tmp, self.paths.metadata(step))
 
     def read(self, step: int, save_id: str | None = None) -> tuple[MetadataHeader, bytes]:
         """The verified metadata of a step; with ``save_id``, another save's counts as absent."""

@@ -20,7 +20,7 @@ from . import buffers, copier
 from .buffers import NO_ROOM, MappedFile, MappingCache
 from .checksum import checksum
 from .layout import JobPaths, Kind, classify
-from .locks import NodeLock
+from .locks import CommitLock, NodeLock
 from .manifest import Manifest, ManifestItem, item_digests, verify_items
 from .pool import BufferPool, Capacity
 
@@ -39,9 +39,9 @@ class ShardFiles:
     committed ones; retire them into the pool."""
 
     def __init__(self, paths: JobPaths, job_id: str, mappings: MappingCache, pool: BufferPool,
-                 capacity: Capacity, lock: NodeLock):
+                 capacity: Capacity, lock: NodeLock, commits: CommitLock):
         self.paths, self.job_id, self.mappings = paths, job_id, mappings
-        self.pool, self.capacity, self.lock = pool, capacity, lock
+        self.pool, self.capacity, self.lock, self.commits = pool, capacity, lock, commits
 
     # ------------------------------------------------------------------ write
     def begin(self, step: int, rank: int, nbytes: int) -> ShardWriter:
@@ -104,12 +104,13 @@ class ShardFiles:
         crash_point("before_manifest", manifest.step, manifest.rank)
         with open(tmp, "wb", opener=_private) as f:
             f.write(manifest.to_bytes())
-        # Re-saving a committed step: uncommit the old shard before its data is replaced.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(mpath)
-        os.replace(partial, data)
-        crash_point("mid_commit", manifest.step, manifest.rank)
-        os.replace(tmp, mpath)  # commit point
+        with self.commits.committing():  # never while a retention pass looks and retires
+            # Re-saving a committed step: uncommit the old shard before its data is replaced.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(mpath)
+            os.replace(partial, data)
+            crash_point("mid_commit", manifest.step, manifest.rank)
+            os.replace(tmp, mpath)  # commit point
 
     # ------------------------------------------------------------------ read
     def read_manifest(self, step: int, rank: int) -> Manifest:

@@ -135,6 +135,14 @@ def test_the_default_is_a_share_of_the_link_or_of_an_assumed_one():
     assert node_budget(12345, None, None).rate == 12345
 
 
+def test_the_docs_give_the_default_share():
+    """DEFAULT_BANDWIDTH_SHARE is the one knob of the default: the docs that quote it follow."""
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+    for name in ("configuration.md", "operations.md"):
+        with open(os.path.join(docs, name)) as f:
+            assert f"{DEFAULT_BANDWIDTH_SHARE:.0%}" in f.read(), name
+
+
 def test_link_speed_is_read_for_physical_nics_only(tmp_path):
     def nic(name: str, speed: str, physical: bool = True) -> None:
         os.makedirs(tmp_path / name / ("device" if physical else "queues"))

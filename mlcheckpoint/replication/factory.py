@@ -49,7 +49,7 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
         if kind == "nccl" and (not torch.cuda.is_available() or not dist.is_nccl_available()):
             raise ConfigError("replication='nccl' needs CUDA and a torch built with NCCL; use "
                               "'tcp' or 'pg' on this machine")
-        if interface is not None or host is not None:
+        if (interface is not None or host is not None) and topology.local_rank == 0:
             log.warning("mlcheckpoint: replication_interface and replication_host choose the "
                         "TCP transport's listener; replication=%r sends over its own %s group, "
                         "which picks its interface itself (GLOO_SOCKET_IFNAME, "

@@ -285,8 +285,10 @@ def train_main(cfg: dict) -> None:
                                "compute_alone_s": median([compute(iters) for _ in range(3)]), "modes": {}}
     for mode in ("none", "tcp"):
         job = f"{cfg['job']}-{mode}"
+        # No bandwidth budget: this measures replication at loopback speed, as the transfers above.
         ckpt = CheckpointManager(job_id=job, local_dir=node_dir, keep=cfg["keep"], replication=mode,
-                                 replication_host="127.0.0.1", replication_timeout=cfg["timeout"])
+                                 replication_host="127.0.0.1", replication_timeout=cfg["timeout"],
+                                 replication_bandwidth=0)
         if (ckpt.replicator is not None) != (mode == "tcp"):
             raise RuntimeError(f"replication={mode!r} but the manager runs {ckpt.replication_mode!r}")
         timers = Timers()

@@ -1,5 +1,5 @@
 """Settings and their validation: the environment variables, job id, local directory,
-retention, memory limit.
+retention, memory limit, replication bandwidth.
 
 Every environment variable mlcheckpoint reads is listed in ``ENV_VARS`` and read only through
 ``env_str``/``env_int``/``env_flag`` here. Each setting is checked where it enters
@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LOCAL_DIR = "/dev/shm/mlcheckpoint"
 MEMORY_LIMIT_ENV = "MLCHECKPOINT_MEMORY_LIMIT"
+BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
+IFNAME_ENV = "MLCHECKPOINT_REPLICATION_IFNAME"
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -46,6 +48,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MLCHECKPOINT_LOCAL_DIR", DEFAULT_LOCAL_DIR),
     EnvVar(MEMORY_LIMIT_ENV, "unset (no limit)"),
     EnvVar("MLCHECKPOINT_REPLICATION_HOST", "unset"),
+    EnvVar(IFNAME_ENV, "unset"),
+    EnvVar(BANDWIDTH_ENV, "auto"),
     EnvVar("MLCHECKPOINT_TCP_STREAMS", "4"),
     EnvVar("MLCHECKPOINT_TCP_MIN_STRIPE", "67108864"),
     EnvVar("MLCHECKPOINT_COPY_THREADS", "min(4, usable cores)"),
@@ -259,3 +263,45 @@ def resolve_memory_limit(memory_limit_bytes: int | str | None = None) -> int | N
         return parse_bytes(memory_limit_bytes, "memory_limit_bytes")
     env = env_str(MEMORY_LIMIT_ENV)
     return parse_bytes(env, MEMORY_LIMIT_ENV) if env else None
+
+
+# Rates: the byte units above, or bits (always powers of 1000, as networks count), each with
+# an optional "/s" ("100MB/s", "1Gbit", "800Mbit/s", "10Gbps").
+_BITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
+         "bps": 1, "kbps": 10**3, "mbps": 10**6, "gbps": 10**9, "tbps": 10**12}
+_UNCAPPED = ("none", "unlimited", "off")
+
+
+def parse_bandwidth(value: object, setting: str) -> int | str:
+    """A replication bandwidth budget: bytes per second (an int, or a string such as
+    "125000000", "100MB/s", "1Gbit", "800Mbit/s"), 0 (also "none", "unlimited") for no cap,
+    or "auto" for the default derived from the link (replication/budget.py)."""
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word == "auto":
+        return "auto"
+    if word in _UNCAPPED:
+        return 0
+    number = _size_of(value) if word is None else _rate_of(word.removesuffix("/s"))
+    if number is None or not 0 <= number < float("inf") or 0 < number < 1:
+        raise ConfigError(
+            f"{setting}={value!r} is not a bandwidth: give bytes per second (e.g. 125000000), "
+            "optionally with a unit: 100MB/s, 1.5GB/s (bytes; K/M/G/T and KiB/MiB/GiB are "
+            "powers of 1024, KB/MB/GB of 1000) or 1Gbit, 800Mbit/s, 10Gbps (bits); 0, none or "
+            "unlimited for no cap; auto for the default (a share of the interface's speed)")
+    return int(number)
+
+
+def _rate_of(text: str) -> int | float | None:
+    m = _SIZE_RE.match(text)
+    if m is not None and m[2] in _BITS:
+        return float(m[1]) * _BITS[m[2]] / 8
+    return _size_of(text)
+
+
+def resolve_bandwidth(bandwidth: int | str | None = None) -> int | str:
+    """The replication budget: the argument, else $MLCHECKPOINT_REPLICATION_BANDWIDTH, else
+    "auto"."""
+    if bandwidth is not None:
+        return parse_bandwidth(bandwidth, "replication_bandwidth")
+    env = env_str(BANDWIDTH_ENV)
+    return parse_bandwidth(env, BANDWIDTH_ENV) if env else "auto"

@@ -67,18 +67,29 @@ class CheckpointManager:
             MLCHECKPOINT_MEMORY_LIMIT; None: only the tmpfs free space).
         replication: "tcp", "pg" (gloo), "nccl" (GPU buffers over NCCL) or "none". Off by
             itself on a single node.
-        replication_host: interface the TCP listener binds (default: the one routing to
-            MASTER_ADDR; env MLCHECKPOINT_REPLICATION_HOST).
+        replication_host: address the TCP listener binds and advertises (default: that of
+            ``replication_interface``, else the one routing to MASTER_ADDR; env
+            MLCHECKPOINT_REPLICATION_HOST).
         replication_timeout: seconds any single replication socket operation may block.
         replication_streams: TCP connections one large shard is pushed over (default
             ``$MLCHECKPOINT_TCP_STREAMS`` or 4; each stream carries at least 64 MiB).
+        replication_bandwidth: bytes per second replication may send in the background, for
+            the whole node (its ranks share it): an int or a string such as "100MB/s" or
+            "1Gbit"; 0 or "none" for no cap (default ``$MLCHECKPOINT_REPLICATION_BANDWIDTH``
+            or "auto": a share of the interface's speed, see docs/operations.md). A resume's
+            own reads are never capped.
+        replication_interface: network interface (e.g. "eth1", "ib0") whose IPv4 address the
+            TCP listener binds and advertises to the other nodes (default
+            ``$MLCHECKPOINT_REPLICATION_IFNAME``; with ``replication_host``, both must agree).
     """
 
     def __init__(self, persistent_dir: str | PersistentStorage | None = None, *,
                  job_id: str | None = None, local_dir: str | None = None, keep: int = 2,
                  memory_limit_bytes: int | str | None = None, replication: str = "tcp",
                  replication_host: str | None = None, replication_timeout: float = 60.0,
-                 replication_streams: int | None = None):
+                 replication_streams: int | None = None,
+                 replication_bandwidth: int | str | None = None,
+                 replication_interface: str | None = None):
         self.persistent = open_persistent(persistent_dir)
         # Every argument and MLCHECKPOINT_* variable, resolved and checked before anything is
         # written. Plain torchrun gives no job id: the persistent folder, which a restart
@@ -87,10 +98,10 @@ class CheckpointManager:
             job_id=job_id, local_dir=local_dir, keep=keep, memory_limit_bytes=memory_limit_bytes,
             replication=replication, replication_host=replication_host,
             replication_timeout=replication_timeout, replication_streams=replication_streams,
+            replication_bandwidth=replication_bandwidth,
+            replication_interface=replication_interface,
             derive_job_id_from=None if self.persistent is None else self.persistent.location)
-        replication, replication_host = opts.replication, opts.replication_host
-        replication_timeout = opts.replication_timeout
-        replication_streams = opts.replication_streams
+        replication = opts.replication
         self.topology = Topology.detect()
         self.rank = self.topology.rank
         self.keep = opts.keep
@@ -124,8 +135,7 @@ class CheckpointManager:
             replication = "none"
         self.replication_mode = replication
         if replication != "none":
-            self._start_replication(replication, replication_host, replication_timeout,
-                                    replication_streams)
+            self._start_replication(replication, opts)
         self.saver = Saver(self.store, self.topology, group=self._save_pg,
                            snapshots=self.snapshots, retention=self.retention,
                            warmer=self.warmer, replicator=self.replicator)
@@ -133,13 +143,15 @@ class CheckpointManager:
                   self.store.job_dir, self.rank, self.topology.world_size,
                   self.topology.node_rank, self.topology.num_nodes)
 
-    def _start_replication(self, mode: str, host: str | None, timeout: float,
-                           streams: int | None) -> None:
+    def _start_replication(self, mode: str, opts: Options) -> None:
         # The replication secret is agreed over our own gloo group, never the c10d store.
         rdzv = Rendezvous.from_default_group(self.job_id, group=self._save_pg)
         sink = ReceiveSink(self.store, pins=self.pins, on_received=self._on_replica_received)
-        transport = make_transport(mode, self.store, rdzv, sink, host=host, timeout=timeout,
-                                   streams=streams)
+        transport = make_transport(mode, self.store, rdzv, sink, host=opts.replication_host,
+                                   interface=opts.replication_interface,
+                                   timeout=opts.replication_timeout,
+                                   streams=opts.replication_streams,
+                                   bandwidth=opts.replication_bandwidth, topology=self.topology)
         self.replicator = Replicator(self.store, transport, rdzv, self.topology)
         self.replica_owners = self.replicator.sources
         self.retention.protect_replicas(self.replicator, self.replica_owners)

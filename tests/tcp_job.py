@@ -98,10 +98,11 @@ class Job:
         self._followers.append((stop, thread))
 
     def spawn(self, rank: int, cmd: str, env: dict | None = None, **cfg) -> subprocess.Popen:
-        """An endpoint in a process of its own (tests/workers/repl_peer.py)."""
-        config = dict(host="127.0.0.1", port=self.c10d.port, job=self.job_id, rank=rank,
-                      world=self.world, dir=self.node_dir(rank), status_dir=self.status_dir,
-                      cmd=cmd, **cfg)
+        """An endpoint in a process of its own (tests/workers/repl_peer.py); ``cfg`` adds to
+        (or overrides, e.g. ``dir``) its configuration."""
+        config = {"host": "127.0.0.1", "port": self.c10d.port, "job": self.job_id, "rank": rank,
+                  "world": self.world, "dir": self.node_dir(rank), "status_dir": self.status_dir,
+                  "cmd": cmd, **cfg}
         e = dict(os.environ)
         e.pop("MLCHECKPOINT_CRASH_AT", None)
         e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",

@@ -1,6 +1,6 @@
 """Settings (mlcheckpoint.config) and their use by LocalStore and CheckpointManager: job id,
-local directory, keep, memory limit. A bad setting is a ConfigError that names it and says
-what to do, never a raw exception later."""
+local directory, keep, memory limit, replication bandwidth and interface. A bad setting is a
+ConfigError that names it and says what to do, never a raw exception later."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from mlcheckpoint.config import (
     ENV_VARS,
     env_str,
     filesystem_type,
+    parse_bandwidth,
     parse_bytes,
     resolve_job_id,
     resolve_local_dir,
@@ -412,6 +413,9 @@ def test_documented_defaults_are_the_defaults(monkeypatch):
     assert default_min_stripe_bytes() == int(default["MLCHECKPOINT_TCP_MIN_STRIPE"])
     assert resolve_local_dir() == default["MLCHECKPOINT_LOCAL_DIR"]
     assert native_enabled() is _gc.enabled() is True
+    options = Options.resolve(job_id="j", local_dir="/dev/shm/x")
+    assert options.replication_bandwidth == default["MLCHECKPOINT_REPLICATION_BANDWIDTH"] == "auto"
+    assert options.replication_interface is None
     assert default["MLCHECKPOINT_NATIVE"] == default["MLCHECKPOINT_PAUSE_GC"] == "1"
     assert Topology.detect() == Topology()
     assert (default["RANK"], default["WORLD_SIZE"]) == ("0", "1")
@@ -423,7 +427,9 @@ def test_documented_defaults_are_the_defaults(monkeypatch):
     ("MLCHECKPOINT_COPY_THREADS", "two"), ("MLCHECKPOINT_COPY_THREADS", "0"),
     ("MLCHECKPOINT_NATIVE", "maybe"), ("MLCHECKPOINT_PAUSE_GC", "off please"),
     ("MLCHECKPOINT_JOB_ID", "a/b"), ("RANK", "first"), ("LOCAL_RANK", "-1"),
-    ("LOCAL_WORLD_SIZE", "2.5")])
+    ("LOCAL_WORLD_SIZE", "2.5"), ("MLCHECKPOINT_REPLICATION_BANDWIDTH", "fast"),
+    ("MLCHECKPOINT_REPLICATION_BANDWIDTH", "-5MB/s"), ("MLCHECKPOINT_REPLICATION_IFNAME", "nosuch0"),
+    ("MLCHECKPOINT_REPLICATION_IFNAME", "../eth0")])
 def test_bad_variable_is_a_config_error_at_construction(store_dir, monkeypatch, var, value):
     """Every variable is parsed when the manager is built, also those read later (copy threads,
     streams, the gc pause): a bad value is a ConfigError naming it, before anything is written."""
@@ -439,7 +445,10 @@ def test_bad_variable_is_a_config_error_at_construction(store_dir, monkeypatch, 
 @pytest.mark.parametrize("setting, value", [
     ("replication", "udp"), ("replication_timeout", 0), ("replication_timeout", float("nan")),
     ("replication_timeout", "60"), ("replication_streams", 0), ("replication_streams", 17),
-    ("replication_streams", True), ("replication_host", ""), ("keep", 0)])
+    ("replication_streams", True), ("replication_host", ""), ("keep", 0),
+    ("replication_bandwidth", "fast"), ("replication_bandwidth", -1),
+    ("replication_bandwidth", True), ("replication_bandwidth", "1 furlong/s"),
+    ("replication_interface", "nosuch0"), ("replication_interface", "")])
 def test_bad_argument_is_a_config_error_naming_it(store_dir, setting, value):
     local = os.path.join(store_dir, "local")
     kw = {"job_id": "job-config", "local_dir": local, "replication": "none", setting: value}
@@ -462,3 +471,47 @@ def test_arguments_win_over_variables_and_are_kept_on_the_manager(store_dir, mon
                                        memory_limit_bytes=1 << 30, replication="none",
                                        replication_host="10.0.0.7", replication_streams=8)
         assert ckpt.store.memory_limit_bytes == 1 << 30
+
+
+# ---------------------------------------------------------------- replication bandwidth and interface
+
+@pytest.mark.parametrize("text, rate", [
+    (125000000, 125000000), ("125000000", 125000000), ("100MB/s", 100 * 10**6),
+    ("1.5GB/s", 1_500_000_000), ("512MiB/s", 512 << 20), ("100M", 100 << 20),
+    ("1Gbit", 125_000_000), ("800Mbit/s", 100_000_000), ("10Gbps", 1_250_000_000),
+    (" 2 gbit/s ", 250_000_000), (0, 0), ("0", 0), ("none", 0), ("Unlimited", 0), ("off", 0),
+    ("auto", "auto"), ("AUTO", "auto")])
+def test_bandwidths_with_units(text, rate):
+    assert parse_bandwidth(text, "replication_bandwidth") == rate
+
+
+@pytest.mark.parametrize("bad", ["fast", "-1", -1, True, "0.5", float("nan"), float("inf"),
+                                 "1 Mb/ss", "Gbit", "", "1e9"])
+def test_bad_bandwidths_are_refused(bad):
+    with pytest.raises(ConfigError, match="not a bandwidth"):
+        parse_bandwidth(bad, "replication_bandwidth")
+
+
+def test_bandwidth_argument_wins_over_its_variable(store_dir, monkeypatch):
+    monkeypatch.setenv("MLCHECKPOINT_REPLICATION_BANDWIDTH", "1Gbit")
+    assert Options.resolve(job_id="j", local_dir=store_dir).replication_bandwidth == 125_000_000
+    assert Options.resolve(job_id="j", local_dir=store_dir,
+                           replication_bandwidth="none").replication_bandwidth == 0
+    assert Options(job_id="j", local_dir=store_dir,
+                   replication_bandwidth="2GB/s").replication_bandwidth == 2 * 10**9
+
+
+def test_replication_interface_is_checked_and_kept(store_dir, monkeypatch):
+    monkeypatch.setenv("MLCHECKPOINT_REPLICATION_IFNAME", "lo")
+    assert Options.resolve(job_id="j", local_dir=store_dir).replication_interface == "lo"
+    # With a host too: the same address is fine, another one is refused naming both.
+    assert Options.resolve(job_id="j", local_dir=store_dir,
+                           replication_host="127.0.0.1").replication_host == "127.0.0.1"
+    with pytest.raises(ConfigError) as ei:
+        Options.resolve(job_id="j", local_dir=store_dir, replication_host="10.0.0.7")
+    msg = str(ei.value)
+    assert "replication_host='10.0.0.7'" in msg and "MLCHECKPOINT_REPLICATION_IFNAME='lo'" in msg
+    monkeypatch.delenv("MLCHECKPOINT_REPLICATION_IFNAME")
+    with pytest.raises(ConfigError, match="replication_interface='nosuch0' is not a network "
+                                          "interface here .*lo"):
+        Options.resolve(job_id="j", local_dir=store_dir, replication_interface="nosuch0")

@@ -1,13 +1,18 @@
 """Reads from other nodes during a resume (recovery/holders.py), without processes: which
-holder each rank asks first, and that layer 2 (dcp) reaches them only through its Protocol."""
+holder each rank asks first, which reads are paced, and that layer 2 (dcp) reaches them only
+through its Protocol."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
 
-from mlcheckpoint.recovery.holders import holder_order
+import numpy as np
+
+from mlcheckpoint import LocalStore
+from mlcheckpoint.recovery.holders import Holders, holder_order
 from mlcheckpoint.recovery.planner import MEMORY, Decision, Fetch
+from mlcheckpoint.replication import Transport
 from mlcheckpoint.topology import Topology
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mlcheckpoint"
@@ -53,3 +58,47 @@ def test_layer_2_never_imports_recovery_or_replication():
             if isinstance(node, ast.ImportFrom) and node.level >= 2:
                 top = (node.module or "").split(".")[0]
                 assert top not in ("recovery", "replication"), f"{path.name} imports ..{node.module}"
+
+
+class RecordingTransport(Transport):
+    """Says which reads were asked to be paced; serves nothing."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+
+    def push_shard(self, peer: int, step: int, owner: int) -> int:
+        raise AssertionError("holders never push")
+
+    def push_metadata(self, peer: int, step: int) -> None:
+        raise AssertionError("holders never push")
+
+    def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
+        self.calls.append(("fetch_shard", paced))
+        return 0
+
+    def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
+        self.calls.append(("read_items", paced))
+        return 0
+
+    def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
+        self.calls.append(("fetch_metadata", paced))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_resumes_reads_are_unpaced_and_the_heal_is_paced(store_dir):
+    """The resume waits for its range reads and metadata: full link. The rebuild of a replaced
+    node's own shard runs in the background: within the holder's budget."""
+    transport, store = RecordingTransport(), LocalStore(store_dir, "holders-paced")
+    try:
+        holders = Holders(transport, store, rank_on(2, 0), PLAN)
+        holders.read_ranges(7, 4, [(0, 1)], [np.zeros(1, np.uint8)], lambda i: None)
+        holders.fetch_metadata()
+        assert holders.rebuild(4)
+    finally:
+        store.close()
+    assert transport.calls == [("read_items", False), ("fetch_metadata", False),
+                               ("fetch_shard", True)]

@@ -46,6 +46,7 @@ def test_classify_names_every_path_the_layout_builds():
         paths.step_dir(3): (Kind.STEP, None, 3),
         paths.orphan(4, token8): (Kind.ORPHAN, None, 4),
         paths.fetch_lock(70): (Kind.LOCK, None, None),
+        paths.bandwidth: (Kind.LOCK, None, None),
         paths.lock: (Kind.LOCK, None, None),
         paths.history: (Kind.HISTORY, None, None),
         paths.steps_dir: (Kind.FOLDER, None, None),

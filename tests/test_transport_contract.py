@@ -1,11 +1,14 @@
-"""One contract, every transport: push, fetch, range read, metadata, missing, corrupt, timeout.
+"""One contract, every transport: push, fetch, range read, metadata, missing, corrupt, timeout,
+and the bandwidth budget: what is sent in the background is paced, what a resume waits for
+is not.
 
 Each test runs over TCP with one stream, TCP with several streams, and the process-group
 transport on gloo (and on NCCL where two GPUs are present). The test process is rank 0 and
 calls the transport; rank 1 serves from a process of its own (tests/workers/transport_peer.py),
 joined through a real TCPStore and a real gloo group, so it can be frozen with SIGSTOP. Both
-sides build their transport with ``make_transport``, as the manager does. Shards are written
-and checked straight in each node's tmpfs directory.
+sides build their transport with ``make_transport``, as the manager does, with a bandwidth
+budget (``BANDWIDTH``: every test runs paced). Shards are written and checked straight in each
+node's tmpfs directory.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from mlcheckpoint import (
     ShardNotFoundError,
 )
 from mlcheckpoint.replication import ReceiveSink, Rendezvous, Transport
+from mlcheckpoint.replication.budget import NodeSchedule
 from mlcheckpoint.replication.factory import make_transport
 
 sys.path.insert(0, WORKERS)
@@ -49,6 +53,7 @@ MiB = 1 << 20
 NBYTES = 6 * MiB + 5  # over several stripes of 1 MiB; not a multiple of anything
 TIMEOUT = 5.0  # every wait of every transport (the timeout test waits this long once each)
 PEER = 1
+BANDWIDTH = 512 * 10**6  # each node's budget: chunks of 2 MB, a few per shard, quick
 
 
 @dataclass
@@ -83,7 +88,8 @@ class Job:
         self.kinds = list(dict.fromkeys(s.kind for s in SETUPS if _runnable(s)))
         cfg = {"host": "127.0.0.1", "port": self.c10d.port, "job": self.job_id,
                "dir": self.node_dir(PEER), "kinds": self.kinds, "timeout": TIMEOUT,
-               "device": 1 if "nccl" in self.kinds else None, "status_dir": self.status_dir}
+               "device": 1 if "nccl" in self.kinds else None, "status_dir": self.status_dir,
+               "bandwidth": BANDWIDTH}
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env.pop("MLCHECKPOINT_CRASH_AT", None)
         with open(self.log_path, "w") as logf:
@@ -113,12 +119,21 @@ class Job:
                 if _runnable(s):  # (the TCP ones both listen; the peer calls neither)
                     self.locals[s.name] = make_transport(s.kind, self.store, rdzv, sink,
                                                          timeout=TIMEOUT, host="127.0.0.1",
-                                                         streams=s.streams)
+                                                         streams=s.streams, bandwidth=BANDWIDTH)
         dist.barrier()
 
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()[-4000:]
+
+    def booked(self, rank: int) -> int:
+        """Bytes booked so far on the bandwidth budget of rank's node (all its processes)."""
+        store = self.store if rank == 0 else self.peer_store
+        schedule = NodeSchedule(store.paths.bandwidth)
+        try:
+            return schedule.total_bytes()
+        finally:
+            schedule.close()
 
     def received(self, step: int, owner: int) -> bool:
         """The peer's sink reported the pushed replica (step, owner)."""
@@ -305,6 +320,47 @@ def test_metadata_push_and_fetch(pair, step):
 def test_fetch_of_missing_metadata(pair, step):
     with pytest.raises(ShardNotFoundError):
         pair.local.fetch_metadata(PEER, step)
+
+
+# --------------------------------------------------------------------------- the budget
+def test_a_push_is_paced_byte_for_byte(pair, step):
+    """Whole, striped (tcp-4-streams) and in pieces (pg): every byte of the shard is booked on
+    the pushing node's budget, and nothing on the receiver's."""
+    make_shard(pair.store, step, 0, NBYTES, seed=step)
+    mine, theirs, sent = pair.job.booked(0), pair.job.booked(PEER), pair.local.budget.bytes_sent
+    assert pair.local.push_shard(PEER, step, 0) == NBYTES
+    pair.peer_store.verify_shard(step, 0)
+    assert pair.local.budget.bytes_sent - sent == NBYTES
+    assert (pair.job.booked(0) - mine, pair.job.booked(PEER) - theirs) == (NBYTES, 0)
+
+
+def test_a_heal_fetch_is_paced_by_the_node_that_sends_it(pair, step):
+    """fetch_shard (a replaced node rebuilding its own shard) asks the holder to pace: the bytes
+    are booked on the holder's budget, which sends them."""
+    make_shard(pair.peer_store, step, PEER, NBYTES, seed=step)
+    mine, theirs = pair.job.booked(0), pair.job.booked(PEER)
+    assert pair.local.fetch_shard(PEER, step, PEER, paced=True) == NBYTES
+    pair.store.verify_shard(step, PEER)
+    assert (pair.job.booked(0) - mine, pair.job.booked(PEER) - theirs) == (0, NBYTES)
+
+
+def test_a_resumes_reads_are_not_paced(pair, step):
+    """What a resume waits for (range reads, metadata) takes the full link: nothing is booked
+    on the holder's budget, unless the request asks for pacing."""
+    make_shard(pair.peer_store, step, PEER, NBYTES, seed=step)
+    put_metadata(pair.peer_store, step)
+    ranges = [(0, 3 * MiB), (4 * MiB, NBYTES - 4 * MiB)]
+    before = pair.job.booked(PEER)
+    assert pair.local.read_items(PEER, step, PEER, ranges,
+                                 [np.zeros(n, np.uint8) for _, n in ranges]) == NBYTES - MiB
+    pair.local.fetch_metadata(PEER, step)
+    assert pair.job.booked(PEER) == before
+    # The flag in the request is what decides:
+    sinks = [np.zeros(n, np.uint8) for _, n in ranges]
+    pair.local.read_items(PEER, step, PEER, ranges, sinks, paced=True)
+    assert pair.job.booked(PEER) - before == NBYTES - MiB
+    for (off, n), sink in zip(ranges, sinks, strict=True):
+        assert sink.tobytes() == data_of(pair.peer_store, step, PEER)[off:off + n]
 
 
 # --------------------------------------------------------------------------- timeout

@@ -44,6 +44,7 @@ from typing_extensions import Self
 from mlcheckpoint import ConfigError
 from mlcheckpoint.replication import protocol as p
 from mlcheckpoint.replication.control import MAX_TAG, Seal
+from mlcheckpoint.replication.pg import MAX_PIECE_BYTES, MIN_PIECE_BYTES
 from mlcheckpoint.replication.rendezvous import (
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -295,6 +296,7 @@ BAD_DICTS = [None, 5, "manifest", [], [{}], {}, {"items": 5}, {"items": {}}]
 BAD_RANGES = [None, 5, "0,16", {}, {"0": 16}, [5], [None], [[0]], [[0, 1, 2]], [["0", 16]],
               [[0, None]], [[1.5, 2]], [[-1, 16]], [[0, -16]], [[0, 10**30]], [[10**30, 1]],
               [[4090, 16]], [[0, 16], "x"]]
+BAD_FLAGS = [None, 0, 1, "yes", "true", [], {}]
 DELETE = object()  # a field left out
 
 
@@ -372,16 +374,19 @@ def malformed_requests(job_id: str) -> dict[str, tuple[dict, bytes | None]]:
     }
     fields = {"step": BAD_INTS, "owner": BAD_INTS, "index": BAD_INTS + [0, 16], "token": BAD_STRS,
               "nbytes": BAD_INTS + [0], "ranges": BAD_RANGES, "streams": BAD_INTS + [0, 17],
-              "job_id": BAD_STRS + ["../x", "other-job"], "op": [None, 5, [], {}, ["put_shard"], "rm"]}
+              "job_id": BAD_STRS + ["../x", "other-job"], "op": [None, 5, [], {}, ["put_shard"], "rm"],
+              "paced": BAD_FLAGS}
+    # Fields a request may leave out: only their wrong values are tried.
+    optional = {"streams": ("put_shard",), "paced": ("get_shard", "read_items", "get_metadata")}
     cases: dict[str, tuple[dict, bytes | None]] = {}
     for op, base in bases.items():
         for field, values in fields.items():
-            if field not in base and not (field == "streams" and op == "put_shard"):
+            if field not in base and op not in optional.get(field, ()):
                 continue
             for v in [DELETE, *values]:
                 req = dict(base)
                 if v is DELETE:
-                    if field == "streams":
+                    if field in optional:
                         continue
                     del req[field]
                 else:
@@ -611,6 +616,14 @@ def _pg_cases(job_id: str) -> dict[str, tuple[dict, bytes | None]]:
     for v in [DELETE, *BAD_RANGES]:
         read = {"op": "read_items", "step": 5, "owner": 0, "ranges": v}
         cases[f"read_items.ranges={v!r}"[:80]] = (read, None)
+    for op in ("get_shard", "read_items"):
+        for v in BAD_FLAGS:
+            cases[f"{op}.paced={v!r}"] = ({"op": op, "step": 5, "owner": 0, "ranges": [[0, 16]],
+                                           "paced": v}, None)
+    for v in [*BAD_INTS, 1, MIN_PIECE_BYTES - 1, MAX_PIECE_BYTES + 1]:
+        cases[f"put_shard.piece={v!r}"[:80]] = ({"op": "put_shard", "step": 5, "owner": 0,
+                                                 "manifest": manifest_dict(job_id, 5, 0),
+                                                 "piece": v}, None)
     for name, blob in _metadata_blobs(job_id, 5).items():
         cases[f"put_metadata.blob.{name}"] = ({"op": "put_metadata", "step": 5}, blob)
     cases["put_metadata.no_blob"] = ({"op": "put_metadata", "step": 5, "sha256": "0" * 64}, None)

@@ -5,6 +5,9 @@ streams into the model (``read_ranges``, the ``dcp.remote.RemoteReads`` protocol
 metadata for a node without it (``fetch_metadata``), and, after the load, the whole shard of a
 replaced node's own rank (``rebuild``). Which holder to ask, and in what order, is decided in
 one place: ``holder_order``.
+
+The resume waits for the first two, so the holder sends them at the link's full speed; the
+rebuild runs in the background and is paced by the holder's bandwidth budget (``paced``).
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class Holders:
         they came from. Nothing lands in this node's store (see ``rebuild``)."""
         self._check_step(step)
         nbytes, src = self._from_first_that_serves(
-            owner, lambda src: self.transport.read_items(src, step, owner, ranges, sinks, on_range))
+            owner, lambda src: self.transport.read_items(src, step, owner, ranges, sinks, on_range,
+                                                         paced=False))
         self.bytes_fetched += nbytes
         return src // self.topo.local_world_size
 
@@ -68,7 +72,7 @@ class Holders:
         """Pull the step's global metadata into this node's store."""
         with self.store.fetch_lock(self.step, None):
             _, src = self._from_first_that_serves(
-                None, lambda src: self.transport.fetch_metadata(src, self.step))
+                None, lambda src: self.transport.fetch_metadata(src, self.step, paced=False))
         log.info("mlcheckpoint: fetched the metadata of step %d from rank %d", self.step, src)
 
     def rebuild(self, owner: int) -> bool:
@@ -79,7 +83,7 @@ class Holders:
             if owner in self.store.step_state(self.step).ranks_of(self.plan.save_id):
                 return False
             _, src = self._from_first_that_serves(
-                owner, lambda src: self.transport.fetch_shard(src, self.step, owner))
+                owner, lambda src: self.transport.fetch_shard(src, self.step, owner, paced=True))
         log.info("mlcheckpoint: rebuilt rank %d's shard of step %d from rank %d", owner, self.step, src)
         return True
 

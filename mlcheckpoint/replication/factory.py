@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..store import LocalStore
+from ..topology import Topology
 from .pg import PgTransport
 from .rendezvous import Rendezvous
 from .sink import ReceiveSink
 from .tcp import TcpTransport
 from .transport import Transport
+
+log = logging.getLogger(__name__)
 
 # "tcp": a listener per rank, sendfile/recv_into straight between tmpfs files;
 # "pg": torch.distributed send/recv on a dedicated gloo group (CPU);
@@ -20,22 +25,41 @@ TRANSPORTS = ("tcp", "pg", "nccl")
 
 
 def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: ReceiveSink, *,
-                   timeout: float = 60.0, host: str | None = None,
-                   streams: int | None = None) -> Transport:
+                   timeout: float = 60.0, host: str | None = None, interface: str | None = None,
+                   streams: int | None = None, bandwidth: int | str = 0,
+                   topology: Topology | None = None) -> Transport:
     """The transport ``kind`` (one of ``TRANSPORTS``) for this rank.
 
     Collective for "pg" and "nccl" (each creates a process group: every rank calls it at the
     same point). For "nccl" each rank must have selected its CUDA device first
-    (``torch.cuda.set_device``). ``host`` and ``streams`` are for "tcp" alone.
+    (``torch.cuda.set_device``). ``host``, ``interface`` and ``streams`` are for "tcp" alone.
+    ``bandwidth``: the node's replication budget in bytes/s (0: no cap; "auto": the default
+    for the interface, see budget.py). ``topology``: the job's shape (default: one node):
+    with several nodes a listener on a loopback address is refused (``network.py``), and the
+    node's local rank 0 logs where replication listens and at what budget it sends.
     """
+    topology = topology or Topology()
+    announce = topology.num_nodes > 1 and topology.local_rank == 0
+    transport: Transport
     if kind == "tcp":
-        return TcpTransport(store, rdzv, sink=sink, host=host, timeout=timeout, streams=streams)
-    if kind == "pg":
-        return PgTransport(store, rdzv, sink=sink, backend="gloo", timeout=timeout)
-    if kind == "nccl":
-        if not torch.cuda.is_available() or not dist.is_nccl_available():
+        transport = TcpTransport(store, rdzv, sink=sink, host=host, interface=interface,
+                                 timeout=timeout, streams=streams, bandwidth=bandwidth,
+                                 num_nodes=topology.num_nodes, log_peers=announce)
+    elif kind in ("pg", "nccl"):
+        if kind == "nccl" and (not torch.cuda.is_available() or not dist.is_nccl_available()):
             raise ConfigError("replication='nccl' needs CUDA and a torch built with NCCL; use "
                               "'tcp' or 'pg' on this machine")
-        return PgTransport(store, rdzv, sink=sink, backend="nccl", timeout=timeout)
-    raise ConfigError(f"replication transport {kind!r}: expected one of "
-                      f"{', '.join(map(repr, TRANSPORTS))}")
+        if (interface is not None or host is not None) and topology.local_rank == 0:
+            log.warning("mlcheckpoint: replication_interface and replication_host choose the "
+                        "TCP transport's listener; replication=%r sends over its own %s group, "
+                        "which picks its interface itself (GLOO_SOCKET_IFNAME, "
+                        "NCCL_SOCKET_IFNAME)", kind, "gloo" if kind == "pg" else "NCCL")
+        transport = PgTransport(store, rdzv, sink=sink, backend="gloo" if kind == "pg" else "nccl",
+                                timeout=timeout, bandwidth=bandwidth, interface=interface)
+    else:
+        raise ConfigError(f"replication transport {kind!r}: expected one of "
+                          f"{', '.join(map(repr, TRANSPORTS))}")
+    if announce:
+        log.info("mlcheckpoint: node %d replicates over %s", topology.node_rank,
+                 transport.describe())
+    return transport

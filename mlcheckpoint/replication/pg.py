@@ -7,6 +7,11 @@ Control messages (offers, requests, replies) go through the job's c10d store, se
 side is known to be waiting for it. Each rank serves its mailbox on one thread, one request at
 a time, through a table of handlers. What arrives lands through the receive sink
 (``sink.py``), which verifies and commits it.
+
+Paced transfers (pushes, and fetches that ask for it) go in pieces of the bandwidth budget's
+chunk, each booked on the node's budget (``budget.py``) before it is sent; the side that
+sends names the piece size in its offer or reply, so the receiver posts matching recvs.
+Unpaced ones go in one message (NCCL: one per bounce buffer), as before.
 """
 
 from __future__ import annotations
@@ -27,13 +32,27 @@ from ..errors import ReplicationError, ShardNotFoundError
 from ..store import LocalStore, Manifest
 from ..store.buffers import MappedFile
 from . import protocol as p
+from .budget import node_budget
 from .control import MAX_TAG, Mailbox
+from .network import choose_endpoint
 from .rendezvous import Rendezvous
 from .sink import Receipt, ReceiveSink
 from .transport import Transport
 
 log = logging.getLogger(__name__)
 _BOUNCE_BYTES = 256 << 20  # GPU staging chunk for NCCL
+# Bounds on the piece size a peer names (0: one message): no one-byte messages, no piece
+# larger than a bounce buffer.
+MIN_PIECE_BYTES = 64 << 10
+MAX_PIECE_BYTES = _BOUNCE_BYTES
+
+
+def want_piece(msg: dict) -> int:
+    """The piece size a peer's offer or reply names, checked (absent: 0, one message)."""
+    piece = p.want_int(msg, "piece", 0, MAX_PIECE_BYTES + 1) if "piece" in msg else 0
+    if 0 < piece < MIN_PIECE_BYTES:
+        raise p.ProtocolError(f"piece of {piece} bytes is below {MIN_PIECE_BYTES}")
+    return piece
 
 
 class Request:
@@ -67,12 +86,19 @@ class PgTransport(Transport):
             have selected its CUDA device).
         timeout: seconds any single wait may take.
         poll_interval: seconds between looks at this rank's mailbox.
+        bandwidth: the node's budget for what we send in the background, bytes/s (0: no cap;
+            "auto": the default for ``interface``, else for the one routing to MASTER_ADDR).
+        interface: the NIC whose speed sets the "auto" budget (the group itself picks its
+            interface: GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME).
     """
 
     def __init__(self, store: LocalStore, rdzv: Rendezvous, *, sink: ReceiveSink | None = None,
-                 backend: str = "gloo", timeout: float = 60.0, poll_interval: float = 0.01):
+                 backend: str = "gloo", timeout: float = 60.0, poll_interval: float = 0.01,
+                 bandwidth: int | str = 0, interface: str | None = None):
         self.store, self.rdzv, self.timeout = store, rdzv, timeout
         self.sink = sink if sink is not None else ReceiveSink(store)
+        link = choose_endpoint(interface=interface).interface if bandwidth == "auto" else None
+        self.budget = node_budget(bandwidth, link, store.paths.bandwidth)
         self.backend = backend
         self.name = f"pg/{backend}"
         self.mailbox = Mailbox(rdzv, store.job_id, timeout)
@@ -90,42 +116,59 @@ class PgTransport(Transport):
         self._thread.start()
 
     # ------------------------------------------------------------------ bytes
-    def _send_bytes(self, array, peer: int, tag: int) -> None:
+    def _piece(self, paced: bool) -> int:
+        """The piece size for a transfer we send: the budget's chunk when paced under a cap,
+        else 0 (one message)."""
+        if not paced or not self.budget.capped:
+            return 0
+        return min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, self.budget.chunk))
+
+    def _cuts(self, nbytes: int, piece: int) -> list[tuple[int, int]]:
+        """(start, length) of the messages a transfer of ``nbytes`` is sent in; both sides
+        compute the same from the piece size the sender named."""
+        size = piece or nbytes
+        if self.device is not None:
+            size = min(size, _BOUNCE_BYTES)
+        size = max(size, 1)
+        return [(start, min(size, nbytes - start)) for start in range(0, nbytes, size)]
+
+    def _send_bytes(self, array, peer: int, tag: int, piece: int = 0) -> None:
+        """Send ``array`` in the cuts of ``piece``; each piece booked on the budget first when
+        ``piece`` is set (a paced transfer)."""
+        data = torch.from_numpy(array)
+        bounce = None if self.device is None else torch.empty(
+            min(_BOUNCE_BYTES, data.numel()), dtype=torch.uint8, device=self.device)
         try:
-            self._send_tensor(torch.from_numpy(array), peer, tag)
+            for start, n in self._cuts(data.numel(), piece):
+                if piece:
+                    self.budget.take(n)
+                part = data[start:start + n]
+                if bounce is not None:
+                    bounce[:n].copy_(part)
+                    part = bounce[:n]
+                dist.send(part, dst=peer, group=self.group, tag=tag)
         except RuntimeError as e:  # the group's send failed: the peer is gone or timed out
             raise ReplicationError(f"sending to rank {peer} failed: {e}") from None
 
-    def _recv_bytes(self, array, peer: int, tag: int) -> None:
+    def _recv_bytes(self, array, peer: int, tag: int, piece: int = 0) -> None:
+        """Receive ``array`` in the cuts the sender used (``piece``, as it named it)."""
+        data = torch.from_numpy(array)
+        bounce = None if self.device is None else torch.empty(
+            min(_BOUNCE_BYTES, data.numel()), dtype=torch.uint8, device=self.device)
         try:
-            self._recv_tensor(torch.from_numpy(array), peer, tag)
+            for start, n in self._cuts(data.numel(), piece):
+                if bounce is None:
+                    dist.recv(data[start:start + n], src=peer, group=self.group, tag=tag)
+                else:
+                    dist.recv(bounce[:n], src=peer, group=self.group, tag=tag)
+                    data[start:start + n].copy_(bounce[:n])
         except RuntimeError as e:  # the group's recv failed: the peer is gone or timed out
             raise ReplicationError(f"receiving from rank {peer} failed: {e}") from None
 
-    def _send_tensor(self, data: torch.Tensor, peer: int, tag: int) -> None:
-        if self.device is None:
-            dist.send(data, dst=peer, group=self.group, tag=tag)
-            return
-        bounce = torch.empty(min(_BOUNCE_BYTES, data.numel()), dtype=torch.uint8, device=self.device)
-        for start in range(0, data.numel(), bounce.numel()):
-            chunk = data[start:start + bounce.numel()]
-            bounce[:chunk.numel()].copy_(chunk)
-            dist.send(bounce[:chunk.numel()], dst=peer, group=self.group, tag=tag)
-
-    def _recv_tensor(self, data: torch.Tensor, peer: int, tag: int) -> None:
-        if self.device is None:
-            dist.recv(data, src=peer, group=self.group, tag=tag)
-            return
-        bounce = torch.empty(min(_BOUNCE_BYTES, data.numel()), dtype=torch.uint8, device=self.device)
-        for start in range(0, data.numel(), bounce.numel()):
-            n = min(bounce.numel(), data.numel() - start)
-            dist.recv(bounce[:n], src=peer, group=self.group, tag=tag)
-            data[start:start + n].copy_(bounce[:n])
-
-    def _receive_shard(self, receipt: Receipt, peer: int, tag: int) -> None:
+    def _receive_shard(self, receipt: Receipt, peer: int, tag: int, piece: int) -> None:
         """Fill a receipt with the shard ``peer`` sends under ``tag``, then verify and commit."""
         if receipt.m.data_bytes:
-            self._recv_bytes(receipt.array, peer, tag)
+            self._recv_bytes(receipt.array, peer, tag, piece)
         receipt.arriving(receipt.m.data_bytes, receipt.m.data_bytes)
         receipt.commit()
 
@@ -171,36 +214,39 @@ class PgTransport(Transport):
     def _on_put_shard(self, req: Request, step: int) -> None:
         owner = p.want_int(req.msg, "owner", 0, self.rdzv.world_size)
         m = p.manifest_from_wire(req.msg.get("manifest"), self.store.job_id, step, owner)
+        piece = want_piece(req.msg)
         self.sink.check_admitted(m.run_id, step)
         if self.sink.holds(m):
             req.reply({"status": "have"})
             return
         with self.sink.begin(m) as receipt:
             req.reply({"status": "ready"}, then="done")
-            self._receive_shard(receipt, req.peer, req.tag)
+            self._receive_shard(receipt, req.peer, req.tag, piece)
         req.reply({"status": "ok"})
         self.sink.received(m)
 
     def _on_get_shard(self, req: Request, step: int) -> None:
-        """The whole shard, with its manifest."""
+        """The whole shard, with its manifest (paced when the request says so: a heal)."""
+        piece = self._piece(p.want_bool(req.msg, "paced"))
         with self.sink.pins.pinned(step):
             shard = self._map_or_missing(req, step)
             if shard is None:
                 return
             m, buf = shard
-            req.reply({"status": "ok", "manifest": m.to_dict()}, then="")
-            self._send_ranges(req, buf, [(0, m.data_bytes)])
+            req.reply({"status": "ok", "manifest": m.to_dict(), "piece": piece}, then="")
+            self._send_ranges(req, buf, [(0, m.data_bytes)], piece)
 
     def _on_read_items(self, req: Request, step: int) -> None:
         """Byte ranges of the shard, straight into the requester's tensors."""
+        piece = self._piece(p.want_bool(req.msg, "paced"))
         with self.sink.pins.pinned(step):
             shard = self._map_or_missing(req, step)
             if shard is None:
                 return
             m, buf = shard
             ranges = p.checked_ranges(req.msg.get("ranges"), m.data_bytes)
-            req.reply({"status": "ok"}, then="")
-            self._send_ranges(req, buf, ranges)
+            req.reply({"status": "ok", "piece": piece}, then="")
+            self._send_ranges(req, buf, ranges, piece)
 
     def _map_or_missing(self, req: Request, step: int) -> tuple[Manifest, MappedFile] | None:
         """The requested shard (call with its step pinned), or None once "missing" is sent."""
@@ -211,10 +257,11 @@ class PgTransport(Transport):
             req.reply({"status": "missing"})
             return None
 
-    def _send_ranges(self, req: Request, buf: MappedFile, ranges: list[tuple[int, int]]) -> None:
+    def _send_ranges(self, req: Request, buf: MappedFile, ranges: list[tuple[int, int]],
+                     piece: int) -> None:
         for o, n in ranges:
             if n:
-                self._send_bytes(buf.array[o:o + n], req.peer, req.tag)
+                self._send_bytes(buf.array[o:o + n], req.peer, req.tag, piece)
 
     def _on_put_metadata(self, req: Request, step: int) -> None:
         raw = self.mailbox.take_blob(req.peer, req.nonce, req.msg.get("sha256"))
@@ -231,53 +278,61 @@ class PgTransport(Transport):
 
     # ------------------------------------------------------------------ client
     def push_shard(self, peer: int, step: int, owner: int) -> int:
+        piece = self._piece(paced=True)
         with self._client_lock, self.sink.pins.pinned(step):
             m, buf = self.store.map_shard(step, owner)
             tag, nonce = self.mailbox.post(peer, {"op": "put_shard", "step": step, "owner": owner,
-                                           "manifest": m.to_dict()})
+                                           "manifest": m.to_dict(), "piece": piece})
             if self.mailbox.await_reply(tag, nonce).get("status") == "have":
                 return 0
             if m.data_bytes:
-                self._send_bytes(buf.array, peer, tag)
+                self._send_bytes(buf.array, peer, tag, piece)
             self.mailbox.await_reply(tag, nonce, phase="done")
         return m.data_bytes
 
     def push_metadata(self, peer: int, step: int) -> None:
         raw = self.store.read_metadata_file(step)
         with self._client_lock:
+            self.budget.take(len(raw))  # it crosses the network to the c10d store's host
             nonce = secrets.token_hex(16)
             digest = self.mailbox.put_blob(self.rdzv.rank, nonce, raw)
             tag, _ = self.mailbox.post(peer, {"op": "put_metadata", "step": step, "sha256": digest},
                                 nonce=nonce)
             self.mailbox.await_reply(tag, nonce)
 
-    def fetch_shard(self, peer: int, step: int, owner: int) -> int:
+    def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
         with self._client_lock:
-            tag, nonce = self.mailbox.post(peer, {"op": "get_shard", "step": step, "owner": owner})
+            tag, nonce = self.mailbox.post(peer, {"op": "get_shard", "step": step, "owner": owner,
+                                                  "paced": paced})
             resp = self.mailbox.await_reply(tag, nonce)
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
             m = p.manifest_from_wire(resp.get("manifest"), self.store.job_id, step, owner)
+            piece = want_piece(resp)
             with self.sink.begin(m) as receipt:
-                self._receive_shard(receipt, peer, tag)
+                self._receive_shard(receipt, peer, tag, piece)
         return m.data_bytes
 
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
-                   sinks: list, on_range: Callable[[int], None] | None = None) -> int:
+                   sinks: list, on_range: Callable[[int], None] | None = None, *,
+                   paced: bool = False) -> int:
         with self._client_lock:
             tag, nonce = self.mailbox.post(peer, {"op": "read_items", "step": step, "owner": owner,
-                                           "ranges": [list(r) for r in ranges]})
+                                           "ranges": [list(r) for r in ranges], "paced": paced})
             resp = self.mailbox.await_reply(tag, nonce)
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
+            piece = want_piece(resp)
             for i, ((_, n), sink) in enumerate(zip(ranges, sinks, strict=True)):
                 if n:
-                    self._recv_bytes(sink, peer, tag)
+                    self._recv_bytes(sink, peer, tag, piece)
                 if on_range is not None:
                     on_range(i)
         return sum(n for _, n in ranges)
 
-    def fetch_metadata(self, peer: int, step: int) -> None:
+    def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
+        # The (small) metadata travels through the c10d store, and the peer serves it unpaced
+        # whatever ``paced`` says: only resumes fetch metadata, and they are never paced.
         with self._client_lock:
             tag, nonce = self.mailbox.post(peer, {"op": "get_metadata", "step": step})
             resp = self.mailbox.await_reply(tag, nonce)
@@ -291,4 +346,5 @@ class PgTransport(Transport):
         self._thread.join(timeout=5)
         with contextlib.suppress(Exception):
             dist.destroy_process_group(self.group)
+        self.budget.close()
 

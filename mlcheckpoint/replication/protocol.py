@@ -181,6 +181,14 @@ def want_int(obj: dict, key: str, lo: int, hi: int) -> int:
     return v
 
 
+def want_bool(obj: dict, key: str, default: bool = False) -> bool:
+    """A peer-supplied flag: absent means ``default``; anything but true/false is refused."""
+    v = obj.get(key, default)
+    if not isinstance(v, bool):
+        raise ProtocolError(f"field {key!r}={str(v)[:100]!r} is not true or false")
+    return v
+
+
 def want_str(obj: dict, key: str, max_len: int = 256) -> str:
     v = obj.get(key)
     if not isinstance(v, str) or len(v) > max_len:

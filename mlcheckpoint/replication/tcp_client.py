@@ -1,8 +1,10 @@
 """The calling half of the TCP transport: one authenticated connection per operation.
 
-Pushes send with sendfile() straight from the tmpfs file; fetches land through the receive
-sink (``sink.py``) with recv_into() straight into the new buffer; range reads land straight in
-the caller's arrays. A large shard or read goes over several streams (see ``striping.py``).
+Pushes send with sendfile() straight from the tmpfs file, paced by the node's bandwidth
+budget (``budget.py``; every stream of a striped push draws from it); fetches land through the
+receive sink (``sink.py``) with recv_into() straight into the new buffer; range reads land
+straight in the caller's arrays. A large shard or read goes over several streams (see
+``striping.py``). A fetch tells the holder, which sends the bytes, whether to pace them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..errors import ReplicationError, ShardNotFoundError
 from ..store import LocalStore, Manifest
 from ..store.checksum import checksum
 from . import protocol as p
+from .budget import Budget
 from .rendezvous import Rendezvous
 from .sink import ReceiveSink
 from .striping import run_streams, split_evenly, stripes
@@ -28,26 +31,42 @@ from .striping import run_streams, split_evenly, stripes
 log = logging.getLogger(__package__ + ".tcp")
 
 
-def send_range(sock: socket.socket, fd: int, offset: int, nbytes: int, m: Manifest) -> None:
-    """Send one stream's range of a shard file (a test can SIGKILL the sender half way)."""
+def send_range(sock: socket.socket, fd: int, offset: int, nbytes: int, m: Manifest,
+               budget: Budget) -> None:
+    """Send one stream's range of a shard file within the budget (a test can SIGKILL the
+    sender half way)."""
     half = nbytes // 2
-    p.sendfile_all(sock, fd, offset, half)
+    budget.sendfile(sock, fd, offset, half)
     crash_point("replica_mid_send", m.step, m.rank)
-    p.sendfile_all(sock, fd, offset + half, nbytes - half)
+    budget.sendfile(sock, fd, offset + half, nbytes - half)
 
 
 class TcpClient:
     """Pushes our shards to peers and pulls theirs (arguments: see ``TcpTransport``)."""
 
     def __init__(self, store: LocalStore, sink: ReceiveSink, rdzv: Rendezvous, *,
-                 timeout: float, streams: int, min_stripe_bytes: int):
+                 timeout: float, streams: int, min_stripe_bytes: int, budget: Budget,
+                 log_peers: bool = False):
         self.store, self.sink, self.rdzv, self.timeout = store, sink, rdzv, timeout
         self.streams, self.min_stripe_bytes = streams, min_stripe_bytes
+        self.budget = budget
         self.secret = rdzv.secret()
+        self._log_peers = log_peers
+        self._peers_logged: set[int] = set()
+
+    def _address_of(self, peer: int) -> str:
+        """The address ``peer`` advertised (logged the first time, on the node's local rank 0:
+        the line to look for when replication uses the wrong network)."""
+        address = self.rdzv.lookup("tcp", peer)
+        if self._log_peers and peer not in self._peers_logged:
+            self._peers_logged.add(peer)
+            log.info("mlcheckpoint: rank %d reaches rank %d's replication listener at %s, the "
+                     "address it advertised", self.rdzv.rank, peer, address)
+        return address
 
     @contextlib.contextmanager
     def _connect(self, peer: int) -> Iterator[socket.socket]:
-        host, port = self.rdzv.lookup("tcp", peer).rsplit(":", 1)
+        host, port = self._address_of(peer).rsplit(":", 1)
         try:
             sock = socket.create_connection((host, int(port)), timeout=self.timeout)
         except OSError as e:
@@ -94,7 +113,7 @@ class TcpClient:
 
     def _send_whole(self, sock: socket.socket, m: Manifest) -> None:
         with open(self.store.data_path(m.step, m.rank), "rb") as f:
-            send_range(sock, f.fileno(), 0, m.data_bytes, m)
+            send_range(sock, f.fileno(), 0, m.data_bytes, m, self.budget)
 
     def _send_striped(self, sock: socket.socket, peer: int, m: Manifest, streams: int,
                       token: object) -> None:
@@ -105,14 +124,14 @@ class TcpClient:
 
             def send_part(index: int) -> None:
                 if index == 0:  # stripe 0 goes on the offering connection
-                    send_range(sock, f.fileno(), *parts[0], m)
+                    send_range(sock, f.fileno(), *parts[0], m, self.budget)
                     return
                 with self._connect(peer) as part:
                     resp = self._request(part, {"op": "put_part", "step": m.step, "owner": m.rank,
                                                 "token": token, "index": index})
                     if resp.get("status") != "ready":
                         raise ReplicationError(f"rank {peer} refused stripe {index}: {resp}")
-                    send_range(part, f.fileno(), *parts[index], m)
+                    send_range(part, f.fileno(), *parts[index], m, self.budget)
 
             errors = run_streams(send_part, list(range(streams)))
         if errors:
@@ -126,16 +145,17 @@ class TcpClient:
                                         "checksum": checksum(raw)})
             if resp.get("status") == "have":
                 return
-            sock.sendall(raw)
+            self.budget.sendall(sock, raw)
             resp = p.recv_frame(sock)
             if resp.get("status") != "ok":
                 raise ReplicationError(f"rank {peer} rejected metadata of step {step}: "
                                        f"{resp.get('error')}")
 
     # ------------------------------------------------------------------ pull
-    def fetch_shard(self, peer: int, step: int, owner: int) -> int:
+    def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
         with self._connect(peer) as sock:
-            resp = self._request(sock, {"op": "get_shard", "step": step, "owner": owner})
+            resp = self._request(sock, {"op": "get_shard", "step": step, "owner": owner,
+                                        "paced": paced})
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
             m = p.manifest_from_wire(resp.get("manifest"), self.store.job_id, step, owner)
@@ -146,7 +166,8 @@ class TcpClient:
         return m.data_bytes
 
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
-                   sinks: list, on_range: Callable[[int], None] | None = None) -> int:
+                   sinks: list, on_range: Callable[[int], None] | None = None, *,
+                   paced: bool = False) -> int:
         total = sum(n for _, n in ranges)
         streams = max(1, min(self.streams, total // self.min_stripe_bytes))
         # Cut the ranges into pieces and deal them to the streams in equal byte counts; a range
@@ -172,7 +193,8 @@ class TcpClient:
         def read_group(group: list) -> None:
             with self._connect(peer) as sock:
                 resp = self._request(sock, {"op": "read_items", "step": step, "owner": owner,
-                                            "ranges": [[off, n] for _, off, n, _ in group]})
+                                            "ranges": [[off, n] for _, off, n, _ in group],
+                                            "paced": paced})
                 if resp.get("status") == "missing":
                     raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
                 for i, _, n, view in group:
@@ -187,9 +209,9 @@ class TcpClient:
                   owner, peer, len(groups))
         return total
 
-    def fetch_metadata(self, peer: int, step: int) -> None:
+    def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
         with self._connect(peer) as sock:
-            resp = self._request(sock, {"op": "get_metadata", "step": step})
+            resp = self._request(sock, {"op": "get_metadata", "step": step, "paced": paced})
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} has no metadata of step {step}")
             nbytes = p.want_int(resp, "nbytes", 1, p.MAX_METADATA_BYTES)

@@ -2,7 +2,8 @@
 
 New connections log in through the gate (``gate.py``); each logged-in connection gets a thread
 and a session slot and runs requests, one at a time, through a table of handlers. Shards
-leave with sendfile() straight from the tmpfs file; replicas arrive with recv_into() straight
+leave with sendfile() straight from the tmpfs file (within the node's bandwidth budget when
+the request says ``paced``, see ``budget.py``); replicas arrive with recv_into() straight
 into the buffer the receive sink gives (``sink.py``), which verifies and commits them.
 
 A striped push (see ``striping.py``): the offer names the stream count, the answer carries a
@@ -20,11 +21,11 @@ import threading
 from collections.abc import Callable
 
 from .._ratelimit import RateLimitedLog
-from ..config import env_int, env_str
 from ..errors import ShardNotFoundError
 from ..store import LocalStore
 from ..store.local_store import ShardSource
 from . import protocol as p
+from .budget import Budget
 from .gate import LoginGate
 from .rendezvous import Rendezvous
 from .sink import Receipt, ReceiveSink
@@ -36,27 +37,15 @@ log = logging.getLogger(__package__ + ".tcp")
 Handler = Callable[[socket.socket, dict, int], None]
 
 
-def default_host() -> str:
-    """The local address that routes to MASTER_ADDR: peers can reach us there (no packet sent)."""
-    host = env_str("MLCHECKPOINT_REPLICATION_HOST")
-    if host:
-        return host
-    master = env_str("MASTER_ADDR") or "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master, env_int("MASTER_PORT", 29500, maximum=65535)))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
 class TcpServer:
-    """Serves this rank's store to its peers (arguments: see ``TcpTransport``)."""
+    """Serves this rank's store to its peers (arguments: see ``TcpTransport``; ``host``: the
+    address to listen on, ``budget``: paces what a request asks to be paced)."""
 
     def __init__(self, store: LocalStore, sink: ReceiveSink, rdzv: Rendezvous, *,
-                 host: str | None, timeout: float, max_connections: int, max_handshakes: int,
-                 max_handshakes_per_address: int, handshake_timeout: float):
+                 host: str, timeout: float, budget: Budget, max_connections: int,
+                 max_handshakes: int, max_handshakes_per_address: int, handshake_timeout: float):
         self.store, self.sink, self.rdzv, self.timeout = store, sink, rdzv, timeout
+        self.budget = budget
         self.stripes = OpenStripes()  # striped receives awaiting their other stripes
         self.handlers: dict[str, Handler] = {
             "put_shard": self._on_put_shard, "put_part": self._on_put_part,
@@ -66,7 +55,7 @@ class TcpServer:
         self.logs = RateLimitedLog(log)
         self._slots = threading.BoundedSemaphore(max_connections)  # authenticated sessions
         self._closed = threading.Event()
-        self._listener = socket.create_server((host or default_host(), 0), backlog=256)
+        self._listener = socket.create_server((host, 0), backlog=256)
         host_bound, port = self._listener.getsockname()[:2]
         self.address = f"{host_bound}:{port}"
         # Unauthenticated connections never take a session slot or a thread: one gate thread
@@ -202,8 +191,18 @@ class TcpServer:
             p.send_frame(conn, {"status": "missing"})
             return None
 
+    def _send_file(self, conn: socket.socket, fd: int, offset: int, nbytes: int,
+                   paced: bool) -> None:
+        """A range of a shard file: within the node's budget when the requester asked for it
+        (a heal), at the link's speed when not (a resume waits for these bytes)."""
+        if paced:
+            self.budget.sendfile(conn, fd, offset, nbytes)
+        else:
+            p.sendfile_all(conn, fd, offset, nbytes)
+
     def _on_get_shard(self, conn: socket.socket, req: dict, step: int) -> None:
         owner = p.want_int(req, "owner", 0, 1 << 20)
+        paced = p.want_bool(req, "paced")
         with self.sink.pins.pinned(step):
             source = self._open_or_missing(conn, step, owner)
             if source is None:
@@ -211,10 +210,11 @@ class TcpServer:
             with source:  # sent from the open file: a shard only served needs no mapping here
                 p.send_frame(conn, {"status": "ok", "manifest": source.manifest.to_dict()})
                 if source.manifest.data_bytes:
-                    p.sendfile_all(conn, source.fd, 0, source.manifest.data_bytes)
+                    self._send_file(conn, source.fd, 0, source.manifest.data_bytes, paced)
 
     def _on_read_items(self, conn: socket.socket, req: dict, step: int) -> None:
         owner = p.want_int(req, "owner", 0, 1 << 20)
+        paced = p.want_bool(req, "paced")
         ranges = req.get("ranges")
         if not isinstance(ranges, list) or len(ranges) > p.MAX_RANGES:
             raise p.ProtocolError("malformed ranges")
@@ -226,16 +226,20 @@ class TcpServer:
                 checked = p.checked_ranges(ranges, source.manifest.data_bytes)
                 p.send_frame(conn, {"status": "ok"})
                 for offset, nbytes in checked:
-                    p.sendfile_all(conn, source.fd, offset, nbytes)
+                    self._send_file(conn, source.fd, offset, nbytes, paced)
 
     def _on_get_metadata(self, conn: socket.socket, req: dict, step: int) -> None:
+        paced = p.want_bool(req, "paced")
         try:
             raw = self.store.read_metadata_file(step)
         except ShardNotFoundError:
             p.send_frame(conn, {"status": "missing"})
             return
         p.send_frame(conn, {"status": "ok", "nbytes": len(raw)})
-        conn.sendall(raw)
+        if paced:
+            self.budget.sendall(conn, raw)
+        else:
+            conn.sendall(raw)
 
     def close(self) -> None:
         self._closed.set()

@@ -1,7 +1,9 @@
 """The one small interface every transport implements.
 
 A transport only moves bytes: committed shards and step metadata between ranks, each call
-bounded by a timeout. What it receives lands through a ``ReceiveSink`` (``sink.py``), which
+bounded by a timeout. What it sends in the background (pushes, and shards it serves to a
+fetch that asks to be paced) goes through the node's bandwidth budget (``budget.py``); what
+a resume waits for takes the full link. What it receives lands through a ``ReceiveSink`` (``sink.py``), which
 verifies every checksum before it commits through the LocalStore commit protocol, so a
 transfer cut anywhere leaves nothing visible. Pins, the received-notification and the history
 of saves accepted live in the sink, not in the transport.
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 from ..errors import ReplicationError
 from ..store.identity import Lineage
+from .budget import Budget
 from .sink import ReceiveSink
 
 __all__ = ["ReplicationError", "Transport"]
@@ -24,31 +27,43 @@ class Transport(abc.ABC):
 
     name: str = "?"
     sink: ReceiveSink  # where what this transport receives lands
+    budget: Budget  # paces what it sends in the background; its counters say how much
 
     def accept_from(self, history: Lineage) -> None:
         """Receive replicas only of saves in ``history`` (see ``ReceiveSink.accept_from``)."""
         self.sink.accept_from(history)
 
+    def describe(self) -> str:
+        """One line for the log: how this transport sends, and within what budget."""
+        return f"{self.name}, {self.budget.describe()}"
+
     @abc.abstractmethod
     def push_shard(self, peer: int, step: int, owner: int) -> int:
         """Send our committed shard (step, owner) to rank ``peer``; return the bytes sent.
 
-        Returns when the peer has verified the checksums and committed the replica (0 bytes
-        if it already held an identical one). Raises ReplicationError otherwise.
+        Paced by our budget. Returns when the peer has verified the checksums and committed
+        the replica (0 bytes if it already held an identical one). Raises ReplicationError
+        otherwise.
         """
 
     @abc.abstractmethod
     def push_metadata(self, peer: int, step: int) -> None:
-        """Send the step's global metadata to rank ``peer`` (acknowledged after verification)."""
+        """Send the step's global metadata to rank ``peer`` (acknowledged after verification),
+        paced by our budget."""
+
+    # The fetches below are sent by the peer, so the request carries ``paced``: True makes
+    # the peer send within its node's budget (background work, e.g. healing after a resume),
+    # False at the full speed of the link (a resume waiting for the bytes).
 
     @abc.abstractmethod
-    def fetch_shard(self, peer: int, step: int, owner: int) -> int:
+    def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
         """Pull shard (step, owner) from rank ``peer`` into our store, verified and committed;
         return its bytes. ShardNotFoundError if the peer does not hold it."""
 
     @abc.abstractmethod
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
-                   sinks: list, on_range: Callable[[int], None] | None = None) -> int:
+                   sinks: list, on_range: Callable[[int], None] | None = None, *,
+                   paced: bool = False) -> int:
         """Read byte ranges of shard (step, owner) held by rank ``peer`` straight into ``sinks``
         (writable uint8 numpy arrays, one per range, of the range's size); return the bytes.
         ``on_range(i)`` is called as soon as range ``i`` has landed.
@@ -59,7 +74,7 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def fetch_metadata(self, peer: int, step: int) -> None:
+    def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
         """Pull the step's global metadata from rank ``peer`` (checked, then installed);
         ShardNotFoundError if the peer has none."""
 

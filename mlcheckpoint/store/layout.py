@@ -5,6 +5,7 @@
         .retention.lock                       flock: retention passes (alone) against commits (shared)
         history.jsonl                         what was saved, loaded and persisted (history.py)
         locks/fetch-<nn>.lock                 flocks serialising fetches of one shard on a node
+        locks/bandwidth                       the node's replication bandwidth schedule (replication/budget.py)
         steps/<step:012d>/metadata            DCP global metadata (self-verifying, renamed in)
         steps/<step:012d>/rank-<r:05d>.data   raw item bytes of rank r's shard
         steps/<step:012d>/rank-<r:05d>.manifest   per-item checksums; its presence = committed
@@ -31,6 +32,7 @@ LOCKS = "locks"
 LOCK = ".lock"
 RETENTION_LOCK = ".retention.lock"
 HISTORY = "history.jsonl"
+BANDWIDTH = "bandwidth"
 METADATA = "metadata"
 PARTIAL = ".partial"
 TMP = ".tmp"
@@ -59,7 +61,7 @@ class Kind(enum.Enum):
     TEMP = "temp"                  # a manifest or metadata being written (*.tmp, other *.partial)
     POOL_BUFFER = "pool buffer"    # a retired buffer kept for reuse
     POOL_PARTIAL = "pool partial"  # a pool buffer being prepared
-    LOCK = "lock"                  # the node lock or a fetch lock
+    LOCK = "lock"                  # the node lock, a fetch lock or the bandwidth schedule
     HISTORY = "history"
     FOLDER = "folder"              # steps/, pool/, orphans/, locks/
     UNKNOWN = "unknown"            # not ours
@@ -85,8 +87,9 @@ class Entry:
         return self.rank is not None and self.kind in (Kind.DATA, Kind.PARTIAL)
 
 
-_FIXED = {METADATA: Kind.METADATA, LOCK: Kind.LOCK, RETENTION_LOCK: Kind.LOCK, HISTORY: Kind.HISTORY, STEPS: Kind.FOLDER,
-          POOL: Kind.FOLDER, ORPHANS: Kind.FOLDER, LOCKS: Kind.FOLDER}
+_FIXED = {METADATA: Kind.METADATA, LOCK: Kind.LOCK, RETENTION_LOCK: Kind.LOCK, BANDWIDTH: Kind.LOCK,
+          HISTORY: Kind.HISTORY, STEPS: Kind.FOLDER, POOL: Kind.FOLDER, ORPHANS: Kind.FOLDER,
+          LOCKS: Kind.FOLDER}
 
 
 def classify(name: str) -> Entry:
@@ -197,6 +200,11 @@ class JobPaths:
         except FileNotFoundError:
             return []
         return sorted(e.step for e in map(classify, names) if e.kind is Kind.STEP and e.step is not None)
+
+    @property
+    def bandwidth(self) -> str:
+        """The node's replication bandwidth schedule, shared by its ranks' processes."""
+        return os.path.join(self.job_dir, LOCKS, BANDWIDTH)
 
     def fetch_lock(self, stripe: int) -> str:
         return os.path.join(self.job_dir, LOCKS, f"fetch-{stripe % FETCH_LOCK_STRIPES:02d}.lock")

@@ -8,9 +8,11 @@ argv: one JSON object
     status_dir       where ``<rank>.ready`` (our listener address) and ``<rank>.result`` go
     timeout          TcpTransport socket timeout (seconds)
     streams, min_stripe_bytes   how pushes are striped (default: one stream)
+    bandwidth        the node's replication budget, bytes/s (default 0: no cap)
     cmd              "serve": listen until stdin closes (or we are killed)
                      "push": commit a shard (step, owner=rank, nbytes, seed) here, then push it
-                             to rank ``peer`` and report {"ok", "bytes" | "error"}
+                             to rank ``peer`` and report {"ok", "bytes" | "error", "bytes_sent"
+                             (what went through the budget in this process)}
 
 ``make_shard`` is also imported by the tests, so both sides build byte-identical shards.
 """
@@ -66,7 +68,8 @@ def main() -> None:
     rdzv = Rendezvous(c10d, cfg["job"], cfg["rank"], cfg["world"], timeout=120)
     transport = TcpTransport(store, rdzv, host="127.0.0.1", timeout=cfg.get("timeout", 60),
                              streams=cfg.get("streams", 1),
-                             min_stripe_bytes=cfg.get("min_stripe_bytes", 64 << 20))
+                             min_stripe_bytes=cfg.get("min_stripe_bytes", 64 << 20),
+                             bandwidth=cfg.get("bandwidth", 0))
     write_status(cfg["status_dir"], f"{cfg['rank']}.ready", {"address": transport.address,
                                                               "pid": os.getpid()})
     if cfg["cmd"] == "serve":
@@ -77,6 +80,7 @@ def main() -> None:
             result = {"ok": True, "bytes": sent}
         except ReplicationError as e:
             result = {"ok": False, "error": str(e)}
+        result["bytes_sent"] = transport.budget.bytes_sent
         write_status(cfg["status_dir"], f"{cfg['rank']}.result", result)
     transport.close()
 

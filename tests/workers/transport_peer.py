@@ -9,6 +9,7 @@ argv: one JSON object
     job, dir         job id and this node's local dir
     kinds, timeout   the transports (``make_transport``'s kinds, built in this order, as on
                      rank 0) and their timeout (seconds)
+    bandwidth        this node's replication budget (bytes/s; default 0: no cap)
     device           CUDA device to select first (for "nccl")
     status_dir       where ``received-<step>-<owner>`` goes for every replica a peer pushed
                      here (the sink's on_received)
@@ -45,7 +46,8 @@ def main() -> None:
         write_status(cfg["status_dir"], f"received-{step}-{owner}", {})
 
     sink = ReceiveSink(store, on_received=on_received)
-    transports = [make_transport(kind, store, rdzv, sink, timeout=cfg["timeout"], host="127.0.0.1")
+    transports = [make_transport(kind, store, rdzv, sink, timeout=cfg["timeout"], host="127.0.0.1",
+                                 bandwidth=cfg.get("bandwidth", 0))
                   for kind in cfg["kinds"]]
     dist.barrier()  # every transport exists on both ranks: the test may start
     sys.stdin.read()  # the test closes our stdin to end us

@@ -1,0 +1,40 @@
+"""Worker: build a CheckpointManager with the replication settings given in argv[1] (a JSON
+object: "kwargs" for the constructor, "save": whether to save step 0 and wait until it is on
+two nodes), and report where replication listens, or the ConfigError the constructor raised.
+
+report "iface": {"address", "interface", "chosen_by", "protected"} or {"error"}
+"""
+
+import json
+import sys
+
+import torch.distributed as dist
+from common import init, model_state, report
+
+from mlcheckpoint import CheckpointManager, ConfigError
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    rank, world = init()
+    try:
+        ckpt = CheckpointManager(**cfg["kwargs"])
+    except ConfigError as e:
+        report("iface", {"error": str(e)})
+        dist.destroy_process_group()
+        return
+    transport = ckpt.replicator.transport if ckpt.replicator else None
+    endpoint = getattr(transport, "endpoint", None)
+    protected = None
+    if cfg.get("save"):
+        ckpt.save(model_state(rank, 0, world), 0)
+        protected = ckpt.wait_replicated(0, timeout=60)
+    report("iface", {"address": getattr(transport, "address", None),
+                     "interface": endpoint and endpoint.interface,
+                     "chosen_by": endpoint and endpoint.chosen_by, "protected": protected})
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

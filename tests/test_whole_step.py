@@ -206,7 +206,7 @@ def test_interleaved_retention_passes_cannot_retire_each_others_guard(store, mon
 # ---------------------------------------------------------------- a real job, watched
 
 WATCH_S = float(os.environ.get("MLCHECKPOINT_WATCH_S", "20"))
-SHARD_MIB = 16  # per rank: pushes take long enough that replication must skip steps
+SHARD_MIB = 16  # per rank; at 100 MB/s a node's push of one step takes ~0.3 s
 
 
 class Watcher:
@@ -255,7 +255,9 @@ def test_watcher_sees_no_gap_while_a_2x2_job_saves_back_to_back_under_load():
             for _ in range(2)]
     try:
         with Cluster(2, nproc=2) as c:
-            c.start("back_to_back.py", str(WATCH_S), str(SHARD_MIB))
+            # a node budget that cannot carry every save: replication must skip steps
+            c.start("back_to_back.py", str(WATCH_S), str(SHARD_MIB),
+                    env={"MLCHECKPOINT_REPLICATION_BANDWIDTH": "100MB/s"})
             w = Watcher(c)
             try:
                 deadline = time.monotonic() + WATCH_S + 120
@@ -272,7 +274,8 @@ def test_watcher_sees_no_gap_while_a_2x2_job_saves_back_to_back_under_load():
                       f"{[len(s) for s in w.seen_whole]}; lag of node 0's newest whole step "
                       f"(steps): median {sorted(w.lag)[len(w.lag) // 2] if w.lag else None}, "
                       f"max {max(w.lag, default=None)}; replication rounds "
-                      f"{saved[0]['rounds']}, superseded saves {saved[0]['superseded']}")
+                      f"{saved[0]['rounds']}, superseded saves "
+                      f"{saved[0]['protection']['superseded']}")
                 assert not w.gaps, "\n".join(w.gaps[:20])
                 assert all(w.ever), "a node never held a whole step: nothing was checked"
                 assert saved[0]["saves"] >= 10 and all(len(s) >= 2 for s in w.seen_whole), \
@@ -280,10 +283,14 @@ def test_watcher_sees_no_gap_while_a_2x2_job_saves_back_to_back_under_load():
                 # what protection() said at the end agrees with what the job did
                 for rank, r in saved.items():
                     p = r["protection"]
-                    assert p["newest_saved"] == r["saves"] - 1, (rank, p)
-                    assert p["newest_protected"] is not None and p["newest_protected"] in w.seen_whole[0]
+                    # (a rank's node may not have the newest save's metadata yet)
+                    assert p["newest_protected"] <= p["newest_saved"] <= r["saves"] - 1, (rank, p)
+                    assert p["newest_protected"] in w.seen_whole[0], (rank, p)
                     assert p["lag_steps"] == p["newest_saved"] - p["newest_protected"], p
-                    assert p["superseded"] == r["superseded"] and p["rate_bytes_per_s"] > 0, (rank, p)
+                    assert p["rate_bytes_per_s"] > 0, (rank, p)
+                    # the budget cannot carry every save: most are skipped, every rank alike
+                    assert 0 < p["superseded"] < r["saves"], (rank, p)
+                    assert abs(p["superseded"] - saved[0]["protection"]["superseded"]) <= 3
                 # and so does `mlcheckpoint ls`, from node 0's history
                 listing = subprocess.run(
                     [sys.executable, "-m", "mlcheckpoint.cli", "--local-dir", c.nodes[0].local_dir,

@@ -30,7 +30,8 @@ class ProtectionStatus:
             training a node loss now would cost, at most.
         rate_bytes_per_s: this rank's replication throughput over its recent pushes.
         superseded: this rank's saves that were never replicated because a newer one came
-            first (replication skips steps when the link cannot carry every checkpoint).
+            first (replication skips steps when the link cannot carry every checkpoint);
+            counts the saves made through this manager or its storage writers in this process.
     """
 
     newest_protected: int | None

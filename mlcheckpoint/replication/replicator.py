@@ -65,6 +65,8 @@ class Replicator:
                                  if t.rank == 0 else [])
         self.poll_interval = poll_interval
         self._states: dict[int, StepReplication] = {}
+        self._unreplicated: set[int] = set()  # steps saved here since the last round's
+        self._superseded = 0  # saves this rank was told of and never replicated
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -83,8 +85,12 @@ class Replicator:
                  t.rank, self.targets, transport.name, self.sources)
 
     # ------------------------------------------------------------------ inputs
-    def notify(self, *_: object) -> None:
-        """A shard or metadata was committed here: look now rather than at the next poll."""
+    def notify(self, step: int | None = None, *_: object) -> None:
+        """A shard (or the metadata) of ``step`` was committed here: look now rather than at
+        the next poll."""
+        if isinstance(step, int):
+            with self._lock:
+                self._unreplicated.add(step)
         self._wake.set()
 
     def activate(self, *, reset: bool = False) -> None:
@@ -148,7 +154,7 @@ class Replicator:
         with self._lock:
             pushed = sorted((st for st in self._states.values()
                              if st.state == "replicated" and st.seconds > 0), key=lambda st: st.step)[-5:]
-            superseded = sum(1 for st in self._states.values() if st.state == "superseded")
+            superseded = self._superseded
         rate = sum(st.bytes for st in pushed) / sum(st.seconds for st in pushed) if pushed else None
         return lag.status(newest, lag.save_times(inv), rate, superseded)
 
@@ -269,6 +275,10 @@ class Replicator:
     def _replicate(self, r: Round) -> None:
         """Push this rank's shard of round ``r``'s save (rank 0: also its metadata), then
         report the round done, whatever happened: the job moves on together."""
+        with self._lock:
+            skipped = {s for s in self._unreplicated if s < r.step}
+            self._unreplicated -= skipped | {r.step}
+            self._superseded += len(skipped)
         try:
             older = [s for s in self.store.steps() if s < r.step]
             self._mark_superseded(older, r.step)

@@ -3,8 +3,7 @@ its own per rank.
 
 ``async_save`` every step, never waiting for replication, so replication must skip steps. The
 ranks agree each step on whether to go on (rank 0's clock), so all make the same saves.
-Reports ``back_to_back``: saves made, replication rounds this rank finished, how many of this
-rank's saves were superseded (never replicated: a newer one was named first), and
+Reports ``back_to_back``: saves made, replication rounds this rank finished, and
 ``ckpt.protection()`` once the last save committed.
 """
 
@@ -42,9 +41,7 @@ def main() -> None:
     ckpt.close()
     rep = ckpt.replicator
     assert rep is not None
-    superseded = sum(1 for s in range(step) if (st := rep.state(s)) is not None
-                     and st.state == "superseded")
-    report("back_to_back", {"saves": step, "rounds": rep.rounds.finished, "superseded": superseded,
+    report("back_to_back", {"saves": step, "rounds": rep.rounds.finished,
                             "protection": protection.__dict__})
     dist.destroy_process_group()
 

@@ -88,8 +88,8 @@ class Job:
         rounds, stop = Rounds(self.rdzv(rank), self.world), threading.Event()
 
         def follow() -> None:
-            while not stop.is_set():
-                r = rounds.next(0.05)
+            while not stop.wait(0.02):
+                r = rounds.next()
                 if r is not None:
                     rounds.finish(r)
 

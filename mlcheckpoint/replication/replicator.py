@@ -55,7 +55,7 @@ class Replicator:
 
     def __init__(self, store: LocalStore, transport: Transport, rdzv: Rendezvous,
                  topology: Topology, strategy: PairingStrategy | None = None, *,
-                 poll_interval: float = 0.25):
+                 poll_interval: float = 0.1):
         self.store, self.transport, self.rdzv, self.topology = store, transport, rdzv, topology
         strategy = strategy or PairwiseRing()
         t = topology
@@ -66,6 +66,7 @@ class Replicator:
         self.poll_interval = poll_interval
         self._states: dict[int, StepReplication] = {}
         self._unreplicated: set[int] = set()  # steps saved here since the last round's
+        self._saves_lock = threading.Lock()  # for those two: notify runs on the saving thread
         self._superseded = 0  # saves this rank was told of and never replicated
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -89,7 +90,7 @@ class Replicator:
         """A shard (or the metadata) of ``step`` was committed here: look now rather than at
         the next poll."""
         if isinstance(step, int):
-            with self._lock:
+            with self._saves_lock:
                 self._unreplicated.add(step)
         self._wake.set()
 
@@ -154,6 +155,7 @@ class Replicator:
         with self._lock:
             pushed = sorted((st for st in self._states.values()
                              if st.state == "replicated" and st.seconds > 0), key=lambda st: st.step)[-5:]
+        with self._saves_lock:
             superseded = self._superseded
         rate = sum(st.bytes for st in pushed) / sum(st.seconds for st in pushed) if pushed else None
         return lag.status(newest, lag.save_times(inv), rate, superseded)
@@ -179,11 +181,10 @@ class Replicator:
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
         while not self._closed.is_set():
-            if self.topology.rank == 0 or not self._active.is_set():
-                # rank 0 looks for work when a save lands (notify) or at each poll; the others
-                # wait for the next round inside ``Rounds.next``, server-side
-                self._wake.wait(self.poll_interval)
-                self._wake.clear()
+            # Look for work when a save lands here (notify) or at each poll: a new round (rank
+            # 0 names it once the last one is done everywhere) is one store look away.
+            self._wake.wait(self.poll_interval)
+            self._wake.clear()
             if not self._active.is_set():
                 continue
             try:
@@ -196,9 +197,8 @@ class Replicator:
 
     def _replicate_rounds(self) -> None:
         """Do the round the job is in, if it is named; on rank 0, name the next one."""
-        wait_s = 0.0 if self.topology.rank == 0 else self.poll_interval
         previous = self.rounds.latest
-        r = self.rounds.next(wait_s)
+        r = self.rounds.next()
         if r is not None:
             if previous is not None and previous.number == r.number - 1:
                 self._round_closed(previous)  # every rank finished it: its counters are final
@@ -239,9 +239,8 @@ class Replicator:
             return
         if last is not None and not repeat and step < last.step:
             return  # nothing newer than the last round's save
-        # There is something to name: wait (server-side, briefly) for the round in flight.
-        if not self.rounds.all_done(self.rounds.finished, wait_s=self.poll_interval):
-            return
+        if not self.rounds.all_done(self.rounds.finished):
+            return  # the round in flight is not done everywhere yet: look again at the next poll
         if repeat:
             if self.is_protected(step):
                 self._repeat_at = math.inf  # done with it: until a newer save comes
@@ -275,7 +274,7 @@ class Replicator:
     def _replicate(self, r: Round) -> None:
         """Push this rank's shard of round ``r``'s save (rank 0: also its metadata), then
         report the round done, whatever happened: the job moves on together."""
-        with self._lock:
+        with self._saves_lock:
             skipped = {s for s in self._unreplicated if s < r.step}
             self._unreplicated -= skipped | {r.step}
             self._superseded += len(skipped)

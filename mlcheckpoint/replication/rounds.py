@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import timedelta
 
 from . import protocol as p
 from .control import Seal
@@ -55,17 +54,12 @@ class Rounds:
     def _key(self, number: int) -> str:
         return self.rdzv.counter("round", number)
 
-    def next(self, wait_s: float = 0.0) -> Round | None:
-        """The round after the last one this rank finished, once named (waits up to ``wait_s``
-        seconds for it, server-side: no polling); None if it is not named yet."""
+    def next(self) -> Round | None:
+        """The round after the last one this rank finished, if it is named yet (one store look:
+        the replicator polls; a blocking wait would log a c10d warning at every timeout)."""
         key = self._key(self.finished + 1)
         store = self.rdzv.store
-        if wait_s > 0:
-            try:
-                store.wait([key], timedelta(seconds=wait_s))
-            except (RuntimeError, TimeoutError):  # not named within wait_s
-                return None
-        elif not store.check([key]):
+        if not store.check([key]):
             return None
         msg = self._seal.open(key, store.get(key))
         step, save_id = msg.get("step"), msg.get("save_id")
@@ -77,24 +71,16 @@ class Rounds:
 
     def finish(self, r: Round) -> None:
         """This rank is done with round ``r`` (pushed, or gave up). The last rank to finish
-        says so under a key of its own, which rank 0 can wait on without polling."""
+        says so under a key of its own: one look tells rank 0."""
         if self.rdzv.add(self.rdzv.counter("round-done", r.number), 1) >= self.world_size:
             self.rdzv.store.set(self.rdzv.counter("round-all-done", r.number), "1")
         self.finished = r.number
 
-    def all_done(self, number: int, wait_s: float = 0.0) -> bool:
-        """Every rank finished round ``number`` (round 0 is the start: always done); waits up
-        to ``wait_s`` seconds for it, server-side."""
+    def all_done(self, number: int) -> bool:
+        """Every rank finished round ``number`` (round 0 is the start: always done)."""
         if number == 0:
             return True
-        key = self.rdzv.counter("round-all-done", number)
-        if wait_s <= 0:
-            return bool(self.rdzv.store.check([key]))
-        try:
-            self.rdzv.store.wait([key], timedelta(seconds=wait_s))
-        except (RuntimeError, TimeoutError):
-            return False
-        return True
+        return bool(self.rdzv.store.check([self.rdzv.counter("round-all-done", number)]))
 
     def propose(self, number: int, step: int, save_id: str) -> Round:
         """Name round ``number`` (rank 0 only, once the previous round is all done)."""

@@ -1,14 +1,17 @@
 """The benchmarks measure the code that runs: bench_replication's probes time a real receipt
 (it once printed "rx xxh3 0.000" for every push, timing a function the receive path no longer
-called), bench_local's fresh-process resume resumes in a child process, and bench_training runs
-every mode. Tiny sizes: these check the measuring, not the figures."""
+called), bench_local's fresh-process resume resumes in a child process, bench_training runs
+every mode, and bench_network runs every mode on an emulated cluster and resumes a replaced
+node over its link. Tiny sizes: these check the measuring, not the figures."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import wait_for
@@ -17,10 +20,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks import bench_local, bench_training
+from benchmarks import bench_local, bench_network, bench_training
 from benchmarks.common import model_state_dict, quiet_dcp
 from benchmarks.replication_probes import ReceiveClock, SendClock
 from mlcheckpoint import CheckpointManager, MemoryStorageWriter
+from mlcheckpoint.testing import netcluster
 
 
 def test_replication_probes_time_a_real_receipt(make_job):
@@ -71,3 +75,32 @@ def test_bench_training_runs_every_mode():
         assert len(figures["modes"][mode]["step_s"]) == 2
     assert "overlapped_vs_anchor" in figures["summary"]
     assert figures["summary"]["modes"]["overlapped"]["guard_wait_max_s"] >= 0
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.mark.slow
+def test_bench_network_quick_reports_every_mode_and_the_resume():
+    reason = netcluster.available()
+    if reason:
+        pytest.skip(f"no emulated network: {reason}")
+    figures = bench_network.main(["--quick", "--rounds", "1", "--rates", "1gbit"])
+    cfg = figures["config"]
+    modes = figures["summary"]["rates"]["1gbit"]["modes"]
+    assert set(modes) == set(bench_network.MODES)
+    for mode, m in modes.items():
+        assert m["steps"] == cfg["steps"] - cfg["warmup"], mode
+        for key in ("median_s", "p90_s", "vs_off", "vs_none", "fwd_bwd_median_s", "node0_bytes_per_step",
+                    "tmpfs_peak_bytes", "rss_anon_growth_bytes", "shard_bytes"):
+            assert _number(m[key]) and m[key] >= 0, (mode, key, m[key])
+        assert m["median_s"] > 0 and m["node0_bytes_per_step"] > 0, mode  # DDP's all-reduce crossed the link
+    for mode in ("unbudgeted", "budgeted"):  # replication protected steps, and the lag was sampled
+        assert _number(modes[mode]["lag_steps_max"]) and _number(modes[mode]["age_s_max"]), mode
+    assert modes["off"]["lag_steps_max"] is None and modes["off"]["tmpfs_peak_bytes"] > 0
+    (resume,) = figures["summary"]["resumes"]
+    assert resume["replaced"] == [1] and resume["sources"]["1"] == "peer" and resume["loaded_ok"]
+    assert resume["bytes"] > 0 and resume["link_received_bytes"] >= resume["bytes"]  # over the link
+    for key in ("seconds", "ratio", "ratio_before", "ratio_after"):
+        assert _number(resume[key]) and resume[key] > 0, key

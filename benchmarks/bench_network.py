@@ -1,0 +1,573 @@
+#!/usr/bin/env python
+"""Replication on an emulated network: what it costs a training job that checkpoints every
+step, how far protection lags, and how fast a replaced node resumes over the link (issue 21).
+
+An emulated cluster (``mlcheckpoint.testing.netcluster``): ``--nodes`` nodes x ``--nproc``
+ranks, each node in a network namespace of its own behind a link shaped with tc tbf, at each
+of ``--rates``. A DDP model (gloo: its all-reduce crosses the shaped link every step) of
+bench_training's transformer shape, ``--params-mb`` of parameters plus AdamW's two moments
+(about 400 MB per rank by default), trains with ``ckpt.guard(optimizer)`` and
+``ckpt.async_save`` after EVERY step (benchmarks/net_train_worker.py, under torchrun in the
+namespaces). Interleaved rounds of four modes, each a fresh launch of the job on the same
+cluster:
+
+* none        no checkpointing
+* off         ``CheckpointManager(replication="none")``
+* unbudgeted  replication over TCP, ``MLCHECKPOINT_REPLICATION_BANDWIDTH=unlimited``
+* budgeted    replication over TCP at the library's default budget (the variable unset)
+
+Per rate and mode: step time (median, p90, against "off" and "none"), forward+backward (which
+holds DDP's all-reduce), the bytes node 0 sends per step (its eth0 counters), protection lag
+(``ckpt.protection()`` after every step: lag in steps and age in seconds, the series in the
+JSON), the peak tmpfs use per node (its local_dir, sampled every 0.5 s) and each rank's peak
+RssAnon growth from before its CheckpointManager was made.
+
+After each budgeted launch: node 1 is lost (killed, memory wiped) and the survivors' processes
+stopped (their memory kept); a resume-only job restarts and node 1 fetches its shards from its
+partner. Its ``ResumeInfo.seconds`` is set against a raw TCP transfer of the same bytes over
+the same link (``NetCluster.raw_tcp_throughput``), measured right before and right after.
+``--nodes 4 --replace 2`` also replaces two nodes of different pairs at once (nodes 1 and 3)
+and reports that resume next to the one-replaced one.
+
+    python benchmarks/bench_network.py                       # 2 nodes, 1gbit and 5gbit, 2 rounds
+    python benchmarks/bench_network.py --quick               # tiny model, a smoke run
+    python benchmarks/bench_network.py --rates 1gbit --steps 20 --json out.json
+    python benchmarks/bench_network.py --nodes 4 --replace 2 --params-mb 40
+
+Needs root and iproute2 (network namespaces, veth, tc). Everything (namespaces, processes,
+/dev/shm directories) is removed at the end, on error and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script from a checkout: import the package from it
+    sys.path.insert(0, REPO_ROOT)
+
+from benchmarks.common import (
+    exit_on_sigterm,
+    loadavg,
+    machine_info,
+    median,
+    p90,
+    progress,
+    size_str,
+)
+from mlcheckpoint import CheckpointManager
+from mlcheckpoint.testing.netcluster import NetCluster, available, parse_rate
+
+WORKER = os.path.join(REPO_ROOT, "benchmarks", "net_train_worker.py")
+BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
+MODES = ("none", "off", "unbudgeted", "budgeted")
+LABELS = {"none": "no checkpointing", "off": "replication off",
+          "unbudgeted": "replication, unbudgeted", "budgeted": "replication, default budget"}
+# What each mode adds to the job's environment. "budgeted" leaves the variable unset (the
+# worker also drops it, should the caller's shell have set it).
+MODE_ENV = {"none": {}, "off": {}, "unbudgeted": {BANDWIDTH_ENV: "unlimited"}, "budgeted": {}}
+
+TARGET_BUDGETED_VS_OFF = 1.02  # median step time <= 2% above replication off
+TARGET_RESUME_VS_RAW = 0.8  # resume >= 0.8x the raw transfer of the same bytes
+TARGET_PARALLEL_RESUME = 1.25  # "about as long": k nodes replaced at once vs one
+SAMPLE_EVERY_S = 0.5  # tmpfs sampling period
+
+
+# ---------------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class Config:
+    rates: tuple[str, ...]
+    nodes: int
+    nproc: int  # ranks per node
+    replace: int  # nodes replaced at once in the largest resume case
+    rounds: int
+    steps: int  # per launch, warm-up included
+    warmup: int  # discarded steps at the start of each launch
+    params_mb: float
+    batch: int
+    seq_len: int
+    keep: int
+    quick: bool
+    json_path: str | None
+
+    def worker_args(self) -> list[str]:
+        return ["--params-mb", str(self.params_mb), "--seq-len", str(self.seq_len)]
+
+    def train_args(self) -> list[str]:
+        return [*self.worker_args(), "--steps", str(self.steps), "--warmup", str(self.warmup),
+                "--batch", str(self.batch), "--keep", str(self.keep)]
+
+    @property
+    def replaced_sets(self) -> list[list[int]]:
+        """Which nodes each resume case replaces: node 1 alone, then (with --replace k > 1) k
+        odd nodes, each in a different pair (pairs are 2i, 2i+1)."""
+        cases = [[1]]
+        if self.replace > 1:
+            cases.append([2 * i + 1 for i in range(self.replace)])
+        return cases
+
+
+def parse_args(argv: list[str]) -> Config:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", nargs="+", default=None,
+                   help="link rates in tc notation (default 1gbit 5gbit; 1gbit with --quick)")
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per node (default 1)")
+    p.add_argument("--replace", type=int, default=1,
+                   help="also resume with this many nodes of different pairs replaced at once "
+                        "(default 1: node 1 only; 2 needs --nodes 4)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every mode (default 2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per launch, warm-up included (default 12; 4 with --quick)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="steps discarded at the start of each launch (default keep+1 = 3: the "
+                        "first keep+1 saves make their tmpfs buffers; 1 with --quick)")
+    p.add_argument("--params-mb", type=float, default=None,
+                   help="model parameters in MB; the checkpoint is about 3x (AdamW) "
+                        "(default 134; 2 with --quick)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 64; 32 with --quick)")
+    p.add_argument("--keep", type=int, default=2, help="CheckpointManager keep= (default 2)")
+    p.add_argument("--json", metavar="PATH", help="also write every figure to PATH as JSON")
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run")
+    a = p.parse_args(argv)
+    rates = tuple(a.rates or (["1gbit"] if a.quick else ["1gbit", "5gbit"]))
+    for r in rates:
+        try:
+            parse_rate(r)
+        except ValueError as e:
+            p.error(str(e))
+    steps = a.steps if a.steps is not None else (4 if a.quick else 12)
+    warmup = a.warmup if a.warmup is not None else (1 if a.quick else a.keep + 1)
+    if a.nodes < 2 or a.nproc < 1 or a.rounds < 1 or warmup < 1 or steps < warmup + 2:
+        p.error("need --nodes >= 2, --nproc >= 1, --rounds >= 1, --warmup >= 1, --steps >= warmup + 2")
+    if a.replace < 1 or 2 * a.replace > a.nodes:
+        p.error(f"--replace {a.replace}: 1 to nodes/2 (one node of each pair)")
+    return Config(rates=rates, nodes=a.nodes, nproc=a.nproc, replace=a.replace, rounds=a.rounds,
+                  steps=steps, warmup=warmup,
+                  params_mb=a.params_mb if a.params_mb is not None else (2.0 if a.quick else 134.0),
+                  batch=a.batch, seq_len=a.seq_len or (32 if a.quick else 64), keep=a.keep,
+                  quick=a.quick, json_path=a.json)
+
+
+# ---------------------------------------------------------------------------------- measuring
+def qdisc_bytes(netns: str, dev: str) -> int:
+    """Bytes the root qdisc (tbf) of ``dev`` in ``netns`` has sent so far."""
+    out = subprocess.run(["tc", "-s", "-j", "-n", netns, "qdisc", "show", "dev", dev],
+                         capture_output=True, text=True, check=True).stdout
+    return int(json.loads(out)[0]["bytes"])
+
+
+def link_counters(cluster: NetCluster) -> dict[int, dict[str, int]]:
+    """Per node, bytes sent over its link (tbf on its eth0) and received (tbf on its port)."""
+    return {n.index: {"sent": qdisc_bytes(n.netns, "eth0"), "received": qdisc_bytes(cluster.switch_netns, n.port)}
+            for n in cluster.nodes}
+
+
+def counters_delta(before: dict[int, dict[str, int]], after: dict[int, dict[str, int]]) -> dict[int, dict[str, int]]:
+    return {k: {d: after[k][d] - before[k][d] for d in before[k]} for k in before}
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes allocated under ``path`` (du: blocks, not apparent sizes)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:  # retired meanwhile
+                pass
+    return total
+
+
+class TmpfsSampler:
+    """Every node's local_dir usage, sampled on a thread while a launch runs."""
+
+    def __init__(self, cluster: NetCluster):
+        self.dirs = [n.local_dir for n in cluster.nodes]
+        self.series: list[tuple[float, list[int]]] = []
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="tmpfs-sampler")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self.series.append((time.perf_counter() - self._t0, [tree_bytes(d) for d in self.dirs]))
+            if self._stop.wait(SAMPLE_EVERY_S):
+                return
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        return {"peak_bytes": [max(s[k] for _, s in self.series) for k in range(len(self.dirs))],
+                "series": [[round(t, 2), s] for t, s in self.series]}
+
+
+def wait_for_results(cluster: NetCluster, name: str, world: int, timeout: float) -> dict[int, dict]:
+    """Every rank's result of ``name`` (from jobs that keep running after reporting); fails
+    early, with the logs, if an agent exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        results = cluster.results(name)
+        if len(results) == world:
+            return results
+        for node in cluster.nodes:
+            if node.proc is not None and node.proc.poll() not in (None, 0):
+                raise RuntimeError(f"node {node.index} exited with {node.proc.returncode} before "
+                                   f"reporting {name}; logs:\n{cluster.logs()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name}: no result from every rank within {timeout:.0f} s; logs:\n{cluster.logs()}")
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------------- the runs
+class Bench:
+    """One run: a cluster, its launches and resumes."""
+
+    def __init__(self, cfg: Config, cluster: NetCluster):
+        self.cfg, self.cluster = cfg, cluster
+        self.world = cfg.nodes * cfg.nproc
+        self.launches: list[dict[str, Any]] = []
+        self.resumes: list[dict[str, Any]] = []
+        self.base_env = {"PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
+
+    def fresh(self) -> None:
+        """Nothing running, every node's memory empty: the next launch starts from nothing."""
+        self.cluster.kill_all()
+        for node in self.cluster.nodes:
+            node.wipe()
+
+    def train(self, mode: str, rate: str, rnd: int, hold: bool) -> dict[str, Any]:
+        """One launch of the training job in ``mode``; with ``hold`` it keeps running (and
+        replicating) after reporting, until a resume case stops it."""
+        cfg, cluster = self.cfg, self.cluster
+        n = len(self.launches)
+        name, job_id = f"train{n}", f"bench-net-{n}-{mode}"
+        self.fresh()
+        before = link_counters(cluster)
+        tmpfs = TmpfsSampler(cluster)
+        t0 = time.perf_counter()
+        cluster.start(WORKER, mode, name, *cfg.train_args(), *(["--hold"] if hold else []),
+                      env={**self.base_env, "MLCHECKPOINT_JOB_ID": job_id, **MODE_ENV[mode]})
+        timeout = 180 + 60 * cfg.steps
+        try:
+            if hold:
+                ranks = wait_for_results(cluster, name, self.world, timeout)
+            else:
+                codes = cluster.wait(timeout)
+                if any(codes):
+                    raise RuntimeError(f"{mode} launch: exit codes {codes}; logs:\n{cluster.logs()}")
+                ranks = cluster.results(name)
+        finally:
+            usage = tmpfs.stop()
+        launch = {"index": n, "mode": mode, "rate": rate, "round": rnd, "job_id": job_id,
+                  "wall_s": time.perf_counter() - t0, "link_bytes": counters_delta(before, link_counters(cluster)),
+                  "tmpfs": usage, "ranks": {str(r): v for r, v in sorted(ranks.items())}}
+        self.launches.append(launch)
+        return launch
+
+    def node_checkpoint_bytes(self, launch: dict[str, Any], node: int) -> int:
+        """Bytes of one step's checkpoint of ``node``'s ranks (their last save)."""
+        return sum(r["save_bytes"][-1] for r in launch["ranks"].values() if r["node"] == node)
+
+    def resume(self, launch: dict[str, Any], replaced: list[int]) -> dict[str, Any]:
+        """Lose ``replaced`` (killed, memory wiped), stop the survivors (memory kept), and time
+        the restarted job's resume against raw transfers of the same bytes over the same link,
+        right before and right after."""
+        cluster = self.cluster
+        for k in replaced:
+            cluster.node(k).kill()
+            cluster.node(k).wipe()
+        cluster.kill_all()  # the scheduler stops the survivors; their memory stays
+        first = replaced[0]
+        partner = first ^ 1  # its replicas' holder
+        nbytes = self.node_checkpoint_bytes(launch, first)
+        raw_before = cluster.raw_tcp_throughput(partner, first, nbytes)
+        name = f"resume{len(self.resumes)}"
+        before = link_counters(cluster)
+        t0 = time.perf_counter()
+        cluster.start(WORKER, "resume", name, *self.cfg.worker_args(),
+                      env={**self.base_env, "MLCHECKPOINT_JOB_ID": launch["job_id"]})
+        try:
+            ranks = wait_for_results(cluster, name, self.world, 300)
+        finally:
+            cluster.kill_all()  # before the second raw transfer: healing must not share the link
+        launch_s = time.perf_counter() - t0
+        received = counters_delta(before, link_counters(cluster))
+        raw_after = cluster.raw_tcp_throughput(partner, first, nbytes)
+        result = {"rate": launch["rate"], "round": launch["round"], "after_launch": launch["index"],
+                  "replaced": replaced, "raw_nbytes": nbytes, "raw_before_Bps": raw_before,
+                  "raw_after_Bps": raw_after, "launch_s": launch_s,
+                  "link_bytes": received, "ranks": {str(r): v for r, v in sorted(ranks.items())}}
+        self.resumes.append(result)
+        return result
+
+    def run(self) -> None:
+        cfg = self.cfg
+        for rnd in range(cfg.rounds):
+            order = list(MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)])  # no mode always first
+            for rate in cfg.rates:
+                self.cluster.set_rate(rate)
+                for mode in order:
+                    launch = self.train(mode, rate, rnd, hold=mode == "budgeted")
+                    progress(f"round {rnd + 1}/{cfg.rounds}, {rate}, {mode}: median step "
+                             f"{median(measured(launch, 'step_s')):.3f} s, launch {launch['wall_s']:.0f} s")
+                    if mode == "budgeted":
+                        for replaced in cfg.replaced_sets:
+                            r = self.resume(launch, replaced)
+                            progress(f"  resume, node(s) {replaced} replaced: {resume_seconds(r):.2f} s "
+                                     f"for {size_str(fetched_bytes(r, replaced[0]))}, raw "
+                                     f"{r['raw_before_Bps'] * 8 / 1e9:.2f}/{r['raw_after_Bps'] * 8 / 1e9:.2f} Gbit/s")
+        self.fresh()
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Build the cluster, run every launch and resume, tear it down; the raw figures."""
+    with NetCluster(nodes=cfg.nodes, nproc=cfg.nproc, rate=cfg.rates[0]) as cluster:
+        bench = Bench(cfg, cluster)
+        bench.run()
+    return {"launches": bench.launches, "resumes": bench.resumes}
+
+
+# ---------------------------------------------------------------------------------- figures
+def measured(launch: dict[str, Any], key: str, rank: str = "0") -> list[float]:
+    """``key`` of the steps after the warm-up, as rank ``rank`` saw them (None left out)."""
+    r = launch["ranks"][rank]
+    return [s[key] for s in r["steps"][r["warmup"]:] if s[key] is not None]
+
+
+def node0_bytes_per_step(launch: dict[str, Any]) -> float:
+    """What node 0 sent on its link per measured step (its eth0 counter, read by rank 0)."""
+    r = launch["ranks"]["0"]
+    steps, w = r["steps"], r["warmup"]
+    return (steps[-1]["tx_bytes"] - steps[w - 1]["tx_bytes"]) / (len(steps) - w)
+
+
+def replaced_ranks(res: dict[str, Any], node: int) -> list[dict[str, Any]]:
+    return [r for r in res["ranks"].values() if r["node"] == node]
+
+
+def resume_seconds(res: dict[str, Any]) -> float:
+    """The resume of the replaced nodes: their ranks' ResumeInfo.seconds (the slowest)."""
+    return max(r["seconds"] for k in res["replaced"] for r in replaced_ranks(res, k))
+
+
+def fetched_bytes(res: dict[str, Any], node: int) -> int:
+    """What ``node``'s ranks fetched from peers (each rank's own count, from its history)."""
+    return sum(r["own_bytes_fetched"] or 0 for r in replaced_ranks(res, node))
+
+
+def halves_median(xs: list[float]) -> tuple[float, float]:
+    h = len(xs) // 2
+    return median(xs[:h] or xs), median(xs[h:])
+
+
+def summarize_mode(cfg: Config, launches: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = [x for launch in launches for x in measured(launch, "step_s")]
+    lag = [x for launch in launches for x in measured(launch, "lag_steps")]
+    age = [x for launch in launches for x in measured(launch, "age_s")]
+    shard = max(r["save_bytes"][-1] if r["save_bytes"] else r["state_bytes"]
+                for launch in launches for r in launch["ranks"].values())
+    node_ckpt = shard * cfg.nproc
+    tmpfs_peak = max(max(launch["tmpfs"]["peak_bytes"]) for launch in launches)
+    rss = max(r["rss_anon_peak"] - r["rss_anon_baseline"] for launch in launches for r in launch["ranks"].values())
+    halves = [halves_median(xs) for launch in launches if (xs := measured(launch, "lag_steps"))]
+    last0 = [launch["ranks"]["0"]["steps"][-1] for launch in launches]
+    return {
+        "steps": len(steps), "median_s": median(steps), "p90_s": p90(steps),
+        "round_medians_s": [median(measured(launch, "step_s")) for launch in launches],
+        "fwd_bwd_median_s": median([x for launch in launches for x in measured(launch, "fwd_bwd_s")]),
+        "optim_median_s": median([x for launch in launches for x in measured(launch, "optim_s")]),
+        "save_call_median_s": median([x for launch in launches for x in measured(launch, "save_call_s")]),
+        "node0_bytes_per_step": median([node0_bytes_per_step(launch) for launch in launches]),
+        "lag_steps_median": median(lag) if lag else None, "lag_steps_max": max(lag) if lag else None,
+        "lag_first_half_median": median([h[0] for h in halves]) if halves else None,
+        "lag_second_half_median": median([h[1] for h in halves]) if halves else None,
+        "age_s_median": median(age) if age else None, "age_s_max": max(age) if age else None,
+        "superseded": [s["superseded"] for s in last0],
+        "replication_rate_Bps": median([s["rate_bytes_per_s"] for s in last0 if s["rate_bytes_per_s"]] or [math.nan]),
+        "shard_bytes": shard, "node_checkpoint_bytes": node_ckpt,
+        "tmpfs_peak_bytes": tmpfs_peak, "tmpfs_peak_checkpoints": tmpfs_peak / node_ckpt,
+        "rss_anon_growth_bytes": rss, "rss_anon_growth_shards": rss / shard,
+        "guard_longest_wait_s": max((r["guard_longest_wait_s"] or 0.0) for launch in launches
+                                    for r in launch["ranks"].values()),
+        "budget": launches[0]["ranks"]["0"]["budget"],
+    }
+
+
+def summarize_resume(res: dict[str, Any]) -> dict[str, Any]:
+    seconds = resume_seconds(res)
+    nbytes = max(fetched_bytes(res, k) for k in res["replaced"])
+    raws = [res["raw_before_Bps"], res["raw_after_Bps"]]
+    raw_s = [nbytes / b for b in raws]  # the raw transfer of the same bytes, before and after
+    ranks = list(res["ranks"].values())
+    return {"rate": res["rate"], "round": res["round"], "replaced": res["replaced"],
+            "seconds": seconds, "bytes": nbytes, "step": ranks[0]["step"],
+            "sources": ranks[0]["sources"], "loaded_ok": all(r["loaded_step"] == r["step"] for r in ranks),
+            "raw_gbit_s": [b * 8 / 1e9 for b in raws], "raw_s": raw_s,
+            "ratio_before": raw_s[0] / seconds, "ratio_after": raw_s[1] / seconds,
+            "ratio": (nbytes / (sum(raws) / 2)) / seconds,
+            "link_received_bytes": max(res["link_bytes"][k]["received"] for k in res["replaced"]),
+            "launch_s": res["launch_s"]}
+
+
+def summarize(cfg: Config, res: dict[str, Any]) -> dict[str, Any]:
+    s: dict[str, Any] = {"rates": {}, "resumes": [summarize_resume(r) for r in res["resumes"]], "targets": []}
+    targets = s["targets"]
+    for rate in cfg.rates:
+        modes = {m: summarize_mode(cfg, [x for x in res["launches"] if x["rate"] == rate and x["mode"] == m])
+                 for m in MODES}
+        off, none = modes["off"]["median_s"], modes["none"]["median_s"]
+        for m in modes.values():
+            m["vs_off"], m["vs_none"] = m["median_s"] / off, m["median_s"] / none
+        b, u = modes["budgeted"], modes["unbudgeted"]
+        b["vs_unbudgeted"] = b["median_s"] / u["median_s"]
+        s["rates"][rate] = {"modes": modes}
+        targets.append({"name": f"{rate}: default budget, median step <= {TARGET_BUDGETED_VS_OFF:.2f}x replication off",
+                        "value": b["vs_off"], "pass": b["vs_off"] <= TARGET_BUDGETED_VS_OFF})
+        budget = b["budget"]
+        if isinstance(budget, (int, float)) and budget > 0:
+            bound = b["node_checkpoint_bytes"] / budget / b["median_s"] + 1
+            targets.append({"name": f"{rate}: lag <= bytes per node per checkpoint / budget / step time + 1 "
+                                    f"= {bound:.1f} steps", "value": b["lag_steps_max"],
+                            "pass": b["lag_steps_max"] is not None and b["lag_steps_max"] <= math.ceil(bound)})
+        if b["lag_steps_max"] is not None:
+            grew = b["lag_second_half_median"] - b["lag_first_half_median"]
+            targets.append({"name": f"{rate}: default budget, lag not growing (2nd half median - 1st half)",
+                            "value": grew, "pass": grew <= 1})
+        for m in ("off", "unbudgeted", "budgeted"):
+            targets.append({"name": f"{rate}: {LABELS[m]}, peak RssAnon growth <= one shard",
+                            "value": modes[m]["rss_anon_growth_shards"], "pass": modes[m]["rss_anon_growth_shards"] <= 1})
+        limit = 2 * cfg.keep + 1
+        targets.append({"name": f"{rate}: default budget, tmpfs per node <= {limit} checkpoints "
+                                f"(keep own + keep replicas + one in flight)",
+                        "value": b["tmpfs_peak_checkpoints"], "pass": b["tmpfs_peak_checkpoints"] <= limit})
+    one = {(r["rate"], r["round"]): r for r in s["resumes"] if len(r["replaced"]) == 1}
+    for r in s["resumes"]:
+        targets.append({"name": f"{r['rate']}, round {r['round'] + 1}, node(s) {r['replaced']} replaced: "
+                                f"resume >= {TARGET_RESUME_VS_RAW}x raw transfer",
+                        "value": r["ratio"], "pass": r["ratio"] >= TARGET_RESUME_VS_RAW})
+        if len(r["replaced"]) > 1:
+            single = one[(r["rate"], r["round"])]
+            r["vs_one_replaced"] = r["seconds"] / single["seconds"]
+            targets.append({"name": f"{r['rate']}, round {r['round'] + 1}: {len(r['replaced'])} replaced at once "
+                                    f"<= {TARGET_PARALLEL_RESUME}x one replaced",
+                            "value": r["vs_one_replaced"], "pass": r["vs_one_replaced"] <= TARGET_PARALLEL_RESUME})
+    return s
+
+
+# ---------------------------------------------------------------------------------- report
+def _opt(x: float | None, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, Any]) -> None:
+    first = res["launches"][0]["ranks"]["0"]
+    sh, machine = first["shape"], meta["machine"]
+    print(f"\nmlcheckpoint {machine['mlcheckpoint']} network benchmark: {cfg.nodes} emulated nodes x "
+          f"{cfg.nproc} rank(s), DDP (gloo) transformer LM ({sh['layers']} blocks, d_model {sh['d_model']}, "
+          f"{first['params'] / 1e6:.1f}M parameters) + AdamW,\n  checkpoint per rank "
+          f"{size_str(first['state_bytes'])}, ckpt.guard + ckpt.async_save every step, batch {cfg.batch} x "
+          f"{cfg.seq_len} tokens, 1 compute thread per rank")
+    print(f"  {machine['cores']} cores, {machine['cpu']}, torch {machine['torch']}; load average "
+          f"{meta['load_start']} at start, {meta['load_end']} at the end; took {meta['duration_s'] / 60:.1f} min")
+    print(f"  {cfg.rounds} round(s) x {len(MODES)} modes per rate, interleaved, each a fresh launch of "
+          f"{cfg.steps} steps, the first {cfg.warmup} discarded" + (" [--quick]" if cfg.quick else ""))
+    budget = s["rates"][cfg.rates[0]]["modes"]["budgeted"]["budget"]
+    print(f"  default budget: {budget if budget is not None else 'none in this build (replication_bandwidth not supported: budgeted = unbudgeted)'}")
+    print(f"  command: {meta['command']}")
+    head = (f"{'mode':<29}{'median s':>9}{'p90 s':>8}{'vs off':>8}{'vs none':>8}{'fwd+bwd':>8}"
+            f"{'node0 MB/step':>14}{'lag med/max':>12}{'age s med/max':>14}{'skipped':>8}"
+            f"{'tmpfs/node':>11}{'RssAnon+':>10}")
+    for rate, r in s["rates"].items():
+        raws = [g for x in s["resumes"] if x["rate"] == rate for g in x["raw_gbit_s"]]
+        print(f"\nlink {rate} (raw TCP between the nodes: {', '.join(f'{g:.2f}' for g in raws)} Gbit/s)")
+        print(head)
+        for mode, m in r["modes"].items():
+            lag = "-" if m["lag_steps_max"] is None else f"{m['lag_steps_median']:g}/{m['lag_steps_max']}"
+            age = "-" if m["age_s_max"] is None else f"{m['age_s_median']:.1f}/{m['age_s_max']:.1f}"
+            skipped = "-" if mode in ("none", "off") else "/".join(str(x) for x in m["superseded"])
+            tmpfs = "-" if mode == "none" else size_str(m["tmpfs_peak_bytes"])
+            print(f"{LABELS[mode]:<29}{m['median_s']:>9.3f}{m['p90_s']:>8.3f}{m['vs_off']:>7.2f}x"
+                  f"{m['vs_none']:>7.2f}x{m['fwd_bwd_median_s']:>8.3f}{m['node0_bytes_per_step'] / 1e6:>14.0f}"
+                  f"{lag:>12}{age:>14}{skipped:>8}{tmpfs:>11}{size_str(m['rss_anon_growth_bytes']):>10}")
+        b = r["modes"]["budgeted"]
+        print("  per-launch medians (s): " + "; ".join(
+            f"{mode} " + ", ".join(f"{x:.3f}" for x in m["round_medians_s"]) for mode, m in r["modes"].items()))
+        print(f"  default budget vs unbudgeted: {b['vs_unbudgeted']:.2f}x the step time; lag first/second "
+              f"half median {_opt(b['lag_first_half_median'], 'g')}/{_opt(b['lag_second_half_median'], 'g')} "
+              f"steps; replication rate {_opt(b['replication_rate_Bps'] / 1e6, '.0f')} MB/s; tmpfs peak "
+              f"{b['tmpfs_peak_checkpoints']:.1f} node checkpoints")
+    print("  median/p90: step time (forward, backward with DDP's all-reduce, optimizer.step with the guard, "
+          "async_save) of rank 0's measured steps, all rounds; node0 MB/step: node 0's eth0 tx per step; "
+          "lag: ckpt.protection().lag_steps after each step, age: its age_seconds; skipped: saves "
+          "superseded per launch (rank 0); tmpfs/node: peak du of a node's local_dir; RssAnon+: peak "
+          "growth of any rank from before its CheckpointManager")
+    print("\nresume of replaced nodes over the link (ResumeInfo.seconds of the replaced ranks; raw: one TCP "
+          "stream of the same bytes from the partner, right before and after)")
+    print(f"{'link':<8}{'round':>6}{'replaced':>10}{'step':>6}{'fetched':>11}{'resume s':>10}{'raw s before/after':>20}"
+          f"{'x raw':>7}{'(before/after)':>16}{'vs one':>8}{'launch s':>10}")
+    for r in s["resumes"]:
+        vs_one = f"{r['vs_one_replaced']:.2f}x" if "vs_one_replaced" in r else "-"
+        print(f"{r['rate']:<8}{r['round'] + 1:>6}{','.join(map(str, r['replaced'])):>10}{_opt(r['step'], 'd'):>6}"
+              f"{size_str(r['bytes']):>11}{r['seconds']:>10.2f}{r['raw_s'][0]:>11.2f}/{r['raw_s'][1]:<8.2f}"
+              f"{r['ratio']:>6.2f}x{r['ratio_before']:>9.2f}/{r['ratio_after']:<6.2f}{vs_one:>8}{r['launch_s']:>10.1f}")
+    print("  x raw: the raw transfer's time (at the mean of the two rates) / resume seconds; launch s: "
+          "from starting the job to every rank's report (process start included)")
+    print("\ntargets" + (" (--quick: a smoke run; at these sizes fixed costs dominate and the targets "
+                          "say nothing)" if cfg.quick else ""))
+    for t in s["targets"]:
+        v = t["value"]
+        shown = "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
+        print(f"  {'PASS' if t['pass'] else 'FAIL'}  {t['name']}: {shown}")
+
+
+def command_line(argv: list[str]) -> str:
+    py = os.environ.get("PYTHONPATH")
+    env = f"PYTHONPATH={shlex.quote(py)} " if py else ""
+    return f"cd {shlex.quote(REPO_ROOT)} && {env}{shlex.join([sys.executable, 'benchmarks/bench_network.py', *argv])}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the report and return every figure (see --json)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = parse_args(argv)
+    reason = available()
+    if reason:
+        raise SystemExit(f"bench_network needs an emulated network: {reason}")
+    need = cfg.nodes * (2 * cfg.keep + 2) * 3 * cfg.params_mb * 1e6 * cfg.nproc
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    if free < need:
+        raise SystemExit(f"/dev/shm has {size_str(free)} free; this run needs about {size_str(need)}")
+    meta: dict[str, Any] = {"command": command_line(argv), "load_start": loadavg(),
+                            "machine": machine_info("/dev/shm"),
+                            "budget_supported": "replication_bandwidth" in inspect.signature(CheckpointManager).parameters}
+    t0 = time.perf_counter()
+    res = run(cfg)
+    meta["duration_s"], meta["load_end"] = time.perf_counter() - t0, loadavg()
+    summary = summarize(cfg, res)
+    report(cfg, res, summary, meta)
+    figures = {"config": asdict(cfg), **meta, **res, "summary": summary}
+    if cfg.json_path:
+        with open(cfg.json_path, "w") as f:
+            json.dump(figures, f, indent=2, default=str)
+        print(f"\nfigures written to {cfg.json_path}")
+    return figures
+
+
+if __name__ == "__main__":
+    exit_on_sigterm()
+    main()

@@ -1,0 +1,244 @@
+"""One rank of bench_network's job, started by torchrun inside a node of a NetCluster.
+
+    net_train_worker.py MODE NAME [--steps N --warmup W --params-mb P --batch B --seq-len L]
+                                  [--keep K] [--hold]
+    net_train_worker.py resume NAME [--params-mb P --seq-len L]
+
+MODE is one of bench_network's modes:
+  none        DDP training, no CheckpointManager at all
+  off         CheckpointManager(replication="none")
+  unbudgeted  CheckpointManager(replication="tcp"); the benchmark sets
+              MLCHECKPOINT_REPLICATION_BANDWIDTH=unlimited in the environment
+  budgeted    CheckpointManager(replication="tcp") with MLCHECKPOINT_REPLICATION_BANDWIDTH
+              unset: the library's default budget
+
+Training: bench_training's transformer LM wrapped in DDP (gloo: its all-reduce crosses the
+node's shaped link every step), AdamW, one compute thread; ``ckpt.guard(optimizer)`` once and
+``ckpt.async_save`` after every step. One untimed step first (Adam's moments exist after it),
+then ``--steps`` timed steps. After each step, untimed: ``ckpt.protection()``, the node's
+eth0 tx_bytes (``/sys/class/net/eth0``, this namespace's), the save result of the previous
+step. A thread samples RssAnon (``/proc/self/status``) every 20 ms from just before the
+CheckpointManager is made. ``--hold``: after reporting, keep the job (and its replication)
+alive until the benchmark kills the node.
+
+resume: the same model (no DDP: nothing is trained) and optimizer state, then only
+``ckpt.resume``; reports ResumeInfo and this rank's own bytes fetched (from the history line
+``resume`` records), then waits to be killed.
+
+Results go to ``$TEST_OUT_DIR/<NAME>.rank<r>.json`` (NetCluster.results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from benchmarks.bench_training import _tensors, model_for
+from mlcheckpoint import CheckpointManager, history
+
+BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
+MODES = ("none", "off", "unbudgeted", "budgeted")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=(*MODES, "resume"))
+    p.add_argument("name")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--params-mb", type=float, default=134.0)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--hold", action="store_true")
+    return p.parse_args()
+
+
+def report(name: str, data: dict[str, Any]) -> None:
+    path = os.path.join(os.environ["TEST_OUT_DIR"], f"{name}.rank{dist.get_rank()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def hold_forever() -> None:
+    while True:  # the benchmark kills this node
+        time.sleep(1)
+
+
+def tx_bytes() -> int:
+    """Bytes this node has sent on its link (eth0 of this network namespace)."""
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class RssSampler:
+    """Peak RssAnon of this process, sampled every ``period`` seconds on a thread."""
+
+    def __init__(self, period: float = 0.02):
+        self.baseline = self.peak = rss_anon()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(period,), daemon=True, name="rss")
+        self._thread.start()
+
+    def _loop(self, period: float) -> None:
+        while not self._stop.wait(period):
+            self.peak = max(self.peak, rss_anon())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_anon())
+
+
+class Trainer:
+    """The model, its optimizer and one training step."""
+
+    def __init__(self, args: argparse.Namespace, ddp: bool):
+        self.args = args
+        params_bytes = int(args.params_mb * 1e6)
+        # bench_training's model_for sizes parameters + two Adam moments (12 bytes/parameter).
+        model, self.shape = model_for(3 * params_bytes, args.seq_len)
+        self.params = sum(p.numel() for p in model.parameters())
+        self.model: torch.nn.Module = DDP(model) if ddp else model
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.gen = torch.Generator().manual_seed(1 + (dist.get_rank() if ddp else 0))
+
+    def forward_backward(self) -> None:
+        a = self.args
+        tokens = torch.randint(self.shape["vocab"], (a.batch, a.seq_len + 1), generator=self.gen)
+        logits = self.model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP's all-reduce of the gradients runs in here
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """The live tensors (the optimizer updates them in place): one dict serves every save."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "step": step}
+
+
+def resolved_budget(ckpt: CheckpointManager | None) -> Any:
+    """The replication budget the manager resolved, where this build has one."""
+    return None if ckpt is None else getattr(ckpt.options, "replication_bandwidth", None)
+
+
+def train(args: argparse.Namespace) -> None:
+    rank = dist.get_rank()
+    trainer = Trainer(args, ddp=True)
+    trainer.forward_backward()  # untimed: DDP's first step, and Adam's moments come to exist
+    trainer.optimizer.step()
+    sd = trainer.state_dict(0)
+    state_bytes = sum(t.nbytes for t in _tensors(sd))
+
+    rss = RssSampler()  # from before the manager: everything checkpointing adds shows
+    ckpt = None
+    if args.mode != "none":
+        if args.mode == "budgeted":
+            os.environ.pop(BANDWIDTH_ENV, None)  # the default budget, whatever the caller's shell set
+        ckpt = CheckpointManager(keep=args.keep, replication="none" if args.mode == "off" else "tcp")
+        ckpt.guard(trainer.optimizer)
+    steps: list[dict[str, Any]] = []
+    save_bytes: list[int] = []
+    pending = None
+    t_start = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        trainer.forward_backward()
+        t1 = time.perf_counter()
+        trainer.optimizer.step()  # the guard waits here for the previous snapshot
+        t2 = time.perf_counter()
+        sd["step"] = step
+        future = ckpt.async_save(sd, step) if ckpt is not None else None
+        t3 = time.perf_counter()
+        # Untimed from here: what the step left behind.
+        if pending is not None:
+            save_bytes.append(pending.result().bytes)  # done: this step's save waited for it
+        pending = future
+        p = ckpt.protection() if ckpt is not None else None
+        steps.append({"step": step, "t": t3 - t_start, "step_s": t3 - t0, "fwd_bwd_s": t1 - t0,
+                      "optim_s": t2 - t1, "save_call_s": t3 - t2, "tx_bytes": tx_bytes(),
+                      "newest_protected": None if p is None else p.newest_protected,
+                      "lag_steps": None if p is None else p.lag_steps,
+                      "age_s": None if p is None else p.age_seconds,
+                      "rate_bytes_per_s": None if p is None else p.rate_bytes_per_s,
+                      "superseded": None if p is None else p.superseded,
+                      "sample_s": time.perf_counter() - t3})
+    if ckpt is not None:
+        ckpt.wait()
+        if pending is not None:
+            save_bytes.append(pending.result().bytes)
+    rss.stop()
+    result = {"rank": rank, "node": int(os.environ["GROUP_RANK"]), "mode": args.mode,
+              "params": trainer.params, "shape": trainer.shape, "state_bytes": state_bytes,
+              "save_bytes": save_bytes, "steps": steps, "warmup": args.warmup,
+              "rss_anon_baseline": rss.baseline, "rss_anon_peak": rss.peak,
+              "guard_longest_wait_s": None if ckpt is None else ckpt.snapshots.longest_wait_s,
+              "budget": resolved_budget(ckpt), "budget_env": os.environ.get(BANDWIDTH_ENV),
+              "job_id": None if ckpt is None else ckpt.job_id}
+    report(args.name, result)
+    if args.hold:
+        hold_forever()
+    if ckpt is not None:
+        ckpt.close()
+
+
+def resume(args: argparse.Namespace) -> None:
+    rank = dist.get_rank()
+    trainer = Trainer(args, ddp=False)  # the same state dict: DDP's keys are the module's
+    for p in trainer.model.parameters():
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()  # Adam's moments exist: the state dict has their tensors
+    sd = trainer.state_dict(-1)
+    ckpt = CheckpointManager(replication="tcp")
+    dist.barrier()  # every rank is ready: the resume alone is timed
+    t0 = time.perf_counter()
+    info = ckpt.resume(sd)
+    wall = time.perf_counter() - t0
+    own = [e for e in history.read(ckpt.store.job_dir)
+           if e.get("event") == "resume" and e.get("rank") == rank]
+    report(args.name, {"rank": rank, "node": int(os.environ["GROUP_RANK"]), "step": info.step,
+                       "loaded_step": sd["step"], "source": info.source,
+                       "sources": {str(k): v for k, v in info.sources.items()},
+                       "seconds": info.seconds, "wall_s": wall, "bytes_fetched": info.bytes_fetched,
+                       "own_bytes_fetched": own[-1].get("bytes") if own else None,
+                       "reason": info.reason})
+    hold_forever()  # the benchmark kills the job once every rank has reported
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)  # the node's other cores serve checkpointing (bench_training's habit)
+    dist.init_process_group("gloo")
+    if args.mode == "resume":
+        resume(args)
+    else:
+        train(args)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,7 @@ goes through it. No assertion here is about speed: rates are measured in benchma
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import pytest
@@ -18,11 +19,15 @@ from mlcheckpoint.replication.budget import (
     DEFAULT_BANDWIDTH_SHARE,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
+    YIELD_DELAY_S,
+    YIELD_HOLD_S,
+    YIELD_SHARE,
     Budget,
     NodeSchedule,
     chunk_bytes,
     default_bandwidth,
     node_budget,
+    queueing_delay,
 )
 from mlcheckpoint.replication.network import link_speed
 
@@ -46,8 +51,9 @@ class SimulatedTime:
         self.now += seconds
 
 
-def budget(rate: int, time: SimulatedTime, path: str | None = None) -> Budget:
-    return Budget(rate, path, clock=time.clock, sleep=time.sleep)
+def budget(rate: int, time: SimulatedTime, path: str | None = None, *,
+           yielding: bool = False) -> Budget:
+    return Budget(rate, path, yielding=yielding, clock=time.clock, sleep=time.sleep)
 
 
 # --------------------------------------------------------------------------- the arithmetic
@@ -95,6 +101,47 @@ def test_two_processes_of_a_node_share_one_rate(tmp_path):
     # The last chunk was released when the 39 before it had had their time at the node rate.
     assert time.now - start == pytest.approx((total - a.chunk) / rate)
     assert NodeSchedule(path).total_bytes() == total
+
+
+def test_a_queue_on_the_path_slows_every_sender_of_the_node_for_a_while(tmp_path):
+    """One rank's socket sees a queue (other traffic fills the link): every sender of the node
+    books at YIELD_SHARE of the budget until YIELD_HOLD_S has passed, then at the full rate."""
+    time = SimulatedTime()
+    path = str(tmp_path / "locks" / "bandwidth")
+    rate = 10_000_000
+    a, b = budget(rate, time, path, yielding=True), budget(rate, time, path, yielding=True)
+    a.saw_queue(YIELD_DELAY_S / 2)  # a queue this short is our own pacing's jitter: ignored
+    b.take(b.chunk)
+    t0 = time.now
+    b.take(b.chunk)
+    assert time.now - t0 == pytest.approx(b.chunk / rate)  # full rate
+    a.saw_queue(YIELD_DELAY_S * 3)  # a's socket sees other traffic
+    assert a.yields == 1
+    t1 = time.now
+    b.take(b.chunk)  # b's booking is slowed too: one schedule for the node
+    b.take(b.chunk)
+    assert time.now - t1 == pytest.approx(b.chunk / rate + b.chunk / (rate * YIELD_SHARE))
+    time.now += YIELD_HOLD_S  # the queue is gone and the hold has passed
+    b.take(b.chunk)
+    t2 = time.now
+    b.take(b.chunk)
+    assert time.now - t2 == pytest.approx(b.chunk / rate)
+    # unknown delay (no TCP_INFO), or a budget that does not yield: nothing changes
+    a.saw_queue(None)
+    c = budget(rate, time, path)
+    c.saw_queue(1.0)
+    assert a.yields == 1 and c.yields == 0
+
+
+def test_queueing_delay_reads_a_real_sockets_tcp_info():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        conn, _ = server.accept()
+        with client, conn:
+            client.sendall(b"x" * 100_000)
+            conn.recv(1 << 20)
+            delay = queueing_delay(client)
+    assert delay is not None and 0 <= delay < 1.0
 
 
 def test_a_stale_booking_is_forgotten(tmp_path):

@@ -17,6 +17,15 @@ get about 1/N of the budget each, with no rank holding the link for a whole shar
 served by a node interleaves with its pushes), and in any t seconds the node sends at most
 ``rate * t + chunk`` bytes. (A token bucket one chunk deep: an idle link saves up no burst.)
 
+Yielding to training. The link also carries training's collectives, and a fixed budget takes
+its share of the link whether they need it or not. So a paced TCP send reads its socket's
+TCP_INFO after each chunk: when the smoothed round-trip time stands above the connection's
+minimum by more than ``YIELD_DELAY_S``, a queue is building on the path (replication alone,
+paced below the link's rate, builds none: something else is filling the link), and the whole
+node's replication drops to ``YIELD_SHARE`` of its budget for ``YIELD_HOLD_S``, renewed while
+the queue stays. In the gaps between collectives it sends at the full budget. A scavenger in
+the spirit of LEDBAT (RFC 6817), which these kernels do not ship as a congestion control.
+
 Pacing goes in chunks of about 4 ms of budget (64 KiB to 4 MiB), each still sent with
 sendfile() straight from the tmpfs file: no extra copy. Each paced socket also gets
 SO_MAX_PACING_RATE, so the kernel spreads even one chunk's packets over its slot instead of
@@ -59,6 +68,14 @@ CHUNK_SECONDS = 0.004
 MIN_CHUNK_BYTES = 64 << 10
 MAX_CHUNK_BYTES = 4 << 20
 
+# Yielding (see the module docstring): a queue of more than YIELD_DELAY_S on the path means
+# other traffic; replication then sends at YIELD_SHARE of its budget for YIELD_HOLD_S.
+YIELD_DELAY_S = 0.001
+YIELD_SHARE = 0.1
+YIELD_HOLD_S = 0.1
+_TCP_INFO_BYTES = 152  # up to tcpi_min_rtt (struct tcp_info, linux/tcp.h)
+_TCPI_RTT, _TCPI_MIN_RTT = 68, 148  # byte offsets of the u32 fields, microseconds
+
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # linux/asm-generic/socket.h
 _NO_PACING = 0xFFFFFFFF  # ~0U: the kernel's "no limit"
 
@@ -88,13 +105,15 @@ def format_rate(bytes_per_s: float) -> str:
 @dataclass
 class Booking:
     """The node's schedule: the link is booked until ``until`` (CLOCK_MONOTONIC seconds, the
-    same clock in every process of the machine); ``total`` bytes were booked in all."""
+    same clock in every process of the machine); ``total`` bytes were booked in all; other
+    traffic was seen on the path (``yield_until``): send at ``YIELD_SHARE`` until then."""
 
     until: float = 0.0
     total: int = 0
+    yield_until: float = 0.0
 
 
-_STATE = struct.Struct("<dQ")
+_STATE = struct.Struct("<dQd")
 
 
 class NodeSchedule:
@@ -113,7 +132,7 @@ class NodeSchedule:
         """The booking, to read and change; written back when the block ends without error."""
         with self._lock:
             if self.path is None:
-                booking = Booking(self._local.until, self._local.total)
+                booking = Booking(self._local.until, self._local.total, self._local.yield_until)
                 yield booking
                 self._local = booking
                 return
@@ -123,7 +142,7 @@ class NodeSchedule:
                 raw = os.pread(fd, _STATE.size, 0)
                 booking = Booking(*_STATE.unpack(raw)) if len(raw) == _STATE.size else Booking()
                 yield booking
-                os.pwrite(fd, _STATE.pack(booking.until, booking.total), 0)
+                os.pwrite(fd, _STATE.pack(booking.until, booking.total, booking.yield_until), 0)
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
@@ -162,7 +181,7 @@ class Budget:
     """
 
     def __init__(self, bytes_per_s: int, path: str | None = None, *, origin: str = "",
-                 clock: Callable[[], float] = time.monotonic,
+                 yielding: bool = False, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep):
         if isinstance(bytes_per_s, bool) or not isinstance(bytes_per_s, int) or bytes_per_s < 0:
             raise ValueError(f"bytes_per_s must be an int >= 0, not {bytes_per_s!r}")
@@ -174,9 +193,11 @@ class Budget:
         # A booking further ahead than any set of senders could make (a schedule file left
         # by another boot, if local_dir is not tmpfs) is forgotten rather than slept on.
         self._stale_after = max(60.0, 1024 * self.chunk / bytes_per_s) if bytes_per_s else 0.0
+        self.yielding = yielding and bytes_per_s > 0  # give way to other traffic (see above)
         self._counters = threading.Lock()
         self.bytes_sent = 0
         self.seconds_waited = 0.0
+        self.yields = 0  # times this process saw a queue and slowed the node down
 
     @property
     def capped(self) -> bool:
@@ -195,7 +216,8 @@ class Budget:
             with self.schedule.locked() as booking:
                 now = self._clock()
                 start = booking.until if now < booking.until < now + self._stale_after else now
-                booking.until = start + nbytes / self.rate
+                rate = self.rate * YIELD_SHARE if start < booking.yield_until else self.rate
+                booking.until = start + nbytes / rate
                 booking.total += nbytes
             delay = start - now
         with self._counters:
@@ -223,6 +245,23 @@ class Budget:
         with self.kernel_paced(sock):
             for start, n in self.chunks(offset, nbytes):
                 p.sendfile_all(sock, fd, start, n)
+                self.watch(sock)
+
+    def watch(self, sock: socket.socket) -> None:
+        """After a chunk: if the path to the peer is queueing, slow the node down a while."""
+        if self.yielding:
+            self.saw_queue(queueing_delay(sock))
+
+    def saw_queue(self, delay: float | None) -> None:
+        """A socket's queueing delay was ``delay`` seconds (None: unknown): past
+        ``YIELD_DELAY_S``, every sender of the node books at ``YIELD_SHARE`` of the budget for
+        the next ``YIELD_HOLD_S``."""
+        if not self.yielding or delay is None or delay <= YIELD_DELAY_S:
+            return
+        with self.schedule.locked() as booking:
+            booking.yield_until = max(booking.yield_until, self._clock() + YIELD_HOLD_S)
+        with self._counters:
+            self.yields += 1
 
     def sendall(self, sock: socket.socket, data: bytes) -> None:
         """Send ``data``, paced."""
@@ -249,6 +288,21 @@ class Budget:
         self.schedule.close()
 
 
+def queueing_delay(sock: socket.socket) -> float | None:
+    """Seconds the socket's smoothed RTT stands above its minimum (None: no TCP_INFO)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_BYTES:
+        return None
+    rtt, = struct.unpack_from("<I", info, _TCPI_RTT)
+    min_rtt, = struct.unpack_from("<I", info, _TCPI_MIN_RTT)
+    if min_rtt in (0, 0xFFFFFFFF):
+        return None
+    return max(0, rtt - min_rtt) / 1e6
+
+
 def _set_pacing(sock: socket.socket, rate: int) -> bool:
     try:
         sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("I", rate))
@@ -260,9 +314,11 @@ def _set_pacing(sock: socket.socket, rate: int) -> bool:
 def node_budget(setting: int | str, interface: str | None, path: str | None) -> Budget:
     """The budget of a node from the ``replication_bandwidth`` setting (bytes/s, 0 for no cap,
     or "auto": ``default_bandwidth`` of the NIC ``interface``), booked in the file ``path``."""
+    # Other traffic shares a NIC; on loopback (one machine) there is none worth yielding to.
+    yielding = interface is not None and interface != "lo"
     if setting != "auto":
         assert isinstance(setting, int)
-        return Budget(setting, path, origin="replication_bandwidth")
+        return Budget(setting, path, origin="replication_bandwidth", yielding=yielding)
     speed = link_speed(interface) if interface else None
     if speed:
         origin = f"default: {DEFAULT_BANDWIDTH_SHARE:g} of {interface}'s {format_rate(speed)}"
@@ -270,4 +326,4 @@ def node_budget(setting: int | str, interface: str | None, path: str | None) -> 
         origin = (f"default: {DEFAULT_BANDWIDTH_SHARE:g} of an assumed "
                   f"{format_rate(ASSUMED_LINK_BYTES_PER_S)}, as {interface or 'the interface'} "
                   "reports no speed; set MLCHECKPOINT_REPLICATION_BANDWIDTH to fit the link")
-    return Budget(default_bandwidth(speed), path, origin=origin)
+    return Budget(default_bandwidth(speed), path, origin=origin, yielding=yielding)

@@ -17,6 +17,7 @@ import numpy as np
 from mlcheckpoint import CapacityError, LocalStore
 from mlcheckpoint.replication import protocol as p
 from mlcheckpoint.replication.sink import ReceiveSink
+from mlcheckpoint.store import layout
 from mlcheckpoint.store.checksum import checksum
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 
@@ -54,13 +55,14 @@ def committed_step(store: LocalStore, step: int) -> bytes:
 
 
 def leftovers(store: LocalStore) -> list[str]:
-    """Files of the job besides the committed step 1 and the lock."""
+    """Files of the job besides the committed step 1 and the locks."""
     out = []
     for root, _dirs, files in os.walk(store.job_dir):
-        out += [os.path.relpath(os.path.join(root, f), store.job_dir) for f in files]
+        out += [os.path.relpath(os.path.join(root, f), store.job_dir) for f in files
+                if layout.classify(f).kind is not layout.Kind.LOCK]
     keep = {os.path.relpath(p, store.job_dir) for p in (
         store.data_path(1, 0), store.manifest_path(1, 0), store.metadata_path(1))}
-    return sorted(set(out) - keep - {".lock"})
+    return sorted(set(out) - keep)
 
 
 def shard_scenario(store: LocalStore) -> dict:

@@ -22,8 +22,9 @@ holds DDP's all-reduce), the bytes node 0 sends per step (its eth0 counters), pr
 JSON), the peak tmpfs use per node (its local_dir, sampled every 0.5 s) and each rank's peak
 RssAnon growth from before its CheckpointManager was made.
 
-After each budgeted launch: node 1 is lost (killed, memory wiped) and the survivors' processes
-stopped (their memory kept); a resume-only job restarts and node 1 fetches its shards from its
+After each unbudgeted launch (its replication keeps up, so its newest steps are protected; the
+default budget yields to training and may not have protected a step in a short launch): node 1
+is lost (killed, memory wiped) and the survivors' processes stopped (their memory kept); a resume-only job restarts and node 1 fetches its shards from its
 partner. Its ``ResumeInfo.seconds`` is set against a raw TCP transfer of the same bytes over
 the same link (``NetCluster.raw_tcp_throughput``), measured right before and right after.
 ``--nodes 4 --replace 2`` also replaces two nodes of different pairs at once (nodes 1 and 3)
@@ -72,6 +73,7 @@ from mlcheckpoint.testing.netcluster import NetCluster, available, parse_rate
 WORKER = os.path.join(REPO_ROOT, "benchmarks", "net_train_worker.py")
 BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
 MODES = ("none", "off", "unbudgeted", "budgeted")
+RESUME_AFTER = "unbudgeted"  # the launch whose memory the resume starts from
 LABELS = {"none": "no checkpointing", "off": "replication off",
           "unbudgeted": "replication, unbudgeted", "budgeted": "replication, default budget"}
 # What each mode adds to the job's environment. "budgeted" leaves the variable unset (the
@@ -322,10 +324,10 @@ class Bench:
             for rate in cfg.rates:
                 self.cluster.set_rate(rate)
                 for mode in order:
-                    launch = self.train(mode, rate, rnd, hold=mode == "budgeted")
+                    launch = self.train(mode, rate, rnd, hold=mode == RESUME_AFTER)
                     progress(f"round {rnd + 1}/{cfg.rounds}, {rate}, {mode}: median step "
                              f"{median(measured(launch, 'step_s')):.3f} s, launch {launch['wall_s']:.0f} s")
-                    if mode == "budgeted":
+                    if mode == RESUME_AFTER:
                         for replaced in cfg.replaced_sets:
                             r = self.resume(launch, replaced)
                             progress(f"  resume, node(s) {replaced} replaced: {resume_seconds(r):.2f} s "

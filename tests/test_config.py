@@ -392,6 +392,8 @@ def test_every_variable_is_documented_with_its_default():
 def test_every_variable_read_is_listed_and_read_in_one_place():
     named, readers = set(), []
     for root, _, files in os.walk(PACKAGE):
+        if os.path.relpath(root, PACKAGE).split(os.sep)[0] == "testing":
+            continue  # the emulated cluster builds its children's environment: not settings
         for name in files:
             if name.endswith(".py"):
                 with open(os.path.join(root, name)) as f:

@@ -96,8 +96,13 @@ def test_bench_network_quick_reports_every_mode_and_the_resume():
                     "tmpfs_peak_bytes", "rss_anon_growth_bytes", "shard_bytes"):
             assert _number(m[key]) and m[key] >= 0, (mode, key, m[key])
         assert m["median_s"] > 0 and m["node0_bytes_per_step"] > 0, mode  # DDP's all-reduce crossed the link
-    for mode in ("unbudgeted", "budgeted"):  # replication protected steps, and the lag was sampled
-        assert _number(modes[mode]["lag_steps_max"]) and _number(modes[mode]["age_s_max"]), mode
+    for launch in figures["launches"]:  # ckpt.protection() was sampled after every step
+        if launch["mode"] in ("unbudgeted", "budgeted"):
+            for rank in launch["ranks"].values():
+                assert len(rank["steps"]) == cfg["steps"], launch["mode"]
+                for st in rank["steps"]:  # (a 4-step launch may protect nothing: lag None)
+                    assert _number(st["sample_s"]) and "lag_steps" in st and "superseded" in st
+                    assert st["lag_steps"] is None or st["lag_steps"] >= 0
     assert modes["off"]["lag_steps_max"] is None and modes["off"]["tmpfs_peak_bytes"] > 0
     (resume,) = figures["summary"]["resumes"]
     assert resume["replaced"] == [1] and resume["sources"]["1"] == "peer" and resume["loaded_ok"]

@@ -249,15 +249,16 @@ class Replicator:
         else:
             self._repeat_after = 1.0
             self._supersede([s for s in saves if s < step and (last is None or s > last.step)],
-                            saves, step)
+                            saves)
         self._repeat_at = time.monotonic() + self._repeat_after
         self.rounds.propose(self.rounds.finished + 1, step, save_id)
+        self._wake.set()  # take it at once, not at the next poll
 
-    def _supersede(self, steps: list[int], saves: dict[int, str], newer: int) -> None:
+    def _supersede(self, steps: list[int], saves: dict[int, str]) -> None:
         """Saves the job will never replicate: a newer one was named first."""
+        # (this rank's own states of them are marked when it takes the round: ``_replicate``)
         for s in steps:
             self.rdzv.add(self.rdzv.counter("superseded", s, saves[s]), 1)
-        self._mark_superseded(steps, newer)
 
     def _mark_superseded(self, steps: list[int], newer: int) -> None:
         """This rank's own shards of ``steps`` stay unpushed (listing and ``drain`` say so)."""

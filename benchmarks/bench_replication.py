@@ -85,7 +85,7 @@ from benchmarks.replication_probes import (
 )
 from benchmarks.replication_report import report, summarize
 from mlcheckpoint import LocalStore, MemoryStorageWriter
-from mlcheckpoint.replication import ReceiveSink, Rendezvous, Transport
+from mlcheckpoint.replication import ReceiveSink, Rendezvous, ReplicaReceived, Transport
 from mlcheckpoint.replication.factory import make_transport
 
 THIS_FILE = os.path.abspath(__file__)
@@ -225,15 +225,16 @@ def peer_main(cfg: dict) -> None:
                 dist.init_process_group("gloo", store=dist.PrefixStore("bench-pg/", store), rank=1,
                                         world_size=2, timeout=timedelta(seconds=cfg["timeout"]))
 
-            def on_received(step: int, owner: int, lstore: LocalStore = lstore, kind: str = kind) -> None:
+            def on_received(event: ReplicaReceived, lstore: LocalStore = lstore,
+                            kind: str = kind) -> None:
                 stats = clock.take()
                 t0 = time.perf_counter()
-                retired = lstore.apply_retention([owner], keep)
+                retired = lstore.apply_retention([event.owner], keep)
                 stats.update(retention_s=time.perf_counter() - t0, retired=retired)
                 with report_lock:
-                    report_store.set(f"peer/{kind}/rx/{step}", json.dumps(stats))
+                    report_store.set(f"peer/{kind}/rx/{event.step}", json.dumps(stats))
 
-            transport = make_transport(kind, lstore, rdzv, ReceiveSink(lstore, on_received=on_received),
+            transport = make_transport(kind, lstore, rdzv, ReceiveSink(lstore, subscribers=[on_received]),
                                        timeout=cfg["timeout"], host="127.0.0.1")
             store.set(f"peer/{kind}/ready", "1")
             try:

@@ -27,10 +27,10 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks.common import Timers, proc_cpu
+from mlcheckpoint.integrity import checksum as checksum_mod
+from mlcheckpoint.integrity import copier as copier_mod
 from mlcheckpoint.replication import protocol
 from mlcheckpoint.replication import sink as sink_mod
-from mlcheckpoint.store import checksum as checksum_mod
-from mlcheckpoint.store import copier as copier_mod
 
 
 def _patch(owner: Any, name: str, wrapper: Callable[[Callable], Callable]) -> Callable[[], None]:
@@ -121,7 +121,7 @@ class ReceiveClock:
         return hashed
 
     def take(self) -> dict[str, Any]:
-        """The phases of the receipt that just ended (call from ``on_received``)."""
+        """The phases of the receipt that just ended (call from a ``ReplicaReceived`` subscriber)."""
         raw, calls = self.timers.take(), self.hash_calls
         out: dict[str, Any] = {"recycled": raw.get("recycled"), "rx_buffer_s": raw.get("rx_buffer_s"),
                                "rx_cpu_s": proc_cpu() - raw["rx_cpu0"] if "rx_cpu0" in raw else None}

@@ -1,24 +1,136 @@
-"""BufferWarmer: makes the buffers of an owner's next checkpoints ahead of time.
+"""What happens to checkpoints on this node after they are saved or received: the lifecycle
+policy above the passive store.
 
-After a save (or a received replica) of ``nbytes``, the next ``keep`` saves of that owner
-need buffers of that size. Making them on a background thread, while training goes on, keeps
-the first saves from touching fresh tmpfs pages. Once a steady state recycles buffers this
-does nothing. One thread at a time; the work itself is ``LocalStore.prewarm``.
+- ``Pins``: steps whose buffers someone is reading (a transfer, a persistent write).
+- ``RetentionPolicy`` and ``Retention``: which steps to keep (``keep`` per owner, never a
+  pinned step, never the newest step replicated everywhere, ...); the store carries a pass out
+  (``LocalStore.apply_retention``: a pure plan, then retiring its shards).
+- ``BufferWarmer``: makes the buffers of an owner's next checkpoints ahead of time.
+- ``Lifecycle``: the three together for one rank; it subscribes to the receive sink's
+  ``ReplicaReceived`` events (a listener thread publishes them) and to the saver's
+  completed saves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
 
-from ..errors import MLCheckpointError
-from .local_store import LocalStore
+from .errors import MLCheckpointError
+from .replication.sink import ReplicaReceived
+from .store import LocalStore
 
 log = logging.getLogger(__name__)
 
 
+class Pins:
+    """Steps whose buffers someone is reading (a transfer, a persistent write): retention skips
+    them, so a buffer is never recycled under a reader."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: Counter[int] = Counter()
+
+    @contextlib.contextmanager
+    def pinned(self, step: int) -> Iterator[None]:
+        self.pin(step)
+        try:
+            yield
+        finally:
+            self.unpin(step)
+
+    def pin(self, step: int) -> None:
+        with self._lock:
+            self._count[step] += 1
+
+    def unpin(self, step: int) -> None:
+        with self._lock:
+            self._count[step] -= 1
+            if self._count[step] <= 0:
+                del self._count[step]
+
+    def steps(self) -> set[int]:
+        with self._lock:
+            return set(self._count)
+
+
+class Protection(Protocol):
+    """Which steps are on two nodes, job-wide, and which one is being replicated (the
+    replicator)."""
+
+    def newest_protected(self, candidates: list[int]) -> int | None: ...
+
+    def known_protected(self) -> int | None: ...
+
+    def round_step(self) -> int | None: ...
+
+
+@dataclass
+class RetentionPolicy:
+    """Keep ``keep`` complete steps per owner, never a pinned step, never the newest step
+    replicated everywhere until a newer one is, never the step being replicated now (so its
+    shards are here when the partner's replicas of it arrive), and never the newest step held
+    whole here (``store.retention.plan_retention``)."""
+
+    keep: int
+    pins: Pins
+    replicas: Protection | None = None
+
+    def protected(self, store: LocalStore, *, ask: bool = True) -> set[int]:
+        """Steps retention must keep. ``ask=False`` uses the last known protected step rather
+        than asking the job-wide counters (a listener thread). That value may be stale, i.e.
+        older: it then guards an older step and leaves the newest protected one to the
+        next plan that asks; the newest whole step is guarded by every plan regardless."""
+        protected = self.pins.steps()
+        if self.replicas is not None:
+            newest = (self.replicas.newest_protected(store.steps()) if ask
+                      else self.replicas.known_protected())
+            protected |= {s for s in (newest, self.replicas.round_step()) if s is not None}
+        return protected
+
+    def apply(self, store: LocalStore, owners: Iterable[int], *, ask: bool = True) -> list[int]:
+        """Retire ``owners``' shards beyond ``keep`` in ``store``; returns the steps retired."""
+        return store.apply_retention(owners, self.keep, protected=self.protected(store, ask=ask))
+
+
+class Retention:
+    """A CheckpointManager's retention: its policy over this rank's own shards and, once
+    replication runs, the replicas this node keeps for its partners."""
+
+    def __init__(self, store: LocalStore, rank: int, keep: int, pins: Pins):
+        self.store = store
+        self.policy = RetentionPolicy(keep, pins)
+        self.owners = [rank]  # whose shards ``apply`` retires
+
+    def protect_replicas(self, replicas: Protection, partners: Iterable[int]) -> None:
+        """Replication started: keep the newest step replicated everywhere, and retire the
+        replicas of ``partners`` too."""
+        self.policy.replicas = replicas
+        self.owners = [self.owners[0], *partners]
+
+    def apply(self) -> list[int]:
+        """Retire this rank's shards and the replicas it keeps beyond ``keep``."""
+        return self.policy.apply(self.store, self.owners)
+
+    def apply_received(self, owner: int) -> list[int]:
+        """A replica of ``owner`` arrived (a listener thread: uses the last known protected
+        step rather than asking the c10d store; a stale value only keeps more)."""
+        return self.policy.apply(self.store, [owner], ask=False)
+
+
 class BufferWarmer:
-    """Prepares buffers for ``store`` on a background thread, ``keep`` per owner."""
+    """Prepares buffers for ``store`` on a background thread, ``keep`` per owner.
+
+    After a save (or a received replica) of ``nbytes``, the next ``keep`` saves of that owner
+    need buffers of that size. Making them while training goes on keeps the first saves from
+    touching fresh tmpfs pages; once a steady state recycles buffers this does nothing. One
+    thread at a time; the work itself is ``LocalStore.prewarm``.
+    """
 
     def __init__(self, store: LocalStore, keep: int):
         self.store = store
@@ -59,3 +171,24 @@ class BufferWarmer:
         if thread is not None and wait:
             thread.join()
         return thread is None or not thread.is_alive()
+
+
+class Lifecycle:
+    """One rank's lifecycle policy: pins, retention and buffer warming, and what they do when a
+    save completes or a replica arrives.
+
+    Subscribe ``replica_received`` to the receive sink (``ReceiveSink(subscribers=...)``): it
+    runs on a listener thread, never calls the manager, and touches only the store.
+    """
+
+    def __init__(self, store: LocalStore, rank: int, keep: int):
+        self.store = store
+        self.pins = Pins()  # steps whose buffers a transfer or persistent write reads
+        self.retention = Retention(store, rank, keep, self.pins)
+        self.warmer = BufferWarmer(store, keep)  # buffers of the next saves
+
+    def replica_received(self, event: ReplicaReceived) -> None:
+        """A partner's replica is committed here: retire the owner's old replicas and prepare
+        the buffers its next replicas will land in."""
+        self.retention.apply_received(event.owner)
+        self.warmer.prepare(event.owner, event.nbytes)

@@ -1,8 +1,8 @@
 """CheckpointManager: what a training loop calls. Ties the store, DCP adapters, replication,
 recovery and the persistent fallback together; each public method is a few lines that hand
 over to a collaborator built in ``__init__``: ``Saver`` (saving.py, the save path),
-``PersistentWriter`` (persistent_writer.py), ``Recovery`` (recovery/), ``Retention`` and
-``BufferWarmer`` (store/), ``Replicator`` (replication/).
+``PersistentWriter`` (persistent_writer.py), ``Recovery`` (recovery/), ``Lifecycle``
+(lifecycle.py: pins, retention, buffer warming), ``Replicator`` (replication/).
 
     ckpt = CheckpointManager(persistent_dir="/nfs/run42")
     info = ckpt.resume(state_dict)
@@ -29,13 +29,14 @@ from typing_extensions import Self
 from . import history
 from .dcp import MemoryStorageReader, MemoryStorageWriter
 from .errors import ConfigError, MLCheckpointError
+from .lifecycle import Lifecycle
 from .listing import CheckpointEntry, list_checkpoints
 from .options import Options
 from .persistent import PersistentStorage, open_persistent
 from .persistent_writer import PersistentWriter
 from .recovery import Recovery, ResumeInfo
 from .recovery.resume import Comm
-from .replication import Pins, ReceiveSink, Rendezvous, Replicator
+from .replication import ReceiveSink, Rendezvous, Replicator
 from .replication.factory import make_transport
 from .replication.lag import ProtectionStatus, save_times
 from .replication.lag import status as protection_status
@@ -43,8 +44,6 @@ from .saving import Saver, SaveResult
 from .snapshot import GuardHandle, Snapshotter
 from .store import LocalStore
 from .store.identity import Lineage, new_id
-from .store.retention import Retention
-from .store.warmer import BufferWarmer
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -117,9 +116,10 @@ class CheckpointManager:
         # resume extends it with the run it loaded from (see store/identity.py).
         self.lineage = Lineage(self._all_gather(new_id())[0])
         self.snapshots = Snapshotter()  # overlapped saves: the staging thread and the guards
-        self.pins = Pins()  # steps whose buffers a transfer or persistent write reads
-        self.retention = Retention(self.store, self.rank, self.keep, self.pins)
-        self.warmer = BufferWarmer(self.store, self.keep)  # buffers of the next saves
+        self.lifecycle = Lifecycle(self.store, self.rank, self.keep)
+        self.pins = self.lifecycle.pins  # steps whose buffers a transfer or persistent write reads
+        self.retention = self.lifecycle.retention
+        self.warmer = self.lifecycle.warmer  # buffers of the next saves
         self.persistent_writer = None if self.persistent is None else PersistentWriter(
             self.persistent, job_dir=self.store.job_dir, rank=self.rank,
             group=self._persist_pg, pins=self.pins, retention=self.retention)
@@ -146,7 +146,7 @@ class CheckpointManager:
     def _start_replication(self, mode: str, opts: Options) -> None:
         # The replication secret is agreed over our own gloo group, never the c10d store.
         rdzv = Rendezvous.from_default_group(self.job_id, group=self._save_pg)
-        sink = ReceiveSink(self.store, pins=self.pins, on_received=self._on_replica_received)
+        sink = ReceiveSink(self.store, pins=self.pins, subscribers=[self.lifecycle.replica_received])
         transport = make_transport(mode, self.store, rdzv, sink, host=opts.replication_host,
                                    interface=opts.replication_interface,
                                    timeout=opts.replication_timeout,
@@ -156,12 +156,6 @@ class CheckpointManager:
         self.replica_owners = self.replicator.sources
         self.retention.protect_replicas(self.replicator, self.replica_owners)
         transport.accept_from(self.lineage)
-
-    def _on_replica_received(self, step: int, owner: int) -> None:
-        # Runs on a listener thread (the sink calls it once a replica is committed).
-        self.retention.apply_received(owner)
-        with contextlib.suppress(MLCheckpointError):
-            self.warmer.prepare(owner, self.store.read_manifest(step, owner).data_bytes)
 
     # ------------------------------------------------------------------ DCP-native
     def storage_writer(self, step: int) -> MemoryStorageWriter:

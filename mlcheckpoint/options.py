@@ -29,6 +29,7 @@ from .config import (
     validate_keep,
 )
 from .errors import ConfigError
+from .integrity import checksum, copier
 from .replication import network
 from .replication.factory import TRANSPORTS
 from .replication.striping import (
@@ -37,7 +38,6 @@ from .replication.striping import (
     default_min_stripe_bytes,
     default_streams,
 )
-from .store import checksum, copier
 
 REPLICATION_MODES = (*TRANSPORTS, "none")
 

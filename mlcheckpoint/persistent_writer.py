@@ -20,9 +20,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import history
 from .dcp.errors import unwrap_checkpoint_exception
+from .lifecycle import Pins, Retention
 from .persistent import PersistentStorage
-from .replication import Pins
-from .store.retention import Retention
 
 log = logging.getLogger(__name__)
 

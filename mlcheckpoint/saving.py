@@ -28,13 +28,12 @@ from .dcp import MemoryStorageWriter
 from .dcp.errors import unwrap_checkpoint_exception
 from .dcp.writer import commit_metadata
 from .errors import MLCheckpointError
+from .lifecycle import BufferWarmer, Retention
 from .persistent_writer import PersistentWriter
 from .replication import Replicator
 from .snapshot import Snapshotter
 from .store import LocalStore
 from .store.identity import Lineage
-from .store.retention import Retention
-from .store.warmer import BufferWarmer
 from .topology import Topology
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from mlcheckpoint import LocalStore
-from mlcheckpoint.store.checksum import checksum
+from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 
 WAIT = 120  # generous bound on waiting for another process/thread (never asserted on)

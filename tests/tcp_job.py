@@ -24,12 +24,12 @@ import torch.distributed as dist
 from cluster import WORKERS
 from helpers import WAIT, wait_for
 
+from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.replication import Rendezvous, Replicator
 from mlcheckpoint.replication import protocol as p
 from mlcheckpoint.replication.rounds import Rounds
 from mlcheckpoint.replication.tcp import TcpTransport
 from mlcheckpoint.store import LocalStore, Manifest, ManifestItem, layout
-from mlcheckpoint.store.checksum import checksum
 
 sys.path.insert(0, WORKERS)
 from repl_peer import make_shard  # a worker module, found through WORKERS

@@ -33,7 +33,7 @@ def test_replication_probes_time_a_real_receipt(make_job):
     receipts: list[dict] = []
     clock = ReceiveClock()
     try:
-        receiver.sink.on_received = lambda step, owner: receipts.append(clock.take())
+        receiver.sink.subscribers.append(lambda event: receipts.append(clock.take()))
         sd = {"w": torch.randn(1 << 20), "b": torch.randn(1000), "step": 1}
         with quiet_dcp():
             dcp.save(sd, storage_writer=MemoryStorageWriter(1, sender.store), no_dist=True)
@@ -42,7 +42,7 @@ def test_replication_probes_time_a_real_receipt(make_job):
             t0 = time.perf_counter()
             assert sender.push_shard(1, 1, 0) > 0
             tx = send.take(t0, time.perf_counter())
-        wait_for(lambda: receipts, "the receiver's on_received")
+        wait_for(lambda: receipts, "the receiver's received-replica event")
     finally:
         clock.close()
     rx = receipts[0]

@@ -123,7 +123,7 @@ def test_unknown_job_is_a_clear_error(job, cli):
 def test_verify_checks_bytes_against_the_step_metadata(job, cli):
     """A flipped data byte whose manifest checksum was rewritten to match still fails: verify
     checks against the checksums the step's metadata recorded, as a resume does."""
-    from mlcheckpoint.store.checksum import checksum
+    from mlcheckpoint.integrity.checksum import checksum
     from mlcheckpoint.store.manifest import Manifest
 
     store = LocalStore(job, "clijob", create=False)

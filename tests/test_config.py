@@ -33,9 +33,9 @@ from mlcheckpoint.config import (
     validate_job_id,
     validate_keep,
 )
+from mlcheckpoint.integrity.checksum import native_enabled
 from mlcheckpoint.options import Options
 from mlcheckpoint.replication.striping import default_min_stripe_bytes, default_streams
-from mlcheckpoint.store.checksum import native_enabled
 from mlcheckpoint.topology import Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

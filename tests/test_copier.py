@@ -24,8 +24,9 @@ from mlcheckpoint import (
     MemoryStorageReader,
     MemoryStorageWriter,
 )
-from mlcheckpoint.store import buffers, copier
-from mlcheckpoint.store import checksum as cs
+from mlcheckpoint.integrity import checksum as cs
+from mlcheckpoint.integrity import copier
+from mlcheckpoint.store import buffers
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -140,7 +141,7 @@ def test_c_loop_can_be_switched_off():
     """MLCHECKPOINT_NATIVE=0 (an escape hatch if the C loop misbehaves somewhere) selects the
     Python loop, and a save still works with it."""
     code = ("import torch, torch.distributed.checkpoint as dcp, sys, tempfile\n"
-            "from mlcheckpoint.store import checksum, copier\n"
+            "from mlcheckpoint.integrity import checksum, copier\n"
             "from mlcheckpoint import LocalStore, MemoryStorageWriter\n"
             "assert checksum.native_hash_copy is None and copier.native_hash_copy is None\n"
             "store = LocalStore(sys.argv[1], 'job-nat')\n"

@@ -119,7 +119,7 @@ def test_staging_checksums_the_source_and_the_commit_trusts_it(store, monkeypatc
     """``stage`` takes each contiguous tensor's checksum while copying it, so the commit in
     the background reads none of the staged bytes again; and because the checksum is the
     source's, a staged byte that changes before the commit is caught by the next load."""
-    from mlcheckpoint.store import copier
+    from mlcheckpoint.integrity import copier
     sd = {"w": torch.randn(300, 300), "b": torch.randn(1000).to(torch.bfloat16), "step": 4}
     w = MemoryStorageWriter(6, store)
     staged = w.stage(sd)

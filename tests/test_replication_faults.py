@@ -32,6 +32,7 @@ from tcp_job import (
 )
 
 from mlcheckpoint import MemoryStorageWriter, ShardNotFoundError
+from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.replication import ReplicationError, Replicator, sink
 from mlcheckpoint.replication import protocol as p
 from mlcheckpoint.replication.protocol import MAX_METADATA_BYTES
@@ -42,7 +43,6 @@ from mlcheckpoint.store import (
     MetadataHeader,
     layout,
 )
-from mlcheckpoint.store.checksum import checksum
 from mlcheckpoint.store.manifest import encode_metadata
 from mlcheckpoint.topology import Topology
 

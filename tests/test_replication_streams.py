@@ -18,12 +18,12 @@ from helpers import WAIT, wait_for
 from tcp_job import connect, debris, frames_to_eof, make_shard, manifest_dict
 
 from mlcheckpoint import ConfigError, ShardNotFoundError
+from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.replication import ReplicationError, striping
 from mlcheckpoint.replication import protocol as p
 from mlcheckpoint.replication.striping import stripes
 from mlcheckpoint.replication.tcp import TcpTransport
 from mlcheckpoint.store import ManifestItem
-from mlcheckpoint.store.checksum import checksum
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -18,8 +18,8 @@ from helpers import (
 )
 
 from mlcheckpoint import CorruptShardError, LocalStore, ShardNotFoundError
+from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.store import layout
-from mlcheckpoint.store.checksum import checksum
 from mlcheckpoint.store.identity import Lineage
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 

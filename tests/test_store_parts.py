@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 
 from mlcheckpoint import CorruptShardError
-from mlcheckpoint.replication import Pins
+from mlcheckpoint.integrity.checksum import checksum
+from mlcheckpoint.lifecycle import Pins, RetentionPolicy
 from mlcheckpoint.store import layout
-from mlcheckpoint.store.checksum import checksum
 from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.store.layout import JobPaths, Kind, classify
 from mlcheckpoint.store.manifest import (
@@ -24,7 +24,7 @@ from mlcheckpoint.store.manifest import (
     item_digests,
     verify_items,
 )
-from mlcheckpoint.store.retention import RetentionPolicy, plan_retention
+from mlcheckpoint.store.retention import plan_retention
 
 JOB = "job-parts"
 

@@ -42,6 +42,7 @@ from tcp_job import (
 from typing_extensions import Self
 
 from mlcheckpoint import ConfigError
+from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.replication import protocol as p
 from mlcheckpoint.replication.control import MAX_TAG, Seal
 from mlcheckpoint.replication.pg import MAX_PIECE_BYTES, MIN_PIECE_BYTES
@@ -52,7 +53,6 @@ from mlcheckpoint.replication.rendezvous import (
     configured_secret,
 )
 from mlcheckpoint.store import LocalStore, ManifestItem, MetadataHeader
-from mlcheckpoint.store.checksum import checksum
 from mlcheckpoint.store.manifest import encode_metadata
 
 pytestmark = pytest.mark.timeout(400)

@@ -28,10 +28,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 
 from mlcheckpoint import LocalStore
-from mlcheckpoint.replication import Pins
+from mlcheckpoint.lifecycle import Pins, Retention
 from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.store.manifest import MetadataHeader
-from mlcheckpoint.store.retention import Retention, RetentionPlan, plan_retention
+from mlcheckpoint.store.retention import RetentionPlan, plan_retention
 
 RANKS = (0, 1, 2, 3)  # a 2 x 2 job seen from node 0: ranks 0, 1 are its own, 2, 3 replicas
 OWN, REPLICAS = (0, 1), (2, 3)

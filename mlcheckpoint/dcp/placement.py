@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..store import copier
+from ..integrity import copier
 from ..store.layout import ItemLocation
 from ..store.local_store import ShardWriter, align
 from ..store.manifest import ManifestItem

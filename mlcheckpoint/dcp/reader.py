@@ -33,8 +33,8 @@ from torch.futures import Future
 
 from .._gc import pausing_gc
 from ..errors import CorruptShardError, ShardNotFoundError
-from ..store import copier
-from ..store.checksum import as_byte_tensor, checksum
+from ..integrity import copier
+from ..integrity.checksum import as_byte_tensor, checksum
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardSource
 from .remote import RemoteReads

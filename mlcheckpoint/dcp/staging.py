@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import StagingError
-from ..store import copier
+from ..integrity import copier
 from ..store.local_store import align
 
 Leaf = torch.Tensor

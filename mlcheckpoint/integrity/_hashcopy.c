@@ -131,7 +131,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "mlcheckpoint.store._hashcopy",
+    PyModuleDef_HEAD_INIT, "mlcheckpoint.integrity._hashcopy",
     "Checksum-and-copy of shard bytes in one pass, without the GIL.", -1, methods,
 };
 

@@ -3,8 +3,8 @@
 from .pairing import PairingStrategy, PairwiseRing
 from .rendezvous import Rendezvous
 from .replicator import Replicator, StepReplication
-from .sink import Pins, ReceiveSink
+from .sink import ReceiveSink, ReplicaReceived
 from .transport import ReplicationError, Transport
 
-__all__ = ["PairingStrategy", "PairwiseRing", "Pins", "ReceiveSink", "Rendezvous",
+__all__ = ["PairingStrategy", "PairwiseRing", "ReceiveSink", "Rendezvous", "ReplicaReceived",
            "ReplicationError", "Replicator", "StepReplication", "Transport"]

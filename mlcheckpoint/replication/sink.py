@@ -13,22 +13,22 @@ a transfer cut anywhere leaves nothing visible:
     sink.received(manifest)     # a pushed replica, once acknowledged
 
 The sink also holds what this node decides about replicas: which saves it accepts
-(``accept_from``), the largest shard it takes, the steps pinned while a transfer reads them,
-and whom to tell once a pushed replica is in (``on_received``).
+(``accept_from``), the largest shard it takes, and the steps pinned while a transfer reads them.
+Once a pushed replica is in, it publishes a ``ReplicaReceived`` event to its subscribers (the
+lifecycle layer applies retention there), given at construction.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._faults import crash_point
 from ..errors import MLCheckpointError, ReplicationError
+from ..integrity.checksum import StreamingChecksum, checksum
 from ..store import LocalStore, Manifest
-from ..store.checksum import StreamingChecksum, checksum
 from ..store.identity import Lineage
 from ..store.manifest import verify_items
 from . import protocol as p
@@ -36,39 +36,30 @@ from . import protocol as p
 if TYPE_CHECKING:
     from ..store.shards import ShardWriter
 
-# Called on the receiving rank after a pushed replica (step, owner rank) is committed there.
-OnReceived = Callable[[int, int], None]
+class StepPins(Protocol):
+    """Steps retention must skip while a transfer reads their buffers (``lifecycle.Pins``)."""
+
+    def pinned(self, step: int) -> contextlib.AbstractContextManager[None]: ...
 
 
-class Pins:
-    """Steps whose buffers someone is reading (a transfer, a persistent write): retention skips
-    them, so a buffer is never recycled under a reader."""
+class NoPins:
+    """Pins nothing: a sink on its own, with no retention running beside it."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count: Counter[int] = Counter()
+    def pinned(self, step: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
-    @contextlib.contextmanager
-    def pinned(self, step: int) -> Iterator[None]:
-        self.pin(step)
-        try:
-            yield
-        finally:
-            self.unpin(step)
 
-    def pin(self, step: int) -> None:
-        with self._lock:
-            self._count[step] += 1
+@dataclass(frozen=True)
+class ReplicaReceived:
+    """The event a sink publishes once a replica a peer pushed is committed and acknowledged."""
 
-    def unpin(self, step: int) -> None:
-        with self._lock:
-            self._count[step] -= 1
-            if self._count[step] <= 0:
-                del self._count[step]
+    step: int
+    owner: int  # the rank whose shard it is
+    nbytes: int  # the shard's data bytes
 
-    def steps(self) -> set[int]:
-        with self._lock:
-            return set(self._count)
+
+# Subscribers run on the listener thread that received the replica, one after another.
+Subscriber = Callable[[ReplicaReceived], None]
 
 
 class ReceiveSink:
@@ -77,17 +68,17 @@ class ReceiveSink:
     Args:
         store: this node's store.
         pins: steps retention must skip; transports pin a step while they read its shard
-            (default: pins of its own).
-        on_received: called with (step, owner) once a replica a peer pushed is committed and
-            acknowledged (the manager applies retention there).
+            (default: none, for a sink with no retention beside it).
+        subscribers: called with a ``ReplicaReceived`` once a replica a peer pushed is
+            committed and acknowledged (the lifecycle layer applies retention there).
         max_shard_bytes: largest shard a peer may send us (checked before allocating).
     """
 
-    def __init__(self, store: LocalStore, *, pins: Pins | None = None,
-                 on_received: OnReceived | None = None, max_shard_bytes: int = 1 << 40):
+    def __init__(self, store: LocalStore, *, pins: StepPins | None = None,
+                 subscribers: Iterable[Subscriber] = (), max_shard_bytes: int = 1 << 40):
         self.store = store
-        self.pins = pins if pins is not None else Pins()
-        self.on_received = on_received
+        self.pins: StepPins = pins if pins is not None else NoPins()
+        self.subscribers = list(subscribers)
         self.max_shard_bytes = max_shard_bytes
         # Replicas are received only of saves in this history (set by ``accept_from``).
         self.history: Lineage | None = None
@@ -128,9 +119,10 @@ class ReceiveSink:
         return Receipt(self.store.begin_shard(m.step, m.rank, m.data_bytes), m)
 
     def received(self, m: Manifest) -> None:
-        """A replica a peer pushed is committed and acknowledged: tell ``on_received``."""
-        if self.on_received is not None:
-            self.on_received(m.step, m.rank)
+        """A replica a peer pushed is committed and acknowledged: tell the subscribers."""
+        event = ReplicaReceived(m.step, m.rank, m.data_bytes)
+        for subscriber in self.subscribers:
+            subscriber(event)
 
     def commit_metadata(self, step: int, raw: bytes, *, offered: bool) -> None:
         """Check a step's metadata file from a peer and install it. ``offered``: the peer

@@ -19,8 +19,8 @@ from typing import Any
 
 from .._faults import crash_point
 from ..errors import ReplicationError, ShardNotFoundError
+from ..integrity.checksum import checksum
 from ..store import LocalStore, Manifest
-from ..store.checksum import checksum
 from . import protocol as p
 from .budget import Budget
 from .rendezvous import Rendezvous

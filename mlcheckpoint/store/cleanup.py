@@ -1,5 +1,9 @@
 """Clearing up a job directory: what crashes left behind (gc), and after a resume what does
-not belong to the job's history any more (settle, set-aside steps)."""
+not belong to the job's history any more (settle, set-aside steps).
+
+Each function acts on the store's parts (the inventory, the shard files and the paths they
+share), never on the ``LocalStore`` facade, which calls them.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +13,18 @@ import os
 import secrets
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from ..errors import CorruptShardError, ShardNotFoundError
 from .identity import Lineage
-from .layout import Kind, classify
-
-if TYPE_CHECKING:
-    from .local_store import LocalStore
+from .inventory import Inventory
+from .layout import JobPaths, Kind, classify
+from .shards import ShardFiles
 
 log = logging.getLogger(__name__)
 
 
-def gc(store: LocalStore, ranks: Iterable[int] | None = None, min_age_s: float = 0.0) -> list[str]:
+def gc(listing: Inventory, shards: ShardFiles, ranks: Iterable[int] | None = None,
+       min_age_s: float = 0.0) -> list[str]:
     """Remove what crashes left behind: uncommitted buffers, temp files, orphan metadata.
 
     ``ranks`` limits the sweep of in-flight files to those owners (a rank cleaning up after
@@ -31,11 +34,12 @@ def gc(store: LocalStore, ranks: Iterable[int] | None = None, min_age_s: float =
     owners = None if ranks is None else set(ranks)
     now = time.time()
     removed = []
-    inventory = store.inventory()
+    pool = shards.pool
+    inventory = listing.all()
     complete = {s for s, st in inventory.items() if st.complete}
     newest_complete = max(complete, default=-1)
     for step in inventory:
-        d = store.step_dir(step)
+        d = shards.paths.step_dir(step)
         with contextlib.suppress(FileNotFoundError):
             entries = {name: classify(name) for name in os.listdir(d)}
             committed = {e.rank for e in entries.values() if e.kind is Kind.MANIFEST}
@@ -50,16 +54,16 @@ def gc(store: LocalStore, ranks: Iterable[int] | None = None, min_age_s: float =
                     if now - os.stat(path).st_mtime < min_age_s:
                         continue
                 if entry.is_buffer and owner is not None:
-                    store.pool.recycle(path, owner)
+                    pool.recycle(path, owner)
                 else:
-                    store.pool.unlink(path)
+                    pool.unlink(path)
                 removed.append(path)
             if owners is None and step < newest_complete and step not in complete and not committed:
-                store.shards.remove_step_if_empty(step)
+                shards.remove_step_if_empty(step)
             elif not committed:
-                store.shards.remove_step_if_empty(step, keep_metadata=True)  # nothing left in it
+                shards.remove_step_if_empty(step, keep_metadata=True)  # nothing left in it
     with contextlib.suppress(FileNotFoundError):
-        for e in os.scandir(store.pool_dir):  # buffers whose preparation was cut short
+        for e in os.scandir(shards.paths.pool_dir):  # buffers whose preparation was cut short
             entry = classify(e.name)
             if entry.kind is not Kind.POOL_PARTIAL:
                 continue
@@ -68,14 +72,14 @@ def gc(store: LocalStore, ranks: Iterable[int] | None = None, min_age_s: float =
             with contextlib.suppress(FileNotFoundError):
                 if now - e.stat().st_mtime < min_age_s:
                     continue
-            store.pool.unlink(e.path)
+            pool.unlink(e.path)
             removed.append(e.path)
     if removed:
-        log.info("gc removed %d uncommitted file(s) of job %s", len(removed), store.job_id)
+        log.info("gc removed %d uncommitted file(s) of job %s", len(removed), shards.job_id)
     return removed
 
 
-def settle(store: LocalStore, lineage: Lineage, loaded: int | None,
+def settle(listing: Inventory, shards: ShardFiles, lineage: Lineage, loaded: int | None,
            set_aside: Iterable[int] = ()) -> list[int]:
     """After a resume: keep only what belongs to the job's history up to the loaded step.
 
@@ -91,24 +95,24 @@ def settle(store: LocalStore, lineage: Lineage, loaded: int | None,
     """
     aside = set(set_aside)
     gone = []
-    for step in store.steps():
+    for step in listing.steps():
         if loaded is not None and step <= loaded:
-            _drop_foreign(store, step, lineage)
+            _drop_foreign(listing, shards, step, lineage)
             continue
         gone.append(step)
         if step in aside:
-            _set_aside(store, step)
+            _set_aside(shards, step)
         else:
-            _drop_step(store, step)
+            _drop_step(shards, step)
     return gone
 
 
-def _drop_foreign(store: LocalStore, step: int, lineage: Lineage) -> None:
-    st = store.step_state(step)
+def _drop_foreign(listing: Inventory, shards: ShardFiles, step: int, lineage: Lineage) -> None:
+    st = listing.step_state(step)
     for rank in sorted(st.committed_ranks | st.damaged.keys()):
         try:
             keep = (rank not in st.damaged
-                    and lineage.admits(store.read_manifest(step, rank).run_id, step))
+                    and lineage.admits(shards.read_manifest(step, rank).run_id, step))
         except ShardNotFoundError:
             continue
         except CorruptShardError:
@@ -116,39 +120,39 @@ def _drop_foreign(store: LocalStore, step: int, lineage: Lineage) -> None:
         if not keep:
             log.info("dropping step %d rank %d here: not part of this job's history or damaged",
                      step, rank)
-            store.retire_shard(step, rank)
+            shards.retire(step, rank)
     if st.header is not None and not lineage.admits(st.header.run_id, step):
-        store.pool.unlink(store.metadata_path(step))
-    store.shards.remove_step_if_empty(step, keep_metadata=True)  # a replaced node's shards come later
+        shards.pool.unlink(shards.paths.metadata(step))
+    shards.remove_step_if_empty(step, keep_metadata=True)  # a replaced node's shards come later
 
 
-def _drop_step(store: LocalStore, step: int) -> None:
-    d = store.step_dir(step)
-    with store.locked(), contextlib.suppress(FileNotFoundError):
+def _drop_step(shards: ShardFiles, step: int) -> None:
+    d, pool = shards.paths.step_dir(step), shards.pool
+    with shards.lock.held(), contextlib.suppress(FileNotFoundError):
         for name in os.listdir(d):  # uncommit everything first
             if classify(name).kind is Kind.MANIFEST:
-                store.pool.unlink(os.path.join(d, name))
+                pool.unlink(os.path.join(d, name))
         for name in os.listdir(d):
             entry = classify(name)
             if entry.kind is Kind.DATA and entry.rank is not None:
-                store.pool.recycle(os.path.join(d, name), entry.rank)
+                pool.recycle(os.path.join(d, name), entry.rank)
             else:
-                store.pool.unlink(os.path.join(d, name))
+                pool.unlink(os.path.join(d, name))
         os.rmdir(d)
 
 
-def _set_aside(store: LocalStore, step: int) -> None:
-    dest = store.paths.orphan(step, secrets.token_hex(4))
+def _set_aside(shards: ShardFiles, step: int) -> None:
+    dest = shards.paths.orphan(step, secrets.token_hex(4))
     os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
-    with store.locked(), contextlib.suppress(FileNotFoundError):
-        os.rename(store.step_dir(step), dest)
+    with shards.lock.held(), contextlib.suppress(FileNotFoundError):
+        os.rename(shards.paths.step_dir(step), dest)
         log.warning("step %d is complete but was not resumed; kept out of the way in %s "
                     "until the job has a newer complete step", step, dest)
 
 
-def orphans(store: LocalStore) -> list[tuple[int, str]]:
+def orphans(paths: JobPaths) -> list[tuple[int, str]]:
     """(step, path) of steps set aside by ``settle``."""
-    root = store.paths.orphans_dir
+    root = paths.orphans_dir
     try:
         names = os.listdir(root)
     except FileNotFoundError:

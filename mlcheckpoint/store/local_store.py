@@ -225,19 +225,19 @@ class LocalStore:
         with self.commits.retiring():
             plan = retention.plan_retention(self.inventory(), ranks, keep, protected, self.orphans())
             pause_point("retention_planned")  # tests: another pass or a replica comes in now
-            return retention.retire(self, plan)
+            return retention.retire(self.shards, plan)
 
     def gc(self, ranks: Iterable[int] | None = None, min_age_s: float = 0.0) -> list[str]:
         """Remove what crashes left behind (see ``cleanup.gc``); returns the removed paths."""
-        return cleanup.gc(self, ranks, min_age_s)
+        return cleanup.gc(self.listing, self.shards, ranks, min_age_s)
 
     def settle(self, lineage: Lineage, loaded: int | None, set_aside: Iterable[int] = ()) -> list[int]:
         """After a resume, keep only the job's history up to ``loaded`` (see ``cleanup.settle``)."""
-        return cleanup.settle(self, lineage, loaded, set_aside)
+        return cleanup.settle(self.listing, self.shards, lineage, loaded, set_aside)
 
     def orphans(self) -> list[tuple[int, str]]:
         """(step, path) of steps set aside by ``settle``."""
-        return cleanup.orphans(self)
+        return cleanup.orphans(self.paths)
 
     def destroy(self) -> None:
         """Delete every file of this job on this node."""

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol, TypeVar
 
 from ..errors import CorruptShardError
-from . import copier
-from .checksum import ALGORITHM, checksum
+from ..integrity import copier
+from ..integrity.checksum import ALGORITHM, checksum
 from .layout import ItemLocation
 
 FORMAT_VERSION = 1

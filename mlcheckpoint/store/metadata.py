@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Iterable
 
 from ..errors import CorruptShardError, ShardNotFoundError
-from .checksum import checksum
+from ..integrity.checksum import checksum
 from .identity import Lineage
 from .layout import JobPaths
 from .locks import CommitLock

@@ -1,8 +1,8 @@
 """Retention: which committed steps to retire (a pure plan), and retiring them.
 
-``plan_retention`` decides from an inventory alone; ``retire`` carries a plan out on a store;
-``RetentionPolicy`` is what a CheckpointManager holds: ``keep`` and where protected steps
-come from (pinned readers, and the newest step replicated everywhere).
+``plan_retention`` decides from an inventory alone; ``retire`` carries a plan out on the
+store's shard files. Which steps a pass must protect, and when passes run, is the lifecycle
+policy's (``mlcheckpoint/lifecycle.py``).
 """
 
 from __future__ import annotations
@@ -11,12 +11,9 @@ import logging
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 from .inventory import StepState
-
-if TYPE_CHECKING:
-    from .local_store import LocalStore
+from .shards import ShardFiles
 
 log = logging.getLogger(__name__)
 
@@ -77,85 +74,15 @@ def plan_retention(inventory: Mapping[int, StepState], owners: Iterable[int], ke
     return RetentionPlan(tuple(shards), tuple(bare), aside, newest_whole)
 
 
-def retire(store: LocalStore, plan: RetentionPlan) -> list[int]:
-    """Carry out a plan on ``store``; returns the steps some of whose shards went."""
+def retire(shards: ShardFiles, plan: RetentionPlan) -> list[int]:
+    """Carry out a plan on a job's ``shards``; returns the steps some of whose shards went."""
     for step, rank in plan.shards:
-        store.retire_shard(step, rank)
+        shards.retire(step, rank)
         log.debug("retired step %d rank %d", step, rank)
     for step in plan.bare_metadata:
-        store.shards.remove_step_if_empty(step)
+        shards.remove_step_if_empty(step)
     for step, path in plan.set_aside:
         log.info("removing step %d set aside at an earlier resume: step %s is complete",
                  step, plan.newest_complete)
         shutil.rmtree(path, ignore_errors=True)
     return plan.steps
-
-
-class Pinned(Protocol):
-    """Steps whose buffers someone is reading (a transfer, a persistent write)."""
-
-    def steps(self) -> set[int]: ...
-
-
-class Protection(Protocol):
-    """Which steps are on two nodes, job-wide, and which one is being replicated (the
-    replicator)."""
-
-    def newest_protected(self, candidates: list[int]) -> int | None: ...
-
-    def known_protected(self) -> int | None: ...
-
-    def round_step(self) -> int | None: ...
-
-
-@dataclass
-class RetentionPolicy:
-    """Keep ``keep`` complete steps per owner, never a pinned step, never the newest step
-    replicated everywhere until a newer one is, never the step being replicated now (so its
-    shards are here when the partner's replicas of it arrive), and never the newest step held
-    whole here (``plan_retention``)."""
-
-    keep: int
-    pins: Pinned
-    replicas: Protection | None = None
-
-    def protected(self, store: LocalStore, *, ask: bool = True) -> set[int]:
-        """Steps retention must keep. ``ask=False`` uses the last known protected step rather
-        than asking the job-wide counters (a listener thread). That value may be stale, i.e.
-        older: it then guards an older step and leaves the newest protected one to the
-        next plan that asks; the newest whole step is guarded by every plan regardless."""
-        protected = self.pins.steps()
-        if self.replicas is not None:
-            newest = (self.replicas.newest_protected(store.steps()) if ask
-                      else self.replicas.known_protected())
-            protected |= {s for s in (newest, self.replicas.round_step()) if s is not None}
-        return protected
-
-    def apply(self, store: LocalStore, owners: Iterable[int], *, ask: bool = True) -> list[int]:
-        """Retire ``owners``' shards beyond ``keep`` in ``store``; returns the steps retired."""
-        return store.apply_retention(owners, self.keep, protected=self.protected(store, ask=ask))
-
-
-class Retention:
-    """A CheckpointManager's retention: its policy over this rank's own shards and, once
-    replication runs, the replicas this node keeps for its partners."""
-
-    def __init__(self, store: LocalStore, rank: int, keep: int, pins: Pinned):
-        self.store = store
-        self.policy = RetentionPolicy(keep, pins)
-        self.owners = [rank]  # whose shards ``apply`` retires
-
-    def protect_replicas(self, replicas: Protection, partners: Iterable[int]) -> None:
-        """Replication started: keep the newest step replicated everywhere, and retire the
-        replicas of ``partners`` too."""
-        self.policy.replicas = replicas
-        self.owners = [self.owners[0], *partners]
-
-    def apply(self) -> list[int]:
-        """Retire this rank's shards and the replicas it keeps beyond ``keep``."""
-        return self.policy.apply(self.store, self.owners)
-
-    def apply_received(self, owner: int) -> list[int]:
-        """A replica of ``owner`` arrived (a listener thread: uses the last known protected
-        step rather than asking the c10d store; a stale value only keeps more)."""
-        return self.policy.apply(self.store, [owner], ask=False)

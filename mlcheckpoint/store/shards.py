@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 
 from .._faults import crash_point
 from ..errors import CorruptShardError, ShardNotFoundError
-from . import buffers, copier
+from ..integrity import copier
+from ..integrity.checksum import checksum
+from . import buffers
 from .buffers import NO_ROOM, MappedFile, MappingCache
-from .checksum import checksum
 from .layout import JobPaths, Kind, classify
 from .locks import CommitLock, NodeLock
 from .manifest import Manifest, ManifestItem, item_digests, verify_items

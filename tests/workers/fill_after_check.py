@@ -15,10 +15,10 @@ import threading
 import numpy as np
 
 from mlcheckpoint import CapacityError, LocalStore
+from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.replication import protocol as p
 from mlcheckpoint.replication.sink import ReceiveSink
 from mlcheckpoint.store import layout
-from mlcheckpoint.store.checksum import checksum
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 
 MiB = 1 << 20

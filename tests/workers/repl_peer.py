@@ -27,8 +27,8 @@ import sys
 
 import numpy as np
 
+from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.store import LocalStore, Manifest, ManifestItem
-from mlcheckpoint.store.checksum import checksum
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s r%(process)d %(name)s %(levelname)s %(message)s")
 

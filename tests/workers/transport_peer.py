@@ -12,7 +12,7 @@ argv: one JSON object
     bandwidth        this node's replication budget (bytes/s; default 0: no cap)
     device           CUDA device to select first (for "nccl")
     status_dir       where ``received-<step>-<owner>`` goes for every replica a peer pushed
-                     here (the sink's on_received)
+                     here (the sink's ReplicaReceived event)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from mlcheckpoint.replication import ReceiveSink, Rendezvous
+    from mlcheckpoint.replication import ReceiveSink, Rendezvous, ReplicaReceived
     from mlcheckpoint.replication.factory import make_transport
     from mlcheckpoint.store import LocalStore
 
@@ -42,10 +42,10 @@ def main() -> None:
     store = LocalStore(cfg["dir"], cfg["job"])
     rdzv = Rendezvous.from_default_group(cfg["job"], timeout=60)
 
-    def on_received(step: int, owner: int) -> None:
-        write_status(cfg["status_dir"], f"received-{step}-{owner}", {})
+    def on_received(event: ReplicaReceived) -> None:
+        write_status(cfg["status_dir"], f"received-{event.step}-{event.owner}", {})
 
-    sink = ReceiveSink(store, on_received=on_received)
+    sink = ReceiveSink(store, subscribers=[on_received])
     transports = [make_transport(kind, store, rdzv, sink, timeout=cfg["timeout"], host="127.0.0.1",
                                  bandwidth=cfg.get("bandwidth", 0))
                   for kind in cfg["kinds"]]

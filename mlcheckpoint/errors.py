@@ -1,5 +1,12 @@
 """Exceptions users may catch."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .integrity.verify import CopyId
+
 
 class MLCheckpointError(RuntimeError):
     """Base class of every error raised by mlcheckpoint."""
@@ -28,11 +35,11 @@ class CapacityError(MLCheckpointError):
 class CorruptShardError(MLCheckpointError):
     """Bytes on tmpfs do not match the checksum recorded when they were committed.
 
-    ``copy`` names the bad copy as (step, owner rank, node) when known, so recovery can refuse
-    that copy alone and use another.
+    ``copy`` names the bad copy (``integrity.verify.CopyId``: step, owner rank, node) when
+    known, so recovery can refuse that copy alone and use another.
     """
 
-    def __init__(self, message: str, copy: tuple | None = None):
+    def __init__(self, message: str, copy: CopyId | None = None):
         super().__init__(message)
         self.copy = copy
 

@@ -14,16 +14,12 @@ from hypothesis import strategies as hst
 
 from mlcheckpoint import CorruptShardError
 from mlcheckpoint.integrity.checksum import checksum
+from mlcheckpoint.integrity.verify import CopyId, region_digests, verify_digests
 from mlcheckpoint.lifecycle import Pins, RetentionPolicy
 from mlcheckpoint.store import layout
 from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.store.layout import JobPaths, Kind, classify
-from mlcheckpoint.store.manifest import (
-    ManifestItem,
-    MetadataHeader,
-    item_digests,
-    verify_items,
-)
+from mlcheckpoint.store.manifest import ManifestItem, MetadataHeader
 from mlcheckpoint.store.retention import plan_retention
 
 JOB = "job-parts"
@@ -173,19 +169,19 @@ def test_policy_keeps_pinned_and_newest_protected_steps(store):
     assert RetentionPolicy(keep=1, pins=Pins()).apply(store, [0]) == [1, 3]
 
 
-# ---------------------------------------------------------------- verify_items
+# ---------------------------------------------------------------- verify_digests
 
-def test_verify_items_names_the_first_bad_item_and_the_copy():
+def test_verify_digests_names_the_first_bad_item_and_the_copy():
     data = np.arange(64, dtype=np.uint8)
     items = [ManifestItem("a", 0, 16, checksum(data[:16])), ManifestItem("b", 16, 16, 0),
              ManifestItem("c", 32, 32, 1)]
-    digests = item_digests(data, items)
-    verify_items(items[:1], digests[:1], "copy")
+    digests = region_digests(data, items)
+    verify_digests(items[:1], digests[:1], "copy")
     with pytest.raises(CorruptShardError, match="copy: checksum mismatch in 'b'") as e:
-        verify_items(items, digests, "copy", copy=(3, 0, 1))
-    assert e.value.copy == (3, 0, 1)
+        verify_digests(items, digests, "copy", copy=CopyId(3, 0, 1))
+    assert e.value.copy == CopyId(3, 0, 1)
     with pytest.raises(ValueError):  # one digest per item, always
-        verify_items(items[:1], [], "copy")
+        verify_digests(items[:1], [], "copy")
 
 
 def test_replica_verified_on_arrival_names_the_bad_item(store):

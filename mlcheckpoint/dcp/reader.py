@@ -34,7 +34,8 @@ from torch.futures import Future
 from .._gc import pausing_gc
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity import copier
-from ..integrity.checksum import as_byte_tensor, checksum
+from ..integrity.checksum import as_byte_tensor
+from ..integrity.verify import CopyId, digest_item, digests_agree, integrity_error
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardSource
 from .remote import RemoteReads
@@ -163,7 +164,7 @@ class MemoryStorageReader(StorageReader):
         try:
             return self.store.open_shard(self.step, rank, self.save_id)
         except CorruptShardError as e:
-            raise CorruptShardError(str(e), copy=(self.step, rank, self.node)) from None
+            raise CorruptShardError(str(e), copy=CopyId(self.step, rank, self.node)) from None
 
     def _read_local(self, rank: int, reqs: list[ReadItem], source: ShardSource,
                     planner: LoadPlanner) -> None:
@@ -178,7 +179,7 @@ class MemoryStorageReader(StorageReader):
             self.bytes_read += loc.nbytes
             if req.type == LoadItemType.BYTE_IO:
                 raw = source.read(loc.offset, loc.nbytes)
-                if checksum(raw) != loc.checksum:
+                if not digests_agree(loc.checksum, digest_item(raw)):
                     self._corrupt(rank, req, self.node)
                 planner.load_bytes(req, io.BytesIO(raw))
                 continue
@@ -192,7 +193,7 @@ class MemoryStorageReader(StorageReader):
                 checked.append((req, loc))
             later.append((req, target, None if direct else loc))
         for (req, loc), digest in zip(checked, copier.process(spans), strict=True):
-            if digest != loc.checksum:
+            if not digests_agree(loc.checksum, digest):
                 self._corrupt(rank, req, self.node)
         for req, target, stored in later:
             if stored is not None:  # resharded, cast or on a device: torch copies from the mapping
@@ -234,7 +235,7 @@ class MemoryStorageReader(StorageReader):
         checks = {self._location(r.storage_index).offset: (r, self._location(r.storage_index))
                   for r in reqs}
         for req, loc in checks.values():
-            if hashing[(loc.offset, loc.nbytes)].result()[0] != loc.checksum:
+            if not digests_agree(loc.checksum, hashing[(loc.offset, loc.nbytes)].result()[0]):
                 self._corrupt(rank, req, node)
         for i, req in enumerate(reqs):
             loc = self._location(req.storage_index)
@@ -266,7 +267,7 @@ class MemoryStorageReader(StorageReader):
             where = f"node {node} ({self.store.data_path(self.step, rank)})"
         else:
             where = f"node {node} (job {self.store.job_id})"
-        msg = (f"checksum mismatch reading {req.storage_index.fqn!r} of step {self.step} from "
-               f"rank {rank}'s shard on {where}")
-        log.error(msg)
-        raise CorruptShardError(msg, copy=(self.step, rank, node))
+        error = integrity_error(f"step {self.step} rank {rank}'s shard on {where}",
+                                f"item {req.storage_index.fqn!r}", CopyId(self.step, rank, node))
+        log.error("%s", error)
+        raise error

@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ..integrity.verify import CopyId
 from ..store.identity import Lineage
 from .inventory import NodeInventory, StepCopy
 
@@ -53,12 +54,8 @@ class Decision:
     stranded: list[int] = field(default_factory=list)  # complete newer steps not chosen
 
 
-# A copy found unusable: (step, owner or None for metadata, node).
-BadCopy = tuple[int, "int | None", int]
-
-
 def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_size: int, *,
-                bad_copies: Iterable[BadCopy] = (), bad_steps: Iterable[int] = (),
+                bad_copies: Iterable[CopyId] = (), bad_steps: Iterable[int] = (),
                 can_fetch: bool = True) -> Decision:
     """Pick the newest step complete among the surviving nodes; a newer persistent step wins.
 
@@ -114,17 +111,17 @@ class _StepView:
     damage: list[str] = field(default_factory=list)  # what the inventories found wrong
 
 
-def _metadata_copies(nodes: list[NodeInventory], bad: set[BadCopy]):
+def _metadata_copies(nodes: list[NodeInventory], bad: set[CopyId]):
     """(node inventory, step, copy) for every usable metadata copy on a node with live ranks."""
     for inv in nodes:
         if not inv.ranks:
             continue  # a node without live ranks cannot serve anything
         for step, copy in inv.steps.items():
-            if copy.has_metadata and (step, None, inv.node) not in bad:
+            if copy.has_metadata and CopyId(step, None, inv.node) not in bad:
                 yield inv, step, copy
 
 
-def _history(nodes: list[NodeInventory], bad: set[BadCopy]) -> Lineage | None:
+def _history(nodes: list[NodeInventory], bad: set[CopyId]) -> Lineage | None:
     """The history of the newest save any surviving node holds (by its coordinator's clock):
     that save's run and the runs it descends from. Runs are minutes apart, clocks of one
     cluster far closer, so the newest save belongs to the run that ran last."""
@@ -138,7 +135,7 @@ def _foreign_steps(nodes: list[NodeInventory], history: Lineage | None) -> list[
                    if history is not None and not history.admits(c.run_id, step)})
 
 
-def _chosen_saves(nodes: list[NodeInventory], bad: set[BadCopy],
+def _chosen_saves(nodes: list[NodeInventory], bad: set[CopyId],
                   history: Lineage | None) -> dict[int, StepCopy]:
     """Per step, the newest save of it that belongs to ``history`` (a step saved twice in one
     run counts as its later save)."""
@@ -151,7 +148,7 @@ def _chosen_saves(nodes: list[NodeInventory], bad: set[BadCopy],
     return chosen
 
 
-def _holdings(nodes: list[NodeInventory], bad: set[BadCopy], history: Lineage | None,
+def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | None,
               foreign: set[int]) -> dict[int, _StepView]:
     chosen = _chosen_saves(nodes, bad, history)
     view: dict[int, _StepView] = {}
@@ -176,7 +173,7 @@ def _holdings(nodes: list[NodeInventory], bad: set[BadCopy], history: Lineage | 
             for owner, nbytes in copy.shard_bytes:
                 if copy.save_of(owner) != v.save_id:
                     continue  # a shard of another save of this step: never part of this one
-                if (step, owner, inv.node) in bad:
+                if CopyId(step, owner, inv.node) in bad:
                     v.refused.add(owner)
                 else:
                     v.owner_nodes[owner].append(inv.node)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from .._faults import pause_point
 from ..dcp import MemoryStorageReader
 from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
+from ..integrity.verify import CopyId
 from ..persistent import PersistentStorage
 from ..replication import Replicator
 from ..store import LocalStore
@@ -28,7 +29,7 @@ from ..topology import Topology
 from .holders import Holders
 from .inventory import NodeInventory, take_inventory
 from .load import load_step
-from .planner import FRESH, MEMORY, PERSISTENT, BadCopy, Decision, plan_resume
+from .planner import FRESH, MEMORY, PERSISTENT, Decision, plan_resume
 
 log = logging.getLogger(__name__)
 MAX_ROUNDS = 16
@@ -85,7 +86,7 @@ class Recovery:
         self.store.gc(ranks=[self.topo.rank])  # what a crash of this rank left behind
         nodes, persistent_step = self._gather_inventory()
         self._lap("inventory", t0)
-        bad: set[BadCopy] = set()
+        bad: set[CopyId] = set()
         bad_steps: set[int] = set()
         notes: list[str] = []
         holders: Holders | None = None  # reads from other nodes, for the step being tried
@@ -155,11 +156,11 @@ class Recovery:
         gathered = self.comm.all_gather((mine, newest))
         return [inv for inv, _ in gathered if inv is not None], gathered[0][1]
 
-    def _gather_problems(self, mine: list[tuple[BadCopy, str]]) -> list[tuple[BadCopy, str]]:
+    def _gather_problems(self, mine: list[tuple[CopyId, str]]) -> list[tuple[CopyId, str]]:
         return [p for rank_problems in self.comm.all_gather(mine) for p in rank_problems]
 
     # ------------------------------------------------------------------ fetch and verify
-    def _fetch(self, d: Decision, holders: Holders | None) -> list[tuple[BadCopy, str]]:
+    def _fetch(self, d: Decision, holders: Holders | None) -> list[tuple[CopyId, str]]:
         """Fetch the metadata this node lacks (the plan names one rank per node for it).
 
         Shards are not fetched here: the reader streams them straight into the model
@@ -173,11 +174,11 @@ class Recovery:
         except (MLCheckpointError, OSError) as e:
             # Refuse the copy the plan chose; the next plan picks another holder.
             src = mine[0].src_rank
-            return [((holders.step, None, src // self.topo.local_world_size),
+            return [(CopyId(holders.step, None, src // self.topo.local_world_size),
                      f"fetching the metadata of step {holders.step} failed: {e}")]
         return []
 
-    def _verify(self, step: int, save_id: str) -> list[tuple[BadCopy, str]]:
+    def _verify(self, step: int, save_id: str) -> list[tuple[CopyId, str]]:
         """Check this node's copy of the step's metadata before anyone loads with it.
 
         Shard bytes are not hashed here: the reader verifies every item as it copies it into
@@ -191,14 +192,14 @@ class Recovery:
             self.store.read_metadata(step, save_id)
         except CorruptShardError as e:
             node = self.topo.node_rank
-            return [((step, None, node), f"node {node}: {e}")]
+            return [(CopyId(step, None, node), f"node {node}: {e}")]
         except ShardNotFoundError:
             pass
         return []
 
     # ------------------------------------------------------------------ load
     def _load(self, state_dict: dict, d: Decision,
-              holders: Holders | None) -> tuple[str | None, BadCopy | None]:
+              holders: Holders | None) -> tuple[str | None, CopyId | None]:
         """dcp.load with a reader over this node's store and, for shards this node lacks,
         ``holders``. Returns (why it failed, the bad copy if one copy is to blame)."""
         assert d.step is not None
@@ -208,21 +209,19 @@ class Recovery:
             load_step(state_dict, reader, self.group)
         except MLCheckpointError as e:
             copy = e.copy if isinstance(e, CorruptShardError) else None
-            if copy is not None and copy[2] is not None:
+            if copy is not None and copy.node is not None:
                 log.warning("mlcheckpoint: a copy of step %d is corrupt, trying another: %s", d.step, e)
-                step, owner, node = copy
-                return f"step {d.step}: {e}", (step, owner, node)
+                return f"step {d.step}: {e}", copy
             log.warning("mlcheckpoint: loading step %d failed, trying older: %s", d.step, e)
             return f"step {d.step} failed to load: {e}", None
         return None, None
 
-    def _quarantine(self, copy: BadCopy) -> None:
+    def _quarantine(self, copy: CopyId) -> None:
         """Uncommit a copy found corrupt, on the node that holds it, so nobody reads it again."""
-        step, owner, node = copy
-        if node == self.topo.node_rank and self.topo.local_rank == 0 and owner is not None:
+        if copy.node == self.topo.node_rank and self.topo.local_rank == 0 and copy.owner is not None:
             log.warning("mlcheckpoint: refusing corrupt copy of rank %d's shard of step %d on node %d",
-                        owner, step, node)
-            self.store.retire_shard(step, owner)
+                        copy.owner, copy.step, copy.node)
+            self.store.retire_shard(copy.step, copy.owner)
 
     # ------------------------------------------------------------------ finish and heal
     def _finish(self, d: Decision, notes: list[str], t0: float, fetched: int) -> ResumeInfo:

@@ -23,14 +23,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .._faults import crash_point
 from ..errors import MLCheckpointError, ReplicationError
-from ..integrity.checksum import StreamingChecksum, checksum
+from ..integrity.verify import StreamVerifier, digest_item, digests_agree
 from ..store import LocalStore, Manifest
 from ..store.identity import Lineage
-from ..store.manifest import verify_items
 from . import protocol as p
 
 if TYPE_CHECKING:
@@ -109,7 +108,8 @@ class ReceiveSink:
     def holds_metadata(self, step: int, digest: object) -> bool:
         """Whether the step's metadata here has this checksum (a push of it is a no-op)."""
         with contextlib.suppress(MLCheckpointError):
-            return checksum(self.store.read_metadata_file(step)) == digest
+            return isinstance(digest, int) and digests_agree(
+                digest, digest_item(self.store.read_metadata_file(step)))
         return False
 
     # ------------------------------------------------------------------ receiving
@@ -140,7 +140,8 @@ class Receipt:
     def __init__(self, shard: ShardWriter, m: Manifest):
         self._shard, self.m = shard, m
         self.array = shard.buffer.array  # where the transport puts the bytes
-        self._verifier = StreamingVerifier(self.array, m)
+        self._verifier = StreamVerifier(self.array, m.items, m.data_bytes,
+                                        f"replica of step {m.step} rank {m.rank} on arrival")
         self._streamed = False
 
     def landed(self, upto: int) -> None:
@@ -174,35 +175,6 @@ class Receipt:
 
     def __exit__(self, *exc: object) -> None:
         self.abort()
-
-
-class StreamingVerifier:
-    """Hashes each item as its bytes arrive in order, so no checksum pass trails the transfer;
-    ``check`` raises CorruptShardError naming the first bad item."""
-
-    def __init__(self, array: Any, m: Manifest):
-        self.array, self.m = array, m
-        self.items = sorted(m.items, key=lambda it: it.offset)
-        self.digests: list[int] = []  # of items[:len(digests)], complete
-        self.done = 0  # bytes hashed
-        self.h = StreamingChecksum()
-
-    def feed(self, upto: int) -> None:
-        while len(self.digests) < len(self.items):
-            it = self.items[len(self.digests)]
-            start, stop = max(self.done, it.offset), min(upto, it.offset + it.nbytes)
-            if stop > start:
-                self.h.update(self.array[start:stop])
-                self.done = stop
-            if upto < it.offset + it.nbytes:
-                return
-            self.digests.append(self.h.digest())
-            self.h = StreamingChecksum()
-
-    def check(self) -> None:
-        self.feed(self.m.data_bytes)
-        verify_items(self.items, self.digests, f"replica of step {self.m.step} rank {self.m.rank} "
-                     f"on arrival")
 
 
 def _layout(m: Manifest) -> list[tuple[int, int, int]]:

@@ -28,13 +28,14 @@ from ..config import (
     warn_if_not_memory,
 )
 from ..errors import CorruptShardError, ShardNotFoundError
+from ..integrity.verify import verify_region
 from . import cleanup, retention
 from .buffers import MappedFile, MappingCache
 from .identity import Lineage
 from .inventory import Inventory, StepState
 from .layout import ItemLocation, JobPaths
 from .locks import CommitLock, NodeLock, flocked
-from .manifest import Manifest, MetadataHeader, item_digests, verify_items
+from .manifest import Manifest, MetadataHeader
 from .metadata import MetadataFiles
 from .pool import BufferPool, Capacity
 from .shards import ALIGN, ShardFiles, ShardSource, ShardWriter, align
@@ -174,13 +175,8 @@ class LocalStore:
                 raise CorruptShardError(f"step {step} rank {rank}: the shard belongs to save "
                                         f"{m.save_id!r}, the metadata to {header.save_id!r}")
         where = f"step {step} rank {rank} ({self.data_path(step, rank)})"
-        for group, describe in ((m.items, lambda it: f"item {it.key!r}"),
-                                (recorded, lambda loc: f"metadata item at offset {loc.offset}")):
-            for it in group:
-                if it.offset + it.nbytes > buf.size:
-                    raise CorruptShardError(f"step {step} rank {rank}: {describe(it)} lies past "
-                                            f"the shard's {buf.size} bytes")
-            verify_items(group, item_digests(buf.array, group), where, describe)
+        verify_region(buf.array, m.items, where, lambda it: f"item {it.key!r}")
+        verify_region(buf.array, recorded, where, lambda loc: f"metadata item at offset {loc.offset}")
         return m
 
     def read_metadata(self, step: int, save_id: str | None = None) -> tuple[MetadataHeader, bytes]:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import pickle
 import time
-from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Protocol, TypeVar
 
 from ..errors import CorruptShardError
-from ..integrity import copier
-from ..integrity.checksum import ALGORITHM, checksum
+from ..integrity.checksum import ALGORITHM
+from ..integrity.verify import digest_item, digests_agree
 from .layout import ItemLocation
 
 FORMAT_VERSION = 1
@@ -147,7 +145,7 @@ def decode_metadata(raw: bytes) -> tuple[MetadataHeader, bytes]:
         raise ValueError(f"unsupported metadata format {header.format}")
     if len(payload) != header.payload_bytes:
         raise ValueError(f"metadata truncated: {len(payload)} of {header.payload_bytes} bytes")
-    if checksum(payload) != header.checksum:
+    if not digests_agree(header.checksum, digest_item(payload)):
         raise ValueError("metadata checksum mismatch")
     return header, payload
 
@@ -163,37 +161,3 @@ def item_locations(payload: bytes) -> list[ItemLocation]:
     if not all(isinstance(loc, ItemLocation) for loc in locations):
         raise CorruptShardError("metadata items were not written by mlcheckpoint")
     return locations
-
-
-class Recorded(Protocol):
-    """An item whose place and checksum were recorded at save time (a ManifestItem, an
-    ItemLocation)."""
-
-    @property
-    def offset(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-    @property
-    def checksum(self) -> int: ...
-
-
-R = TypeVar("R", bound=Recorded)
-
-
-def item_digests(array, items: Sequence[Recorded]) -> list[int]:
-    """The checksums of ``items``' bytes in ``array`` (a shard's uint8 array), hashed on the
-    copier's threads. The caller checks the items lie inside the array."""
-    base = array.ctypes.data
-    return copier.process([copier.Span(src=base + it.offset, nbytes=it.nbytes) for it in items])
-
-
-def verify_items(items: Sequence[R], digests: Iterable[int], where: str,
-                 describe: Callable[[R], str] = lambda it: repr(getattr(it, "key", it)),
-                 copy: tuple | None = None) -> None:
-    """Check each item's digest against the checksum recorded for it; raises CorruptShardError
-    naming the first item that differs (``where``: the copy, ``describe``: the item)."""
-    for item, digest in zip(items, digests, strict=True):
-        if digest != item.checksum:
-            raise CorruptShardError(f"{where}: checksum mismatch in {describe(item)}", copy=copy)

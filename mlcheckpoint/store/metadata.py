@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Iterable
 
 from ..errors import CorruptShardError, ShardNotFoundError
-from ..integrity.checksum import checksum
+from ..integrity.verify import digest_item
 from .identity import Lineage
 from .layout import JobPaths
 from .locks import CommitLock
@@ -26,7 +26,7 @@ class MetadataFiles:
         """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
         header = MetadataHeader(job_id=self.job_id, step=step, world_size=world_size,
                                 ranks=sorted(set(ranks)), total_bytes=total_bytes,
-                                payload_bytes=len(payload), checksum=checksum(payload),
+                                payload_bytes=len(payload), checksum=digest_item(payload),
                                 save_id=save_id, **(lineage or Lineage()).header_fields())
         self.install(step, encode_metadata(header, payload))
 

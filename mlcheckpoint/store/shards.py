@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 from .._faults import crash_point
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity import copier
-from ..integrity.checksum import checksum
+from ..integrity.verify import digest_item, verify_region
 from . import buffers
 from .buffers import NO_ROOM, MappedFile, MappingCache
 from .layout import JobPaths, Kind, classify
 from .locks import CommitLock, NodeLock
-from .manifest import Manifest, ManifestItem, item_digests, verify_items
+from .manifest import Manifest, ManifestItem
 from .pool import BufferPool, Capacity
 
 if TYPE_CHECKING:
@@ -209,7 +209,7 @@ class ShardWriter:
         finally:
             os.close(fd)
         self.data_bytes = offset + view.nbytes
-        return offset, checksum(view)
+        return offset, digest_item(view)
 
     def add_item(self, item: ManifestItem) -> None:
         self.items.append(item)
@@ -224,8 +224,8 @@ class ShardWriter:
 
     def verify(self, manifest: Manifest) -> None:
         """Check the buffer against a manifest made elsewhere (a replica, on arrival)."""
-        verify_items(manifest.items, item_digests(self.buffer.array, manifest.items),
-                     f"replica of step {manifest.step} rank {manifest.rank} on arrival")
+        verify_region(self.buffer.array, manifest.items,
+                      f"replica of step {manifest.step} rank {manifest.rank} on arrival")
 
     def commit_manifest(self, manifest: Manifest) -> None:
         """Commit under a manifest made elsewhere (a replica received from its owner)."""

@@ -1,0 +1,123 @@
+"""Verification: the one place a checksum recorded at save time meets the bytes read back.
+
+Three entry points:
+  - ``verify_region``: every item of a region in memory (a mapped shard, a received buffer),
+    hashed on the copier's threads;
+  - ``StreamVerifier``: a stream of bytes verified as it lands, in order, while it is
+    cache-hot (a replica arriving on one connection);
+  - ``digest_item``: the checksum of one item's bytes (``verify_digests`` then compares
+    digests hashed elsewhere, e.g. by the copier while it copies into the model).
+A failure is always ``integrity_error``'s CorruptShardError, worded the same wherever it
+happens, naming the bad copy (``CopyId``) when the caller knows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from ..errors import CorruptShardError
+from . import copier
+from .checksum import StreamingChecksum, checksum
+
+
+class CopyId(NamedTuple):
+    """One copy of a checkpoint's bytes: ``owner``'s shard of ``step`` (None: the step's
+    metadata) on ``node``. Recovery refuses a bad copy alone and reads another."""
+
+    step: int
+    owner: int | None
+    node: int | None
+
+
+class Recorded(Protocol):
+    """An item whose place and checksum were recorded at save time (a ManifestItem, an
+    ItemLocation)."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def checksum(self) -> int: ...
+
+
+R = TypeVar("R", bound=Recorded)
+
+
+def integrity_error(where: str, what: str, copy: CopyId | None = None) -> CorruptShardError:
+    """The error for bytes that fail their checksum: ``where`` names the copy (step, rank,
+    node or path), ``what`` the item."""
+    return CorruptShardError(f"{where}: checksum mismatch in {what}", copy=copy)
+
+
+def digests_agree(recorded: int, digest: int) -> bool:
+    """Whether bytes that hash to ``digest`` are the bytes recorded as ``recorded``."""
+    return digest == recorded
+
+
+def digest_item(data: Any) -> int:
+    """The checksum of one item's bytes (bytes, a uint8 array or a tensor)."""
+    return checksum(data)
+
+
+def verify_digests(items: Sequence[R], digests: Iterable[int], where: str,
+                   describe: Callable[[R], str] = lambda it: repr(getattr(it, "key", it)),
+                   copy: CopyId | None = None) -> None:
+    """Check each item's digest against the checksum recorded for it; raises
+    ``integrity_error`` naming the first item that differs (``describe``: how to name it)."""
+    for item, digest in zip(items, digests, strict=True):
+        if not digests_agree(item.checksum, digest):
+            raise integrity_error(where, describe(item), copy)
+
+
+def region_digests(array: Any, items: Sequence[Recorded]) -> list[int]:
+    """The checksums of ``items``' bytes in ``array`` (a uint8 array), hashed on the copier's
+    threads. The caller checks the items lie inside the array."""
+    base = array.ctypes.data
+    return copier.process([copier.Span(src=base + it.offset, nbytes=it.nbytes) for it in items])
+
+
+def verify_region(array: Any, items: Sequence[R], where: str,
+                  describe: Callable[[R], str] = lambda it: repr(getattr(it, "key", it)),
+                  copy: CopyId | None = None) -> None:
+    """Verify every item of a region in memory (``array``, uint8): an item lying past its end
+    and an item whose bytes fail their checksum both raise CorruptShardError."""
+    for it in items:
+        if it.offset + it.nbytes > array.size:
+            raise CorruptShardError(f"{where}: {describe(it)} lies past the region's "
+                                    f"{array.size} bytes", copy=copy)
+    verify_digests(items, region_digests(array, items), where, describe, copy)
+
+
+class StreamVerifier:
+    """Verifies items as their bytes arrive in ``array``, in order, so no checksum pass trails
+    the transfer: ``feed(upto)`` as bytes land, then ``check()``, which raises
+    ``integrity_error`` naming the first bad item."""
+
+    def __init__(self, array: Any, items: Iterable[Recorded], total: int, where: str):
+        self.array, self.total, self.where = array, total, where
+        self.items = sorted(items, key=lambda it: it.offset)
+        self.digests: list[int] = []  # of items[:len(digests)], complete
+        self.done = 0  # bytes hashed
+        self.h = StreamingChecksum()
+
+    def feed(self, upto: int) -> None:
+        """Bytes [0, upto) are in place: hash what is new."""
+        while len(self.digests) < len(self.items):
+            it = self.items[len(self.digests)]
+            start, stop = max(self.done, it.offset), min(upto, it.offset + it.nbytes)
+            if stop > start:
+                self.h.update(self.array[start:stop])
+                self.done = stop
+            if upto < it.offset + it.nbytes:
+                return
+            self.digests.append(self.h.digest())
+            self.h = StreamingChecksum()
+
+    def check(self) -> None:
+        """All bytes are in: verify every item."""
+        self.feed(self.total)
+        verify_digests(self.items, self.digests, self.where)

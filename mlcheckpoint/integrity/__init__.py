@@ -1,3 +1,3 @@
-"""The bottom layer: checksums, the threaded copier that hashes bytes as it moves them, and
+"""Layer 0, the bottom layer: checksums, the threaded copier that hashes bytes as it moves them, and
 verification (``verify``: the one place a checksum is compared). Imports nothing of
 mlcheckpoint but ``config`` and ``errors``."""

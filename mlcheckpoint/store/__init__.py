@@ -1,4 +1,5 @@
-"""Layer 1: the node-local tmpfs store."""
+"""Layer 1: the node-local tmpfs store, passive: no threads, no replication, and no imports
+but its own parts, layer 0 (``integrity``) and the leaf modules (errors, config, faults)."""
 
 from .layout import ItemLocation
 from .local_store import LocalStore, ShardWriter, StepState

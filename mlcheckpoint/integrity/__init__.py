@@ -1,3 +1,3 @@
-"""Layer 0, the bottom layer: checksums, the threaded copier that hashes bytes as it moves them, and
-verification (``verify``: the one place a checksum is compared). Imports nothing of
-mlcheckpoint but ``config`` and ``errors``."""
+"""Layer 0, the bottom layer: checksums, the threaded copier that hashes bytes as it moves
+them, and verification (``verify``: the one place a checksum is compared). Imports nothing of
+mlcheckpoint but the leaf modules (``config``, ``errors``)."""

@@ -1,0 +1,54 @@
+"""lifecycle.py: a received replica is an event the lifecycle subscribes to (not a call into
+the manager); pins keep a step from retention."""
+
+from __future__ import annotations
+
+from helpers import put_metadata, put_shard, put_step, wait_for
+
+from mlcheckpoint.lifecycle import Lifecycle
+from mlcheckpoint.replication import ReceiveSink, ReplicaReceived
+
+JOB = "job-lifecycle"
+
+
+def test_the_sink_publishes_each_received_replica_to_every_subscriber(store):
+    m = put_shard(store, 1, 3)
+    seen: list[tuple[str, ReplicaReceived]] = []
+    sink = ReceiveSink(store, subscribers=[lambda e: seen.append(("a", e)),
+                                           lambda e: seen.append(("b", e))])
+    sink.received(m)
+    event = ReplicaReceived(step=1, owner=3, nbytes=m.data_bytes)
+    assert seen == [("a", event), ("b", event)]
+
+
+def test_a_received_replica_retires_that_owners_old_replicas_and_warms_its_buffers(store):
+    lifecycle = Lifecycle(store, rank=0, keep=1)
+    sink = ReceiveSink(store, pins=lifecycle.pins, subscribers=[lifecycle.replica_received])
+    for step in (1, 2):
+        put_step(store, step, ranks=(0, 3))
+    m = put_shard(store, 3, 3)  # a newer replica of rank 3 arrives (its step is not whole yet)
+    put_metadata(store, 3, ranks=(0, 3))
+    try:
+        sink.received(m)
+        # Rank 3's old replicas beyond keep=1 went, except in step 2, the newest step held
+        # whole here; this rank's own shards are the saver's to retire.
+        assert store.step_state(1).committed_ranks == {0}
+        assert store.step_state(2).committed_ranks == {0, 3}
+        assert 3 in store.step_state(3).committed_ranks
+        wait_for(lambda: lifecycle.warmer.thread is not None and not lifecycle.warmer.thread.is_alive(),
+                 "the buffers of rank 3's next replicas")
+    finally:
+        assert lifecycle.warmer.close(wait=True)
+
+
+def test_a_pinned_step_outlives_retention_until_unpinned(store):
+    lifecycle = Lifecycle(store, rank=0, keep=1)
+    pins = lifecycle.pins
+    for step in (1, 2, 3):
+        put_step(store, step)
+    with pins.pinned(1):
+        assert lifecycle.retention.apply() == [2]
+        assert pins.steps() == {1}
+    assert pins.steps() == set()
+    assert lifecycle.retention.apply() == [1]
+    lifecycle.warmer.close(wait=True)

@@ -3,6 +3,7 @@ digest), the one wording of a failure and the one identity of a copy."""
 
 from __future__ import annotations
 
+import itertools
 import pickle
 
 import numpy as np
@@ -27,7 +28,7 @@ def items_of(data: np.ndarray, cuts: list[int]) -> list[ManifestItem]:
     """Items covering ``data`` between ``cuts``, each with its recorded checksum."""
     bounds = [0, *cuts, data.size]
     return [ManifestItem(f"item{i}", a, b - a, checksum(data[a:b]))
-            for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
+            for i, (a, b) in enumerate(itertools.pairwise(bounds))]
 
 
 def test_digest_item_is_the_checksum_of_its_bytes_whatever_holds_them():

@@ -20,14 +20,14 @@ import shutil
 from collections.abc import Iterable, Iterator
 
 from .._faults import pause_point
-from ..config import (
+from ..errors import CorruptShardError, ShardNotFoundError
+from ..settings import (
     local_dir_errors,
     resolve_job_id,
     resolve_local_dir,
     resolve_memory_limit,
     warn_if_not_memory,
 )
-from ..errors import CorruptShardError, ShardNotFoundError
 from . import cleanup, retention
 from .buffers import MappedFile, MappingCache
 from .identity import Lineage

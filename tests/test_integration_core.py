@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from mlcheckpoint import CheckpointManager, ConfigError
-from mlcheckpoint.settings import derived_job_id, resolve_job_id
 from mlcheckpoint.persistent import PersistentStorage, StepNames
+from mlcheckpoint.settings import derived_job_id, resolve_job_id
 
 JOB = "job-integration-core"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -20,7 +20,6 @@ import contextlib
 import logging
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -95,7 +94,7 @@ class PgTransport(Transport):
 
     def __init__(self, store: LocalStore, rdzv: Rendezvous, *, sink: ReceiveSink | None = None,
                  backend: str = "gloo", timeout: float = default("replication_timeout"),
-                 poll_interval: float = 0.01, bandwidth: int | str = 0,
+                 poll_interval: float = default("mailbox_poll"), bandwidth: int | str = 0,
                  interface: str | None = None, master_addr: str = default("master_addr"),
                  master_port: int = default("master_port")):
         self.store, self.rdzv, self.timeout = store, rdzv, timeout
@@ -184,7 +183,7 @@ class PgTransport(Transport):
             try:
                 raw = self.mailbox.take_request(seq)
                 if raw is None:
-                    time.sleep(self._poll)
+                    self._closed.wait(self._poll)  # nothing signals a request: look again soon
                     continue
             except Exception as e:  # noqa: BLE001 (the store went away: the job is ending)
                 if not self._closed.is_set():

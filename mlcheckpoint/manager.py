@@ -39,7 +39,7 @@ from .replication.factory import make_transport
 from .replication.lag import ProtectionStatus, save_times
 from .replication.lag import status as protection_status
 from .saving import Saver, SaveResult
-from .settings import Launcher, Options, Timeouts, default
+from .settings import Launcher, Options, Timeouts, default, tuning
 from .snapshot import GuardHandle, Snapshotter
 from .store import LocalStore
 from .store.identity import Lineage, new_id
@@ -156,6 +156,7 @@ class CheckpointManager:
                                    interface=opts.replication_interface,
                                    timeout=self.timeouts.replication,
                                    handshake_timeout=self.timeouts.handshake,
+                                   min_stripe_bytes=tuning().min_stripe_bytes,
                                    streams=opts.replication_streams,
                                    bandwidth=opts.replication_bandwidth, topology=self.topology)
         self.replicator = Replicator(self.store, transport, rdzv, self.topology,

@@ -7,18 +7,21 @@ documentation. From that one declaration come:
 - ``Options``: the manager's arguments, resolved (the argument, else the variable, else the
   default) and checked when the manager is built, kept as ``ckpt.options``;
 - ``Tuning``: what tunes the whole process (copy threads, the native loop, the GC pause, the
-  least stripe), asked for with ``tuning()`` by the process-wide parts it tunes;
+  least stripe), which the process-wide parts it tunes (the copier's pool, the GC pause) ask
+  for with ``tuning()``: read at each call, four lookups, so a process may change it between
+  saves; a test or benchmark installs one with ``tuned``;
 - ``Timeouts``: how long the parts wait and how often they look (replication, rendezvous,
   handshake, close, polls), handed down by the manager;
-- ``Launcher``: what torchrun (or SLURM) says about this process;
+- ``Launcher``: what the launcher (torchrun, env:// init) says about this process, read once by
+  the manager and handed to ``Topology`` and the rendezvous;
 - the tables of docs/configuration.md (``scripts/configuration_doc.py`` rewrites them; a test
-  checks they are current), and the framework configs' defaults.
+  checks they are current), and the framework configs' defaults (tested against it).
 
 No other library module reads ``os.environ`` (a test keeps it so). The crash and pause points
-of ``_faults.py`` are the one exception to "resolved once": they are test hooks that a test's
-worker sets in its own environment between steps, so they are read at each check, through
-``variable_text`` here. A bad value of any setting raises ConfigError naming it, before
-anything is written.
+of ``_faults.py`` read their variables at each check through ``variable_text``: they are test
+hooks, which a test's worker sets in its own environment between steps, not settings a part is
+handed. A bad value of any setting raises ConfigError naming it when the manager is built
+(``check_environment``), before anything is written.
 """
 
 from __future__ import annotations

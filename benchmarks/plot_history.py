@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlcheckpoint import history
-from mlcheckpoint.config import resolve_local_dir
+from mlcheckpoint.settings import resolve_local_dir
 
 SERIES = {"save": "save (until committed)", "replicate": "replication (until acknowledged)",
           "persistent": "persistent write", "resume": "resume"}

@@ -18,7 +18,7 @@ from .manager import (
     ResumeInfo,
     SaveResult,
 )
-from .options import Options
+from .settings import Options
 from .store import LocalStore
 
 __all__ = [

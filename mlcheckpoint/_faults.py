@@ -11,16 +11,18 @@ test knows), so a test makes two ranks meet in the one order that
 exposes a race, every run. Points: resume_agreed (right after resume's last collective),
 retention_planned (a retention pass between its plan and carrying it out).
 
-Unset, each check costs one dict lookup.
+Unset, each check costs one dict lookup. These two variables are read at each check, not
+resolved once like the other settings (mlcheckpoint/settings.py): they are test hooks, and a
+test's worker sets them in its own environment between steps (tests/workers/chaos_job.py).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 
-from .config import env_str
+from .settings import variable_text
+from .waiting import deadline_in, wait_until
 
 _ENV = "MLCHECKPOINT_CRASH_AT"
 _PAUSE_ENV = "MLCHECKPOINT_PAUSE_AT"
@@ -39,22 +41,20 @@ def _matches(where: str, name: str, step: int | None, rank: int | None) -> bool:
 
 
 def crash_point(name: str, step: int | None = None, rank: int | None = None) -> None:
-    spec = env_str(_ENV)
+    spec = variable_text(_ENV)
     if spec and _matches(spec, name, step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def pause_point(name: str, step: int | None = None, rank: int | None = None) -> None:
-    spec = env_str(_PAUSE_ENV)
+    spec = variable_text(_PAUSE_ENV)
     if not spec:
         return
     where, _, path = spec.partition("=")
     if not _matches(where, name, step, rank):
         return
-    deadline = time.monotonic() + PAUSE_LIMIT_S
+    deadline = deadline_in(PAUSE_LIMIT_S)
     with open(f"{path}.reached", "a"):
         pass
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{_PAUSE_ENV}: {path} did not appear within {PAUSE_LIMIT_S:.0f} s")
-        time.sleep(0.01)
+    if not wait_until(lambda: os.path.exists(path), deadline, poll=0.01):
+        raise TimeoutError(f"{_PAUSE_ENV}: {path} did not appear within {PAUSE_LIMIT_S:.0f} s")

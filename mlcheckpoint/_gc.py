@@ -24,11 +24,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from .config import env_flag
+from . import settings
 
 log = logging.getLogger(__name__)
 
-_ENV = "MLCHECKPOINT_PAUSE_GC"
 MAX_PAUSE_S = 10.0
 
 _lock = threading.Lock()
@@ -40,7 +39,8 @@ F = TypeVar("F", bound=Callable)
 
 
 def enabled() -> bool:
-    return env_flag(_ENV, True)
+    """Whether saves and loads pause the collector (``Tuning.pause_gc``)."""
+    return settings.tuning().pause_gc
 
 
 @contextlib.contextmanager

@@ -23,9 +23,9 @@ import time
 from typing import Any
 
 from . import history
-from .config import env_str, resolve_local_dir, validate_job_id
 from .errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from .persistent import PersistentStorage
+from .settings import BY_NAME, resolve_local_dir, validate_job_id
 from .store import LocalStore
 from .store.layout import STEPS, ItemLocation
 from .store.manifest import item_locations
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  epilog=EXIT_CODES_HELP)
     ap.add_argument("--local-dir", default=None, help="tmpfs root (default: $MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    default_job = env_str("MLCHECKPOINT_JOB_ID")
+    default_job = BY_NAME["job_id"].text()  # checked where it is used, like --job
 
     p = sub.add_parser("ls", help="steps per job: size, state, which shards are here")
     p.add_argument("--job", default=default_job)

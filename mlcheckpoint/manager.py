@@ -31,16 +31,16 @@ from .dcp import MemoryStorageReader, MemoryStorageWriter
 from .errors import ConfigError, MLCheckpointError
 from .lifecycle import Lifecycle
 from .listing import CheckpointEntry, list_checkpoints
-from .options import Options
 from .persistent import PersistentStorage, open_persistent
 from .persistent_writer import PersistentWriter
 from .recovery import Recovery, ResumeInfo
 from .recovery.resume import Comm
-from .replication import ReceiveSink, Rendezvous, Replicator
+from .replication import ReceiveSink, Rendezvous, Replicator, network
 from .replication.factory import make_transport
 from .replication.lag import ProtectionStatus, save_times
 from .replication.lag import status as protection_status
 from .saving import Saver, SaveResult
+from .settings import Launcher, Options, Timeouts, default, tuning
 from .snapshot import GuardHandle, Snapshotter
 from .store import LocalStore
 from .store.identity import Lineage, new_id
@@ -83,16 +83,17 @@ class CheckpointManager:
     """
 
     def __init__(self, persistent_dir: str | PersistentStorage | None = None, *,
-                 job_id: str | None = None, local_dir: str | None = None, keep: int = 2,
-                 memory_limit_bytes: int | str | None = None, replication: str = "tcp",
-                 replication_host: str | None = None, replication_timeout: float = 60.0,
+                 job_id: str | None = None, local_dir: str | None = None,
+                 keep: int = default("keep"), memory_limit_bytes: int | str | None = None,
+                 replication: str = default("replication"), replication_host: str | None = None,
+                 replication_timeout: float = default("replication_timeout"),
                  replication_streams: int | None = None,
                  replication_bandwidth: int | str | None = None,
                  replication_interface: str | None = None):
         self.persistent = open_persistent(persistent_dir)
-        # Every argument and MLCHECKPOINT_* variable, resolved and checked before anything is
-        # written. Plain torchrun gives no job id: the persistent folder, which a restart
-        # keeps, names one.
+        # Every argument and variable, resolved and checked before anything is written
+        # (settings.py declares them). Plain torchrun gives no job id: the persistent folder,
+        # which a restart keeps, names one.
         self.options = opts = Options.resolve(
             job_id=job_id, local_dir=local_dir, keep=keep, memory_limit_bytes=memory_limit_bytes,
             replication=replication, replication_host=replication_host,
@@ -100,8 +101,13 @@ class CheckpointManager:
             replication_bandwidth=replication_bandwidth,
             replication_interface=replication_interface,
             derive_job_id_from=None if self.persistent is None else self.persistent.location)
+        network.check_listen_settings(opts.replication_host, opts.replication_interface,
+                                      host_given=replication_host is not None,
+                                      interface_given=replication_interface is not None)
         replication = opts.replication
-        self.topology = Topology.detect()
+        self.launcher = Launcher.from_env()
+        self.timeouts = Timeouts(replication=opts.replication_timeout)
+        self.topology = Topology.detect(self.launcher)
         self.rank = self.topology.rank
         self.keep = opts.keep
         self.store = LocalStore(opts.local_dir, opts.job_id,
@@ -145,14 +151,20 @@ class CheckpointManager:
 
     def _start_replication(self, mode: str, opts: Options) -> None:
         # The replication secret is agreed over our own gloo group, never the c10d store.
-        rdzv = Rendezvous.from_default_group(self.job_id, group=self._save_pg)
+        rdzv = Rendezvous.from_default_group(self.job_id, self.timeouts.rendezvous,
+                                             group=self._save_pg,
+                                             generation=self.launcher.restart_count)
         sink = ReceiveSink(self.store, pins=self.pins, subscribers=[self.lifecycle.replica_received])
         transport = make_transport(mode, self.store, rdzv, sink, host=opts.replication_host,
                                    interface=opts.replication_interface,
-                                   timeout=opts.replication_timeout,
+                                   timeout=self.timeouts.replication,
+                                   handshake_timeout=self.timeouts.handshake,
+                                   min_stripe_bytes=tuning().min_stripe_bytes,
                                    streams=opts.replication_streams,
                                    bandwidth=opts.replication_bandwidth, topology=self.topology)
-        self.replicator = Replicator(self.store, transport, rdzv, self.topology)
+        self.replicator = Replicator(self.store, transport, rdzv, self.topology,
+                                     poll_interval=self.timeouts.replicator_poll,
+                                     wait_poll=self.timeouts.wait_poll)
         self.replica_owners = self.replicator.sources
         self.retention.protect_replicas(self.replicator, self.replica_owners)
         transport.accept_from(self.lineage)
@@ -268,15 +280,17 @@ class CheckpointManager:
             return protection_status(None, save_times(self.store.inventory()), None, 0)
         return self.replicator.protection()
 
-    def wait_replicated(self, step: int, timeout: float = 60.0) -> bool:
+    def wait_replicated(self, step: int, timeout: float | None = None) -> bool:
         """Wait until every shard and the metadata of ``step`` are on two nodes (job-wide).
 
-        Returns False on timeout. With replication off, returns whether the step is complete
-        locally (there is nothing more to wait for).
+        Returns False after ``timeout`` seconds (default ``Timeouts.close``, 60). With
+        replication off, returns whether the step is complete locally (there is nothing more
+        to wait for).
         """
         if self.replicator is None:
             return step in self.store.complete_steps()
-        return self.replicator.wait_replicated(step, timeout)
+        return self.replicator.wait_replicated(
+            step, self.timeouts.close if timeout is None else timeout)
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
@@ -287,13 +301,13 @@ class CheckpointManager:
         if self.persistent_writer is not None:
             self.persistent_writer.wait()  # raises the first failed write not raised yet
 
-    def close(self, failed: bool | None = None, *, timeout: float = 60.0) -> None:
+    def close(self, failed: bool | None = None, *, timeout: float | None = None) -> None:
         """Wait for saves and replication in flight, then release threads, sockets and
         mappings. Idempotent.
 
         When the job ends normally this is collective: every rank calls it, and each waits at
-        most ``timeout`` seconds for the others (partners may still be pushing replicas to it)
-        before closing anyway. When the job is failing it waits for no other rank and no
+        most ``timeout`` seconds (default ``Timeouts.close``, 60) for the others (partners may
+        still be pushing replicas to it) before closing anyway. When the job is failing it waits for no other rank and no
         collective work in flight, so a rank that raised exits at once instead of being held by
         ranks that will never come. Failing means ``failed=True``, or, by default, that close is
         called while an exception is being handled (from an ``except`` block, as torchtitan's
@@ -303,6 +317,8 @@ class CheckpointManager:
             return
         if failed is None:
             failed = sys.exc_info()[1] is not None
+        if timeout is None:
+            timeout = self.timeouts.close
         try:
             if failed:
                 log.warning("mlcheckpoint: closing after an error on this rank: not waiting for "

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .config import env_int
+from .settings import Launcher, default
 
 
 @dataclass(frozen=True)
@@ -17,20 +17,26 @@ class Topology:
     local_world_size: int = 1
     node_rank: int = 0
     num_nodes: int = 1
+    # Where the job meets (MASTER_ADDR, MASTER_PORT): the TCP listener binds the address that
+    # routes there unless told otherwise (replication/network.py).
+    master_addr: str = default("master_addr")
+    master_port: int = default("master_port")
 
     @classmethod
-    def detect(cls) -> Topology:
-        """Read the launcher's view (torchrun sets LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK)."""
+    def detect(cls, launcher: Launcher) -> Topology:
+        """From the process group, else the launcher's view; torchrun's LOCAL_RANK,
+        LOCAL_WORLD_SIZE and GROUP_RANK place the rank on its node."""
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
         else:
-            rank, world = env_int("RANK", 0, minimum=0), env_int("WORLD_SIZE", 1)
+            rank, world = launcher.rank, launcher.world_size
         # No launcher info (LOCAL_WORLD_SIZE unset, or 0): treat the job as one node.
-        local_world = env_int("LOCAL_WORLD_SIZE", 0, minimum=0) or world
-        local_rank = env_int("LOCAL_RANK", rank % local_world, minimum=0)
-        node_rank = env_int("GROUP_RANK", rank // local_world, minimum=0)
+        local_world = launcher.local_world_size or world
+        local_rank = rank % local_world if launcher.local_rank is None else launcher.local_rank
+        node_rank = rank // local_world if launcher.group_rank is None else launcher.group_rank
         num_nodes = max(1, world // local_world)
-        return cls(rank, world, local_rank, local_world, node_rank, num_nodes)
+        return cls(rank, world, local_rank, local_world, node_rank, num_nodes,
+                   launcher.master_addr, launcher.master_port)
 
     def ranks_of_node(self, node: int) -> list[int]:
         """Ranks on ``node`` (torchrun numbers ranks node by node)."""

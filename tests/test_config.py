@@ -1,9 +1,10 @@
-"""Settings (mlcheckpoint.config) and their use by LocalStore and CheckpointManager: job id,
+"""Settings (mlcheckpoint.settings) and their use by LocalStore and CheckpointManager: job id,
 local directory, keep, memory limit, replication bandwidth and interface. A bad setting is a
 ConfigError that names it and says what to do, never a raw exception later."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import logging
@@ -12,18 +13,34 @@ import re
 import shutil
 import subprocess
 import tempfile
+import typing
 
 import pytest
 import torch
 from helpers import mounted_tmpfs
 
 import mlcheckpoint
-from mlcheckpoint import CapacityError, CheckpointManager, ConfigError, LocalStore, _gc
-from mlcheckpoint.config import (
+from mlcheckpoint import (
+    CapacityError,
+    CheckpointManager,
+    ConfigError,
+    LocalStore,
+    _gc,
+    settings,
+)
+from mlcheckpoint.integrity.checksum import native_enabled
+from mlcheckpoint.replication import network
+from mlcheckpoint.replication.factory import TRANSPORTS
+from mlcheckpoint.settings import (
     _MEMORY_FS,
     DEFAULT_LOCAL_DIR,
     ENV_VARS,
-    env_str,
+    SETTINGS,
+    Launcher,
+    Options,
+    Timeouts,
+    Tuning,
+    default,
     filesystem_type,
     parse_bandwidth,
     parse_bytes,
@@ -32,10 +49,8 @@ from mlcheckpoint.config import (
     resolve_memory_limit,
     validate_job_id,
     validate_keep,
+    variable_text,
 )
-from mlcheckpoint.integrity.checksum import native_enabled
-from mlcheckpoint.options import Options
-from mlcheckpoint.replication.striping import default_min_stripe_bytes, default_streams
 from mlcheckpoint.topology import Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -341,86 +356,169 @@ def test_persistent_save_without_persistent_dir_is_refused_at_the_call(store_dir
         assert ckpt.store.steps() == [3]
 
 
-# ---------------------------------------------------------------- one options object, one table
+# ---------------------------------------------------------------- one declaration
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                    "configuration.md")
 PACKAGE = os.path.dirname(os.path.abspath(mlcheckpoint.__file__))
+MANAGER_SETTINGS = [s for s in SETTINGS if s.group == "manager"]
 
 
-def _doc_table(section: str) -> dict[str, list[str]]:
-    """The rows of the first table under ``## <section>`` in docs/configuration.md, by the
-    name in their first cell (without backticks)."""
-    with open(DOC) as f:
-        body = f.read().split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-    rows = {}
-    for line in body.splitlines():
-        if line.startswith("| `"):
-            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-            rows[cells[0].strip("`")] = cells[1:]
-    return rows
-
-
-def _code(value: object) -> str:
-    return f'`"{value}"`' if isinstance(value, str) else f"`{value!r}`"
-
-
-def test_every_argument_is_documented_with_its_default():
-    rows = _doc_table("`CheckpointManager(...)`")
-    params = inspect.signature(CheckpointManager.__init__).parameters
-    assert set(rows) == set(params) - {"self"}  # none missing, none stale
-    assert rows["persistent_dir"][0] == _code(params["persistent_dir"].default)
-    resolve = inspect.signature(Options.resolve).parameters
+def test_the_manager_arguments_are_the_declared_ones_with_their_defaults():
+    """CheckpointManager's keywords, Options' fields and their defaults all come from SETTINGS:
+    an argument that has a variable defaults to None (unset: the variable, else the declared
+    default); one without defaults to the declared default itself."""
+    params = dict(inspect.signature(CheckpointManager.__init__).parameters)
+    params.pop("self")
+    assert list(params) == [s.name for s in SETTINGS if s.keyword]  # same names, same order
+    for s in SETTINGS:
+        if s.keyword:
+            assert params[s.name].default == (None if s.env else s.default), s.name
+    assert [f.name for f in dataclasses.fields(Options)] == [s.name for s in MANAGER_SETTINGS]
     for f in dataclasses.fields(Options):
-        default_cell = rows[f.name][0]
-        assert params[f.name].default == resolve[f.name].default, f.name
         if f.default is not dataclasses.MISSING:
-            assert _code(f.default) in default_cell, (f.name, default_cell)
-        if "env" in f.metadata:
-            assert f"`${f.metadata['env']}`" in default_cell, (f.name, default_cell)
+            assert f.default == default(f.name), f.name
+    assert set(settings.REPLICATION_MODES) == {*TRANSPORTS, "none"}
 
 
-def test_every_variable_is_documented_with_its_default():
-    rows = _doc_table("Environment variables")
-    assert set(rows) == set(ENV_VARS)  # none missing, none stale
-    for name, var in ENV_VARS.items():
-        assert rows[name][0].strip("`") == var.default, name
+def test_the_doc_tables_are_generated_from_the_declaration():
+    """docs/configuration.md's tables of arguments, variables and timeouts are what
+    scripts/configuration_doc.py makes from SETTINGS; every variable is in the doc."""
     with open(DOC) as f:
-        assert set(re.findall(r"MLCHECKPOINT_\w+", f.read())) <= set(ENV_VARS)
+        text = f.read()
+    assert settings.render_doc(text) == text, "run python scripts/configuration_doc.py"
+    for s in SETTINGS:
+        if s.env:
+            assert f"| `{s.env}` | {s.variable_cell()} |" in text, s.env
+        if s.keyword:
+            assert f"| `{s.name}` | {s.argument_cell()} |" in text, s.name
+    assert set(re.findall(r"MLCHECKPOINT_\w+", text)) <= set(ENV_VARS)
 
 
-def test_every_variable_read_is_listed_and_read_in_one_place():
-    named, readers = set(), []
+def _library_modules():
     for root, _, files in os.walk(PACKAGE):
         if os.path.relpath(root, PACKAGE).split(os.sep)[0] == "testing":
             continue  # the emulated cluster builds its children's environment: not settings
-        for name in files:
+        for name in sorted(files):
             if name.endswith(".py"):
-                with open(os.path.join(root, name)) as f:
-                    text = f.read()
-                named |= set(re.findall(r"MLCHECKPOINT_[A-Z_]+", text))
-                if "os.environ" in text or "getenv(" in text:
-                    readers.append(name)
+                path = os.path.join(root, name)
+                with open(path) as f:
+                    yield os.path.relpath(path, PACKAGE), f.read()
+
+
+_ENVIRONMENT = ("environ", "environb", "getenv", "getenvb", "putenv", "unsetenv")
+
+
+def _environment_reads(tree: ast.AST) -> list[int]:
+    """Lines of ``tree`` that touch the process environment: os.environ, os.getenv,
+    os.putenv, or ``environ``/``getenv`` imported from os."""
+    lines = []
+    for node in ast.walk(tree):
+        attribute = isinstance(node, ast.Attribute) and node.attr in _ENVIRONMENT
+        imported = isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+            a.name in _ENVIRONMENT for a in node.names)
+        if attribute or imported:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_library_module_but_settings_reads_the_environment():
+    """Only settings.py reads os.environ; every other module is handed its settings. The
+    fault points (_faults.py, test hooks read at each check) may ask settings.variable_text,
+    and nothing else does."""
+    readers, raw_text, named = {}, [], set()
+    for path, text in _library_modules():
+        tree = ast.parse(text, path)
+        named |= set(re.findall(r"MLCHECKPOINT_[A-Z_]+", text))
+        if path != "settings.py" and _environment_reads(tree):
+            readers[path] = _environment_reads(tree)
+        calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                 for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        if "variable_text" in calls and path not in ("settings.py", "_faults.py"):
+            raw_text.append(path)
+    assert readers == {}, readers
+    assert raw_text == []
     assert named <= set(ENV_VARS)
-    assert readers == ["config.py"]
+    assert _environment_reads(ast.parse("import os\nos.environ.get('X')\nfrom os import getenv"))
     with pytest.raises(KeyError):
-        env_str("MLCHECKPOINT_NOT_A_SETTING")
+        variable_text("MLCHECKPOINT_NOT_A_SETTING")
+
+
+def test_no_declared_timeout_is_written_again_as_a_default():
+    """The 60 s replication timeout (and the other timeouts) are written once, in SETTINGS:
+    a parameter default anywhere else in the library names them through settings.default."""
+    timeouts = {float(s.default) for s in SETTINGS
+                if s.group == "timeouts" or s.name == "replication_timeout"}
+    found = []
+    for path, text in _library_modules():
+        if path == "settings.py":
+            continue
+        for node in ast.walk(ast.parse(text, path)):
+            if isinstance(node, ast.arguments):
+                for arg, value in zip(node.args[len(node.args) - len(node.defaults):] + node.kwonlyargs,
+                                      node.defaults + node.kw_defaults, strict=True):
+                    if ("timeout" in arg.arg and isinstance(value, ast.Constant)
+                            and isinstance(value.value, (int, float)) and value.value in timeouts):
+                        found.append(f"{path}:{value.lineno} {arg.arg}={value.value}")
+    assert found == []
 
 
 def test_documented_defaults_are_the_defaults(monkeypatch):
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-    default = {name: var.default for name, var in ENV_VARS.items()}
-    assert default_streams() == int(default["MLCHECKPOINT_TCP_STREAMS"])
-    assert default_min_stripe_bytes() == int(default["MLCHECKPOINT_TCP_MIN_STRIPE"])
-    assert resolve_local_dir() == default["MLCHECKPOINT_LOCAL_DIR"]
+    assert resolve_local_dir() == default("local_dir") == DEFAULT_LOCAL_DIR
+    assert Tuning.from_env() == Tuning(copy_threads=Tuning.from_env().copy_threads)
+    assert 1 <= Tuning.from_env().copy_threads <= 4
     assert native_enabled() is _gc.enabled() is True
+    assert settings.tuning().min_stripe_bytes == 64 << 20
     options = Options.resolve(job_id="j", local_dir="/dev/shm/x")
-    assert options.replication_bandwidth == default["MLCHECKPOINT_REPLICATION_BANDWIDTH"] == "auto"
-    assert options.replication_interface is None
-    assert default["MLCHECKPOINT_NATIVE"] == default["MLCHECKPOINT_PAUSE_GC"] == "1"
-    assert Topology.detect() == Topology()
-    assert (default["RANK"], default["WORLD_SIZE"]) == ("0", "1")
+    assert options == Options(job_id="j", local_dir="/dev/shm/x")
+    assert (options.replication_bandwidth, options.replication_streams) == ("auto", 4)
+    assert Launcher.from_env() == Launcher()
+    assert Topology.detect(Launcher()) == Topology()
+    assert Timeouts().replication == default("replication_timeout") == 60.0
+
+
+def test_the_launcher_is_read_once_and_handed_to_the_topology(monkeypatch):
+    for name, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                        "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "1234",
+                        "TORCHELASTIC_RESTART_COUNT": "2"}.items():
+        monkeypatch.setenv(name, value)
+    launcher = Launcher.from_env()
+    assert launcher == Launcher(rank=5, world_size=8, local_world_size=4,
+                                master_addr="10.1.2.3", master_port=1234, restart_count="2")
+    assert Topology.detect(launcher) == Topology(5, 8, 1, 4, 1, 2, "10.1.2.3", 1234)
+
+
+def test_tuning_is_read_from_the_environment_unless_installed(monkeypatch):
+    monkeypatch.setenv("MLCHECKPOINT_COPY_THREADS", "3")
+    monkeypatch.setenv("MLCHECKPOINT_PAUSE_GC", "0")
+    assert settings.tuning() == Tuning(copy_threads=3, pause_gc=False)
+    with settings.tuned(copy_threads=1) as t:
+        assert settings.tuning() is t and t.copy_threads == 1 and not t.pause_gc
+    assert settings.tuning().copy_threads == 3
+
+
+# ---------------------------------------------------------------- framework configs
+
+def test_torchtitan_config_offers_every_manager_setting_with_its_default():
+    torchtitan = pytest.importorskip("mlcheckpoint.integrations.torchtitan")
+    config = torchtitan.MemoryCheckpointManager.Config
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    hints = typing.get_type_hints(config)
+    for s in MANAGER_SETTINGS:
+        name = "memory_limit" if s.name == "memory_limit_bytes" else s.name
+        assert name in fields, name
+        assert fields[name].default == (None if s.env else s.default), name
+    assert typing.get_args(hints["replication"]) == settings.REPLICATION_MODES  # "nccl" too
+
+
+def test_lightning_strategy_offers_every_manager_setting_with_its_default():
+    lightning = pytest.importorskip("mlcheckpoint.integrations.lightning")
+    params = inspect.signature(lightning.MLCheckpointStrategy.__init__).parameters
+    for s in MANAGER_SETTINGS:
+        name = "memory_limit" if s.name == "memory_limit_bytes" else s.name
+        assert params[name].default == (None if s.env else s.default), name
 
 
 @pytest.mark.parametrize("var, value", [
@@ -503,17 +601,26 @@ def test_bandwidth_argument_wins_over_its_variable(store_dir, monkeypatch):
                    replication_bandwidth="2GB/s").replication_bandwidth == 2 * 10**9
 
 
+def resolve_and_check(**arguments):
+    """Options as the manager resolves them, with its check of the listener's settings."""
+    options = Options.resolve(**arguments)
+    network.check_listen_settings(options.replication_host, options.replication_interface,
+                                  host_given="replication_host" in arguments,
+                                  interface_given="replication_interface" in arguments)
+    return options
+
+
 def test_replication_interface_is_checked_and_kept(store_dir, monkeypatch):
     monkeypatch.setenv("MLCHECKPOINT_REPLICATION_IFNAME", "lo")
-    assert Options.resolve(job_id="j", local_dir=store_dir).replication_interface == "lo"
+    assert resolve_and_check(job_id="j", local_dir=store_dir).replication_interface == "lo"
     # With a host too: the same address is fine, another one is refused naming both.
-    assert Options.resolve(job_id="j", local_dir=store_dir,
+    assert resolve_and_check(job_id="j", local_dir=store_dir,
                            replication_host="127.0.0.1").replication_host == "127.0.0.1"
     with pytest.raises(ConfigError) as ei:
-        Options.resolve(job_id="j", local_dir=store_dir, replication_host="10.0.0.7")
+        resolve_and_check(job_id="j", local_dir=store_dir, replication_host="10.0.0.7")
     msg = str(ei.value)
     assert "replication_host='10.0.0.7'" in msg and "MLCHECKPOINT_REPLICATION_IFNAME='lo'" in msg
     monkeypatch.delenv("MLCHECKPOINT_REPLICATION_IFNAME")
     with pytest.raises(ConfigError, match="replication_interface='nosuch0' is not a network "
                                           "interface here .*lo"):
-        Options.resolve(job_id="j", local_dir=store_dir, replication_interface="nosuch0")
+        resolve_and_check(job_id="j", local_dir=store_dir, replication_interface="nosuch0")

@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from mlcheckpoint import CheckpointManager, ConfigError
-from mlcheckpoint.config import derived_job_id, resolve_job_id
 from mlcheckpoint.persistent import PersistentStorage, StepNames
+from mlcheckpoint.settings import derived_job_id, resolve_job_id
 
 JOB = "job-integration-core"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -89,7 +89,7 @@ def test_resume_loads_the_newest_of_memory_and_framework_folder_once(store_dir, 
 def test_plain_torchrun_job_id_derives_from_the_persistent_folder(clean_env, store_dir, caplog,
                                                                   monkeypatch):
     clean_env.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without --rdzv-id
-    with caplog.at_level(logging.INFO, logger="mlcheckpoint.config"):
+    with caplog.at_level(logging.INFO, logger="mlcheckpoint.settings"):
         job = resolve_job_id(derive_from="/nfs/run42")
     assert job.startswith("dir-") and "/nfs/run42" in caplog.text and job in caplog.text
     assert resolve_job_id(derive_from="/nfs/run42/") == job  # the same folder, the same id

@@ -15,7 +15,7 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mlcheckpoint"
 
 # Modules every layer may use: they import nothing of mlcheckpoint but each other.
-LEAVES = {"errors", "config", "_faults", "_ratelimit"}
+LEAVES = {"errors", "settings", "waiting", "_faults", "_ratelimit"}
 
 
 def imported_modules(path: pathlib.Path, *, typing_only: bool = True) -> list[tuple[int, str]]:

@@ -50,25 +50,22 @@ def test_a_loopback_address_is_refused_only_between_hosts(advertised, master, no
     assert unreachable_advertisement(advertised, master, nodes) is refused
 
 
-def test_the_refusal_names_the_setting_to_change(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "10.213.250.1")
+def test_the_refusal_names_the_setting_to_change():
     for chosen_by, setting in [(BY_HOST, "replication_host"), (BY_ROUTE, "MLCHECKPOINT_REPLICATION_IFNAME"),
                                (BY_INTERFACE, "MLCHECKPOINT_REPLICATION_IFNAME")]:
         with pytest.raises(ConfigError) as ei:
-            check_advertisable(Endpoint("127.0.0.1", "lo", chosen_by), num_nodes=2)
+            check_advertisable(Endpoint("127.0.0.1", "lo", chosen_by), 2, "10.213.250.1")
         assert setting in str(ei.value) and "MASTER_ADDR=10.213.250.1" in str(ei.value)
-    check_advertisable(Endpoint("127.0.0.1", "lo", BY_HOST), num_nodes=1)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    check_advertisable(Endpoint("127.0.0.1", "lo", BY_HOST), num_nodes=2)
+    check_advertisable(Endpoint("127.0.0.1", "lo", BY_HOST), 1, "10.213.250.1")
+    check_advertisable(Endpoint("127.0.0.1", "lo", BY_HOST), 2, "127.0.0.1")
 
 
 # --------------------------------------------------------------------------- the endpoint
-def test_the_interface_wins_then_the_host_then_the_route(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+def test_the_interface_wins_then_the_host_then_the_route():
     assert interface_ipv4("lo") == "127.0.0.1"
     assert choose_endpoint(host="localhost", interface="lo") == Endpoint("127.0.0.1", "lo", BY_INTERFACE)
     assert choose_endpoint(host="localhost") == Endpoint("127.0.0.1", "lo", BY_HOST)
-    assert choose_endpoint() == Endpoint("127.0.0.1", "lo", BY_ROUTE)
+    assert choose_endpoint(master_addr="127.0.0.1") == Endpoint("127.0.0.1", "lo", BY_ROUTE)
 
 
 @pytest.mark.parametrize("name", ["nosuch0", "", "a" * 16, "../lo", "lo/x"])

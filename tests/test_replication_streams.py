@@ -17,7 +17,7 @@ import pytest
 from helpers import WAIT, wait_for
 from tcp_job import connect, debris, frames_to_eof, make_shard, manifest_dict
 
-from mlcheckpoint import ConfigError, ShardNotFoundError
+from mlcheckpoint import ConfigError, ShardNotFoundError, settings
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.replication import ReplicationError, striping
 from mlcheckpoint.replication import protocol as p
@@ -152,14 +152,15 @@ def test_stream_settings_are_checked(make_job, monkeypatch):
     job.endpoint(0)
     with pytest.raises(ConfigError, match="streams"):
         job.endpoint(1, streams=0)
+    streams = settings.BY_NAME["replication_streams"]
     monkeypatch.setenv("MLCHECKPOINT_TCP_STREAMS", "lots")
     with pytest.raises(ConfigError, match="MLCHECKPOINT_TCP_STREAMS"):
-        striping.default_streams()
+        streams.resolve()
     monkeypatch.setenv("MLCHECKPOINT_TCP_STREAMS", "2")
-    assert striping.default_streams() == 2
+    assert streams.resolve() == 2
     monkeypatch.setenv("MLCHECKPOINT_TCP_MIN_STRIPE", "0")
     with pytest.raises(ConfigError, match="MLCHECKPOINT_TCP_MIN_STRIPE"):
-        striping.default_min_stripe_bytes()
+        settings.tuning()
     monkeypatch.setenv("MLCHECKPOINT_TCP_MIN_STRIPE", "4096")
     assert job.endpoint(1).min_stripe_bytes == 4096
 

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..errors import ConfigError
 from ..manager import CheckpointManager, ResumeInfo
 from ..persistent import PersistentStorage
+from ..settings import default
 
 SCHEME = "mlcheckpoint://"
 LATEST = SCHEME + "latest"
@@ -155,18 +156,27 @@ class MLCheckpointStrategy(ModelParallelStrategy):
     Args:
         folder: Lightning's checkpoint folder to fall back on (default: the dirpath of the
             trainer's first ``ModelCheckpoint``); None and no ModelCheckpoint: memory only.
-        job_id, local_dir, keep, replication, memory_limit: as ``CheckpointManager``.
+        job_id, local_dir, keep, replication, memory_limit, replication_*: as
+            ``CheckpointManager`` (``memory_limit`` is its ``memory_limit_bytes``).
         **kwargs: passed to ``ModelParallelStrategy``.
     """
 
     def __init__(self, *, folder: str | None = None, job_id: str | None = None,
-                 local_dir: str | None = None, keep: int = 2, replication: str = "tcp",
-                 memory_limit: str | int | None = None, **kwargs: Any):
+                 local_dir: str | None = None, keep: int = default("keep"),
+                 replication: str = default("replication"),
+                 memory_limit: str | int | None = None, replication_host: str | None = None,
+                 replication_interface: str | None = None,
+                 replication_bandwidth: str | int | None = None,
+                 replication_timeout: float = default("replication_timeout"),
+                 replication_streams: int | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self._folder = folder
         self._manager_args: dict[str, Any] = {
             "job_id": job_id, "local_dir": local_dir, "keep": keep, "replication": replication,
-            "memory_limit_bytes": memory_limit}
+            "memory_limit_bytes": memory_limit, "replication_host": replication_host,
+            "replication_interface": replication_interface,
+            "replication_bandwidth": replication_bandwidth,
+            "replication_timeout": replication_timeout, "replication_streams": replication_streams}
         self.checkpoints: CheckpointManager | None = None
         self.last_resume: ResumeInfo | None = None  # that of the last load_checkpoint(LATEST)
         self._failed = False

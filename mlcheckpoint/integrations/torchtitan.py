@@ -38,6 +38,7 @@ from ..errors import ConfigError, MLCheckpointError
 from ..manager import CheckpointManager as MemoryCheckpoints
 from ..persistent import PersistentStorage
 from ..recovery import ResumeInfo
+from ..settings import default
 
 SUPPORTED_TORCHTITAN = "0.3.0"
 log = logging.getLogger(__name__)
@@ -93,14 +94,31 @@ class MemoryCheckpointManager(CheckpointManager):
         """Job id (default $MLCHECKPOINT_JOB_ID, torchrun's --rdzv-id, $SLURM_JOB_ID, else one
         derived from the checkpoint folder)."""
 
-        keep: int = 2
+        keep: int = default("keep")
         """In-memory checkpoints kept per rank."""
 
-        replication: Literal["tcp", "pg", "none"] = "tcp"
+        replication: Literal["tcp", "pg", "nccl", "none"] = default("replication")
         """How shards reach the partner node."""
 
         memory_limit: str | None = None
         """Cap on this job's tmpfs use per node, e.g. "64GiB" (default $MLCHECKPOINT_MEMORY_LIMIT)."""
+
+        replication_host: str | None = None
+        """Address the TCP listener binds (default $MLCHECKPOINT_REPLICATION_HOST)."""
+
+        replication_interface: str | None = None
+        """Network interface the TCP listener binds, e.g. "eth1" (default
+        $MLCHECKPOINT_REPLICATION_IFNAME)."""
+
+        replication_bandwidth: str | None = None
+        """Background replication budget per node, e.g. "1Gbit" (default
+        $MLCHECKPOINT_REPLICATION_BANDWIDTH or "auto")."""
+
+        replication_timeout: float = default("replication_timeout")
+        """Seconds any single replication operation may block."""
+
+        replication_streams: int | None = None
+        """TCP connections one shard is pushed over (default $MLCHECKPOINT_TCP_STREAMS or 4)."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)  # slots dataclass: no zero-argument super()
@@ -122,7 +140,11 @@ class MemoryCheckpointManager(CheckpointManager):
         self.checkpoints = MemoryCheckpoints(
             TorchtitanFolder(self), job_id=config.job_id, local_dir=config.local_dir,
             keep=config.keep, replication=config.replication,
-            memory_limit_bytes=config.memory_limit)
+            memory_limit_bytes=config.memory_limit, replication_host=config.replication_host,
+            replication_interface=config.replication_interface,
+            replication_bandwidth=config.replication_bandwidth,
+            replication_timeout=config.replication_timeout,
+            replication_streams=config.replication_streams)
 
     # ------------------------------------------------------------------ save
     def _memory_due(self, curr_step: int) -> bool:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..config import env_flag
+from ..settings import tuning
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,9 @@ _XXH3 = _bind_xxh3()
 
 
 def native_enabled() -> bool:
-    """``MLCHECKPOINT_NATIVE``: 0 switches the C loop off (1, the default, keeps it)."""
-    return env_flag("MLCHECKPOINT_NATIVE", True)
+    """The process's ``Tuning.native_loop`` (settings.py): ``MLCHECKPOINT_NATIVE=0`` switches
+    the C loop off, when this module is imported."""
+    return tuning().native_loop
 
 
 def _bind_native():

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import env_int, env_str
+from ..settings import tuning
 from .checksum import CHUNK_BYTES, combine, hash_at, n_chunks, native_hash_copy
 
 log = logging.getLogger(__name__)
@@ -48,16 +48,8 @@ class Span:
 
 
 def default_threads() -> int:
-    """``MLCHECKPOINT_COPY_THREADS`` if set, else min(4, usable cores)."""
-    if env_str("MLCHECKPOINT_COPY_THREADS") is not None:
-        return env_int("MLCHECKPOINT_COPY_THREADS", 1)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    # Memory bandwidth, not cores, is the limit past a few threads; every rank of the node
-    # saves at the same time.
-    return max(1, min(4, cpus))
+    """The process's ``Tuning.copy_threads`` (settings.py)."""
+    return tuning().copy_threads
 
 
 _lock = threading.Lock()

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..settings import default
 from ..store import LocalStore
 from ..topology import Topology
 from .pg import PgTransport
@@ -25,18 +26,22 @@ TRANSPORTS = ("tcp", "pg", "nccl")
 
 
 def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: ReceiveSink, *,
-                   timeout: float = 60.0, host: str | None = None, interface: str | None = None,
-                   streams: int | None = None, bandwidth: int | str = 0,
-                   topology: Topology | None = None) -> Transport:
+                   timeout: float = default("replication_timeout"), host: str | None = None,
+                   interface: str | None = None, streams: int | None = None,
+                   bandwidth: int | str = 0, topology: Topology | None = None,
+                   handshake_timeout: float = default("handshake"),
+                   min_stripe_bytes: int | None = None) -> Transport:
     """The transport ``kind`` (one of ``TRANSPORTS``) for this rank.
 
     Collective for "pg" and "nccl" (each creates a process group: every rank calls it at the
     same point). For "nccl" each rank must have selected its CUDA device first
-    (``torch.cuda.set_device``). ``host``, ``interface`` and ``streams`` are for "tcp" alone.
+    (``torch.cuda.set_device``). ``host``, ``interface``, ``streams``, ``handshake_timeout``
+    and ``min_stripe_bytes`` (default: ``settings.tuning()``'s) are for "tcp" alone.
     ``bandwidth``: the node's replication budget in bytes/s (0: no cap; "auto": the default
     for the interface, see budget.py). ``topology``: the job's shape (default: one node):
-    with several nodes a listener on a loopback address is refused (``network.py``), and the
-    node's local rank 0 logs where replication listens and at what budget it sends.
+    with several nodes a listener on a loopback address is refused (``network.py``), the
+    node's local rank 0 logs where replication listens and at what budget it sends, and its
+    MASTER_ADDR is where the listener's route is looked up.
     """
     topology = topology or Topology()
     announce = topology.num_nodes > 1 and topology.local_rank == 0
@@ -44,7 +49,10 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
     if kind == "tcp":
         transport = TcpTransport(store, rdzv, sink=sink, host=host, interface=interface,
                                  timeout=timeout, streams=streams, bandwidth=bandwidth,
-                                 num_nodes=topology.num_nodes, log_peers=announce)
+                                 num_nodes=topology.num_nodes, log_peers=announce,
+                                 handshake_timeout=handshake_timeout,
+                                 min_stripe_bytes=min_stripe_bytes,
+                                 master_addr=topology.master_addr, master_port=topology.master_port)
     elif kind in ("pg", "nccl"):
         if kind == "nccl" and (not torch.cuda.is_available() or not dist.is_nccl_available()):
             raise ConfigError("replication='nccl' needs CUDA and a torch built with NCCL; use "
@@ -55,7 +63,8 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
                         "which picks its interface itself (GLOO_SOCKET_IFNAME, "
                         "NCCL_SOCKET_IFNAME)", kind, "gloo" if kind == "pg" else "NCCL")
         transport = PgTransport(store, rdzv, sink=sink, backend="gloo" if kind == "pg" else "nccl",
-                                timeout=timeout, bandwidth=bandwidth, interface=interface)
+                                timeout=timeout, bandwidth=bandwidth, interface=interface,
+                                master_addr=topology.master_addr, master_port=topology.master_port)
     else:
         raise ConfigError(f"replication transport {kind!r}: expected one of "
                           f"{', '.join(map(repr, TRANSPORTS))}")

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .._ratelimit import RateLimitedLog
+from ..settings import default
 from . import protocol as p
 
 ACCEPT_BATCH = 64  # accepts per turn, so pending handshakes are served between bursts
@@ -55,7 +56,7 @@ class LoginGate:
     """Serves the handshake of every new connection to ``listener`` on one thread."""
 
     def __init__(self, listener: socket.socket, secret: bytes, on_login: OnLogin, *,
-                 logs: RateLimitedLog, timeout: float = 5.0, max_pending: int = 256,
+                 logs: RateLimitedLog, timeout: float = default("handshake"), max_pending: int = 256,
                  per_address: int = 64):
         self.listener, self.secret, self.on_login = listener, secret, on_login
         self.logs, self.timeout = logs, timeout

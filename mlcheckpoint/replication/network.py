@@ -19,8 +19,8 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from ..config import env_int, env_str
 from ..errors import ConfigError
+from ..settings import default
 
 SIOCGIFADDR = 0x8915  # ioctl: the IPv4 address of an interface (linux/sockios.h)
 IFNAMSIZ = 16  # interface names are at most 15 bytes (linux/if.h)
@@ -93,32 +93,29 @@ def resolve_host(host: str, setting: str) -> str:
                           f"one ({e})") from None
 
 
-def master_addr() -> str:
-    """MASTER_ADDR as the launcher set it."""
-    return env_str("MASTER_ADDR") or "127.0.0.1"
-
-
-def route_to_master() -> str:
+def route_to_master(master_addr: str, master_port: int) -> str:
     """The local address that routes to MASTER_ADDR: the nodes reach each other there, at least
     where they reach the master (no packet is sent)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_addr(), env_int("MASTER_PORT", 29500, maximum=65535)))
+            s.connect((master_addr, master_port))
             return str(s.getsockname()[0])
     except OSError:
         return "127.0.0.1"
 
 
-def choose_endpoint(host: str | None = None, interface: str | None = None) -> Endpoint:
+def choose_endpoint(host: str | None = None, interface: str | None = None, *,
+                    master_addr: str = default("master_addr"),
+                    master_port: int = default("master_port")) -> Endpoint:
     """Where the listener binds: the interface's address, else ``host``, else the route to
-    MASTER_ADDR. Options.resolve has checked that ``host`` and ``interface`` agree when both
+    ``master_addr`` (the launcher's MASTER_ADDR, ``topology.Topology``). Options.resolve has checked that ``host`` and ``interface`` agree when both
     are given; here the interface wins."""
     if interface:
         return Endpoint(interface_address(interface, BY_INTERFACE), interface, BY_INTERFACE)
     if host:
         address = resolve_host(host, BY_HOST)
         return Endpoint(address, interface_of(address), BY_HOST)
-    address = route_to_master()
+    address = route_to_master(master_addr, master_port)
     return Endpoint(address, interface_of(address), BY_ROUTE)
 
 
@@ -155,9 +152,9 @@ def unreachable_advertisement(advertised: str, master: str, num_nodes: int) -> b
     return num_nodes > 1 and _names_no_remote_host(advertised) and not _is_loopback(master)
 
 
-def check_advertisable(endpoint: Endpoint, num_nodes: int) -> None:
-    """ConfigError, naming the setting to change, when ``unreachable_advertisement``."""
-    master = master_addr()
+def check_advertisable(endpoint: Endpoint, num_nodes: int, master: str) -> None:
+    """ConfigError, naming the setting to change, when ``unreachable_advertisement``
+    (``master``: the launcher's MASTER_ADDR)."""
     if not unreachable_advertisement(endpoint.address, master, num_nodes):
         return
     fix = ("set MLCHECKPOINT_REPLICATION_IFNAME (or replication_interface=) to the network "
@@ -185,3 +182,25 @@ def link_speed(interface: str, sysfs: str = "/sys/class/net") -> int | None:
     except (OSError, ValueError):
         return None
     return mbit * 1_000_000 // 8 if mbit > 0 else None
+
+
+def check_listen_settings(host: str | None, interface: str | None, *, host_given: bool,
+                          interface_given: bool) -> None:
+    """The listener's settings, checked once the manager's are resolved (``*_given``: passed
+    as an argument rather than read from the environment, for the message). The interface
+    must exist and have an IPv4 address; with a host as well, the two must name the same
+    address (else which one the listener binds would be a guess)."""
+    if interface is None:
+        return
+    host_from = ("replication_host" if host_given
+                 else "MLCHECKPOINT_REPLICATION_HOST")
+    interface_from = ("replication_interface" if interface_given
+                      else "MLCHECKPOINT_REPLICATION_IFNAME")
+    address = interface_address(interface, interface_from)
+    if host is not None:
+        host_address = resolve_host(host, host_from)
+        if host_address != address:
+            raise ConfigError(
+                f"{host_from}={host!r} ({host_address}) and {interface_from}={interface!r} "
+                f"({address}) name different addresses for the replication listener: give one "
+                "of them (the interface is usually what you mean)")

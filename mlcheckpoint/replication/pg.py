@@ -20,7 +20,6 @@ import contextlib
 import logging
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from .._ratelimit import RateLimitedLog
 from ..errors import ReplicationError, ShardNotFoundError
+from ..settings import default
 from ..store import LocalStore, Manifest
 from ..store.buffers import MappedFile
 from . import protocol as p
@@ -93,11 +93,15 @@ class PgTransport(Transport):
     """
 
     def __init__(self, store: LocalStore, rdzv: Rendezvous, *, sink: ReceiveSink | None = None,
-                 backend: str = "gloo", timeout: float = 60.0, poll_interval: float = 0.01,
-                 bandwidth: int | str = 0, interface: str | None = None):
+                 backend: str = "gloo", timeout: float = default("replication_timeout"),
+                 poll_interval: float = default("mailbox_poll"), bandwidth: int | str = 0,
+                 interface: str | None = None, master_addr: str = default("master_addr"),
+                 master_port: int = default("master_port")):
         self.store, self.rdzv, self.timeout = store, rdzv, timeout
         self.sink = sink if sink is not None else ReceiveSink(store)
-        link = choose_endpoint(interface=interface).interface if bandwidth == "auto" else None
+        link = (choose_endpoint(interface=interface, master_addr=master_addr,
+                                master_port=master_port).interface
+                if bandwidth == "auto" else None)
         self.budget = node_budget(bandwidth, link, store.paths.bandwidth)
         self.backend = backend
         self.name = f"pg/{backend}"
@@ -179,7 +183,7 @@ class PgTransport(Transport):
             try:
                 raw = self.mailbox.take_request(seq)
                 if raw is None:
-                    time.sleep(self._poll)
+                    self._closed.wait(self._poll)  # nothing signals a request: look again soon
                     continue
             except Exception as e:  # noqa: BLE001 (the store went away: the job is ending)
                 if not self._closed.is_set():

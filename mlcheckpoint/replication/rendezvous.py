@@ -22,8 +22,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..config import env_str
 from ..errors import ConfigError
+from ..settings import default, secret_sources
 
 SECRET_ENV = "MLCHECKPOINT_REPLICATION_SECRET"
 SECRET_FILE_ENV = "MLCHECKPOINT_REPLICATION_SECRET_FILE"
@@ -39,11 +39,13 @@ class Rendezvous:
         secret: the replication secret; default: the launcher's (see ``configured_secret``).
         session: random bytes every rank of this run shares (``from_default_group`` makes them);
             control messages of one run are never accepted in another.
+        generation: torchrun's restart count (``settings.Launcher``): keeps one attempt's
+            keys apart from the next.
     """
 
     def __init__(self, store: dist.Store, job_id: str, rank: int, world_size: int,
-                 timeout: float = 300.0, *, secret: bytes | None = None, session: bytes = b""):
-        generation = env_str("TORCHELASTIC_RESTART_COUNT") or "0"
+                 timeout: float = default("rendezvous"), *, secret: bytes | None = None,
+                 session: bytes = b"", generation: str = default("restart_count")):
         self._prefix = f"mlcheckpoint/{job_id}/{generation}"  # PrefixStore adds the "/"
         self._base = _innermost(store)
         self._local = threading.local()
@@ -69,8 +71,9 @@ class Rendezvous:
         return client
 
     @classmethod
-    def from_default_group(cls, job_id: str, timeout: float = 300.0, *,
-                           group: dist.ProcessGroup | None = None) -> Rendezvous:
+    def from_default_group(cls, job_id: str, timeout: float = default("rendezvous"), *,
+                           group: dist.ProcessGroup | None = None,
+                           generation: str = default("restart_count")) -> Rendezvous:
         """Collective (every rank calls it): the default group's store, and the secret and
         session agreed over ``group`` (a dedicated gloo group; default: a new one)."""
         from torch.distributed.distributed_c10d import _get_default_store
@@ -78,7 +81,7 @@ class Rendezvous:
             group = dist.new_group(backend="gloo")
         secret, session = share_secret(group)
         return cls(_get_default_store(), job_id, dist.get_rank(), dist.get_world_size(), timeout,
-                   secret=secret, session=session)
+                   secret=secret, session=session, generation=generation)
 
     def _get(self, key: str) -> bytes:
         self.store.wait([key], timedelta(seconds=self.timeout))
@@ -154,10 +157,9 @@ def read_secret_file(path: str) -> bytes:
 def configured_secret() -> bytes | None:
     """The secret the launcher gave: ``$MLCHECKPOINT_REPLICATION_SECRET`` (hex), else the file
     named by ``$MLCHECKPOINT_REPLICATION_SECRET_FILE``; None when neither is set."""
-    env = env_str(SECRET_ENV)
+    env, path = secret_sources()
     if env:
         return _parse_secret(env, SECRET_ENV)
-    path = env_str(SECRET_FILE_ENV)
     return read_secret_file(path) if path else None
 
 

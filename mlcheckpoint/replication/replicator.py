@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from .. import history
 from .._ratelimit import RateLimitedLog
 from ..errors import MLCheckpointError
+from ..settings import default
 from ..store import LocalStore
 from ..topology import Topology
+from ..waiting import deadline_in, wait_until
 from . import lag
 from .lag import LagWarning, ProtectionStatus
 from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets
@@ -55,7 +57,8 @@ class Replicator:
 
     def __init__(self, store: LocalStore, transport: Transport, rdzv: Rendezvous,
                  topology: Topology, strategy: PairingStrategy | None = None, *,
-                 poll_interval: float = 0.1):
+                 poll_interval: float = default("replicator_poll"),
+                 wait_poll: float = default("wait_poll")):
         self.store, self.transport, self.rdzv, self.topology = store, transport, rdzv, topology
         strategy = strategy or PairwiseRing()
         t = topology
@@ -63,7 +66,8 @@ class Replicator:
         self.sources = rank_sources(strategy, t.rank, t.local_world_size, t.num_nodes)
         self.metadata_targets = ([n * t.local_world_size for n in range(t.num_nodes) if n != t.node_rank]
                                  if t.rank == 0 else [])
-        self.poll_interval = poll_interval
+        self.poll_interval = poll_interval  # the worker's look for a new round
+        self.wait_poll = wait_poll  # wait_replicated's and drain's look at the state
         self._states: dict[int, StepReplication] = {}
         self._unreplicated: set[int] = set()  # steps saved here since the last round's
         self._saves_lock = threading.Lock()  # for those two: notify runs on the saving thread
@@ -166,17 +170,16 @@ class Replicator:
             self._newest_protected = step
 
     def wait_replicated(self, step: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.is_protected(step):
-            if self.is_superseded(step):
-                log.warning("mlcheckpoint: step %d will not be replicated: a newer step "
-                            "superseded it before it was pushed", step)
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            self._wake.set()
-            time.sleep(0.02)
-        return True
+        def settled() -> str | None:
+            if self.is_protected(step):
+                return "protected"
+            return "superseded" if self.is_superseded(step) else None
+
+        outcome = wait_until(settled, deadline_in(timeout), self.wait_poll, between=self._wake.set)
+        if outcome == "superseded":
+            log.warning("mlcheckpoint: step %d will not be replicated: a newer step "
+                        "superseded it before it was pushed", step)
+        return outcome == "protected"
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
@@ -363,20 +366,20 @@ class Replicator:
     def drain(self, timeout: float) -> None:
         """Wait until this rank's newest shard is replicated, superseded or given up on (best
         effort: rank 0 names it in a round once the round in flight is done)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            inv = self.store.inventory()
-            mine = [s for s, st in inv.items() if self.topology.rank in st.committed_ranks]
-            newest = max(mine, default=None)
-            if newest is None:
-                return
-            st = self.state(newest)
-            meta_ok = (not self.metadata_targets or not inv[newest].has_metadata
-                       or self._metadata_done(newest, inv[newest].save_id))
-            if st is not None and st.state in ("replicated", "superseded") and meta_ok:
-                return
-            if st is not None and st.state == "failed":
-                return
-            self._wake.set()
-            time.sleep(0.02)
+        wait_until(self._drained, deadline_in(timeout), self.wait_poll, between=self._wake.set)
+
+    def _drained(self) -> bool:
+        """Whether this rank's newest shard is replicated (with its metadata), superseded or
+        given up on."""
+        inv = self.store.inventory()
+        mine = [s for s, st in inv.items() if self.topology.rank in st.committed_ranks]
+        newest = max(mine, default=None)
+        if newest is None:
+            return True
+        st = self.state(newest)
+        meta_ok = (not self.metadata_targets or not inv[newest].has_metadata
+                   or self._metadata_done(newest, inv[newest].save_id))
+        if st is not None and st.state in ("replicated", "superseded") and meta_ok:
+            return True
+        return st is not None and st.state == "failed"
 

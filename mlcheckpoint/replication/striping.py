@@ -13,16 +13,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ..config import env_int
 from ..store import Manifest
 from . import protocol as p
 
 T = TypeVar("T")
-
-MAX_STREAMS = 16
-DEFAULT_STREAMS = 4
-# Stripes smaller than this are not worth a connection of their own.
-MIN_STRIPE_BYTES = 64 << 20
 
 
 def split_evenly(pieces: list[tuple], size: Callable[[tuple], int], parts: int) -> list[list[tuple]]:
@@ -33,11 +27,6 @@ def split_evenly(pieces: list[tuple], size: Callable[[tuple], int], parts: int) 
         groups[min(parts - 1, int(done // share))].append(piece)
         done += size(piece)
     return groups
-
-
-def default_streams() -> int:
-    """``MLCHECKPOINT_TCP_STREAMS`` if set, else DEFAULT_STREAMS."""
-    return env_int("MLCHECKPOINT_TCP_STREAMS", DEFAULT_STREAMS, maximum=MAX_STREAMS)
 
 
 def run_streams(work: Callable[[T], None], jobs: list[T]) -> list[BaseException]:
@@ -61,11 +50,6 @@ def run_streams(work: Callable[[T], None], jobs: list[T]) -> list[BaseException]
     for t in threads:
         t.join()
     return errors
-
-
-def default_min_stripe_bytes() -> int:
-    """``MLCHECKPOINT_TCP_MIN_STRIPE`` (bytes) if set, else MIN_STRIPE_BYTES."""
-    return env_int("MLCHECKPOINT_TCP_MIN_STRIPE", MIN_STRIPE_BYTES)
 
 
 def stripes(nbytes: int, streams: int) -> list[tuple[int, int]]:

@@ -22,12 +22,12 @@ import logging
 from collections.abc import Callable
 
 from ..errors import ConfigError
+from ..settings import MAX_STREAMS, default, tuning
 from ..store import LocalStore
 from .budget import node_budget
 from .network import check_advertisable, choose_endpoint
 from .rendezvous import Rendezvous
 from .sink import ReceiveSink
-from .striping import MAX_STREAMS, default_min_stripe_bytes, default_streams
 from .tcp_client import TcpClient
 from .tcp_server import TcpServer
 from .transport import Transport
@@ -51,13 +51,17 @@ class TcpTransport(Transport):
         max_handshakes, max_handshakes_per_address: connections in the handshake at once, in
             all and from one address; beyond either, the oldest is closed (see ``gate.py``).
         handshake_timeout: seconds a connection may take to authenticate.
-        streams: connections a large shard is pushed over (default ``default_streams()``).
+        streams: connections a large shard is pushed over (default: the declared default of
+            ``replication_streams``, settings.py).
         min_stripe_bytes: the least a stream carries, so small shards use fewer streams
-            (default ``default_min_stripe_bytes()``).
+            (default ``settings.tuning().min_stripe_bytes``).
         bandwidth: the node's budget for what we send in the background, bytes/s (0: no cap;
             "auto": the default for the interface, see ``budget.py``).
         num_nodes: nodes in the job; with several, a loopback address is refused
             (``network.check_advertisable``).
+        master_addr, master_port: the launcher's MASTER_ADDR and MASTER_PORT
+            (``topology.Topology``): without ``interface`` or ``host`` the listener binds the
+            address that routes there.
         log_peers: log the address each peer advertised, the first time we reach it (the
             node's local rank 0 does).
     """
@@ -65,20 +69,23 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, store: LocalStore, rdzv: Rendezvous, *, sink: ReceiveSink | None = None,
-                 host: str | None = None, timeout: float = 60.0, max_connections: int = 128,
+                 host: str | None = None, timeout: float = default("replication_timeout"), max_connections: int = 128,
                  max_handshakes: int = 256, max_handshakes_per_address: int = 64,
-                 handshake_timeout: float = 5.0, streams: int | None = None,
+                 handshake_timeout: float = default("handshake"), streams: int | None = None,
                  min_stripe_bytes: int | None = None, interface: str | None = None,
-                 bandwidth: int | str = 0, num_nodes: int = 1, log_peers: bool = False):
+                 bandwidth: int | str = 0, num_nodes: int = 1, log_peers: bool = False,
+                 master_addr: str = default("master_addr"),
+                 master_port: int = default("master_port")):
         self.store, self.rdzv, self.timeout = store, rdzv, timeout
         self.sink = sink if sink is not None else ReceiveSink(store)
-        self.streams = streams if streams is not None else default_streams()
+        self.streams = streams if streams is not None else default("replication_streams")
         if not 1 <= self.streams <= MAX_STREAMS:
             raise ConfigError(f"streams must be in 1..{MAX_STREAMS}, not {self.streams}")
-        self.min_stripe_bytes = min_stripe_bytes or default_min_stripe_bytes()
+        self.min_stripe_bytes = min_stripe_bytes or tuning().min_stripe_bytes
         self.secret = rdzv.secret()
-        self.endpoint = choose_endpoint(host, interface)
-        check_advertisable(self.endpoint, num_nodes)  # before anything listens or is published
+        self.endpoint = choose_endpoint(host, interface, master_addr=master_addr,
+                                        master_port=master_port)
+        check_advertisable(self.endpoint, num_nodes, master_addr)  # before anything listens or is published
         self.budget = node_budget(bandwidth, self.endpoint.interface, store.paths.bandwidth)
         self.server = TcpServer(store, self.sink, rdzv, host=self.endpoint.address,
                                 timeout=timeout, budget=self.budget,

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from .._ratelimit import RateLimitedLog
 from ..errors import ShardNotFoundError
+from ..settings import MAX_STREAMS
 from ..store import LocalStore
 from ..store.local_store import ShardSource
 from . import protocol as p
@@ -29,7 +30,7 @@ from .budget import Budget
 from .gate import LoginGate
 from .rendezvous import Rendezvous
 from .sink import Receipt, ReceiveSink
-from .striping import MAX_STREAMS, OpenStripes, StripedReceive
+from .striping import OpenStripes, StripedReceive
 
 # One logger for the TCP transport, server and client alike.
 log = logging.getLogger(__package__ + ".tcp")

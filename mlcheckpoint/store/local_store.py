@@ -20,15 +20,15 @@ import shutil
 from collections.abc import Iterable, Iterator
 
 from .._faults import pause_point
-from ..config import (
+from ..errors import CorruptShardError, ShardNotFoundError
+from ..integrity.verify import verify_region
+from ..settings import (
     local_dir_errors,
     resolve_job_id,
     resolve_local_dir,
     resolve_memory_limit,
     warn_if_not_memory,
 )
-from ..errors import CorruptShardError, ShardNotFoundError
-from ..integrity.verify import verify_region
 from . import cleanup, retention
 from .buffers import MappedFile, MappingCache
 from .identity import Lineage

@@ -26,8 +26,8 @@ from mlcheckpoint.testing.netcluster import NetCluster, parse_rate, tbf_params
 
 REASON = netcluster.available()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no emulated network: {REASON}")
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "net_resume.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers", "net_resume.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def ip_json(*args: str) -> list[dict]:

@@ -9,7 +9,7 @@ The spec of it, from the pure plan up to a real job:
 - two retention passes of one node interleaved at the pause point between plan and retire;
 - a 2 x 2 job saving back to back under CPU load, with a watcher reading both nodes' step
   folders every few milliseconds (``MLCHECKPOINT_WATCH_S`` seconds, 20 by default; the soak:
-  ``MLCHECKPOINT_WATCH_S=600 python -m pytest -s tests/test_whole_step.py -k watcher``).
+  ``MLCHECKPOINT_WATCH_S=600 python -m pytest -s tests/store/test_whole_step.py -k watcher``).
 """
 
 from __future__ import annotations

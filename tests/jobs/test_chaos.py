@@ -26,8 +26,8 @@ same step numbers again with other bytes, so mixing two runs' copies of a step i
 
 CI runs a few rounds with a fixed seed. Longer runs, by hand:
 
-    MLCHECKPOINT_CHAOS_ROUNDS=200 python -m pytest -s tests/test_chaos.py
-    MLCHECKPOINT_CHAOS_SEED=7 MLCHECKPOINT_CHAOS_ROUNDS=50 python -m pytest -s tests/test_chaos.py
+    MLCHECKPOINT_CHAOS_ROUNDS=200 python -m pytest -s tests/jobs/test_chaos.py
+    MLCHECKPOINT_CHAOS_SEED=7 MLCHECKPOINT_CHAOS_ROUNDS=50 python -m pytest -s tests/jobs/test_chaos.py
 
 Every failure names the seed and the round, the plan of every round so far and the node logs.
 ``-s`` shows the summary (kills survived, resumes by source).
@@ -140,7 +140,7 @@ class Chaos:
             f"chaos seed={self.seed} round={rnd}: {what}\n"
             f"reproduce (timing permitting): MLCHECKPOINT_CHAOS_SEED={self.seed} "
             f"MLCHECKPOINT_CHAOS_ROUNDS={self.env_rounds(rnd + 1)} "
-            f"python -m pytest -s tests/test_chaos.py -k {self.test}\nrounds:\n{history}\n"
+            f"python -m pytest -s tests/jobs/test_chaos.py -k {self.test}\nrounds:\n{history}\n"
             f"progress: {[(e.round, e.kind, e.step) for e in self.all_events()][-60:]}\n"
             f"logs:\n{self.c.logs()}")
 

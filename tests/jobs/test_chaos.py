@@ -51,7 +51,7 @@ SEED = int(os.environ.get("MLCHECKPOINT_CHAOS_SEED", "373"))
 ROUNDS = int(os.environ.get("MLCHECKPOINT_CHAOS_ROUNDS", "6"))
 HANG_S = 120  # a launch making no progress for this long is reported as hung
 
-pytestmark = pytest.mark.timeout(300 + 60 * ROUNDS)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300 + 60 * ROUNDS)]
 
 # (crash point, when): "save" points fire at a step saved after the resume, "resume" points
 # are armed from the start (the first replica received: the resume's or healing fetches).

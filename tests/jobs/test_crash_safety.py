@@ -19,7 +19,7 @@ from mlcheckpoint import LocalStore
 from mlcheckpoint.store import layout
 from mlcheckpoint.store.manifest import Manifest
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NPROC = 2
 LAUNCH_TIMEOUT = 120

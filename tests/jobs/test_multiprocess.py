@@ -10,7 +10,7 @@ from cluster import Cluster
 
 from mlcheckpoint import LocalStore
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NPROC = 2
 LAUNCH_TIMEOUT = 120

@@ -185,6 +185,7 @@ def start_child(how: str) -> tuple[subprocess.Popen, dict]:
     return child, json.loads(line)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_sigterm_cleans_up():
     child, made = start_child("term")
@@ -199,6 +200,7 @@ def test_sigterm_cleans_up():
     assert_nothing_left(made["name"], made["root"], set(made["pids"]))
 
 
+@pytest.mark.slow
 @needs_netns
 def test_stale_leftovers_of_a_crashed_run_are_cleaned():
     child, made = start_child("crash")

@@ -19,7 +19,7 @@ import shutil
 import pytest
 from cluster import Cluster
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 DAMAGES = ("truncated", "deleted", "bad_manifest")
 

@@ -32,7 +32,7 @@ from helpers import flip_byte, flip_shard_byte
 from mlcheckpoint import LocalStore
 from mlcheckpoint.store import layout
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 LAUNCH_TIMEOUT = 150
 

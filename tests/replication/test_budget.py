@@ -252,6 +252,7 @@ def _flock_waiters(path: str) -> set[int]:
     return waiters
 
 
+@pytest.mark.slow
 def test_the_ranks_of_a_node_share_one_budget(make_job):
     """Two ranks of one node, each a process of its own, push at once: both wait on the
     node's schedule (held here while they start), and every byte of both is booked on it."""

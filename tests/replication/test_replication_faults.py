@@ -344,6 +344,7 @@ def test_peer_supplied_names_are_never_paths(make_job, tcp_warnings, kind):
 
 
 # --------------------------------------------------------------------------- peers dying
+@pytest.mark.slow
 def test_receiver_killed_mid_transfer(make_job):
     """The partner SIGKILLs itself after receiving half a replica (MLCHECKPOINT_CRASH_AT)."""
     job = make_job()
@@ -377,6 +378,7 @@ def test_receiver_killed_mid_transfer(make_job):
     assert rstore.complete_steps() == []
 
 
+@pytest.mark.slow
 def test_sender_killed_mid_transfer(make_job, tcp_warnings, monkeypatch):
     """A sender process is SIGKILLed while its shard is on the wire: the receiver stays up,
     commits nothing, drops the half-filled buffer and then takes a full push from another rank.
@@ -494,6 +496,7 @@ def test_replicator_pushes_only_the_newest_and_supersedes_the_rest(make_job):
     wait_for(lambda: rstore.step_state(4).has_metadata, "metadata of step 4 on the partner")
 
 
+@pytest.mark.slow
 def test_stopped_partner_does_not_stall_saves(make_job):
     """A partner frozen with SIGSTOP: saves keep committing locally while the push to it is
     stuck; once it resumes, replication catches up with the newest step (older ones dropped)."""

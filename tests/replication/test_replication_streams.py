@@ -85,6 +85,7 @@ def test_corrupt_stripe_is_refused_and_nothing_is_committed(make_job, tcp_warnin
     receiver.store.verify_shard(5, 1)
 
 
+@pytest.mark.slow
 def test_sender_killed_mid_striped_transfer(make_job, tcp_warnings):
     """SIGKILL a sender process once a stripe is half sent: the receiver stops every stripe,
     commits nothing, leaves no buffer behind and serves the next push.

@@ -17,6 +17,8 @@ import pytest
 from cluster import WORKERS, Cluster
 from helpers import mounted_tmpfs
 
+pytestmark = pytest.mark.slow
+
 MiB = 1 << 20
 
 

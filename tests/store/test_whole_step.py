@@ -90,6 +90,7 @@ def test_plan_lets_the_old_whole_step_go_once_a_newer_one_is_whole():
 
 
 @settings(max_examples=1500, deadline=None)
+@pytest.mark.slow
 @given(events=hst.lists(hst.one_of(
     hst.tuples(hst.just("save")),
     hst.tuples(hst.just("arrive"), hst.integers(0, 4), hst.sampled_from(REPLICAS)),
@@ -175,6 +176,7 @@ def test_real_store_keeps_a_whole_step_when_replicas_arrive_out_of_order(store):
     assert whole_in(store) == [15] and 12 not in store.steps()
 
 
+@pytest.mark.slow
 def test_interleaved_retention_passes_cannot_retire_each_others_guard(store, monkeypatch, tmp_path):
     """Pass A plans while step 15 lacks rank 3's replica (so it means to retire rank 0's shard
     of 15, guarding 14) and is held before carrying that out; rank 3's replica of 15 lands,

@@ -77,6 +77,7 @@ def test_rates_parse_and_buckets_fit_a_gso_segment():
 
 
 # --------------------------------------------------------------------------- the harness
+@pytest.mark.slow  # its throughput probe runs Python in the namespaces
 @needs_netns
 def test_layout_shaping_and_connectivity():
     host_links = sorted(link["ifname"] for link in ip_json("link", "show"))

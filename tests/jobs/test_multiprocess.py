@@ -117,26 +117,3 @@ def test_fsdp2_async_save_and_resume():
         assert any(k.startswith("model.") for k in expected)
         bad = [k for k in expected if not bitwise_equal(expected[k], got[k])]
         assert not bad, f"differ after resume: {bad}"
-
-
-def test_persistent_fallback_after_memory_loss():
-    with Cluster(1, NPROC) as c:
-        job = c.job_id
-        # persist_every=2: steps 0 and 2 also go to the persistent directory.
-        c.run("multi_job.py", "0", "3", f"{job}:async:2", timeout=LAUNCH_TIMEOUT)
-        for rank in range(NPROC):
-            listing = c.results(f"listing-{job}")[rank]["entries"]
-            persistent = [e["step"] for e in listing if e["location"] == "persistent"]
-            assert persistent == [0, 2], listing
-        assert sorted(os.listdir(os.path.join(c.persistent_dir, job))) == \
-            ["step-000000000000", "step-000000000002"]
-
-        c.nodes[0].wipe()  # the node's tmpfs is gone (e.g. a replacement machine)
-
-        c.clear_results(f"resume-{job}", f"listing-{job}")
-        c.run("multi_job.py", "4", "3", f"{job}:async:2", timeout=LAUNCH_TIMEOUT)
-        res = c.results(f"resume-{job}")
-        assert sorted(res) == [0, 1], c.logs()
-        for rank, r in res.items():
-            assert (r["step"], r["source"]) == (2, "persistent"), (rank, r, c.logs())
-            assert r["match"] and not r["mismatch"], (rank, r)

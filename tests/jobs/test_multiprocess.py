@@ -1,4 +1,6 @@
-"""End-to-end save/restart/resume with real torchrun jobs (1 simulated node x 2 ranks)."""
+"""End-to-end save/restart/resume with real torchrun jobs (1 simulated node x 2 ranks).
+
+Kills during a save, and damaged copies, are in test_scenarios.py."""
 
 from __future__ import annotations
 
@@ -117,3 +119,32 @@ def test_fsdp2_async_save_and_resume():
         assert any(k.startswith("model.") for k in expected)
         bad = [k for k in expected if not bitwise_equal(expected[k], got[k])]
         assert not bad, f"differ after resume: {bad}"
+
+
+# ---------------------------------------------------------------------------- resume, then save
+@pytest.mark.parametrize("variant,resumed,saved", [("fresh", None, 1), ("resave", 2, 4)],
+                         ids=["fresh", "resave"])
+def test_async_save_right_after_resume(variant, resumed, saved):
+    """A training loop saves as soon as resume returns, with no barrier in between.
+
+    fresh: nothing to resume, steps 0 and 1 are saved at once. resave: the run resumes step 2
+    while step 3 is left over from the failed run, and saves steps 3 and 4 at once. Either
+    way every save must succeed and a further resume must find the newest step exactly.
+    The ranks of a node finish resume and start saving concurrently: rank 0 is held right
+    after resume's last collective until rank 1 has staged its first save into tmpfs, the
+    order in which node-wide cleanup after that collective would delete rank 1's new files.
+    """
+    with Cluster(1, NPROC) as c:
+        staged = os.path.join(c.out_dir, "staged")
+        c.start("resume_resave.py", variant, env={"MLCHECKPOINT_PAUSE_AT": f"resume_agreed#0={staged}"})
+        codes = c.wait(LAUNCH_TIMEOUT)
+        errors = [line for line in c.nodes[0].log().splitlines()
+                  if "dropped steps" in line or ("Error" in line and "No such file" in line)][:8]
+        assert codes == [0], "\n".join(errors) + "\n" + c.logs()[-3000:]
+        assert os.path.exists(staged)  # rank 1 saved while rank 0 was held
+        res = c.results("resumed")
+        assert sorted(res) == [0, 1], res
+        for rank, r in res.items():
+            first, second = r["first"], r["second"]
+            assert first["step"] == resumed and first["match"], (rank, r)
+            assert (second["step"], second["source"], second["match"]) == (saved, "local", True), (rank, r)

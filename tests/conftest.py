@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing.process
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -15,6 +19,35 @@ from mlcheckpoint import LocalStore
 MLCHECKPOINT_ENV_VARS = ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
                          "MLCHECKPOINT_LOCAL_DIR", "MLCHECKPOINT_CRASH_AT",
                          "MLCHECKPOINT_PAUSE_AT")
+
+
+def _starts_python(args) -> bool:
+    """Whether a Popen command line runs Python (a worker, torchrun, ``ip netns exec python``)."""
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    return any(str(a) == sys.executable or os.path.basename(str(a)).startswith(("python", "torchrun"))
+               for a in argv)
+
+
+@pytest.fixture(autouse=True)
+def fast_tests_start_no_processes(request, monkeypatch):
+    """Keeps the fast tier (``-m "not slow"``) fast: a test not marked ``slow`` that starts a
+    Python process fails, saying so. (Other commands, e.g. ``mount``, are allowed.)"""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def refuse(what: str) -> None:
+        pytest.fail(f"{request.node.nodeid} starts {what}: mark it @pytest.mark.slow", pytrace=False)
+
+    def guarded_popen_init(self, args, *a, **kw):
+        if _starts_python(args):
+            self._child_created = False  # what Popen.__del__ reads
+            refuse(f"a Python process ({args!r:.120})")
+        popen_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen_init)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start",
+                        lambda self: refuse("a multiprocessing process"))
 
 
 @pytest.fixture

@@ -54,6 +54,7 @@ def test_replication_probes_time_a_real_receipt(make_job):
     assert tx["tx_payload_s"] > 0 and tx["tx_before_payload_s"] > 0
 
 
+@pytest.mark.slow
 def test_bench_local_resumes_in_a_fresh_process(store_dir):
     cfg = bench_local.parse_args(["--size-gb", "0.01", "--fresh-resumes", "1"])
     sd, _ = model_state_dict(cfg.size_bytes)  # the child rebuilds it to check every byte

@@ -42,6 +42,7 @@ def cli(capsys):
     return run
 
 
+@pytest.mark.slow
 def test_console_entry_point_runs_as_a_process(job):
     proc = subprocess.run([sys.executable, "-m", "mlcheckpoint.cli", "--local-dir", job, "ls", "--json"],
                           check=False, capture_output=True, text=True, timeout=120)

@@ -4,6 +4,7 @@ a transfer whose stripes arrive on separate connections (see ``tcp.py`` for the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import secrets
@@ -106,6 +107,7 @@ class OpenStripes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[str, StripedReceive] = {}
+        self._landed: collections.Counter[int] = collections.Counter()  # stream count -> transfers
 
     @contextlib.contextmanager
     def opened(self, rx: StripedReceive) -> Iterator[StripedReceive]:
@@ -117,6 +119,13 @@ class OpenStripes:
         finally:
             with self._lock:
                 self._open.pop(rx.token, None)
+        with self._lock:  # only once the block went through: every stripe landed
+            self._landed[len(rx.stripes)] += 1
+
+    def landed(self) -> dict[int, int]:
+        """How many striped receives had every stripe land, by their number of streams."""
+        with self._lock:
+            return dict(self._landed)
 
     def find(self, token: object, step: int, owner: object) -> StripedReceive:
         """The open transfer a stripe names; ProtocolError for any other."""

@@ -1,4 +1,4 @@
-"""Worker for tests/test_whole_step.py: save back to back for argv[1] seconds, argv[2] MiB of
+"""Worker for tests/store/test_whole_step.py: save back to back for argv[1] seconds, argv[2] MiB of
 its own per rank.
 
 ``async_save`` every step, never waiting for replication, so replication must skip steps. The

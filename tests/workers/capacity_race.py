@@ -1,5 +1,5 @@
 """Worker: the two ranks of one node save at once into a tmpfs that holds the shard of one of
-them, not of both (tests/test_capacity_tmpfs.py mounts it as this node's local_dir).
+them, not of both (tests/store/test_capacity_tmpfs.py mounts it as this node's local_dir).
 
 argv: phase
   save:   step 1 fits. Step 2 (BIG MiB of its own per rank) is tried with save(), then with

@@ -1,4 +1,4 @@
-"""Worker for the randomized fault test (tests/test_chaos.py): resume, check, save until killed.
+"""Worker for the randomized fault test (tests/jobs/test_chaos.py): resume, check, save until killed.
 
 argv[1]: JSON {"round", "steps", "seed", "async", "ack", "ack_timeout", "compute"}
     round    this launch's number: every step it saves is of incarnation ``round``

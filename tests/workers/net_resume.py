@@ -1,4 +1,4 @@
-"""Worker for the emulated cluster (tests/test_netcluster.py): resume, then save steps
+"""Worker for the emulated cluster (tests/jobs/test_netcluster.py): resume, then save steps
 [first, last] over TCP replication, each step replicated before the next is saved.
 
 argv: first last [hold] ; hold: after reporting, sleep until killed (a job still running when

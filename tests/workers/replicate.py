@@ -42,9 +42,12 @@ def main() -> None:
             verified.append(r)
         held[step] = {"ranks": verified, "metadata": st.has_metadata}
     listing = [e.__dict__ for e in ckpt.checkpoints()]
+    server = getattr(ckpt.replicator.transport, "server", None) if ckpt.replicator else None
     report("replicate", {"protected": protected, "held": held, "listing": listing,
                          "targets": ckpt.replicator.targets if ckpt.replicator else [],
-                         "sources": ckpt.replica_owners})
+                         "sources": ckpt.replica_owners,
+                         # this rank's TCP listener: striped receives, by stream count
+                         "striped": server.stripes.landed() if server is not None else {}})
     ckpt.close()
     dist.destroy_process_group()
 

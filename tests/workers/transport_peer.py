@@ -1,4 +1,4 @@
-"""Worker: rank 1 of a two-rank job, serving transports (tests/test_transport_contract.py).
+"""Worker: rank 1 of a two-rank job, serving transports (tests/replication/test_transport_contract.py).
 
 No torchrun: it joins the test's TCPStore and a gloo default group of two (the test process is
 rank 0), builds one transport of each kind with ``make_transport`` as the manager does (all

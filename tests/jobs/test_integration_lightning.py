@@ -14,6 +14,8 @@ pytest.importorskip("mlcheckpoint.integrations.lightning",
 
 from cluster import Cluster
 
+pytestmark = pytest.mark.slow
+
 
 def _run(cluster: Cluster, phase: str, folder: str, tag: str | None = None) -> int:
     cluster.start("lightning_train.py", phase, folder, env={"LIGHTNING_TAG": tag or phase})

@@ -184,7 +184,7 @@ def test_the_default_is_a_share_of_the_link_or_of_an_assumed_one():
 
 def test_the_docs_give_the_default_share():
     """DEFAULT_BANDWIDTH_SHARE is the one knob of the default: the docs that quote it follow."""
-    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs")
     for name in ("configuration.md", "operations.md"):
         with open(os.path.join(docs, name)) as f:
             assert f"{DEFAULT_BANDWIDTH_SHARE:.0%}" in f.read(), name
@@ -252,6 +252,7 @@ def _flock_waiters(path: str) -> set[int]:
     return waiters
 
 
+@pytest.mark.slow
 def test_the_ranks_of_a_node_share_one_budget(make_job):
     """Two ranks of one node, each a process of its own, push at once: both wait on the
     node's schedule (held here while they start), and every byte of both is booked on it."""

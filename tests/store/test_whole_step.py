@@ -9,7 +9,7 @@ The spec of it, from the pure plan up to a real job:
 - two retention passes of one node interleaved at the pause point between plan and retire;
 - a 2 x 2 job saving back to back under CPU load, with a watcher reading both nodes' step
   folders every few milliseconds (``MLCHECKPOINT_WATCH_S`` seconds, 20 by default; the soak:
-  ``MLCHECKPOINT_WATCH_S=600 python -m pytest -s tests/test_whole_step.py -k watcher``).
+  ``MLCHECKPOINT_WATCH_S=600 python -m pytest -s tests/store/test_whole_step.py -k watcher``).
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def test_plan_lets_the_old_whole_step_go_once_a_newer_one_is_whole():
 
 
 @settings(max_examples=1500, deadline=None)
+@pytest.mark.slow
 @given(events=hst.lists(hst.one_of(
     hst.tuples(hst.just("save")),
     hst.tuples(hst.just("arrive"), hst.integers(0, 4), hst.sampled_from(REPLICAS)),
@@ -175,6 +176,7 @@ def test_real_store_keeps_a_whole_step_when_replicas_arrive_out_of_order(store):
     assert whole_in(store) == [15] and 12 not in store.steps()
 
 
+@pytest.mark.slow
 def test_interleaved_retention_passes_cannot_retire_each_others_guard(store, monkeypatch, tmp_path):
     """Pass A plans while step 15 lacks rank 3's replica (so it means to retire rank 0's shard
     of 15, guarding 14) and is held before carrying that out; rank 3's replica of 15 lands,

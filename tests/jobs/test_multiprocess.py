@@ -1,4 +1,6 @@
-"""End-to-end save/restart/resume with real torchrun jobs (1 simulated node x 2 ranks)."""
+"""End-to-end save/restart/resume with real torchrun jobs (1 simulated node x 2 ranks).
+
+Kills during a save, and damaged copies, are in test_scenarios.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from cluster import Cluster
 
 from mlcheckpoint import LocalStore
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NPROC = 2
 LAUNCH_TIMEOUT = 120
@@ -119,24 +121,30 @@ def test_fsdp2_async_save_and_resume():
         assert not bad, f"differ after resume: {bad}"
 
 
-def test_persistent_fallback_after_memory_loss():
+# ---------------------------------------------------------------------------- resume, then save
+@pytest.mark.parametrize("variant,resumed,saved", [("fresh", None, 1), ("resave", 2, 4)],
+                         ids=["fresh", "resave"])
+def test_async_save_right_after_resume(variant, resumed, saved):
+    """A training loop saves as soon as resume returns, with no barrier in between.
+
+    fresh: nothing to resume, steps 0 and 1 are saved at once. resave: the run resumes step 2
+    while step 3 is left over from the failed run, and saves steps 3 and 4 at once. Either
+    way every save must succeed and a further resume must find the newest step exactly.
+    The ranks of a node finish resume and start saving concurrently: rank 0 is held right
+    after resume's last collective until rank 1 has staged its first save into tmpfs, the
+    order in which node-wide cleanup after that collective would delete rank 1's new files.
+    """
     with Cluster(1, NPROC) as c:
-        job = c.job_id
-        # persist_every=2: steps 0 and 2 also go to the persistent directory.
-        c.run("multi_job.py", "0", "3", f"{job}:async:2", timeout=LAUNCH_TIMEOUT)
-        for rank in range(NPROC):
-            listing = c.results(f"listing-{job}")[rank]["entries"]
-            persistent = [e["step"] for e in listing if e["location"] == "persistent"]
-            assert persistent == [0, 2], listing
-        assert sorted(os.listdir(os.path.join(c.persistent_dir, job))) == \
-            ["step-000000000000", "step-000000000002"]
-
-        c.nodes[0].wipe()  # the node's tmpfs is gone (e.g. a replacement machine)
-
-        c.clear_results(f"resume-{job}", f"listing-{job}")
-        c.run("multi_job.py", "4", "3", f"{job}:async:2", timeout=LAUNCH_TIMEOUT)
-        res = c.results(f"resume-{job}")
-        assert sorted(res) == [0, 1], c.logs()
+        staged = os.path.join(c.out_dir, "staged")
+        c.start("resume_resave.py", variant, env={"MLCHECKPOINT_PAUSE_AT": f"resume_agreed#0={staged}"})
+        codes = c.wait(LAUNCH_TIMEOUT)
+        errors = [line for line in c.nodes[0].log().splitlines()
+                  if "dropped steps" in line or ("Error" in line and "No such file" in line)][:8]
+        assert codes == [0], "\n".join(errors) + "\n" + c.logs()[-3000:]
+        assert os.path.exists(staged)  # rank 1 saved while rank 0 was held
+        res = c.results("resumed")
+        assert sorted(res) == [0, 1], res
         for rank, r in res.items():
-            assert (r["step"], r["source"]) == (2, "persistent"), (rank, r, c.logs())
-            assert r["match"] and not r["mismatch"], (rank, r)
+            first, second = r["first"], r["second"]
+            assert first["step"] == resumed and first["match"], (rank, r)
+            assert (second["step"], second["source"], second["match"]) == (saved, "local", True), (rank, r)

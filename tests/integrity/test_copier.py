@@ -9,6 +9,8 @@ import random
 import struct
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -58,9 +60,44 @@ def random_bytes(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
-def test_hashing_binds_xxhash_c_function():
-    """Without the ctypes binding hashing holds the GIL and the copier threads serialise."""
-    assert cs._XXH3 is not None
+def _another_thread_ran_while_hashing(buf: np.ndarray) -> bool:
+    """Checksum ``buf`` in a thread of its own while this thread counts; whether the count
+    moved during the checksum (read by the hashing thread just before and just after)."""
+    count, started, done, moved = [0], threading.Event(), threading.Event(), []
+
+    def hash_and_watch() -> None:
+        started.set()
+        before = count[0]
+        cs.checksum(buf)
+        moved.append(count[0] - before)
+        done.set()
+
+    hasher = threading.Thread(target=hash_and_watch)
+    hasher.start()
+    started.wait()
+    while not done.is_set():
+        count[0] += 1
+        if count[0] % 1000 == 0:
+            time.sleep(0)  # lets the hashing thread back in between its chunks
+    hasher.join()
+    return moved[0] > 0
+
+
+def test_hashing_lets_other_threads_run():
+    """Hashing gives up the GIL while it hashes, so the copier's hashing threads run in
+    parallel (xxhash's Python API holds it: they would take turns).
+
+    The switch interval is raised far above the time the whole checksum takes, so a hash that
+    holds the GIL lets no other thread run until it is done; one that lets go of it does. A
+    busy machine may not run the counting thread during a given checksum, hence a few tries."""
+    buf = random_bytes(64 << 20)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        ran = any(_another_thread_ran_while_hashing(buf) for _ in range(20))
+    finally:
+        sys.setswitchinterval(interval)
+    assert ran, "no other thread ran while a buffer was hashed: hashing holds the GIL"
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -137,6 +174,7 @@ def test_c_loop_rejects_bad_arguments():
         cs.native_hash_copy(a.ctypes.data, 0, 16, CHUNK, 0)  # nowhere for the digest
 
 
+@pytest.mark.slow
 def test_c_loop_can_be_switched_off():
     """MLCHECKPOINT_NATIVE=0 (an escape hatch if the C loop misbehaves somewhere) selects the
     Python loop, and a save still works with it."""

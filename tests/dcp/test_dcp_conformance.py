@@ -238,6 +238,7 @@ def four_ranks():
                "expected": torch.load(os.path.join(c.out_dir, "expected.pt"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("case", MULTI_RANK_CASES)
 def test_multi_rank(four_ranks, case, backend_name):
@@ -248,6 +249,7 @@ def test_multi_rank(four_ranks, case, backend_name):
     assert not bad, bad
 
 
+@pytest.mark.slow
 def test_multi_rank_dedup_left_ranks_with_nothing_to_write(four_ranks):
     """The cases above did exercise empty shards: DCP gave some rank no item at all."""
     items = {rank: r["items"] for rank, r in four_ranks["results"].items()}
@@ -256,12 +258,14 @@ def test_multi_rank_dedup_left_ranks_with_nothing_to_write(four_ranks):
         assert 0 in [items[0][case], items[1][case]], items
 
 
+@pytest.mark.slow
 def test_multi_rank_saves_leave_no_uncommitted_buffer(four_ranks):
     """async_save stages under the process's own rank before DCP names the rank it saves as
     (0 with no_dist): the staged buffer becomes that rank's shard, nothing is left behind."""
     assert {rank: r["gc"] for rank, r in four_ranks["results"].items()} == {r: [] for r in range(4)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("case", ["replicated", "dtensor", "two_ranks"])
 def test_load_multi_rank_checkpoint_on_one_rank(four_ranks, case, backend_name):
@@ -292,6 +296,7 @@ def replicated_empty_shards():
         yield saved, c.results("repl_resume"), c.logs()
 
 
+@pytest.mark.slow
 def test_shards_without_tensor_bytes_replicate(replicated_empty_shards):
     saved, _, logs = replicated_empty_shards
     assert sorted(saved) == [0, 1], logs
@@ -305,6 +310,7 @@ def test_shards_without_tensor_bytes_replicate(replicated_empty_shards):
         assert any(n == 1 and nbytes > 0 for n, nbytes in held[2].values()), held
 
 
+@pytest.mark.slow
 def test_shard_without_tensor_bytes_recovers_from_peer(replicated_empty_shards):
     _, resumed, logs = replicated_empty_shards
     assert sorted(resumed) == [0, 1], logs

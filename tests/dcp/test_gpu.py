@@ -39,6 +39,7 @@ def test_async_save_stages_device_tensors_straight_into_tmpfs():
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL replication needs two GPUs")
 def test_replication_over_dedicated_nccl_group():
     with Cluster(2, 1) as c:

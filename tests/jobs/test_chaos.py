@@ -26,8 +26,8 @@ same step numbers again with other bytes, so mixing two runs' copies of a step i
 
 CI runs a few rounds with a fixed seed. Longer runs, by hand:
 
-    MLCHECKPOINT_CHAOS_ROUNDS=200 python -m pytest -s tests/test_chaos.py
-    MLCHECKPOINT_CHAOS_SEED=7 MLCHECKPOINT_CHAOS_ROUNDS=50 python -m pytest -s tests/test_chaos.py
+    MLCHECKPOINT_CHAOS_ROUNDS=200 python -m pytest -s tests/jobs/test_chaos.py
+    MLCHECKPOINT_CHAOS_SEED=7 MLCHECKPOINT_CHAOS_ROUNDS=50 python -m pytest -s tests/jobs/test_chaos.py
 
 Every failure names the seed and the round, the plan of every round so far and the node logs.
 ``-s`` shows the summary (kills survived, resumes by source).
@@ -51,7 +51,7 @@ SEED = int(os.environ.get("MLCHECKPOINT_CHAOS_SEED", "373"))
 ROUNDS = int(os.environ.get("MLCHECKPOINT_CHAOS_ROUNDS", "6"))
 HANG_S = 120  # a launch making no progress for this long is reported as hung
 
-pytestmark = pytest.mark.timeout(300 + 60 * ROUNDS)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300 + 60 * ROUNDS)]
 
 # (crash point, when): "save" points fire at a step saved after the resume, "resume" points
 # are armed from the start (the first replica received: the resume's or healing fetches).
@@ -140,7 +140,7 @@ class Chaos:
             f"chaos seed={self.seed} round={rnd}: {what}\n"
             f"reproduce (timing permitting): MLCHECKPOINT_CHAOS_SEED={self.seed} "
             f"MLCHECKPOINT_CHAOS_ROUNDS={self.env_rounds(rnd + 1)} "
-            f"python -m pytest -s tests/test_chaos.py -k {self.test}\nrounds:\n{history}\n"
+            f"python -m pytest -s tests/jobs/test_chaos.py -k {self.test}\nrounds:\n{history}\n"
             f"progress: {[(e.round, e.kind, e.step) for e in self.all_events()][-60:]}\n"
             f"logs:\n{self.c.logs()}")
 

@@ -15,7 +15,7 @@ from mlcheckpoint.recovery.planner import MEMORY, Decision, Fetch
 from mlcheckpoint.replication import Transport
 from mlcheckpoint.topology import Topology
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mlcheckpoint"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "mlcheckpoint"
 
 
 def rank_on(node: int, local_rank: int, *, nodes: int = 3, per_node: int = 2) -> Topology:

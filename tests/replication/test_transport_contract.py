@@ -47,7 +47,7 @@ from mlcheckpoint.replication.factory import make_transport
 sys.path.insert(0, WORKERS)
 from repl_peer import make_shard  # a worker module, found through WORKERS
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MiB = 1 << 20
 NBYTES = 6 * MiB + 5  # over several stripes of 1 MiB; not a multiple of anything

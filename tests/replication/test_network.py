@@ -142,6 +142,7 @@ def run_job_in(ns: Namespace, cluster: Cluster, cfg: dict, timeout: float = 180)
     return results
 
 
+@pytest.mark.slow
 def test_replication_listens_on_the_named_interface_and_refuses_loopback(netns):
     with Cluster(2) as c:
         # (a) replication_interface names the namespace's NIC: every rank binds and advertises

@@ -10,11 +10,10 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import signal
 
 import numpy as np
 import pytest
-from helpers import WAIT, wait_for
+from helpers import wait_for
 from tcp_job import connect, debris, frames_to_eof, make_shard, manifest_dict
 
 from mlcheckpoint import ConfigError, ShardNotFoundError, settings
@@ -42,8 +41,7 @@ def same_bytes(a: TcpTransport, b: TcpTransport, step: int, owner: int, nbytes: 
 
 
 @pytest.mark.parametrize("nbytes", [8 * MiB + 7, 3 * MiB, 2 * MiB - 1])
-def test_striped_push_lands_whole_and_verified(make_job, caplog, nbytes):
-    caplog.set_level(logging.DEBUG, logger="mlcheckpoint.replication.tcp")
+def test_striped_push_lands_whole_and_verified(make_job, nbytes):
     job = make_job()
     receiver, sender = striped_pair(job, streams=4)
     m = make_shard(sender.store, 3, 1, nbytes, seed=5, nitems=7)
@@ -53,8 +51,7 @@ def test_striped_push_lands_whole_and_verified(make_job, caplog, nbytes):
         [(i.offset, i.nbytes, i.checksum) for i in m.items]
     assert same_bytes(receiver, sender, 3, 1, nbytes)
     expected = max(1, min(4, nbytes // MiB))
-    if expected > 1:
-        assert f"received step 3 rank 1 over {expected} streams" in caplog.text
+    assert receiver.server.stripes.landed() == ({expected: 1} if expected > 1 else {})
     assert len(receiver.server.stripes) == 0  # no transfer left open
     assert debris(receiver.store) == []
     # a second push of the same shard is a no-op ("have")
@@ -83,33 +80,6 @@ def test_corrupt_stripe_is_refused_and_nothing_is_committed(make_job, tcp_warnin
     make_shard(sender.store, 5, 1, nbytes, seed=3)
     assert sender.push_shard(0, 5, 1) == nbytes
     receiver.store.verify_shard(5, 1)
-
-
-def test_sender_killed_mid_striped_transfer(make_job, tcp_warnings):
-    """SIGKILL a sender process once a stripe is half sent: the receiver stops every stripe,
-    commits nothing, leaves no buffer behind and serves the next push.
-
-    The sender kills itself (a crash point) rather than being killed from here, so the bytes
-    it never sent cannot already sit in the kernel's socket buffers and complete the shard."""
-    job = make_job(world=3)
-    step, owner, nbytes = 7, 1, 96 * MiB
-    receiver = job.endpoint(0)
-    rstore = receiver.store
-    proc = job.spawn(owner, "push", peer=0, step=step, nbytes=nbytes, seed=3, streams=4,
-                     min_stripe_bytes=MiB, env={"MLCHECKPOINT_CRASH_AT": f"replica_mid_send@{step}"})
-    assert proc.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()
-    wait_for(lambda: any(f"step {step}" in m for m in tcp_warnings()),
-             "the receiver to report the broken push", diag=job.logs)
-    wait_for(lambda: len(receiver.server.stripes) == 0 and debris(rstore) == [],
-             "the aborted striped receive to drop its buffer", diag=lambda: "\n".join(tcp_warnings()))
-    with pytest.raises(ShardNotFoundError):
-        rstore.read_manifest(step, owner)
-    assert rstore.gc() == [] and rstore.complete_steps() == []
-    other = job.endpoint(2, streams=4, min_stripe_bytes=MiB)
-    m = make_shard(other.store, step, owner, nbytes, seed=3)
-    assert other.push_shard(0, step, owner) == nbytes
-    got = rstore.verify_shard(step, owner)
-    assert [i.checksum for i in got.items] == [i.checksum for i in m.items]
 
 
 @pytest.mark.parametrize("token", ["unknown", "not-a-string", "reused"])

@@ -2,8 +2,11 @@
 background copy failing on one rank, and a 2-node job that loses a node and resumes bit for
 bit (see tests/workers/overlapped_job.py)."""
 
+import pytest
 from cluster import Cluster
 from helpers import wait_for
+
+pytestmark = pytest.mark.slow
 
 STOP, TOTAL = 3, 6  # as in the worker
 

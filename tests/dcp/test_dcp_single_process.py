@@ -421,45 +421,6 @@ def test_manager_wait_raises_a_failed_background_persistent_write(dirs):
         assert [e.step for e in ckpt.checkpoints()] == [10]
 
 
-def test_manager_resume_from_persistent_when_memory_is_gone(dirs):
-    with manager(dirs, persistent=True) as ckpt:
-        ckpt.save(make_state(4), 4, persistent=True)
-        ckpt.save(make_state(5), 5)
-        ckpt.store.destroy()  # the node's tmpfs is lost
-    with manager(dirs, persistent=True) as ckpt:
-        out = zeros_like_state(make_state())
-        info = ckpt.resume(out)
-        assert (info.step, info.source) == (4, "persistent")
-        assert_same(make_state(4), out)
-
-
-def test_manager_resume_from_persistent_when_all_memory_is_corrupt(dirs):
-    with manager(dirs, persistent=True, keep=3) as ckpt:
-        ckpt.save(make_state(1), 1, persistent=True)
-        ckpt.save(make_state(2), 2)
-        for s in (1, 2):
-            it = item_of(ckpt.store, s, "i64")
-            flip_byte(ckpt.store.data_path(s, 0), it.offset)
-        out = zeros_like_state(make_state())
-        info = ckpt.resume(out)
-        assert (info.step, info.source) == (1, "persistent")
-        assert "step 2" in info.reason and "step 1" in info.reason
-        assert_same(make_state(1), out)
-
-
-def test_manager_newer_persistent_step_wins(dirs):
-    with manager(dirs, persistent=True, keep=3) as ckpt:
-        ckpt.save(make_state(3), 3)
-        ckpt.save(make_state(6), 6, persistent=True)
-        ckpt.store.retire_shard(6, 0)  # memory has 3 only, persistent has 6
-        assert ckpt.store.complete_steps() == [3]
-        out = zeros_like_state(make_state())
-        info = ckpt.resume(out)
-        assert (info.step, info.source) == (6, "persistent")
-        assert "persistent step 6" in info.reason
-        assert_same(make_state(6), out)
-
-
 def test_manager_retention_keeps_newest(dirs):
     with manager(dirs, keep=2) as ckpt:
         for s in range(1, 7):

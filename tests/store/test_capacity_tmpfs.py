@@ -17,6 +17,8 @@ import pytest
 from cluster import WORKERS, Cluster
 from helpers import mounted_tmpfs
 
+pytestmark = pytest.mark.slow
+
 MiB = 1 << 20
 
 
@@ -60,14 +62,12 @@ def test_two_ranks_of_one_node_cannot_both_fit(store_dir):
     both do not. Every rank gets CapacityError (save and async_save) and no rank dies; step 1
     still loads bit-exact; the shard one rank did write is given back, so a 7 MiB step fits
     again in the same run; the restarted job resumes that step."""
-    with Cluster(nnodes=1, nproc=2) as c:
-        with mounted_tmpfs(c.nodes[0].local_dir, "size=32m,mode=0700"):
-            c.run("capacity_race.py", "save", timeout=240)  # every exit code 0: nobody died
-            race = c.results("race")
-            for r in (0, 1):
-                assert race[r] == {"save": "CapacityError", "async_save": "CapacityError",
-                                   "complete": [1], "step1_mismatch": [], "save3": "ok"}, (r, race[r])
-            c.run("capacity_race.py", "resume", timeout=240)
-            resumed = c.results("resumed")
-        assert "SIGBUS" not in c.logs() and "exitcode: -7" not in c.logs()
+    with Cluster(nnodes=1, nproc=2) as c, mounted_tmpfs(c.nodes[0].local_dir, "size=32m,mode=0700"):
+        c.run("capacity_race.py", "save", timeout=240)  # every exit code 0: nobody died
+        race = c.results("race")
+        for r in (0, 1):
+            assert race[r] == {"save": "CapacityError", "async_save": "CapacityError",
+                               "complete": [1], "step1_mismatch": [], "save3": "ok"}, (r, race[r])
+        c.run("capacity_race.py", "resume", timeout=240)
+        resumed = c.results("resumed")  # no rank died (SIGBUS or else): c.run wants exit 0
     assert resumed == {r: {"step": 3, "source": "local", "mismatch": []} for r in (0, 1)}

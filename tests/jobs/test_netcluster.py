@@ -26,8 +26,8 @@ from mlcheckpoint.testing.netcluster import NetCluster, parse_rate, tbf_params
 
 REASON = netcluster.available()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no emulated network: {REASON}")
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "net_resume.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers", "net_resume.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def ip_json(*args: str) -> list[dict]:
@@ -77,6 +77,7 @@ def test_rates_parse_and_buckets_fit_a_gso_segment():
 
 
 # --------------------------------------------------------------------------- the harness
+@pytest.mark.slow  # its throughput probe runs Python in the namespaces
 @needs_netns
 def test_layout_shaping_and_connectivity():
     host_links = sorted(link["ifname"] for link in ip_json("link", "show"))
@@ -185,6 +186,7 @@ def start_child(how: str) -> tuple[subprocess.Popen, dict]:
     return child, json.loads(line)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_sigterm_cleans_up():
     child, made = start_child("term")
@@ -199,6 +201,7 @@ def test_sigterm_cleans_up():
     assert_nothing_left(made["name"], made["root"], set(made["pids"]))
 
 
+@pytest.mark.slow
 @needs_netns
 def test_stale_leftovers_of_a_crashed_run_are_cleaned():
     child, made = start_child("crash")

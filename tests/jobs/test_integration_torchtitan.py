@@ -22,6 +22,8 @@ pytest.importorskip("mlcheckpoint.integrations.torchtitan",
 
 from cluster import Cluster
 
+pytestmark = pytest.mark.slow
+
 STEPS, SAVED_UNTIL = "10", "7"
 
 

@@ -104,6 +104,7 @@ def store_items(c10d: dist.TCPStore) -> dict[str, bytes]:
     return out
 
 
+@pytest.mark.slow
 def test_secret_is_not_in_the_c10d_store(attacked_job):
     c, ready, c10d = attacked_job
     assert ready[0]["protected"] and ready[1]["protected"], c.logs()
@@ -134,6 +135,7 @@ def _secret_guesses(items: dict[str, bytes]) -> set[bytes]:
     return {g for g in guesses if g}
 
 
+@pytest.mark.slow
 def test_nothing_in_the_store_logs_in(attacked_job):
     _c, ready, c10d = attacked_job
     items = store_items(c10d)
@@ -216,6 +218,7 @@ def warning_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if " WARNING " in line and "mlcheckpoint" in line]
 
 
+@pytest.mark.slow
 def test_replication_survives_a_slowloris(attacked_job):
     """200 idle and 10 slowly-talking connections stay open against rank 1's listener while
     the job saves; every step is still protected (rank 0 pushes its shard and the metadata to
@@ -553,6 +556,7 @@ def put_metadata(peer: PgPeer, step: int, blob: bytes | None = None, **kw) -> tu
                         blob=blob, **kw)
 
 
+@pytest.mark.slow
 def test_pg_control_messages_from_strangers_are_refused(pg_peer):
     """A stranger who can write the store cannot make the rank act: unsealed, wrongly sealed,
     moved (replayed at another slot) and other-run messages are all refused, unanswered."""
@@ -635,6 +639,7 @@ def _pg_cases(job_id: str) -> dict[str, tuple[dict, bytes | None]]:
     return cases
 
 
+@pytest.mark.slow
 def test_pg_malformed_requests_get_an_error_reply(pg_peer):
     peer = pg_peer
     wrong = {}

@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import struct
-import threading
 
 import pytest
 import torch
@@ -24,16 +23,15 @@ from tcp_job import (
     Job,
     assert_serves,
     connect,
-    debris,
     frames_to_eof,
     half_close,
     make_shard,
     manifest_dict,
 )
 
-from mlcheckpoint import MemoryStorageWriter, ShardNotFoundError
+from mlcheckpoint import MemoryStorageWriter
 from mlcheckpoint.integrity.checksum import checksum
-from mlcheckpoint.replication import ReplicationError, Replicator, sink
+from mlcheckpoint.replication import ReplicationError, Replicator
 from mlcheckpoint.replication import protocol as p
 from mlcheckpoint.replication.protocol import MAX_METADATA_BYTES
 from mlcheckpoint.replication.tcp import TcpTransport
@@ -41,7 +39,6 @@ from mlcheckpoint.store import (
     LocalStore,
     ManifestItem,
     MetadataHeader,
-    layout,
 )
 from mlcheckpoint.store.manifest import encode_metadata
 from mlcheckpoint.topology import Topology
@@ -343,93 +340,6 @@ def test_peer_supplied_names_are_never_paths(make_job, tcp_warnings, kind):
     assert_serves(job, receiver, sender, step=7)
 
 
-# --------------------------------------------------------------------------- peers dying
-def test_receiver_killed_mid_transfer(make_job):
-    """The partner SIGKILLs itself after receiving half a replica (MLCHECKPOINT_CRASH_AT)."""
-    job = make_job()
-    sender = job.endpoint(0, timeout=60)
-    step, nbytes = 5, 16 << 20
-    m = make_shard(sender.store, step, 0, nbytes, seed=1)
-    proc = job.spawn(1, "serve", env={"MLCHECKPOINT_CRASH_AT": f"replica_mid_recv@{step}#0"})
-    job.status("1.ready", proc)
-    with pytest.raises(ReplicationError):
-        sender.push_shard(1, step, 0)
-    assert proc.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()
-    # the shard was never committed on the dead partner; only debris is left
-    rstore = LocalStore(job.node_dir(1), job.job_id, create=False)
-    with pytest.raises(ShardNotFoundError):
-        rstore.read_manifest(step, 0)
-    assert rstore.step_state(step).committed_ranks == set()
-    left = debris(rstore)
-    assert left, "expected the half-received buffer to be left behind"
-    removed = rstore.gc()
-    assert sorted(os.path.basename(x) for x in removed) == sorted(left)
-    assert debris(rstore) == []
-    assert rstore.step_state(step).committed_ranks == set()
-    # the sender is unharmed: its shard is intact and a push to the dead peer fails, not hangs
-    sender.store.verify_shard(step, 0)
-    with pytest.raises(ReplicationError):
-        sender.push_shard(1, step, 0)
-    assert m.data_bytes == nbytes
-    # whatever gc leaves of the step (an empty directory), it is never taken for a checkpoint
-    st = rstore.step_state(step)
-    assert not st.committed_ranks and not st.has_metadata and not st.complete
-    assert rstore.complete_steps() == []
-
-
-def test_sender_killed_mid_transfer(make_job, tcp_warnings, monkeypatch):
-    """A sender process is SIGKILLed while its shard is on the wire: the receiver stays up,
-    commits nothing, drops the half-filled buffer and then takes a full push from another rank.
-
-    The sender kills itself once it has sent half (a crash point), so the other half cannot
-    already be on its way in socket buffers; the receiver holds at half way meanwhile, so the
-    transfer can be looked at while it is open."""
-    job = make_job(world=3)
-    step, owner, nbytes = 7, 1, 32 << 20
-    half_received, go_on = threading.Event(), threading.Event()
-    real_crash_point = sink.crash_point
-
-    def pause_at_half(name, s=None, r=None):  # receiver side: hold the transfer at half way
-        if name == "replica_mid_recv" and (s, r) == (step, owner) and not half_received.is_set():
-            half_received.set()
-            go_on.wait(WAIT)
-        real_crash_point(name, s, r)
-
-    monkeypatch.setattr(sink, "crash_point", pause_at_half)
-    receiver = job.endpoint(0, timeout=60)
-    rstore = receiver.store
-    proc = job.spawn(owner, "push", peer=0, step=step, nbytes=nbytes, seed=3, timeout=60,
-                     env={"MLCHECKPOINT_CRASH_AT": f"replica_mid_send@{step}"})
-    try:
-        wait_for(half_received.is_set, "the receiver to get half the shard", diag=job.logs)
-        partial = rstore.data_path(step, owner) + layout.PARTIAL
-        assert os.path.exists(partial)
-        with pytest.raises(ShardNotFoundError):
-            rstore.read_manifest(step, owner)
-        assert proc.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()
-    finally:
-        go_on.set()
-    wait_for(lambda: not os.path.exists(partial), "the aborted receive to drop its buffer",
-             diag=lambda: "\n".join(tcp_warnings()))
-    wait_for(lambda: any("closed after" in m for m in tcp_warnings()), "a warning about the cut transfer")
-    assert not os.path.exists(os.path.join(job.status_dir, f"{owner}.result"))
-    with pytest.raises(ShardNotFoundError):
-        rstore.read_manifest(step, owner)
-    assert debris(rstore) == []
-    assert rstore.gc() == []  # nothing left for gc
-    st = rstore.step_state(step)
-    assert not st.committed_ranks and not st.has_metadata and rstore.complete_steps() == []
-    # another rank holding the same shard pushes it in full, and it lands verified
-    other = job.endpoint(2)
-    m = make_shard(other.store, step, owner, nbytes, seed=3)
-    assert other.push_shard(0, step, owner) == nbytes
-    got = rstore.verify_shard(step, owner)
-    assert [(i.offset, i.nbytes, i.checksum) for i in got.items] == \
-        [(i.offset, i.nbytes, i.checksum) for i in m.items]
-    with open(rstore.data_path(step, owner), "rb") as a, open(other.store.data_path(step, owner), "rb") as b:
-        assert a.read(nbytes) == b.read(nbytes)
-
-
 # --------------------------------------------------------------------------- replicator behaviour
 def topology(rank: int, world: int = 2) -> Topology:
     return Topology(rank=rank, world_size=world, local_rank=0, local_world_size=1,
@@ -494,6 +404,7 @@ def test_replicator_pushes_only_the_newest_and_supersedes_the_rest(make_job):
     wait_for(lambda: rstore.step_state(4).has_metadata, "metadata of step 4 on the partner")
 
 
+@pytest.mark.slow
 def test_stopped_partner_does_not_stall_saves(make_job):
     """A partner frozen with SIGSTOP: saves keep committing locally while the push to it is
     stuck; once it resumes, replication catches up with the newest step (older ones dropped)."""

@@ -16,11 +16,15 @@ against the saved tensors, with every rank agreeing, and ``ResumeInfo.resharded`
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
-from cluster import Cluster, kill_strays, lose_node
+from cluster import WORKERS, Cluster, free_port, kill_strays, lose_node
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -127,3 +131,84 @@ def test_grow_onto_an_empty_node(run):
     assert step == LAST
     check_resumed(run["grow"], 4, step, run["logs"])
     assert {r["source"] for r in run["grow"].values()} == {"peer"}, run["grow"]
+
+
+# ---------------------------------------------------------------------------- a real elastic launch
+def start_elastic_agent(c: Cluster, node: int, port: int, spec: dict, env: dict[str, str]) -> None:
+    """torchrun's elastic agent on simulated ``node``: ``--nnodes=1:2`` over the c10d
+    rendezvous at ``port``, restarting its workers when a rank fails or the membership
+    changes. Every agent here runs on the endpoint's host, and the first to bind the port
+    hosts the rendezvous store: node 0 starts first, so losing node 1 leaves the store up."""
+    n = c.nodes[node]
+    e = dict(os.environ, MLCHECKPOINT_LOCAL_DIR=n.local_dir, TEST_OUT_DIR=c.out_dir,
+             TEST_PERSISTENT_DIR=c.persistent_dir, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+             **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
+           f"--nproc-per-node={c.nproc}", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={c.job_id}", "--max-restarts=2",
+           "--monitor-interval=0.5", "--rdzv-conf=last_call_timeout=2,join_timeout=120",
+           os.path.join(WORKERS, "elastic_job.py"), json.dumps([spec])]
+    with open(n.log_path, "a") as logf:
+        n.proc = subprocess.Popen(cmd, env=e, stdout=logf, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+
+
+def wait_for_listener(port: int, c: Cluster) -> None:
+    deadline = time.time() + LAUNCH_TIMEOUT
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert time.time() < deadline, f"node 0's agent never listened:\n{c.logs()}"
+        time.sleep(0.1)
+
+
+def wait_for_steps(c: Cluster, name: str, ranks: int, count: int) -> int:
+    """Wait until each of ``ranks`` reported ``count`` acknowledged steps of incarnation
+    ``name``; return the newest step all of them saw acknowledged."""
+    deadline = time.time() + LAUNCH_TIMEOUT
+    while True:
+        res = wait_for_reports(c, "acked", name, ranks)
+        if min(len(r["steps"]) for r in res.values()) >= count:
+            return newest_acked(res)
+        assert time.time() < deadline, f"no progress in {name}:\n{c.logs()}"
+        time.sleep(0.2)
+
+
+def test_torchrun_elastic_grow_then_shrink():
+    """A real ``torchrun --nnodes=1:2`` job: it starts on node 0 alone (1 x 2); node 1 joins
+    and the agents restart the workers as 2 x 2, which resume from node 0's memory; then node
+    1 dies and node 0's agent restarts its workers as 1 x 2, which resume from memory again
+    (node 0 holds node 1's shards as its partner). Each resume loads at least the newest step
+    acknowledged before the change, bit-exact and resharded."""
+    with Cluster(2, nproc=2) as c:
+        job = "torchrun"
+        spec = {"job": c.sub_job(job), "loop": 2, "ack_timeout": 10}
+        # torch 2.13's agents share their rendezvous store with the workers by default, and a
+        # node joining a running job then never gets past the rendezvous (docs/operations.md)
+        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        port = free_port()
+        start_elastic_agent(c, 0, port, spec, env)
+        alone = wait_for_steps(c, f"{job}-r0-w2", 2, 3)
+        wait_for_listener(port, c)
+        start_elastic_agent(c, 1, port, spec, env)  # a membership change: not a restart
+        grown = wait_for_steps(c, f"{job}-r0-w4", 4, 2)
+        lose_node(c.nodes[1])
+        shutil.rmtree(c.nodes[1].local_dir)  # the machine is gone, and its memory with it
+        codes = c.wait(LAUNCH_TIMEOUT, nodes=[0])
+        logs = c.logs()
+        assert codes == [0], f"exit codes {codes}; logs:\n{logs}"
+
+        res = c.sub_job_results("resume", f"{job}-r0-w4")
+        step = res[0]["step"]
+        assert step >= alone, (step, alone, res)
+        check_resumed(res, 4, step, logs)
+        assert {r["source"] for r in res.values()} == {"peer"}, res  # node 1 started empty
+
+        res = c.sub_job_results("resume", f"{job}-r1-w2")
+        step = res[0]["step"]
+        # node 0 may have saved and protected a newer step between the last report and the kill
+        assert step >= grown, (step, grown, res)
+        check_resumed(res, 2, step, logs)
+        after = c.sub_job_results("acked", f"{job}-r1-w2")
+        assert all(r["steps"] == [step + 1, step + 2] for r in after.values()), after

@@ -6,6 +6,14 @@ argv[1]: a JSON list of job specs, run in order, each a dict:
              resume only)
     hold     after its saves, report and then sleep until the test kills the node (a node
              lost while the job runs); must be the last spec
+    loop     a training loop under torchrun's elastic agent: after the resume, save the next
+             steps (an all_reduce on the training group each step, so a lost node is noticed
+             there) until the test kills a node; once restarted (TORCHELASTIC_RESTART_COUNT >
+             0), save ``loop`` more steps and exit. Reports carry the restart count and the world
+             size (a node joining restarts the workers without counting a restart):
+             "resume-<job>-r<n>-w<world>", "acked-<job>-r<n>-w<world>" (rewritten after
+             every step)
+    ack_timeout  seconds to wait for each step's acknowledgement (default 60)
 
 The state is rec_jobs' "elastic" one (a DTensor sharded over all ranks plus replicated
 tensors), valid for any world size. Reports per job: "resume-<job>" {step, source, resharded,
@@ -14,9 +22,11 @@ acknowledged}.
 """
 
 import json
+import os
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 from common import diff, init, report
 from rec_jobs import comparable, elastic_state, elastic_template
@@ -27,21 +37,32 @@ from mlcheckpoint import CheckpointManager
 
 def run_job(spec: dict, rank: int, world: int, mesh) -> None:
     job = spec["job"]
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    job_names = f"{job}-r{restart}-w{world}" if spec.get("loop") else job  # this incarnation's reports
     ckpt = CheckpointManager(job_id=job)
     sd = elastic_template(rank, world, mesh)
     info = ckpt.resume(sd)
     mismatch = ([] if info.step is None
                 else diff(comparable(elastic_state(rank, world, info.step, mesh)), comparable(sd)))
-    report(f"resume-{job}", {"step": info.step, "source": info.source, "resharded": info.resharded,
-                             "match": not mismatch, "mismatch": mismatch, "world": world,
-                             "reason": info.reason})
-    acked = []
+    report(f"resume-{job_names}", {"step": info.step, "source": info.source,
+                                   "resharded": info.resharded, "match": not mismatch,
+                                   "mismatch": mismatch, "world": world, "reason": info.reason})
+    acked: list[int] = []
+    if spec.get("loop"):
+        first = (info.step or 0) + 1
+        last = first + int(spec["loop"]) - 1 if restart else 10**9
+        for step in range(first, last + 1):
+            dist.all_reduce(torch.ones(1))  # the training step's collective
+            ckpt.save(elastic_state(rank, world, step, mesh), step)
+            if ckpt.wait_replicated(step, float(spec.get("ack_timeout", 60))):
+                acked.append(step)
+            report(f"acked-{job_names}", {"steps": acked})
     for step in range(int(spec.get("first", 1)), int(spec.get("last", 0)) + 1):
         ckpt.save(elastic_state(rank, world, step, mesh), step)
         if ckpt.wait_replicated(step, 60):
             acked.append(step)
     ckpt.wait()
-    report(f"acked-{job}", {"steps": acked})
+    report(f"acked-{job_names}", {"steps": acked})
     if spec.get("hold"):
         while True:  # the test SIGKILLs this node; the other node's ranks are killed after it
             time.sleep(1)

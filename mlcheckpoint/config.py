@@ -28,6 +28,7 @@ DEFAULT_LOCAL_DIR = "/dev/shm/mlcheckpoint"
 MEMORY_LIMIT_ENV = "MLCHECKPOINT_MEMORY_LIMIT"
 BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
 IFNAME_ENV = "MLCHECKPOINT_REPLICATION_IFNAME"
+FAILURE_DOMAIN_ENV = "MLCHECKPOINT_FAILURE_DOMAIN"
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -50,6 +51,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MLCHECKPOINT_REPLICATION_HOST", "unset"),
     EnvVar(IFNAME_ENV, "unset"),
     EnvVar(BANDWIDTH_ENV, "auto"),
+    EnvVar(FAILURE_DOMAIN_ENV, "unset"),
     EnvVar("MLCHECKPOINT_TCP_STREAMS", "4"),
     EnvVar("MLCHECKPOINT_TCP_MIN_STRIPE", "67108864"),
     EnvVar("MLCHECKPOINT_COPY_THREADS", "min(4, usable cores)"),
@@ -68,6 +70,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MASTER_ADDR", "127.0.0.1"),
     EnvVar("MASTER_PORT", "29500"),
     EnvVar("TORCHELASTIC_RESTART_COUNT", "0"),
+    # Set by SLURM's topology plugin in each task: the switches above the node, then the node.
+    EnvVar("SLURM_TOPOLOGY_ADDR", "unset"),
+    EnvVar("SLURM_TOPOLOGY_ADDR_PATTERN", "unset"),
 )}
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}

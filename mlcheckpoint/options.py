@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from . import _gc
 from .config import (
     BANDWIDTH_ENV,
+    FAILURE_DOMAIN_ENV,
     IFNAME_ENV,
     MEMORY_LIMIT_ENV,
     env_str,
@@ -38,6 +39,7 @@ from .replication.striping import (
     default_streams,
 )
 from .store import checksum, copier
+from .topology import slurm_failure_domain
 
 REPLICATION_MODES = (*TRANSPORTS, "none")
 
@@ -61,6 +63,8 @@ class Options:
         replication_streams: TCP connections one large shard is pushed over.
         replication_bandwidth: bytes/s replication may send in the background, for the whole
             node; 0: no cap; "auto": a share of the interface's speed (replication/budget.py).
+        failure_domain: what fails together with this node (a rack, a switch, a power feed);
+            partners are chosen in other domains. None: none named (nor by the launcher).
     """
 
     # metadata["env"]: the variable that gives the value when the argument is left unset.
@@ -76,6 +80,7 @@ class Options:
                                      metadata={"env": "MLCHECKPOINT_TCP_STREAMS"})
     replication_interface: str | None = field(default=None, metadata={"env": IFNAME_ENV})
     replication_bandwidth: int | str = field(default="auto", metadata={"env": BANDWIDTH_ENV})
+    failure_domain: str | None = field(default=None, metadata={"env": FAILURE_DOMAIN_ENV})
 
     def __post_init__(self) -> None:
         validate_job_id(self.job_id)
@@ -104,6 +109,11 @@ class Options:
                               "name such as 'eth1' or 'ib0', or leave it unset")
         object.__setattr__(self, "replication_bandwidth",
                            parse_bandwidth(self.replication_bandwidth, "replication_bandwidth"))
+        domain = self.failure_domain
+        if domain is not None and (not isinstance(domain, str) or not domain.strip()
+                                   or not domain.isprintable() or len(domain) > 256):
+            raise ConfigError(f"failure_domain={domain!r}: give a name such as 'rack-12' "
+                              "(printable, at most 256 characters), or leave it unset")
 
     @classmethod
     def resolve(cls, *, job_id: str | None = None, local_dir: str | None = None, keep: int = 2,
@@ -112,6 +122,7 @@ class Options:
                 replication_streams: int | None = None,
                 replication_bandwidth: int | str | None = None,
                 replication_interface: str | None = None,
+                failure_domain: str | None = None,
                 derive_job_id_from: str | None = None) -> Options:
         """CheckpointManager's arguments, with what is left unset taken from the environment
         (``MLCHECKPOINT_*``, the launcher's job id) or its default. ``derive_job_id_from``:
@@ -134,7 +145,9 @@ class Options:
             replication_streams=(replication_streams if replication_streams is not None
                                  else default_streams()),
             replication_interface=interface,
-            replication_bandwidth=resolve_bandwidth(replication_bandwidth))
+            replication_bandwidth=resolve_bandwidth(replication_bandwidth),
+            failure_domain=(failure_domain if failure_domain is not None
+                            else env_str(FAILURE_DOMAIN_ENV) or slurm_failure_domain()))
 
 
 def _argument_or_env(value: str | None, argument: str, variable: str) -> tuple[str | None, str]:

@@ -26,7 +26,7 @@ from ..store import LocalStore
 from ..topology import Topology
 from . import lag
 from .lag import LagWarning, ProtectionStatus
-from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets
+from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets, sources
 from .rendezvous import Rendezvous
 from .rounds import Round, Rounds
 from .transport import Transport
@@ -84,6 +84,22 @@ class Replicator:
         self._thread.start()
         log.info("mlcheckpoint: rank %d replicates to rank(s) %s over %s, keeps replicas of %s",
                  t.rank, self.targets, transport.name, self.sources)
+        if t.local_rank == 0:
+            self._announce_partners(strategy)
+
+    def _announce_partners(self, strategy: PairingStrategy) -> None:
+        """Log and record (history, for ``mlcheckpoint ls``) which nodes keep this node's
+        replicas and whose replicas it keeps, each with its failure domain."""
+        t = self.topology
+        targets = strategy.targets(t.node_rank, t.num_nodes)
+        held = sources(strategy, t.node_rank, t.num_nodes)
+        log.info("mlcheckpoint: %s replicates to %s, keeps the replicas of %s", t.describe_node(t.node_rank),
+                 ", ".join(map(t.describe_node, targets)) or "nobody",
+                 ", ".join(map(t.describe_node, held)) or "nobody")
+        domain = t.domains[t.node_rank] if t.domains else ""
+        history.record(self.store.job_dir, "pairing", node=t.node_rank, domain=domain,
+                       targets=[[n, t.domains[n] if t.domains else ""] for n in targets],
+                       sources=[[n, t.domains[n] if t.domains else ""] for n in held])
 
     # ------------------------------------------------------------------ inputs
     def notify(self, step: int | None = None, *_: object) -> None:

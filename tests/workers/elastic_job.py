@@ -14,6 +14,8 @@ argv[1]: a JSON list of job specs, run in order, each a dict:
              "resume-<job>-r<n>-w<world>", "acked-<job>-r<n>-w<world>" (rewritten after
              every step)
     ack_timeout  seconds to wait for each step's acknowledgement (default 60)
+    domains  each node's failure domain (a list by node rank), given to the manager through
+             MLCHECKPOINT_FAILURE_DOMAIN; absent: none named
 
 The state is rec_jobs' "elastic" one (a DTensor sharded over all ranks plus replicated
 tensors), valid for any world size. Reports per job: "resume-<job>" {step, source, resharded,
@@ -39,6 +41,10 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
     job = spec["job"]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     job_names = f"{job}-r{restart}-w{world}" if spec.get("loop") else job  # this incarnation's reports
+    if spec.get("domains"):
+        os.environ["MLCHECKPOINT_FAILURE_DOMAIN"] = spec["domains"][int(os.environ["GROUP_RANK"])]
+    else:
+        os.environ.pop("MLCHECKPOINT_FAILURE_DOMAIN", None)
     ckpt = CheckpointManager(job_id=job)
     sd = elastic_template(rank, world, mesh)
     info = ckpt.resume(sd)

@@ -10,6 +10,7 @@ job without domains (pairs 0<->1, 2<->3) has lost both copies of rack 0's shards
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 
@@ -19,6 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlcheckpoint import cli
+from mlcheckpoint.errors import ConfigError
+from mlcheckpoint.options import Options
 from mlcheckpoint.replication.pairing import (
     DomainPairing,
     PairwiseRing,
@@ -28,7 +31,7 @@ from mlcheckpoint.replication.pairing import (
     rank_targets,
     sources,
 )
-from mlcheckpoint.topology import slurm_failure_domain
+from mlcheckpoint.topology import Topology, slurm_failure_domain
 
 # Up to 24 nodes in up to 6 domains; "" is a node that names no domain.
 DOMAINS = st.lists(st.sampled_from(["", "r0", "r1", "r2", "r3", "r4", "r5"]), min_size=2,
@@ -119,6 +122,27 @@ def test_slurm_topology_address_names_the_leaf_switch(clean_env, addr, pattern, 
         else:
             clean_env.delenv(var, raising=False)
     assert slurm_failure_domain() == domain
+
+
+def test_the_argument_wins_over_the_variable_and_the_variable_over_slurm(clean_env):
+    clean_env.setenv("SLURM_TOPOLOGY_ADDR", "spine.leaf3.node9")
+    clean_env.setenv("SLURM_TOPOLOGY_ADDR_PATTERN", "switch.switch.node")
+    resolve = functools.partial(Options.resolve, job_id="j", local_dir="/dev/shm/x")
+    assert resolve().failure_domain == "spine.leaf3"
+    clean_env.setenv("MLCHECKPOINT_FAILURE_DOMAIN", "rack-7")
+    assert resolve().failure_domain == "rack-7"
+    assert resolve(failure_domain="pdu-2").failure_domain == "pdu-2"
+    for bad in ("  ", "rack\n1", "x" * 300, 12):
+        with pytest.raises(ConfigError, match="failure_domain"):
+            resolve(failure_domain=bad)
+
+
+def test_a_node_takes_its_local_rank_0s_domain():
+    topo = Topology(rank=3, world_size=6, local_rank=1, local_world_size=2, node_rank=1,
+                    num_nodes=3)
+    agreed = topo.with_domains(["a", "a", "b", None, None, "c"])
+    assert agreed.domains == ("a", "b", "")
+    assert [agreed.describe_node(n) for n in range(3)] == ["node 0 (a)", "node 1 (b)", "node 2"]
 
 
 # ---------------------------------------------------------------------------- a whole rack lost

@@ -93,13 +93,16 @@ class Replicator:
         t = self.topology
         targets = strategy.targets(t.node_rank, t.num_nodes)
         held = sources(strategy, t.node_rank, t.num_nodes)
-        log.info("mlcheckpoint: %s replicates to %s, keeps the replicas of %s", t.describe_node(t.node_rank),
-                 ", ".join(map(t.describe_node, targets)) or "nobody",
+        log.info("mlcheckpoint: %s replicates to %s, keeps the replicas of %s",
+                 t.describe_node(t.node_rank), ", ".join(map(t.describe_node, targets)) or "nobody",
                  ", ".join(map(t.describe_node, held)) or "nobody")
-        domain = t.domains[t.node_rank] if t.domains else ""
-        history.record(self.store.job_dir, "pairing", node=t.node_rank, domain=domain,
-                       targets=[[n, t.domains[n] if t.domains else ""] for n in targets],
-                       sources=[[n, t.domains[n] if t.domains else ""] for n in held])
+
+        def domain(node: int) -> str:
+            return t.domains[node] if t.domains else ""
+
+        history.record(self.store.job_dir, "pairing", node=t.node_rank, domain=domain(t.node_rank),
+                       targets=[[n, domain(n)] for n in targets],
+                       sources=[[n, domain(n)] for n in held])
 
     # ------------------------------------------------------------------ inputs
     def notify(self, step: int | None = None, *_: object) -> None:

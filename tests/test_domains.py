@@ -63,6 +63,17 @@ def test_no_partner_in_its_own_domain_when_avoidable(domains):
     assert len(same) == max(0, 2 * largest - n), (domains, targets)
 
 
+@given(DOMAINS)
+def test_losing_any_domain_of_at_most_half_the_nodes_keeps_a_copy_of_everything(domains):
+    targets = domain_targets(domains)
+    effective = alone(domains)
+    for lost in set(effective):
+        members = {node for node, d in enumerate(effective) if d == lost}
+        if 2 * len(members) <= len(domains):
+            # every node's data is on itself and its partner: one of them survives
+            assert all({node, targets[node]} - members for node in range(len(domains)))
+
+
 @given(st.integers(1, 12), st.integers(1, 12))
 def test_racks_of_equal_size_pair_across_racks(racks, per_rack):
     domains = [f"rack{i // per_rack}" for i in range(racks * per_rack)]

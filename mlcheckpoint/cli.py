@@ -92,9 +92,11 @@ def cmd_ls(args) -> int:
         for s in steps:
             s["replicated_from_here"] = s["step"] in replicated
         protected = [e for e in events if e.get("event") == "protected"]
+        pairing = [e for e in events if e.get("event") == "pairing"]
         entry: dict[str, Any] = {"job": job, "dir": store.job_dir, "steps": steps,
                                  "usage_bytes": store.usage_bytes(),
-                                 "protection": protected[-1] if protected else None}
+                                 "protection": protected[-1] if protected else None,
+                                 "pairing": pairing[-1] if pairing else None}
         if args.persistent:
             entry["persistent_steps"] = PersistentStorage(args.persistent).steps()
         out.append(entry)
@@ -112,10 +114,23 @@ def cmd_ls(args) -> int:
         print(_table(rows, ["step", "state", "checkpoint", "here", "shards here (ranks)",
                             "not here", "metadata", "pushed to partner"]))
         print(_protection_line(entry["protection"]))
+        if entry["pairing"] is not None:
+            print(_pairing_line(entry["pairing"]))
         if "persistent_steps" in entry:
             print(f"persistent steps in {args.persistent}: {entry['persistent_steps'] or 'none'}")
         print()
     return EXIT_OK
+
+
+def _pairing_line(event: dict[str, Any]) -> str:
+    """This node's partners and their failure domains, as its last start recorded them."""
+    def named(node: int, domain: str) -> str:
+        return f"node {node} ({domain})" if domain else f"node {node}"
+
+    targets = ", ".join(named(n, d) for n, d in event.get("targets", [])) or "none"
+    held = ", ".join(named(n, d) for n, d in event.get("sources", [])) or "none"
+    return (f"this node: {named(event.get('node', '?'), event.get('domain', ''))}; partner: "
+            f"{targets} keeps its replicas; it keeps those of {held}")
 
 
 def _protection_line(event: dict[str, Any] | None) -> str:

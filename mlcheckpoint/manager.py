@@ -39,6 +39,7 @@ from .replication import ReceiveSink, Rendezvous, Replicator, network
 from .replication.factory import make_transport
 from .replication.lag import ProtectionStatus, save_times
 from .replication.lag import status as protection_status
+from .replication.pairing import pairing_for
 from .saving import Saver, SaveResult
 from .settings import Launcher, Options, Timeouts, default, tuning
 from .snapshot import GuardHandle, Snapshotter
@@ -80,6 +81,9 @@ class CheckpointManager:
         replication_interface: network interface (e.g. "eth1", "ib0") whose IPv4 address the
             TCP listener binds and advertises to the other nodes (default
             ``$MLCHECKPOINT_REPLICATION_IFNAME``; with ``replication_host``, both must agree).
+        failure_domain: what fails together with this node: a rack, a switch, a power feed
+            (default ``$MLCHECKPOINT_FAILURE_DOMAIN``, else the leaf switch SLURM's topology
+            plugin names). Partners are then chosen in other domains (docs/operations.md).
     """
 
     def __init__(self, persistent_dir: str | PersistentStorage | None = None, *,
@@ -89,7 +93,7 @@ class CheckpointManager:
                  replication_timeout: float = default("replication_timeout"),
                  replication_streams: int | None = None,
                  replication_bandwidth: int | str | None = None,
-                 replication_interface: str | None = None):
+                 replication_interface: str | None = None, failure_domain: str | None = None):
         self.persistent = open_persistent(persistent_dir)
         # Every argument and variable, resolved and checked before anything is written
         # (settings.py declares them). Plain torchrun gives no job id: the persistent folder,
@@ -99,7 +103,7 @@ class CheckpointManager:
             replication=replication, replication_host=replication_host,
             replication_timeout=replication_timeout, replication_streams=replication_streams,
             replication_bandwidth=replication_bandwidth,
-            replication_interface=replication_interface,
+            replication_interface=replication_interface, failure_domain=failure_domain,
             derive_job_id_from=None if self.persistent is None else self.persistent.location)
         network.check_listen_settings(opts.replication_host, opts.replication_interface,
                                       host_given=replication_host is not None,
@@ -119,8 +123,11 @@ class CheckpointManager:
         self._save_pg = dist.new_group(backend="gloo") if self._distributed else None
         self._persist_pg = dist.new_group(backend="gloo") if self._distributed else None
         # This run's identity, agreed by every rank (rank 0's): every save names it, and a
-        # resume extends it with the run it loaded from (see store/identity.py).
-        self.lineage = Lineage(self._all_gather(new_id())[0])
+        # resume extends it with the run it loaded from (see store/identity.py). The same
+        # collective agrees every node's failure domain (the pairing follows them).
+        agreed = self._all_gather((new_id(), opts.failure_domain))
+        self.lineage = Lineage(agreed[0][0])
+        self.topology = self.topology.with_domains([domain for _, domain in agreed])
         self.snapshots = Snapshotter()  # overlapped saves: the staging thread and the guards
         self.lifecycle = Lifecycle(self.store, self.rank, self.keep)
         self.pins = self.lifecycle.pins  # steps whose buffers a transfer or persistent write reads
@@ -164,7 +171,8 @@ class CheckpointManager:
                                    bandwidth=opts.replication_bandwidth, topology=self.topology)
         self.replicator = Replicator(self.store, transport, rdzv, self.topology,
                                      poll_interval=self.timeouts.replicator_poll,
-                                     wait_poll=self.timeouts.wait_poll)
+                                     wait_poll=self.timeouts.wait_poll,
+                                     strategy=pairing_for(self.topology.domains))
         self.replica_owners = self.replicator.sources
         self.retention.protect_replicas(self.replicator, self.replica_owners)
         transport.accept_from(self.lineage)

@@ -106,6 +106,14 @@ def _interface(value: Any, source: str) -> str | None:
     return value
 
 
+def _failure_domain(value: Any, source: str) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.strip()
+                              or not value.isprintable() or len(value) > 256):
+        raise ConfigError(f"{source}={value!r}: give a name such as 'rack-12' (printable, at "
+                          "most 256 characters), or leave it unset")
+    return value
+
+
 def _memory_limit(value: Any, source: str) -> int | None:
     return None if value is None else parse_bytes(value, source)
 
@@ -231,6 +239,12 @@ SETTINGS: tuple[Setting, ...] = (
             "picks NCCL's; see [Replication network](#replication-network)",
             env="MLCHECKPOINT_REPLICATION_IFNAME", keyword=True, check=_interface,
             env_doc="the network interface replication listens on (e.g. `eth1`)"),
+    Setting("failure_domain", "manager", "what fails together with this node (a rack, a switch, "
+            "a power feed): partners are chosen in other domains; `None`: "
+            "`$MLCHECKPOINT_FAILURE_DOMAIN`, else the leaf switch SLURM's topology plugin names "
+            "(`SLURM_TOPOLOGY_ADDR`), else none; see operations.md",
+            env="MLCHECKPOINT_FAILURE_DOMAIN", keyword=True, check=_failure_domain,
+            env_doc="this node's failure domain (e.g. `rack-12`)"),
     # Process-wide tuning (Tuning).
     Setting("min_stripe_bytes", "tuning", "bytes (64 MiB): the least one TCP stream carries; a "
             "shard gets min(streams, size / this) streams", 64 << 20,
@@ -285,6 +299,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("restart_count", "launcher", "set by torchrun; keeps one attempt's rendezvous keys "
             "apart from the next", "0", env="TORCHELASTIC_RESTART_COUNT"),
     # How long the parts wait and how often they look (Timeouts); not variables.
+    Setting("slurm_topology_addr", "launcher", "set by SLURM's topology plugin in each task: "
+            "the switches above the node, then the node (`spine1.leaf7.node42`)",
+            env="SLURM_TOPOLOGY_ADDR"),
+    Setting("slurm_topology_pattern", "launcher", "set by SLURM with `SLURM_TOPOLOGY_ADDR`: "
+            "what each of its parts is (`switch.switch.node`)",
+            env="SLURM_TOPOLOGY_ADDR_PATTERN"),
     Setting("rendezvous", "timeouts", "seconds a rank waits for another's key in the c10d "
             "store (replication addresses, rounds)", 300.0, check=_seconds),
     Setting("handshake", "timeouts", "seconds a TCP connection may take to authenticate", 5.0,
@@ -338,6 +358,7 @@ class Options:
     replication_streams: int = default("replication_streams")
     replication_bandwidth: int | str = default("replication_bandwidth")
     replication_interface: str | None = default("replication_interface")
+    failure_domain: str | None = default("failure_domain")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -363,6 +384,8 @@ class Options:
                 values[s.name] = s.check(arguments.get(s.name, s.default), s.name)
             else:
                 values[s.name] = s.resolve(arguments.get(s.name))
+        if values["failure_domain"] is None:  # the launcher may name one
+            values["failure_domain"] = Launcher.from_env().slurm_failure_domain()
         return cls(job_id=resolve_job_id(arguments.get("job_id"), derive_from=derive_job_id_from),
                    local_dir=resolve_local_dir(arguments.get("local_dir")), **values)
 
@@ -457,6 +480,22 @@ class Launcher:
     master_addr: str = default("master_addr")
     master_port: int = default("master_port")
     restart_count: str = default("restart_count")
+    slurm_topology_addr: str | None = None
+    slurm_topology_pattern: str | None = None
+
+    def slurm_failure_domain(self) -> str | None:
+        """The leaf switch above this node, from SLURM's topology plugin: the address names
+        the switches from the top down and ends with the node (``spine1.leaf7.node42``,
+        pattern ``switch.switch.node``). None without switches (pattern ``node``) or outside
+        SLURM."""
+        addr, pattern = self.slurm_topology_addr, self.slurm_topology_pattern
+        if addr is None or pattern is None:
+            return None
+        parts, kinds = addr.split("."), pattern.split(".")
+        if (len(parts) != len(kinds) or len(kinds) < 2 or kinds[-1] != "node"
+                or kinds[-2] != "switch"):
+            return None
+        return ".".join(parts[:-1])  # the whole path: two spines' leaf switches may share a name
 
     @classmethod
     def from_env(cls) -> Launcher:

@@ -1,7 +1,10 @@
-"""Who this process is: rank, node and local rank, from torch.distributed and the launcher."""
+"""Who this process is: rank, node and local rank, from torch.distributed and the launcher;
+and, once the ranks have agreed them, every node's failure domain."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -21,6 +24,8 @@ class Topology:
     # routes there unless told otherwise (replication/network.py).
     master_addr: str = default("master_addr")
     master_port: int = default("master_port")
+    # Each node's failure domain ("" where none was named); empty until agreed (with_domains).
+    domains: tuple[str, ...] = ()
 
     @classmethod
     def detect(cls, launcher: Launcher) -> Topology:
@@ -41,3 +46,15 @@ class Topology:
     def ranks_of_node(self, node: int) -> list[int]:
         """Ranks on ``node`` (torchrun numbers ranks node by node)."""
         return list(range(node * self.local_world_size, (node + 1) * self.local_world_size))
+
+    def with_domains(self, per_rank: Sequence[str | None]) -> Topology:
+        """This topology with every node's failure domain, from each rank's (gathered in
+        rank order): a node's domain is its local rank 0's."""
+        domains = tuple(per_rank[node * self.local_world_size] or ""
+                        for node in range(self.num_nodes))
+        return dataclasses.replace(self, domains=domains)
+
+    def describe_node(self, node: int) -> str:
+        """"node 2 (rack-b)", or "node 2" when it named no domain."""
+        domain = self.domains[node] if node < len(self.domains) else ""
+        return f"node {node} ({domain})" if domain else f"node {node}"

@@ -168,7 +168,8 @@ class MLCheckpointStrategy(ModelParallelStrategy):
                  replication_interface: str | None = None,
                  replication_bandwidth: str | int | None = None,
                  replication_timeout: float = default("replication_timeout"),
-                 replication_streams: int | None = None, **kwargs: Any):
+                 replication_streams: int | None = None, failure_domain: str | None = None,
+                 **kwargs: Any):
         super().__init__(**kwargs)
         self._folder = folder
         self._manager_args: dict[str, Any] = {
@@ -176,7 +177,8 @@ class MLCheckpointStrategy(ModelParallelStrategy):
             "memory_limit_bytes": memory_limit, "replication_host": replication_host,
             "replication_interface": replication_interface,
             "replication_bandwidth": replication_bandwidth,
-            "replication_timeout": replication_timeout, "replication_streams": replication_streams}
+            "replication_timeout": replication_timeout, "replication_streams": replication_streams,
+            "failure_domain": failure_domain}
         self.checkpoints: CheckpointManager | None = None
         self.last_resume: ResumeInfo | None = None  # that of the last load_checkpoint(LATEST)
         self._failed = False

@@ -110,6 +110,10 @@ class MemoryCheckpointManager(CheckpointManager):
         """Network interface the TCP listener binds, e.g. "eth1" (default
         $MLCHECKPOINT_REPLICATION_IFNAME)."""
 
+        failure_domain: str | None = None
+        """This node's failure domain, e.g. "rack-12": partners are chosen in other domains
+        (default $MLCHECKPOINT_FAILURE_DOMAIN, else SLURM's leaf switch)."""
+
         replication_bandwidth: str | None = None
         """Background replication budget per node, e.g. "1Gbit" (default
         $MLCHECKPOINT_REPLICATION_BANDWIDTH or "auto")."""
@@ -144,7 +148,7 @@ class MemoryCheckpointManager(CheckpointManager):
             replication_interface=config.replication_interface,
             replication_bandwidth=config.replication_bandwidth,
             replication_timeout=config.replication_timeout,
-            replication_streams=config.replication_streams)
+            replication_streams=config.replication_streams, failure_domain=config.failure_domain)
 
     # ------------------------------------------------------------------ save
     def _memory_due(self, curr_step: int) -> bool:

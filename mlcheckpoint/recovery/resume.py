@@ -45,6 +45,9 @@ class ResumeInfo:
     sources: dict[int, str] = field(default_factory=dict)  # rank -> where its bytes came from
     bytes_fetched: int = 0  # job-wide, from peers
     reason: str | None = None  # why newer candidates were refused, if any
+    # True when the step was saved by another world size (DCP resharded it on load: an elastic
+    # restart); None when that is not known (a persistent checkpoint does not record it).
+    resharded: bool | None = False
 
 
 @dataclass
@@ -240,13 +243,15 @@ class Recovery:
         if d.kind == MEMORY:
             overall = "peer" if "peer" in sources.values() else "local"
         reason = "; ".join([r for r in [d.reason, *notes] if r]) or None
+        resharded = {MEMORY: d.resharded, PERSISTENT: None}.get(d.kind, False)
         info = ResumeInfo(step=d.step, source=overall, seconds=time.perf_counter() - t0,
-                          sources=sources, bytes_fetched=sum(b for _, b in gathered), reason=reason)
+                          sources=sources, bytes_fetched=sum(b for _, b in gathered), reason=reason,
+                          resharded=resharded)
         if d.step is None:
             log.info("mlcheckpoint: no usable checkpoint, starting fresh (%s)", reason)
         else:
-            log.info("mlcheckpoint: resumed step %d from %s in %.3fs (%d bytes from peers; %s)%s",
-                     d.step, overall, info.seconds, info.bytes_fetched,
+            log.info("mlcheckpoint: resumed step %d from %s%s in %.3fs (%d bytes from peers; %s)%s",
+                     d.step, overall, ", resharded" if resharded else "", info.seconds, info.bytes_fetched,
                      ", ".join(f"{k} {v:.3f}s" for k, v in self.phases.items()),
                      f"; {reason}" if reason else "")
         return info

@@ -28,7 +28,7 @@ from ..topology import Topology
 from ..waiting import deadline_in, wait_until
 from . import lag
 from .lag import LagWarning, ProtectionStatus
-from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets
+from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets, sources
 from .rendezvous import Rendezvous
 from .rounds import Round, Rounds
 from .transport import Transport
@@ -88,6 +88,25 @@ class Replicator:
         self._thread.start()
         log.info("mlcheckpoint: rank %d replicates to rank(s) %s over %s, keeps replicas of %s",
                  t.rank, self.targets, transport.name, self.sources)
+        if t.local_rank == 0:
+            self._announce_partners(strategy)
+
+    def _announce_partners(self, strategy: PairingStrategy) -> None:
+        """Log and record (history, for ``mlcheckpoint ls``) which nodes keep this node's
+        replicas and whose replicas it keeps, each with its failure domain."""
+        t = self.topology
+        targets = strategy.targets(t.node_rank, t.num_nodes)
+        held = sources(strategy, t.node_rank, t.num_nodes)
+        log.info("mlcheckpoint: %s replicates to %s, keeps the replicas of %s",
+                 t.describe_node(t.node_rank), ", ".join(map(t.describe_node, targets)) or "nobody",
+                 ", ".join(map(t.describe_node, held)) or "nobody")
+
+        def domain(node: int) -> str:
+            return t.domains[node] if t.domains else ""
+
+        history.record(self.store.job_dir, "pairing", node=t.node_rank, domain=domain(t.node_rank),
+                       targets=[[n, domain(n)] for n in targets],
+                       sources=[[n, domain(n)] for n in held])
 
     # ------------------------------------------------------------------ inputs
     def notify(self, step: int | None = None, *_: object) -> None:

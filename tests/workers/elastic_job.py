@@ -1,0 +1,88 @@
+"""Worker for elastic-restart tests: jobs that resume into another shape (nodes x ranks).
+
+argv[1]: a JSON list of job specs, run in order, each a dict:
+    job      job id (its own tmpfs directory on every node)
+    first, last   steps saved after the resume, each waited on until replicated (first > last:
+             resume only)
+    hold     after its saves, report and then sleep until the test kills the node (a node
+             lost while the job runs); must be the last spec
+    loop     a training loop under torchrun's elastic agent: after the resume, save the next
+             steps (an all_reduce on the training group each step, so a lost node is noticed
+             there) until the test kills a node; once restarted (TORCHELASTIC_RESTART_COUNT >
+             0), save ``loop`` more steps and exit. Reports carry the restart count and the world
+             size (a node joining restarts the workers without counting a restart):
+             "resume-<job>-r<n>-w<world>", "acked-<job>-r<n>-w<world>" (rewritten after
+             every step)
+    ack_timeout  seconds to wait for each step's acknowledgement (default 60)
+    domains  each node's failure domain (a list by node rank), given to the manager through
+             MLCHECKPOINT_FAILURE_DOMAIN; absent: none named
+
+The state is rec_jobs' "elastic" one (a DTensor sharded over all ranks plus replicated
+tensors), valid for any world size. Reports per job: "resume-<job>" {step, source, resharded,
+match, mismatch, world, reason} and "acked-<job>" {steps: the saved steps every partner
+acknowledged}.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from common import diff, init, report
+from rec_jobs import comparable, elastic_state, elastic_template
+from torch.distributed.device_mesh import init_device_mesh
+
+from mlcheckpoint import CheckpointManager
+
+
+def run_job(spec: dict, rank: int, world: int, mesh) -> None:
+    job = spec["job"]
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    job_names = f"{job}-r{restart}-w{world}" if spec.get("loop") else job  # this incarnation's reports
+    if spec.get("domains"):
+        os.environ["MLCHECKPOINT_FAILURE_DOMAIN"] = spec["domains"][int(os.environ["GROUP_RANK"])]
+    else:
+        os.environ.pop("MLCHECKPOINT_FAILURE_DOMAIN", None)
+    ckpt = CheckpointManager(job_id=job)
+    sd = elastic_template(rank, world, mesh)
+    info = ckpt.resume(sd)
+    mismatch = ([] if info.step is None
+                else diff(comparable(elastic_state(rank, world, info.step, mesh)), comparable(sd)))
+    report(f"resume-{job_names}", {"step": info.step, "source": info.source,
+                                   "resharded": info.resharded, "match": not mismatch,
+                                   "mismatch": mismatch, "world": world, "reason": info.reason})
+    acked: list[int] = []
+    if spec.get("loop"):
+        first = (info.step or 0) + 1
+        last = first + int(spec["loop"]) - 1 if restart else 10**9
+        for step in range(first, last + 1):
+            dist.all_reduce(torch.ones(1))  # the training step's collective
+            ckpt.save(elastic_state(rank, world, step, mesh), step)
+            if ckpt.wait_replicated(step, float(spec.get("ack_timeout", 60))):
+                acked.append(step)
+            report(f"acked-{job_names}", {"steps": acked})
+    for step in range(int(spec.get("first", 1)), int(spec.get("last", 0)) + 1):
+        ckpt.save(elastic_state(rank, world, step, mesh), step)
+        if ckpt.wait_replicated(step, 60):
+            acked.append(step)
+    ckpt.wait()
+    report(f"acked-{job_names}", {"steps": acked})
+    if spec.get("hold"):
+        while True:  # the test SIGKILLs this node; the other node's ranks are killed after it
+            time.sleep(1)
+    ckpt.close()
+
+
+def main() -> None:
+    specs = json.loads(sys.argv[1])
+    rank, world = init()
+    mesh = init_device_mesh("cpu", (world,))
+    for spec in specs:
+        run_job(spec, rank, world, mesh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -21,7 +21,8 @@ fi
 # is refused instead of replacing it with a CUDA build.
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$constraints"
+# (Read from its metadata: importing torch before numpy is installed prints a warning.)
+python -c "import importlib.metadata as m; print('torch==' + m.version('torch').split('+')[0])" > "$constraints"
 if [ "$for_tests" = 0 ]; then
     pip_install -c "$constraints" -e .
     exit 0

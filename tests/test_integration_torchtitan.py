@@ -12,8 +12,10 @@ mid-step while rank 0 waits in a collective: both close() from ``except``, as to
 train.py does, and the job exits instead of hanging in close()'s barrier.
 """
 
+import importlib.util
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -33,6 +35,14 @@ def torchtitan_at(path: str) -> str:
         pytest.skip(f"no torchtitan checkpointer under {path} (scripts/setup.sh --test installs "
                     "torchtitan 0.3.0 there)")
     return path
+
+
+def torchtitan_0_3_0() -> str:
+    """The folder of torchtitan 0.3.0: scripts/setup.sh's, else an installed one."""
+    spec = importlib.util.find_spec("torchtitan")  # finds it without importing it
+    if not os.path.isdir(TORCHTITAN_0_3_0) and spec is not None and spec.origin is not None:
+        return os.path.dirname(os.path.dirname(spec.origin))
+    return torchtitan_at(TORCHTITAN_0_3_0)
 
 
 def _load(cluster: Cluster, tag: str) -> dict[str, torch.Tensor]:
@@ -61,7 +71,9 @@ def _assert_same_run(cluster: Cluster, tag: str, ref: dict, resumed_step: int,
 def node_loss_then_folder_fallback(torchtitan_dir: str) -> None:
     """The whole scenario of this module's docstring, with the torchtitan found in
     ``torchtitan_dir`` (0.3.0 here, its main branch in test_integration_torchtitan_main.py)."""
-    path = os.pathsep.join(p for p in (torchtitan_dir, os.environ.get("PYTHONPATH")) if p)
+    on_path = torchtitan_dir in sys.path  # installed: already there, behind PYTHONPATH
+    path = os.pathsep.join(p for p in (None if on_path else torchtitan_dir,
+                                       os.environ.get("PYTHONPATH")) if p)
     with Cluster(2) as cluster:
         dump = os.path.join(cluster.root, "dump")
         cluster.run("titan_train.py", dump, STEPS, SAVED_UNTIL,
@@ -103,4 +115,4 @@ def node_loss_then_folder_fallback(torchtitan_dir: str) -> None:
 
 @pytest.mark.slow
 def test_torchtitan_checkpointer_resumes_from_partner_then_from_its_folder():
-    node_loss_then_folder_fallback(torchtitan_at(TORCHTITAN_0_3_0))
+    node_loss_then_folder_fallback(torchtitan_0_3_0())

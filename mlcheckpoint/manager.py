@@ -40,6 +40,7 @@ from .replication.factory import make_transport
 from .replication.lag import ProtectionStatus, save_times
 from .replication.lag import status as protection_status
 from .replication.pairing import pairing_for
+from .room import RoomCheck
 from .saving import Saver, SaveResult
 from .settings import Launcher, Options, Timeouts, default, tuning
 from .snapshot import GuardHandle, Snapshotter
@@ -147,6 +148,9 @@ class CheckpointManager:
             log.info("mlcheckpoint: no process group initialised, replication off")
             replication = "none"
         self.replication_mode = replication
+        self.room = RoomCheck(self.store.local_dir, self.store.paths, self.topology, self.keep,
+                              replicating=replication != "none")
+        self.room.at_start()  # a container's small /dev/shm: say so now, not at a failed save
         if replication != "none":
             self._start_replication(replication, opts)
         self.saver = Saver(self.store, self.topology, group=self._save_pg,
@@ -198,7 +202,9 @@ class CheckpointManager:
         """Save ``step`` and return once it is committed in tmpfs on every rank."""
         self._check_open()
         persist = self._persistent_for(persistent)
-        return self.saver.save(state_dict, step, self.lineage, persist)
+        result = self.saver.save(state_dict, step, self.lineage, persist)
+        self.room.after_first_save(step)
+        return result
 
     def guard(self, optimizer: torch.optim.Optimizer) -> GuardHandle:
         """Make ``async_save`` overlap its copy with the next step: every
@@ -238,7 +244,9 @@ class CheckpointManager:
         """
         self._check_open()
         persist = self._persistent_for(persistent)
-        return self.saver.async_save(state_dict, step, self.lineage, persist, overlap)
+        future = self.saver.async_save(state_dict, step, self.lineage, persist, overlap)
+        self.room.after_first_save(step)
+        return future
 
     # ------------------------------------------------------------------ resume
     def resume(self, state_dict: dict[str, Any]) -> ResumeInfo:

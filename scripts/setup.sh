@@ -1,25 +1,48 @@
 #!/usr/bin/env bash
-# Creates .venv with torch 2.13.0 (CPU build) and mlcheckpoint installed in editable mode.
-# Idempotent: a second run only checks that everything is there.
+# Creates .venv with torch 2.13.0 (CPU build) and mlcheckpoint installed in editable mode: all
+# the demo needs. `scripts/setup.sh --test` adds what the test suite needs: pytest and the
+# linters, and the frameworks whose integrations it tests (tests/test_integration_*.py).
+# Idempotent: a second run only checks that everything is there. Reads no standard input.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+for_tests=0
+if [ "${1:-}" = "--test" ]; then for_tests=1; fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+pip_install() { python -m pip install -q --disable-pip-version-check "$@"; }
 if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
     # Pinned before anything else: an unpinned torch would pull several GB of CUDA packages.
-    python -m pip install -q --disable-pip-version-check torch==2.13.0
+    pip_install torch==2.13.0
 fi
-python -m pip install -q --disable-pip-version-check -e ".[test]"
-# Framework integrations, for their tests (tests/test_integration_*.py). Pinned, and torch held
-# at the build above: torchtitan without its trainer's dependencies (its checkpointer needs only
-# tyro), Lightning with a constraint so it cannot replace torch with a CUDA build.
-if ! python -c "import importlib.metadata as m, sys; sys.exit([m.version(p) for p in ('torchtitan', 'tyro', 'lightning')] != ['0.3.0', '1.0.17', '2.6.6'])" 2>/dev/null; then
-    constraints=$(mktemp)
-    trap 'rm -f "$constraints"' EXIT
-    python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$constraints"
-    python -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0
-    python -m pip install -q --disable-pip-version-check -c "$constraints" tyro==1.0.17 lightning==2.6.6
+# Everything after this holds torch at the build above: a dependency asking for another torch
+# is refused instead of replacing it with a CUDA build.
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+# (Read from its metadata: importing torch before numpy is installed prints a warning.)
+python -c "import importlib.metadata as m; print('torch==' + m.version('torch').split('+')[0])" > "$constraints"
+if [ "$for_tests" = 0 ]; then
+    pip_install -c "$constraints" -e .
+    exit 0
+fi
+# Lightning and accelerate come with their real dependencies (pyproject.toml's extras).
+pip_install -c "$constraints" -e ".[test,lightning,accelerate]"
+# torchtitan 0.3.0 declares its whole trainer's dependencies (datasets, wandb, tensorboard,
+# torchdata, torch_checkpointing, ... about 50 packages); its checkpointer, which the tests
+# drive, needs only tyro. So the package goes into a folder of its own, outside the
+# environment's site-packages: pip's resolver never sees it half-installed, and
+# tests/test_integration_torchtitan.py puts it on PYTHONPATH for the processes it starts.
+titan=.venv/torchtitan-0.3.0
+if python -c "import importlib.metadata as m; m.version('torchtitan')" 2>/dev/null; then
+    # Put there by an earlier version of this script, without its dependencies.
+    python -m pip uninstall -q -y --disable-pip-version-check torchtitan
+fi
+if [ ! -f "$titan/torchtitan/components/checkpointer/dcp.py" ]; then
+    rm -rf "$titan"
+    pip_install --no-deps --target "$titan" torchtitan==0.3.0
+fi
+if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('tyro') != '1.0.17')" 2>/dev/null; then
+    pip_install -c "$constraints" tyro==1.0.17
 fi

@@ -20,7 +20,8 @@ Select it in a config-registry function (see docs/integration.md)::
   (a ``step-0`` seed checkpoint, ``initial_load_path``, HF weights, or a fresh start).
   An explicit ``load_step`` loads that step from the folder, as torchtitan does.
 
-Supported: torchtitan 0.3.0 exactly; its checkpointer API still changes between releases.
+Supported: torchtitan 0.3.0, and its main branch since the ``CheckpointStorage`` seam
+(pytorch/torchtitan#4186; tested at b5bcd76). Its checkpointer API still changes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal
 
+from torchtitan.components import checkpointer as torchtitan_checkpointer
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.checkpointer.dcp import CheckpointManager
 
@@ -45,15 +47,19 @@ log = logging.getLogger(__name__)
 
 
 def _check_version() -> None:
+    # Main's checkpointer has the CheckpointStorage seam; a checkout of main carries no version
+    # of its own (its metadata, if any, is whatever release is installed beside it).
+    if hasattr(torchtitan_checkpointer, "CheckpointStorage"):
+        return
     try:
         found = version("torchtitan")
     except PackageNotFoundError:
         found = "unknown"
     if found != SUPPORTED_TORCHTITAN:
         raise ImportError(
-            f"mlcheckpoint.integrations.torchtitan supports torchtitan=={SUPPORTED_TORCHTITAN}, "
-            f"found {found}: its checkpointer API changes between releases. Install "
-            f"'mlcheckpoint[torchtitan]' (torchtitan=={SUPPORTED_TORCHTITAN}).")
+            f"mlcheckpoint.integrations.torchtitan supports torchtitan=={SUPPORTED_TORCHTITAN} "
+            f"and torchtitan's main branch, found {found}: its checkpointer API changes between "
+            f"releases. Install 'mlcheckpoint[torchtitan]' (torchtitan=={SUPPORTED_TORCHTITAN}).")
 
 
 _check_version()

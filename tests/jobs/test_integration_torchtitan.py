@@ -1,5 +1,6 @@
-"""torchtitan 0.3.0: mlcheckpoint's checkpointer, driven as torchtitan's Trainer drives it, on
-2 simulated nodes (FSDP2 over gloo, AdamW, an LR schedule, per-rank dataloader state).
+"""torchtitan 0.3.0 (its main branch: test_integration_torchtitan_main.py): mlcheckpoint's
+checkpointer, driven as torchtitan's Trainer drives it, on 2 simulated nodes (FSDP2 over gloo,
+AdamW, an LR schedule, per-rank dataloader state).
 
 One job checkpoints to memory every 2 steps and to torchtitan's folder every 4, until step 7,
 then trains on to step 10 unsaved: the uninterrupted reference. Then
@@ -11,20 +12,39 @@ mid-step while rank 0 waits in a collective: both close() from ``except``, as to
 train.py does, and the job exits instead of hanging in close()'s barrier.
 """
 
+import importlib.util
 import os
 import shutil
+import sys
 
 import pytest
 import torch
-
-pytest.importorskip("mlcheckpoint.integrations.torchtitan",
-                    reason="needs the [torchtitan] extra (scripts/setup.sh installs it)")
-
 from cluster import Cluster
 
 pytestmark = pytest.mark.slow
 
 STEPS, SAVED_UNTIL = "10", "7"
+# Where scripts/setup.sh --test puts torchtitan 0.3.0: outside the environment's site-packages
+# (its trainer's dependencies are not installed), so it is put on the workers' PYTHONPATH.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TORCHTITAN_0_3_0 = os.environ.get("MLCHECKPOINT_TORCHTITAN",
+                                  os.path.join(REPO, ".venv", "torchtitan-0.3.0"))
+
+
+def torchtitan_at(path: str) -> str:
+    """``path``, a folder holding the package ``torchtitan``; skips the test when it is absent."""
+    if not os.path.isfile(os.path.join(path, "torchtitan", "components", "checkpointer", "dcp.py")):
+        pytest.skip(f"no torchtitan checkpointer under {path} (scripts/setup.sh --test installs "
+                    "torchtitan 0.3.0 there)")
+    return path
+
+
+def torchtitan_0_3_0() -> str:
+    """The folder of torchtitan 0.3.0: scripts/setup.sh's, else an installed one."""
+    spec = importlib.util.find_spec("torchtitan")  # finds it without importing it
+    if not os.path.isdir(TORCHTITAN_0_3_0) and spec is not None and spec.origin is not None:
+        return os.path.dirname(os.path.dirname(spec.origin))
+    return torchtitan_at(TORCHTITAN_0_3_0)
 
 
 def _load(cluster: Cluster, tag: str) -> dict[str, torch.Tensor]:
@@ -50,18 +70,26 @@ def _assert_same_run(cluster: Cluster, tag: str, ref: dict, resumed_step: int,
     assert not differ, f"{tag}: parameters/optimizer state differ from the reference: {differ}"
 
 
-def test_torchtitan_checkpointer_resumes_from_partner_then_from_its_folder():
+def node_loss_then_folder_fallback(torchtitan_dir: str) -> None:
+    """The whole scenario of this module's docstring, with the torchtitan found in
+    ``torchtitan_dir`` (0.3.0 here, its main branch in test_integration_torchtitan_main.py)."""
+    on_path = torchtitan_dir in sys.path  # installed: already there, behind PYTHONPATH
+    path = os.pathsep.join(p for p in (None if on_path else torchtitan_dir,
+                                       os.environ.get("PYTHONPATH")) if p)
     with Cluster(2) as cluster:
         dump = os.path.join(cluster.root, "dump")
-        cluster.run("titan_train.py", dump, STEPS, SAVED_UNTIL, env={"TITAN_TAG": "ref"})
+        cluster.run("titan_train.py", dump, STEPS, SAVED_UNTIL,
+                    env={"TITAN_TAG": "ref", "PYTHONPATH": path})
         ref = cluster.results("titan_ref")
+        assert ref[0]["torchtitan"] == os.path.join(torchtitan_dir, "torchtitan"), ref[0]
         assert ref[0]["folder"] == ["step-4"], ref[0]  # torchtitan's own save, every 4 steps
         folder_at_crash = os.path.join(cluster.root, "dump-at-crash")
         shutil.copytree(dump, folder_at_crash)
 
         # Node 1 is replaced by an empty machine: memory still holds step 6 on node 0.
         cluster.nodes[1].wipe()
-        cluster.run("titan_train.py", dump, STEPS, env={"TITAN_TAG": "peer", "TITAN_SEED": "1"})
+        cluster.run("titan_train.py", dump, STEPS,
+                    env={"TITAN_TAG": "peer", "TITAN_SEED": "1", "PYTHONPATH": path})
         _assert_same_run(cluster, "peer", ref, 6, "peer")
         peer = cluster.results("titan_peer")[0]
         assert peer["resume"]["sources"] == {"0": "local", "1": "peer"}
@@ -71,7 +99,7 @@ def test_torchtitan_checkpointer_resumes_from_partner_then_from_its_folder():
         # checkpoint.load_step=4 names a step of the folder: torchtitan loads it, and memory's
         # steps 8 and 10 from the run above are dropped, not kept as the newest.
         cluster.run("titan_train.py", dump, STEPS, env={"TITAN_TAG": "step4", "TITAN_SEED": "3",
-                                                        "TITAN_LOAD_STEP": "4"})
+                                                        "TITAN_LOAD_STEP": "4", "PYTHONPATH": path})
         _assert_same_run(cluster, "step4", ref, 4, None)
         assert all(r["memory_after_load"] == [] for r in cluster.results("titan_step4").values())
 
@@ -79,8 +107,14 @@ def test_torchtitan_checkpointer_resumes_from_partner_then_from_its_folder():
         for node in cluster.nodes:
             node.wipe()
         cluster.start("titan_train.py", folder_at_crash, STEPS,
-                      env={"TITAN_TAG": "folder", "TITAN_SEED": "2", "TITAN_RAISE_AT_END": "1"})
+                      env={"TITAN_TAG": "folder", "TITAN_SEED": "2", "TITAN_RAISE_AT_END": "1",
+                           "PYTHONPATH": path})
         codes = cluster.wait(timeout=90)  # a close() that waits for the failed rank hangs here
         _assert_same_run(cluster, "folder", ref, 4, "persistent")
         assert codes != [0, 0] and "injected failure on rank 1" in cluster.logs()
         assert "closing after an error on this rank" in cluster.nodes[1].log()
+
+
+@pytest.mark.slow
+def test_torchtitan_checkpointer_resumes_from_partner_then_from_its_folder():
+    node_loss_then_folder_fallback(torchtitan_0_3_0())

@@ -23,6 +23,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torchtitan
 from common import init, report
 from fsdp_train import full_tensors
 from torch import nn
@@ -165,7 +166,8 @@ def main() -> None:
                                 "resume": resume_summary(checkpointer.last_resume),
                                 "position": dataloader.position, "memory_after_load": in_memory,
                                 "lr": optimizers.optim.param_groups[0]["lr"],
-                                "folder": sorted(os.listdir(checkpointer.folder))})
+                                "folder": sorted(os.listdir(checkpointer.folder)),
+                                "torchtitan": os.path.dirname(torchtitan.__file__)})
         if os.environ.get("TITAN_RAISE_AT_END"):
             if rank == 1:
                 raise RuntimeError("injected failure on rank 1")

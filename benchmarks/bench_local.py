@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import os
-import re
 import secrets
 import shutil
 import statistics
@@ -395,7 +393,6 @@ def resume_child(args: dict[str, Any]) -> None:
         torch.set_num_threads(args["threads"])
     expected, _ = model_state_dict(args["size_bytes"])  # same seed: the bytes the parent saved
     target = warm_target(expected)
-    phases = PhaseLog()
     with quiet_dcp(), CheckpointManager(job_id=args["job_id"], local_dir=args["local_dir"], keep=2,
                                         replication="none") as ckpt:
         seconds, info = timed(lambda: ckpt.resume(target))
@@ -404,23 +401,7 @@ def resume_child(args: dict[str, Any]) -> None:
     check_equal(expected, target, "fresh-process resume")
     with open(args["out"], "w") as f:
         json.dump({"seconds": seconds, "resume_info_seconds": info.seconds, "step": info.step,
-                   "phases": getattr(info, "phases", None) or phases.phases}, f)
-
-
-class PhaseLog(logging.Handler):
-    """Picks Recovery's phase times out of its "resumed step" log line."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.phases: dict[str, float] = {}
-        logger = logging.getLogger("mlcheckpoint")
-        logger.setLevel(logging.INFO)
-        logger.addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if "resumed step" in msg:
-            self.phases = {m[1].strip(): float(m[2]) for m in re.finditer(r"(?:; |, )([a-z+_ ]+) (\d+\.\d+)s", msg)}
+                   "phases": info.phases}, f)
 
 
 def bench_ours(sd: StateDict, target: StateDict, root: str, cfg: Config,

@@ -64,7 +64,10 @@ def test_bench_local_resumes_in_a_fresh_process(store_dir):
         ckpt.save(sd, 7)
         bench_local.run_fresh_resumes("bench-fresh", local_dir, store_dir, cfg, lambda: 1.0, out)
     assert len(out.fresh_resumes.seconds) == 1 and out.fresh_resumes.seconds[0] > 0
-    assert "load" in out.fresh_phases[0]  # Recovery's phases, as the child reported them
+    # ResumeInfo.phases, as the child reported them: every phase named, the load measured
+    phases = out.fresh_phases[0]
+    assert list(phases) == ["inventory", "plan", "fetch", "verify", "load", "heal"], phases
+    assert phases["load"] > 0 and all(v >= 0 for v in phases.values()), phases
 
 
 def test_bench_training_runs_every_mode():

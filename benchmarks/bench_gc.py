@@ -31,15 +31,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks.common import (
-    make_memcpy,
-    make_workspace,
-    median,
-    model_state_dict,
-    p90,
-    tensors_of,
-    warm_target,
-)
+from benchmarks.harness.baselines import make_memcpy
+from benchmarks.harness.processes import make_workspace
+from benchmarks.harness.stats import median, p90
+from benchmarks.harness.workloads import model_state_dict, tensors_of, warm_target
 from mlcheckpoint import CheckpointManager
 
 SETTINGS = (("paused", "1"), ("collector on", "0"))

@@ -44,24 +44,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from typing_extensions import Self
 
-from benchmarks.common import (
-    GB,
-    GiB,
-    Helpers,
+from benchmarks.harness.baselines import dcp_fs_load, dcp_fs_save, make_memcpy
+from benchmarks.harness.processes import Helpers, exit_on_sigterm, make_workspace
+from benchmarks.harness.report import machine_info
+from benchmarks.harness.stats import GB, GiB, timed
+from benchmarks.harness.workloads import (
     StateDict,
     TensorSpec,
     check_equal,
-    dcp_fs_load,
-    dcp_fs_save,
-    exit_on_sigterm,
-    machine_info,
-    make_memcpy,
-    make_workspace,
     model_state_dict,
     quiet_dcp,
     scrub,
     tensors_of,
-    timed,
     warm_target,
 )
 from benchmarks.local_report import (

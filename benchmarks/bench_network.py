@@ -58,15 +58,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from a checkout: import the package from it
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks.common import (
-    exit_on_sigterm,
-    loadavg,
-    machine_info,
-    median,
-    p90,
-    progress,
-    size_str,
-)
+from benchmarks.harness.processes import exit_on_sigterm
+from benchmarks.harness.report import loadavg, machine_info, progress
+from benchmarks.harness.stats import median, p90, size_str
 from mlcheckpoint import CheckpointManager
 from mlcheckpoint.testing.netcluster import NetCluster, available, parse_rate
 

@@ -34,17 +34,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from a checkout: import the package from it
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import (
+from benchmarks.harness.baselines import dcp_fs_load, dcp_fs_save, raw_socket_seconds
+from benchmarks.harness.processes import (
     Helpers,
-    dcp_fs_load,
-    dcp_fs_save,
     free_port,
     make_workspace,
-    median,
-    raw_socket_seconds,
-    timed,
     torchrun_cmd,
 )
+from benchmarks.harness.stats import median, timed
 from mlcheckpoint.recovery.inventory import NodeInventory, StepCopy
 from mlcheckpoint.recovery.planner import plan_resume
 

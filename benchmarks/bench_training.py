@@ -51,17 +51,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from benchmarks.common import (
-    GiB,
-    exit_on_sigterm,
-    machine_info,
-    make_workspace,
-    median,
-    p90,
-    progress,
-    quiet_dcp,
-    size_str,
-)
+from benchmarks.harness.processes import exit_on_sigterm, make_workspace
+from benchmarks.harness.report import machine_info, progress
+from benchmarks.harness.stats import GiB, median, p90, size_str
+from benchmarks.harness.workloads import quiet_dcp
 from mlcheckpoint import CheckpointManager
 from mlcheckpoint._gilprobe import GilProbe
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.common import GB, size_str
+from benchmarks.harness.stats import GB, size_str
 
 if TYPE_CHECKING:
     from benchmarks.bench_local import Config, Measurement, OursResult

@@ -1,11 +1,12 @@
-"""The benchmarks measure the code that runs: bench_replication's probes time a real receipt
-(it once printed "rx xxh3 0.000" for every push, timing a function the receive path no longer
-called), bench_local's fresh-process resume resumes in a child process, bench_training runs
+"""The benchmarks measure the code that runs: bench_replication's push breakdown is what the
+library reports of a real receipt (probes that wrapped library functions once printed "rx xxh3
+0.000" for every push, timing a function the receive path no longer called), bench_local's fresh-process resume resumes in a child process, bench_training runs
 every mode, and bench_network runs every mode on an emulated cluster and resumes a replaced
 node over its link. Tiny sizes: these check the measuring, not the figures."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -20,38 +21,36 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks import bench_local, bench_network, bench_training
-from benchmarks.common import model_state_dict, quiet_dcp
-from benchmarks.replication_probes import ReceiveClock, SendClock
+
+from benchmarks import bench_local, bench_network, bench_replication, bench_training
+from benchmarks.harness.workloads import model_state_dict, quiet_dcp
 from mlcheckpoint import CheckpointManager, MemoryStorageWriter
 from mlcheckpoint.testing import netcluster
 
 
-def test_replication_probes_time_a_real_receipt(make_job):
+def test_push_phases_come_from_a_real_receipt(make_job):
+    """bench_replication's per-push breakdown is what the receive sink reports of a real
+    receipt (nothing patched): every phase measured, none silently 0."""
     job = make_job(2)
     sender, receiver = job.endpoint(0), job.endpoint(1)
-    receipts: list[dict] = []
-    clock = ReceiveClock()
-    try:
-        receiver.sink.on_received = lambda step, owner: receipts.append(clock.take())
-        sd = {"w": torch.randn(1 << 20), "b": torch.randn(1000), "step": 1}
-        with quiet_dcp():
-            dcp.save(sd, storage_writer=MemoryStorageWriter(1, sender.store), no_dist=True)
-        sender.push_metadata(1, 1)
-        with SendClock(payload_min=1 << 16).installed() as send:
-            t0 = time.perf_counter()
-            assert sender.push_shard(1, 1, 0) > 0
-            tx = send.take(t0, time.perf_counter())
-        wait_for(lambda: receipts, "the receiver's on_received")
-    finally:
-        clock.close()
-    rx = receipts[0]
-    # Every phase measured, none silently 0: the checksums of a 4 MiB replica take time.
-    assert rx["rx_checksum_s"] is not None and rx["rx_checksum_s"] > 0
-    assert rx["rx_buffer_s"] is not None and rx["rx_buffer_s"] > 0
-    assert rx["rx_recv_s"] is not None and rx["rx_commit_s"] is not None and rx["rx_commit_s"] > 0
-    assert rx["recycled"] is False  # the receiver's first buffer is new
-    assert tx["tx_payload_s"] > 0 and tx["tx_before_payload_s"] > 0
+    received: list[tuple[int, int]] = []
+    receiver.sink.on_received = lambda step, owner: received.append((step, owner))
+    sd = {"w": torch.randn(1 << 20), "b": torch.randn(1000), "step": 1}
+    with quiet_dcp():
+        dcp.save(sd, storage_writer=MemoryStorageWriter(1, sender.store), no_dist=True)
+    sender.push_metadata(1, 1)
+    t0 = time.monotonic()
+    assert sender.push_shard(1, 1, 0) > 0
+    t1 = time.monotonic()
+    wait_for(lambda: received, "the receiver's on_received")
+    times = receiver.sink.receipt_times[(1, 0)]
+    row = bench_replication.push_phases({**dataclasses.asdict(times), "retention_s": 0.0}, t0, t1)
+    # The checksums of a 4 MiB replica take time; so do the buffer and the commit.
+    for key in ("rx_checksum_s", "rx_buffer_s", "rx_commit_s", "rx_cpu_s", "tx_payload_s",
+                "tx_before_payload_s", "tx_after_payload_s"):
+        assert row[key] is not None and row[key] > 0, (key, row)
+    assert row["rx_recv_s"] is not None and row["rx_recv_s"] >= 0, row
+    assert t0 < times.buffer_ready_at <= times.commit_at <= t1  # one clock for both ends
 
 
 def test_bench_local_resumes_in_a_fresh_process(store_dir):

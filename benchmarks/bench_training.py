@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from benchmarks.harness.processes import exit_on_sigterm, make_workspace
 from benchmarks.harness.report import machine_info, progress
 from benchmarks.harness.stats import GiB, median, p90, size_str
-from benchmarks.harness.workloads import quiet_dcp
+from benchmarks.harness.workloads import quiet_dcp, tensors_of
 from mlcheckpoint import CheckpointManager
 from mlcheckpoint._gilprobe import GilProbe
 
@@ -296,7 +296,7 @@ class Trainer:
         # The live tensors: the optimizer updates them in place, so one dict serves every save
         # (each save reads them when it is called, as a user's ``state_dict()`` call would).
         self.sd = {"model": model_sd, "optim": optim_sd, "step": 0}
-        self.state_bytes = sum(t.nbytes for t in _tensors(self.sd))
+        self.state_bytes = sum(t.nbytes for t in tensors_of(self.sd))
 
     def step(self, saver: Saver, times: ModeTimes | None = None) -> None:
         t0 = time.perf_counter()
@@ -319,16 +319,6 @@ class Trainer:
             times.optim_step_s.append(t2 - t1)
             times.save_call_s.append(t3 - t2)
             times.guard_wait_s.append(waited)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def make_savers(cfg: Config, root: str, trainer: Trainer) -> tuple[dict[str, Saver], dict[str, str]]:

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.bench_training import _tensors, model_for
+from benchmarks.bench_training import model_for
+from benchmarks.harness.workloads import tensors_of
 from mlcheckpoint import CheckpointManager, history
 
 BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
@@ -152,7 +153,7 @@ def train(args: argparse.Namespace) -> None:
     trainer.forward_backward()  # untimed: DDP's first step, and Adam's moments come to exist
     trainer.optimizer.step()
     sd = trainer.state_dict(0)
-    state_bytes = sum(t.nbytes for t in _tensors(sd))
+    state_bytes = sum(t.nbytes for t in tensors_of(sd))
 
     rss = RssSampler()  # from before the manager: everything checkpointing adds shows
     ckpt = None

@@ -1,6 +1,7 @@
 """The processes of a benchmark run: its private workspace, helper processes (each in a session
-of its own, with a log), torchrun agents of simulated nodes, and the cleanup of all of them.
-Simulated nodes and their ports come from ``mlcheckpoint.testing.cluster``, as in the tests."""
+of its own, with a log) and the cleanup of all of them. Simulated nodes (torchrun agents, one
+tmpfs directory each) come from ``mlcheckpoint.testing.cluster``, as in the tests and the
+demo."""
 
 from __future__ import annotations
 
@@ -16,12 +17,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from mlcheckpoint.testing.cluster import free_port
-
 from .stats import size_str
 
-__all__ = ["REPO_ROOT", "Helpers", "exit_on_sigterm", "free_port", "make_workspace",
-           "start_parent_watchdog", "torchrun_cmd"]
+__all__ = ["REPO_ROOT", "Helpers", "exit_on_sigterm", "make_workspace", "start_parent_watchdog"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,14 +39,6 @@ def make_workspace(prefix: str, shm_dir: str = "/dev/shm", need_bytes: int = 0) 
 def exit_on_sigterm() -> None:
     """SIGTERM raises SystemExit, so ``finally`` blocks remove what the run wrote."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-
-
-def torchrun_cmd(script: str, args: list[str], *, nnodes: int, node_rank: int, port: int,
-                 nproc_per_node: int = 1) -> list[str]:
-    """One torchrun agent of a job simulated on this machine (static rendezvous on loopback)."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-            f"--node-rank={node_rank}", f"--nproc-per-node={nproc_per_node}",
-            "--master-addr=127.0.0.1", f"--master-port={port}", script, *args]
 
 
 def start_parent_watchdog(root: str) -> None:

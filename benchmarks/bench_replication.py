@@ -65,7 +65,7 @@ from benchmarks.harness.baselines import (
     RawSender,
 )
 from benchmarks.harness.processes import Helpers, start_parent_watchdog
-from benchmarks.harness.report import loadavg, progress
+from benchmarks.harness.report import loadavg, progress, run_and_report
 from benchmarks.harness.stats import GiB, gbps, median, proc_cpu
 from benchmarks.harness.workloads import (
     StateDict,
@@ -539,9 +539,8 @@ class Bench:
 
 
 # ---------------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the report and return every figure (see --json)."""
-    cfg = parse_args(argv)
+def run(cfg: Config) -> dict[str, Any]:
+    """Every figure: the transfers, the training-thread run, and their summary."""
     res: dict[str, Any] = {"config": asdict(cfg), "loadavg_start": loadavg()}
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -556,12 +555,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             signal.signal(signal.SIGTERM, previous)
     res["loadavg_end"] = loadavg()
     res["summary"] = summarize(res)
-    report(res, res["summary"], cfg)
-    if cfg.json_path:
-        with open(cfg.json_path, "w") as f:
-            json.dump(res, f, indent=2, default=str)
-        print(f"\nfigures written to {cfg.json_path}")
     return res
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the report and return every figure (see --json)."""
+    cfg = parse_args(argv)
+    return run_and_report(cfg, run, lambda cfg, res: report(res, res["summary"], cfg), cfg.json_path)
 
 
 def _worker(role: str, args: str) -> None:

@@ -53,4 +53,5 @@ def run_and_report(config: Config, run: Callable[[Config], dict[str, Any]],
     if json_path:
         with open(json_path, "w") as f:
             json.dump(figures, f, indent=2, default=str)
+        print(f"\nfigures written to {json_path}")
     return figures

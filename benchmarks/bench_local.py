@@ -46,7 +46,7 @@ from typing_extensions import Self
 
 from benchmarks.harness.baselines import dcp_fs_load, dcp_fs_save, make_memcpy
 from benchmarks.harness.processes import Helpers, exit_on_sigterm, make_workspace
-from benchmarks.harness.report import machine_info
+from benchmarks.harness.report import machine_info, run_and_report
 from benchmarks.harness.stats import GB, GiB, timed
 from benchmarks.harness.workloads import (
     StateDict,
@@ -478,7 +478,6 @@ def measure(cfg: Config, root: str) -> dict[str, Any]:
     sd, specs = model_state_dict(cfg.size_bytes)
     comp = composition(specs)
     composition_dict = comp.as_dict()
-    print_header(machine, composition_dict, cfg)
     target = warm_target(sd)
     memcpy = make_memcpy(tensors_of(sd), tensors_of(target))
     nbytes = comp.total_bytes
@@ -495,11 +494,7 @@ def measure(cfg: Config, root: str) -> dict[str, Any]:
                   + ours.saves.memcpy_s + ours.loads.memcpy_s + ours.async_blocking.memcpy_s + ours.fresh_resumes.memcpy_s + memcpy_after)
     rows = build_rows(cfg, nbytes, memcpy_all, torch_save, fs_save, fs_load, ours)
     estimates = ratios(rows)
-    print_table(rows)
-    print_series(nbytes, memcpy_before, memcpy_after, ours)
-    print_memory(ours.memory, ours.mapped_shmem_end, cfg.sample_interval_s)
     targets = evaluate_targets(estimates, ours.memory)
-    print_targets(targets)
     return {
         "config": asdict(cfg),
         "machine": {**machine, "load_average_end": os.getloadavg()},
@@ -509,15 +504,19 @@ def measure(cfg: Config, root: str) -> dict[str, Any]:
                         "samples": m.series.seconds, "paired_memcpy": m.series.memcpy_s, **m.info}
                     for k, m in rows.items()},
         "ratios": estimates,
+        "memcpy_alone": {"before": memcpy_before, "after": memcpy_after},
+        "ours_series": {"saves": asdict(ours.saves), "loads": asdict(ours.loads),
+                        "async_blocking": asdict(ours.async_blocking),
+                        "async_total_s": ours.async_total_s,
+                        "fresh_resumes": asdict(ours.fresh_resumes), "fresh_phases": ours.fresh_phases},
         "memory": {**ours.memory, "rss_shmem_end": ours.mapped_shmem_end},
         "targets": targets,
         "all_pass": all(t["pass"] for t in targets),
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the report and return every figure (see --json)."""
-    cfg = parse_args(argv)
+def run(cfg: Config) -> dict[str, Any]:
+    """Every figure of the run (see ``measure``), in a workspace removed afterwards."""
     # Peak tmpfs use: keep=2 steps + one in flight + up to two pooled buffers, or one DCP/torch
     # checkpoint at a time; ask for a margin on top.
     root = make_workspace("mlckpt-bench-local-", cfg.shm_dir, need_bytes=6 * cfg.size_bytes)
@@ -530,11 +529,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads_before)  # main() may be called from a longer-lived process
         shutil.rmtree(root, ignore_errors=True)
-    if cfg.json_path:
-        with open(cfg.json_path, "w") as f:
-            json.dump(figures, f, indent=2)
-        print(f"\nfigures written to {cfg.json_path}")
     return figures
+
+
+def report(cfg: Config, figures: dict[str, Any]) -> None:
+    memory = {k: v for k, v in figures["memory"].items() if k != "rss_shmem_end"}
+    print_header(figures["machine"], figures["state_dict"], cfg)
+    print_table(figures["results"])
+    print_series(figures["state_dict"]["total_bytes"], figures["memcpy_alone"], figures["ours_series"])
+    print_memory(memory, figures["memory"]["rss_shmem_end"], cfg.sample_interval_s)
+    print_targets(figures["targets"])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the report and return every figure (see --json)."""
+    cfg = parse_args(argv)
+    return run_and_report(cfg, run, report, cfg.json_path)
 
 
 if __name__ == "__main__":

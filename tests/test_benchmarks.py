@@ -1,8 +1,10 @@
 """The benchmarks measure the code that runs: bench_replication's push breakdown is what the
 library reports of a real receipt (probes that wrapped library functions once printed "rx xxh3
-0.000" for every push, timing a function the receive path no longer called), bench_local's fresh-process resume resumes in a child process, bench_training runs
-every mode, and bench_network runs every mode on an emulated cluster and resumes a replaced
-node over its link. Tiny sizes: these check the measuring, not the figures."""
+0.000" for every push, timing a function the receive path no longer called), bench_local's
+fresh-process resume resumes in a child process and reports ResumeInfo.phases, bench_training
+runs every mode, bench_network runs every mode on an emulated cluster and resumes a replaced
+node over its link, and every benchmark's main runs its config -> run -> report of the figures.
+Tiny sizes: these check the measuring, not the figures."""
 
 from __future__ import annotations
 
@@ -22,7 +24,15 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 
-from benchmarks import bench_local, bench_network, bench_replication, bench_training
+from benchmarks import (
+    bench_first_saves,
+    bench_gc,
+    bench_local,
+    bench_network,
+    bench_recovery,
+    bench_replication,
+    bench_training,
+)
 from benchmarks.harness.workloads import model_state_dict, quiet_dcp
 from mlcheckpoint import CheckpointManager, MemoryStorageWriter
 from mlcheckpoint.testing import netcluster
@@ -77,6 +87,48 @@ def test_bench_training_runs_every_mode():
         assert len(figures["modes"][mode]["step_s"]) == 2
     assert "overlapped_vs_anchor" in figures["summary"]
     assert figures["summary"]["modes"]["overlapped"]["guard_wait_max_s"] >= 0
+
+
+def test_bench_local_quick_reports_every_row(capsys):
+    figures = bench_local.main(["--quick", "--size-gb", "0.01", "--saves", "4", "--fresh-resumes", "1"])
+    assert {"memcpy", "fs_save", "fs_load", "ours_save_steady", "ours_load", "ours_async_blocking",
+            "ours_resume_fresh"} <= set(figures["results"])
+    assert all(r["seconds"] > 0 for r in figures["results"].values())
+    assert list(figures["ours_series"]["fresh_phases"][0]) == ["inventory", "plan", "fetch", "verify",
+                                                               "load", "heal"]
+    out = capsys.readouterr().out  # the report is printed from the figures
+    assert "ours: save, steady state" in out and "fresh-process resume, Recovery's phases" in out
+
+
+def test_bench_first_saves_and_gc_report_their_figures(capsys):
+    first = bench_first_saves.main(["--size-gb", "0.005", "--saves", "2", "--gap-s", "0"])
+    assert len(first["blocking_s"]) == len(first["memcpy_s"]) == 2
+    gc_figures = bench_gc.main(["--size-gb", "0.005", "--heap-objects", "1000", "--garbage", "100",
+                                "--saves", "2", "--rounds", "1", "--kinds", "async"])
+    assert set(gc_figures["async"]) == {name for name, _ in bench_gc.SETTINGS}
+    assert all(len(r["t"]) == 2 and len(r["commit"]) == 2 for r in gc_figures["async"].values())
+    out = capsys.readouterr().out
+    assert "async_save blocking time of saves 1..2" in out and "until committed" in out
+
+
+@pytest.mark.slow
+def test_bench_replication_quick_breaks_every_push_down():
+    figures = bench_replication.main(["--size-gb", "0.01", "--rounds", "4", "--pg-rounds", "2",
+                                      "--saves", "4", "--compute-s", "0.05", "--timeout", "300"])
+    for kind in ("tcp", "pg"):  # every phase as the library reported it: none missing
+        for push in figures[kind]["pushes"]:
+            for key in ("rx_buffer_s", "rx_recv_s", "rx_checksum_s", "rx_commit_s", "rx_cpu_s",
+                        "tx_before_payload_s", "tx_payload_s", "tx_after_payload_s"):
+                assert _number(push[key]), (kind, key, push)
+    assert _number(figures["summary"]["train_thread_s"])
+
+
+@pytest.mark.slow
+def test_bench_recovery_quick_resumes_every_way():
+    figures = bench_recovery.main(["--size-gb", "0.01", "--reps", "1"])
+    for key in ("resume_local_s", "resume_persistent_s", "resume_peer_s", "resume_peer_lopsided_s"):
+        assert _number(figures[key]) and figures[key] > 0, key
+    assert figures["peer_bytes_fetched"] > 0 and figures["targets"]["planner < 1 s at 16k ranks"] in (True, False)
 
 
 def _number(x: object) -> bool:

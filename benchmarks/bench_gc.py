@@ -26,20 +26,17 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks.common import (
-    make_memcpy,
-    make_workspace,
-    median,
-    model_state_dict,
-    p90,
-    tensors_of,
-    warm_target,
-)
+from benchmarks.harness.baselines import make_memcpy
+from benchmarks.harness.processes import make_workspace
+from benchmarks.harness.report import run_and_report
+from benchmarks.harness.stats import median, p90
+from benchmarks.harness.workloads import model_state_dict, tensors_of, warm_target
 from mlcheckpoint import CheckpointManager
 
 SETTINGS = (("paused", "1"), ("collector on", "0"))
@@ -77,15 +74,26 @@ def training_step(garbage: int) -> None:
     del junk
 
 
-def run(args: argparse.Namespace) -> dict:
+@dataclass(frozen=True)
+class Config:
+    size_gb: float = 1.0
+    heap_objects: int = 1_000_000  # long-lived Python objects standing in for a trainer's heap
+    garbage: int = 20_000  # short-lived objects each simulated training step makes
+    saves: int = 10  # per block
+    rounds: int = 3  # blocks per setting
+    kinds: tuple[str, ...] = ("save", "async")
+    shm_dir: str = "/dev/shm"
+
+
+def run(args: Config) -> dict:
+    """Per kind of save, per setting: the times, the memcpys beside them, the collections."""
     sd, _ = model_state_dict(int(args.size_gb * (1 << 30)))
     memcpy = make_memcpy(tensors_of(sd), tensors_of(warm_target(sd)))
     heap = [[i, None] for i in range(args.heap_objects)]  # lists: each one tracked by gc
     gc.collect()
-    print(f"python heap: {len(gc.get_objects()):,} tracked objects; gc thresholds {gc.get_threshold()}")
+    out: dict = {"heap": {"tracked_objects": len(gc.get_objects()), "thresholds": list(gc.get_threshold())}}
     root = make_workspace("mlckpt-bench-gc-", args.shm_dir)
     log = GcLog()
-    out: dict = {}
     try:
         with CheckpointManager(job_id="bench-gc", local_dir=root, keep=2, replication="none") as ckpt:
             step = 0
@@ -117,7 +125,6 @@ def run(args: argparse.Namespace) -> dict:
                             log.bucket = None
                             step += 1
                 out[kind] = rows
-                report(kind, rows)
     finally:
         log.close()
         os.environ.pop("MLCHECKPOINT_PAUSE_GC", None)
@@ -126,7 +133,14 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
-def report(kind: str, rows: dict) -> None:
+def report(cfg: Config, figures: dict) -> None:
+    heap = figures["heap"]
+    print(f"python heap: {heap['tracked_objects']:,} tracked objects; gc thresholds {tuple(heap['thresholds'])}")
+    for kind in cfg.kinds:
+        report_kind(kind, figures[kind])
+
+
+def report_kind(kind: str, rows: dict) -> None:
     label = "ckpt.save" if kind == "save" else "ckpt.async_save, time until it returns"
     print(f"\n{label} (seconds; x memcpy = mean memcpy time / mean time)")
     print(f"  {'setting':13s} {'saves':>5s} {'median':>7s} {'mean':>7s} {'p90':>7s} {'max':>7s} "
@@ -151,7 +165,7 @@ def report(kind: str, rows: dict) -> None:
         f"{name} {(r['save']['s'] + r['train']['s']) / len(r['t']) * 1e3:.1f} ms" for name, r in rows.items()))
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> Config:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=None, help="state dict (default 1; 0.0625 with --quick)")
     ap.add_argument("--heap-objects", type=int, default=1_000_000,
@@ -163,13 +177,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kinds", nargs="+", default=["save", "async"], choices=["save", "async"])
     ap.add_argument("--shm-dir", default="/dev/shm")
     ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    args.size_gb = args.size_gb or (0.0625 if args.quick else 1.0)
-    args.saves = args.saves or (4 if args.quick else 10)
-    args.rounds = args.rounds or (2 if args.quick else 3)
+    a = ap.parse_args(argv)
+    return Config(size_gb=a.size_gb or (0.0625 if a.quick else 1.0), heap_objects=a.heap_objects,
+                  garbage=a.garbage, saves=a.saves or (4 if a.quick else 10),
+                  rounds=a.rounds or (2 if a.quick else 3), kinds=tuple(a.kinds), shm_dir=a.shm_dir)
+
+
+def main(argv: list[str] | None = None) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP: no process group, one process
-        return run(args)
+        return run_and_report(parse_args(argv), run, report)
 
 
 if __name__ == "__main__":

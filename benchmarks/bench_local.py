@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import os
-import re
 import secrets
 import shutil
 import statistics
@@ -46,24 +44,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from typing_extensions import Self
 
-from benchmarks.common import (
-    GB,
-    GiB,
-    Helpers,
+from benchmarks.harness.baselines import dcp_fs_load, dcp_fs_save, make_memcpy
+from benchmarks.harness.processes import Helpers, exit_on_sigterm, make_workspace
+from benchmarks.harness.report import machine_info, run_and_report
+from benchmarks.harness.stats import GB, GiB, timed
+from benchmarks.harness.workloads import (
     StateDict,
     TensorSpec,
     check_equal,
-    dcp_fs_load,
-    dcp_fs_save,
-    exit_on_sigterm,
-    machine_info,
-    make_memcpy,
-    make_workspace,
     model_state_dict,
     quiet_dcp,
     scrub,
     tensors_of,
-    timed,
     warm_target,
 )
 from benchmarks.local_report import (
@@ -395,7 +387,6 @@ def resume_child(args: dict[str, Any]) -> None:
         torch.set_num_threads(args["threads"])
     expected, _ = model_state_dict(args["size_bytes"])  # same seed: the bytes the parent saved
     target = warm_target(expected)
-    phases = PhaseLog()
     with quiet_dcp(), CheckpointManager(job_id=args["job_id"], local_dir=args["local_dir"], keep=2,
                                         replication="none") as ckpt:
         seconds, info = timed(lambda: ckpt.resume(target))
@@ -404,23 +395,7 @@ def resume_child(args: dict[str, Any]) -> None:
     check_equal(expected, target, "fresh-process resume")
     with open(args["out"], "w") as f:
         json.dump({"seconds": seconds, "resume_info_seconds": info.seconds, "step": info.step,
-                   "phases": getattr(info, "phases", None) or phases.phases}, f)
-
-
-class PhaseLog(logging.Handler):
-    """Picks Recovery's phase times out of its "resumed step" log line."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.phases: dict[str, float] = {}
-        logger = logging.getLogger("mlcheckpoint")
-        logger.setLevel(logging.INFO)
-        logger.addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if "resumed step" in msg:
-            self.phases = {m[1].strip(): float(m[2]) for m in re.finditer(r"(?:; |, )([a-z+_ ]+) (\d+\.\d+)s", msg)}
+                   "phases": info.phases}, f)
 
 
 def bench_ours(sd: StateDict, target: StateDict, root: str, cfg: Config,
@@ -503,7 +478,6 @@ def measure(cfg: Config, root: str) -> dict[str, Any]:
     sd, specs = model_state_dict(cfg.size_bytes)
     comp = composition(specs)
     composition_dict = comp.as_dict()
-    print_header(machine, composition_dict, cfg)
     target = warm_target(sd)
     memcpy = make_memcpy(tensors_of(sd), tensors_of(target))
     nbytes = comp.total_bytes
@@ -520,11 +494,7 @@ def measure(cfg: Config, root: str) -> dict[str, Any]:
                   + ours.saves.memcpy_s + ours.loads.memcpy_s + ours.async_blocking.memcpy_s + ours.fresh_resumes.memcpy_s + memcpy_after)
     rows = build_rows(cfg, nbytes, memcpy_all, torch_save, fs_save, fs_load, ours)
     estimates = ratios(rows)
-    print_table(rows)
-    print_series(nbytes, memcpy_before, memcpy_after, ours)
-    print_memory(ours.memory, ours.mapped_shmem_end, cfg.sample_interval_s)
     targets = evaluate_targets(estimates, ours.memory)
-    print_targets(targets)
     return {
         "config": asdict(cfg),
         "machine": {**machine, "load_average_end": os.getloadavg()},
@@ -534,15 +504,19 @@ def measure(cfg: Config, root: str) -> dict[str, Any]:
                         "samples": m.series.seconds, "paired_memcpy": m.series.memcpy_s, **m.info}
                     for k, m in rows.items()},
         "ratios": estimates,
+        "memcpy_alone": {"before": memcpy_before, "after": memcpy_after},
+        "ours_series": {"saves": asdict(ours.saves), "loads": asdict(ours.loads),
+                        "async_blocking": asdict(ours.async_blocking),
+                        "async_total_s": ours.async_total_s,
+                        "fresh_resumes": asdict(ours.fresh_resumes), "fresh_phases": ours.fresh_phases},
         "memory": {**ours.memory, "rss_shmem_end": ours.mapped_shmem_end},
         "targets": targets,
         "all_pass": all(t["pass"] for t in targets),
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the report and return every figure (see --json)."""
-    cfg = parse_args(argv)
+def run(cfg: Config) -> dict[str, Any]:
+    """Every figure of the run (see ``measure``), in a workspace removed afterwards."""
     # Peak tmpfs use: keep=2 steps + one in flight + up to two pooled buffers, or one DCP/torch
     # checkpoint at a time; ask for a margin on top.
     root = make_workspace("mlckpt-bench-local-", cfg.shm_dir, need_bytes=6 * cfg.size_bytes)
@@ -555,11 +529,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads_before)  # main() may be called from a longer-lived process
         shutil.rmtree(root, ignore_errors=True)
-    if cfg.json_path:
-        with open(cfg.json_path, "w") as f:
-            json.dump(figures, f, indent=2)
-        print(f"\nfigures written to {cfg.json_path}")
     return figures
+
+
+def report(cfg: Config, figures: dict[str, Any]) -> None:
+    memory = {k: v for k, v in figures["memory"].items() if k != "rss_shmem_end"}
+    print_header(figures["machine"], figures["state_dict"], cfg)
+    print_table(figures["results"])
+    print_series(figures["state_dict"]["total_bytes"], figures["memcpy_alone"], figures["ours_series"])
+    print_memory(memory, figures["memory"]["rss_shmem_end"], cfg.sample_interval_s)
+    print_targets(figures["targets"])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the report and return every figure (see --json)."""
+    cfg = parse_args(argv)
+    return run_and_report(cfg, run, report, cfg.json_path)
 
 
 if __name__ == "__main__":

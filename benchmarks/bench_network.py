@@ -58,15 +58,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from a checkout: import the package from it
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks.common import (
-    exit_on_sigterm,
-    loadavg,
-    machine_info,
-    median,
-    p90,
-    progress,
-    size_str,
-)
+from benchmarks.harness.processes import exit_on_sigterm
+from benchmarks.harness.report import loadavg, machine_info, progress, run_and_report
+from benchmarks.harness.stats import median, p90, size_str
 from mlcheckpoint import CheckpointManager
 from mlcheckpoint.testing.netcluster import NetCluster, available, parse_rate
 
@@ -367,6 +361,12 @@ def resume_seconds(res: dict[str, Any]) -> float:
     return max(r["seconds"] for k in res["replaced"] for r in replaced_ranks(res, k))
 
 
+def resume_phases(res: dict[str, Any]) -> dict[str, float]:
+    """``ResumeInfo.phases`` of the slowest replaced rank (the one ``resume_seconds`` names)."""
+    slowest = max((r for k in res["replaced"] for r in replaced_ranks(res, k)), key=lambda r: r["seconds"])
+    return slowest.get("phases") or {}
+
+
 def fetched_bytes(res: dict[str, Any], node: int) -> int:
     """What ``node``'s ranks fetched from peers (each rank's own count, from its history)."""
     return sum(r["own_bytes_fetched"] or 0 for r in replaced_ranks(res, node))
@@ -423,7 +423,7 @@ def summarize_resume(res: dict[str, Any]) -> dict[str, Any]:
             "ratio_before": raw_s[0] / seconds, "ratio_after": raw_s[1] / seconds,
             "ratio": (nbytes / (sum(raws) / 2)) / seconds,
             "link_received_bytes": max(res["link_bytes"][k]["received"] for k in res["replaced"]),
-            "launch_s": res["launch_s"]}
+            "launch_s": res["launch_s"], "phases": resume_phases(res)}
 
 
 def summarize(cfg: Config, res: dict[str, Any]) -> dict[str, Any]:
@@ -543,10 +543,8 @@ def command_line(argv: list[str]) -> str:
     return f"cd {shlex.quote(REPO_ROOT)} && {env}{shlex.join([sys.executable, 'benchmarks/bench_network.py', *argv])}"
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the report and return every figure (see --json)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = parse_args(argv)
+def run_all(cfg: Config, argv: list[str]) -> dict[str, Any]:
+    """Every figure: the machine and run's circumstances, every launch and resume, the summary."""
     reason = available()
     if reason:
         raise SystemExit(f"bench_network needs an emulated network: {reason}")
@@ -560,14 +558,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     res = run(cfg)
     meta["duration_s"], meta["load_end"] = time.perf_counter() - t0, loadavg()
-    summary = summarize(cfg, res)
-    report(cfg, res, summary, meta)
-    figures = {"config": asdict(cfg), **meta, **res, "summary": summary}
-    if cfg.json_path:
-        with open(cfg.json_path, "w") as f:
-            json.dump(figures, f, indent=2, default=str)
-        print(f"\nfigures written to {cfg.json_path}")
-    return figures
+    return {"config": asdict(cfg), **meta, **res, "summary": summarize(cfg, res)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the report and return every figure (see --json)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = parse_args(argv)
+    return run_and_report(cfg, lambda cfg: run_all(cfg, argv),
+                          lambda cfg, f: report(cfg, f, f["summary"], f), cfg.json_path)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ Targets: local >= 10x FileSystemReader; peer >= 0.8x raw socket; planner < 1 s a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -34,19 +34,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from a checkout: import the package from it
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import (
-    Helpers,
-    dcp_fs_load,
-    dcp_fs_save,
-    free_port,
-    make_workspace,
-    median,
-    raw_socket_seconds,
-    timed,
-    torchrun_cmd,
-)
+from benchmarks.harness.baselines import dcp_fs_load, dcp_fs_save, raw_socket_seconds
+from benchmarks.harness.processes import make_workspace
+from benchmarks.harness.report import run_and_report
+from benchmarks.harness.stats import median, timed
 from mlcheckpoint.recovery.inventory import NodeInventory, StepCopy
 from mlcheckpoint.recovery.planner import plan_resume
+from mlcheckpoint.testing.cluster import Cluster, write_result
 
 THIS_FILE = os.path.abspath(__file__)
 
@@ -60,7 +54,7 @@ def flat_state(size: int, prefix: str = "", fill: int = 0) -> dict[str, torch.Te
     return d
 
 
-def worker(mode: str, size: int, out: str) -> None:
+def worker(mode: str, size: int, name: str) -> None:
     """One rank of the simulated job (under torchrun): save step 1, or resume it and check it."""
     import torch.distributed as dist
 
@@ -83,31 +77,22 @@ def worker(mode: str, size: int, out: str) -> None:
         ref = flat_state(size, f"r{rank}.", rank)
         result = {"step": info.step, "source": info.sources.get(rank), "seconds": info.seconds,
                   "bytes_fetched": info.bytes_fetched, "exact": all(torch.equal(sd[k], ref[k]) for k in ref)}
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(result, f)
+    write_result(name, rank, result)
     ckpt.close()
     dist.destroy_process_group()
 
 
-def run_job(root: str, job: str, mode: str, size: int, dirs: list[str],
-            env: dict[str, str] | None = None) -> dict[int, dict]:
-    """A job of one torchrun agent per directory in ``dirs`` (a simulated node each)."""
-    port, out = free_port(), os.path.join(root, f"out-{mode}-{uuid.uuid4().hex[:4]}")
-    helpers = Helpers(root)
-    try:
-        procs = [helpers.spawn(torchrun_cmd(THIS_FILE, ["--_worker", mode, str(size), out], nnodes=len(dirs),
-                                            node_rank=k, port=port),
-                               f"{mode}-{os.path.basename(out)}-node{k}",
-                               env={"MLCHECKPOINT_LOCAL_DIR": d, "MLCHECKPOINT_JOB_ID": job, **(env or {})})
-                 for k, d in enumerate(dirs)]
-        helpers.wait(procs, timeout=900)
-    finally:
-        helpers.close()
-    results = {}
-    for k in range(len(dirs)):
-        with open(f"{out}.{k}") as f:
-            results[k] = json.load(f)
-    return results
+def run_job(cluster: Cluster, mode: str, size: int, env: dict[str, str] | None = None) -> dict[int, dict]:
+    """One launch of the job on ``cluster`` (a torchrun agent per simulated node); every rank's
+    result."""
+    name = f"{mode}-{uuid.uuid4().hex[:6]}"
+    cluster.run(THIS_FILE, "--_worker", mode, str(size), name, timeout=900, env=env)
+    return cluster.results(name)
+
+
+def nodes(job: str) -> Cluster:
+    """2 simulated nodes x 1 rank, each with an empty tmpfs directory, running ``job``."""
+    return Cluster(2, job_id=job, prefix="mlckpt-bench-recovery-")
 
 
 def bench_filesystem_reader(root: str, size: int, reps: int) -> float:
@@ -142,7 +127,13 @@ def bench_planner(ranks_per_node: int = 8) -> dict[int, float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+@dataclass(frozen=True)
+class Config:
+    size: int  # checkpoint bytes per rank
+    reps: int
+
+
+def parse_args(argv: list[str] | None) -> tuple[Config, str | None]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-gb", type=float, default=1.0, help="checkpoint bytes per rank")
     ap.add_argument("--reps", type=int, default=3)
@@ -151,53 +142,47 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.size_gb, args.reps = 0.05, 1
-    size = int(args.size_gb * (1 << 30)) // (1 << 20) * (1 << 20)
+    return Config(int(args.size_gb * (1 << 30)) // (1 << 20) * (1 << 20), args.reps), args.json
+
+
+def run(cfg: Config) -> dict:
+    """Every figure (seconds, medians of ``cfg.reps``) and whether each target is met."""
+    size = cfg.size
     root = make_workspace("mlckpt-bench-recovery-")
-    gb = size / 1e9
     res: dict = {"bytes_per_rank": size, "cores": os.cpu_count(), "torch": torch.__version__}
     try:
-        res["filesystem_reader_s"] = bench_filesystem_reader(root, size, args.reps)
-        res["raw_socket_s"] = bench_raw_socket(root, size, args.reps)
-        dirs = [os.path.join(root, f"node{k}") for k in range(2)]
-        for d in dirs:
-            os.makedirs(d)
+        res["filesystem_reader_s"] = bench_filesystem_reader(root, size, cfg.reps)
+        res["raw_socket_s"] = bench_raw_socket(root, size, cfg.reps)
         job = f"bench-{uuid.uuid4().hex[:6]}"
         persistent = {"BENCH_PERSISTENT": os.path.join(root, "persistent")}
-        saved = run_job(root, job, "save", size, dirs, persistent)
-        assert all(r["protected"] for r in saved.values()), saved
         local, from_fs, peer, lopsided = [], [], [], []
-        for _ in range(args.reps):
-            r = run_job(root, job, "resume", size, dirs, persistent)
-            assert all(x["exact"] and x["source"] == "local" for x in r.values()), r
-            local.append(max(x["seconds"] for x in r.values()))
-        for _ in range(args.reps):  # memory gone on both nodes: stock DCP from /dev/shm
-            wiped = [os.path.join(root, f"wiped{k}") for k in range(2)]
-            for w in wiped:
-                os.makedirs(w)
-            r = run_job(root, job, "resume", size, wiped, persistent)
-            assert all(x["exact"] and x["source"] == "persistent" for x in r.values()), r
-            from_fs.append(max(x["seconds"] for x in r.values()))
-            for w in wiped:
-                shutil.rmtree(w)
-        for _ in range(args.reps):
-            shutil.rmtree(dirs[1])
-            os.makedirs(dirs[1])
-            r = run_job(root, job, "resume", size, dirs)
-            assert r[1]["source"] == "peer" and all(x["exact"] for x in r.values()), r
-            peer.append(r[1]["seconds"])
-            res["peer_bytes_fetched"] = r[1]["bytes_fetched"]
+        with nodes(job) as cluster:
+            saved = run_job(cluster, "save", size, persistent)
+            assert all(r["protected"] for r in saved.values()), saved
+            for _ in range(cfg.reps):
+                r = run_job(cluster, "resume", size, persistent)
+                assert all(x["exact"] and x["source"] == "local" for x in r.values()), r
+                local.append(max(x["seconds"] for x in r.values()))
+            for _ in range(cfg.reps):  # memory gone on both nodes: stock DCP from /dev/shm
+                with nodes(job) as wiped:
+                    r = run_job(wiped, "resume", size, persistent)
+                assert all(x["exact"] and x["source"] == "persistent" for x in r.values()), r
+                from_fs.append(max(x["seconds"] for x in r.values()))
+            for _ in range(cfg.reps):
+                cluster.nodes[1].wipe()
+                r = run_job(cluster, "resume", size)
+                assert r[1]["source"] == "peer" and all(x["exact"] for x in r.values()), r
+                peer.append(r[1]["seconds"])
+                res["peer_bytes_fetched"] = r[1]["bytes_fetched"]
         lop = {"BENCH_LOPSIDED": "1"}
-        lop_dirs = [os.path.join(root, f"lop{k}") for k in range(2)]
-        for d in lop_dirs:
-            os.makedirs(d)
-        saved = run_job(root, job + "-lop", "save", size, lop_dirs, lop)
-        assert all(r["protected"] for r in saved.values()), saved
-        for _ in range(args.reps):
-            shutil.rmtree(lop_dirs[1])
-            os.makedirs(lop_dirs[1])
-            r = run_job(root, job + "-lop", "resume", size, lop_dirs, lop)
-            assert r[1]["source"] == "peer" and all(x["exact"] for x in r.values()), r
-            lopsided.append(r[1]["seconds"])
+        with nodes(job + "-lop") as cluster:
+            saved = run_job(cluster, "save", size, lop)
+            assert all(r["protected"] for r in saved.values()), saved
+            for _ in range(cfg.reps):
+                cluster.nodes[1].wipe()
+                r = run_job(cluster, "resume", size, lop)
+                assert r[1]["source"] == "peer" and all(x["exact"] for x in r.values()), r
+                lopsided.append(r[1]["seconds"])
         res["resume_local_s"] = median(local)
         res["resume_persistent_s"] = median(from_fs)
         res["resume_peer_s"] = median(peer)
@@ -205,12 +190,24 @@ def main(argv: list[str] | None = None) -> dict:
         res["planner_s"] = bench_planner()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
     fsr, raw = res["filesystem_reader_s"], res["raw_socket_s"]
     loc, peer_s = res["resume_local_s"], res["resume_peer_s"]
     pers, lop_s = res["resume_persistent_s"], res["resume_peer_lopsided_s"]
-    print(f"recovery benchmark: {size / 2**30:.2f} GiB per rank, 2 simulated nodes x 1 rank, "
-          f"{res['cores']} cores, torch {res['torch']}; medians of {args.reps}")
+    res["targets"] = {"local >= 10x FileSystemReader (1 process)": fsr / loc >= 10,
+                      "local >= 10x the same job resuming via DCP FS": pers / loc >= 10,
+                      "peer >= 0.8x raw socket (node 0 loading too)": raw / peer_s >= 0.8,
+                      "peer >= 0.8x raw socket (lopsided)": raw / lop_s >= 0.8,
+                      "planner < 1 s at 16k ranks": res["planner_s"][16384] < 1.0}
+    return res
+
+
+def report(cfg: Config, res: dict) -> None:
+    gb = cfg.size / 1e9
+    fsr, raw = res["filesystem_reader_s"], res["raw_socket_s"]
+    loc, peer_s = res["resume_local_s"], res["resume_peer_s"]
+    pers, lop_s = res["resume_persistent_s"], res["resume_peer_lopsided_s"]
+    print(f"recovery benchmark: {cfg.size / 2**30:.2f} GiB per rank, 2 simulated nodes x 1 rank, "
+          f"{res['cores']} cores, torch {res['torch']}; medians of {cfg.reps}")
     rows = [
         ("DCP FileSystemReader from /dev/shm, 1 process (baseline)", fsr, ""),
         ("resume from persistent DCP on /dev/shm, 2 ranks (baseline)", pers, ""),
@@ -226,18 +223,13 @@ def main(argv: list[str] | None = None) -> dict:
     for world, t in res["planner_s"].items():
         print(f"{'plan_resume, ' + str(world) + ' ranks':60s} {t:8.4f}")
     print("targets:")
-    checks = {"local >= 10x FileSystemReader (1 process)": fsr / loc >= 10,
-              "local >= 10x the same job resuming via DCP FS": pers / loc >= 10,
-              "peer >= 0.8x raw socket (node 0 loading too)": raw / peer_s >= 0.8,
-              "peer >= 0.8x raw socket (lopsided)": raw / lop_s >= 0.8,
-              "planner < 1 s at 16k ranks": res["planner_s"][16384] < 1.0}
-    for name, ok in checks.items():
+    for name, ok in res["targets"].items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
-    res["targets"] = checks
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg, json_path = parse_args(argv)
+    return run_and_report(cfg, run, report, json_path)
 
 
 if __name__ == "__main__":

@@ -56,32 +56,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from benchmarks.common import (
+from benchmarks.harness.baselines import (
     HASH_AFTER,
     HASH_FUSED,
     TIMEOUTS,
     TO_SHM,
-    GiB,
-    Helpers,
     RawReceiver,
     RawSender,
-    StateDict,
-    Timers,
-    build_tensors,
-    gbps,
-    loadavg,
-    median,
-    proc_cpu,
-    progress,
-    shard_layout,
-    start_parent_watchdog,
-    state_dict_bytes,
 )
-from benchmarks.replication_probes import (
-    ReceiveClock,
-    SendClock,
-    count_calls,
-    public_methods,
+from benchmarks.harness.processes import Helpers, start_parent_watchdog
+from benchmarks.harness.report import loadavg, progress, run_and_report
+from benchmarks.harness.stats import GiB, gbps, median, proc_cpu
+from benchmarks.harness.workloads import (
+    StateDict,
+    build_tensors,
+    shard_layout,
+    state_dict_bytes,
 )
 from benchmarks.replication_report import report, summarize
 from mlcheckpoint import LocalStore, MemoryStorageWriter
@@ -213,7 +203,6 @@ def peer_main(cfg: dict) -> None:
     # A c10d client must not be shared between threads (this one blocks in wait() below): the
     # transports' receiving threads report through a client of their own.
     report_store, report_lock = connect_store("127.0.0.1", cfg["store_port"], cfg["timeout"]), threading.Lock()
-    clock = ReceiveClock()
     try:
         for kind in ("tcp", "pg"):
             if store_wait_json(store, f"peer/{kind}/go", cfg["timeout"]) is False:
@@ -225,16 +214,21 @@ def peer_main(cfg: dict) -> None:
                 dist.init_process_group("gloo", store=dist.PrefixStore("bench-pg/", store), rank=1,
                                         world_size=2, timeout=timedelta(seconds=cfg["timeout"]))
 
-            def on_received(event: ReplicaReceived, lstore: LocalStore = lstore,
-                            kind: str = kind) -> None:
-                stats = clock.take()
+            sink = ReceiveSink(lstore)
+
+            def on_received(event: ReplicaReceived, lstore: LocalStore = lstore, kind: str = kind,
+                            sink: ReceiveSink = sink) -> None:
+                step, owner = event.step, event.owner
+                times = sink.receipt_times.get((step, owner))  # how the library received it
+                stats = asdict(times) if times is not None else {}
                 t0 = time.perf_counter()
                 retired = lstore.apply_retention([event.owner], keep)
                 stats.update(retention_s=time.perf_counter() - t0, retired=retired)
                 with report_lock:
                     report_store.set(f"peer/{kind}/rx/{event.step}", json.dumps(stats))
 
-            transport = make_transport(kind, lstore, rdzv, ReceiveSink(lstore, subscribers=[on_received]),
+            sink.subscribers.append(on_received)
+            transport = make_transport(kind, lstore, rdzv, sink,
                                        timeout=cfg["timeout"], host="127.0.0.1")
             store.set(f"peer/{kind}/ready", "1")
             try:
@@ -246,7 +240,6 @@ def peer_main(cfg: dict) -> None:
                 lstore.destroy()
                 store.set(f"peer/{kind}/closed", "1")
     finally:
-        clock.close()
         raw.close()
         shutil.rmtree(my_dir, ignore_errors=True)
 
@@ -281,7 +274,6 @@ def train_main(cfg: dict) -> None:
 
     per = min(compute(200) / 200 for _ in range(5))
     iters = max(1, int(cfg["compute_s"] / per))
-    main_ident = threading.get_ident()
     results: dict[str, Any] = {"rank": rank, "compute_iters": iters,
                                "compute_alone_s": median([compute(iters) for _ in range(3)]), "modes": {}}
     for mode in ("none", "tcp"):
@@ -292,15 +284,10 @@ def train_main(cfg: dict) -> None:
                                  replication_bandwidth=0)
         if (ckpt.replicator is not None) != (mode == "tcp"):
             raise RuntimeError(f"replication={mode!r} but the manager runs {ckpt.replication_mode!r}")
-        timers = Timers()
-        measuring = threading.Event()
-        if ckpt.replicator is not None:  # every way the manager reaches the replicator
-            count_calls(ckpt.replicator, public_methods(ckpt.replicator), timers, "train_thread_replication_s",
-                        when=lambda ev=measuring: ev.is_set() and threading.get_ident() == main_ident)
         rows = []
         try:
             for step in range(cfg["saves"]):
-                rows.append(_timed_save(ckpt, sd, step, compute, iters, timers, measuring, cfg["timeout"]))
+                rows.append(_timed_save(ckpt, sd, step, compute, iters, cfg["timeout"]))
             ckpt.wait()
         finally:
             ckpt.close()
@@ -313,23 +300,20 @@ def train_main(cfg: dict) -> None:
     shutil.rmtree(node_dir, ignore_errors=True)
 
 
-def _timed_save(ckpt: Any, sd: StateDict, step: int, compute: Any, iters: int, timers: Timers,
-                measuring: threading.Event, timeout: float) -> dict[str, Any]:
+def _timed_save(ckpt: Any, sd: StateDict, step: int, compute: Any, iters: int,
+                timeout: float) -> dict[str, Any]:
     """One async_save, training going on beside it, and what it cost the training thread."""
     sd["step"] = step
     sd["model"][next(iter(sd["model"]))][0, 0] = float(step)  # the bytes change a little
     dist.barrier()
-    timers.take()
-    measuring.set()
     c0, t0 = time.thread_time(), time.perf_counter()
     fut = ckpt.async_save(sd, step)
     t1, c1 = time.perf_counter(), time.thread_time()
-    measuring.clear()
-    train_repl = timers.take().get("train_thread_replication_s", 0.0)
     compute_s = compute(iters)  # training goes on while the save/replication runs
     res = fut.result()
     row = {"step": step, "blocking_s": t1 - t0, "blocking_cpu_s": c1 - c0, "save_s": res.seconds,
-           "bytes": res.bytes, "train_thread_replication_s": train_repl, "compute_s": compute_s}
+           "bytes": res.bytes, "compute_s": compute_s,
+           "phases": dict(getattr(res, "phases", {}))}  # SaveResult.phases: stage, commit, publish
     if ckpt.replicator is not None:
         deadline = time.monotonic() + timeout
         st = None
@@ -344,6 +328,26 @@ def _timed_save(ckpt: Any, sd: StateDict, step: int, compute: Any, iters: int, t
                    replication_bytes=None if st is None else st.bytes,
                    protected=ckpt.wait_replicated(step, timeout=timeout))
     return row
+
+
+def push_phases(rx: dict[str, Any], t0: float, t_end: float) -> dict[str, Any]:
+    """One push's phases from the receiver's ``ReceiptTimes`` (``rx``, with the receiver's
+    ``retention_s``) and the sender's ``time.monotonic()`` at the push's start and end.
+
+    The payload is what the receiver saw: from its buffer being ready to the last byte in
+    (``commit_at``). A phase the library did not report is None, never 0.
+    """
+    out: dict[str, Any] = {"recycled": None,  # the receiver's store does not say
+                           "retention_s": rx.get("retention_s"), "retired": rx.get("retired"),
+                           "rx_buffer_s": rx.get("buffer_s"), "rx_checksum_s": rx.get("checksum_s"),
+                           "rx_commit_s": rx.get("commit_s"), "rx_cpu_s": rx.get("cpu_s")}
+    ready, landed = rx.get("buffer_ready_at"), rx.get("commit_at")
+    if ready is None or landed is None:
+        return out
+    hashing_on_arrival = rx["checksum_s"] - rx["checksum_at_commit_s"]
+    out.update(rx_recv_s=landed - ready - hashing_on_arrival, tx_before_payload_s=ready - t0,
+               tx_payload_s=landed - ready, tx_after_payload_s=t_end - landed)
+    return out
 
 
 # ---------------------------------------------------------------------------------- orchestrator
@@ -394,17 +398,17 @@ class Bench:
             dcp.save(sd, storage_writer=MemoryStorageWriter(step, store), no_dist=True)
         return time.perf_counter() - t0
 
-    def push(self, transport: Transport, kind: str, step: int, clock: SendClock) -> dict[str, Any]:
+    def push(self, transport: Transport, kind: str, step: int) -> dict[str, Any]:
         transport.push_metadata(1, step)  # small; first, so the receiver's retention counts the step
-        c0, t0 = proc_cpu(), time.perf_counter()
+        c0, t0 = proc_cpu(), time.monotonic()  # monotonic: the receiver's stamps are on its clock
         sent = transport.push_shard(1, step, 0)
-        t1 = time.perf_counter()
+        t1 = time.monotonic()
         dt, tx_cpu = t1 - t0, proc_cpu() - c0
         if sent == 0:
             raise RuntimeError(f"peer already held step {step}: nothing was transferred")
         rx = json.loads(self.wait_key(f"peer/{kind}/rx/{step}"))
-        row = {"step": step, "s": dt, "bytes": sent, "gbps": gbps(sent, dt), "recycled": rx.pop("recycled"),
-               "tx_cpu_s": tx_cpu, **rx, **clock.take(t0, t1)}
+        row = {"step": step, "s": dt, "bytes": sent, "gbps": gbps(sent, dt), "tx_cpu_s": tx_cpu,
+               **push_phases(rx, t0, t1)}
         row["cpu_s"] = tx_cpu + (row["rx_cpu_s"] if row.get("rx_cpu_s") is not None else float("nan"))
         return row
 
@@ -421,17 +425,15 @@ class Bench:
                              "large": 4, "non_tensors": 2}
         raw: RawSender | None = None
         try:
-            with SendClock().installed() as clock:
-                raw = self._run_tcp(res, sd, raw_port, tcp_job, clock)
-                self._run_pg(res, sd, raw, pg_job, clock)
+            raw = self._run_tcp(res, sd, raw_port, tcp_job)
+            self._run_pg(res, sd, raw, pg_job)
         finally:
             if raw is not None:
                 raw.close()
         del sd
         self.helpers.wait([p for p, n, _ in self.helpers.procs if n == "peer"], timeout=60)
 
-    def _run_tcp(self, res: dict[str, Any], sd: StateDict, raw_port: int, job: str,
-                 clock: SendClock) -> RawSender:
+    def _run_tcp(self, res: dict[str, Any], sd: StateDict, raw_port: int, job: str) -> RawSender:
         """Sections 1 and 2: raw transfers and TCP pushes, interleaved round by round."""
         cfg = self.cfg
         assert self.store is not None
@@ -461,7 +463,7 @@ class Bench:
                     raw_rows = {k: [] for k, *_ in RAW_VARIANTS}
                 if r % 2:
                     raw_round()
-                row = self.push(transport, "tcp", r, clock)
+                row = self.push(transport, "tcp", r)
                 row["save_s"] = save_s
                 tcp_rows.append(row)
                 store_s.apply_retention([0], keep=1)  # the sender recycles its buffers too
@@ -479,7 +481,7 @@ class Bench:
         assert raw is not None
         return raw
 
-    def _run_pg(self, res: dict[str, Any], sd: StateDict, raw: RawSender, job: str, clock: SendClock) -> None:
+    def _run_pg(self, res: dict[str, Any], sd: StateDict, raw: RawSender, job: str) -> None:
         """Section 3: pg/gloo pushes, interleaved with raw sendfile and sendall."""
         cfg = self.cfg
         assert self.store is not None
@@ -502,7 +504,7 @@ class Bench:
                     save_s = self.save_step(sd, store_s, r)
                     for key, reps in pg_raw.items():
                         reps.append(raw.transfer(key, 0))
-                    row = self.push(transport, "pg", r, clock)
+                    row = self.push(transport, "pg", r)
                     row["save_s"] = save_s
                     pg_rows.append(row)
                     store_s.apply_retention([0], keep=1)
@@ -538,9 +540,8 @@ class Bench:
 
 
 # ---------------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the report and return every figure (see --json)."""
-    cfg = parse_args(argv)
+def run(cfg: Config) -> dict[str, Any]:
+    """Every figure: the transfers, the training-thread run, and their summary."""
     res: dict[str, Any] = {"config": asdict(cfg), "loadavg_start": loadavg()}
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -555,12 +556,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             signal.signal(signal.SIGTERM, previous)
     res["loadavg_end"] = loadavg()
     res["summary"] = summarize(res)
-    report(res, res["summary"], cfg)
-    if cfg.json_path:
-        with open(cfg.json_path, "w") as f:
-            json.dump(res, f, indent=2, default=str)
-        print(f"\nfigures written to {cfg.json_path}")
     return res
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the report and return every figure (see --json)."""
+    cfg = parse_args(argv)
+    return run_and_report(cfg, run, lambda cfg, res: report(res, res["summary"], cfg), cfg.json_path)
 
 
 def _worker(role: str, args: str) -> None:

@@ -32,7 +32,6 @@ Single process, ``replication="none"``; everything is written under one director
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -51,17 +50,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from benchmarks.common import (
-    GiB,
-    exit_on_sigterm,
-    machine_info,
-    make_workspace,
-    median,
-    p90,
-    progress,
-    quiet_dcp,
-    size_str,
-)
+from benchmarks.harness.processes import exit_on_sigterm, make_workspace
+from benchmarks.harness.report import machine_info, progress, run_and_report
+from benchmarks.harness.stats import GiB, median, p90, size_str
+from benchmarks.harness.workloads import quiet_dcp, tensors_of
 from mlcheckpoint import CheckpointManager
 from mlcheckpoint._gilprobe import GilProbe
 
@@ -303,7 +295,7 @@ class Trainer:
         # The live tensors: the optimizer updates them in place, so one dict serves every save
         # (each save reads them when it is called, as a user's ``state_dict()`` call would).
         self.sd = {"model": model_sd, "optim": optim_sd, "step": 0}
-        self.state_bytes = sum(t.nbytes for t in _tensors(self.sd))
+        self.state_bytes = sum(t.nbytes for t in tensors_of(self.sd))
 
     def step(self, saver: Saver, times: ModeTimes | None = None) -> None:
         t0 = time.perf_counter()
@@ -326,16 +318,6 @@ class Trainer:
             times.optim_step_s.append(t2 - t1)
             times.save_call_s.append(t3 - t2)
             times.guard_wait_s.append(waited)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def make_savers(cfg: Config, root: str, trainer: Trainer) -> tuple[dict[str, Saver], dict[str, str]]:
@@ -485,9 +467,8 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], machine: dict[st
             print(f"  {'PASS' if t['pass'] else 'FAIL'}  {t['name']}: {shown}")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the report and return every figure (see --json)."""
-    cfg = parse_args(argv)
+def run_all(cfg: Config) -> dict[str, Any]:
+    """Every figure: the machine, every mode's steps, and their summary."""
     # Peak tmpfs use: keep+1 steps per manager (two of them) and two DCP checkpoints.
     root = make_workspace("mlckpt-bench-train-", cfg.shm_dir, need_bytes=(2 * (cfg.keep + 2) + 2) * cfg.size_bytes)
     threads_before = torch.get_num_threads()
@@ -498,14 +479,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads_before)  # main() may be called from a longer-lived process
         shutil.rmtree(root, ignore_errors=True)
-    summary = summarize(res)
-    report(cfg, res, summary, machine)
-    figures = {"config": asdict(cfg), "machine": machine, **res, "summary": summary}
-    if cfg.json_path:
-        with open(cfg.json_path, "w") as f:
-            json.dump(figures, f, indent=2, default=str)
-        print(f"\nfigures written to {cfg.json_path}")
-    return figures
+    return {"config": asdict(cfg), "machine": machine, **res, "summary": summarize(res)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the report and return every figure (see --json)."""
+    cfg = parse_args(argv)
+    return run_and_report(cfg, run_all, lambda cfg, f: report(cfg, f, f["summary"], f["machine"]),
+                          cfg.json_path)
 
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.common import GB, size_str
+from benchmarks.harness.stats import GB, size_str
 
 if TYPE_CHECKING:
-    from benchmarks.bench_local import Config, Measurement, OursResult
+    from benchmarks.bench_local import Config
 
 # Targets (see the "targets" section of the output).
 TARGET_SAVE_VS_MEMCPY = 0.7
@@ -52,7 +52,8 @@ def print_header(machine: dict[str, Any], comp: dict[str, Any], cfg: Config) -> 
     print()
 
 
-def print_table(rows: dict[str, Measurement]) -> None:
+def print_table(rows: dict[str, dict[str, Any]]) -> None:
+    """The table of ``rows``: bench_local's figures["results"]."""
     print("ours = mlcheckpoint CheckpointManager(keep=2, replication='none'). GB = 1e9 bytes.")
     print("seconds, GB/s: median of the reps (steady state and async_save: the last reps of the "
           "series, after buffers\nare recycled); best GB/s: the fastest rep.")
@@ -68,27 +69,28 @@ def print_table(rows: dict[str, Measurement]) -> None:
         vs_fs = "-"
         if key.startswith("ours_") or key == "torch_save":
             ref = fs_load if "load" in key or "resume" in key else fs_save
-            vs_fs = f"{m.best_gbps / ref.best_gbps:.2f}x"
-        print(f"{m.label:<34}{len(m.series.seconds):>5}{m.seconds:>9.4f}{m.gbps:>8.2f}"
-              f"{m.best_gbps:>11.2f}{m.x_memcpy:>9.2f}x{vs_fs:>10}")
+            vs_fs = f"{m['best_gbps'] / ref['best_gbps']:.2f}x"
+        print(f"{m['label']:<34}{len(m['samples']):>5}{m['seconds']:>9.4f}{m['gbps']:>8.2f}"
+              f"{m['best_gbps']:>11.2f}{m['x_memcpy']:>9.2f}x{vs_fs:>10}")
     print()
 
 
-def print_series(nbytes: int, memcpy_before: list[float], memcpy_after: list[float],
-                 ours: OursResult) -> None:
-    """Every rep, in order: shows warm-up, buffer recycling and noise."""
-    print(f"memcpy alone: {nbytes / statistics.median(memcpy_before) / GB:.2f} GB/s at the start, "
-          f"{nbytes / statistics.median(memcpy_after) / GB:.2f} GB/s at the end (medians)")
+def print_series(nbytes: int, memcpy_alone: dict[str, list[float]], ours: dict[str, Any]) -> None:
+    """Every rep, in order: shows warm-up, buffer recycling and noise (``memcpy_alone`` and
+    ``ours``: bench_local's figures["memcpy_alone"] and figures["ours_series"])."""
+    print(f"memcpy alone: {nbytes / statistics.median(memcpy_alone['before']) / GB:.2f} GB/s at the start, "
+          f"{nbytes / statistics.median(memcpy_alone['after']) / GB:.2f} GB/s at the end (medians)")
     print("ours, seconds per rep, in order:")
-    series = (("saves", ours.saves), ("loads", ours.loads), ("async_save blocking", ours.async_blocking))
+    series = (("saves", ours["saves"]), ("loads", ours["loads"]), ("async_save blocking", ours["async_blocking"]))
     for name, s in series:
-        print(f"  {name:<24}{_fmt(s.seconds)}")
-        print(f"  {'  paired memcpy':<24}{_fmt(s.memcpy_s)}")
-    print(f"  {'async_save to commit':<24}{_fmt(ours.async_total_s)}")
-    if ours.fresh_resumes.seconds:
-        print(f"  {'resume, fresh process':<24}{_fmt(ours.fresh_resumes.seconds)}")
-        print(f"  {'  paired memcpy':<24}{_fmt(ours.fresh_resumes.memcpy_s)}")
-        phases = [p for p in ours.fresh_phases if p]
+        print(f"  {name:<24}{_fmt(s['seconds'])}")
+        print(f"  {'  paired memcpy':<24}{_fmt(s['memcpy_s'])}")
+    print(f"  {'async_save to commit':<24}{_fmt(ours['async_total_s'])}")
+    fresh = ours["fresh_resumes"]
+    if fresh["seconds"]:
+        print(f"  {'resume, fresh process':<24}{_fmt(fresh['seconds'])}")
+        print(f"  {'  paired memcpy':<24}{_fmt(fresh['memcpy_s'])}")
+        phases = [p for p in ours["fresh_phases"] if p]
         if phases:
             names = list(phases[0])
             print("  fresh-process resume, Recovery's phases (median of the reps): " + ", ".join(

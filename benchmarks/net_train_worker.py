@@ -31,7 +31,6 @@ Results go to ``$TEST_OUT_DIR/<NAME>.rank<r>.json`` (NetCluster.results).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -48,8 +47,10 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.bench_training import _tensors, model_for
+from benchmarks.bench_training import model_for
+from benchmarks.harness.workloads import tensors_of
 from mlcheckpoint import CheckpointManager, history
+from mlcheckpoint.testing.cluster import write_result
 
 BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
 MODES = ("none", "off", "unbudgeted", "budgeted")
@@ -70,10 +71,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def report(name: str, data: dict[str, Any]) -> None:
-    path = os.path.join(os.environ["TEST_OUT_DIR"], f"{name}.rank{dist.get_rank()}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f)
-    os.replace(path + ".tmp", path)
+    """This rank's result ``name``, for ``NetCluster.results``."""
+    write_result(name, dist.get_rank(), data)
 
 
 def hold_forever() -> None:
@@ -152,7 +151,7 @@ def train(args: argparse.Namespace) -> None:
     trainer.forward_backward()  # untimed: DDP's first step, and Adam's moments come to exist
     trainer.optimizer.step()
     sd = trainer.state_dict(0)
-    state_bytes = sum(t.nbytes for t in _tensors(sd))
+    state_bytes = sum(t.nbytes for t in tensors_of(sd))
 
     rss = RssSampler()  # from before the manager: everything checkpointing adds shows
     ckpt = None
@@ -225,7 +224,7 @@ def resume(args: argparse.Namespace) -> None:
                        "sources": {str(k): v for k, v in info.sources.items()},
                        "seconds": info.seconds, "wall_s": wall, "bytes_fetched": info.bytes_fetched,
                        "own_bytes_fetched": own[-1].get("bytes") if own else None,
-                       "reason": info.reason})
+                       "reason": info.reason, "phases": info.phases})
     hold_forever()  # the benchmark kills the job once every rank has reported
 
 

@@ -15,18 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from mlcheckpoint import LocalStore
+from mlcheckpoint.testing.cluster import Cluster, signal_tree
 
 T0 = time.monotonic()
 
@@ -35,59 +32,33 @@ def say(msg: str) -> None:
     print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Job:
-    """One torchrun agent per simulated node, each with its own tmpfs directory."""
+    """One run of examples/train_fsdp.py on a simulated cluster (one torchrun agent per node,
+    each with its own tmpfs directory)."""
 
-    def __init__(self, root: str, job_id: str, nodes: int, ranks: int, steps: int):
-        self.root, self.job_id, self.nodes, self.ranks, self.steps = root, job_id, nodes, ranks, steps
-        self.dirs = [os.path.join(root, "mem", f"node{k}") for k in range(nodes)]
-        for d in self.dirs:
-            os.makedirs(d, mode=0o700, exist_ok=True)
-        self.procs: list[subprocess.Popen] = []
+    def __init__(self, name: str, nodes: int, ranks: int, steps: int):
+        self.cluster = Cluster(nodes, ranks, job_id=f"{name}-{uuid.uuid4().hex[:6]}",
+                               prefix="mlcheckpoint-demo-")
+        self.job_id, self.root, self.ranks, self.steps = self.cluster.job_id, self.cluster.root, ranks, steps
+        # The workers inherit PYTHONPATH: let them import this checkout's package.
+        self.env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(HERE),
+                                                                os.environ.get("PYTHONPATH")]))}
 
     def start(self, out: str, progress: str, step_delay: float = 0.0) -> None:
-        port = free_port()
-        self.procs = []
-        for k in range(self.nodes):
-            env = dict(os.environ, MLCHECKPOINT_LOCAL_DIR=self.dirs[k], MLCHECKPOINT_JOB_ID=self.job_id,
-                       OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                       PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")])))
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
-                   f"--node-rank={k}", f"--nproc-per-node={self.ranks}", "--master-addr=127.0.0.1",
-                   f"--master-port={port}", "--max-restarts=0", os.path.join(HERE, "train_fsdp.py"),
-                   "--steps", str(self.steps), "--out", out, "--progress", progress,
-                   "--persistent-dir", os.path.join(self.root, "persistent", self.job_id),
-                   "--persist-every", "5", "--step-delay", str(step_delay)]
-            with open(os.path.join(self.root, f"{self.job_id}-node{k}.log"), "a") as log:
-                self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                   start_new_session=True))
+        self.cluster.start(os.path.join(HERE, "train_fsdp.py"), "--steps", str(self.steps),
+                           "--out", out, "--progress", progress,
+                           "--persistent-dir", self.cluster.persistent_dir,
+                           "--persist-every", "5", "--step-delay", str(step_delay), env=self.env)
 
     def wait(self, timeout: float = 600) -> None:
-        for k, p in enumerate(self.procs):
-            if p.wait(timeout=timeout) != 0:
-                raise SystemExit(f"node {k} failed; see {self.root}/{self.job_id}-node{k}.log")
-
-    def kill(self, k: int, sig: int = signal.SIGKILL) -> None:
-        """Signal node k's agent and all its ranks (torchrun puts ranks in their own sessions)."""
-        p = self.procs[k]
-        if p.poll() is None:
-            for pid in process_tree(p.pid):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            p.wait(timeout=60)
+        for k, code in enumerate(self.cluster.wait(timeout)):
+            if code != 0:
+                raise SystemExit(f"node {k} failed; see {self.cluster.nodes[k].log_path}")
 
     def holdings(self) -> str:
         parts = []
-        for k, d in enumerate(self.dirs):
-            store = LocalStore(d, self.job_id, create=False)
+        for k, node in enumerate(self.cluster.nodes):
+            store = LocalStore(node.local_dir, self.job_id, create=False)
             inv = store.inventory()
             if not inv:
                 parts.append(f"node {k}: empty")
@@ -102,24 +73,12 @@ class Job:
                          f"replicas of ranks {replicas}{', metadata' if st.has_metadata else ''}")
         return "\n           ".join(parts)
 
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
+    def close(self, keep: bool) -> None:
+        if keep:
+            self.cluster.kill_all()
+            print(f"files kept in {self.root}")
+        else:
+            self.cluster.close()
 
 
 def read_progress(path: str) -> int:
@@ -139,43 +98,45 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=6)
     ap.add_argument("--keep", action="store_true", help="keep the demo's files for inspection")
     args = ap.parse_args()
-    root = tempfile.mkdtemp(prefix="mlcheckpoint-demo-", dir="/dev/shm")
     n, g = args.nodes, args.ranks_per_node
+    ref = Job("demo-ref", n, g, args.steps)
+    job = Job("demo", n, g, args.steps)
     try:
         say(f"reference run: {n} nodes x {g} ranks, {args.steps} steps, no failure")
-        ref = Job(root, f"demo-ref-{uuid.uuid4().hex[:6]}", n, g, args.steps)
-        ref.start(os.path.join(root, "ref.json"), os.path.join(root, "ref.progress"))
+        ref_out_path = os.path.join(ref.root, "ref.json")
+        ref.start(ref_out_path, os.path.join(ref.root, "ref.progress"))
         ref.wait()
         say("reference run done")
 
-        job = Job(root, f"demo-{uuid.uuid4().hex[:6]}", n, g, args.steps)
-        progress = os.path.join(root, "run.progress")
+        progress, run_out_path = os.path.join(job.root, "run.progress"), os.path.join(job.root, "run.json")
         say(f"job {job.job_id}: {n} nodes x {g} ranks; async_save to RAM every step, overlapped "
             f"with the next step and replicated to the partner node; persistent DCP checkpoint "
             f"every 5 steps")
-        job.start(os.path.join(root, "run.json"), progress, step_delay=0.3)
+        job.start(run_out_path, progress, step_delay=0.3)
         while read_progress(progress) < args.kill_at:
-            if any(p.poll() is not None for p in job.procs):
-                raise SystemExit(f"job ended early; logs in {root}")
+            if len(job.cluster.running()) < n:
+                raise SystemExit(f"job ended early; logs in {job.root}")
             time.sleep(0.05)
         step = read_progress(progress)
         say(f"step {step} trained; holdings:\n           {job.holdings()}")
-        job.kill(1)
+        job.cluster.nodes[1].kill()
         say(f"node 1 LOST (SIGKILL of all its processes) after step {step}")
-        shutil.rmtree(job.dirs[1], ignore_errors=True)
-        os.makedirs(job.dirs[1], mode=0o700)
+        job.cluster.nodes[1].wipe()
         say("node 1 replaced by an empty machine (its tmpfs is gone)")
-        job.kill(0, signal.SIGTERM)
+        node0 = job.cluster.nodes[0]
+        if node0.proc is not None and node0.proc.poll() is None:
+            signal_tree(node0.proc, signal.SIGTERM)
+            node0.proc.wait(timeout=60)
         say("scheduler stopped node 0's workers; node 0's tmpfs survives")
         say(f"holdings now:\n           {job.holdings()}")
 
         say("job restarted on the same node ranks")
         t_restart = time.monotonic()
-        job.start(os.path.join(root, "run.json"), progress)
+        job.start(run_out_path, progress)
         job.wait()
-        with open(os.path.join(root, "run.json")) as f:
+        with open(run_out_path) as f:
             run = json.load(f)
-        with open(os.path.join(root, "ref.json")) as f:
+        with open(ref_out_path) as f:
             ref_out = json.load(f)
         say(f"resumed step {run['resumed_from']} from {run['resume_source']} "
             f"(per rank: {run['resume_sources']}) in {run['resume_seconds']:.3f}s; "
@@ -188,15 +149,13 @@ def main() -> int:
         print(f"parameters identical to the uninterrupted run: {'YES' if same_params else 'NO'}"
               f" (sha256 {run['digest'][:16]}...)")
         ok = same_losses and same_params and run["resumed_from"] is not None
-        print("DEMO PASSED" if ok else f"DEMO FAILED (files kept in {root})")
+        print("DEMO PASSED" if ok else "DEMO FAILED")
         if not ok:
             args.keep = True
         return 0 if ok else 1
     finally:
-        if args.keep:
-            print(f"files kept in {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        for j in (ref, job):
+            j.close(keep=args.keep)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@
   ``put_metadata``, ``put_step``, ``pool_files``
 - state dicts: ``make_state``, ``zeros_like_state``, ``clone_state``, ``assert_same``
 
-Simulated clusters live in cluster.py (loopback) and mlcheckpoint/testing/netcluster.py
-(network namespaces joined by shaped links), TCP endpoints joined in one job in tcp_job.py.
+Simulated clusters live in mlcheckpoint/testing: cluster.py (loopback; tests/cluster.py names
+the workers directory) and netcluster.py (network namespaces joined by shaped links); TCP
+endpoints joined in one job in tcp_job.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""The benchmarks measure the code that runs: bench_replication's probes time a real receipt
-(it once printed "rx xxh3 0.000" for every push, timing a function the receive path no longer
-called), bench_local's fresh-process resume resumes in a child process, bench_training runs
-every mode, and bench_network runs every mode on an emulated cluster and resumes a replaced
-node over its link. Tiny sizes: these check the measuring, not the figures."""
+"""The benchmarks measure the code that runs: bench_replication's push breakdown is what the
+library reports of a real receipt (probes that wrapped library functions once printed "rx xxh3
+0.000" for every push, timing a function the receive path no longer called), bench_local's
+fresh-process resume resumes in a child process and reports ResumeInfo.phases, bench_training
+runs every mode, bench_network runs every mode on an emulated cluster and resumes a replaced
+node over its link, and every benchmark's main runs its config -> run -> report of the figures.
+Tiny sizes: these check the measuring, not the figures."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -20,38 +23,44 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks import bench_local, bench_network, bench_training
-from benchmarks.common import model_state_dict, quiet_dcp
-from benchmarks.replication_probes import ReceiveClock, SendClock
+
+from benchmarks import (
+    bench_first_saves,
+    bench_gc,
+    bench_local,
+    bench_network,
+    bench_recovery,
+    bench_replication,
+    bench_training,
+)
+from benchmarks.harness.workloads import model_state_dict, quiet_dcp
 from mlcheckpoint import CheckpointManager, MemoryStorageWriter
 from mlcheckpoint.testing import netcluster
 
 
-def test_replication_probes_time_a_real_receipt(make_job):
+def test_push_phases_come_from_a_real_receipt(make_job):
+    """bench_replication's per-push breakdown is what the receive sink reports of a real
+    receipt (nothing patched): every phase measured, none silently 0."""
     job = make_job(2)
     sender, receiver = job.endpoint(0), job.endpoint(1)
-    receipts: list[dict] = []
-    clock = ReceiveClock()
-    try:
-        receiver.sink.subscribers.append(lambda event: receipts.append(clock.take()))
-        sd = {"w": torch.randn(1 << 20), "b": torch.randn(1000), "step": 1}
-        with quiet_dcp():
-            dcp.save(sd, storage_writer=MemoryStorageWriter(1, sender.store), no_dist=True)
-        sender.push_metadata(1, 1)
-        with SendClock(payload_min=1 << 16).installed() as send:
-            t0 = time.perf_counter()
-            assert sender.push_shard(1, 1, 0) > 0
-            tx = send.take(t0, time.perf_counter())
-        wait_for(lambda: receipts, "the receiver's received-replica event")
-    finally:
-        clock.close()
-    rx = receipts[0]
-    # Every phase measured, none silently 0: the checksums of a 4 MiB replica take time.
-    assert rx["rx_checksum_s"] is not None and rx["rx_checksum_s"] > 0
-    assert rx["rx_buffer_s"] is not None and rx["rx_buffer_s"] > 0
-    assert rx["rx_recv_s"] is not None and rx["rx_commit_s"] is not None and rx["rx_commit_s"] > 0
-    assert rx["recycled"] is False  # the receiver's first buffer is new
-    assert tx["tx_payload_s"] > 0 and tx["tx_before_payload_s"] > 0
+    received: list[tuple[int, int]] = []
+    receiver.sink.subscribers.append(lambda event: received.append((event.step, event.owner)))
+    sd = {"w": torch.randn(1 << 20), "b": torch.randn(1000), "step": 1}
+    with quiet_dcp():
+        dcp.save(sd, storage_writer=MemoryStorageWriter(1, sender.store), no_dist=True)
+    sender.push_metadata(1, 1)
+    t0 = time.monotonic()
+    assert sender.push_shard(1, 1, 0) > 0
+    t1 = time.monotonic()
+    wait_for(lambda: received, "the receiver's on_received")
+    times = receiver.sink.receipt_times[(1, 0)]
+    row = bench_replication.push_phases({**dataclasses.asdict(times), "retention_s": 0.0}, t0, t1)
+    # The checksums of a 4 MiB replica take time; so do the buffer and the commit.
+    for key in ("rx_checksum_s", "rx_buffer_s", "rx_commit_s", "rx_cpu_s", "tx_payload_s",
+                "tx_before_payload_s", "tx_after_payload_s"):
+        assert row[key] is not None and row[key] > 0, (key, row)
+    assert row["rx_recv_s"] is not None and row["rx_recv_s"] >= 0, row
+    assert t0 < times.buffer_ready_at <= times.commit_at <= t1  # one clock for both ends
 
 
 @pytest.mark.slow
@@ -65,7 +74,10 @@ def test_bench_local_resumes_in_a_fresh_process(store_dir):
         ckpt.save(sd, 7)
         bench_local.run_fresh_resumes("bench-fresh", local_dir, store_dir, cfg, lambda: 1.0, out)
     assert len(out.fresh_resumes.seconds) == 1 and out.fresh_resumes.seconds[0] > 0
-    assert "load" in out.fresh_phases[0]  # Recovery's phases, as the child reported them
+    # ResumeInfo.phases, as the child reported them: every phase named, the load measured
+    phases = out.fresh_phases[0]
+    assert list(phases) == ["inventory", "plan", "fetch", "verify", "load", "heal"], phases
+    assert phases["load"] > 0 and all(v >= 0 for v in phases.values()), phases
 
 
 def test_bench_training_runs_every_mode():
@@ -76,6 +88,48 @@ def test_bench_training_runs_every_mode():
         assert len(figures["modes"][mode]["step_s"]) == 2
     assert "overlapped_vs_anchor" in figures["summary"]
     assert figures["summary"]["modes"]["overlapped"]["guard_wait_max_s"] >= 0
+
+
+def test_bench_local_quick_reports_every_row(capsys):
+    figures = bench_local.main(["--quick", "--size-gb", "0.01", "--saves", "4", "--fresh-resumes", "1"])
+    assert {"memcpy", "fs_save", "fs_load", "ours_save_steady", "ours_load", "ours_async_blocking",
+            "ours_resume_fresh"} <= set(figures["results"])
+    assert all(r["seconds"] > 0 for r in figures["results"].values())
+    assert list(figures["ours_series"]["fresh_phases"][0]) == ["inventory", "plan", "fetch", "verify",
+                                                               "load", "heal"]
+    out = capsys.readouterr().out  # the report is printed from the figures
+    assert "ours: save, steady state" in out and "fresh-process resume, Recovery's phases" in out
+
+
+def test_bench_first_saves_and_gc_report_their_figures(capsys):
+    first = bench_first_saves.main(["--size-gb", "0.005", "--saves", "2", "--gap-s", "0"])
+    assert len(first["blocking_s"]) == len(first["memcpy_s"]) == 2
+    gc_figures = bench_gc.main(["--size-gb", "0.005", "--heap-objects", "1000", "--garbage", "100",
+                                "--saves", "2", "--rounds", "1", "--kinds", "async"])
+    assert set(gc_figures["async"]) == {name for name, _ in bench_gc.SETTINGS}
+    assert all(len(r["t"]) == 2 and len(r["commit"]) == 2 for r in gc_figures["async"].values())
+    out = capsys.readouterr().out
+    assert "async_save blocking time of saves 1..2" in out and "until committed" in out
+
+
+@pytest.mark.slow
+def test_bench_replication_quick_breaks_every_push_down():
+    figures = bench_replication.main(["--size-gb", "0.01", "--rounds", "4", "--pg-rounds", "2",
+                                      "--saves", "4", "--compute-s", "0.05", "--timeout", "300"])
+    for kind in ("tcp", "pg"):  # every phase as the library reported it: none missing
+        for push in figures[kind]["pushes"]:
+            for key in ("rx_buffer_s", "rx_recv_s", "rx_checksum_s", "rx_commit_s", "rx_cpu_s",
+                        "tx_before_payload_s", "tx_payload_s", "tx_after_payload_s"):
+                assert _number(push[key]), (kind, key, push)
+    assert _number(figures["summary"]["train_thread_s"])
+
+
+@pytest.mark.slow
+def test_bench_recovery_quick_resumes_every_way():
+    figures = bench_recovery.main(["--size-gb", "0.01", "--reps", "1"])
+    for key in ("resume_local_s", "resume_persistent_s", "resume_peer_s", "resume_peer_lopsided_s"):
+        assert _number(figures[key]) and figures[key] > 0, key
+    assert figures["peer_bytes_fetched"] > 0 and figures["targets"]["planner < 1 s at 16k ranks"] in (True, False)
 
 
 def _number(x: object) -> bool:

@@ -33,6 +33,7 @@ from .planner import FRESH, MEMORY, PERSISTENT, Decision, plan_resume
 
 log = logging.getLogger(__name__)
 MAX_ROUNDS = 16
+PHASES = ("inventory", "plan", "fetch", "verify", "load", "heal")  # ResumeInfo.phases, in order
 
 
 @dataclass
@@ -48,6 +49,10 @@ class ResumeInfo:
     # True when the step was saved by another world size (DCP resharded it on load: an elastic
     # restart); None when that is not known (a persistent checkpoint does not record it).
     resharded: bool | None = False
+    # Seconds this rank spent in each phase of the resume: inventory, plan, fetch, verify,
+    # load (a persistent restore included) and heal (starting the re-protection; the rebuild
+    # of a replaced node's shard goes on in the background). A phase that did not run is 0.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,7 +86,7 @@ class Recovery:
         self.lineage, self.group = lineage, group
         self.replicator, self.persistent = replicator, persistent
         self.transport = replicator.transport if replicator is not None else None
-        self.phases: dict[str, float] = {}  # seconds per phase, for the log line
+        self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # ResumeInfo.phases
 
     def run(self, state_dict: dict) -> Resumed:
         """Load the newest usable checkpoint into ``state_dict``; every rank calls it."""
@@ -94,8 +99,10 @@ class Recovery:
         notes: list[str] = []
         holders: Holders | None = None  # reads from other nodes, for the step being tried
         for _ in range(MAX_ROUNDS):
+            t = time.perf_counter()
             d = plan_resume(nodes, persistent_step, self.topo.world_size, bad_copies=bad,
                             bad_steps=bad_steps, can_fetch=self.transport is not None)
+            self._lap("plan", t)
             holders = None
             if d.kind != MEMORY:
                 break
@@ -104,9 +111,11 @@ class Recovery:
                 holders = Holders(self.transport, self.store, self.topo, d)
             t = time.perf_counter()
             problems = self._gather_problems(self._fetch(d, holders))
+            self._lap("fetch", t)
             if not problems:
+                t = time.perf_counter()
                 problems = self._gather_problems(self._verify(d.step, d.save_id))
-            self._lap("fetch+verify", t)
+                self._lap("verify", t)
             if problems:
                 bad |= {copy for copy, _ in problems}
                 notes += [why for _, why in problems]
@@ -129,10 +138,15 @@ class Recovery:
         if d.kind == PERSISTENT:
             assert self.persistent is not None and d.step is not None
             # Its own layout and reader; a framework's folder may load it its own way.
+            t = time.perf_counter()
             self.persistent.restore(state_dict, d.step, functools.partial(load_step, group=self.group))
+            self._lap("load", t)
         fetched = holders.bytes_fetched if holders is not None else 0
         info = self._finish(d, notes, t0, fetched)
+        t = time.perf_counter()
         healing = self._heal(d, holders)  # after the last collective, in the background
+        self._lap("heal", t)
+        info.phases = dict(self.phases)
         return Resumed(info, self.lineage, fetched, healing)
 
     def continue_from(self, step: int | None) -> None:
@@ -252,7 +266,7 @@ class Recovery:
         else:
             log.info("mlcheckpoint: resumed step %d from %s%s in %.3fs (%d bytes from peers; %s)%s",
                      d.step, overall, ", resharded" if resharded else "", info.seconds, info.bytes_fetched,
-                     ", ".join(f"{k} {v:.3f}s" for k, v in self.phases.items()),
+                     ", ".join(f"{k} {v:.3f}s" for k, v in self.phases.items() if k != "heal"),
                      f"; {reason}" if reason else "")
         return info
 

@@ -15,12 +15,16 @@ a transfer cut anywhere leaves nothing visible:
 The sink also holds what this node decides about replicas: which saves it accepts
 (``accept_from``), the largest shard it takes, and the steps pinned while a transfer reads them.
 Once a pushed replica is in, it publishes a ``ReplicaReceived`` event to its subscribers (the
-lifecycle layer applies retention there), given at construction.
+lifecycle layer applies retention there), given at construction. How each replica was received
+(``ReceiptTimes``) is kept for the last few, in ``receipt_times``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -39,6 +43,28 @@ class StepPins(Protocol):
     """Steps retention must skip while a transfer reads their buffers (``lifecycle.Pins``)."""
 
     def pinned(self, step: int) -> contextlib.AbstractContextManager[None]: ...
+
+
+KEPT_RECEIPT_TIMES = 64  # ReceiveSink.receipt_times holds the last this many replicas'
+
+
+@dataclass
+class ReceiptTimes:
+    """How one replica was received, for benchmarks and diagnostics. Seconds; ``*_at`` are
+    ``time.monotonic()`` stamps, which processes of one machine share.
+
+    ``checksum_s`` counts every hash of the replica, while its bytes arrived in order or at the
+    commit (``checksum_at_commit_s`` of it); ``commit_s`` is the commit less its hashing.
+    """
+
+    buffer_s: float  # getting the buffer the bytes land in
+    buffer_ready_at: float
+    cpu_at_begin: float  # time.process_time() then: this process, all threads
+    checksum_s: float = 0.0
+    checksum_at_commit_s: float = 0.0
+    commit_at: float | None = None  # every byte is in; verification and commit start
+    commit_s: float | None = None
+    cpu_s: float | None = None  # process CPU seconds from the buffer to the commit's end
 
 
 class NoPins:
@@ -81,6 +107,9 @@ class ReceiveSink:
         self.max_shard_bytes = max_shard_bytes
         # Replicas are received only of saves in this history (set by ``accept_from``).
         self.history: Lineage | None = None
+        # (step, owner) -> how its replica was received, the newest KEPT_RECEIPT_TIMES.
+        self.receipt_times: OrderedDict[tuple[int, int], ReceiptTimes] = OrderedDict()
+        self._times_lock = threading.Lock()
 
     # ------------------------------------------------------------------ what is accepted
     def accept_from(self, history: Lineage) -> None:
@@ -116,7 +145,16 @@ class ReceiveSink:
     def begin(self, m: Manifest) -> Receipt:
         """A fresh buffer for the replica ``m`` describes (its size checked first)."""
         p.check_offer(m, self.max_shard_bytes)
-        return Receipt(self.store.begin_shard(m.step, m.rank, m.data_bytes), m)
+        cpu0, t0 = time.process_time(), time.monotonic()
+        shard = self.store.begin_shard(m.step, m.rank, m.data_bytes)
+        t1 = time.monotonic()
+        times = ReceiptTimes(buffer_s=t1 - t0, buffer_ready_at=t1, cpu_at_begin=cpu0)
+        with self._times_lock:
+            self.receipt_times.pop((m.step, m.rank), None)
+            self.receipt_times[(m.step, m.rank)] = times
+            while len(self.receipt_times) > KEPT_RECEIPT_TIMES:
+                self.receipt_times.popitem(last=False)
+        return Receipt(shard, m, times)
 
     def received(self, m: Manifest) -> None:
         """A replica a peer pushed is committed and acknowledged: tell the subscribers."""
@@ -137,8 +175,10 @@ class Receipt:
     """One replica arriving into a fresh buffer: filled by a transport, then committed or
     aborted. As a context manager, leaving it without ``commit()`` aborts it."""
 
-    def __init__(self, shard: ShardWriter, m: Manifest):
+    def __init__(self, shard: ShardWriter, m: Manifest, times: ReceiptTimes | None = None):
         self._shard, self.m = shard, m
+        now = time.monotonic()
+        self.times = times or ReceiptTimes(0.0, now, time.process_time())
         self.array = shard.buffer.array  # where the transport puts the bytes
         self._verifier = StreamVerifier(self.array, m.items, m.data_bytes,
                                         f"replica of step {m.step} rank {m.rank} on arrival")
@@ -148,7 +188,9 @@ class Receipt:
         """Bytes [0, upto) are in place (one stream, in order): hash what is new while it is
         cache-hot, so no checksum pass trails the transfer."""
         self._streamed = True
+        t0 = time.monotonic()
         self._verifier.feed(upto)
+        self.times.checksum_s += time.monotonic() - t0
         self.arriving(upto, self.m.data_bytes)
 
     def arriving(self, got: int, total: int) -> None:
@@ -160,11 +202,19 @@ class Receipt:
     def commit(self) -> None:
         """Verify every item's checksum (CorruptShardError naming the first bad one), then
         commit the replica under its owner's manifest."""
+        times = self.times
+        times.commit_at = t0 = time.monotonic()
         if self._streamed:
             self._verifier.check()
         else:  # the bytes landed out of order or in bulk: hash them all now, on several threads
             self._shard.verify(self.m)
+        t1 = time.monotonic()
         self._shard.commit_manifest(self.m)
+        t2 = time.monotonic()
+        times.checksum_at_commit_s = t1 - t0
+        times.checksum_s += t1 - t0
+        times.commit_s = t2 - t1
+        times.cpu_s = time.process_time() - times.cpu_at_begin
 
     def abort(self) -> None:
         """Give the buffer back (nothing of it becomes visible); no-op once committed."""

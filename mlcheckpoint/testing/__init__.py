@@ -1,9 +1,12 @@
 """Tools for testing and benchmarking mlcheckpoint itself; the library never imports them.
 
-``netcluster``: an emulated multi-node cluster on one machine (network namespaces joined by
-shaped links), for tests, benchmarks and demos.
+``cluster``: simulated multi-node jobs on one machine (torchrun agents, one tmpfs directory
+per node, kills, results, cleanup), the one way tests, benchmarks and the demo start nodes.
+``netcluster``: the same nodes, each in a network namespace behind a shaped link.
 """
 
+from .cluster import Cluster, Node, SimulatedCluster, free_port, write_result
 from .netcluster import NetCluster, NetNode, available, clean_stale
 
-__all__ = ["NetCluster", "NetNode", "available", "clean_stale"]
+__all__ = ["Cluster", "NetCluster", "NetNode", "Node", "SimulatedCluster", "available",
+           "clean_stale", "free_port", "write_result"]

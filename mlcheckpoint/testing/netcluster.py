@@ -17,7 +17,8 @@ p<k> (what node k receives). The host's own namespace gets no interface, address
 and the nodes have no default route: a process inside can reach only the other nodes (and
 its own loopback), never the host or anything beyond it.
 
-Each node has its own local_dir under /dev/shm and its own log. Everything (processes,
+Directories, agents, results and logs are ``cluster.SimulatedCluster``'s (shared with the
+loopback ``Cluster``); this module adds the namespaces and links. Everything (processes,
 namespaces and with them the veths, directories) is removed on ``close()``, at the end of a
 ``with`` block, at interpreter exit and on SIGTERM; ``clean_stale()`` removes what a crashed
 earlier process left. Needs root and iproute2 (``ip``, ``tc``): see ``available()``.
@@ -29,21 +30,19 @@ import atexit
 import contextlib
 import functools
 import itertools
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from typing_extensions import Self
+from .cluster import Node, SimulatedCluster
 
 PREFIX = "mlckpt-net-"
 _OURS = re.compile(re.escape(PREFIX) + r"(\d+)-")  # names carry the creating process's pid
@@ -236,14 +235,14 @@ def _install_hooks() -> None:
 
 
 # --------------------------------------------------------------------------- the cluster
-class NetNode:
-    """Node ``index`` of a NetCluster: its namespace, address, local_dir, log and agent."""
+class NetNode(Node):
+    """Node ``index`` of a NetCluster: a Node that lives in a network namespace, at ``address``."""
 
-    def __init__(self, index: int, netns: str, address: str, local_dir: str, log_path: str):
-        self.index, self.netns, self.address = index, netns, address
-        self.local_dir, self.log_path = local_dir, log_path
+    def __init__(self, index: int, local_dir: str, log_path: str, *, cluster_name: str):
+        super().__init__(index, local_dir, log_path)
+        self.netns = f"{cluster_name}-n{index}"
+        self.address = f"{SUBNET}.{index + 1}"
         self.port = f"p{index}"  # its switch port (in the switch namespace)
-        self.proc: subprocess.Popen | None = None  # the torchrun agent of the last start()
 
     def kill(self) -> list[int]:
         """Lose the node: SIGKILL every process in its namespace (the agent, its ranks, which
@@ -254,25 +253,12 @@ class NetNode:
             self.proc.wait()
         return pids
 
-    def wipe(self) -> None:
-        """Lose the node's memory: an empty local_dir, what a replacement machine starts with."""
-        shutil.rmtree(self.local_dir, ignore_errors=True)
-        os.makedirs(self.local_dir, mode=0o700, exist_ok=True)
-
     def pids(self) -> set[int]:
         """The processes running in this node now."""
         return pids_in(self.netns)
 
-    def log(self) -> str:
-        """Everything this node's agents and ranks printed."""
-        try:
-            with open(self.log_path) as f:
-                return f.read()
-        except FileNotFoundError:
-            return ""
 
-
-class NetCluster:
+class NetCluster(SimulatedCluster):
     """``nodes`` simulated nodes x ``nproc`` ranks, each node in a network namespace of its own
     behind a link shaped to ``rate`` ("1gbit", "500mbit", bits/s, or None: unshaped).
 
@@ -292,8 +278,6 @@ class NetCluster:
             raise RuntimeError(reason)
         clean_stale()
         _install_hooks()
-        self.nproc = nproc
-        self.job_id = job_id or f"net-{uuid.uuid4().hex[:10]}"
         self.name = f"{PREFIX}{os.getpid()}-{next(_counter)}"
         self.switch_netns = f"{self.name}-sw"
         self.rate: int | None = None
@@ -304,16 +288,9 @@ class NetCluster:
         self._owner = os.getpid()  # a forked child's exit must not tear down our cluster
         _live.add(self)
         try:
-            self.root = tempfile.mkdtemp(prefix=self.name + "-", dir="/dev/shm")
-            self.out_dir = os.path.join(self.root, "out")
-            self.persistent_dir = os.path.join(self.root, "persistent")
-            os.makedirs(self.out_dir)
-            self.nodes = [NetNode(k, f"{self.name}-n{k}", f"{SUBNET}.{k + 1}",
-                                  os.path.join(self.root, f"node{k}"),
-                                  os.path.join(self.root, f"node{k}.log"))
-                          for k in range(nodes)]
-            for node in self.nodes:
-                os.makedirs(node.local_dir, mode=0o700)
+            super().__init__(nodes, nproc, job_id=job_id or f"net-{uuid.uuid4().hex[:10]}",
+                             prefix=self.name + "-", node_class=NetNode, cluster_name=self.name)
+            self.net_nodes: list[NetNode] = [n for n in self.nodes if isinstance(n, NetNode)]
             self._build()
             self.set_rate(rate)
         except BaseException:
@@ -326,7 +303,7 @@ class NetCluster:
         self._add_netns(sw)
         _run(["ip", "-n", sw, "link", "add", "name", "br0", "type", "bridge"])
         self._link_up(sw, "br0")
-        for node in self.nodes:
+        for node in self.net_nodes:
             self._add_netns(node.netns)
             _run(["ip", "-n", node.netns, "link", "set", "lo", "up"])  # torch needs loopback
             # Made inside the switch namespace with its peer placed straight into the node's:
@@ -352,7 +329,7 @@ class NetCluster:
     def set_rate(self, rate: str | int | None) -> None:
         """Shape every node's link to ``rate`` in both directions (None: remove the shaping)."""
         bits = parse_rate(rate)
-        for node in self.nodes:
+        for node in self.net_nodes:
             for netns, dev in ((node.netns, IFACE), (self.switch_netns, node.port)):
                 if bits is None:  # veths default to no qdisc at all; deleting restores that
                     _run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], check=False)
@@ -364,103 +341,43 @@ class NetCluster:
 
     # ------------------------------------------------------------------ nodes and processes
     def node(self, k: int) -> NetNode:
-        return self.nodes[k]
+        return self.net_nodes[k]
 
     def address(self, k: int) -> str:
         """Node ``k``'s IPv4 address (on its eth0)."""
-        return self.nodes[k].address
+        return self.net_nodes[k].address
 
     def run_in(self, k: int, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` as a plain process in node ``k``'s namespace (a session of its own);
         ``popen_kwargs`` go to subprocess.Popen. Losing the node or closing the cluster kills it."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.nodes[k].netns, *argv],
+        proc = subprocess.Popen(["ip", "netns", "exec", self.net_nodes[k].netns, *argv],
                                 start_new_session=True, **popen_kwargs)
         self._procs = [p for p in self._procs if p.poll() is None] + [proc]
         return proc
 
     def node_env(self, k: int) -> dict[str, str]:
-        """The environment of node ``k``'s agents: ours, plus its local_dir and job id, the
-        directories tests' workers write to, and gloo bound to the node's interface."""
-        env = dict(os.environ)
-        env.update({"MLCHECKPOINT_LOCAL_DIR": self.nodes[k].local_dir,
-                    "MLCHECKPOINT_JOB_ID": self.job_id,
-                    "TEST_OUT_DIR": self.out_dir, "TEST_PERSISTENT_DIR": self.persistent_dir,
-                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    # Left alone, gloo advertises what the host name resolves to: loopback
-                    # on many machines (this one too), useless to the other nodes.
-                    "GLOO_SOCKET_IFNAME": IFACE})
-        return env
+        """The environment of node ``k``'s agents (``SimulatedCluster.node_env``), with gloo
+        bound to the node's interface."""
+        # Left alone, gloo advertises what the host name resolves to: loopback on many
+        # machines (this one too), useless to the other nodes.
+        return {**super().node_env(k), "GLOO_SOCKET_IFNAME": IFACE}
 
-    def start(self, script: str, *args: str, nodes: Sequence[int] | None = None,
-              env: dict[str, str] | None = None, nnodes: int | None = None) -> None:
-        """Start a torchrun agent running ``script`` (a path) with ``args`` in each of ``nodes``
-        (default: all), with static rendezvous at node 0's address. ``env`` adds to
-        ``node_env``; ``nnodes`` (default: all) is the job's node count."""
-        nnodes = nnodes or len(self.nodes)
+    def _master_addr(self) -> str:
+        return self.address(0)
+
+    def _master_port(self) -> int:
         # Inside the namespaces nothing else listens, so any port is free; a new one per start
         # keeps a restarted job's store clear of the last one's lingering connections.
-        port = 29500 + self._starts
         self._starts += 1
-        for k in nodes if nodes is not None else range(nnodes):
-            node = self.nodes[k]
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-                   f"--node-rank={k}", f"--nproc-per-node={self.nproc}",
-                   f"--master-addr={self.address(0)}", f"--master-port={port}",
-                   "--max-restarts=0", script, *args]
-            with open(node.log_path, "a") as log:
-                log.write(f"\n===== {' '.join(cmd[3:])}\n")
-                log.flush()
-                node.proc = self.run_in(k, cmd, env={**self.node_env(k), **(env or {})},
-                                        stdout=log, stderr=subprocess.STDOUT)
+        return 29500 + self._starts - 1
 
-    def wait(self, timeout: float = 120, nodes: Sequence[int] | None = None) -> list[int]:
-        """Wait for the agents of ``nodes`` (default: all started); return their exit codes.
-        On timeout every node is killed and TimeoutError carries the logs."""
-        deadline = time.monotonic() + timeout
-        codes = []
-        for k in nodes if nodes is not None else range(len(self.nodes)):
-            proc = self.nodes[k].proc
-            if proc is None:
-                continue
-            try:
-                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                self.kill_all()
-                raise TimeoutError(f"node {k} timed out; logs:\n{self.logs()}") from None
-        return codes
-
-    def run(self, script: str, *args: str, timeout: float = 120, **kwargs: Any) -> None:
-        """``start`` on all nodes and require every agent to exit 0 within ``timeout``."""
-        self.start(script, *args, **kwargs)
-        codes = self.wait(timeout)
-        if any(codes):
-            raise RuntimeError(f"exit codes {codes}; logs:\n{self.logs()}")
-
-    def kill_all(self) -> None:
-        """Lose every node's processes (their local_dirs stay)."""
-        for node in self.nodes:
-            node.kill()
+    def _spawn(self, k: int, argv: list[str], env: dict[str, str], log: Any) -> subprocess.Popen:
+        return self.run_in(k, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def logs(self) -> str:
         """The last lines of every node's log, for failure messages."""
         return "\n".join(f"--- node {n.index} ({n.address}) ---\n{n.log()[-6000:]}"
-                         for n in self.nodes)
-
-    # ------------------------------------------------------------------ results (tests/workers)
-    def results(self, name: str) -> dict[int, dict]:
-        """Per-rank JSON results, ``<out_dir>/<name>.rank<r>.json`` (tests/workers' ``report``)."""
-        out = {}
-        for fn in os.listdir(self.out_dir):
-            if fn.startswith(name + ".rank") and fn.endswith(".json"):
-                with open(os.path.join(self.out_dir, fn)) as f:
-                    out[int(fn[len(name) + 5:-5])] = json.load(f)
-        return out
-
-    def clear_results(self, *names: str) -> None:
-        """Forget earlier results (all, or those ``names``)."""
-        for fn in os.listdir(self.out_dir):
-            if not names or any(fn.startswith(n + ".rank") for n in names):
-                os.unlink(os.path.join(self.out_dir, fn))
+                         for n in self.net_nodes)
 
     # ------------------------------------------------------------------ a baseline
     def raw_tcp_throughput(self, src: int, dst: int, nbytes: int, timeout: float = 300) -> float:
@@ -518,9 +435,3 @@ class NetCluster:
             shutil.rmtree(self.root, ignore_errors=True)
         if problems:
             raise RuntimeError("netcluster cleanup: " + "; ".join(problems))
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -1,6 +1,9 @@
-"""The emulated cluster (mlcheckpoint.testing.netcluster) and a job that loses a node over it.
+"""The simulated clusters (mlcheckpoint.testing) and a job that loses a node over the network.
 
-- The harness: namespaces, addresses, loopback, tbf at the requested rate on both ends of
+- The loopback harness (``cluster.Cluster``, which NetCluster builds on): agents started on
+  every node with the node's environment, per-rank results, a lost node's processes all gone
+  and its memory wiped, and nothing left after ``close``.
+- The network harness: namespaces, addresses, loopback, tbf at the requested rate on both ends of
   every link, connectivity between nodes, nothing in the host's namespace, and nothing left
   afterwards: not when the body raises, not on SIGTERM, not after a crash (clean_stale).
 - A 2-node x 2-rank job over a 300 mbit link loses node 1 (SIGKILL, memory wiped); the
@@ -22,6 +25,7 @@ import pytest
 from helpers import wait_for
 
 from mlcheckpoint.testing import netcluster
+from mlcheckpoint.testing.cluster import Cluster, is_dead, process_tree
 from mlcheckpoint.testing.netcluster import NetCluster, parse_rate, tbf_params
 
 REASON = netcluster.available()
@@ -261,3 +265,44 @@ def test_lost_node_resumes_from_its_partner_over_a_shaped_link():
         second_launch = {p.pid for p in (c.node(0).proc, c.node(1).proc) if p is not None}
     assert len(first_launch) >= 6  # 2 agents + 4 ranks
     assert_nothing_left(name, root, first_launch | second_launch)
+
+
+# --------------------------------------------------------------------------- loopback harness
+NODE_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    from mlcheckpoint.testing.cluster import write_result
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(os.environ["MLCHECKPOINT_LOCAL_DIR"], f"mem{rank}"), "w") as f:
+        f.write("x")  # what the node holds in memory
+    write_result(sys.argv[1], rank, {"node": int(os.environ["GROUP_RANK"]),
+                                     "job": os.environ["MLCHECKPOINT_JOB_ID"]})
+    if sys.argv[2] == "hang" and os.environ["GROUP_RANK"] == "1":
+        time.sleep(600)  # until the test loses this node
+""")
+
+
+def test_loopback_cluster_starts_loses_and_cleans_up(tmp_path):
+    script = tmp_path / "node.py"
+    script.write_text(NODE_SCRIPT)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    with Cluster(2, nproc=2) as c:
+        c.run(str(script), "first", "exit", env=env, timeout=300)
+        results = c.results("first")
+        assert sorted(results) == [0, 1, 2, 3]
+        assert {r: v["node"] for r, v in results.items()} == {0: 0, 1: 0, 2: 1, 3: 1}
+        assert {v["job"] for v in results.values()} == {c.job_id}
+        assert sorted(os.listdir(c.nodes[1].local_dir)) == ["mem2", "mem3"]
+
+        c.clear_results()
+        c.start(str(script), "second", "hang", env=env)
+        wait_for(lambda: len(c.results("second")) == 4, "every rank's result",
+                 diag=c.logs)
+        pids = c.nodes[1].kill()  # the agent and both ranks (sessions of their own)
+        assert len(pids) >= 3 and all(is_dead(p) for p in pids)
+        c.nodes[1].wipe()
+        assert os.listdir(c.nodes[1].local_dir) == []
+        node0 = c.nodes[0].proc
+        assert node0 is not None
+        survivors = process_tree(node0.pid)  # node 0's agent waits for node 1 at torchrun's exit barrier
+        root = c.root
+    assert all(is_dead(p) for p in survivors) and not os.path.exists(root)

@@ -1,11 +1,12 @@
 """Shared helpers for worker scripts launched by torchrun in tests."""
 
-import json
 import logging
 import os
 
 import torch
 import torch.distributed as dist
+
+from mlcheckpoint.testing.cluster import write_result
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s r%(process)d %(name)s %(levelname)s %(message)s")
 # A test can ask for one of our loggers at DEBUG (e.g. MLCKPT_TEST_DEBUG=mlcheckpoint.replication.tcp).
@@ -58,11 +59,7 @@ def equal(a, b) -> bool:
 
 
 def report(name: str, data: dict) -> None:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    path = os.path.join(os.environ["TEST_OUT_DIR"], f"{name}.rank{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f)
-    os.replace(path + ".tmp", path)
+    write_result(name, dist.get_rank() if dist.is_initialized() else 0, data)
 
 
 def diff(a, b, path="") -> list[str]:

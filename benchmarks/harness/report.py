@@ -1,0 +1,57 @@
+"""What a benchmark's report shares: progress lines, the machine it ran on, and the one way a
+benchmark runs (a config, ``run(config) -> dict``, a report of that dict, optionally the dict
+as JSON)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+Config = TypeVar("Config")
+
+
+def progress(msg: str) -> None:
+    """A progress line on stderr (the report itself goes to stdout)."""
+    print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def machine_info(shm_dir: str) -> dict[str, Any]:
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                   platform.processor())
+    vfs = os.statvfs(shm_dir)
+    import mlcheckpoint
+    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "kernel": platform.release(),
+            "load_average": os.getloadavg(), "mlcheckpoint": mlcheckpoint.__version__,
+            "shm_dir": shm_dir, "shm_total_bytes": vfs.f_blocks * vfs.f_frsize,
+            "shm_free_bytes": vfs.f_bavail * vfs.f_frsize}
+
+
+def run_and_report(config: Config, run: Callable[[Config], dict[str, Any]],
+                   report: Callable[[Config, dict[str, Any]], None],
+                   json_path: str | None = None) -> dict[str, Any]:
+    """Run one benchmark: ``run(config)``, then ``report(config, figures)`` to stdout, then
+    the figures as JSON to ``json_path`` (if given); return the figures."""
+    figures = run(config)
+    report(config, figures)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(figures, f, indent=2, default=str)
+        print(f"\nfigures written to {json_path}")
+    return figures

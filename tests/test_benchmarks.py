@@ -90,6 +90,7 @@ def test_bench_training_runs_every_mode():
     assert figures["summary"]["modes"]["overlapped"]["guard_wait_max_s"] >= 0
 
 
+@pytest.mark.slow
 def test_bench_local_quick_reports_every_row(capsys):
     figures = bench_local.main(["--quick", "--size-gb", "0.01", "--saves", "4", "--fresh-resumes", "1"])
     assert {"memcpy", "fs_save", "fs_load", "ours_save_steady", "ours_load", "ours_async_blocking",

@@ -281,6 +281,7 @@ NODE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_loopback_cluster_starts_loses_and_cleans_up(tmp_path):
     script = tmp_path / "node.py"
     script.write_text(NODE_SCRIPT)

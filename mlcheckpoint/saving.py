@@ -132,10 +132,13 @@ class Saver:
     def storage_writer(self, step: int, lineage: Lineage) -> MemoryStorageWriter:
         """A writer for a DCP-native save (``CheckpointManager.storage_writer``). DCP drives
         it, not this Saver, so nothing publishes: the writer tells the replicator itself when
-        its shard and the metadata are committed."""
+        its shard and the metadata are committed. In DCP's PROCESS mode the writer commits in
+        another process and tells nobody; the replicator, started now, finds the save at its
+        next poll."""
         writer = self._writer(step, lineage)
         replicator = self.replicator
         if replicator is not None:
+            replicator.activate()
             writer.on_commit = lambda step, _rank: replicator.notify(step, writer.save_id)
             writer.on_metadata = lambda step: replicator.notify(step, writer.save_id)
         return writer

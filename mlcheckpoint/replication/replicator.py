@@ -186,9 +186,9 @@ class Replicator:
     def _run(self) -> None:
         while not self._closed.is_set():
             # Look for work when a save lands here (notify), and at each poll: the poll is how
-            # this rank hears of what other ranks did, which nothing here is told of: a round
-            # rank 0 named (ranks other than 0), or the last round finished on every rank
-            # (rank 0, before it names the next).
+            # this rank hears of what nothing here is told of: a round rank 0 named (ranks
+            # other than 0), the last round finished on every rank (rank 0, before it names
+            # the next), or a save that DCP committed in its checkpoint process (PROCESS mode).
             self._wake.wait(self.poll_interval)
             self._wake.clear()
             if not self._active.is_set():
@@ -283,8 +283,10 @@ class Replicator:
         report the round done, whatever happened: the job moves on together."""
         with self._saves_lock:
             skipped = [s for s in self._unreplicated if s < r.step]
-            for s in [*skipped, r.step]:
-                self._unreplicated.pop(s, None)
+            for s in skipped:
+                del self._unreplicated[s]
+            if self._unreplicated.get(r.step) == r.save_id:  # (not a later save of that step)
+                del self._unreplicated[r.step]
             self._superseded += len(skipped)
         try:
             older = [s for s in self.store.steps() if s < r.step]

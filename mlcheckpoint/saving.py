@@ -99,7 +99,7 @@ class Saver:
         self._before_save()
         writer = self._writer(step, lineage)
         t0 = time.perf_counter()
-        metadata = self._commit(writer, state_dict)  # stages inside write_data
+        metadata = self._commit(writer, state_dict, "save")  # stages inside write_data
         seconds = time.perf_counter() - t0
         result = SaveResult(step, _committed_bytes(writer), seconds, seconds, persist is not None,
                             phases={"stage": writer.copy_seconds,
@@ -171,9 +171,9 @@ class Saver:
         """The save thread's part of ``async_save``."""
         views = staged.result()  # an overlapped stage: every byte in place (or its error)
         try:
-            metadata = self._commit(writer, views)
+            metadata = self._commit(writer, views, "async save")
         except Exception as e:
-            log.error("mlcheckpoint: async save of step %d failed: %s", writer.step, e)
+            log.error("mlcheckpoint: %s", e)
             if overlapped and staged.failure is None:  # (else async_save raised it already)
                 self.snapshots.save_failed(e)
             raise
@@ -187,14 +187,15 @@ class Saver:
             persist.submit(views, writer.step)  # reads the staged views: pins the step
         return result
 
-    def _commit(self, writer: MemoryStorageWriter, state_dict: dict[str, Any]) -> Metadata:
+    def _commit(self, writer: MemoryStorageWriter, state_dict: dict[str, Any],
+                what: str) -> Metadata:
         """``dcp.save``: every rank commits its shard, the coordinator the metadata."""
         try:
             with gc_paused():
                 return dcp.save(state_dict, storage_writer=writer, process_group=self.group)
         except CheckpointException as e:
             self._drop_failed_shard(writer)
-            raise unwrap_checkpoint_exception(e, f"save of step {writer.step}") from None
+            raise unwrap_checkpoint_exception(e, f"{what} of step {writer.step}") from None
 
     def _drop_failed_shard(self, writer: MemoryStorageWriter) -> None:
         """A step that failed on some rank is no checkpoint: give back the space this rank's

@@ -191,7 +191,7 @@ class CheckpointManager:
         # save/async_save retire old steps after each save, on the background thread, so they
         # skip this up-front retention (an inventory and c10d round trips on the training thread).
         self.retention.apply()
-        return self.saver.writer(step, self.lineage)
+        return self.saver.storage_writer(step, self.lineage)
 
     def storage_reader(self, step: int) -> MemoryStorageReader:
         """A reader for ``dcp.load`` of an in-memory ``step``."""

@@ -1,9 +1,16 @@
-"""Saver: the save path behind ``CheckpointManager.save`` and ``async_save``.
+"""Saver: the save path behind ``CheckpointManager.save`` and ``async_save``, in three phases.
 
-Read top to bottom: ``save`` (or ``async_save``: stage now or overlapped, then
-``_finish_async_save`` on the save thread) -> ``dcp.save`` through a ``MemoryStorageWriter``
--> ``_after_save`` (history, the metadata on every node, the replicator, retention, the next
-buffers) -> the persistent write, if asked. At most one in-memory save is in flight.
+    stage    copy the state dict into this rank's tmpfs buffer, with checksums
+             (``dcp/staging.py``; an overlapped stage finishes on the staging thread). It
+             hands one value, a ``Staged``, to the commit. A blocking ``save`` stages inside
+             the commit instead: ``write_data`` copies what DCP's plan gives this rank.
+    commit   ``dcp.save`` through a ``MemoryStorageWriter``: every rank's ``write_data``
+             commits its shard (the manifest rename), the coordinator the global metadata.
+    publish  once the step is committed on every rank: its metadata on every node, the
+             replicator told (once, of this save), retention, the next buffers.
+
+``async_save`` stages on the calling thread, then commits and publishes on the save thread.
+At most one in-memory save is in flight. The persistent write, if asked, follows publish.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -24,8 +31,9 @@ from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dic
 
 from . import history
 from ._gc import gc_paused
-from .dcp import MemoryStorageWriter
+from .dcp import MemoryStorageWriter, staging
 from .dcp.errors import unwrap_checkpoint_exception
+from .dcp.staging import Staged
 from .dcp.writer import commit_metadata
 from .errors import MLCheckpointError
 from .lifecycle import BufferWarmer, Retention
@@ -44,9 +52,15 @@ class SaveResult:
     step: int
     bytes: int
     blocking_seconds: float  # time the caller was held (staging for async_save)
-    seconds: float  # until committed in tmpfs on every rank
+    seconds: float  # until committed in tmpfs on every rank: phases "stage" + "commit"
     persistent: bool = False
     overlapped_bytes: int = 0  # copied on the staging thread while training went on
+    # Seconds per phase (see the module docstring): "stage" (the copy into tmpfs: inside
+    # write_data for a blocking save; for async_save until every byte is in place, also on
+    # the staging thread), "commit" (the rest of dcp.save: write_data through the manifest
+    # rename, on every rank, and the metadata) and "publish" (the metadata on every node, the
+    # replicator, retention). The persistent write is not in any of them.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class Saver:
@@ -54,11 +68,12 @@ class Saver:
 
     Args:
         store, topology: this node's store and where this rank sits in the job.
-        group: the in-memory saves' process group.
-        snapshots: the staging thread and guards of overlapped saves.
+        group: the in-memory saves' process group (one rank per job rank).
+        snapshots: the staging thread and guards of overlapped saves; it also keeps the
+            failure of an overlapped save until the next save raises it.
         retention: applied after every save.
         warmer: prepares the buffers of the next saves.
-        replicator: told of every committed shard and metadata; None with replication off.
+        replicator: told of every save once it is committed; None with replication off.
     """
 
     def __init__(self, store: LocalStore, topology: Topology, *, group: dist.ProcessGroup | None,
@@ -74,100 +89,112 @@ class Saver:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-save")
         self._lock = threading.Lock()
         self._in_flight: Future[SaveResult] | None = None
-        self._overlapped_step: int | None = None  # the save in flight, if it was overlapped
 
-    def writer(self, step: int, lineage: Lineage) -> MemoryStorageWriter:
-        """A writer of ``step`` that tells the replicator of each commit."""
-        notify = None
-        if self.replicator is not None:
-            self.replicator.activate()
-            notify = self.replicator.notify
-        return MemoryStorageWriter(step, self.store, on_commit=notify, on_metadata=notify,
-                                   lineage=lineage, snapshots=self.snapshots)
-
+    # ------------------------------------------------------------------ the two saves
     def save(self, state_dict: dict[str, Any], step: int, lineage: Lineage,
              persist: PersistentWriter | None) -> SaveResult:
         """Save ``step`` and return once it is committed on every rank (and, with ``persist``,
         written to the persistent folder)."""
-        self.wait()
-        self._raise_overlapped_failure()
-        writer = self.writer(step, lineage)
+        self._before_save()
+        writer = self._writer(step, lineage)
         t0 = time.perf_counter()
-        try:
-            with gc_paused():
-                metadata = dcp.save(state_dict, storage_writer=writer, process_group=self.group)
-        except CheckpointException as e:
-            self._drop_failed_shard(writer)
-            raise unwrap_checkpoint_exception(e, f"save of step {step}") from None
+        metadata = self._commit(writer, state_dict, "save")  # stages inside write_data
         seconds = time.perf_counter() - t0
-        result = SaveResult(step, _committed_bytes(writer), seconds, seconds, persist is not None)
-        self._after_save(result, metadata, writer)
+        result = SaveResult(step, _committed_bytes(writer), seconds, seconds, persist is not None,
+                            phases={"stage": writer.copy_seconds,
+                                    "commit": seconds - writer.copy_seconds})
+        self._publish(result, metadata, writer)
         if persist is not None:
             persist.write(state_dict, step)
         return result
 
     def async_save(self, state_dict: dict[str, Any], step: int, lineage: Lineage,
                    persist: PersistentWriter | None, overlap: bool | None) -> Future[SaveResult]:
-        """Stage ``state_dict`` (see ``CheckpointManager.async_save``), then commit on the save
-        thread."""
-        self.wait()
-        self._raise_overlapped_failure()
+        """Stage ``state_dict`` (see ``CheckpointManager.async_save``), then commit and publish
+        on the save thread."""
+        self._before_save()
         overlapped = self.snapshots.guarded if overlap is None else overlap
-        writer = self.writer(step, lineage)
         t0 = time.perf_counter()
-        stage_error: BaseException | None = None
-        staged: dict[str, Any] | Future[dict[str, Any]] = {}
+        staged = self._stage(state_dict, step, overlapped, overlap)
+        blocking = time.perf_counter() - t0
+        # A stage that failed here still goes to the commit, which fails the step on every
+        # rank (no rank waits for this one); the caller hears of it now.
+        writer = self._writer(step, lineage, staged)
+        fut = self._executor.submit(self._commit_and_publish, writer, staged, persist, t0,
+                                    blocking, overlapped)
+        with self._lock:
+            self._in_flight = fut
+        if staged.failure is not None:
+            raise staged.failure
+        return fut
+
+    def storage_writer(self, step: int, lineage: Lineage) -> MemoryStorageWriter:
+        """A writer for a DCP-native save (``CheckpointManager.storage_writer``). DCP drives
+        it, not this Saver, so nothing publishes: the writer tells the replicator itself when
+        its shard and the metadata are committed. In DCP's PROCESS mode the writer commits in
+        another process and tells nobody; the replicator, started now, finds the save at its
+        next poll."""
+        writer = self._writer(step, lineage)
+        replicator = self.replicator
+        if replicator is not None:
+            replicator.activate()
+            writer.on_commit = lambda step, _rank: replicator.notify(step, writer.save_id)
+            writer.on_metadata = lambda step: replicator.notify(step, writer.save_id)
+        return writer
+
+    # ------------------------------------------------------------------ the phases
+    def _before_save(self) -> None:
+        """Wait for the save in flight; if it overlapped and failed (on any rank: the commit
+        is collective), raise that here, on every rank alike, so that all ranks skip this
+        call together."""
+        self.wait()
+        self.snapshots.raise_failed_save()
+
+    def _stage(self, state_dict: dict[str, Any], step: int, overlapped: bool,
+               overlap: bool | None) -> Staged:
+        rank = self.topology.rank
         try:
             with gc_paused():
                 flat = _stateful_to_state_dict(state_dict)  # Stateful objects: at call time
-                if overlapped:
-                    staged = writer.stage_overlapped(
-                        flat, None if overlap else self.snapshots.deferrable())
-                else:
-                    staged = writer.stage_now(flat)
+                if not overlapped:
+                    return staging.stage_now(self.store, step, rank, flat)
+                deferrable = None if overlap else self.snapshots.deferrable()
+                return staging.stage_overlapped(self.store, step, rank, flat, self.snapshots,
+                                                deferrable)
         except (MLCheckpointError, OSError) as e:
-            stage_error, staged = e, {}
-            writer.poison(e)  # fail this step on every rank instead of leaving them waiting
-        blocking = time.perf_counter() - t0
-        fut = self._executor.submit(self._finish_async_save, writer, staged, persist, t0, blocking)
-        with self._lock:
-            self._in_flight = fut
-            self._overlapped_step = step if overlapped and stage_error is None else None
-        if stage_error is not None:
-            raise stage_error
-        return fut
+            return Staged.failed(step, rank, e)
 
-    def _raise_overlapped_failure(self) -> None:
-        """The previous save overlapped and failed (on some rank: the commit is collective):
-        raise that here, once, on every rank alike, so that all ranks skip this call together
-        (even the rank whose guard raised it already)."""
-        with self._lock:
-            fut, step, self._overlapped_step = self._in_flight, self._overlapped_step, None
-        error = fut.exception() if step is not None and fut is not None else None
-        if error is not None:
-            self.snapshots.forget_failure()
-            raise error
+    def _commit_and_publish(self, writer: MemoryStorageWriter, staged: Staged,
+                            persist: PersistentWriter | None, t0: float, blocking: float,
+                            overlapped: bool) -> SaveResult:
+        """The save thread's part of ``async_save``."""
+        views = staged.result()  # an overlapped stage: every byte in place (or its error)
+        try:
+            metadata = self._commit(writer, views, "async save")
+        except Exception as e:
+            log.error("mlcheckpoint: %s", e)
+            if overlapped and staged.failure is None:  # (else async_save raised it already)
+                self.snapshots.save_failed(e)
+            raise
+        seconds = time.perf_counter() - t0
+        stage_s = staged.staged_at - t0
+        result = SaveResult(writer.step, _committed_bytes(writer), blocking, seconds,
+                            persist is not None, staged.overlapped_bytes,
+                            phases={"stage": stage_s, "commit": seconds - stage_s})
+        self._publish(result, metadata, writer)
+        if persist is not None:
+            persist.submit(views, writer.step)  # reads the staged views: pins the step
+        return result
 
-    def _finish_async_save(self, writer: MemoryStorageWriter,
-                           staged: dict[str, Any] | Future[dict[str, Any]],
-                           persist: PersistentWriter | None, t0: float,
-                           blocking: float) -> SaveResult:
-        if isinstance(staged, Future):
-            staged = staged.result()  # the staging thread's copy; its failure poisoned writer
+    def _commit(self, writer: MemoryStorageWriter, state_dict: dict[str, Any],
+                what: str) -> Metadata:
+        """``dcp.save``: every rank commits its shard, the coordinator the metadata."""
         try:
             with gc_paused():
-                metadata = dcp.save(staged, storage_writer=writer, process_group=self.group)
+                return dcp.save(state_dict, storage_writer=writer, process_group=self.group)
         except CheckpointException as e:
             self._drop_failed_shard(writer)
-            err = unwrap_checkpoint_exception(e, f"async save of step {writer.step}")
-            log.error("mlcheckpoint: %s", err)
-            raise err from None
-        result = SaveResult(writer.step, _committed_bytes(writer), blocking,
-                            time.perf_counter() - t0, persist is not None, writer.overlapped_bytes)
-        self._after_save(result, metadata, writer)
-        if persist is not None:
-            persist.submit(staged, writer.step)  # reads the staged views: pins the step
-        return result
+            raise unwrap_checkpoint_exception(e, f"{what} of step {writer.step}") from None
 
     def _drop_failed_shard(self, writer: MemoryStorageWriter) -> None:
         """A step that failed on some rank is no checkpoint: give back the space this rank's
@@ -177,11 +204,15 @@ class Saver:
             with contextlib.suppress(OSError, MLCheckpointError):
                 self.store.retire_shard(writer.step, self.topology.rank)
 
-    def _after_save(self, result: SaveResult, metadata: Metadata,
-                    writer: MemoryStorageWriter) -> None:
+    def _publish(self, result: SaveResult, metadata: Metadata,
+                 writer: MemoryStorageWriter) -> None:
+        """The step is committed on every rank: record it, put its metadata on this node,
+        tell the replicator, apply retention and prepare the next buffers (each once)."""
+        t0 = time.perf_counter()
         step, rank = result.step, self.topology.rank
         history.record(self.store.job_dir, "save", step=step, rank=rank, bytes=result.bytes,
-                       seconds=round(result.seconds, 6), blocking_seconds=round(result.blocking_seconds, 6))
+                       seconds=round(result.seconds, 6),
+                       blocking_seconds=round(result.blocking_seconds, 6))
         # dcp.save returns the global metadata on every rank: every node stores it at once,
         # without waiting for the coordinator's push.
         if self.topology.local_rank == 0 and self.topology.node_rank != 0:
@@ -191,10 +222,18 @@ class Saver:
                 commit_metadata(self.store, step, metadata, self.topology.world_size,
                                 save_id=writer.save_id, lineage=writer.lineage)
         if self.replicator is not None:
-            self.replicator.notify()
+            self.replicator.notify(step, writer.save_id)
         self.retention.apply()
         self.warmer.prepare(rank, result.bytes)
+        result.phases["publish"] = time.perf_counter() - t0
 
+    def _writer(self, step: int, lineage: Lineage, staged: Staged | None = None
+                ) -> MemoryStorageWriter:
+        return MemoryStorageWriter(step, self.store, lineage=lineage, snapshots=self.snapshots,
+                                   rank=self.topology.rank,
+                                   world_size=self.topology.world_size, staged=staged)
+
+    # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
         """Wait for the save in flight; its error belongs to the caller of ``async_save``."""
         with self._lock:

@@ -1,14 +1,20 @@
-"""Copy a state dict straight into a tmpfs shard buffer (the AsyncStager half of the writer).
+"""Stage: copy a state dict straight into a tmpfs shard buffer, the first phase of a save.
 
-``stage_into`` lays the state dict out in the buffer and copies it; given ``defer``, the
-tensors it names are only placed, and ``copy_deferred`` copies them later, on the staging
-thread (see mlcheckpoint/snapshot.py for which tensors may wait).
+``stage_now`` and ``stage_overlapped`` return a ``Staged``: the one value the commit
+(``MemoryStorageWriter.write_data``) consumes. Below them, ``stage_into`` lays the state dict
+out in the buffer and copies it; given ``defer``, the tensors it names are only placed, and
+``copy_deferred`` copies them later, on the staging thread (see mlcheckpoint/snapshot.py for
+which tensors may wait).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import StagingError
 from ..integrity import copier
-from ..store.local_store import align
+from ..snapshot import Snapshotter, storage_ptr
+from ..store.local_store import LocalStore, ShardWriter, align
 
 Leaf = torch.Tensor
 Digests = dict[int, tuple[int, int]]  # offset in the buffer -> (nbytes, checksum)
@@ -46,6 +53,105 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
 
 def staged_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(align(t.numel() * t.element_size()) for t in tensors)
+
+
+@dataclass
+class Staged:
+    """What staging hands to the commit: one rank's state dict in its tmpfs shard buffer, or
+    the error that stopped it. ``MemoryStorageWriter.write_data`` consumes it.
+
+    Made once, by ``stage_now``, ``stage_overlapped`` or ``failed``; only ``staged_at`` is set
+    later, by an overlapped stage's copy on the staging thread.
+    """
+
+    step: int
+    rank: int  # the rank the buffer was taken for
+    nbytes: int = 0  # the staged region, at the start of the buffer
+    shard: ShardWriter | None = None  # None in DCP's checkpoint process: reopened by name
+    views: Any = None  # the state dict as views of the buffer: what DCP saves
+    digests: Digests = field(default_factory=dict)  # checksums taken while copying
+    overlapped_bytes: int = 0  # copied on the staging thread after the call returned
+    copying: Future[None] | None = None  # overlapped: the staging thread's copy
+    failure: BaseException | None = None  # a stage that failed before it took a buffer
+    staged_at: float = 0.0  # time.perf_counter() once every byte was in the buffer
+
+    @classmethod
+    def failed(cls, step: int, rank: int, error: BaseException) -> Staged:
+        """A stage that failed at the call (e.g. CapacityError): its commit fails on every
+        rank, rather than leaving the other ranks waiting in DCP's collectives."""
+        return cls(step, rank, views={}, failure=error, staged_at=time.perf_counter())
+
+    def result(self) -> Any:
+        """The views to save, once every byte is in place (waits for an overlapped copy,
+        whether or not it failed: ``error()`` says)."""
+        if self.copying is not None:
+            # exception() also returns once the copy is cancelled (a close that did not wait);
+            # concurrent.futures.wait would not.
+            with contextlib.suppress(CancelledError):
+                self.copying.exception()
+        return self.views
+
+    def error(self) -> BaseException | None:
+        """Why this stage failed (the commit raises it), or None; call after ``result``."""
+        if self.failure is not None or self.copying is None or not self.copying.done():
+            return self.failure
+        if self.copying.cancelled():
+            return StagingError(f"the snapshot of step {self.step} was cancelled")
+        return self.copying.exception()
+
+    def for_another_process(self) -> Staged:
+        """What DCP's checkpoint process (PROCESS mode) needs: where the region is and its
+        checksums, and how it failed; not the mapping, the views or the Future."""
+        return dataclasses.replace(self, shard=None, views=None, copying=None,
+                                   failure=self.error())
+
+
+def stage_now(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any]) -> Staged:
+    """Copy ``state_dict`` into a new shard buffer of (``step``, ``rank``), with checksums."""
+    shard, layout, nbytes = _take_buffer(store, step, rank, state_dict, defer=None)
+    return Staged(step, rank, nbytes, shard, layout.staged, layout.digests,
+                  staged_at=time.perf_counter())
+
+
+def stage_overlapped(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any],
+                     snapshots: Snapshotter, deferrable: set[int] | None) -> Staged:
+    """Place ``state_dict`` in a new shard buffer and copy now every tensor whose storage is
+    not in ``deferrable`` (None: defer every tensor); ``snapshots``' staging thread copies the
+    rest (``copying``). Everything that is not a tensor is captured now.
+
+    A failed copy fails ``copying``; the snapshotter raises it at the next guard point and the
+    commit on this rank, so that the step fails on every rank.
+    """
+    def defer(t: torch.Tensor) -> bool:
+        return deferrable is None or storage_ptr(t) in deferrable
+
+    shard, layout, nbytes = _take_buffer(store, step, rank, state_dict, defer=defer)
+    staged = Staged(step, rank, nbytes, shard, layout.staged, layout.digests,
+                    overlapped_bytes=sum(c.nbytes for c in layout.deferred))
+
+    def copy_rest(copied: Callable[[], None]) -> None:  # on the staging thread
+        copy_deferred(layout, copied)
+        staged.staged_at = time.perf_counter()
+
+    staged.copying = snapshots.submit(copy_rest, label=step)
+    return staged
+
+
+def _take_buffer(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any],
+                 defer: Callable[[torch.Tensor], bool] | None
+                 ) -> tuple[ShardWriter, Layout, int]:
+    tensors = tensors_of(state_dict)
+    nbytes = staged_bytes(tensors)
+    shard = store.begin_shard(step, rank, nbytes)
+    try:
+        if any(t.device.type != "cpu" for t in tensors):
+            shard.buffer.register_for_device_copies()
+        layout = stage_into(state_dict, shard.buffer.tensor, defer)
+    except BaseException:
+        shard.abort()
+        raise
+    shard.cursor = nbytes  # the staged region is taken
+    return shard, layout, nbytes
 
 
 @dataclass

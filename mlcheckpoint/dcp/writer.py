@@ -1,8 +1,9 @@
 """MemoryStorageWriter: a DCP StorageWriter that commits each rank's shard to tmpfs.
 
-Save path: DCP plan -> ``write_data`` copies (or, after ``stage``, only hashes) every item
-into one mapped shard buffer (where each item goes: ``placement.py``) -> the shard is committed with its manifest -> the coordinator's
-``finish`` commits the global metadata. Tensor bytes are raw; only DCP's own byte items
+Save path: DCP plan -> ``write_data`` consumes what staging handed over (``staging.Staged``,
+if the state dict was staged) and copies (or, after staging, only hashes) every item into one
+mapped shard buffer (where each item goes: ``placement.py``) -> the shard is committed with
+its manifest -> the coordinator's ``finish`` commits the global metadata. Tensor bytes are raw; only DCP's own byte items
 (non-tensor values) and the global metadata are pickled, as DCP pickles them.
 """
 
@@ -12,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import pickle
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +27,8 @@ from torch.futures import Future
 
 from .._faults import crash_point
 from .._gc import pausing_gc
-from ..errors import MLCheckpointError, StagingError
-from ..snapshot import Snapshotter, storage_ptr
+from ..errors import MLCheckpointError
+from ..snapshot import Snapshotter
 from ..store.identity import Lineage, new_id
 from ..store.local_store import LocalStore, ShardWriter, align
 from ..store.manifest import Manifest
@@ -36,8 +38,11 @@ from .placement import Placement, copy_and_hash
 log = logging.getLogger(__name__)
 
 
-def _default_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def _default_group() -> tuple[int, int]:
+    """This process's rank and the world size in the default process group (0, 1 without)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def parse_step(checkpoint_id: Any) -> int:
@@ -71,6 +76,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             its own.
         snapshots: the staging thread and guards of overlapped saves (CheckpointManager
             passes its own); None: ``stage`` always copies before it returns.
+        rank, world_size: this rank in the process group the save runs on, and its size
+            (CheckpointManager passes its checkpoint group's); by default the default group's.
+            DCP's own rank, given when the save starts, takes precedence.
+        staged: the state dict already staged for this step (``dcp/staging.py``), which
+            ``write_data`` commits; else ``stage`` makes it, or ``write_data`` copies.
     """
 
     _synchronize_after_execute = False  # stage() is synchronous: nothing to wait for
@@ -79,7 +89,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                  local_dir: str | None = None,
                  on_commit: Callable[[int, int], None] | None = None,
                  on_metadata: Callable[[int], None] | None = None,
-                 lineage: Lineage | None = None, snapshots: Snapshotter | None = None):
+                 lineage: Lineage | None = None, snapshots: Snapshotter | None = None,
+                 rank: int | None = None, world_size: int | None = None,
+                 staged: staging.Staged | None = None):
         super().__init__()
         self.step = parse_step(step)
         self.store = store if store is not None else LocalStore(local_dir, job_id)
@@ -87,21 +99,19 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self.on_metadata = on_metadata
         self.lineage = lineage or Lineage()
         self.save_id = ""  # made by the coordinator's global plan, sent to every rank in it
-        self.rank = _default_rank()
+        default_rank, default_world = _default_group()
+        self.rank = default_rank if rank is None else rank
+        self.world_size = default_world if world_size is None else world_size
         self.is_coordinator = False
-        self._staged: ShardWriter | None = None
-        self._staged_rank: int | None = None
-        self._staged_bytes = 0
-        self._staged_digests: dict[int, tuple[int, int]] = {}  # offset -> (nbytes, checksum)
-        self._poison: BaseException | None = None
+        self.staged = staged  # the hand-off from staging; write_data consumes it
         self._snapshots = snapshots
-        self._staging: concurrent.futures.Future[dict[str, Any]] | None = None  # overlapped stage
-        self.overlapped_bytes = 0  # tensor bytes the staging thread copies after stage returns
+        self.copy_seconds = 0.0  # write_data's placing, copying and hashing
         self.committed: Manifest | None = None  # this rank's manifest once write_data committed
 
-    def poison(self, error: BaseException) -> None:
-        """Make this rank's write fail with ``error``, so DCP fails the step on every rank."""
-        self._poison = error
+    @property
+    def overlapped_bytes(self) -> int:
+        """Tensor bytes the staging thread copies after ``stage`` returned."""
+        return self.staged.overlapped_bytes if self.staged is not None else 0
 
     @property
     def checkpoint_id(self) -> str:
@@ -111,11 +121,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     # buffer, drop the mapping and the in-process callbacks.
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_staged"] = None
+        state["staged"] = None if self.staged is None else self.staged.for_another_process()
         state["on_commit"] = None
         state["on_metadata"] = None
         state["_snapshots"] = None
-        state["_staging"] = None
         return state
 
     # ---------------------------------------------------------------- AsyncStager
@@ -123,93 +132,45 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: dict[str, Any]
               ) -> dict[str, Any] | concurrent.futures.Future[dict[str, Any]]:
         """Copy ``state_dict`` into this step's tmpfs buffer; return views of it, or, when an
-        optimizer is guarded, a Future of them (see ``stage_overlapped``)."""
-        if self._snapshots is not None and self._snapshots.guarded:
-            return self.stage_overlapped(state_dict, self._snapshots.deferrable())
-        return self.stage_now(state_dict)
+        optimizer is guarded, a Future of them that completes once every byte is in place.
 
-    @pausing_gc
-    def stage_now(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into this step's tmpfs buffer; return views of it."""
-        layout = self._lay_out(state_dict, defer=None)
-        self._staged_digests = layout.digests
-        return layout.staged
-
-    @pausing_gc
-    def stage_overlapped(self, state_dict: dict[str, Any], deferrable: set[int] | None
-                         ) -> concurrent.futures.Future[dict[str, Any]]:
-        """Place ``state_dict`` in the buffer and copy now every tensor whose storage is not in
-        ``deferrable`` (None: defer every tensor); the rest is copied on the staging thread.
-        Everything that is not a tensor is captured now.
-
-        The Future completes with the staged views once every byte is in place and hashed.
-        A failed staging does not fail the Future: it poisons this writer, so that the
-        commit fails on every rank (DCP's collective) instead of leaving them waiting, and is
-        raised at the next guard point.
+        A failed background copy does not fail that Future: the commit raises it, so that
+        DCP fails the step on every rank instead of leaving them waiting, and the next guard
+        point raises it too.
         """
-        if self._snapshots is None:
-            raise MLCheckpointError("an overlapped stage needs the writer's snapshots "
-                                    "(CheckpointManager.storage_writer passes them)")
-        def defer(t: torch.Tensor) -> bool:
-            return deferrable is None or storage_ptr(t) in deferrable
-
-        layout = self._lay_out(state_dict, defer=defer)
-        self.overlapped_bytes = sum(c.nbytes for c in layout.deferred)
-        staged: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-
-        def finish(done: concurrent.futures.Future[None]) -> None:
-            error = (StagingError(f"the snapshot of step {self.step} was cancelled")
-                     if done.cancelled() else done.exception())
-            if error is not None:
-                self.poison(error)
-                self.close()  # give the buffer back: this step commits nowhere
-            self._staged_digests = layout.digests
-            staged.set_result(layout.staged)
-
-        copy = self._snapshots.submit(lambda copied: staging.copy_deferred(layout, copied),
-                                      label=self.step)
-        copy.add_done_callback(finish)
-        self._staging = staged
-        return staged
-
-    def _lay_out(self, state_dict: dict[str, Any],
-                 defer: Callable[[torch.Tensor], bool] | None) -> staging.Layout:
-        tensors = staging.tensors_of(state_dict)
-        nbytes = staging.staged_bytes(tensors)
-        self._staged_rank = _default_rank()
-        shard = self.store.begin_shard(self.step, self._staged_rank, nbytes)
-        try:
-            if any(t.device.type != "cpu" for t in tensors):
-                shard.buffer.register_for_device_copies()
-            layout = staging.stage_into(state_dict, shard.buffer.tensor, defer)
-        except BaseException:
-            shard.abort()
-            raise
-        shard.cursor = nbytes  # the staged region is taken
-        self._staged, self._staged_bytes = shard, nbytes
-        return layout
+        if self._snapshots is None or not self._snapshots.guarded:
+            self.staged = staging.stage_now(self.store, self.step, self.rank, state_dict)
+            return self.staged.views
+        staged = self.staged = staging.stage_overlapped(
+            self.store, self.step, self.rank, state_dict, self._snapshots,
+            self._snapshots.deferrable())
+        views: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        assert staged.copying is not None
+        staged.copying.add_done_callback(lambda _: views.set_result(staged.views))
+        return views
 
     def synchronize_staging(self) -> None:
         """Wait for an overlapped stage (DCP's older protocol; prefer staging_completion)."""
-        if self._staging is not None:
-            self._staging.result()
+        if self.staged is not None:
+            self.staged.result()
 
     def close(self) -> None:
-        if self._staged is not None:
-            self._staged.abort()
-            self._staged = None
+        """Give back the buffer of a stage that is not committed."""
+        if self.staged is not None and self.staged.shard is not None:
+            self.staged.shard.abort()
+        self.staged = None
 
     # ---------------------------------------------------------------- StorageWriter
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
             step = parse_step(checkpoint_id)
-            if step != self.step and self._staged is not None:
+            if step != self.step and self.staged is not None:
                 raise ValueError(f"writer staged step {self.step}, asked to save {step}")
             self.step = step
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-        self.rank = kwargs.get("rank", _default_rank())
+        self.rank = kwargs.get("rank", self.rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -229,12 +190,22 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     @pausing_gc
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if self._poison is not None:
-            raise self._poison
-        shard = self._open_shard(plan)
+        """Commit this rank's shard: place every item (staged ones are in the buffer already),
+        copy and hash what is not, then commit the manifest (the rename is the commit)."""
+        staged, self.staged = self.staged, None  # consumed, committed or not
+        if staged is not None:
+            staged.result()  # an overlapped stage: every byte in place (DCP waited already)
+            error = staged.error()
+            if error is not None:
+                if staged.shard is not None:
+                    staged.shard.abort()  # this step commits nowhere: give the buffer back
+                raise error
+        shard = self._open_shard(plan, staged)
         try:
             crash_point("before_data", self.step, self.rank)
-            placement = Placement(shard, self._staged_digests, self._restaged_bytes())
+            t0 = time.perf_counter()
+            placement = Placement(shard, staged.digests if staged is not None else {},
+                                  restaged_bytes=_restaged_bytes(staged))
             placed = [placement.place(item, planner.resolve_data(item)) for item in plan.items]
             if any(p.tensor is not None and p.tensor.device.type != "cpu" for p in placed):
                 torch.accelerator.synchronize()  # the device copies must land before hashing
@@ -244,15 +215,13 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             crash_point("mid_data", self.step, self.rank)
             copy_and_hash(placed[half:])
             results = [placement.record(p, self.rank) for p in placed]
-            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            self.copy_seconds = time.perf_counter() - t0
             self.save_id = _plan_save_id(plan)
-            self.committed = shard.commit(world_size=world, save_id=self.save_id,
+            self.committed = shard.commit(world_size=self.world_size, save_id=self.save_id,
                                           run_id=self.lineage.run_id)
         except BaseException:
             shard.abort()
             raise
-        finally:
-            self._staged, self._staged_rank, self._staged_digests = None, None, {}
         log.debug("committed step %d rank %d (%d items)", self.step, self.rank, len(results))
         if self.on_commit is not None:
             self.on_commit(self.step, self.rank)
@@ -260,19 +229,16 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         fut.set_result(results)
         return fut
 
-    def _restaged_bytes(self) -> int | None:
-        """The staged region's size when ``stage`` ran in another process (PROCESS mode: the
-        buffer is reopened by name, and DCP hands copies of the staged views); else None."""
-        return self._staged_bytes if self._staged_rank is not None and self._staged is None else None
-
-    def _open_shard(self, plan: SavePlan) -> ShardWriter:
-        if self._staged_rank is not None:
-            shard = self._staged
+    def _open_shard(self, plan: SavePlan, staged: staging.Staged | None) -> ShardWriter:
+        """The staged shard (reopened by name in DCP's checkpoint process), else a new one
+        sized for the plan's tensors."""
+        if staged is not None:
+            shard = staged.shard
             if shard is None:  # PROCESS mode: stage() ran in the trainer; reopen its buffer by name
-                shard = self.store.reopen_shard(self.step, self._staged_rank, self._staged_bytes)
+                shard = self.store.reopen_shard(self.step, staged.rank, staged.nbytes)
             if shard.rank != self.rank:
-                # stage() runs before DCP names the rank it saves as: the process's rank in the
-                # default group, where DCP may use another (no_dist: 0; a group of its own).
+                # stage() runs before DCP names the rank it saves as (a bare writer stages as
+                # the default group's rank; DCP may use another: no_dist, a group of its own).
                 shard.reassign(self.rank)
             return shard
         nbytes = 0
@@ -291,6 +257,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                         save_id=self.save_id, lineage=self.lineage)
         if self.on_metadata is not None:
             self.on_metadata(self.step)
+
+
+def _restaged_bytes(staged: staging.Staged | None) -> int | None:
+    """The staged region's size when ``stage`` ran in another process (PROCESS mode: the
+    buffer is reopened by name, and DCP hands copies of the staged views); else None."""
+    return staged.nbytes if staged is not None and staged.shard is None else None
 
 
 def _plan_save_id(plan: SavePlan) -> str:

@@ -301,7 +301,7 @@ class Recovery:
     def _rebuild_own_shard(self, holders: Holders, replicator: Replicator) -> None:
         try:
             if holders.rebuild(self.topo.rank):
-                replicator.notify()
+                replicator.wake()
         except (MLCheckpointError, OSError) as e:
             log.warning("mlcheckpoint: rebuilding rank %d's shard of step %d failed: %s",
                         self.topo.rank, holders.step, e)

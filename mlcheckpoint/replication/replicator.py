@@ -69,8 +69,8 @@ class Replicator:
         self.poll_interval = poll_interval  # the worker's look for a new round
         self.wait_poll = wait_poll  # wait_replicated's and drain's look at the state
         self._states: dict[int, StepReplication] = {}
-        self._unreplicated: set[int] = set()  # steps saved here since the last round's
-        self._saves_lock = threading.Lock()  # for those two: notify runs on the saving thread
+        self._unreplicated: dict[int, str] = {}  # step -> save id, saved since the last round
+        self._saves_lock = threading.Lock()  # for it and _superseded: notify runs on the save thread
         self._superseded = 0  # saves this rank was told of and never replicated
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -109,12 +109,16 @@ class Replicator:
                        sources=[[n, domain(n)] for n in held])
 
     # ------------------------------------------------------------------ inputs
-    def notify(self, step: int | None = None, *_: object) -> None:
-        """A shard (or the metadata) of ``step`` was committed here: look now rather than at
-        the next poll."""
-        if isinstance(step, int):
-            with self._saves_lock:
-                self._unreplicated.add(step)
+    def notify(self, step: int, save_id: str) -> None:
+        """This rank's shard of ``step`` (save ``save_id``) is committed (the Saver: on every
+        rank): start replicating if not yet, and look now rather than at the next poll."""
+        with self._saves_lock:
+            self._unreplicated[step] = save_id
+        self._active.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Something changed here (e.g. a shard rebuilt after a resume): look now."""
         self._wake.set()
 
     def activate(self, *, reset: bool = False) -> None:
@@ -203,8 +207,10 @@ class Replicator:
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
         while not self._closed.is_set():
-            # Look for work when a save lands here (notify) or at each poll: a new round (rank
-            # 0 names it once the last one is done everywhere) is one store look away.
+            # Look for work when a save lands here (notify), and at each poll: the poll is how
+            # this rank hears of what nothing here is told of: a round rank 0 named (ranks
+            # other than 0), the last round finished on every rank (rank 0, before it names
+            # the next), or a save that DCP committed in its checkpoint process (PROCESS mode).
             self._wake.wait(self.poll_interval)
             self._wake.clear()
             if not self._active.is_set():
@@ -298,8 +304,11 @@ class Replicator:
         """Push this rank's shard of round ``r``'s save (rank 0: also its metadata), then
         report the round done, whatever happened: the job moves on together."""
         with self._saves_lock:
-            skipped = {s for s in self._unreplicated if s < r.step}
-            self._unreplicated -= skipped | {r.step}
+            skipped = [s for s in self._unreplicated if s < r.step]
+            for s in skipped:
+                del self._unreplicated[s]
+            if self._unreplicated.get(r.step) == r.save_id:  # (not a later save of that step)
+                del self._unreplicated[r.step]
             self._superseded += len(skipped)
         try:
             older = [s for s in self.store.steps() if s < r.step]

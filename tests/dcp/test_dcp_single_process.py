@@ -286,8 +286,9 @@ def test_process_mode_writes_each_tensor_once(store, caplog, diverge):
     sd = {"w": torch.randn(64, 64), "b": torch.randn(100).to(torch.bfloat16), "note": "hi"}
     w = MemoryStorageWriter(5, store)
     staged = w.stage(sd)
-    staged_bytes = w._staged_bytes
-    sent, _ = _as_sent_to_another_process(staged, w._staged.buffer.tensor)
+    assert w.staged is not None and w.staged.shard is not None
+    staged_bytes = w.staged.nbytes
+    sent, _ = _as_sent_to_another_process(staged, w.staged.shard.buffer.tensor)
     if diverge:
         sent["w"][0, 0] += 1.0  # the copy no longer matches the staged region
     w2 = pickle.loads(pickle.dumps(w))
@@ -434,6 +435,22 @@ def test_manager_retention_keeps_newest(dirs):
         assert ckpt.store.complete_steps() == [5, 6]
         pooled = os.listdir(ckpt.store.pool_dir)
         assert 1 <= len(pooled) <= 2
+
+
+def test_save_result_phases_add_up_to_seconds(dirs):
+    """Every kind of save reports its phases: "stage" + "commit" is ``seconds`` (until
+    committed on every rank) and "publish" comes after it."""
+    with manager(dirs) as ckpt:
+        results = [ckpt.save(make_state(1), 1),
+                   ckpt.async_save(make_state(2), 2).result(timeout=60),
+                   ckpt.async_save(make_state(3), 3, overlap=True).result(timeout=60)]
+    assert results[2].overlapped_bytes > 0  # the third one staged on the staging thread
+    for r in results:
+        assert set(r.phases) == {"stage", "commit", "publish"}, r
+        assert all(seconds >= 0 for seconds in r.phases.values()), r
+        assert r.phases["stage"] > 0, r  # bytes were copied
+        assert r.phases["stage"] + r.phases["commit"] == pytest.approx(r.seconds, abs=1e-6), r
+        assert r.blocking_seconds <= r.seconds, r
 
 
 def test_manager_close_is_idempotent(dirs):

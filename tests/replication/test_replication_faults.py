@@ -352,10 +352,12 @@ def small_state(step: int) -> dict:
 
 
 def save(store: LocalStore, step: int, rep: Replicator | None) -> None:
-    """A training step's checkpoint: a real DCP save into the store, nudging the replicator."""
-    notify = rep.notify if rep is not None else None
-    dcp.save(small_state(step), storage_writer=MemoryStorageWriter(step, store, on_commit=notify,
-                                                                  on_metadata=notify))
+    """A training step's checkpoint: a real DCP save into the store, then the replicator told
+    of it, as the Saver's publish does."""
+    writer = MemoryStorageWriter(step, store)
+    dcp.save(small_state(step), storage_writer=writer)
+    if rep is not None:
+        rep.notify(step, writer.save_id)
 
 
 def start_replicator(job: Job, t: TcpTransport, rank: int = 0) -> Replicator:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-from . import history
+from . import history, metrics
 from .dcp import MemoryStorageReader, MemoryStorageWriter
 from .errors import ConfigError, MLCheckpointError
 from .lifecycle import Lifecycle
@@ -141,6 +141,7 @@ class CheckpointManager:
         self.replicator: Replicator | None = None
         self.replica_owners: list[int] = []
         self._heal_thread: threading.Thread | None = None
+        self.last_resume: ResumeInfo | None = None  # what this manager's resume() loaded
         if replication != "none" and self.topology.num_nodes == 1:
             log.info("mlcheckpoint: single node, replication off (nothing to pair with)")
             replication = "none"
@@ -262,7 +263,7 @@ class CheckpointManager:
         resumed = self._recovery().run(state_dict)
         self.lineage = resumed.lineage  # later saves descend from what was loaded
         self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
-        info = resumed.info
+        info = self.last_resume = resumed.info
         history.record(self.store.job_dir, "resume", step=info.step, rank=self.rank,
                        source=info.sources.get(self.rank, info.source), seconds=round(info.seconds, 6),
                        bytes=resumed.bytes_fetched, reason=info.reason)
@@ -295,6 +296,14 @@ class CheckpointManager:
         if self.replicator is None:
             return protection_status(None, save_times(self.store.inventory()), None, 0)
         return self.replicator.protection()
+
+    def stats(self) -> dict[str, float]:
+        """Figures to log beside the loss (TensorBoard, W&B, any logger): the last committed
+        save's seconds, phases (``stage``, ``commit``, ``publish``), the training thread's
+        wait and bytes; the newest protected step, its lag in steps and age in seconds; the
+        last resume's seconds and phases. Keys start with ``mlcheckpoint/``; a figure not
+        known yet is left out. Reads this node's step list: fine to call every logged step."""
+        return metrics.stats(self.saver.last_result, self.protection(), self.last_resume)
 
     def wait_replicated(self, step: int, timeout: float | None = None) -> bool:
         """Wait until every shard and the metadata of ``step`` are on two nodes (job-wide).

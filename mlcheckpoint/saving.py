@@ -89,6 +89,7 @@ class Saver:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-save")
         self._lock = threading.Lock()
         self._in_flight: Future[SaveResult] | None = None
+        self.last_result: SaveResult | None = None  # the newest save published (for stats())
 
     # ------------------------------------------------------------------ the two saves
     def save(self, state_dict: dict[str, Any], step: int, lineage: Lineage,
@@ -226,6 +227,7 @@ class Saver:
         self.retention.apply()
         self.warmer.prepare(rank, result.bytes)
         result.phases["publish"] = time.perf_counter() - t0
+        self.last_result = result
 
     def _writer(self, step: int, lineage: Lineage, staged: Staged | None = None
                 ) -> MemoryStorageWriter:

@@ -199,7 +199,9 @@ class MLCheckpointStrategy(ModelParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         state[_META] = _pickle(checkpoint)
-        self.checkpoints.async_save(state, int(checkpoint["global_step"]))
+        step = int(checkpoint["global_step"])
+        self.checkpoints.async_save(state, step)
+        self._log_stats(step)
 
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -220,6 +222,7 @@ class MLCheckpointStrategy(ModelParallelStrategy):
         info = self.last_resume = self.checkpoints.resume(state)
         if info.step is None:
             return self._fresh_start()
+        self._log_stats(info.step)
         meta = state[_META]
         return _unpickle(meta) if isinstance(meta, bytes) else meta
 
@@ -234,6 +237,18 @@ class MLCheckpointStrategy(ModelParallelStrategy):
         trainer = self.lightning_module.trainer
         return {"pytorch-lightning_version": lightning_version,
                 "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+
+    def _log_stats(self, step: int) -> None:
+        """Our figures (``CheckpointManager.stats()``: the last save, the replication lag, the
+        resume) into the trainer's loggers (TensorBoard, W&B, CSV), beside the loss."""
+        module = self.lightning_module
+        if module is None or self.checkpoints is None:
+            return
+        loggers = module.trainer.loggers
+        if loggers:
+            figures = self.checkpoints.stats()
+            for logger in loggers:
+                logger.log_metrics(figures, step=step)
 
     # ------------------------------------------------------------------ lifecycle
     def on_exception(self, exception: BaseException) -> None:

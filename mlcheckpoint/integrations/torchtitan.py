@@ -180,6 +180,7 @@ class MemoryCheckpointManager(CheckpointManager):
                 self.checkpoints.async_save(self._flattened_model_states_sd(), curr_step)
             except MLCheckpointError as e:  # e.g. CapacityError: the folder still gets its saves
                 log.error("mlcheckpoint: in-memory checkpoint of step %d failed: %s", curr_step, e)
+            self._log_stats(curr_step)
         if self._persistent_due(curr_step, last_step):
             super()._save(curr_step, last_step)  # torchtitan's own, into its folder
         return True
@@ -200,7 +201,17 @@ class MemoryCheckpointManager(CheckpointManager):
         if info.source != "persistent":  # torchtitan's dcp_load did this for the folder
             self.states[MODEL].load_state_dict(states)
         log.info("mlcheckpoint: resumed step %d from %s in %.2fs", info.step, info.source, info.seconds)
+        self._log_stats(info.step)
         return True
+
+    def _log_stats(self, step: int) -> None:
+        """Our figures (``CheckpointManager.stats()``: the last save, the replication lag, the
+        resume) into the trainer's own metric loggers (TensorBoard, W&B), beside its loss.
+        torchtitan hands its Trainer to the checkpointer as the "train_state" entry."""
+        trainer = self.states.get("train_state")
+        metric_logger = getattr(getattr(trainer, "metrics_processor", None), "logger", None)
+        if metric_logger is not None:
+            metric_logger.log(self.checkpoints.stats(), step)
 
     # ------------------------------------------------------------------ close
     def _close(self) -> None:

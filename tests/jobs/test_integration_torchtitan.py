@@ -93,6 +93,14 @@ def node_loss_then_folder_fallback(torchtitan_dir: str) -> None:
         _assert_same_run(cluster, "peer", ref, 6, "peer")
         peer = cluster.results("titan_peer")[0]
         assert peer["resume"]["sources"] == {"0": "local", "1": "peer"}
+        # Our figures reach torchtitan's metric loggers: the resume at the step it loaded, and
+        # each in-memory save (the last one published, by then) at the step that saved.
+        logged = peer["metrics"]
+        assert logged["6"]["mlcheckpoint/resume_step"] == 6, logged
+        assert logged["6"]["mlcheckpoint/resume_fetch_seconds"] >= 0, logged
+        assert {"8", "10"} <= set(logged), logged
+        assert logged["10"]["mlcheckpoint/save_step"] in (8.0, 10.0), logged
+        assert logged["10"]["mlcheckpoint/save_seconds"] > 0, logged
         # After the resume torchtitan's own saves go on: step 8, and the last step.
         assert {"step-8", "step-10"} <= set(peer["folder"]), peer["folder"]
 

@@ -21,6 +21,7 @@ import torch
 from common import report
 from fsdp_train import full_tensors
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -79,6 +80,29 @@ class Record(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Logged(Logger):
+    """A Lightning logger that keeps what it is given, by step (as TensorBoard would plot it),
+    on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.logged: dict[int, dict] = {}
+
+    @property
+    def name(self):
+        return "logged"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.logged.setdefault(step, {}).update(metrics)
+
+
 def main() -> None:
     phase, folder = sys.argv[1], sys.argv[2]
     tag = os.environ.get("LIGHTNING_TAG", phase)
@@ -91,9 +115,10 @@ def main() -> None:
     memory = [] if phase == "lightning" else [MemoryCheckpoint(every_n_train_steps=2)]
     own = ModelCheckpoint(dirpath=folder if phase == "save" else f"{folder}-{tag}",
                           filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    logged = Logged()
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=MAX_STEPS, strategy=strategy,
                         callbacks=[record, own] + memory,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+                        logger=logged, enable_progress_bar=False, enable_model_summary=False)
     model = Net()
     ckpt_path = {"save": None, "resume": LATEST,
                  "lightning": os.path.join(folder, f"step={RESUME_STEP}.ckpt")}[phase]
@@ -104,7 +129,8 @@ def main() -> None:
         torch.save(tensors, os.path.join(os.environ["TEST_OUT_DIR"], f"lightning_{tag}.pt"))
     info = getattr(strategy, "last_resume", None)
     report(f"lightning_{tag}", {"losses": record.losses, "start": record.start,
-                                  "source": info and info.source, "global_step": trainer.global_step})
+                                  "source": info and info.source, "global_step": trainer.global_step,
+                                  "metrics": logged.logged})
     # Done: leave without the interpreter's teardown. With Lightning 2.6 and torch 2.13 (gloo),
     # about one process exit in four aborts there ("terminate called without an active
     # exception", SIGABRT) after all work is done, with or without mlcheckpoint (Lightning's

@@ -93,11 +93,28 @@ class DataLoader(Stateful):
         self.position = pickle.loads(sd[f"dp_rank_{self.rank}"])["position"]
 
 
+class MetricLoggers:
+    """torchtitan's ``trainer.metrics_processor.logger`` (its TensorBoard/W&B container):
+    keeps what is logged, by step."""
+
+    def __init__(self):
+        self.logged: dict[int, dict] = {}
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.logged.setdefault(step, {}).update(metrics)
+
+
+class MetricsProcessor:
+    def __init__(self):
+        self.logger = MetricLoggers()
+
+
 class TrainState(Stateful):
-    """torchtitan's Trainer as the "train_state" entry."""
+    """torchtitan's Trainer as the "train_state" entry (with its metrics processor)."""
 
     def __init__(self):
         self.step, self.ntokens_seen = 0, 0
+        self.metrics_processor = MetricsProcessor()
 
     def state_dict(self):
         return {"step": self.step, "ntokens_seen": self.ntokens_seen}
@@ -167,7 +184,8 @@ def main() -> None:
                                 "position": dataloader.position, "memory_after_load": in_memory,
                                 "lr": optimizers.optim.param_groups[0]["lr"],
                                 "folder": sorted(os.listdir(checkpointer.folder)),
-                                "torchtitan": os.path.dirname(torchtitan.__file__)})
+                                "torchtitan": os.path.dirname(torchtitan.__file__),
+                                "metrics": train_state.metrics_processor.logger.logged})
         if os.environ.get("TITAN_RAISE_AT_END"):
             if rank == 1:
                 raise RuntimeError("injected failure on rank 1")

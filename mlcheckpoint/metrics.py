@@ -1,0 +1,35 @@
+"""The figures a training loop logs beside its loss: ``CheckpointManager.stats()``.
+
+One flat dict of numbers, keys prefixed ``mlcheckpoint/`` (TensorBoard and W&B group them
+under that name). A figure not known yet (no save, nothing protected, no resume) is left out
+rather than given as None, which most loggers refuse.
+"""
+
+from __future__ import annotations
+
+from .recovery import ResumeInfo
+from .replication.lag import ProtectionStatus
+from .saving import SaveResult
+
+PREFIX = "mlcheckpoint/"
+
+
+def stats(save: SaveResult | None, protection: ProtectionStatus,
+          resume: ResumeInfo | None) -> dict[str, float]:
+    """The last published save, the replication lag and the last resume, as numbers."""
+    out: dict[str, float | int | None] = {}
+    if save is not None:
+        out.update(save_step=save.step, save_seconds=save.seconds,
+                   save_blocking_seconds=save.blocking_seconds, save_bytes=save.bytes,
+                   save_overlapped_bytes=save.overlapped_bytes)
+        out.update({f"save_{phase}_seconds": s for phase, s in save.phases.items()})
+    out.update(protected_step=protection.newest_protected,
+               protection_lag_steps=protection.lag_steps,
+               protection_age_seconds=protection.age_seconds,
+               replication_bytes_per_second=protection.rate_bytes_per_s,
+               superseded_saves=protection.superseded)
+    if resume is not None:
+        out.update(resume_step=resume.step, resume_seconds=resume.seconds,
+                   resume_bytes_fetched=resume.bytes_fetched)
+        out.update({f"resume_{phase}_seconds": s for phase, s in resume.phases.items()})
+    return {PREFIX + k: float(v) for k, v in out.items() if v is not None}

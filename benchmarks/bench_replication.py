@@ -77,6 +77,7 @@ from benchmarks.replication_report import report, summarize
 from mlcheckpoint import LocalStore, MemoryStorageWriter
 from mlcheckpoint.replication import ReceiveSink, Rendezvous, ReplicaReceived, Transport
 from mlcheckpoint.replication.factory import make_transport
+from mlcheckpoint.waiting import deadline_in, wait_until
 
 THIS_FILE = os.path.abspath(__file__)
 SECRET_ENV = "MLCHECKPOINT_REPLICATION_SECRET"  # how the helpers get this run's secret
@@ -315,13 +316,13 @@ def _timed_save(ckpt: Any, sd: StateDict, step: int, compute: Any, iters: int,
            "bytes": res.bytes, "compute_s": compute_s,
            "phases": dict(getattr(res, "phases", {}))}  # SaveResult.phases: stage, commit, publish
     if ckpt.replicator is not None:
-        deadline = time.monotonic() + timeout
-        st = None
-        while time.monotonic() < deadline:
-            st = ckpt.replicator.state(step)
-            if st is not None and st.state in ("replicated", "failed", "superseded"):
-                break
-            time.sleep(0.002)
+        replicator = ckpt.replicator
+
+        def settled() -> Any:
+            st = replicator.state(step)
+            return st if st is not None and st.state in ("replicated", "failed", "superseded") else None
+
+        st = wait_until(settled, deadline_in(timeout), 0.002) or replicator.state(step)
         row["replicated_after_s"] = time.perf_counter() - t0
         row.update(replication_state=None if st is None else st.state,
                    replication_s=None if st is None else st.seconds,

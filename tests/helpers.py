@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -28,6 +27,7 @@ import torch
 from mlcheckpoint import LocalStore
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
+from mlcheckpoint.waiting import deadline_in, wait_until
 
 WAIT = 120  # generous bound on waiting for another process/thread (never asserted on)
 
@@ -39,14 +39,10 @@ def wait_for(cond: Callable[[], T], what: str, timeout: float = WAIT, interval: 
              diag: Callable[[], str] = lambda: "") -> T:
     """Poll ``cond`` until truthy and return its value; fail (with ``diag()``) when it never
     becomes so within ``timeout`` seconds (a bound on a hang, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for {what}\n{diag()}")
-        time.sleep(interval)
+    v = wait_until(cond, deadline_in(timeout), interval)
+    if not v:
+        pytest.fail(f"gave up waiting for {what}\n{diag()}")
+    return v
 
 
 # --------------------------------------------------------------------------- damage

@@ -21,10 +21,10 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from cluster import WORKERS, Cluster, free_port, kill_strays, lose_node
+from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -50,13 +50,13 @@ def launch(c: Cluster, nnodes: int, nproc: int, table: dict[str, dict]) -> None:
 def wait_for_reports(c: Cluster, kind: str, name: str, ranks: int) -> dict[int, dict]:
     """The launch's reports of ``kind`` for job ``name`` from all ``ranks`` (fails with the
     logs if a node exits or the reports take too long)."""
-    deadline = time.time() + LAUNCH_TIMEOUT
-    while len(res := c.sub_job_results(kind, name)) < ranks:
-        assert time.time() < deadline, f"no {kind} reports from every rank:\n{c.logs()}"
+    def reports() -> dict[int, dict] | None:
         assert all(n.proc is None or n.proc.poll() is None for n in c.nodes), \
             f"a node exited:\n{c.logs()}"
-        time.sleep(0.2)
-    return res
+        res = c.sub_job_results(kind, name)
+        return res if len(res) >= ranks else None
+
+    return wait_for(reports, f"{kind} reports from every rank", LAUNCH_TIMEOUT, 0.2, c.logs)
 
 
 @pytest.fixture(scope="module")
@@ -154,25 +154,21 @@ def start_elastic_agent(c: Cluster, node: int, port: int, spec: dict, env: dict[
 
 
 def wait_for_listener(port: int, c: Cluster) -> None:
-    deadline = time.time() + LAUNCH_TIMEOUT
-    while True:
+    def listening() -> bool:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        assert time.time() < deadline, f"node 0's agent never listened:\n{c.logs()}"
-        time.sleep(0.1)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_for(listening, "node 0's agent to listen", LAUNCH_TIMEOUT, 0.1, c.logs)
 
 
 def wait_for_steps(c: Cluster, name: str, ranks: int, count: int) -> int:
     """Wait until each of ``ranks`` reported ``count`` acknowledged steps of incarnation
     ``name``; return the newest step all of them saw acknowledged."""
-    deadline = time.time() + LAUNCH_TIMEOUT
-    while True:
+    def enough() -> dict[int, dict] | None:
         res = wait_for_reports(c, "acked", name, ranks)
-        if min(len(r["steps"]) for r in res.values()) >= count:
-            return newest_acked(res)
-        assert time.time() < deadline, f"no progress in {name}:\n{c.logs()}"
-        time.sleep(0.2)
+        return res if min(len(r["steps"]) for r in res.values()) >= count else None
+
+    return newest_acked(wait_for(enough, f"progress in {name}", LAUNCH_TIMEOUT, 0.2, c.logs))
 
 
 def test_torchrun_elastic_grow_then_shrink():

@@ -26,7 +26,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.waiting import deadline_in, wait_until
 
 ROWS = 24  # divisible by every world size used (1, 2, 3, 4)
 
@@ -105,9 +105,8 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
                              "sources": info.sources, "bytes_fetched": info.bytes_fetched,
                              "world": world})
     if spec.get("await_own") and info.step is not None:
-        deadline = time.time() + 60
-        while rank not in ckpt.store.step_state(info.step).committed_ranks and time.time() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: rank in ckpt.store.step_state(info.step).committed_ranks,
+                   deadline_in(60), 0.05)
     if spec.get("heal") and info.step is not None and ckpt.replicator is not None:
         report(f"healed-{job}", {"step": info.step,
                                  "protected": ckpt.wait_replicated(info.step, 60)})

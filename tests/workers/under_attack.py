@@ -18,14 +18,12 @@ import torch.distributed as dist
 from common import init, model_state, report
 
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.waiting import deadline_in, wait_until
 
 
 def wait_for_file(path: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{path} never appeared")
-        time.sleep(0.05)
+    if not wait_until(lambda: os.path.exists(path), deadline_in(timeout), 0.05):
+        raise SystemExit(f"{path} never appeared")
 
 
 def main() -> None:

@@ -95,7 +95,8 @@ class Recovery:
         holders: Holders | None = None  # reads from other nodes, for the step being tried
         for _ in range(MAX_ROUNDS):
             d = plan_resume(nodes, persistent_step, self.topo.world_size, bad_copies=bad,
-                            bad_steps=bad_steps, can_fetch=self.transport is not None)
+                            bad_steps=bad_steps, can_fetch=self.transport is not None,
+                            copies=2 if self.replicator is None else self.replicator.copies)
             holders = None
             if d.kind != MEMORY:
                 break

@@ -5,8 +5,8 @@ streams into the model (``read_ranges``, the ``dcp.remote.RemoteReads`` protocol
 metadata for a node without it (``fetch_metadata``), and, after the load, the whole shard of a
 replaced node's own rank (``rebuild``). Which holder to ask, and in what order, is decided in
 one place: ``holder_order``. When a shard is on several other nodes (``replicas`` > 1, or
-a node that kept its own copy), ``read_ranges`` deals its ranges over all of them
-(``stripe_over_holders``), so that no single survivor serves everything.
+a node that kept its own copy), ``read_ranges`` deals its ranges (whole stored items) over
+all of them (``stripe_over_holders``), so that no single survivor serves everything.
 
 The resume waits for the first two, so the holder sends them at the link's full speed; the
 rebuild runs in the background and is paced by the holder's bandwidth budget (``paced``).
@@ -22,7 +22,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..errors import MLCheckpointError, ShardNotFoundError
-from ..replication.striping import run_streams, split_evenly
+from ..replication.striping import run_streams
 from ..replication.transport import Transport
 from ..store import LocalStore
 from ..topology import Topology
@@ -50,22 +50,26 @@ def holder_order(plan: Decision, topology: Topology, owner: int | None) -> list[
 
 def stripe_over_holders(order: list[int], ranges: list[tuple[int, int]], local_world_size: int
                         ) -> list[tuple[list[int], list[int]]]:
-    """Deal ``ranges`` (their indices, in order) over the holder nodes in ``order`` in
-    contiguous runs of about equal bytes, one run per node: [(run's range indices, ranks to
-    ask for it, in order)]. Each run asks its own node first, then the other holders in
-    ``order`` (``holder_order``'s fallback). A pure function."""
+    """Deal ``ranges`` (by index) over the holder nodes in ``order``, so that each serves
+    about the same bytes: [(a run's range indices, ranks to ask for it, in order)]. Each run
+    asks one node's first rank in ``order`` first, then the other holders in ``order``
+    (``holder_order``'s fallback). Whole ranges are dealt, largest first to the node with the
+    fewest bytes so far: a range is one stored item, checked as a whole, so a checksum
+    mismatch names the one node it came from. A pure function."""
     first_per_node: dict[int, int] = {}  # node -> the first of its ranks in ``order``
     for rank in order:
         first_per_node.setdefault(rank // local_world_size, rank)
-    if len(first_per_node) < 2 or len(ranges) < 2:
+    sources = list(first_per_node.values())
+    if len(sources) < 2 or len(ranges) < 2:
         return [(list(range(len(ranges))), order)]
-    indexed = [(i, n) for i, (_, n) in enumerate(ranges)]
-    runs = split_evenly(indexed, lambda item: item[1], min(len(first_per_node), len(ranges)))
-    dealt = []
-    for run, src in zip(runs, first_per_node.values(), strict=False):
-        if run:
-            dealt.append(([i for i, _ in run], [src] + [r for r in order if r != src]))
-    return dealt
+    dealt: list[list[int]] = [[] for _ in sources]
+    load = [0] * len(sources)
+    for i in sorted(range(len(ranges)), key=lambda i: -ranges[i][1]):
+        j = min(range(len(sources)), key=lambda j: (load[j], len(dealt[j]), j))
+        dealt[j].append(i)
+        load[j] += ranges[i][1]
+    return [(sorted(indices), [src] + [r for r in order if r != src])
+            for indices, src in zip(dealt, sources, strict=True) if indices]
 
 
 class Holders:
@@ -106,6 +110,8 @@ class Holders:
         errors = run_streams(read_run, runs)  # returns once no run writes into the sinks
         if errors:
             raise errors[0]
+        log.info("mlcheckpoint: read %d ranges of rank %d's shard of step %d from node(s) %s",
+                 len(ranges), owner, step, sorted(set(came_from)))
         return came_from
 
     def fetch_metadata(self) -> None:

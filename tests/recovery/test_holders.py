@@ -107,7 +107,7 @@ def test_a_resumes_reads_are_unpaced_and_the_heal_is_paced(store_dir):
 
 # Spread reads (issue 23, part 3): a shard held by several other nodes is read from all of them.
 
-def test_ranges_are_dealt_over_every_holder_node_in_runs_of_about_equal_bytes():
+def test_ranges_are_dealt_over_every_holder_node_in_about_equal_bytes():
     order = holder_order(PLAN, rank_on(2, 0), 4)  # rank 3 (node 1) planned, then node 0
     ranges = [(i * 100, 100) for i in range(10)]
     runs = stripe_over_holders(order, ranges, 2)
@@ -117,6 +117,11 @@ def test_ranges_are_dealt_over_every_holder_node_in_runs_of_about_equal_bytes():
     assert [len(indices) for indices, _ in runs] == [5, 5]
     for _, asks in runs:  # a run falls back on every other holder
         assert sorted(asks) == sorted(order)
+
+
+def test_one_large_range_goes_to_one_node_and_the_rest_to_the_other():
+    runs = stripe_over_holders([3, 0], [(0, 10), (10, 10), (20, 1000), (1020, 5)], 2)
+    assert runs == [([2], [3, 0]), ([0, 1, 3], [0, 3])]
 
 
 def test_one_holder_node_or_one_range_is_one_run():

@@ -76,7 +76,8 @@ class Holders:
     """The nodes that hold the step ``plan`` loads, seen from this rank.
 
     One per resume attempt (a plan names its step, save and holders). ``bytes_fetched``
-    counts the shard bytes read from peers for the load.
+    counts the shard bytes read from peers for the load, ``bytes_by_node`` the same per node
+    they came from (how the reads spread over the holders).
     """
 
     def __init__(self, transport: Transport, store: LocalStore, topology: Topology, plan: Decision):
@@ -84,6 +85,7 @@ class Holders:
         self.transport, self.store, self.topo, self.plan = transport, store, topology, plan
         self.step: int = plan.step
         self.bytes_fetched = 0
+        self.bytes_by_node: dict[int, int] = {}
 
     def read_ranges(self, step: int, owner: int, ranges: list[tuple[int, int]],
                     sinks: list[np.ndarray], on_range: Callable[[int], None]) -> list[int]:
@@ -100,10 +102,12 @@ class Holders:
                 owner, lambda src: self.transport.read_items(
                     src, step, owner, [ranges[i] for i in indices], [sinks[i] for i in indices],
                     lambda j: on_range(indices[j]), paced=False), order=order)
+            node = src // self.topo.local_world_size
             with lock:
                 self.bytes_fetched += nbytes
+                self.bytes_by_node[node] = self.bytes_by_node.get(node, 0) + nbytes
                 for i in indices:
-                    came_from[i] = src // self.topo.local_world_size
+                    came_from[i] = node
 
         runs = stripe_over_holders(holder_order(self.plan, self.topo, owner), ranges,
                                    self.topo.local_world_size)

@@ -85,6 +85,11 @@ class CheckpointManager:
         failure_domain: what fails together with this node: a rack, a switch, a power feed
             (default ``$MLCHECKPOINT_FAILURE_DOMAIN``, else the leaf switch SLURM's topology
             plugin names). Partners are then chosen in other domains (docs/operations.md).
+        replicas: partner nodes that keep a replica of each shard, 1-8 (default
+            ``$MLCHECKPOINT_REPLICAS`` or 1), in distinct failure domains where possible:
+            losing any ``replicas`` nodes resumes from memory. Each node keeps that many other
+            nodes' shards beside its own (docs/operations.md, "More than one partner"). Rank
+            0's value holds for the job.
     """
 
     def __init__(self, persistent_dir: str | PersistentStorage | None = None, *,
@@ -94,7 +99,8 @@ class CheckpointManager:
                  replication_timeout: float = default("replication_timeout"),
                  replication_streams: int | None = None,
                  replication_bandwidth: int | str | None = None,
-                 replication_interface: str | None = None, failure_domain: str | None = None):
+                 replication_interface: str | None = None, failure_domain: str | None = None,
+                 replicas: int | None = None):
         self.persistent = open_persistent(persistent_dir)
         # Every argument and variable, resolved and checked before anything is written
         # (settings.py declares them). Plain torchrun gives no job id: the persistent folder,
@@ -105,7 +111,7 @@ class CheckpointManager:
             replication_timeout=replication_timeout, replication_streams=replication_streams,
             replication_bandwidth=replication_bandwidth,
             replication_interface=replication_interface, failure_domain=failure_domain,
-            derive_job_id_from=None if self.persistent is None else self.persistent.location)
+            replicas=replicas, derive_job_id_from=None if self.persistent is None else self.persistent.location)
         network.check_listen_settings(opts.replication_host, opts.replication_interface,
                                       host_given=replication_host is not None,
                                       interface_given=replication_interface is not None)
@@ -125,10 +131,12 @@ class CheckpointManager:
         self._persist_pg = dist.new_group(backend="gloo") if self._distributed else None
         # This run's identity, agreed by every rank (rank 0's): every save names it, and a
         # resume extends it with the run it loaded from (see store/identity.py). The same
-        # collective agrees every node's failure domain (the pairing follows them).
-        agreed = self._all_gather((new_id(), opts.failure_domain))
+        # collective agrees every node's failure domain and rank 0's replica count (the
+        # pairing follows them).
+        agreed = self._all_gather((new_id(), opts.failure_domain, opts.replicas))
         self.lineage = Lineage(agreed[0][0])
-        self.topology = self.topology.with_domains([domain for _, domain in agreed])
+        self.replicas: int = agreed[0][2]
+        self.topology = self.topology.with_domains([domain for _, domain, _ in agreed])
         self.snapshots = Snapshotter()  # overlapped saves: the staging thread and the guards
         self.lifecycle = Lifecycle(self.store, self.rank, self.keep)
         self.pins = self.lifecycle.pins  # steps whose buffers a transfer or persistent write reads
@@ -177,9 +185,10 @@ class CheckpointManager:
         self.replicator = Replicator(self.store, transport, rdzv, self.topology,
                                      poll_interval=self.timeouts.replicator_poll,
                                      wait_poll=self.timeouts.wait_poll,
-                                     strategy=pairing_for(self.topology.domains))
+                                     strategy=pairing_for(self.topology.domains, self.replicas))
         self.replica_owners = self.replicator.sources
         self.retention.protect_replicas(self.replicator, self.replica_owners)
+        self.store.capacity.expect_replicas([self.rank], len(self.replica_owners))
         transport.accept_from(self.lineage)
 
     # ------------------------------------------------------------------ DCP-native

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 DEFAULT_LOCAL_DIR = "/dev/shm/mlcheckpoint"
 REPLICATION_MODES = ("tcp", "pg", "nccl", "none")  # replication/factory.py's TRANSPORTS + "none"
 MAX_STREAMS = 16
+MAX_REPLICAS = 8  # partners per node: each costs one more copy of every shard in memory
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}
@@ -245,6 +246,12 @@ SETTINGS: tuple[Setting, ...] = (
             "(`SLURM_TOPOLOGY_ADDR`), else none; see operations.md",
             env="MLCHECKPOINT_FAILURE_DOMAIN", keyword=True, check=_failure_domain,
             env_doc="this node's failure domain (e.g. `rack-12`)"),
+    Setting("replicas", "manager", "partner nodes that keep a replica of each shard (1-8), in "
+            "distinct failure domains where possible: losing any `replicas` nodes resumes from "
+            "memory; each node then keeps `replicas` other nodes' shards beside its own (see "
+            "operations.md, More than one partner)", 1, env="MLCHECKPOINT_REPLICAS",
+            keyword=True, check=_whole(1, MAX_REPLICAS), from_text=_text_whole,
+            env_doc="a whole number in 1-8"),
     # Process-wide tuning (Tuning).
     Setting("min_stripe_bytes", "tuning", "bytes (64 MiB): the least one TCP stream carries; a "
             "shard gets min(streams, size / this) streams", 64 << 20,
@@ -359,6 +366,7 @@ class Options:
     replication_bandwidth: int | str = default("replication_bandwidth")
     replication_interface: str | None = default("replication_interface")
     failure_domain: str | None = default("failure_domain")
+    replicas: int = default("replicas")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

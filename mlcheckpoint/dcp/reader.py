@@ -231,12 +231,13 @@ class MemoryStorageReader(StorageReader):
             sink = sinks[ranges[i]]
             hashing[ranges[i]] = copier.hash_later(copier.Span(src=sink.ctypes.data, nbytes=sink.nbytes))
 
-        node = remote.read_ranges(self.step, rank, ranges, [sinks[k] for k in ranges], landed)
+        nodes = remote.read_ranges(self.step, rank, ranges, [sinks[k] for k in ranges], landed)
+        came_from = dict(zip(ranges, nodes, strict=True))  # ranges may come from several nodes
         checks = {self._location(r.storage_index).offset: (r, self._location(r.storage_index))
                   for r in reqs}
         for req, loc in checks.values():
             if not digests_agree(loc.checksum, hashing[(loc.offset, loc.nbytes)].result()[0]):
-                self._corrupt(rank, req, node)
+                self._corrupt(rank, req, came_from[(loc.offset, loc.nbytes)])
         for i, req in enumerate(reqs):
             loc = self._location(req.storage_index)
             sink = sinks[(loc.offset, loc.nbytes)]

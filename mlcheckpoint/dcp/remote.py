@@ -16,10 +16,10 @@ class RemoteReads(Protocol):
     """Reads of shards held by other nodes, for one step being loaded."""
 
     def read_ranges(self, step: int, owner: int, ranges: list[tuple[int, int]],
-                    sinks: list[np.ndarray], on_range: Callable[[int], None]) -> int:
-        """Read the byte ranges ``(offset, nbytes)`` of ``owner``'s shard of ``step`` from a
-        node that holds it, straight into ``sinks`` (one writable uint8 array per range),
-        calling ``on_range(i)`` as range ``i`` lands. Returns the node the bytes came from
-        (so a checksum mismatch names that copy). The caller verifies the checksums.
+                    sinks: list[np.ndarray], on_range: Callable[[int], None]) -> list[int]:
+        """Read the byte ranges ``(offset, nbytes)`` of ``owner``'s shard of ``step`` from the
+        nodes that hold it, straight into ``sinks`` (one writable uint8 array per range),
+        calling ``on_range(i)`` as range ``i`` lands (from any thread). Returns the node each
+        range came from (so a checksum mismatch names that copy). The caller verifies the checksums.
         Raises ShardNotFoundError when no holder can serve it."""
         ...

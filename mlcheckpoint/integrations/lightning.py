@@ -156,8 +156,9 @@ class MLCheckpointStrategy(ModelParallelStrategy):
     Args:
         folder: Lightning's checkpoint folder to fall back on (default: the dirpath of the
             trainer's first ``ModelCheckpoint``); None and no ModelCheckpoint: memory only.
-        job_id, local_dir, keep, replication, memory_limit, replication_*: as
-            ``CheckpointManager`` (``memory_limit`` is its ``memory_limit_bytes``).
+        job_id, local_dir, keep, replication, memory_limit, replication_*, failure_domain,
+            replicas: as ``CheckpointManager`` (``memory_limit`` is its
+            ``memory_limit_bytes``).
         **kwargs: passed to ``ModelParallelStrategy``.
     """
 
@@ -169,7 +170,7 @@ class MLCheckpointStrategy(ModelParallelStrategy):
                  replication_bandwidth: str | int | None = None,
                  replication_timeout: float = default("replication_timeout"),
                  replication_streams: int | None = None, failure_domain: str | None = None,
-                 **kwargs: Any):
+                 replicas: int | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self._folder = folder
         self._manager_args: dict[str, Any] = {
@@ -178,7 +179,7 @@ class MLCheckpointStrategy(ModelParallelStrategy):
             "replication_interface": replication_interface,
             "replication_bandwidth": replication_bandwidth,
             "replication_timeout": replication_timeout, "replication_streams": replication_streams,
-            "failure_domain": failure_domain}
+            "failure_domain": failure_domain, "replicas": replicas}
         self.checkpoints: CheckpointManager | None = None
         self.last_resume: ResumeInfo | None = None  # that of the last load_checkpoint(LATEST)
         self._failed = False

@@ -120,6 +120,10 @@ class MemoryCheckpointManager(CheckpointManager):
         """This node's failure domain, e.g. "rack-12": partners are chosen in other domains
         (default $MLCHECKPOINT_FAILURE_DOMAIN, else SLURM's leaf switch)."""
 
+        replicas: int | None = None
+        """Partner nodes that keep a replica of each shard (default $MLCHECKPOINT_REPLICAS
+        or 1): losing any that many nodes resumes from memory."""
+
         replication_bandwidth: str | None = None
         """Background replication budget per node, e.g. "1Gbit" (default
         $MLCHECKPOINT_REPLICATION_BANDWIDTH or "auto")."""
@@ -154,7 +158,8 @@ class MemoryCheckpointManager(CheckpointManager):
             replication_interface=config.replication_interface,
             replication_bandwidth=config.replication_bandwidth,
             replication_timeout=config.replication_timeout,
-            replication_streams=config.replication_streams, failure_domain=config.failure_domain)
+            replication_streams=config.replication_streams, failure_domain=config.failure_domain,
+            replicas=config.replicas)
 
     # ------------------------------------------------------------------ save
     def _memory_due(self, curr_step: int) -> bool:

@@ -4,7 +4,9 @@ Every read of bytes this node lacks goes through ``Holders``: the byte ranges th
 streams into the model (``read_ranges``, the ``dcp.remote.RemoteReads`` protocol), the step's
 metadata for a node without it (``fetch_metadata``), and, after the load, the whole shard of a
 replaced node's own rank (``rebuild``). Which holder to ask, and in what order, is decided in
-one place: ``holder_order``.
+one place: ``holder_order``. When a shard is on several other nodes (``replicas`` > 1, or
+a node that kept its own copy), ``read_ranges`` deals its ranges (whole stored items) over
+all of them (``stripe_over_holders``), so that no single survivor serves everything.
 
 The resume waits for the first two, so the holder sends them at the link's full speed; the
 rebuild runs in the background and is paced by the holder's bandwidth budget (``paced``).
@@ -13,12 +15,14 @@ rebuild runs in the background and is paced by the holder's bandwidth budget (``
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
 
 from ..errors import MLCheckpointError, ShardNotFoundError
+from ..replication.striping import run_streams
 from ..replication.transport import Transport
 from ..store import LocalStore
 from ..topology import Topology
@@ -44,11 +48,36 @@ def holder_order(plan: Decision, topology: Topology, owner: int | None) -> list[
     return list(dict.fromkeys(planned + others[start:] + others[:start]))
 
 
+def stripe_over_holders(order: list[int], ranges: list[tuple[int, int]], local_world_size: int
+                        ) -> list[tuple[list[int], list[int]]]:
+    """Deal ``ranges`` (by index) over the holder nodes in ``order``, so that each serves
+    about the same bytes: [(a run's range indices, ranks to ask for it, in order)]. Each run
+    asks one node's first rank in ``order`` first, then the other holders in ``order``
+    (``holder_order``'s fallback). Whole ranges are dealt, largest first to the node with the
+    fewest bytes so far: a range is one stored item, checked as a whole, so a checksum
+    mismatch names the one node it came from. A pure function."""
+    first_per_node: dict[int, int] = {}  # node -> the first of its ranks in ``order``
+    for rank in order:
+        first_per_node.setdefault(rank // local_world_size, rank)
+    sources = list(first_per_node.values())
+    if len(sources) < 2 or len(ranges) < 2:
+        return [(list(range(len(ranges))), order)]
+    dealt: list[list[int]] = [[] for _ in sources]
+    load = [0] * len(sources)
+    for i in sorted(range(len(ranges)), key=lambda i: -ranges[i][1]):
+        j = min(range(len(sources)), key=lambda j: (load[j], len(dealt[j]), j))
+        dealt[j].append(i)
+        load[j] += ranges[i][1]
+    return [(sorted(indices), [src] + [r for r in order if r != src])
+            for indices, src in zip(dealt, sources, strict=True) if indices]
+
+
 class Holders:
     """The nodes that hold the step ``plan`` loads, seen from this rank.
 
     One per resume attempt (a plan names its step, save and holders). ``bytes_fetched``
-    counts the shard bytes read from peers for the load.
+    counts the shard bytes read from peers for the load, ``bytes_by_node`` the same per node
+    they came from (how the reads spread over the holders).
     """
 
     def __init__(self, transport: Transport, store: LocalStore, topology: Topology, plan: Decision):
@@ -56,17 +85,38 @@ class Holders:
         self.transport, self.store, self.topo, self.plan = transport, store, topology, plan
         self.step: int = plan.step
         self.bytes_fetched = 0
+        self.bytes_by_node: dict[int, int] = {}
 
     def read_ranges(self, step: int, owner: int, ranges: list[tuple[int, int]],
-                    sinks: list[np.ndarray], on_range: Callable[[int], None]) -> int:
-        """Stream byte ranges of ``owner``'s shard straight into ``sinks``; return the node
-        they came from. Nothing lands in this node's store (see ``rebuild``)."""
+                    sinks: list[np.ndarray], on_range: Callable[[int], None]) -> list[int]:
+        """Stream byte ranges of ``owner``'s shard straight into ``sinks``, spread over the
+        nodes that hold it (read at once, each its own run of ranges); return the node each
+        range came from. Nothing lands in this node's store (see ``rebuild``)."""
         self._check_step(step)
-        nbytes, src = self._from_first_that_serves(
-            owner, lambda src: self.transport.read_items(src, step, owner, ranges, sinks, on_range,
-                                                         paced=False))
-        self.bytes_fetched += nbytes
-        return src // self.topo.local_world_size
+        came_from = [-1] * len(ranges)
+        lock = threading.Lock()
+
+        def read_run(run: tuple[list[int], list[int]]) -> None:
+            indices, order = run
+            nbytes, src = self._from_first_that_serves(
+                owner, lambda src: self.transport.read_items(
+                    src, step, owner, [ranges[i] for i in indices], [sinks[i] for i in indices],
+                    lambda j: on_range(indices[j]), paced=False), order=order)
+            node = src // self.topo.local_world_size
+            with lock:
+                self.bytes_fetched += nbytes
+                self.bytes_by_node[node] = self.bytes_by_node.get(node, 0) + nbytes
+                for i in indices:
+                    came_from[i] = node
+
+        runs = stripe_over_holders(holder_order(self.plan, self.topo, owner), ranges,
+                                   self.topo.local_world_size)
+        errors = run_streams(read_run, runs)  # returns once no run writes into the sinks
+        if errors:
+            raise errors[0]
+        log.info("mlcheckpoint: read %d ranges of rank %d's shard of step %d from node(s) %s",
+                 len(ranges), owner, step, sorted(set(came_from)))
+        return came_from
 
     def fetch_metadata(self) -> None:
         """Pull the step's global metadata into this node's store."""
@@ -87,10 +137,12 @@ class Holders:
         log.info("mlcheckpoint: rebuilt rank %d's shard of step %d from rank %d", owner, self.step, src)
         return True
 
-    def _from_first_that_serves(self, owner: int | None, read: Callable[[int], T]) -> tuple[T, int]:
-        """``read(src)`` from each holder of ``owner``'s shard in turn until one succeeds."""
+    def _from_first_that_serves(self, owner: int | None, read: Callable[[int], T], *,
+                                order: list[int] | None = None) -> tuple[T, int]:
+        """``read(src)`` from each holder of ``owner``'s shard in turn (``order``, else
+        ``holder_order``'s) until one succeeds."""
         errors = []
-        for src in holder_order(self.plan, self.topo, owner):
+        for src in holder_order(self.plan, self.topo, owner) if order is None else order:
             try:
                 return read(src), src
             except (MLCheckpointError, OSError) as e:

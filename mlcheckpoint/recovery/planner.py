@@ -46,7 +46,7 @@ class Decision:
     # recovery rebuilds it there after the load), else "local" (also when resharded).
     sources: dict[int, str] = field(default_factory=dict)
     resharded: bool = False  # saved with another world size: DCP reshards, reads fetch lazily
-    newest_protected: int | None = None  # newest step with every shard on two nodes
+    newest_protected: int | None = None  # newest step with every shard on ``copies`` nodes
     reason: str = ""
     save_id: str = ""  # the save of ``step`` to load: every copy read must name it
     lineage: Lineage | None = None  # the loaded save's run and ancestors
@@ -56,12 +56,14 @@ class Decision:
 
 def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_size: int, *,
                 bad_copies: Iterable[CopyId] = (), bad_steps: Iterable[int] = (),
-                can_fetch: bool = True) -> Decision:
+                can_fetch: bool = True, copies: int = 2) -> Decision:
     """Pick the newest step complete among the surviving nodes; a newer persistent step wins.
 
     A step is complete when its metadata and every required rank's shard are on some node
     (not counting copies in ``bad_copies``; never a step in ``bad_steps``). Without a transport
-    (``can_fetch`` False) every node must hold what its own ranks need.
+    (``can_fetch`` False) every node must hold what its own ranks need. A step counts as
+    protected (``newest_protected``) when its metadata and every shard are on ``copies`` nodes
+    (1 + the job's ``replicas``).
     """
     bad = set(bad_copies)
     excluded_steps = set(bad_steps)
@@ -69,7 +71,7 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     foreign = _foreign_steps(nodes, history)
     view = _holdings(nodes, bad, history, set(foreign))
     reasons: list[str] = []
-    newest_protected = _newest_protected(view)
+    newest_protected = _newest_protected(view, copies)
     stranded: list[int] = []
     if foreign:
         reasons.append(f"steps {_few(foreign)} belong to another run of this job and are ignored")
@@ -203,11 +205,11 @@ def _few(ranks: list[int]) -> list:
     return ranks[:8] + (["..."] if len(ranks) > 8 else [])
 
 
-def _newest_protected(view: dict[int, _StepView]) -> int | None:
+def _newest_protected(view: dict[int, _StepView], copies: int) -> int | None:
     for step in sorted(view, reverse=True):
         v = view[step]
-        if (v.required is not None and len(set(v.meta_nodes)) >= 2
-                and all(len(set(v.owner_nodes.get(r, ()))) >= 2 for r in v.required)):
+        if (v.required is not None and len(set(v.meta_nodes)) >= copies
+                and all(len(set(v.owner_nodes.get(r, ()))) >= copies for r in v.required)):
             return step
     return None
 

@@ -101,7 +101,8 @@ class Recovery:
         for _ in range(MAX_ROUNDS):
             t = time.perf_counter()
             d = plan_resume(nodes, persistent_step, self.topo.world_size, bad_copies=bad,
-                            bad_steps=bad_steps, can_fetch=self.transport is not None)
+                            bad_steps=bad_steps, can_fetch=self.transport is not None,
+                            copies=2 if self.replicator is None else self.replicator.copies)
             self._lap("plan", t)
             holders = None
             if d.kind != MEMORY:

@@ -22,8 +22,9 @@ class ProtectionStatus:
     """What ``CheckpointManager.protection()`` returns.
 
     Attributes:
-        newest_protected: the newest step every shard and the metadata of which are on two
-            nodes (None: none yet). Losing any one node now resumes from it or newer.
+        newest_protected: the newest step every shard and the metadata of which are on
+            1 + ``replicas`` nodes (None: none yet). Losing any ``replicas`` nodes now resumes
+            from it or newer.
         newest_saved: the newest step saved (its metadata is on this node).
         lag_steps: ``newest_saved - newest_protected`` (None when nothing is protected).
         age_seconds: seconds since the newest protected step was saved (None likewise): the

@@ -1,14 +1,14 @@
 """The replication manager of one rank: off the training thread, newest work first.
 
 The job replicates in rounds (``rounds.py``): rank 0 names one save, the newest it holds, every
-rank pushes its shard of that save to its partner rank(s) (rank 0 also the global metadata, to
-one rank of every other node), and the next round starts once every rank is done. Saves made
+rank pushes its shard of that save to its partner rank(s) (``replicas`` of them; rank 0 also
+the global metadata, to one rank of every other node), and the next round starts once every rank is done. Saves made
 meanwhile are skipped (*superseded*) by every rank alike, so the steps that do get replicated
 are whole job-wide. Each rank records per step: committed -> replicated (partner verified the
 checksums), failed, or superseded.
 Job-wide progress is counted in the c10d store, per save (a step saved twice is two saves),
 so any rank can tell when a step is *protected*: every shard and the metadata of the save this
-node holds are on two nodes.
+node holds are on 1 + ``replicas`` nodes (a rank counts its shard once every partner has it).
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class Replicator:
         t = topology
         self.targets = rank_targets(strategy, t.rank, t.local_world_size, t.num_nodes)
         self.sources = rank_sources(strategy, t.rank, t.local_world_size, t.num_nodes)
+        # Nodes a protected step is on: this one and every partner (at least two: a step is
+        # never called protected while it is on one node only).
+        self.copies = max(2, 1 + len(self.targets))
         self.metadata_targets = ([n * t.local_world_size for n in range(t.num_nodes) if n != t.node_rank]
                                  if t.rank == 0 else [])
         self.poll_interval = poll_interval  # the worker's look for a new round
@@ -141,8 +144,9 @@ class Replicator:
         return st.shard_saves.get(self.topology.rank, st.save_id)
 
     def is_protected(self, step: int) -> bool:
-        """Every rank's shard and the metadata of the save of ``step`` held here are on two
-        nodes (job-wide)."""
+        """Every rank's shard and the metadata of the save of ``step`` held here are on
+        ``copies`` nodes (job-wide): each rank counts its shard once all its partners
+        acknowledged it."""
         save = self._save_here(step)
         if save is None:
             return False
@@ -188,7 +192,8 @@ class Replicator:
         return lag.status(newest, lag.save_times(inv), rate, superseded)
 
     def seed_protected(self, step: int | None) -> None:
-        """After a restart the counters are new: take the newest step found on two nodes."""
+        """After a restart the counters are new: take the newest step found on ``copies``
+        nodes."""
         if step is not None and (self._newest_protected is None or step > self._newest_protected):
             self._newest_protected = step
 

@@ -28,32 +28,51 @@ SHRINK_SLACK = 64 << 20
 
 class Capacity:
     """What the job may still put in tmpfs: the filesystem's free space and, when set, the
-    job's memory limit."""
+    job's memory limit.
+
+    With replication, a node keeps other nodes' shards beside its own: ``replicas`` of them
+    per shard of each rank in ``replicating`` (``expect_replicas``). A save of such a rank
+    that needs new room checks room for those replicas too, as they arrive with the step:
+    better a CapacityError at the save than a step that can never be protected.
+    """
 
     def __init__(self, local_dir: str, paths: JobPaths, job_id: str, memory_limit_bytes: int | None):
         self.local_dir, self.paths, self.job_id = local_dir, paths, job_id
         self.memory_limit_bytes = memory_limit_bytes
+        self.replicas = 0
+        self.replicating: frozenset[int] = frozenset()
 
-    def preflight(self, nbytes: int, reusable: int) -> None:
+    def expect_replicas(self, ranks: list[int], replicas: int) -> None:
+        """Each save of ``ranks`` brings ``replicas`` partners' shards of about its size."""
+        self.replicating, self.replicas = frozenset(ranks), replicas
+
+    def preflight(self, nbytes: int, reusable: int, *, rank: int | None = None) -> None:
         """Raise CapacityError unless ``nbytes`` fit (``reusable`` of them already held by a
-        buffer that will be recycled)."""
+        buffer that will be recycled), and, for a save of a replicating ``rank`` that needs
+        new room, the replicas of that step that will arrive too."""
         needed = nbytes - reusable
         if needed <= 0:
             return
+        replicas = self.replicas if rank in self.replicating else 0
+        arriving = replicas * nbytes
+        what = (f"checkpoint shard needs {needed / 2**20:.1f} MiB more"
+                + (f" and its step's {replicas} replica(s) from partner nodes "
+                   f"{arriving / 2**20:.1f} MiB (replicas={replicas})" if arriving else ""))
+        total = needed + arriving
         free = self.free_bytes()
-        if needed > free:
+        if total > free:
             raise CapacityError(
-                f"checkpoint shard needs {needed / 2**20:.1f} MiB more but {self.local_dir} has "
-                f"only {free / 2**20:.1f} MiB free; enlarge the tmpfs, lower keep=, or set "
-                f"MLCHECKPOINT_LOCAL_DIR to a larger one", needed=needed, available=free)
+                f"{what} but {self.local_dir} has only {free / 2**20:.1f} MiB free; enlarge the "
+                f"tmpfs, lower keep={'' if not arriving else ' or replicas='}, or set "
+                f"MLCHECKPOINT_LOCAL_DIR to a larger one", needed=total, available=free)
         if self.memory_limit_bytes is not None:
             used = self.usage_bytes()
             room = self.memory_limit_bytes - used
-            if needed > room:
+            if total > room:
                 raise CapacityError(
-                    f"checkpoint shard needs {needed / 2**20:.1f} MiB more but job {self.job_id} "
-                    f"already uses {used / 2**20:.1f} MiB of its {self.memory_limit_bytes / 2**20:.1f}"
-                    f" MiB memory limit", needed=needed, available=max(room, 0))
+                    f"{what} but job {self.job_id} already uses {used / 2**20:.1f} MiB of its "
+                    f"{self.memory_limit_bytes / 2**20:.1f} MiB memory limit", needed=total,
+                    available=max(room, 0))
 
     def free_bytes(self) -> int:
         vfs = os.statvfs(self.paths.job_dir)

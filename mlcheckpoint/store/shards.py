@@ -74,7 +74,7 @@ class ShardFiles:
         allocated (OSError ENOSPC when they cannot be). Runs under the node's lock."""
         candidate = self.pool.candidate(rank, nbytes)
         # Capacity first: a refused shard must leave nothing behind, not even its step folder.
-        self.capacity.preflight(nbytes, reusable=candidate[1] if candidate else 0)
+        self.capacity.preflight(nbytes, reusable=candidate[1] if candidate else 0, rank=rank)
         os.makedirs(self.paths.step_dir(step), mode=0o700, exist_ok=True)
         # An empty shard (a rank with no tensor bytes) has no pages to reuse: the pooled buffers
         # stay for saves that do.

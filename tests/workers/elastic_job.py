@@ -16,6 +16,9 @@ argv[1]: a JSON list of job specs, run in order, each a dict:
     ack_timeout  seconds to wait for each step's acknowledgement (default 60)
     domains  each node's failure domain (a list by node rank), given to the manager through
              MLCHECKPOINT_FAILURE_DOMAIN; absent: none named
+    replicas partner nodes per node (the manager's ``replicas``); absent: its default
+    layers   more sharded tensors in the state (each rank's piece of each: one more item in its
+             shard); absent: none
 
 The state is rec_jobs' "elastic" one (a DTensor sharded over all ranks plus replicated
 tensors), valid for any world size. Reports per job: "resume-<job>" {step, source, resharded,
@@ -31,10 +34,22 @@ import time
 import torch
 import torch.distributed as dist
 from common import diff, init, report
-from rec_jobs import comparable, elastic_state, elastic_template
+from rec_jobs import ROWS, comparable, elastic_state, elastic_template
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 from mlcheckpoint import CheckpointManager
+
+
+def with_layers(sd: dict, layers: int, rank: int, world: int, step: int, mesh) -> dict:
+    """``sd`` and ``layers`` more tensors sharded over all ranks, of a size each (``step`` -1:
+    zeros, a template to load into)."""
+    for i in range(layers):
+        full = torch.randn(ROWS, 8 * (i + 1), generator=torch.Generator().manual_seed(9000 + 97 * step + i))
+        local = full.chunk(world)[rank].clone()
+        sd[f"layer{i}"] = DTensor.from_local(local.zero_() if step < 0 else local, mesh, [Shard(0)],
+                                             run_check=False, shape=full.shape, stride=full.stride())
+    return sd
 
 
 def run_job(spec: dict, rank: int, world: int, mesh) -> None:
@@ -45,11 +60,16 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
         os.environ["MLCHECKPOINT_FAILURE_DOMAIN"] = spec["domains"][int(os.environ["GROUP_RANK"])]
     else:
         os.environ.pop("MLCHECKPOINT_FAILURE_DOMAIN", None)
-    ckpt = CheckpointManager(job_id=job)
-    sd = elastic_template(rank, world, mesh)
+    ckpt = CheckpointManager(job_id=job, replicas=spec.get("replicas"))
+    layers = int(spec.get("layers", 0))
+
+    def state(step: int) -> dict:
+        return with_layers(elastic_state(rank, world, step, mesh), layers, rank, world, step, mesh)
+
+    sd = with_layers(elastic_template(rank, world, mesh), layers, rank, world, -1, mesh)
     info = ckpt.resume(sd)
     mismatch = ([] if info.step is None
-                else diff(comparable(elastic_state(rank, world, info.step, mesh)), comparable(sd)))
+                else diff(comparable(state(info.step)), comparable(sd)))
     report(f"resume-{job_names}", {"step": info.step, "source": info.source,
                                    "resharded": info.resharded, "match": not mismatch,
                                    "mismatch": mismatch, "world": world, "reason": info.reason})
@@ -59,12 +79,12 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
         last = first + int(spec["loop"]) - 1 if restart else 10**9
         for step in range(first, last + 1):
             dist.all_reduce(torch.ones(1))  # the training step's collective
-            ckpt.save(elastic_state(rank, world, step, mesh), step)
+            ckpt.save(state(step), step)
             if ckpt.wait_replicated(step, float(spec.get("ack_timeout", 60))):
                 acked.append(step)
             report(f"acked-{job_names}", {"steps": acked})
     for step in range(int(spec.get("first", 1)), int(spec.get("last", 0)) + 1):
-        ckpt.save(elastic_state(rank, world, step, mesh), step)
+        ckpt.save(state(step), step)
         if ckpt.wait_replicated(step, 60):
             acked.append(step)
     ckpt.wait()

@@ -1,0 +1,64 @@
+"""More than one partner with real processes: four simulated nodes, ``replicas=2``.
+
+Losing two nodes that keep each other's replicas (nodes 0 and 1, wiped as replacement
+machines) resumes from memory with two partners, while the same job with one partner (pairs
+0<->1, 2<->3) has lost both copies of their shards. After saving again, losing one node
+leaves its shard on its two partners, and the replaced node reads it from both (the spread
+reads of recovery/holders.py), as its log says.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from cluster import Cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+TWO = {"replicas": 2, "layers": 4}  # several items per shard: whole items are dealt to holders
+
+
+def launch(c: Cluster, table: dict[str, dict]) -> None:
+    c.clear_results()
+    specs = json.dumps([dict(spec, job=c.sub_job(name)) for name, spec in table.items()])
+    c.run("elastic_job.py", specs, timeout=240)
+
+
+def test_two_partners_survive_two_lost_nodes_and_reads_spread_over_both():
+    with Cluster(4) as c:
+        launch(c, {"two": dict(TWO, first=1, last=3), "one": {"first": 1, "last": 3}})
+        saved = {name: c.sub_job_results("acked", name) for name in ("two", "one")}
+        logs = c.logs()
+        for node in (0, 1):
+            c.nodes[node].wipe()
+        launch(c, {"two": dict(TWO, first=4, last=5), "one": {"first": 1, "last": 0}})
+        after_two = {name: c.sub_job_results("resume", name) for name in ("two", "one")}
+        resaved = c.sub_job_results("acked", "two")
+        logs_two = c.logs()
+        c.nodes[0].wipe()
+        launch(c, {"two": dict(TWO, first=1, last=0)})
+        after_one = c.sub_job_results("resume", "two")
+        node0_log = c.nodes[0].log()
+
+    for name in ("two", "one"):
+        assert all(r["steps"] == [1, 2, 3] for r in saved[name].values()), (name, saved, logs[-6000:])
+    assert "node 0 replicates to node 1, node 3" in logs, logs[-6000:]
+
+    # nodes 0 and 1 lost: with two partners every shard survived, with one it did not
+    two, one = after_two["two"], after_two["one"]
+    assert sorted(two) == [0, 1, 2, 3], logs_two[-8000:]
+    for rank, r in two.items():
+        assert r["step"] == 3 and r["match"] and not r["mismatch"], (rank, r)
+        assert r["source"] == "peer", (rank, r)
+    for rank, r in one.items():
+        assert r["step"] is None, (rank, r)
+    assert all(r["steps"] == [4, 5] for r in resaved.values()), (resaved, logs_two[-8000:])
+
+    # node 0 lost: its shard is on nodes 1 and 3, and it reads from both
+    assert sorted(after_one) == [0, 1, 2, 3], node0_log[-6000:]
+    for rank, r in after_one.items():
+        assert r["step"] == 5 and r["match"] and not r["mismatch"], (rank, r)
+    spread = re.findall(r"read \d+ ranges of rank 0's shard of step 5 from node\(s\) \[(.*?)\]",
+                        node0_log)
+    assert "1, 3" in spread, (spread, node0_log[-6000:])

@@ -28,6 +28,7 @@ from typing_extensions import Self
 
 from . import history, metrics
 from .dcp import MemoryStorageReader, MemoryStorageWriter
+from .dcp.snapshot import GuardHandle, Snapshotter
 from .errors import ConfigError, MLCheckpointError
 from .lifecycle import Lifecycle
 from .listing import CheckpointEntry, list_checkpoints
@@ -43,7 +44,6 @@ from .replication.pairing import pairing_for
 from .room import RoomCheck
 from .saving import Saver, SaveResult
 from .settings import Launcher, Options, Timeouts, default, tuning
-from .snapshot import GuardHandle, Snapshotter
 from .store import LocalStore
 from .store.identity import Lineage, new_id
 from .topology import Topology

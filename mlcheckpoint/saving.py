@@ -33,13 +33,13 @@ from . import history
 from ._gc import gc_paused
 from .dcp import MemoryStorageWriter, staging
 from .dcp.errors import unwrap_checkpoint_exception
+from .dcp.snapshot import Snapshotter
 from .dcp.staging import Staged
 from .dcp.writer import commit_metadata
 from .errors import MLCheckpointError
 from .lifecycle import BufferWarmer, Retention
 from .persistent_writer import PersistentWriter
 from .replication import Replicator
-from .snapshot import Snapshotter
 from .store import LocalStore
 from .store.identity import Lineage
 from .topology import Topology

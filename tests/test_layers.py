@@ -4,7 +4,9 @@ with ``ast`` (no module is imported to check it).
 - ``integrity/`` (checksums, the copier, verification) is the bottom layer;
 - ``store/`` is passive: it imports only itself, ``integrity/`` and the leaf modules, starts
   no thread, and knows nothing of replication or lifecycle policy;
-- the leaf modules (errors, settings, fault points) import only each other.
+- every layer imports only itself, the layers below it and the leaf modules, which import
+  only each other (errors, settings, fault points, the GC pause, topology, the persistent
+  folder); no library module imports ``testing/`` (the harness for tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mlcheckpoint"
 
 # Modules every layer may use: they import nothing of mlcheckpoint but each other.
-LEAVES = {"errors", "settings", "waiting", "_faults", "_ratelimit"}
+LEAVES = {"errors", "settings", "waiting", "_faults", "_ratelimit", "_gc", "topology",
+          "persistent"}
+# Each layer, bottom up, with what it may import besides itself, the layers below and LEAVES.
+LAYERS = ("integrity", "store", "dcp", "replication", "recovery")
+ALSO = {"replication": {"history"}, "recovery": {"history"}}
 
 
 def imported_modules(path: pathlib.Path, *, typing_only: bool = True) -> list[tuple[int, str]]:
@@ -74,6 +80,20 @@ def test_store_imports_only_itself_integrity_and_the_leaves():
 
 def test_integrity_imports_only_itself_and_the_leaves():
     assert offending_imports("integrity", {"integrity"} | LEAVES) == []
+
+
+def test_every_layer_imports_only_itself_the_layers_below_and_the_leaves():
+    bad = []
+    for i, layer in enumerate(LAYERS):
+        bad += offending_imports(layer, set(LAYERS[:i + 1]) | LEAVES | ALSO.get(layer, set()))
+    assert bad == []
+
+
+def test_the_library_never_imports_its_test_harness():
+    bad = [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+           if "testing" not in path.relative_to(PACKAGE).parts
+           for line, module in imported_modules(path) if top(module) == "testing"]
+    assert bad == []
 
 
 def test_leaves_import_only_each_other():

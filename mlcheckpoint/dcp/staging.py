@@ -3,7 +3,7 @@
 ``stage_now`` and ``stage_overlapped`` return a ``Staged``: the one value the commit
 (``MemoryStorageWriter.write_data``) consumes. Below them, ``stage_into`` lays the state dict
 out in the buffer and copies it; given ``defer``, the tensors it names are only placed, and
-``copy_deferred`` copies them later, on the staging thread (see mlcheckpoint/snapshot.py for
+``copy_deferred`` copies them later, on the staging thread (see dcp/snapshot.py for
 which tensors may wait).
 """
 
@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import StagingError
 from ..integrity import copier
-from ..snapshot import Snapshotter, storage_ptr
 from ..store.local_store import LocalStore, ShardWriter, align
+from .snapshot import Snapshotter, storage_ptr
 
 Leaf = torch.Tensor
 Digests = dict[int, tuple[int, int]]  # offset in the buffer -> (nbytes, checksum)

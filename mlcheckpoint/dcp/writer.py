@@ -28,12 +28,12 @@ from torch.futures import Future
 from .._faults import crash_point
 from .._gc import pausing_gc
 from ..errors import MLCheckpointError
-from ..snapshot import Snapshotter
 from ..store.identity import Lineage, new_id
 from ..store.local_store import LocalStore, ShardWriter, align
 from ..store.manifest import Manifest
 from . import staging
 from .placement import Placement, copy_and_hash
+from .snapshot import Snapshotter
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from .errors import StagingError
+from ..errors import StagingError
 
 log = logging.getLogger(__name__)
 

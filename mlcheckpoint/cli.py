@@ -129,18 +129,20 @@ def _pairing_line(event: dict[str, Any]) -> str:
 
     targets = ", ".join(named(n, d) for n, d in event.get("targets", [])) or "none"
     held = ", ".join(named(n, d) for n, d in event.get("sources", [])) or "none"
-    return (f"this node: {named(event.get('node', '?'), event.get('domain', ''))}; partner: "
-            f"{targets} keeps its replicas; it keeps those of {held}")
+    partners = "partners" if len(event.get("targets", [])) > 1 else "partner"
+    return (f"this node: {named(event.get('node', '?'), event.get('domain', ''))}; {partners}: "
+            f"{targets} (its replicas); it keeps those of {held}")
 
 
 def _protection_line(event: dict[str, Any] | None) -> str:
     """The newest protected step this node's history knows of (its replicator records one
-    each time a replication round leaves its save on two nodes)."""
+    each time a replication round leaves its save on 1 + replicas nodes)."""
     if event is None:
-        return "protected (every shard on two nodes): no step yet"
+        return "protected (every shard on 1 + replicas nodes): no step yet"
     ago = time.time() - float(event.get("time", time.time()))
     lag, age = event.get("lag_steps"), event.get("age_seconds")
-    return (f"protected (every shard on two nodes): step {event.get('step')}, known {ago:.0f} s "
+    copies = event.get("copies", 2)
+    return (f"protected (every shard on {copies} nodes): step {event.get('step')}, known {ago:.0f} s "
             f"ago; then {'?' if lag is None else lag} steps behind the newest save, saved "
             f"{'?' if age is None else f'{age:.1f}'} s before")
 

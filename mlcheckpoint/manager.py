@@ -180,6 +180,7 @@ class CheckpointManager:
                                    timeout=self.timeouts.replication,
                                    handshake_timeout=self.timeouts.handshake,
                                    min_stripe_bytes=tuning().min_stripe_bytes,
+                                   mailbox_poll=self.timeouts.mailbox_poll,
                                    streams=opts.replication_streams,
                                    bandwidth=opts.replication_bandwidth, topology=self.topology)
         self.replicator = Replicator(self.store, transport, rdzv, self.topology,

@@ -30,7 +30,8 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
                    interface: str | None = None, streams: int | None = None,
                    bandwidth: int | str = 0, topology: Topology | None = None,
                    handshake_timeout: float = default("handshake"),
-                   min_stripe_bytes: int | None = None) -> Transport:
+                   min_stripe_bytes: int | None = None,
+                   mailbox_poll: float = default("mailbox_poll")) -> Transport:
     """The transport ``kind`` (one of ``TRANSPORTS``) for this rank.
 
     Collective for "pg" and "nccl" (each creates a process group: every rank calls it at the
@@ -64,7 +65,8 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
                         "NCCL_SOCKET_IFNAME)", kind, "gloo" if kind == "pg" else "NCCL")
         transport = PgTransport(store, rdzv, sink=sink, backend="gloo" if kind == "pg" else "nccl",
                                 timeout=timeout, bandwidth=bandwidth, interface=interface,
-                                master_addr=topology.master_addr, master_port=topology.master_port)
+                                master_addr=topology.master_addr, master_port=topology.master_port,
+                                poll_interval=mailbox_poll)
     else:
         raise ConfigError(f"replication transport {kind!r}: expected one of "
                           f"{', '.join(map(repr, TRANSPORTS))}")

@@ -251,7 +251,7 @@ class Replicator:
         state = self.state(r.step)
         now = lag.status(r.step, saves, None, 0)
         history.record(self.store.job_dir, "protected", step=r.step, rank=self.topology.rank,
-                       lag_steps=now.lag_steps, age_seconds=now.age_seconds,
+                       lag_steps=now.lag_steps, age_seconds=now.age_seconds, copies=self.copies,
                        push_seconds=None if state is None else round(state.seconds, 6))
         if self.topology.rank == 0 and state is not None and state.state == "replicated":
             self._lag_warning.check(state.seconds, lag.save_interval(saves), now.lag_steps)

@@ -31,6 +31,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -51,13 +52,20 @@ from mlcheckpoint.testing.cluster import Cluster, write_result
 THIS_FILE = os.path.abspath(__file__)
 
 
+def flat_items(size: int, prefix: str = "", fill: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """``flat_state``'s items one at a time (a check against them holds one tensor, not a
+    second copy of the state dict: 4 ranks share this machine's memory)."""
+    big = size // 5
+    for i in range(4):
+        yield f"{prefix}big{i}", torch.full((big // 4,), float(fill + i))
+    for i in range(200):
+        yield f"{prefix}small{i}", torch.full((size // 5 // 200 // 4,), float(i))
+
+
 def flat_state(size: int, prefix: str = "", fill: int = 0) -> dict[str, torch.Tensor]:
     """A few large tensors and many small ones; ``prefix`` keys them per rank (each rank's own
     bytes), ``fill`` sets the large ones' values (a resume is checked against fill = rank)."""
-    big = size // 5
-    d = {f"{prefix}big{i}": torch.full((big // 4,), float(fill + i)) for i in range(4)}
-    d.update({f"{prefix}small{i}": torch.full((size // 5 // 200 // 4,), float(i)) for i in range(200)})
-    return d
+    return dict(flat_items(size, prefix, fill))
 
 
 def worker(mode: str, size: int, name: str) -> None:
@@ -75,15 +83,14 @@ def worker(mode: str, size: int, name: str) -> None:
         ckpt.save(flat_state(size, f"r{rank}.", rank), 1, persistent=bool(os.environ.get("BENCH_PERSISTENT")))
         result: dict = {"protected": ckpt.wait_replicated(1, 600)}
     else:
-        sd = {k: torch.empty_like(v) for k, v in flat_state(size, f"r{rank}.").items()}
+        sd = {k: torch.empty_like(v) for k, v in flat_items(size, f"r{rank}.")}
         for t in sd.values():
             t.fill_(-1)  # touch the destination, as a real model's parameters are
         dist.barrier()
         info = ckpt.resume(sd)
-        ref = flat_state(size, f"r{rank}.", rank)
         result = {"step": info.step, "source": info.sources.get(rank), "seconds": info.seconds,
                   "fetch_s": info.phases.get("fetch", 0.0), "bytes_fetched": info.bytes_fetched,
-                  "exact": all(torch.equal(sd[k], ref[k]) for k in ref)}
+                  "exact": all(torch.equal(sd[k], v) for k, v in flat_items(size, f"r{rank}.", rank))}
     write_result(name, rank, result)
     ckpt.close()
     dist.destroy_process_group()

@@ -15,8 +15,13 @@ Measured in one run on this machine:
     cores, so node 0's own local load competes with node 1's transfer, which it would not on
     two machines; a second job where node 0 has almost nothing to load shows the transfer
     alone ("peer, lopsided").
+  * nodes replaced, 4 simulated nodes x 1 rank: one node replaced (node 1), two replaced
+    (nodes 1 and 3: each survivor of a pair serves one), and two replaced with replicas=2
+    (nodes 0 and 1: their reads go to the remaining holders); a fresh cluster and save for
+    every repetition, so a resume never reads what an earlier one healed
   * plan_resume() on simulated inventories of 1k, 4k and 16k ranks
-Targets: local >= 10x FileSystemReader; peer >= 0.8x raw socket; planner < 1 s at 16k ranks.
+Targets: local >= 10x FileSystemReader; peer >= 0.8x raw socket; two nodes replaced <= 1.2x
+one node replaced (replicas=1 and replicas=2); planner < 1 s at 16k ranks.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,22 +42,30 @@ if ROOT not in sys.path:  # run as a script from a checkout: import the package 
 
 from benchmarks.harness.baselines import dcp_fs_load, dcp_fs_save, raw_socket_seconds
 from benchmarks.harness.processes import make_workspace
-from benchmarks.harness.report import run_and_report
+from benchmarks.harness.report import progress, run_and_report
 from benchmarks.harness.stats import median, timed
 from mlcheckpoint.recovery.inventory import NodeInventory, StepCopy
 from mlcheckpoint.recovery.planner import plan_resume
+from mlcheckpoint.replication.pairing import pairing_for
 from mlcheckpoint.testing.cluster import Cluster, write_result
 
 THIS_FILE = os.path.abspath(__file__)
 
 
+def flat_items(size: int, prefix: str = "", fill: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """``flat_state``'s items one at a time (a check against them holds one tensor, not a
+    second copy of the state dict: 4 ranks share this machine's memory)."""
+    big = size // 5
+    for i in range(4):
+        yield f"{prefix}big{i}", torch.full((big // 4,), float(fill + i))
+    for i in range(200):
+        yield f"{prefix}small{i}", torch.full((size // 5 // 200 // 4,), float(i))
+
+
 def flat_state(size: int, prefix: str = "", fill: int = 0) -> dict[str, torch.Tensor]:
     """A few large tensors and many small ones; ``prefix`` keys them per rank (each rank's own
     bytes), ``fill`` sets the large ones' values (a resume is checked against fill = rank)."""
-    big = size // 5
-    d = {f"{prefix}big{i}": torch.full((big // 4,), float(fill + i)) for i in range(4)}
-    d.update({f"{prefix}small{i}": torch.full((size // 5 // 200 // 4,), float(i)) for i in range(200)})
-    return d
+    return dict(flat_items(size, prefix, fill))
 
 
 def worker(mode: str, size: int, name: str) -> None:
@@ -69,14 +83,14 @@ def worker(mode: str, size: int, name: str) -> None:
         ckpt.save(flat_state(size, f"r{rank}.", rank), 1, persistent=bool(os.environ.get("BENCH_PERSISTENT")))
         result: dict = {"protected": ckpt.wait_replicated(1, 600)}
     else:
-        sd = {k: torch.empty_like(v) for k, v in flat_state(size, f"r{rank}.").items()}
+        sd = {k: torch.empty_like(v) for k, v in flat_items(size, f"r{rank}.")}
         for t in sd.values():
             t.fill_(-1)  # touch the destination, as a real model's parameters are
         dist.barrier()
         info = ckpt.resume(sd)
-        ref = flat_state(size, f"r{rank}.", rank)
         result = {"step": info.step, "source": info.sources.get(rank), "seconds": info.seconds,
-                  "bytes_fetched": info.bytes_fetched, "exact": all(torch.equal(sd[k], ref[k]) for k in ref)}
+                  "fetch_s": info.phases.get("fetch", 0.0), "bytes_fetched": info.bytes_fetched,
+                  "exact": all(torch.equal(sd[k], v) for k, v in flat_items(size, f"r{rank}.", rank))}
     write_result(name, rank, result)
     ckpt.close()
     dist.destroy_process_group()
@@ -93,6 +107,57 @@ def run_job(cluster: Cluster, mode: str, size: int, env: dict[str, str] | None =
 def nodes(job: str) -> Cluster:
     """2 simulated nodes x 1 rank, each with an empty tmpfs directory, running ``job``."""
     return Cluster(2, job_id=job, prefix="mlckpt-bench-recovery-")
+
+
+# Nodes replaced, on 4 simulated nodes x 1 rank (node k runs rank k): name -> (replicas, nodes
+# wiped). With replicas=1 the pairs are 0<->1 and 2<->3, so wiping 1 and 3 leaves nodes 0 and 2
+# one replaced node each to serve; with replicas=2 node 0's replicas are on 1 and 3 and node
+# 1's on 2 and 0, so wiping 0 and 1 leaves each of them one holder (3 and 2), still distinct.
+REPLACED = {"one_replaced": (1, (1,)), "two_replaced": (1, (1, 3)), "two_replaced_r2": (2, (0, 1))}
+REPLACED_NODES = 4
+
+
+def surviving_holders(replicas: int, wiped: tuple[int, ...], nnodes: int = REPLACED_NODES) -> dict[int, list[int]]:
+    """For each wiped node, the nodes still holding a replica of its shard (the pairing the
+    manager uses, no failure domains named); every wiped node must keep one."""
+    strategy = pairing_for([""] * nnodes, replicas)
+    held = {n: [t for t in strategy.targets(n, nnodes) if t not in wiped] for n in wiped}
+    assert all(held.values()), f"replicas={replicas}, wiping {wiped} loses a shard: {held}"
+    return held
+
+
+def bench_replaced(job: str, size: int, replicas: int, wiped: tuple[int, ...]) -> dict:
+    """One repetition: a fresh 4-node cluster saves step 1 (every rank its own bytes), waits
+    until it is protected, loses the memory of ``wiped`` and resumes on all 4 nodes, bit-exact.
+    ResumeInfo.seconds and phases["fetch"] are the slowest rank's; bytes_fetched is job-wide."""
+    env = {"MLCHECKPOINT_REPLICAS": str(replicas)}
+    with Cluster(REPLACED_NODES, job_id=job, prefix="mlckpt-bench-recovery-") as cluster:
+        saved = run_job(cluster, "save", size, env)
+        assert all(r["protected"] for r in saved.values()), saved
+        for n in wiped:
+            cluster.nodes[n].wipe()
+        r = run_job(cluster, "resume", size, env)
+    assert len(r) == REPLACED_NODES and all(x["exact"] and x["step"] == 1 for x in r.values()), r
+    assert all(x["source"] == ("peer" if rank in wiped else "local") for rank, x in r.items()), r
+    return {"seconds": max(x["seconds"] for x in r.values()), "fetch_s": max(x["fetch_s"] for x in r.values()),
+            "bytes_fetched": r[0]["bytes_fetched"]}
+
+
+def bench_nodes_replaced(job: str, size: int, reps: int) -> dict:
+    """Each scenario of REPLACED, ``reps`` times (interleaved, so a slow spell of a shared
+    machine does not land on one scenario only): medians of seconds and the fetch phase."""
+    runs: dict[str, list[dict]] = {name: [] for name in REPLACED}
+    for i in range(reps):
+        for name, (replicas, wiped) in REPLACED.items():
+            surviving_holders(replicas, wiped)
+            progress(f"{name} (replicas={replicas}, nodes {wiped} replaced), rep {i + 1}/{reps}")
+            runs[name].append(bench_replaced(f"{job}-{name}-{i}", size, replicas, wiped))
+    out = {}
+    for name, rs in runs.items():
+        out[f"{name}_s"] = median([x["seconds"] for x in rs])
+        out[f"{name}_fetch_s"] = median([x["fetch_s"] for x in rs])
+        out[f"{name}_bytes_fetched"] = rs[-1]["bytes_fetched"]
+    return out
 
 
 def bench_filesystem_reader(root: str, size: int, reps: int) -> float:
@@ -187,6 +252,9 @@ def run(cfg: Config) -> dict:
         res["resume_persistent_s"] = median(from_fs)
         res["resume_peer_s"] = median(peer)
         res["resume_peer_lopsided_s"] = median(lopsided)
+        res.update(bench_nodes_replaced(job + "-rep", size, cfg.reps))
+        res["two_replaced_ratio"] = res["two_replaced_s"] / res["one_replaced_s"]
+        res["two_replaced_r2_ratio"] = res["two_replaced_r2_s"] / res["one_replaced_s"]
         res["planner_s"] = bench_planner()
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -197,6 +265,9 @@ def run(cfg: Config) -> dict:
                       "local >= 10x the same job resuming via DCP FS": pers / loc >= 10,
                       "peer >= 0.8x raw socket (node 0 loading too)": raw / peer_s >= 0.8,
                       "peer >= 0.8x raw socket (lopsided)": raw / lop_s >= 0.8,
+                      "two nodes replaced <= 1.2x one node replaced": res["two_replaced_ratio"] <= 1.2,
+                      "two nodes replaced, replicas=2 <= 1.2x one node replaced (replicas=1)":
+                          res["two_replaced_r2_ratio"] <= 1.2,
                       "planner < 1 s at 16k ranks": res["planner_s"][16384] < 1.0}
     return res
 
@@ -220,6 +291,17 @@ def report(cfg: Config, res: dict) -> None:
     print(f"{'measurement':60s} {'seconds':>8s} {'GB/s':>7s}  ratio")
     for name, t, ratio in rows:
         print(f"{name:60s} {t:8.3f} {gb / t:7.2f}  {ratio}")
+    print(f"nodes replaced, {REPLACED_NODES} simulated nodes x 1 rank, every rank's resume bit-exact "
+          "(seconds and fetch: the slowest rank's ResumeInfo; fetched: job-wide)")
+    print(f"{'measurement':60s} {'seconds':>8s} {'fetch s':>8s} {'MB fetched':>10s}  ratio")
+    one = res["one_replaced_s"]
+    for name, label in (("one_replaced", "one node replaced (node 1), replicas=1"),
+                        ("two_replaced", "two nodes replaced (1 and 3), replicas=1"),
+                        ("two_replaced_r2", "two nodes replaced (0 and 1), replicas=2")):
+        t = res[f"{name}_s"]
+        ratio = "" if name == "one_replaced" else f"{t / one:.2f}x one node replaced"
+        print(f"{label:60s} {t:8.3f} {res[f'{name}_fetch_s']:8.3f} "
+              f"{res[f'{name}_bytes_fetched'] / 1e6:10.1f}  {ratio}")
     for world, t in res["planner_s"].items():
         print(f"{'plan_resume, ' + str(world) + ' ranks':60s} {t:8.4f}")
     print("targets:")

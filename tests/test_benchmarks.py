@@ -131,6 +131,19 @@ def test_bench_recovery_quick_resumes_every_way():
     for key in ("resume_local_s", "resume_persistent_s", "resume_peer_s", "resume_peer_lopsided_s"):
         assert _number(figures[key]) and figures[key] > 0, key
     assert figures["peer_bytes_fetched"] > 0 and figures["targets"]["planner < 1 s at 16k ranks"] in (True, False)
+    # Nodes replaced on 4 simulated nodes: one, two, two with replicas=2 (every resume bit-exact).
+    for name in ("one_replaced", "two_replaced", "two_replaced_r2"):
+        for key in (f"{name}_s", f"{name}_fetch_s"):
+            assert _number(figures[key]) and figures[key] > 0, key
+        assert figures[f"{name}_bytes_fetched"] > 0, name
+    # Two replaced nodes fetch twice what one does (each its own shard).
+    assert figures["two_replaced_bytes_fetched"] == 2 * figures["one_replaced_bytes_fetched"]
+    assert figures["two_replaced_r2_bytes_fetched"] == 2 * figures["one_replaced_bytes_fetched"]
+    for key in ("two_replaced_ratio", "two_replaced_r2_ratio"):
+        assert _number(figures[key]) and figures[key] > 0, key
+    for target in ("two nodes replaced <= 1.2x one node replaced",
+                   "two nodes replaced, replicas=2 <= 1.2x one node replaced (replicas=1)"):
+        assert figures["targets"][target] in (True, False), target
 
 
 def _number(x: object) -> bool:

@@ -12,10 +12,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from ..store import Manifest
 from . import protocol as p
+from .sink import Receipt
 
 T = TypeVar("T")
 
@@ -63,9 +63,11 @@ class StripedReceive:
     """A shard arriving over several connections: stripe 0 on the offering connection, the
     others on connections that present ``token``."""
 
-    def __init__(self, array: Any, m: Manifest, streams: int):
-        self.array, self.m = array, m
-        self.stripes = stripes(m.data_bytes, streams)
+    def __init__(self, receipt: Receipt, streams: int):
+        # Every stripe reports its progress to the receipt (a test may stop the receiver at
+        # half of any stream: whichever stripe the sender gets furthest on first).
+        self.receipt, self.array, self.m = receipt, receipt.array, receipt.m
+        self.stripes = stripes(receipt.m.data_bytes, streams)
         self.token = secrets.token_hex(16)
         self.lock = threading.Lock()
         self.cancelled = False

@@ -146,7 +146,7 @@ class TcpServer:
         """Stripe 0 on this connection, the others on connections that present the token;
         returns once all have landed."""
         m = receipt.m
-        rx = StripedReceive(receipt.array, m, streams)
+        rx = StripedReceive(receipt, streams)
         with self.stripes.opened(rx):
             try:
                 p.send_frame(conn, {"status": "ready", "token": rx.token})
@@ -167,7 +167,8 @@ class TcpServer:
         try:
             p.send_frame(conn, {"status": "ready"})
             if nbytes:
-                p.recv_into_exact(conn, rx.array[offset:offset + nbytes].data)
+                p.recv_into_exact(conn, rx.array[offset:offset + nbytes].data,
+                                  lambda got: rx.receipt.arriving(got, nbytes))
         except BaseException as e:
             rx.errors[index] = e
             raise

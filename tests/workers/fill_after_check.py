@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -31,8 +32,8 @@ def fill_after_check(store: LocalStore, leave: int) -> None:
     check = store.capacity.preflight
     filler = os.path.join(store.local_dir, "other-program.bin")
 
-    def check_then_fill(nbytes: int, reusable: int) -> None:
-        check(nbytes, reusable)
+    def check_then_fill(nbytes: int, reusable: int, **where: Any) -> None:
+        check(nbytes, reusable, **where)
         if not os.path.exists(filler):
             vfs = os.statvfs(store.local_dir)
             fd = os.open(filler, os.O_RDWR | os.O_CREAT, 0o600)

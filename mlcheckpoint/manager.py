@@ -158,7 +158,7 @@ class CheckpointManager:
             replication = "none"
         self.replication_mode = replication
         self.room = RoomCheck(self.store.local_dir, self.store.paths, self.topology, self.keep,
-                              replicating=replication != "none")
+                              replica_sets=self.replicas if replication != "none" else 0)
         self.room.at_start()  # a container's small /dev/shm: say so now, not at a failed save
         if replication != "none":
             self._start_replication(replication, opts)
@@ -303,17 +303,23 @@ class CheckpointManager:
         and the metadata on two nodes), its lag in steps and its age in seconds, this rank's
         replication rate, and how many of its saves were skipped. With replication off nothing
         is ever protected."""
+        return self._protection(ask=True)
+
+    def _protection(self, ask: bool) -> ProtectionStatus:
         if self.replicator is None:
             return protection_status(None, save_times(self.store.inventory()), None, 0)
-        return self.replicator.protection()
+        return self.replicator.protection(ask)
 
     def stats(self) -> dict[str, float]:
         """Figures to log beside the loss (TensorBoard, W&B, any logger): the last committed
         save's seconds, phases (``stage``, ``commit``, ``publish``), the training thread's
         wait and bytes; the newest protected step, its lag in steps and age in seconds; the
         last resume's seconds and phases. Keys start with ``mlcheckpoint/``; a figure not
-        known yet is left out. Reads this node's step list: fine to call every logged step."""
-        return metrics.stats(self.saver.last_result, self.protection(), self.last_resume)
+        known yet is left out. Reads this node's step list and asks the c10d store nothing
+        (the protected step is the newest one known at the last save): fine to call on the
+        training thread every step."""
+        return metrics.stats(self.saver.last_result, self._protection(ask=False),
+                             self.last_resume)
 
     def wait_replicated(self, step: int, timeout: float | None = None) -> bool:
         """Wait until every shard and the metadata of ``step`` are on two nodes (job-wide).

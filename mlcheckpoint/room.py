@@ -5,8 +5,9 @@ checkpoint that does not fit fails only later, at a save or when a partner's rep
 This says so early, in one line that names the setting to raise. It never raises: a save
 that does not fit still gets its CapacityError from the store.
 
-A node holds ``keep`` steps of its own ranks' shards and, when replicating, as many of its
-partner's: for a node of n ranks with shards of s bytes, keep * n * s * 2.
+A node holds ``keep`` steps of its own ranks' shards and, when replicating, as many of each
+partner's (``replicas`` of them): for a node of n ranks with shards of s bytes,
+keep * n * s * (1 + replicas).
 """
 
 from __future__ import annotations
@@ -33,26 +34,34 @@ def filesystem_bytes(path: str) -> int:
     return vfs.f_blocks * vfs.f_frsize
 
 
-def needed_bytes(shard_bytes: int, *, keep: int, ranks_per_node: int, replicating: bool) -> int:
-    """tmpfs a node needs: ``keep`` steps of its ranks' shards, twice when it also holds its
-    partner's (assumed the same size: FSDP shards evenly)."""
-    return keep * ranks_per_node * shard_bytes * (2 if replicating else 1)
+def needed_bytes(shard_bytes: int, *, keep: int, ranks_per_node: int, replicating: bool,
+                 replica_sets: int = 1) -> int:
+    """tmpfs a node needs: ``keep`` steps of its ranks' shards, and as much again for each of
+    the ``replica_sets`` partners' replicas it keeps when ``replicating`` (assumed the same
+    size: FSDP shards evenly)."""
+    return keep * ranks_per_node * shard_bytes * (1 + (replica_sets if replicating else 0))
 
 
 class RoomCheck:
     """Warns once when ``local_dir`` cannot hold what this job will keep there."""
 
     def __init__(self, local_dir: str, paths: JobPaths, topology: Topology, keep: int,
-                 replicating: bool):
+                 replica_sets: int):
         self.local_dir, self.paths, self.topology = local_dir, paths, topology
-        self.keep, self.replicating = keep, replicating
+        self.keep, self.replica_sets = keep, replica_sets  # 0: not replicating
         self.size = filesystem_bytes(local_dir)
         self._first_save_checked = False
 
     def _holds(self) -> str:
-        partner = " and its partner node's replicas" if self.replicating else ""
+        partner = (" and its partner nodes' replicas" if self.replica_sets > 1
+                   else " and its partner node's replicas" if self.replica_sets else "")
         return (f"keep={self.keep} steps of this node's {self.topology.local_world_size} "
                 f"rank(s){partner}")
+
+    def _needed(self, shard_bytes: int) -> int:
+        return needed_bytes(shard_bytes, keep=self.keep,
+                            ranks_per_node=self.topology.local_world_size,
+                            replicating=self.replica_sets > 0, replica_sets=self.replica_sets)
 
     def _warn(self, message: str) -> None:
         if self.topology.local_rank == 0:  # the ranks of a node share the tmpfs: one line
@@ -63,9 +72,7 @@ class RoomCheck:
         container default is too small for any real model's state."""
         if self.size > CONTAINER_DEFAULT_BYTES:
             return
-        per_rank = self.size // needed_bytes(1, keep=self.keep,
-                                              ranks_per_node=self.topology.local_world_size,
-                                              replicating=self.replicating)
+        per_rank = self.size // self._needed(1)
         self._warn(f"{self.local_dir} is on a {self.size / MiB:.0f} MiB filesystem (the size of "
                    f"a container's default /dev/shm): it holds {self._holds()} only for shards "
                    f"under {per_rank / MiB:.1f} MiB per rank")
@@ -78,8 +85,7 @@ class RoomCheck:
         shard = self._shard_bytes(step)
         if shard is None:
             return
-        needed = needed_bytes(shard, keep=self.keep, ranks_per_node=self.topology.local_world_size,
-                              replicating=self.replicating)
+        needed = self._needed(shard)
         if needed > self.size:
             self._warn(f"{self.local_dir} is on a {self.size / MiB:.0f} MiB filesystem, too small "
                        f"for {self._holds()}: about {needed / MiB:.0f} MiB with "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -43,6 +44,20 @@ def wait_for(cond: Callable[[], T], what: str, timeout: float = WAIT, interval: 
     if not v:
         pytest.fail(f"gave up waiting for {what}\n{diag()}")
     return v
+
+
+def end_peer(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Let a peer worker that serves until its stdin closes finish; SIGKILL its process group
+    if it is not gone within ``timeout`` seconds."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)
 
 
 # --------------------------------------------------------------------------- damage

@@ -179,10 +179,12 @@ class Replicator:
         latest = self.rounds.latest
         return None if latest is None else latest.step
 
-    def protection(self) -> ProtectionStatus:
-        """How far replication lags behind the saves (see ``ProtectionStatus``)."""
+    def protection(self, ask: bool = True) -> ProtectionStatus:
+        """How far replication lags behind the saves (see ``ProtectionStatus``). ``ask=False``:
+        the newest protected step known here (updated at every save's retention), without a
+        round trip to the c10d store."""
         inv = self.store.inventory()
-        newest = self.newest_protected(sorted(inv))
+        newest = self.newest_protected(sorted(inv)) if ask else self.known_protected()
         with self._lock:
             pushed = sorted((st for st in self._states.values()
                              if st.state == "replicated" and st.seconds > 0), key=lambda st: st.step)[-5:]

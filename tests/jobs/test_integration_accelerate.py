@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -27,16 +26,6 @@ pytest.importorskip("accelerate", reason="needs accelerate (scripts/setup.sh --t
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "accelerate_train.py")
 STEPS, KILLED_AFTER = 10, 6
-
-
-@pytest.fixture
-def workdir():
-    """Memory (tmpfs) and persistent folders for the launches, removed afterwards."""
-    path = tempfile.mkdtemp(prefix="mlckpt-accel-", dir="/dev/shm")
-    try:
-        yield path
-    finally:
-        subprocess.run(["rm", "-rf", path], check=False)
 
 
 def launch(workdir: str, job: str, out: str, *extra: str) -> subprocess.Popen:
@@ -100,7 +89,8 @@ def results(out: str) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-def test_accelerate_job_killed_after_a_save_resumes_bit_exact(workdir):
+def test_accelerate_job_killed_after_a_save_resumes_bit_exact(store_dir):
+    workdir = store_dir  # memory (tmpfs) and persistent folders for the launches
     ref_out = os.path.join(workdir, "ref")
     finish(launch(workdir, "accel-ref", ref_out), ref_out)
 

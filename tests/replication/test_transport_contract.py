@@ -13,7 +13,6 @@ node's tmpfs directory.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from cluster import WORKERS
-from helpers import flip_byte, put_metadata, wait_for
+from helpers import end_peer, flip_byte, put_metadata, wait_for
 from tcp_job import debris
 
 from mlcheckpoint import (
@@ -144,13 +143,7 @@ class Job:
             t.close()
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)  # a failed timeout test may leave it stopped
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
+        end_peer(self.proc)
         if dist.is_initialized():
             dist.destroy_process_group()
         del self.c10d

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 from cluster import WORKERS, Cluster
-from helpers import WAIT, wait_for
+from helpers import WAIT, end_peer, wait_for
 from tcp_job import (
     assert_serves,
     connect,
@@ -512,14 +511,7 @@ class PgPeer:
         return [k for k in self.c10d.list_keys() if k.startswith(f"{self.prefix}/pg/reply/")]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
+        end_peer(self.proc)
         self.__dict__.pop("store", None)
         del self.c10d
 

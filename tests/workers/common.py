@@ -1,10 +1,13 @@
 """Shared helpers for worker scripts launched by torchrun in tests."""
 
+import json
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from mlcheckpoint.testing.cluster import write_result
 
@@ -12,6 +15,16 @@ logging.basicConfig(level=logging.INFO, format="%(asctime)s r%(process)d %(name)
 # A test can ask for one of our loggers at DEBUG (e.g. MLCKPT_TEST_DEBUG=mlcheckpoint.replication.tcp).
 if os.environ.get("MLCKPT_TEST_DEBUG"):
     logging.getLogger(os.environ["MLCKPT_TEST_DEBUG"]).setLevel(logging.DEBUG)
+
+
+def run_specs(run_job) -> None:
+    """Run each job spec of ``sys.argv[1]`` (a JSON list) in turn as ``run_job(spec, rank,
+    world, mesh)``, on one process group and a 1-D CPU device mesh."""
+    rank, world = init()
+    mesh = init_device_mesh("cpu", (world,))
+    for spec in json.loads(sys.argv[1]):
+        run_job(spec, rank, world, mesh)
+    dist.destroy_process_group()
 
 
 def init() -> tuple[int, int]:

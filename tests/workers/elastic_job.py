@@ -26,16 +26,13 @@ match, mismatch, world, reason} and "acked-<job>" {steps: the saved steps every 
 acknowledged}.
 """
 
-import json
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-from common import diff, init, report
+from common import diff, report, run_specs
 from rec_jobs import ROWS, comparable, elastic_state, elastic_template
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from mlcheckpoint import CheckpointManager
@@ -96,12 +93,7 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
 
 
 def main() -> None:
-    specs = json.loads(sys.argv[1])
-    rank, world = init()
-    mesh = init_device_mesh("cpu", (world,))
-    for spec in specs:
-        run_job(spec, rank, world, mesh)
-    dist.destroy_process_group()
+    run_specs(run_job)
 
 
 if __name__ == "__main__":

@@ -22,15 +22,11 @@ Reports per job: "resume-<job>" {step, source, match, mismatch, reason, sources,
 bytes_fetched, world}, "healed-<job>" {protected} and "listing-<job>" {entries}.
 """
 
-import json
 import os
 import signal
-import sys
 
 import torch
-import torch.distributed as dist
-from common import diff, empty_like, init, model_state, report
-from torch.distributed.device_mesh import init_device_mesh
+from common import diff, empty_like, model_state, report, run_specs
 from torch.distributed.tensor import DTensor, Shard
 
 from mlcheckpoint import CheckpointManager
@@ -120,12 +116,7 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
 
 
 def main() -> None:
-    specs = json.loads(sys.argv[1])
-    rank, world = init()
-    mesh = init_device_mesh("cpu", (world,))
-    for spec in specs:
-        run_job(spec, rank, world, mesh)
-    dist.destroy_process_group()
+    run_specs(run_job)
 
 
 if __name__ == "__main__":

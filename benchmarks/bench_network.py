@@ -208,6 +208,7 @@ class TmpfsSampler:
     def stop(self) -> dict[str, Any]:
         self._stop.set()
         self._thread.join()
+        self.series.append((time.perf_counter() - self._t0, [tree_bytes(d) for d in self.dirs]))  # the end state
         return {"peak_bytes": [max(s[k] for _, s in self.series) for k in range(len(self.dirs))],
                 "series": [[round(t, 2), s] for t, s in self.series]}
 

@@ -18,8 +18,8 @@ node's shaped link every step), AdamW, one compute thread; ``ckpt.guard(optimize
 then ``--steps`` timed steps. After each step, untimed: ``ckpt.protection()``, the node's
 eth0 tx_bytes (``/sys/class/net/eth0``, this namespace's), the save result of the previous
 step. A thread samples RssAnon (``/proc/self/status``) every 20 ms from just before the
-CheckpointManager is made. ``--hold``: after reporting, keep the job (and its replication)
-alive until the benchmark kills the node.
+CheckpointManager is made. ``--hold``: wait (untimed) until the last step is on two nodes,
+report, and keep the job (and its replication) alive until the benchmark kills the node.
 
 resume: the same model (no DDP: nothing is trained) and optimizer state, then only
 ``ckpt.resume``; reports ResumeInfo and this rank's own bytes fetched (from the history line
@@ -190,6 +190,12 @@ def train(args: argparse.Namespace) -> None:
         ckpt.wait()
         if pending is not None:
             save_bytes.append(pending.result().bytes)
+    # A held launch is the memory a resume case starts from: its newest step must be on two
+    # nodes before the benchmark kills a node, or (on a loaded machine) the resume finds no
+    # replica and measures a fresh start. Untimed: the step figures above are already taken.
+    replicated = None
+    if args.hold and ckpt is not None and args.mode != "off":
+        replicated = ckpt.wait_replicated(args.steps - 1, timeout=120)
     rss.stop()
     result = {"rank": rank, "node": int(os.environ["GROUP_RANK"]), "mode": args.mode,
               "params": trainer.params, "shape": trainer.shape, "state_bytes": state_bytes,
@@ -197,7 +203,7 @@ def train(args: argparse.Namespace) -> None:
               "rss_anon_baseline": rss.baseline, "rss_anon_peak": rss.peak,
               "guard_longest_wait_s": None if ckpt is None else ckpt.snapshots.longest_wait_s,
               "budget": resolved_budget(ckpt), "budget_env": os.environ.get(BANDWIDTH_ENV),
-              "job_id": None if ckpt is None else ckpt.job_id}
+              "job_id": None if ckpt is None else ckpt.job_id, "replicated_before_report": replicated}
     report(args.name, result)
     if args.hold:
         hold_forever()

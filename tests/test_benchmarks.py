@@ -173,8 +173,11 @@ def test_bench_network_quick_reports_every_mode_and_the_resume():
                     assert _number(st["sample_s"]) and "lag_steps" in st and "superseded" in st
                     assert st["lag_steps"] is None or st["lag_steps"] >= 0
     assert modes["off"]["lag_steps_max"] is None and modes["off"]["tmpfs_peak_bytes"] > 0
+    (held,) = [launch for launch in figures["launches"] if launch["mode"] == bench_network.RESUME_AFTER]
+    for rank in held["ranks"].values():  # the resume starts from a step on two nodes
+        assert rank["replicated_before_report"] is True, rank
     (resume,) = figures["summary"]["resumes"]
-    assert resume["replaced"] == [1] and resume["sources"]["1"] == "peer" and resume["loaded_ok"]
+    assert resume["replaced"] == [1] and resume["sources"].get("1") == "peer" and resume["loaded_ok"], resume
     assert resume["bytes"] > 0 and resume["link_received_bytes"] >= resume["bytes"]  # over the link
     for key in ("seconds", "ratio", "ratio_before", "ratio_after"):
         assert _number(resume[key]) and resume[key] > 0, key

@@ -396,7 +396,8 @@ class CheckpointManager:
         idle = self.warmer.close(wait) and idle
         if self.replicator is not None:
             self.replicator.close()
-            self.replicator.transport.close()
+            # Its session threads write received replicas into the store's mappings.
+            idle = self.replicator.transport.close() and idle
         if idle and not (self._heal_thread is not None and self._heal_thread.is_alive()):
             # Else (a failing close) work still running uses these mappings: they go with the
             # process.

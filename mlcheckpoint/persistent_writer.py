@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import history
+from ._faults import pause_point
 from .dcp.errors import unwrap_checkpoint_exception
 from .lifecycle import Pins, Retention
 from .persistent import PersistentStorage
@@ -49,7 +50,7 @@ class PersistentWriter:
         self.retention = retention
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-persist")
         self._lock = threading.Lock()
-        self._futures: list[Future[None]] = []  # background writes not yet waited for
+        self._futures: dict[Future[None], int] = {}  # background writes not yet waited for: their steps
 
     def write(self, state_dict: dict[str, Any], step: int) -> None:
         """Write ``step`` now, in this thread."""
@@ -75,10 +76,12 @@ class PersistentWriter:
             self.pins.unpin(step)
             raise
         with self._lock:
-            self._futures = [f for f in self._futures if not f.done() or f.exception()] + [future]
+            self._futures = {f: s for f, s in self._futures.items() if not f.done() or f.exception()}
+            self._futures[future] = step
 
     def _write_pinned(self, staged: dict[str, Any], step: int) -> None:
         try:
+            pause_point("persistent_write", step, self.rank)
             self.write(staged, step)
         finally:
             self.pins.unpin(step)
@@ -88,14 +91,18 @@ class PersistentWriter:
         """Wait for every background write; raise the first failure among those not raised
         yet (each failure is raised once)."""
         with self._lock:
-            pending, self._futures = self._futures, []
+            pending, self._futures = list(self._futures), {}
         errors = [e for e in (f.exception() for f in pending if not f.cancelled()) if e is not None]
         if errors:
             raise errors[0]
 
     def close(self, wait: bool) -> bool:
         """Stop the writer thread (``wait``: after the writes in flight; otherwise the queued
-        ones are cancelled). Returns whether no write still runs."""
+        ones are cancelled, and their steps unpinned). Returns whether no write still runs."""
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
         with self._lock:
+            for future, step in self._futures.items():
+                if future.cancelled():  # never ran: _write_pinned did not unpin it
+                    self.pins.unpin(step)
+            self._futures = {f: s for f, s in self._futures.items() if not f.cancelled()}
             return all(f.done() for f in self._futures)

@@ -345,10 +345,11 @@ class PgTransport(Transport):
             raw = self.mailbox.take_blob(peer, nonce, resp.get("sha256"))
             self.sink.commit_metadata(step, raw, offered=False)
 
-    def close(self) -> None:
+    def close(self) -> bool:
         self._closed.set()
         self._thread.join(timeout=5)
         with contextlib.suppress(Exception):
             dist.destroy_process_group(self.group)
         self.budget.close()
+        return not self._thread.is_alive()
 

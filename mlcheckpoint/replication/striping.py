@@ -91,6 +91,16 @@ class StripedReceive:
             if self.errors[i] is not None:
                 raise p.ProtocolError(f"stripe {i} failed: {self.errors[i]}")
 
+    def abort(self) -> None:
+        """Fail every stripe that has not connected yet, so that ``wait`` returns now (the
+        listener is closing; the connected ones end with their connections)."""
+        with self.lock:
+            self.cancelled = True
+            unclaimed = [i for i in range(1, len(self.stripes)) if i not in self.conns]
+        for i in unclaimed:
+            self.errors[i] = p.ProtocolError("the listener closed")
+            self.done[i].set()
+
     def cancel(self) -> None:
         """Stop every stripe still arriving and wait until none writes into the buffer."""
         with self.lock:
@@ -123,6 +133,13 @@ class OpenStripes:
                 self._open.pop(rx.token, None)
         with self._lock:  # only once the block went through: every stripe landed
             self._landed[len(rx.stripes)] += 1
+
+    def abort_all(self) -> None:
+        """``abort`` every open transfer (the listener is closing)."""
+        with self._lock:
+            transfers = list(self._open.values())
+        for rx in transfers:
+            rx.abort()
 
     def landed(self) -> dict[int, int]:
         """How many striped receives had every stripe land, by their number of streams."""

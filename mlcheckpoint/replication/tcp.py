@@ -121,6 +121,7 @@ class TcpTransport(Transport):
     def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
         self.client.fetch_metadata(peer, step, paced=paced)
 
-    def close(self) -> None:
-        self.server.close()
+    def close(self) -> bool:
+        idle = self.server.close()
         self.budget.close()
+        return idle

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from .._ratelimit import RateLimitedLog
@@ -56,6 +57,10 @@ class TcpServer:
         self.logs = RateLimitedLog(log)
         self._slots = threading.BoundedSemaphore(max_connections)  # authenticated sessions
         self._closed = threading.Event()
+        # Open sessions, so that close can end them and join their threads before the store's
+        # mappings they write into go away.
+        self._sessions: dict[socket.socket, threading.Thread] = {}
+        self._sessions_lock = threading.Lock()
         self._listener = socket.create_server((host, 0), backlog=256)
         host_bound, port = self._listener.getsockname()[:2]
         self.address = f"{host_bound}:{port}"
@@ -73,8 +78,15 @@ class TcpServer:
                           "refusing replication connection from %s: too many open", addr)
             conn.close()
             return
-        threading.Thread(target=self._serve, args=(conn, addr, proof), daemon=True,
-                         name="mlckpt-tcp-conn").start()
+        thread = threading.Thread(target=self._serve, args=(conn, addr, proof), daemon=True,
+                                  name="mlckpt-tcp-conn")
+        with self._sessions_lock:
+            if self._closed.is_set():  # logged in while close ran: close ends nothing it missed
+                conn.close()
+                self._slots.release()
+                return
+            self._sessions[conn] = thread
+        thread.start()
 
     def _serve(self, conn: socket.socket, addr: tuple, proof: bytes) -> None:
         try:
@@ -92,11 +104,16 @@ class TcpServer:
                     return
                 self._dispatch(conn, req, addr)
         except (OSError, p.ProtocolError) as e:
-            log.warning("replication connection from %s failed: %s", addr, e)
+            if self._closed.is_set():  # close cut the session: what failed is expected
+                log.debug("replication connection from %s ended by close: %s", addr, e)
+            else:
+                log.warning("replication connection from %s failed: %s", addr, e)
         except Exception:  # a bug: say so, but keep the listener's other sessions alive
             self.logs.log(logging.ERROR, "bug", "replication connection from %s failed", addr,
                           exc_info=True)
         finally:
+            with self._sessions_lock:
+                self._sessions.pop(conn, None)
             conn.close()
             self._slots.release()
 
@@ -243,9 +260,26 @@ class TcpServer:
         else:
             conn.sendall(raw)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop accepting, cut every open session (a receive in flight is dropped, as when
+        its sender dies) and join the session threads for at most ``timeout`` seconds. True
+        when none is left running."""
         self._closed.set()
         self._gate.close()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        with self._sessions_lock:
+            sessions = list(self._sessions.items())
+        for conn, _ in sessions:
+            with contextlib.suppress(OSError):  # wakes a thread blocked on it
+                conn.shutdown(socket.SHUT_RDWR)
+        self.stripes.abort_all()  # wakes a thread waiting for stripes that never came
+        deadline = time.monotonic() + timeout
+        for _, thread in sessions:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        running = sum(thread.is_alive() for _, thread in sessions)
+        if running:
+            log.warning("replication listener closed with %d session thread(s) still running "
+                        "after %.0fs", running, timeout)
+        return running == 0

@@ -79,5 +79,6 @@ class Transport(abc.ABC):
         ShardNotFoundError if the peer has none."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Stop serving and release sockets/threads."""
+    def close(self) -> bool:
+        """Stop serving and release sockets/threads. False when a thread that serves peers
+        (and may write into the store) is still running after a bounded wait."""

@@ -14,6 +14,7 @@ from helpers import (
     flip_byte,
     make_state,
     raw_bytes,
+    wait_for,
     zeros_like_state,
 )
 from torch.distributed.checkpoint import FileSystemReader
@@ -420,6 +421,26 @@ def test_manager_wait_raises_a_failed_background_persistent_write(dirs):
         assert ckpt.pins.steps() == set()  # the failed write gave its step back
         ckpt.save(make_state(10), 10)
         assert [e.step for e in ckpt.checkpoints()] == [10]
+
+
+def test_a_failing_close_unpins_the_persistent_writes_it_cancels(dirs, monkeypatch, tmp_path):
+    """close after an error cancels the queued background persistent writes and gives their
+    steps back to retention; the write already running keeps its step until it ends."""
+    release = tmp_path / "release"
+    monkeypatch.setenv("MLCHECKPOINT_PAUSE_AT", f"persistent_write@1={release}")
+    ckpt = manager(dirs, persistent=True, keep=1)
+    try:
+        for step in (1, 2, 3):
+            assert ckpt.async_save(make_state(step), step, persistent=True).result(timeout=60).persistent
+        wait_for(lambda: os.path.exists(f"{release}.reached"), "step 1's persistent write to start")
+        assert ckpt.pins.steps() == {1, 2, 3}
+        ckpt.close(failed=True)
+        assert ckpt.pins.steps() == {1}
+    finally:
+        release.touch()
+    wait_for(lambda: ckpt.pins.steps() == set(), "the running write to end")
+    assert os.path.exists(os.path.join(dirs[1], f"step-{1:012d}", ".metadata"))
+    assert not os.path.exists(os.path.join(dirs[1], f"step-{2:012d}"))
 
 
 def test_manager_retention_keeps_newest(dirs):

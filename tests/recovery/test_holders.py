@@ -86,8 +86,8 @@ class RecordingTransport(Transport):
     def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
         self.calls.append(("fetch_metadata", paced))
 
-    def close(self) -> None:
-        pass
+    def close(self) -> bool:
+        return True
 
 
 def test_a_resumes_reads_are_unpaced_and_the_heal_is_paced(store_dir):

@@ -14,6 +14,9 @@ import os
 import signal
 import socket
 import struct
+import sys
+import threading
+import traceback
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from tcp_job import (
     Job,
     assert_serves,
     connect,
+    debris,
     frames_to_eof,
     half_close,
     make_shard,
@@ -488,3 +492,42 @@ def test_replicas_outside_the_jobs_history_are_refused(make_job):
     with pytest.raises(ReplicationError, match="not part of this job's history"):
         sender.push_metadata(0, 3)
     assert 3 not in receiver.store.steps()
+
+
+def _session_threads() -> set:
+    return {t for t in threading.enumerate() if t.name == "mlckpt-tcp-conn"}
+
+
+def _functions_on_stack(thread: threading.Thread) -> list[str]:
+    frame = sys._current_frames().get(thread.ident or -1)
+    return [f.name for f in traceback.extract_stack(frame)] if frame is not None else []
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_close_ends_a_receive_in_flight_and_joins_its_thread(make_job, streams):
+    """A peer stalls halfway through a push (with 2 streams: its second stripe never connects).
+    ``close`` cuts the session, joins its thread (it would otherwise write into the store after
+    the store closed) and leaves nothing of the partial replica behind."""
+    job = make_job()
+    receiver = job.endpoint(0, timeout=WAIT)
+    before = _session_threads()
+    nbytes = 1 << 20
+    req = {"op": "put_shard", "job_id": job.job_id, "step": 3, "owner": 1,
+           "manifest": manifest_dict(job.job_id, 3, 1, data_bytes=nbytes)}
+    if streams > 1:
+        req["streams"] = streams
+    with connect(receiver) as s:
+        p.client_handshake(s, receiver.secret)
+        p.send_frame(s, req)
+        ready = p.recv_frame(s)
+        assert ready["status"] == "ready", ready
+        # All of stripe 0 (with 2 streams, the first half), or half of the whole payload.
+        s.sendall(bytes(nbytes // 2 if streams > 1 else nbytes // 4))
+        wait_for(lambda: len(_session_threads() - before) == 1, "the session's thread")
+        (session,) = _session_threads() - before
+        # Where it blocks: in the payload's recv, or (2 streams) waiting for the second stripe.
+        waits_in = "recv_into_exact" if streams == 1 else "wait"
+        wait_for(lambda: waits_in in _functions_on_stack(session), f"the session to block in {waits_in}")
+        assert receiver.close() is True
+        assert not session.is_alive()
+    assert receiver.store.steps() == [] and debris(receiver.store) == []

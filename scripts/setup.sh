@@ -33,7 +33,7 @@ pip_install -c "$constraints" -e ".[test,lightning,accelerate]"
 # torchdata, torch_checkpointing, ... about 50 packages); its checkpointer, which the tests
 # drive, needs only tyro. So the package goes into a folder of its own, outside the
 # environment's site-packages: pip's resolver never sees it half-installed, and
-# tests/test_integration_torchtitan.py puts it on PYTHONPATH for the processes it starts.
+# tests/jobs/test_integration_torchtitan.py puts it on PYTHONPATH for the processes it starts.
 titan=.venv/torchtitan-0.3.0
 if python -c "import importlib.metadata as m; m.version('torchtitan')" 2>/dev/null; then
     # Put there by an earlier version of this script, without its dependencies.

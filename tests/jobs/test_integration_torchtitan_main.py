@@ -8,7 +8,7 @@ vendored: point MLCHECKPOINT_TORCHTITAN_MAIN at a folder holding its ``torchtita
 (default /work/.torchtitan-main), e.g. from a clone:
 
     git clone --depth 1 https://github.com/pytorch/torchtitan /tmp/torchtitan-main
-    MLCHECKPOINT_TORCHTITAN_MAIN=/tmp/torchtitan-main pytest tests/test_integration_torchtitan_main.py
+    MLCHECKPOINT_TORCHTITAN_MAIN=/tmp/torchtitan-main pytest tests/jobs/test_integration_torchtitan_main.py
 
 Tested at main's commit b5bcd76 (2026-08-21), whose checkpointer imports with torch 2.13 and
 tyro alone. Skipped when no snapshot is there.

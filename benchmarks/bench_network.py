@@ -43,11 +43,9 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -159,19 +157,6 @@ def parse_args(argv: list[str]) -> Config:
 
 
 # ---------------------------------------------------------------------------------- measuring
-def qdisc_bytes(netns: str, dev: str) -> int:
-    """Bytes the root qdisc (tbf) of ``dev`` in ``netns`` has sent so far."""
-    out = subprocess.run(["tc", "-s", "-j", "-n", netns, "qdisc", "show", "dev", dev],
-                         capture_output=True, text=True, check=True).stdout
-    return int(json.loads(out)[0]["bytes"])
-
-
-def link_counters(cluster: NetCluster) -> dict[int, dict[str, int]]:
-    """Per node, bytes sent over its link (tbf on its eth0) and received (tbf on its port)."""
-    return {n.index: {"sent": qdisc_bytes(n.netns, "eth0"), "received": qdisc_bytes(cluster.switch_netns, n.port)}
-            for n in cluster.nodes}
-
-
 def counters_delta(before: dict[int, dict[str, int]], after: dict[int, dict[str, int]]) -> dict[int, dict[str, int]]:
     return {k: {d: after[k][d] - before[k][d] for d in before[k]} for k in before}
 
@@ -254,7 +239,7 @@ class Bench:
         n = len(self.launches)
         name, job_id = f"train{n}", f"bench-net-{n}-{mode}"
         self.fresh()
-        before = link_counters(cluster)
+        before = cluster.link_bytes()
         tmpfs = TmpfsSampler(cluster)
         t0 = time.perf_counter()
         cluster.start(WORKER, mode, name, *cfg.train_args(), *(["--hold"] if hold else []),
@@ -271,7 +256,7 @@ class Bench:
         finally:
             usage = tmpfs.stop()
         launch = {"index": n, "mode": mode, "rate": rate, "round": rnd, "job_id": job_id,
-                  "wall_s": time.perf_counter() - t0, "link_bytes": counters_delta(before, link_counters(cluster)),
+                  "wall_s": time.perf_counter() - t0, "link_bytes": counters_delta(before, cluster.link_bytes()),
                   "tmpfs": usage, "ranks": {str(r): v for r, v in sorted(ranks.items())}}
         self.launches.append(launch)
         return launch
@@ -294,7 +279,7 @@ class Bench:
         nbytes = self.node_checkpoint_bytes(launch, first)
         raw_before = cluster.raw_tcp_throughput(partner, first, nbytes)
         name = f"resume{len(self.resumes)}"
-        before = link_counters(cluster)
+        before = cluster.link_bytes()
         t0 = time.perf_counter()
         cluster.start(WORKER, "resume", name, *self.cfg.worker_args(),
                       env={**self.base_env, "MLCHECKPOINT_JOB_ID": launch["job_id"]})
@@ -303,7 +288,7 @@ class Bench:
         finally:
             cluster.kill_all()  # before the second raw transfer: healing must not share the link
         launch_s = time.perf_counter() - t0
-        received = counters_delta(before, link_counters(cluster))
+        received = counters_delta(before, cluster.link_bytes())
         raw_after = cluster.raw_tcp_throughput(partner, first, nbytes)
         result = {"rate": launch["rate"], "round": launch["round"], "after_launch": launch["index"],
                   "replaced": replaced, "raw_nbytes": nbytes, "raw_before_Bps": raw_before,

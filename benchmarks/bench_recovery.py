@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Recovery benchmark: resume from local memory and from a peer, and the planner at scale.
 
-    python benchmarks/bench_recovery.py [--size-gb 1.0] [--json out.json] [--quick]
+    python benchmarks/bench_recovery.py [--size-gb 1.0] [--rate 1gbit] [--json out.json] [--quick]
 
 Measured in one run on this machine:
   * baseline: DCP FileSystemReader loading the same state dict from /dev/shm (one process)
@@ -16,9 +16,14 @@ Measured in one run on this machine:
     two machines; a second job where node 0 has almost nothing to load shows the transfer
     alone ("peer, lopsided").
   * nodes replaced, 4 simulated nodes x 1 rank: one node replaced (node 1), two replaced
-    (nodes 1 and 3: each survivor of a pair serves one), and two replaced with replicas=2
+    (nodes 1 and 3: each survivor of a pair serves one), one replaced with replicas=2 (node 1:
+    its reads striped over its two holders, nodes 0 and 2), and two replaced with replicas=2
     (nodes 0 and 1: their reads go to the remaining holders); a fresh cluster and save for
-    every repetition, so a resume never reads what an earlier one healed
+    every repetition, so a resume never reads what an earlier one healed. On loopback these
+    share this machine's cores, so more nodes replaced means more CPU contended; with
+    ``--rate`` they run on an emulated network instead (NetCluster: a namespace and a link
+    shaped to the rate per node), where the links bound the fetches as on a real cluster, and
+    each survivor's link counts the bytes it served
   * plan_resume() on simulated inventories of 1k, 4k and 16k ranks
 Targets: local >= 10x FileSystemReader; peer >= 0.8x raw socket; two nodes replaced <= 1.2x
 one node replaced (replicas=1 and replicas=2); planner < 1 s at 16k ranks.
@@ -47,7 +52,8 @@ from benchmarks.harness.stats import median, timed
 from mlcheckpoint.recovery.inventory import NodeInventory, StepCopy
 from mlcheckpoint.recovery.planner import plan_resume
 from mlcheckpoint.replication.pairing import pairing_for
-from mlcheckpoint.testing.cluster import Cluster, write_result
+from mlcheckpoint.testing.cluster import Cluster, SimulatedCluster, write_result
+from mlcheckpoint.testing.netcluster import NetCluster
 
 THIS_FILE = os.path.abspath(__file__)
 
@@ -96,7 +102,7 @@ def worker(mode: str, size: int, name: str) -> None:
     dist.destroy_process_group()
 
 
-def run_job(cluster: Cluster, mode: str, size: int, env: dict[str, str] | None = None) -> dict[int, dict]:
+def run_job(cluster: SimulatedCluster, mode: str, size: int, env: dict[str, str] | None = None) -> dict[int, dict]:
     """One launch of the job on ``cluster`` (a torchrun agent per simulated node); every rank's
     result."""
     name = f"{mode}-{uuid.uuid4().hex[:6]}"
@@ -112,8 +118,10 @@ def nodes(job: str) -> Cluster:
 # Nodes replaced, on 4 simulated nodes x 1 rank (node k runs rank k): name -> (replicas, nodes
 # wiped). With replicas=1 the pairs are 0<->1 and 2<->3, so wiping 1 and 3 leaves nodes 0 and 2
 # one replaced node each to serve; with replicas=2 node 0's replicas are on 1 and 3 and node
-# 1's on 2 and 0, so wiping 0 and 1 leaves each of them one holder (3 and 2), still distinct.
-REPLACED = {"one_replaced": (1, (1,)), "two_replaced": (1, (1, 3)), "two_replaced_r2": (2, (0, 1))}
+# 1's on 2 and 0: wiping 1 alone leaves it two holders (its reads are striped over both), and
+# wiping 0 and 1 leaves each of them one holder (3 and 2), still distinct.
+REPLACED = {"one_replaced": (1, (1,)), "two_replaced": (1, (1, 3)),
+            "one_replaced_r2": (2, (1,)), "two_replaced_r2": (2, (0, 1))}
 REPLACED_NODES = 4
 
 
@@ -126,24 +134,36 @@ def surviving_holders(replicas: int, wiped: tuple[int, ...], nnodes: int = REPLA
     return held
 
 
-def bench_replaced(job: str, size: int, replicas: int, wiped: tuple[int, ...]) -> dict:
+def replaced_cluster(job: str, rate: str | None) -> SimulatedCluster:
+    """4 simulated nodes: on loopback, or (``rate``) on an emulated network shaped to it."""
+    if rate is None:
+        return Cluster(REPLACED_NODES, job_id=job, prefix="mlckpt-bench-recovery-")
+    return NetCluster(REPLACED_NODES, rate=rate, job_id=job)
+
+
+def bench_replaced(job: str, size: int, replicas: int, wiped: tuple[int, ...], rate: str | None) -> dict:
     """One repetition: a fresh 4-node cluster saves step 1 (every rank its own bytes), waits
     until it is protected, loses the memory of ``wiped`` and resumes on all 4 nodes, bit-exact.
-    ResumeInfo.seconds and phases["fetch"] are the slowest rank's; bytes_fetched is job-wide."""
+    ResumeInfo.seconds and phases["fetch"] are the slowest rank's; bytes_fetched is job-wide;
+    on an emulated network, ``served`` is what each surviving node's link sent meanwhile."""
     env = {"MLCHECKPOINT_REPLICAS": str(replicas)}
-    with Cluster(REPLACED_NODES, job_id=job, prefix="mlckpt-bench-recovery-") as cluster:
+    with replaced_cluster(job, rate) as cluster:
         saved = run_job(cluster, "save", size, env)
         assert all(r["protected"] for r in saved.values()), saved
         for n in wiped:
             cluster.nodes[n].wipe()
+        before = cluster.link_bytes() if isinstance(cluster, NetCluster) else None
         r = run_job(cluster, "resume", size, env)
+        after = cluster.link_bytes() if isinstance(cluster, NetCluster) else None
     assert len(r) == REPLACED_NODES and all(x["exact"] and x["step"] == 1 for x in r.values()), r
     assert all(x["source"] == ("peer" if rank in wiped else "local") for rank, x in r.items()), r
+    served = None if before is None or after is None else {
+        n: after[n]["sent"] - before[n]["sent"] for n in range(REPLACED_NODES) if n not in wiped}
     return {"seconds": max(x["seconds"] for x in r.values()), "fetch_s": max(x["fetch_s"] for x in r.values()),
-            "bytes_fetched": r[0]["bytes_fetched"]}
+            "bytes_fetched": r[0]["bytes_fetched"], "served": served}
 
 
-def bench_nodes_replaced(job: str, size: int, reps: int) -> dict:
+def bench_nodes_replaced(job: str, size: int, reps: int, rate: str | None) -> dict:
     """Each scenario of REPLACED, ``reps`` times (interleaved, so a slow spell of a shared
     machine does not land on one scenario only): medians of seconds and the fetch phase."""
     runs: dict[str, list[dict]] = {name: [] for name in REPLACED}
@@ -151,12 +171,13 @@ def bench_nodes_replaced(job: str, size: int, reps: int) -> dict:
         for name, (replicas, wiped) in REPLACED.items():
             surviving_holders(replicas, wiped)
             progress(f"{name} (replicas={replicas}, nodes {wiped} replaced), rep {i + 1}/{reps}")
-            runs[name].append(bench_replaced(f"{job}-{name}-{i}", size, replicas, wiped))
+            runs[name].append(bench_replaced(f"{job}-{name}-{i}", size, replicas, wiped, rate))
     out = {}
     for name, rs in runs.items():
         out[f"{name}_s"] = median([x["seconds"] for x in rs])
         out[f"{name}_fetch_s"] = median([x["fetch_s"] for x in rs])
         out[f"{name}_bytes_fetched"] = rs[-1]["bytes_fetched"]
+        out[f"{name}_served"] = rs[-1]["served"]  # bytes per surviving node, last repetition
     return out
 
 
@@ -196,18 +217,21 @@ def bench_planner(ranks_per_node: int = 8) -> dict[int, float]:
 class Config:
     size: int  # checkpoint bytes per rank
     reps: int
+    rate: str | None  # the nodes-replaced section's link rate (None: loopback)
 
 
 def parse_args(argv: list[str] | None) -> tuple[Config, str | None]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-gb", type=float, default=1.0, help="checkpoint bytes per rank")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rate", help="run the nodes-replaced section on an emulated network with "
+                    "links shaped to this rate (tc notation, e.g. 1gbit; needs root, ip and tc)")
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
         args.size_gb, args.reps = 0.05, 1
-    return Config(int(args.size_gb * (1 << 30)) // (1 << 20) * (1 << 20), args.reps), args.json
+    return Config(int(args.size_gb * (1 << 30)) // (1 << 20) * (1 << 20), args.reps, args.rate), args.json
 
 
 def run(cfg: Config) -> dict:
@@ -252,9 +276,10 @@ def run(cfg: Config) -> dict:
         res["resume_persistent_s"] = median(from_fs)
         res["resume_peer_s"] = median(peer)
         res["resume_peer_lopsided_s"] = median(lopsided)
-        res.update(bench_nodes_replaced(job + "-rep", size, cfg.reps))
-        res["two_replaced_ratio"] = res["two_replaced_s"] / res["one_replaced_s"]
-        res["two_replaced_r2_ratio"] = res["two_replaced_r2_s"] / res["one_replaced_s"]
+        res.update(bench_nodes_replaced(job + "-rep", size, cfg.reps, cfg.rate))
+        res["replaced_rate"] = cfg.rate
+        for name in ("two_replaced", "one_replaced_r2", "two_replaced_r2"):
+            res[f"{name}_ratio"] = res[f"{name}_s"] / res["one_replaced_s"]
         res["planner_s"] = bench_planner()
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -268,8 +293,23 @@ def run(cfg: Config) -> dict:
                       "two nodes replaced <= 1.2x one node replaced": res["two_replaced_ratio"] <= 1.2,
                       "two nodes replaced, replicas=2 <= 1.2x one node replaced (replicas=1)":
                           res["two_replaced_r2_ratio"] <= 1.2,
+                      **spread_target(res),
                       "planner < 1 s at 16k ranks": res["planner_s"][16384] < 1.0}
     return res
+
+
+SPREAD_SHARE = 0.4  # each of two holders serves at least this share of a striped fetch
+
+
+def spread_target(res: dict) -> dict[str, bool]:
+    """On an emulated network: node 1's two holders (replicas=2) each served at least
+    SPREAD_SHARE of what it fetched (their links count it); nothing to check on loopback."""
+    served = res["one_replaced_r2_served"]
+    if served is None:
+        return {}
+    fetched = res["one_replaced_r2_bytes_fetched"]
+    return {f"one node replaced, replicas=2: each holder serves >= {SPREAD_SHARE:.0%} of its fetch":
+            min(served[0], served[2]) >= SPREAD_SHARE * fetched}
 
 
 def report(cfg: Config, res: dict) -> None:
@@ -291,17 +331,22 @@ def report(cfg: Config, res: dict) -> None:
     print(f"{'measurement':60s} {'seconds':>8s} {'GB/s':>7s}  ratio")
     for name, t, ratio in rows:
         print(f"{name:60s} {t:8.3f} {gb / t:7.2f}  {ratio}")
-    print(f"nodes replaced, {REPLACED_NODES} simulated nodes x 1 rank, every rank's resume bit-exact "
-          "(seconds and fetch: the slowest rank's ResumeInfo; fetched: job-wide)")
-    print(f"{'measurement':60s} {'seconds':>8s} {'fetch s':>8s} {'MB fetched':>10s}  ratio")
+    where = "on loopback" if cfg.rate is None else f"on an emulated network, {cfg.rate} links"
+    print(f"nodes replaced, {REPLACED_NODES} simulated nodes x 1 rank {where}, every rank's resume "
+          "bit-exact (seconds and fetch: the slowest rank's ResumeInfo; fetched: job-wide; "
+          "served: MB each surviving node's link sent during the resume)")
+    print(f"{'measurement':60s} {'seconds':>8s} {'fetch s':>8s} {'MB fetched':>10s}  {'ratio':30s} served")
     one = res["one_replaced_s"]
     for name, label in (("one_replaced", "one node replaced (node 1), replicas=1"),
                         ("two_replaced", "two nodes replaced (1 and 3), replicas=1"),
+                        ("one_replaced_r2", "one node replaced (node 1), replicas=2"),
                         ("two_replaced_r2", "two nodes replaced (0 and 1), replicas=2")):
         t = res[f"{name}_s"]
         ratio = "" if name == "one_replaced" else f"{t / one:.2f}x one node replaced"
+        served = res[f"{name}_served"]
+        by_node = "" if served is None else ", ".join(f"node {n} {b / 1e6:.1f}" for n, b in served.items())
         print(f"{label:60s} {t:8.3f} {res[f'{name}_fetch_s']:8.3f} "
-              f"{res[f'{name}_bytes_fetched'] / 1e6:10.1f}  {ratio}")
+              f"{res[f'{name}_bytes_fetched'] / 1e6:10.1f}  {ratio:30s} {by_node}")
     for world, t in res["planner_s"].items():
         print(f"{'plan_resume, ' + str(world) + ' ranks':60s} {t:8.4f}")
     print("targets:")

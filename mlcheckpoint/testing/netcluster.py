@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import functools
 import itertools
+import json
 import os
 import re
 import shutil
@@ -94,6 +95,12 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     if check and res.returncode != 0:
         raise RuntimeError(f"`{' '.join(argv)}` failed ({res.returncode}): {res.stderr.strip()}")
     return res
+
+
+def _qdisc_bytes(netns: str, dev: str) -> int:
+    """Bytes the root qdisc of ``dev`` in ``netns`` has passed so far."""
+    out = _run(["tc", "-s", "-j", "-n", netns, "qdisc", "show", "dev", dev]).stdout
+    return int(json.loads(out)[0]["bytes"])
 
 
 def _netns_names() -> list[str]:
@@ -338,6 +345,15 @@ class NetCluster(SimulatedCluster):
                     _run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf",
                           "rate", f"{bits}bit", "burst", str(burst), "limit", str(limit)])
         self.rate = bits
+
+    def link_bytes(self) -> dict[int, dict[str, int]]:
+        """Per node, the bytes its link has carried so far: ``sent`` (counted by the tbf on
+        its eth0) and ``received`` (by the tbf on its switch port). Needs a shaped link."""
+        if self.rate is None:
+            raise RuntimeError("link_bytes counts what the links' token buckets pass: set a rate")
+        return {n.index: {"sent": _qdisc_bytes(n.netns, IFACE),
+                          "received": _qdisc_bytes(self.switch_netns, n.port)}
+                for n in self.net_nodes}
 
     # ------------------------------------------------------------------ nodes and processes
     def node(self, k: int) -> NetNode:

@@ -19,11 +19,13 @@ Measured in one run on this machine:
     (nodes 1 and 3: each survivor of a pair serves one), one replaced with replicas=2 (node 1:
     its reads striped over its two holders, nodes 0 and 2), and two replaced with replicas=2
     (nodes 0 and 1: their reads go to the remaining holders); a fresh cluster and save for
-    every repetition, so a resume never reads what an earlier one healed. On loopback these
+    every repetition, so a resume never reads what an earlier one healed. Each row says which
+    node served each replaced node's shard (``ResumeInfo.bytes_served``). On loopback these
     share this machine's cores, so more nodes replaced means more CPU contended; with
     ``--rate`` they run on an emulated network instead (NetCluster: a namespace and a link
     shaped to the rate per node), where the links bound the fetches as on a real cluster, and
-    each survivor's link counts the bytes it served
+    each survivor's link also counts all it sent during the launch (the load's reads, then
+    the rebuild of the replaced node's shard and the re-replication to it)
   * plan_resume() on simulated inventories of 1k, 4k and 16k ranks
 Targets: local >= 10x FileSystemReader; peer >= 0.8x raw socket; two nodes replaced <= 1.2x
 one node replaced (replicas=1 and replicas=2); planner < 1 s at 16k ranks.
@@ -96,6 +98,8 @@ def worker(mode: str, size: int, name: str) -> None:
         info = ckpt.resume(sd)
         result = {"step": info.step, "source": info.sources.get(rank), "seconds": info.seconds,
                   "fetch_s": info.phases.get("fetch", 0.0), "bytes_fetched": info.bytes_fetched,
+                  "served": {str(o): {str(n): b for n, b in by_node.items()}
+                             for o, by_node in info.bytes_served.items()},
                   "exact": all(torch.equal(sd[k], v) for k, v in flat_items(size, f"r{rank}.", rank))}
     write_result(name, rank, result)
     ckpt.close()
@@ -144,8 +148,9 @@ def replaced_cluster(job: str, rate: str | None) -> SimulatedCluster:
 def bench_replaced(job: str, size: int, replicas: int, wiped: tuple[int, ...], rate: str | None) -> dict:
     """One repetition: a fresh 4-node cluster saves step 1 (every rank its own bytes), waits
     until it is protected, loses the memory of ``wiped`` and resumes on all 4 nodes, bit-exact.
-    ResumeInfo.seconds and phases["fetch"] are the slowest rank's; bytes_fetched is job-wide;
-    on an emulated network, ``served`` is what each surviving node's link sent meanwhile."""
+    ResumeInfo.seconds and phases["fetch"] are the slowest rank's; bytes_fetched and
+    ``served`` ({owner: {node: bytes}}, ResumeInfo.bytes_served) are job-wide; on an emulated
+    network, ``link_sent`` is what each surviving node's link sent during the launch."""
     env = {"MLCHECKPOINT_REPLICAS": str(replicas)}
     with replaced_cluster(job, rate) as cluster:
         saved = run_job(cluster, "save", size, env)
@@ -157,10 +162,11 @@ def bench_replaced(job: str, size: int, replicas: int, wiped: tuple[int, ...], r
         after = cluster.link_bytes() if isinstance(cluster, NetCluster) else None
     assert len(r) == REPLACED_NODES and all(x["exact"] and x["step"] == 1 for x in r.values()), r
     assert all(x["source"] == ("peer" if rank in wiped else "local") for rank, x in r.items()), r
-    served = None if before is None or after is None else {
+    link_sent = None if before is None or after is None else {
         n: after[n]["sent"] - before[n]["sent"] for n in range(REPLACED_NODES) if n not in wiped}
+    served = {int(o): {int(n): b for n, b in by_node.items()} for o, by_node in r[0]["served"].items()}
     return {"seconds": max(x["seconds"] for x in r.values()), "fetch_s": max(x["fetch_s"] for x in r.values()),
-            "bytes_fetched": r[0]["bytes_fetched"], "served": served}
+            "bytes_fetched": r[0]["bytes_fetched"], "served": served, "link_sent": link_sent}
 
 
 def bench_nodes_replaced(job: str, size: int, reps: int, rate: str | None) -> dict:
@@ -177,7 +183,8 @@ def bench_nodes_replaced(job: str, size: int, reps: int, rate: str | None) -> di
         out[f"{name}_s"] = median([x["seconds"] for x in rs])
         out[f"{name}_fetch_s"] = median([x["fetch_s"] for x in rs])
         out[f"{name}_bytes_fetched"] = rs[-1]["bytes_fetched"]
-        out[f"{name}_served"] = rs[-1]["served"]  # bytes per surviving node, last repetition
+        out[f"{name}_served"] = rs[-1]["served"]  # last repetition: {owner: {node: bytes}}
+        out[f"{name}_link_sent"] = rs[-1]["link_sent"]  # last repetition: {node: bytes} or None
     return out
 
 
@@ -302,14 +309,12 @@ SPREAD_SHARE = 0.4  # each of two holders serves at least this share of a stripe
 
 
 def spread_target(res: dict) -> dict[str, bool]:
-    """On an emulated network: node 1's two holders (replicas=2) each served at least
-    SPREAD_SHARE of what it fetched (their links count it); nothing to check on loopback."""
-    served = res["one_replaced_r2_served"]
-    if served is None:
-        return {}
+    """Node 1's two holders under replicas=2 (nodes 0 and 2) each served at least
+    SPREAD_SHARE of its shard's reads."""
+    by_node = res["one_replaced_r2_served"].get(1, {})
     fetched = res["one_replaced_r2_bytes_fetched"]
     return {f"one node replaced, replicas=2: each holder serves >= {SPREAD_SHARE:.0%} of its fetch":
-            min(served[0], served[2]) >= SPREAD_SHARE * fetched}
+            min(by_node.get(0, 0), by_node.get(2, 0)) >= SPREAD_SHARE * fetched}
 
 
 def report(cfg: Config, res: dict) -> None:
@@ -334,8 +339,10 @@ def report(cfg: Config, res: dict) -> None:
     where = "on loopback" if cfg.rate is None else f"on an emulated network, {cfg.rate} links"
     print(f"nodes replaced, {REPLACED_NODES} simulated nodes x 1 rank {where}, every rank's resume "
           "bit-exact (seconds and fetch: the slowest rank's ResumeInfo; fetched: job-wide; "
-          "served: MB each surviving node's link sent during the resume)")
-    print(f"{'measurement':60s} {'seconds':>8s} {'fetch s':>8s} {'MB fetched':>10s}  {'ratio':30s} served")
+          "served: MB of each replaced node's shard per node that served it, ResumeInfo.bytes_served"
+          + ("; link: MB each survivor's link sent during the launch: the reads, then the rebuild "
+             "and re-replication" if cfg.rate else "") + ")")
+    print(f"{'measurement':60s} {'seconds':>8s} {'fetch s':>8s} {'MB fetched':>10s}  {'ratio':28s} served")
     one = res["one_replaced_s"]
     for name, label in (("one_replaced", "one node replaced (node 1), replicas=1"),
                         ("two_replaced", "two nodes replaced (1 and 3), replicas=1"),
@@ -343,10 +350,12 @@ def report(cfg: Config, res: dict) -> None:
                         ("two_replaced_r2", "two nodes replaced (0 and 1), replicas=2")):
         t = res[f"{name}_s"]
         ratio = "" if name == "one_replaced" else f"{t / one:.2f}x one node replaced"
-        served = res[f"{name}_served"]
-        by_node = "" if served is None else ", ".join(f"node {n} {b / 1e6:.1f}" for n, b in served.items())
+        served = "; ".join(f"shard {o}: " + ", ".join(f"node {n} {b / 1e6:.1f}" for n, b in by_node.items())
+                           for o, by_node in res[f"{name}_served"].items())
+        sent = res[f"{name}_link_sent"]
+        link = "" if sent is None else " | link: " + ", ".join(f"node {n} {b / 1e6:.1f}" for n, b in sent.items())
         print(f"{label:60s} {t:8.3f} {res[f'{name}_fetch_s']:8.3f} "
-              f"{res[f'{name}_bytes_fetched'] / 1e6:10.1f}  {ratio:30s} {by_node}")
+              f"{res[f'{name}_bytes_fetched'] / 1e6:10.1f}  {ratio:28s} {served}{link}")
     for world, t in res["planner_s"].items():
         print(f"{'plan_resume, ' + str(world) + ' ranks':60s} {t:8.4f}")
     print("targets:")

@@ -76,8 +76,8 @@ class Holders:
     """The nodes that hold the step ``plan`` loads, seen from this rank.
 
     One per resume attempt (a plan names its step, save and holders). ``bytes_fetched``
-    counts the shard bytes read from peers for the load, ``bytes_by_node`` the same per node
-    they came from (how the reads spread over the holders).
+    counts the shard bytes read from peers for the load, ``bytes_served`` the same per shard
+    (its owner rank) and node they came from (how the reads spread over the holders).
     """
 
     def __init__(self, transport: Transport, store: LocalStore, topology: Topology, plan: Decision):
@@ -85,7 +85,7 @@ class Holders:
         self.transport, self.store, self.topo, self.plan = transport, store, topology, plan
         self.step: int = plan.step
         self.bytes_fetched = 0
-        self.bytes_by_node: dict[int, int] = {}
+        self.bytes_served: dict[int, dict[int, int]] = {}  # owner -> node -> bytes
 
     def read_ranges(self, step: int, owner: int, ranges: list[tuple[int, int]],
                     sinks: list[np.ndarray], on_range: Callable[[int], None]) -> list[int]:
@@ -105,7 +105,8 @@ class Holders:
             node = src // self.topo.local_world_size
             with lock:
                 self.bytes_fetched += nbytes
-                self.bytes_by_node[node] = self.bytes_by_node.get(node, 0) + nbytes
+                by_node = self.bytes_served.setdefault(owner, {})
+                by_node[node] = by_node.get(node, 0) + nbytes
                 for i in indices:
                     came_from[i] = node
 

@@ -45,6 +45,10 @@ class ResumeInfo:
     seconds: float
     sources: dict[int, str] = field(default_factory=dict)  # rank -> where its bytes came from
     bytes_fetched: int = 0  # job-wide, from peers
+    # Job-wide, the bytes read from peers for the load, per shard (its owner rank) and node that
+    # served them ({owner: {node: bytes}}): how the reads spread over the holders. The rebuild
+    # of a replaced node's own shard comes after, in the background, and is not counted.
+    bytes_served: dict[int, dict[int, int]] = field(default_factory=dict)
     reason: str | None = None  # why newer candidates were refused, if any
     # True when the step was saved by another world size (DCP resharded it on load: an elastic
     # restart); None when that is not known (a persistent checkpoint does not record it).
@@ -143,7 +147,7 @@ class Recovery:
             self.persistent.restore(state_dict, d.step, functools.partial(load_step, group=self.group))
             self._lap("load", t)
         fetched = holders.bytes_fetched if holders is not None else 0
-        info = self._finish(d, notes, t0, fetched)
+        info = self._finish(d, notes, t0, fetched, holders.bytes_served if holders is not None else {})
         t = time.perf_counter()
         healing = self._heal(d, holders)  # after the last collective, in the background
         self._lap("heal", t)
@@ -242,7 +246,8 @@ class Recovery:
             self.store.retire_shard(copy.step, copy.owner)
 
     # ------------------------------------------------------------------ finish and heal
-    def _finish(self, d: Decision, notes: list[str], t0: float, fetched: int) -> ResumeInfo:
+    def _finish(self, d: Decision, notes: list[str], t0: float, fetched: int,
+                served: dict[int, dict[int, int]]) -> ResumeInfo:
         if d.kind == MEMORY and d.lineage is not None and d.step is not None:
             self.lineage = self.lineage.resumed(d.lineage, d.step)
         if self.transport is not None:  # before the last collective: partners push after it
@@ -251,16 +256,24 @@ class Recovery:
         # create files under step numbers this drop would otherwise race with).
         self._settle(d.step, set_aside=d.stranded)
         source = {MEMORY: "peer" if fetched else "local", PERSISTENT: "persistent"}.get(d.kind)
-        gathered = self.comm.all_gather((source, fetched))
+        gathered = self.comm.all_gather((source, fetched, served))
         pause_point("resume_agreed", d.step, self.topo.rank)  # tests: other ranks save from here
-        sources = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
+        sources = {r: s for r, (s, _, _) in enumerate(gathered) if s is not None}
+        bytes_served: dict[int, dict[int, int]] = {}
+        for _, _, rank_served in gathered:
+            for owner, by_node in rank_served.items():
+                mine = bytes_served.setdefault(owner, {})
+                for node, nbytes in by_node.items():
+                    mine[node] = mine.get(node, 0) + nbytes
         overall = source
         if d.kind == MEMORY:
             overall = "peer" if "peer" in sources.values() else "local"
         reason = "; ".join([r for r in [d.reason, *notes] if r]) or None
         resharded = {MEMORY: d.resharded, PERSISTENT: None}.get(d.kind, False)
         info = ResumeInfo(step=d.step, source=overall, seconds=time.perf_counter() - t0,
-                          sources=sources, bytes_fetched=sum(b for _, b in gathered), reason=reason,
+                          sources=sources, bytes_fetched=sum(b for _, b, _ in gathered),
+                          bytes_served={o: dict(sorted(n.items())) for o, n in sorted(bytes_served.items())},
+                          reason=reason,
                           resharded=resharded)
         if d.step is None:
             log.info("mlcheckpoint: no usable checkpoint, starting fresh (%s)", reason)

@@ -169,7 +169,7 @@ def test_a_shard_on_two_nodes_is_read_from_both(store_dir):
     assert sorted(set(nodes)) == [0, 1], nodes
     assert sorted({rank // 2 for rank in transport.served}) == [0, 1]
     assert holders.bytes_fetched == len(shard)
-    assert holders.bytes_by_node == {0: len(shard) // 2, 1: len(shard) // 2}
+    assert holders.bytes_served == {4: {0: len(shard) // 2, 1: len(shard) // 2}}
 
 
 def test_a_holder_that_fails_leaves_its_ranges_to_the_others(store_dir):

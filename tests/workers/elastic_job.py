@@ -69,7 +69,10 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
                 else diff(comparable(state(info.step)), comparable(sd)))
     report(f"resume-{job_names}", {"step": info.step, "source": info.source,
                                    "resharded": info.resharded, "match": not mismatch,
-                                   "mismatch": mismatch, "world": world, "reason": info.reason})
+                                   "mismatch": mismatch, "world": world, "reason": info.reason,
+                                   "bytes_fetched": info.bytes_fetched,
+                                   "served": {str(o): {str(n): b for n, b in by_node.items()}
+                                              for o, by_node in info.bytes_served.items()}})
     acked: list[int] = []
     if spec.get("loop"):
         first = (info.step or 0) + 1

@@ -39,6 +39,11 @@ log = logging.getLogger(__package__ + ".tcp")
 Handler = Callable[[socket.socket, dict, int], None]
 
 
+# Cut sessions end at once (their sockets are shut down); a thread still running after this
+# is stuck elsewhere, and close stops waiting for it (the manager then keeps the store open).
+SESSIONS_JOIN_S = 5.0
+
+
 class TcpServer:
     """Serves this rank's store to its peers (arguments: see ``TcpTransport``; ``host``: the
     address to listen on, ``budget``: paces what a request asks to be paced)."""
@@ -260,10 +265,10 @@ class TcpServer:
         else:
             conn.sendall(raw)
 
-    def close(self, timeout: float = 5.0) -> bool:
+    def close(self) -> bool:
         """Stop accepting, cut every open session (a receive in flight is dropped, as when
-        its sender dies) and join the session threads for at most ``timeout`` seconds. True
-        when none is left running."""
+        its sender dies) and join the session threads for at most SESSIONS_JOIN_S seconds.
+        True when none is left running."""
         self._closed.set()
         self._gate.close()
         with contextlib.suppress(OSError):
@@ -275,11 +280,11 @@ class TcpServer:
             with contextlib.suppress(OSError):  # wakes a thread blocked on it
                 conn.shutdown(socket.SHUT_RDWR)
         self.stripes.abort_all()  # wakes a thread waiting for stripes that never came
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + SESSIONS_JOIN_S
         for _, thread in sessions:
             thread.join(max(0.0, deadline - time.monotonic()))
         running = sum(thread.is_alive() for _, thread in sessions)
         if running:
             log.warning("replication listener closed with %d session thread(s) still running "
-                        "after %.0fs", running, timeout)
+                        "after %.0fs", running, SESSIONS_JOIN_S)
         return running == 0

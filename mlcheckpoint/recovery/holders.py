@@ -84,8 +84,11 @@ class Holders:
         assert plan.step is not None, "holders serve a step loaded from memory"
         self.transport, self.store, self.topo, self.plan = transport, store, topology, plan
         self.step: int = plan.step
-        self.bytes_fetched = 0
         self.bytes_served: dict[int, dict[int, int]] = {}  # owner -> node -> bytes
+
+    @property
+    def bytes_fetched(self) -> int:
+        return sum(n for by_node in self.bytes_served.values() for n in by_node.values())
 
     def read_ranges(self, step: int, owner: int, ranges: list[tuple[int, int]],
                     sinks: list[np.ndarray], on_range: Callable[[int], None]) -> list[int]:
@@ -104,7 +107,6 @@ class Holders:
                     lambda j: on_range(indices[j]), paced=False), order=order)
             node = src // self.topo.local_world_size
             with lock:
-                self.bytes_fetched += nbytes
                 by_node = self.bytes_served.setdefault(owner, {})
                 by_node[node] = by_node.get(node, 0) + nbytes
                 for i in indices:

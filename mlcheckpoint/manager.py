@@ -373,6 +373,9 @@ class CheckpointManager:
                 if self._distributed:
                     # Partners may still push to our listener: close only once everyone drained.
                     self._barrier(timeout)
+                if self.replicator is not None:  # the last round has no next one to close it:
+                    with contextlib.suppress(Exception):  # history learns of it here
+                        self.replicator.newest_protected(self.store.steps())
         finally:
             self._release(wait=not failed)
 

@@ -245,13 +245,13 @@ def test_ls_names_steps_a_newer_whole_step_left_behind(job, cli):
     os.unlink(store.manifest_path(1, 0))
     history.record(store.job_dir, "replicate", step=0, rank=0, bytes=1, seconds=1.0)
     store.close()
-    code, out, _ = cli(job, "ls", "--job", "clijob", "--json")
+    _, out, _ = cli(job, "ls", "--job", "clijob", "--json")
     states = {s["step"]: s["state"] for s in json.loads(out)[0]["steps"]}
     assert states == {0: "partly retired", 1: "superseded", 2: "complete"}
     store = LocalStore(job, "clijob", create=False)
     os.unlink(store.manifest_path(2, 0))  # nothing whole any more: 2 is what a crash left
     store.close()
-    code, out, _ = cli(job, "ls", "--job", "clijob", "--json")
+    _, out, _ = cli(job, "ls", "--job", "clijob", "--json")
     assert {s["step"]: s["state"] for s in json.loads(out)[0]["steps"]}[2] == "incomplete"
     assert step_label(complete=False, newer_complete=True, replicated=False) == "superseded"
 

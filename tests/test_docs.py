@@ -152,7 +152,7 @@ def doc_paths() -> list[tuple[str, int, str]]:
 
 def test_the_checker_knows_the_layout_and_its_mistakes():
     layout = _read(os.path.join(REPO, "mlcheckpoint", "store", "layout.py")).split('"""')[1]
-    canonical = re.findall(r"^ {8}(\S+)", layout, re.M)  # the docstring's table
+    canonical = re.findall(r"^ {8}(\S+)", layout, re.MULTILINE)  # the docstring's table
     assert len(canonical) >= 10 and [p for p in canonical if layout_error(p)] == []
     for wrong in ("<local_dir>/<job_id>/steps/<step>/rank-<r>.data", "/mnt/ckpt/<job>/<step>/rank-0.data",
                   "<job>/steps/000000000031/rank-0.data", "<job>/step/000000000031/metadata"):

@@ -264,9 +264,10 @@ class Replicator:
         so after ``close`` it names the step ``protection()`` did."""
         saves = lag.save_times(self.store.inventory()) if saves is None else saves
         now = lag.status(step, saves, None, 0)
-        if self.topology.local_rank != 0 or step == self._recorded_protected:
-            return now
-        self._recorded_protected = step
+        with self._lock:  # the replicator thread and protection()'s caller both come here
+            if self.topology.local_rank != 0 or step == self._recorded_protected:
+                return now
+            self._recorded_protected = step
         state = self.state(step)
         history.record(self.store.job_dir, "protected", step=step, rank=self.topology.rank,
                        lag_steps=now.lag_steps, age_seconds=now.age_seconds, copies=self.copies,

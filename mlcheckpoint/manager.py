@@ -64,6 +64,9 @@ class CheckpointManager:
             derived from ``persistent_dir`` (logged); without any of them, ConfigError.
         local_dir: tmpfs directory; defaults to MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint.
         keep: complete in-memory checkpoints kept per rank (the newest ones).
+        keep_persistent: complete persistent checkpoints kept (the newest ones; default
+            ``$MLCHECKPOINT_KEEP_PERSISTENT``; None: all): rank 0 prunes after each
+            persistent write, never the newest complete step or one being written.
         memory_limit_bytes: cap on this job's tmpfs usage on this node (default
             MLCHECKPOINT_MEMORY_LIMIT; None: only the tmpfs free space).
         replication: "tcp", "pg" (gloo), "nccl" (GPU buffers over NCCL) or "none". Off by
@@ -94,7 +97,8 @@ class CheckpointManager:
 
     def __init__(self, persistent_dir: str | PersistentStorage | None = None, *,
                  job_id: str | None = None, local_dir: str | None = None,
-                 keep: int = default("keep"), memory_limit_bytes: int | str | None = None,
+                 keep: int = default("keep"), keep_persistent: int | None = None,
+                 memory_limit_bytes: int | str | None = None,
                  replication: str = default("replication"), replication_host: str | None = None,
                  replication_timeout: float = default("replication_timeout"),
                  replication_streams: int | None = None,
@@ -106,7 +110,8 @@ class CheckpointManager:
         # (settings.py declares them). Plain torchrun gives no job id: the persistent folder,
         # which a restart keeps, names one.
         self.options = opts = Options.resolve(
-            job_id=job_id, local_dir=local_dir, keep=keep, memory_limit_bytes=memory_limit_bytes,
+            job_id=job_id, local_dir=local_dir, keep=keep, keep_persistent=keep_persistent,
+            memory_limit_bytes=memory_limit_bytes,
             replication=replication, replication_host=replication_host,
             replication_timeout=replication_timeout, replication_streams=replication_streams,
             replication_bandwidth=replication_bandwidth,
@@ -144,7 +149,8 @@ class CheckpointManager:
         self.warmer = self.lifecycle.warmer  # buffers of the next saves
         self.persistent_writer = None if self.persistent is None else PersistentWriter(
             self.persistent, job_dir=self.store.job_dir, rank=self.rank,
-            group=self._persist_pg, pins=self.pins, retention=self.retention)
+            group=self._persist_pg, pins=self.pins, retention=self.retention,
+            keep=opts.keep_persistent)
         self._closed = False
         self.replicator: Replicator | None = None
         self.replica_owners: list[int] = []
@@ -373,6 +379,9 @@ class CheckpointManager:
                 if self._distributed:
                     # Partners may still push to our listener: close only once everyone drained.
                     self._barrier(timeout)
+                if self.replicator is not None:  # the last round has no next one to close it:
+                    with contextlib.suppress(Exception):  # history learns of it here
+                        self.replicator.newest_protected(self.store.steps())
         finally:
             self._release(wait=not failed)
 

@@ -41,7 +41,10 @@ class ResumeInfo:
     """What ``resume`` loaded: ``step`` is None (and ``source`` None) for a fresh start."""
 
     step: int | None
-    source: str | None  # "local", "peer", "persistent" or None
+    # Job-wide, the same on every rank: "peer" if any rank's bytes came from another node
+    # (also on a node that loaded its own shards locally), else "local"; "persistent" or None.
+    # This rank's own: sources[rank].
+    source: str | None
     seconds: float
     sources: dict[int, str] = field(default_factory=dict)  # rank -> where its bytes came from
     bytes_fetched: int = 0  # job-wide, from peers

@@ -14,6 +14,7 @@ import secrets
 import time
 from collections.abc import Iterable
 
+from .._words import plural
 from ..errors import CorruptShardError, ShardNotFoundError
 from .identity import Lineage
 from .inventory import Inventory
@@ -75,7 +76,7 @@ def gc(listing: Inventory, shards: ShardFiles, ranks: Iterable[int] | None = Non
             pool.unlink(e.path)
             removed.append(e.path)
     if removed:
-        log.info("gc removed %d uncommitted file(s) of job %s", len(removed), shards.job_id)
+        log.info("gc removed %s of job %s", plural(len(removed), "uncommitted file"), shards.job_id)
     return removed
 
 

@@ -73,11 +73,14 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     reasons: list[str] = []
     newest_protected = _newest_protected(view, copies)
     stranded: list[int] = []
+    persistent_newer = False
     if foreign:
         reasons.append(f"steps {_few(foreign)} belong to another run of this job and are ignored")
     for step in sorted(view, reverse=True):
         if persistent_step is not None and persistent_step > step:
-            reasons.append(f"persistent step {persistent_step} is newer than memory step {step}")
+            persistent_newer = True
+            reasons.append(f"persistent step {persistent_step} is newer than memory step {step}: "
+                           "loading it")
             break
         if step in excluded_steps:
             reasons.append(f"step {step} failed earlier")
@@ -95,9 +98,20 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
             stranded.append(step)
         reasons.append(f"step {step} unusable: {why}")
     kind, step_ = (PERSISTENT, persistent_step) if persistent_step is not None else (FRESH, None)
-    return Decision(kind, step_, reason="; ".join(reasons) or "no checkpoint found",
+    if not persistent_newer:
+        reasons.append(fallback_reason(step_, bool(view) or bool(foreign)))
+    return Decision(kind, step_, reason="; ".join(reasons),
                     newest_protected=newest_protected, history=history,
                     stranded=[s for s in stranded if step_ is None or s > step_])
+
+
+def fallback_reason(persistent_step: int | None, memory_held_steps: bool) -> str:
+    """Why memory did not serve and what is loaded instead: the last clause of a reason."""
+    memory = ("no step in memory is usable" if memory_held_steps
+              else "memory holds no checkpoint of this job")
+    if persistent_step is not None:
+        return f"{memory}: loading persistent step {persistent_step}"
+    return f"{memory} and there is no persistent checkpoint: starting fresh"
 
 
 @dataclass

@@ -200,6 +200,23 @@ class LocalStore:
         """Steps whose metadata and every needed shard are committed here, oldest first."""
         return self.listing.complete_steps()
 
+    def other_jobs(self) -> dict[str, int]:
+        """Other jobs under ``local_dir`` that hold step folders: job id -> its newest step.
+        Only directory names are listed (a restart that resolved the wrong job id is told what
+        is there); nothing of another job is opened, let alone changed."""
+        found: dict[str, int] = {}
+        try:
+            entries = list(os.scandir(self.local_dir))
+        except OSError:
+            return found
+        for e in entries:
+            with contextlib.suppress(OSError):  # another user's job, or gone meanwhile
+                if e.name != self.job_id and e.is_dir(follow_symlinks=False):
+                    steps = JobPaths(e.path).step_numbers()
+                    if steps:
+                        found[e.name] = steps[-1]
+        return found
+
     def usage_bytes(self) -> int:
         """Bytes held by this job's files on this node (committed, in flight and pooled)."""
         return self.capacity.usage_bytes()

@@ -248,6 +248,11 @@ class LocalStore:
         """After a resume, keep only the job's history up to ``loaded`` (see ``cleanup.settle``)."""
         return cleanup.settle(self.listing, self.shards, lineage, loaded, set_aside)
 
+    def set_aside_runs(self, lineage: Lineage) -> list[int]:
+        """Before the first save of a run that did not resume, move the steps of runs outside
+        ``lineage`` into ``orphans/`` (see ``cleanup.set_aside_runs``); returns them."""
+        return cleanup.set_aside_runs(self.listing, self.shards, lineage)
+
     def orphans(self) -> list[tuple[int, str]]:
         """(step, path) of steps set aside by ``settle``."""
         return cleanup.orphans(self.paths)

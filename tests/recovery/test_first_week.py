@@ -1,6 +1,6 @@
 """Mistakes a new user makes on a restart, in one process (no process group): a job id that
-finds nothing while other jobs under local_dir hold steps, and what ``ResumeInfo.reason``
-says. The same on two real nodes: tests/jobs/test_first_week_jobs.py."""
+finds nothing while other jobs under local_dir hold steps, what ``ResumeInfo.reason`` says,
+and saving before ``resume``. On two real nodes: tests/jobs/test_first_week_jobs.py."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import os
 
 import pytest
+import torch.distributed.checkpoint as dcp
 from helpers import assert_same, flip_byte, make_state, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
@@ -117,3 +118,66 @@ def test_persistent_loaded_because_memory_is_unusable_says_why(store_dir):
     for words in ("step 6 unusable", "truncated", "checksum mismatch",
                   "no step in memory is usable: loading persistent step 4"):
         assert words in info.reason, (words, info.reason)
+
+
+# ---------------------------------------------------------------------------- saving before resume
+def earlier_run(store_dir: str) -> None:
+    """A run of the job that saved steps 3, 4 and 5 (keep=2: 4 and 5 stay in memory)."""
+    with manager(store_dir, "job") as ckpt:
+        for step in (3, 4, 5):
+            ckpt.save(make_state(100 + step), step)
+
+
+def memory_steps(ckpt: CheckpointManager) -> list[int]:
+    return [e.step for e in ckpt.checkpoints() if e.location == "memory"]
+
+
+SAVES = {
+    "save": lambda ckpt, sd, step: ckpt.save(sd, step),
+    "async_save": lambda ckpt, sd, step: ckpt.async_save(sd, step).result(timeout=60),
+    "dcp": lambda ckpt, sd, step: dcp.save(sd, storage_writer=ckpt.storage_writer(step)),
+}
+
+
+@pytest.mark.parametrize("how", list(SAVES))
+def test_saving_before_resume_sets_the_earlier_run_aside(store_dir, capsys, how):
+    earlier_run(store_dir)
+    with manager(store_dir, "job") as ckpt, no_logging_set_up():  # the restart skips resume
+        for step in (0, 1):
+            SAVES[how](ckpt, make_state(step), step)
+        # This run's saves are kept: the earlier run's numerically newer 4 and 5 do not crowd
+        # them out of retention.
+        assert memory_steps(ckpt) == [0, 1]
+        # Set aside, not deleted.
+        assert [step for step, _ in ckpt.store.orphans()] == [4, 5]
+    err = capsys.readouterr().err
+    warned = [line for line in err.splitlines() if "did not call resume()" in line]
+    assert len(warned) == 1, err  # one warning, visible with no logging set up
+    assert "step 0 is the first save" in warned[0] and "steps 4, 5" in warned[0], warned
+    assert "orphans" in warned[0] and "resume(state_dict) before the first save" in warned[0]
+    # A later resume loads this run's step 1, never the earlier run's step 5.
+    with manager(store_dir, "job") as ckpt:
+        out = zeros_like_state(make_state())
+        info = ckpt.resume(out)
+    assert (info.step, info.source) == (1, "local"), info
+    assert_same(make_state(1), out)
+
+
+def test_a_run_that_resumed_sets_nothing_aside(store_dir, capsys):
+    earlier_run(store_dir)
+    with manager(store_dir, "job") as ckpt, no_logging_set_up():
+        info = ckpt.resume(zeros_like_state(make_state()))
+        assert info.step == 5
+        ckpt.save(make_state(6), 6)
+        assert memory_steps(ckpt) == [5, 6] and ckpt.store.orphans() == []
+    assert "did not call resume()" not in capsys.readouterr().err
+
+
+def test_set_aside_steps_go_once_the_new_run_has_a_newer_complete_step(store_dir):
+    earlier_run(store_dir)
+    with manager(store_dir, "job") as ckpt:
+        for step in range(7):
+            ckpt.save(make_state(step), step)
+            left = [s for s, _ in ckpt.store.orphans()]
+            assert left == [s for s in (4, 5) if s >= step], (step, left)
+        assert memory_steps(ckpt) == [5, 6]

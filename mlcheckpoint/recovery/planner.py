@@ -56,8 +56,13 @@ class Decision:
 
 def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_size: int, *,
                 bad_copies: Iterable[CopyId] = (), bad_steps: Iterable[int] = (),
-                can_fetch: bool = True, copies: int = 2) -> Decision:
-    """Pick the newest step complete among the surviving nodes; a newer persistent step wins.
+                can_fetch: bool = True, copies: int = 2,
+                persistent_written: float | None = None) -> Decision:
+    """Pick the newest step complete among the surviving nodes; a newer persistent step wins,
+    unless it was written (``persistent_written``, a wall-clock time; None: unknown) before
+    the memory step was saved: a step saved after a higher-numbered persistent one was written
+    belongs to a later history (a run that started over without resuming, or continued from
+    an older step), and the persistent step to an earlier one.
 
     A step is complete when its metadata and every required rank's shard are on some node
     (not counting copies in ``bad_copies``; never a step in ``bad_steps``). Without a transport
@@ -76,12 +81,19 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     persistent_newer = False
     if foreign:
         reasons.append(f"steps {_few(foreign)} belong to another run of this job and are ignored")
+    earlier = False  # the persistent step belongs to an earlier history
     for step in sorted(view, reverse=True):
         if persistent_step is not None and persistent_step > step:
-            persistent_newer = True
-            reasons.append(f"persistent step {persistent_step} is newer than memory step {step}: "
-                           "loading it")
-            break
+            if persistent_written is not None and persistent_written < view[step].created:
+                reasons.append(f"persistent step {persistent_step} was written before memory "
+                               f"step {step} was saved: it belongs to an earlier history and is "
+                               "not loaded")
+                persistent_step, earlier = None, True
+            else:
+                persistent_newer = True
+                reasons.append(f"persistent step {persistent_step} is newer than memory step "
+                               f"{step}: loading it")
+                break
         if step in excluded_steps:
             reasons.append(f"step {step} failed earlier")
             stranded.append(step)
@@ -98,7 +110,9 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
             stranded.append(step)
         reasons.append(f"step {step} unusable: {why}")
     kind, step_ = (PERSISTENT, persistent_step) if persistent_step is not None else (FRESH, None)
-    if not persistent_newer:
+    if earlier:
+        reasons.append("no step in memory is usable: starting fresh")
+    elif not persistent_newer:
         reasons.append(fallback_reason(step_, bool(view) or bool(foreign)))
     return Decision(kind, step_, reason="; ".join(reasons),
                     newest_protected=newest_protected, history=history,
@@ -118,6 +132,7 @@ def fallback_reason(persistent_step: int | None, memory_held_steps: bool) -> str
 class _StepView:
     save_id: str = ""
     lineage: Lineage | None = None
+    created: float = 0.0  # when the save was made (its coordinator's clock)
     required: tuple[int, ...] | None = None
     world_size: int | None = None
     meta_nodes: list[int] = field(default_factory=list)
@@ -169,8 +184,8 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
     chosen = _chosen_saves(nodes, bad, history)
     view: dict[int, _StepView] = {}
     for step, meta in chosen.items():
-        view[step] = _StepView(save_id=meta.save_id, lineage=meta.lineage, required=meta.required,
-                               world_size=meta.world_size)
+        view[step] = _StepView(save_id=meta.save_id, lineage=meta.lineage, created=meta.created,
+                               required=meta.required, world_size=meta.world_size)
     for inv, step, copy in _metadata_copies(nodes, bad):
         if step in view and copy.save_id == view[step].save_id:
             view[step].meta_nodes.append(inv.node)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -97,7 +98,7 @@ class Recovery:
         """Load the newest usable checkpoint into ``state_dict``; every rank calls it."""
         t0 = time.perf_counter()
         self.store.gc(ranks=[self.topo.rank])  # what a crash of this rank left behind
-        nodes, persistent_step = self._gather_inventory()
+        nodes, (persistent_step, persistent_written) = self._gather_inventory()
         self._lap("inventory", t0)
         bad: set[CopyId] = set()
         bad_steps: set[int] = set()
@@ -107,7 +108,8 @@ class Recovery:
             t = time.perf_counter()
             d = plan_resume(nodes, persistent_step, self.topo.world_size, bad_copies=bad,
                             bad_steps=bad_steps, can_fetch=self.transport is not None,
-                            copies=2 if self.replicator is None else self.replicator.copies)
+                            copies=2 if self.replicator is None else self.replicator.copies,
+                            persistent_written=persistent_written)
             self._lap("plan", t)
             holders = None
             if d.kind != MEMORY:
@@ -172,15 +174,16 @@ class Recovery:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
     # ------------------------------------------------------------------ inventory
-    def _gather_inventory(self) -> tuple[list[NodeInventory], int | None]:
-        """Each node's inventory (taken by its local rank 0) and the newest persistent step
-        (listed by rank 0): one all_gather."""
+    def _gather_inventory(self) -> tuple[list[NodeInventory], tuple[int | None, float | None]]:
+        """Each node's inventory (taken by its local rank 0), and the newest persistent step
+        with when it was written (listed by rank 0; None: unknown): one all_gather."""
         mine = (take_inventory(self.store, self.topo.node_rank, self.topo.ranks_of_node(self.topo.node_rank))
                 if self.topo.local_rank == 0 else None)
-        newest = None
+        newest: tuple[int | None, float | None] = (None, None)
         if self.topo.rank == 0 and self.persistent is not None:
             steps = self.persistent.steps()
-            newest = steps[-1] if steps else None
+            if steps:
+                newest = (steps[-1], _written_at(self.persistent, steps[-1]))
         gathered = self.comm.all_gather((mine, newest))
         return [inv for inv, _ in gathered if inv is not None], gathered[0][1]
 
@@ -354,3 +357,14 @@ class Recovery:
         except (MLCheckpointError, OSError) as e:
             log.warning("mlcheckpoint: rebuilding rank %d's shard of step %d failed: %s",
                         self.topo.rank, holders.step, e)
+
+
+def _written_at(persistent: PersistentStorage, step: int) -> float | None:
+    """When a persistent step was finished: its folder's mtime (DCP renames the step's metadata
+    into it last). None for a URL, whose store may keep no such time."""
+    if persistent.is_url:
+        return None
+    try:
+        return os.stat(persistent.path(step)).st_mtime
+    except OSError:
+        return None

@@ -122,10 +122,11 @@ def test_persistent_loaded_because_memory_is_unusable_says_why(store_dir):
 
 # ---------------------------------------------------------------------------- saving before resume
 def earlier_run(store_dir: str) -> None:
-    """A run of the job that saved steps 3, 4 and 5 (keep=2: 4 and 5 stay in memory)."""
+    """A run of the job that saved steps 3, 4 and 5 (keep=2: 4 and 5 stay in memory), step 3
+    also to the persistent folder."""
     with manager(store_dir, "job") as ckpt:
         for step in (3, 4, 5):
-            ckpt.save(make_state(100 + step), step)
+            ckpt.save(make_state(100 + step), step, persistent=step == 3)
 
 
 def memory_steps(ckpt: CheckpointManager) -> list[int]:
@@ -155,12 +156,14 @@ def test_saving_before_resume_sets_the_earlier_run_aside(store_dir, capsys, how)
     assert len(warned) == 1, err  # one warning, visible with no logging set up
     assert "step 0 is the first save" in warned[0] and "steps 4, 5" in warned[0], warned
     assert "orphans" in warned[0] and "resume(state_dict) before the first save" in warned[0]
-    # A later resume loads this run's step 1, never the earlier run's step 5.
+    # A later resume loads this run's step 1, never the earlier run's step 5, nor its
+    # persistent step 3 (numerically newer, but written before step 1 was saved).
     with manager(store_dir, "job") as ckpt:
         out = zeros_like_state(make_state())
         info = ckpt.resume(out)
     assert (info.step, info.source) == (1, "local"), info
     assert_same(make_state(1), out)
+    assert "persistent step 3 was written before memory step 1 was saved" in info.reason
 
 
 def test_a_run_that_resumed_sets_nothing_aside(store_dir, capsys):

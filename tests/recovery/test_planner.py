@@ -769,3 +769,24 @@ def test_reason_says_what_was_loaded_and_why(case):
     assert "no checkpoint found" not in d.reason
     if d.kind == PERSISTENT:
         assert "starting fresh" not in d.reason and f"persistent step {d.step}" in d.reason
+
+
+def test_a_persistent_step_written_before_the_memory_step_was_saved_is_an_earlier_history():
+    # Run A wrote persistent step 3 at t=100; run B started over without resuming and saved
+    # steps 0 and 1 at t=200 and 201.
+    nodes = inventories(2, 1, {n: {s: saved({0, 1}, "B", f"b{s}", 200 + s) for s in (0, 1)}
+                               for n in (0, 1)})
+    d = plan_resume(nodes, 3, 2, persistent_written=100.0)
+    assert (d.kind, d.step, d.save_id) == (MEMORY, 1, "b1"), d
+    assert "persistent step 3 was written before memory step 1 was saved" in d.reason
+    # Written after the memory step (one history, the usual case) or at an unknown time: the
+    # higher-numbered persistent step wins as before.
+    for written in (300.0, None):
+        d = plan_resume(nodes, 3, 2, persistent_written=written)
+        assert (d.kind, d.step) == (PERSISTENT, 3), (written, d)
+    # Memory of the later history unusable: a fresh start, not the earlier history's step.
+    for inv in nodes:
+        inv.steps = {s: dataclasses.replace(c, owners=frozenset({0}), shard_bytes=((0, 100),))
+                     for s, c in inv.steps.items()}
+    d = plan_resume(nodes, 3, 2, persistent_written=100.0)
+    assert d.kind == FRESH and "starting fresh" in d.reason, d

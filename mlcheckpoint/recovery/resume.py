@@ -51,7 +51,9 @@ class ResumeInfo:
     # served them ({owner: {node: bytes}}): how the reads spread over the holders. The rebuild
     # of a replaced node's own shard comes after, in the background, and is not counted.
     bytes_served: dict[int, dict[int, int]] = field(default_factory=dict)
-    reason: str | None = None  # why newer candidates were refused, if any
+    # None when the newest step in memory was loaded; else what failed, which newer steps were
+    # refused and why, and what was loaded instead (persistent, fresh) and why.
+    reason: str | None = None
     # True when the step was saved by another world size (DCP resharded it on load: an elastic
     # restart); None when that is not known (a persistent checkpoint does not record it).
     resharded: bool | None = False

@@ -22,6 +22,9 @@ from ..store.identity import Lineage
 from .inventory import NodeInventory, StepCopy
 
 MEMORY, PERSISTENT, FRESH = "memory", "persistent", "fresh"
+# A persistent step counts as written before a memory save only by more than this: the
+# persistent folder's clock (a file server's) and the coordinator's may disagree a little.
+CLOCK_SLACK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,8 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
                 can_fetch: bool = True, copies: int = 2,
                 persistent_written: float | None = None) -> Decision:
     """Pick the newest step complete among the surviving nodes; a newer persistent step wins,
-    unless it was written (``persistent_written``, a wall-clock time; None: unknown) before
-    the memory step was saved: a step saved after a higher-numbered persistent one was written
+    unless it was written (``persistent_written``, a wall-clock time; None: unknown) well
+    before the memory step was saved: a step saved after a higher-numbered persistent one was written
     belongs to a later history (a run that started over without resuming, or continued from
     an older step), and the persistent step to an earlier one.
 
@@ -84,7 +87,8 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     earlier = False  # the persistent step belongs to an earlier history
     for step in sorted(view, reverse=True):
         if persistent_step is not None and persistent_step > step:
-            if persistent_written is not None and persistent_written < view[step].created:
+            if (persistent_written is not None
+                    and persistent_written < view[step].created - CLOCK_SLACK_S):
                 reasons.append(f"persistent step {persistent_step} was written before memory "
                                f"step {step} was saved: it belongs to an earlier history and is "
                                "not loaded")

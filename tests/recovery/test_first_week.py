@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 
 import pytest
 import torch.distributed.checkpoint as dcp
@@ -123,10 +124,13 @@ def test_persistent_loaded_because_memory_is_unusable_says_why(store_dir):
 # ---------------------------------------------------------------------------- saving before resume
 def earlier_run(store_dir: str) -> None:
     """A run of the job that saved steps 3, 4 and 5 (keep=2: 4 and 5 stay in memory), step 3
-    also to the persistent folder."""
+    also to the persistent folder, a minute ago (a restart takes that long)."""
     with manager(store_dir, "job") as ckpt:
         for step in (3, 4, 5):
             ckpt.save(make_state(100 + step), step, persistent=step == 3)
+        folder = ckpt.persistent.path(3)
+    then = time.time() - 60
+    os.utime(folder, (then, then))
 
 
 def memory_steps(ckpt: CheckpointManager) -> list[int]:

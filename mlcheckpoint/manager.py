@@ -170,7 +170,8 @@ class CheckpointManager:
             self._start_replication(replication, opts)
         self.saver = Saver(self.store, self.topology, group=self._save_pg,
                            snapshots=self.snapshots, retention=self.retention,
-                           warmer=self.warmer, replicator=self.replicator)
+                           warmer=self.warmer, replicator=self.replicator,
+                           all_gather=self._all_gather)
         log.debug("CheckpointManager job=%s dir=%s rank=%d/%d node=%d/%d", self.job_id,
                   self.store.job_dir, self.rank, self.topology.world_size,
                   self.topology.node_rank, self.topology.num_nodes)
@@ -203,8 +204,10 @@ class CheckpointManager:
         """A writer for ``dcp.save`` / ``dcp.async_save`` of ``step``.
 
         Retires this rank's checkpoints beyond ``keep`` first, so their buffers are reused.
+        Collective in a run's first save, which sets an earlier run's steps aside (``save``).
         """
         self._check_open()
+        self.saver.set_aside_earlier_runs(step, self.lineage)
         # save/async_save retire old steps after each save, on the background thread, so they
         # skip this up-front retention (an inventory and c10d round trips on the training thread).
         self.retention.apply()
@@ -216,7 +219,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save(self, state_dict: dict[str, Any], step: int, *, persistent: bool = False) -> SaveResult:
-        """Save ``step`` and return once it is committed in tmpfs on every rank."""
+        """Save ``step`` and return once it is committed in tmpfs on every rank. The first save
+        of a run that did not ``resume`` sets an earlier run's steps aside in ``orphans/``, with
+        one warning (docs/operations.md, "Saving before resume")."""
         self._check_open()
         persist = self._persistent_for(persistent)
         result = self.saver.save(state_dict, step, self.lineage, persist)
@@ -257,7 +262,8 @@ class CheckpointManager:
         CapacityError) is raised at once; a failure of an overlapped copy is raised at this
         rank's next guard point, and the failed step at every rank's next save or async_save
         (which then saves nothing: call it again). Either way the other ranks' saves of this
-        step fail too (no rank waits for it) and the previous step stays resumable.
+        step fail too (no rank waits for it) and the previous step stays resumable. A run's
+        first save, without ``resume`` before it, sets an earlier run's steps aside (``save``).
         """
         self._check_open()
         persist = self._persistent_for(persistent)
@@ -278,6 +284,7 @@ class CheckpointManager:
         self.saver.wait()
         resumed = self._recovery().run(state_dict)
         self.lineage = resumed.lineage  # later saves descend from what was loaded
+        self.saver.settled()
         self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
         info = self.last_resume = resumed.info
         history.record(self.store.job_dir, "resume", step=info.step, rank=self.rank,
@@ -294,6 +301,7 @@ class CheckpointManager:
         self._check_open()
         self.saver.wait()
         self._recovery().continue_from(step)
+        self.saver.settled()
 
     def _recovery(self) -> Recovery:
         return Recovery(self.store, self.topology, Comm(self._all_gather), lineage=self.lineage,

@@ -188,8 +188,17 @@ class ShardWriter:
         self.partial_path = path
         self.items: list[ManifestItem] = []
         self.data_bytes = buffer.size
+        self.region = buffer.size  # the mapped part of the data: items past it are appended
         self.cursor = 0  # next free offset for items copied in by write_data
         self._committed = False
+
+    def trim(self, end: int) -> None:
+        """End the data at ``end`` (within the mapping): what lies past it is no part of the
+        shard, items still to come are appended after it, and the commit gives its pages
+        back. For a stage that holds bytes the save's plan does not take."""
+        if not 0 <= end <= self.region or self.data_bytes != self.region:
+            raise ValueError(f"cannot trim a shard of {self.data_bytes} bytes to {end}")
+        self.data_bytes = self.region = self.cursor = end
 
     def append_bytes(self, data) -> tuple[int, int]:
         """Append an item (bytes or any contiguous buffer) after the mapped region; returns
@@ -218,6 +227,10 @@ class ShardWriter:
         manifest = Manifest(job_id=self.files.job_id, step=self.step, rank=self.rank,
                             data_bytes=self.data_bytes, items=self.items, world_size=world_size,
                             save_id=save_id, run_id=run_id)
+        # Nothing past the data stays in tmpfs (a trimmed stage, a recycled buffer with
+        # slack): the file holds exactly what replication sends and recovery reads.
+        if os.stat(self.partial_path).st_size > self.data_bytes:
+            os.truncate(self.partial_path, self.data_bytes)
         self.files.install(self.partial_path, manifest)
         self._committed = True
         return manifest

@@ -275,8 +275,16 @@ class ShardSource:
         self.mapped = mappings.lookup(st)
 
     def span(self, offset: int, nbytes: int, dst: int | None) -> copier.Span:
-        """The copier span that verifies (and, with ``dst``, copies) ``nbytes`` at ``offset``."""
-        return copier.Span(src=self.mapping(offset + nbytes).base_ptr + offset, nbytes=nbytes, dst=dst)
+        """The copier span that verifies (and, with ``dst``, copies) ``nbytes`` at ``offset``.
+
+        Taken from a mapping of the whole shard: spans are made first and run later, and a
+        mapping made for a later item (past what the writer had mapped: items appended by
+        write_data) would replace one that earlier spans point into."""
+        if not 0 <= offset <= offset + nbytes <= self.manifest.data_bytes:
+            raise CorruptShardError(f"item at [{offset}, {offset + nbytes}) lies outside the "
+                                    f"{self.manifest.data_bytes} bytes of {self.path}")
+        return copier.Span(src=self.mapping(self.manifest.data_bytes).base_ptr + offset,
+                           nbytes=nbytes, dst=dst)
 
     def mapping(self, end: int) -> MappedFile:
         """A mapping of the shard that covers its first ``end`` bytes (kept in the cache: a

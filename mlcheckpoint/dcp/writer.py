@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._faults import crash_point
+from .._faults import crash_point, pause_point
 from .._gc import pausing_gc
 from ..errors import MLCheckpointError
 from ..store.identity import Lineage, new_id
@@ -222,6 +222,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 raise error
         shard = self._open_shard(plan, staged)
         try:
+            pause_point("write_data", self.step, self.rank)
             crash_point("before_data", self.step, self.rank)
             t0 = time.perf_counter()
             placement = Placement(shard, staged.digests if staged is not None else {},

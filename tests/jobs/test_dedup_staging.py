@@ -29,8 +29,7 @@ def test_ddp_job_stages_stores_and_replicates_only_its_planned_items_and_resumes
             assert s["checked"] > 0 and s["differs"] == [], (rank, step, s)
             # the shard holds the items the metadata assigns this rank, and nothing else
             # (beyond the 64-byte alignment of each item)
-            assert s["data_bytes"] == s["referenced_end"], (rank, step, s)
-            assert s["referenced"] <= s["data_bytes"] <= s["referenced_aligned"], (rank, step, s)
+            assert s["referenced_end"] <= s["data_bytes"] <= s["referenced_aligned"], (rank, step, s)
             # replication sends exactly those bytes
             assert s["replicated_bytes"] in (None, s["data_bytes"]), (rank, step, s)
         for step in (1, 2, 6):  # steady steps: DCP splits the shared state between the ranks

@@ -15,7 +15,12 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from mlcheckpoint import CheckpointManager, LocalStore, MemoryStorageReader, MemoryStorageWriter
+from mlcheckpoint import (
+    CheckpointManager,
+    LocalStore,
+    MemoryStorageReader,
+    MemoryStorageWriter,
+)
 from mlcheckpoint.dcp.snapshot import Snapshotter
 from mlcheckpoint.store.shards import align
 

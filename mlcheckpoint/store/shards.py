@@ -103,6 +103,10 @@ class ShardFiles:
         mpath = self.paths.manifest(manifest.step, manifest.rank)
         tmp = self.paths.manifest_tmp(manifest.step, manifest.rank)
         crash_point("before_manifest", manifest.step, manifest.rank)
+        # Nothing past the data stays in tmpfs (a stage trimmed to its plan, a recycled buffer
+        # with slack): the file holds what replication sends and recovery reads, no more.
+        if os.stat(partial).st_size > manifest.data_bytes:
+            os.truncate(partial, manifest.data_bytes)
         with open(tmp, "wb", opener=_private) as f:
             f.write(manifest.to_bytes())
         with self.commits.committing():  # never while a retention pass looks and retires
@@ -227,10 +231,6 @@ class ShardWriter:
         manifest = Manifest(job_id=self.files.job_id, step=self.step, rank=self.rank,
                             data_bytes=self.data_bytes, items=self.items, world_size=world_size,
                             save_id=save_id, run_id=run_id)
-        # Nothing past the data stays in tmpfs (a trimmed stage, a recycled buffer with
-        # slack): the file holds exactly what replication sends and recovery reads.
-        if os.stat(self.partial_path).st_size > self.data_bytes:
-            os.truncate(self.partial_path, self.data_bytes)
         self.files.install(self.partial_path, manifest)
         self._committed = True
         return manifest

@@ -273,23 +273,25 @@ class ShardSource:
                  st: os.stat_result):
         self.mappings, self.manifest, self.path, self.fd = mappings, manifest, path, fd
         self.mapped = mappings.lookup(st)
+        self._earlier: list = []  # arrays of mappings replaced while reading (see mapping())
 
     def span(self, offset: int, nbytes: int, dst: int | None) -> copier.Span:
-        """The copier span that verifies (and, with ``dst``, copies) ``nbytes`` at ``offset``.
-
-        Taken from a mapping of the whole shard: spans are made first and run later, and a
-        mapping made for a later item (past what the writer had mapped: items appended by
-        write_data) would replace one that earlier spans point into."""
+        """The copier span that verifies (and, with ``dst``, copies) ``nbytes`` at ``offset``."""
         if not 0 <= offset <= offset + nbytes <= self.manifest.data_bytes:
             raise CorruptShardError(f"item at [{offset}, {offset + nbytes}) lies outside the "
                                     f"{self.manifest.data_bytes} bytes of {self.path}")
-        return copier.Span(src=self.mapping(self.manifest.data_bytes).base_ptr + offset,
-                           nbytes=nbytes, dst=dst)
+        return copier.Span(src=self.mapping(offset + nbytes).base_ptr + offset, nbytes=nbytes,
+                           dst=dst)
 
     def mapping(self, end: int) -> MappedFile:
         """A mapping of the shard that covers its first ``end`` bytes (kept in the cache: a
         later save that recycles this file finds its page tables built)."""
         if self.mapped is None or self.mapped.size < end:
+            if self.mapped is not None:
+                # Spans taken from the mapping the cache is about to replace (the writer's,
+                # which ends before the items write_data appended) still point into it: an
+                # export of it keeps it mapped until this source is done (see release()).
+                self._earlier.append(self.mapped.array)
             self.mapped = self.mappings.map(self.path, self.manifest.data_bytes, populate=False)
         return self.mapped
 

@@ -60,6 +60,7 @@ from benchmarks.harness.processes import exit_on_sigterm
 from benchmarks.harness.report import loadavg, machine_info, progress, run_and_report
 from benchmarks.harness.stats import median, p90, size_str
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.store.layout import Kind, classify
 from mlcheckpoint.testing.netcluster import NetCluster, available, parse_rate
 
 WORKER = os.path.join(REPO_ROOT, "benchmarks", "net_train_worker.py")
@@ -173,28 +174,63 @@ def tree_bytes(path: str) -> int:
     return total
 
 
-class TmpfsSampler:
-    """Every node's local_dir usage, sampled on a thread while a launch runs."""
+TMPFS_PARTS = ("own", "replicas", "staging", "pool", "other")
 
-    def __init__(self, cluster: NetCluster):
+
+def tree_parts(path: str, own: range) -> dict[str, int]:
+    """``tree_bytes`` split by what each file is (docs/performance.md, "tmpfs per node"):
+    committed shards of the node's own ranks (``own``) and of other nodes' ranks (replicas),
+    shard buffers being written (staging), the buffer pool, and the rest (metadata,
+    manifests, locks)."""
+    parts = dict.fromkeys(TMPFS_PARTS, 0)
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                nbytes = os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:  # retired meanwhile
+                continue
+            e = classify(name)
+            part = ("own" if e.rank in own else "replicas") if e.kind is Kind.DATA else \
+                {Kind.PARTIAL: "staging", Kind.POOL_BUFFER: "pool",
+                 Kind.POOL_PARTIAL: "pool"}.get(e.kind, "other")
+            parts[part] += nbytes
+    return parts
+
+
+class TmpfsSampler:
+    """Every node's local_dir usage, sampled on a thread while a launch runs; with its parts
+    (``tree_parts``) at each node's peak."""
+
+    def __init__(self, cluster: NetCluster, nproc: int = 1):
         self.dirs = [n.local_dir for n in cluster.nodes]
+        self.own = [range(k * nproc, (k + 1) * nproc) for k in range(len(self.dirs))]
+        self.peak_parts: list[dict[str, int]] = [dict.fromkeys(TMPFS_PARTS, 0) for _ in self.dirs]
         self.series: list[tuple[float, list[int]]] = []
         self._stop = threading.Event()
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="tmpfs-sampler")
         self._thread.start()
 
+    def _sample(self) -> None:
+        parts = [tree_parts(d, own) for d, own in zip(self.dirs, self.own, strict=True)]
+        totals = [sum(p.values()) for p in parts]
+        for k, p in enumerate(parts):
+            if totals[k] > sum(self.peak_parts[k].values()):
+                self.peak_parts[k] = p
+        self.series.append((time.perf_counter() - self._t0, totals))
+
     def _loop(self) -> None:
         while True:
-            self.series.append((time.perf_counter() - self._t0, [tree_bytes(d) for d in self.dirs]))
+            self._sample()
             if self._stop.wait(SAMPLE_EVERY_S):
                 return
 
     def stop(self) -> dict[str, Any]:
         self._stop.set()
         self._thread.join()
-        self.series.append((time.perf_counter() - self._t0, [tree_bytes(d) for d in self.dirs]))  # the end state
+        self._sample()  # the end state
         return {"peak_bytes": [max(s[k] for _, s in self.series) for k in range(len(self.dirs))],
+                "peak_parts": self.peak_parts,
                 "series": [[round(t, 2), s] for t, s in self.series]}
 
 
@@ -240,7 +276,7 @@ class Bench:
         name, job_id = f"train{n}", f"bench-net-{n}-{mode}"
         self.fresh()
         before = cluster.link_bytes()
-        tmpfs = TmpfsSampler(cluster)
+        tmpfs = TmpfsSampler(cluster, cfg.nproc)
         t0 = time.perf_counter()
         cluster.start(WORKER, mode, name, *cfg.train_args(), *(["--hold"] if hold else []),
                       env={**self.base_env, "MLCHECKPOINT_JOB_ID": job_id, **MODE_ENV[mode]})
@@ -363,6 +399,19 @@ def halves_median(xs: list[float]) -> tuple[float, float]:
     return median(xs[:h] or xs), median(xs[h:])
 
 
+def dedup_figures(launches: list[dict[str, Any]]) -> dict[str, Any]:
+    """What each rank stages and pushes against its state, and tmpfs per node by part at its
+    peak (the node with the highest peak)."""
+    ranks = [r for launch in launches for r in launch["ranks"].values()]
+    staged = [x for r in ranks for x in r.get("staged_bytes", [])[1:] if x is not None]
+    pushed = [r["pushed"] for r in ranks if r.get("pushed", {}).get("steps")]
+    peaks = [(sum(p.values()), p) for launch in launches for p in launch["tmpfs"].get("peak_parts", [])]
+    return {"state_bytes": max(r["state_bytes"] for r in ranks),
+            "staged_bytes_median": median(staged) if staged else None,
+            "pushed_bytes_per_step": median([p["bytes"] / p["steps"] for p in pushed]) if pushed else None,
+            "tmpfs_peak_parts": max(peaks, key=lambda x: x[0])[1] if peaks else None}
+
+
 def summarize_mode(cfg: Config, launches: list[dict[str, Any]]) -> dict[str, Any]:
     steps = [x for launch in launches for x in measured(launch, "step_s")]
     lag = [x for launch in launches for x in measured(launch, "lag_steps")]
@@ -390,6 +439,7 @@ def summarize_mode(cfg: Config, launches: list[dict[str, Any]]) -> dict[str, Any
         "shard_bytes": shard, "node_checkpoint_bytes": node_ckpt,
         "tmpfs_peak_bytes": tmpfs_peak, "tmpfs_peak_checkpoints": tmpfs_peak / node_ckpt,
         "rss_anon_growth_bytes": rss, "rss_anon_growth_shards": rss / shard,
+        **dedup_figures(launches),
         "guard_longest_wait_s": max((r["guard_longest_wait_s"] or 0.0) for launch in launches
                                     for r in launch["ranks"].values()),
         "budget": launches[0]["ranks"]["0"]["budget"],
@@ -462,6 +512,21 @@ def _opt(x: float | None, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def print_dedup(modes: dict[str, dict[str, Any]]) -> None:
+    """Per mode: bytes staged per rank and pushed per replicated step against the rank's
+    state, and tmpfs per node by part at its peak."""
+    for mode, m in modes.items():
+        if mode == "none":
+            continue
+        state, parts = m["state_bytes"], m["tmpfs_peak_parts"] or {}
+        staged, pushed = m["staged_bytes_median"], m["pushed_bytes_per_step"]
+        print(f"  {LABELS[mode]}: state {size_str(state)}/rank; staged "
+              f"{'-' if staged is None else size_str(staged)}/rank/step; pushed "
+              f"{'-' if pushed is None else size_str(pushed)}/replicated step; tmpfs/node at peak "
+              f"{size_str(sum(parts.values()))} = {sum(parts.values()) / state:.2f}x the state: "
+              + ", ".join(f"{k} {size_str(v)}" for k, v in parts.items()))
+
+
 def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, Any]) -> None:
     first = res["launches"][0]["ranks"]["0"]
     sh, machine = first["shape"], meta["machine"]
@@ -492,6 +557,7 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
             print(f"{LABELS[mode]:<29}{m['median_s']:>9.3f}{m['p90_s']:>8.3f}{m['vs_off']:>7.2f}x"
                   f"{m['vs_none']:>7.2f}x{m['fwd_bwd_median_s']:>8.3f}{m['node0_bytes_per_step'] / 1e6:>14.0f}"
                   f"{lag:>12}{age:>14}{skipped:>8}{tmpfs:>11}{size_str(m['rss_anon_growth_bytes']):>10}")
+        print_dedup(r["modes"])
         b = r["modes"]["budgeted"]
         print("  per-launch medians (s): " + "; ".join(
             f"{mode} " + ", ".join(f"{x:.3f}" for x in m["round_medians_s"]) for mode, m in r["modes"].items()))

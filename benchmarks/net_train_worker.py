@@ -145,6 +145,14 @@ def resolved_budget(ckpt: CheckpointManager | None) -> Any:
     return None if ckpt is None else getattr(ckpt.options, "replication_bandwidth", None)
 
 
+def pushed_bytes(ckpt: CheckpointManager | None, steps: int) -> dict[str, int]:
+    """This rank's replication pushes: how many of its steps, and their bytes (the
+    replicator's own count of what it sent)."""
+    states = [ckpt.replicator.state(s) for s in range(steps)] if ckpt and ckpt.replicator else []
+    done = [st for st in states if st is not None and st.state == "replicated"]
+    return {"steps": len(done), "bytes": sum(st.bytes for st in done)}
+
+
 def train(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     trainer = Trainer(args, ddp=True)
@@ -162,6 +170,7 @@ def train(args: argparse.Namespace) -> None:
         ckpt.guard(trainer.optimizer)
     steps: list[dict[str, Any]] = []
     save_bytes: list[int] = []
+    staged_bytes: list[int | None] = []  # copied before DCP planned (None: a build without it)
     pending = None
     t_start = time.perf_counter()
     for step in range(args.steps):
@@ -176,6 +185,7 @@ def train(args: argparse.Namespace) -> None:
         # Untimed from here: what the step left behind.
         if pending is not None:
             save_bytes.append(pending.result().bytes)  # done: this step's save waited for it
+            staged_bytes.append(getattr(pending.result(), "staged_bytes", None))
         pending = future
         p = ckpt.protection() if ckpt is not None else None
         steps.append({"step": step, "t": t3 - t_start, "step_s": t3 - t0, "fwd_bwd_s": t1 - t0,
@@ -190,6 +200,7 @@ def train(args: argparse.Namespace) -> None:
         ckpt.wait()
         if pending is not None:
             save_bytes.append(pending.result().bytes)
+            staged_bytes.append(getattr(pending.result(), "staged_bytes", None))
     # A held launch is the memory a resume case starts from: its newest step must be on two
     # nodes before the benchmark kills a node, or (on a loaded machine) the resume finds no
     # replica and measures a fresh start. Untimed: the step figures above are already taken.
@@ -199,7 +210,8 @@ def train(args: argparse.Namespace) -> None:
     rss.stop()
     result = {"rank": rank, "node": int(os.environ["GROUP_RANK"]), "mode": args.mode,
               "params": trainer.params, "shape": trainer.shape, "state_bytes": state_bytes,
-              "save_bytes": save_bytes, "steps": steps, "warmup": args.warmup,
+              "save_bytes": save_bytes, "staged_bytes": staged_bytes,
+              "pushed": pushed_bytes(ckpt, args.steps), "steps": steps, "warmup": args.warmup,
               "rss_anon_baseline": rss.baseline, "rss_anon_peak": rss.peak,
               "guard_longest_wait_s": None if ckpt is None else ckpt.snapshots.longest_wait_s,
               "budget": resolved_budget(ckpt), "budget_env": os.environ.get(BANDWIDTH_ENV),

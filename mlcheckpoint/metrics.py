@@ -21,7 +21,8 @@ def stats(save: SaveResult | None, protection: ProtectionStatus,
     if save is not None:
         out.update(save_step=save.step, save_seconds=save.seconds,
                    save_blocking_seconds=save.blocking_seconds, save_bytes=save.bytes,
-                   save_overlapped_bytes=save.overlapped_bytes)
+                   save_overlapped_bytes=save.overlapped_bytes,
+                   save_staged_bytes=save.staged_bytes)
         out.update({f"save_{phase}_seconds": s for phase, s in save.phases.items()})
     out.update(protected_step=protection.newest_protected,
                protection_lag_steps=protection.lag_steps,

@@ -65,6 +65,10 @@ class SaveResult:
     # rename, on every rank, and the metadata) and "publish" (the metadata on every node, the
     # replicator, retention). The persistent write is not in any of them.
     phases: dict[str, float] = field(default_factory=dict)
+    # Tensor bytes copied into tmpfs before DCP planned the save (async_save's stage; 0 for
+    # ``save``, which copies only what the plan gives this rank). Following the previous
+    # step's plan (dcp/plans.py), an overlapped stage copies only this rank's items.
+    staged_bytes: int = 0
 
 
 class Saver:
@@ -123,11 +127,14 @@ class Saver:
         self._before_save(step, lineage)
         overlapped = self.snapshots.guarded if overlap is None else overlap
         t0 = time.perf_counter()
-        staged = self._stage(state_dict, step, overlapped, overlap)
+        # A persistent write reads the staged views after the commit: stage every tensor
+        # then, and commit the staged region whole.
+        staged = self._stage(state_dict, step, overlapped, overlap, leave_out=persist is None)
         blocking = time.perf_counter() - t0
         # A stage that failed here still goes to the commit, which fails the step on every
         # rank (no rank waits for this one); the caller hears of it now.
         writer = self._writer(step, lineage, staged)
+        writer.keep_staged = persist is not None
         fut = self._executor.submit(self._commit_and_publish, writer, staged, persist, t0,
                                     blocking, overlapped)
         with self._lock:
@@ -204,16 +211,20 @@ class Saver:
         self.set_aside_earlier_runs(step, lineage)
 
     def _stage(self, state_dict: dict[str, Any], step: int, overlapped: bool,
-               overlap: bool | None) -> Staged:
+               overlap: bool | None, leave_out: bool) -> Staged:
+        """Stage ``state_dict``, following the prediction of DCP's plan (``dcp/plans.py``):
+        an overlapped stage (with ``leave_out``) copies only the tensors this rank is to
+        write; any other puts the rest last, for the commit to cut off."""
         rank = self.topology.rank
         try:
             with gc_paused():
                 flat = _stateful_to_state_dict(state_dict)  # Stateful objects: at call time
+                prediction = self.snapshots.plans.predict(flat)
                 if not overlapped:
-                    return staging.stage_now(self.store, step, rank, flat)
+                    return staging.stage_now(self.store, step, rank, flat, prediction)
                 deferrable = None if overlap else self.snapshots.deferrable()
                 return staging.stage_overlapped(self.store, step, rank, flat, self.snapshots,
-                                                deferrable)
+                                                deferrable, prediction, leave_out)
         except (MLCheckpointError, OSError) as e:
             return Staged.failed(step, rank, e)
 
@@ -229,11 +240,14 @@ class Saver:
             if overlapped and staged.failure is None:  # (else async_save raised it already)
                 self.snapshots.save_failed(e)
             raise
+        finally:
+            staged.release()  # in case write_data never ran here (it releases the guards)
         seconds = time.perf_counter() - t0
         stage_s = staged.staged_at - t0
         result = SaveResult(writer.step, _committed_bytes(writer), blocking, seconds,
                             persist is not None, staged.overlapped_bytes,
-                            phases={"stage": stage_s, "commit": seconds - stage_s})
+                            phases={"stage": stage_s, "commit": seconds - stage_s},
+                            staged_bytes=staged.nbytes)
         self._publish(result, metadata, writer)
         if persist is not None:
             persist.submit(views, writer.step)  # reads the staged views: pins the step

@@ -1,6 +1,7 @@
 """Where each item of a save goes in the shard buffer, and the copy + hash that fills it.
 
-``MemoryStorageWriter.write_data`` builds one ``Placement`` per shard: ``place`` decides each
+``MemoryStorageWriter.write_data`` builds one ``Placement`` per shard: ``keep_planned`` drops
+the staged bytes that DCP's final plan does not give this rank, ``place`` decides each
 item's offset (an item ``stage`` already copied keeps its staged region; byte items and late
 tensors are appended), ``confirm_restaged`` checks PROCESS-mode tensors against the region
 they were staged in, ``copy_and_hash`` runs every copy and checksum on the copier's threads,
@@ -9,6 +10,7 @@ and ``record`` writes the manifest entry and DCP's WriteResult.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import logging
 from dataclasses import dataclass
@@ -75,6 +77,42 @@ class Placement:
         self.shard = shard
         self._staged_digests = staged_digests
         self._restaged_bytes = restaged_bytes
+        self._moved: dict[int, int] = {}  # staged offset -> offset after ``keep_planned``
+
+    def keep_planned(self, resolved: list[tuple[WriteItem, Any]]) -> None:
+        """Keep in the staged region only the tensors of this rank's final plan (``resolved``:
+        each item with what the planner resolved it to), moved down over the gaps that the
+        others leave, and end the shard's data after them (``ShardWriter.trim``). When the
+        stage followed the plan (``dcp/plans.py``), nothing moves: the unplanned bytes, if
+        any, lie at the end and are cut off."""
+        regions: dict[int, int] = {}
+        for item, data in resolved:
+            if item.type != WriteItemType.BYTE_IO:
+                t = data.detach()
+                nbytes = t.numel() * t.element_size()
+                at = self._staged_offset(t, nbytes)
+                if at is not None and nbytes:
+                    regions[at] = max(nbytes, regions.get(at, 0))
+        base, end, moved = self.shard.buffer.base_ptr, 0, {}
+        for at, nbytes in sorted(regions.items()):
+            if at < end:  # views that overlap (not ours): leave the region as it is
+                return
+            if at != end:
+                ctypes.memmove(base + end, base + at, nbytes)
+                moved[at] = end
+            end = align(end + nbytes)
+        self._moved = moved
+        self._staged_digests = {moved.get(at, at): d for at, d in self._staged_digests.items()
+                                if at in regions}
+        self.shard.trim(end)
+        if moved:
+            log.debug("moved %d staged tensors of step %d over bytes the plan left out",
+                      len(moved), self.shard.step)
+
+    def _staged_offset(self, t: torch.Tensor, nbytes: int) -> int | None:
+        """Where the stage put ``t``'s bytes (before ``keep_planned`` moved them), if it did."""
+        at = self.shard.buffer.contains(t)
+        return at if at is not None else self._restaged_offset(t, nbytes)
 
     def place(self, item: WriteItem, data: Any) -> Placed:
         """Decide where ``item`` (``data`` is what the planner resolved it to) goes; the tensor
@@ -93,11 +131,15 @@ class Placement:
         if staged_at is None:  # PROCESS mode: a copy of a staged view; confirmed before use
             staged_at = self._restaged_offset(t, nbytes)
             twin = copier.Span(src=t.data_ptr(), nbytes=nbytes) if staged_at is not None else None
+        if staged_at is not None:
+            staged_at = self._moved.get(staged_at, staged_at)
+        if staged_at is not None and staged_at + nbytes > shard.region:  # cut off: not staged
+            staged_at = twin = None
         if staged_at is not None:  # hash the staged region unless staging did
             known = self._staged_checksum(staged_at, nbytes)
             span = None if known is not None else copier.Span(src=base + staged_at, nbytes=nbytes)
             return Placed(item, staged_at, nbytes, t, span, digest=known or 0, twin=twin)
-        if shard.cursor + nbytes > shard.buffer.size:
+        if shard.cursor + nbytes > shard.region:
             offset, digest = _append_tensor(shard, t)  # a tensor DCP produced after staging
             return Placed(item, offset, nbytes, t, digest=digest)
         offset = shard.cursor

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import StagingError
+from .plans import PlanCache
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class Snapshotter:
         self._failed_save: BaseException | None = None  # raised at the next save
         self._aborted = False  # closed without waiting: stagings in flight fail
         self.longest_wait_s = 0.0  # the longest time a guard point held the training thread
+        self.plans = PlanCache()  # which tensors this rank's saves wrote (dcp/plans.py)
 
     # ---------------------------------------------------------------- guards
     def guard(self, optimizer: torch.optim.Optimizer) -> GuardHandle:
@@ -99,24 +101,38 @@ class Snapshotter:
         calls ``copied()`` once the sources may change (guards wait for that, not for the
         hashing after it). ``label`` (the step) names it in errors. The returned Future
         completes when ``copy`` returns."""
+        return self._submit(copy, label, held=False)[0]
+
+    def submit_held(self, copy: Callable[[Callable[[], None]], None], label: int
+                    ) -> tuple[Future[None], Callable[[], None]]:
+        """``submit``, but the guards go on waiting after ``copy`` until the returned release
+        is called (or the copy fails): for a stage that left tensors out, which the commit
+        may still have to copy from their sources. The caller must release on every path."""
+        return self._submit(copy, label, held=True)
+
+    def _submit(self, copy: Callable[[Callable[[], None]], None], label: int, held: bool
+                ) -> tuple[Future[None], Callable[[], None]]:
         copied: Future[None] = Future()
 
         def run() -> None:
+            ok = False
             try:
                 self._check_open(label)
-                copy(lambda: _settle(copied))
+                copy((lambda: None) if held else (lambda: _settle(copied)))
                 self._check_open(label)  # a close that did not wait: the copy may be torn
+                ok = True
             except BaseException as e:
                 log.error("mlcheckpoint: background staging of step %d failed: %r", label, e)
                 with self._lock:
                     self._failure = e
                 raise  # wait() raises it, not ``copied``
             finally:
-                _settle(copied)
+                if not (held and ok):
+                    _settle(copied)
 
         with self._lock:
             self._in_flight = copied
-        return self._executor.submit(run)
+        return self._executor.submit(run), lambda: _settle(copied)
 
     def _check_open(self, label: int) -> None:
         if self._aborted:

@@ -4,7 +4,8 @@
 (``MemoryStorageWriter.write_data``) consumes. Below them, ``stage_into`` lays the state dict
 out in the buffer and copies it; given ``defer``, the tensors it names are only placed, and
 ``copy_deferred`` copies them later, on the staging thread (see dcp/snapshot.py for
-which tensors may wait).
+which tensors may wait). Which tensors are staged at all, and in what order, follows the
+prediction of DCP's plan (``dcp/plans.py``; ``lay_out``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from ..errors import StagingError
 from ..integrity import copier
 from ..store.local_store import LocalStore, ShardWriter, align
 from .errors import entry_error
+from .plans import NO_PREDICTION, Prediction
 from .snapshot import Snapshotter, storage_ptr
 
 Leaf = torch.Tensor
@@ -41,20 +43,39 @@ def plain_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
-def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """Every tensor leaf (DTensor: its local shard) of a nested dict/list/tuple, in order
-    (the same order ``stage_into`` lays them out). Copies nothing."""
+def leaves_of(obj: Any) -> list[torch.Tensor]:
+    """Every tensor leaf of a nested dict/list/tuple, in the order ``stage_into`` walks
+    them. Copies nothing."""
     if isinstance(obj, torch.Tensor):
-        return [_local(obj)]
+        return [obj]
     if isinstance(obj, dict):
         obj = obj.values()
     elif not isinstance(obj, (list, tuple)) or hasattr(obj, "_fields"):
         return []
-    return [t for v in obj for t in tensors_of(v)]
+    return [t for v in obj for t in leaves_of(v)]
 
 
-def staged_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum(align(t.numel() * t.element_size()) for t in tensors)
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """Every tensor leaf (DTensor: its local shard) of ``obj``, in ``leaves_of``'s order."""
+    return [_local(t) for t in leaves_of(obj)]
+
+
+def lay_out(leaves: list[torch.Tensor], prediction: Prediction,
+            skip: Callable[[torch.Tensor], bool]) -> tuple[list[int | None], int]:
+    """Each leaf's offset in the shard buffer, and the bytes staged: the leaves predicted
+    planned first, in order, then the others (which the commit cuts off, without moving a
+    byte, if the plan leaves them out); None for a leaf that ``skip`` leaves out of the
+    buffer altogether (its source is copied at the commit if the plan does want it)."""
+    offsets: list[int | None] = [None] * len(leaves)
+    end = 0
+    wanted = [prediction.wanted(t) for t in leaves]
+    head = [i for i, w in enumerate(wanted) if w]
+    tail = [i for i, w in enumerate(wanted) if not w and not skip(leaves[i])]
+    for i in head + tail:
+        offsets[i] = end
+        local = _local(leaves[i])
+        end += align(local.numel() * local.element_size())
+    return offsets, end
 
 
 @dataclass
@@ -76,6 +97,11 @@ class Staged:
     copying: Future[None] | None = None  # overlapped: the staging thread's copy
     failure: BaseException | None = None  # a stage that failed before it took a buffer
     staged_at: float = 0.0  # time.perf_counter() once every byte was in the buffer
+    plan_key: Hashable = None  # the state dict's structure (``plans.Prediction.key``)
+    skipped_bytes: int = 0  # tensor bytes left out: predicted to be another rank's to write
+    # Lets the guards go (``Snapshotter.submit_held``): a stage that left tensors out holds
+    # them until the commit has copied those the plan wants after all.
+    hold: Callable[[], None] | None = None
 
     @classmethod
     def failed(cls, step: int, rank: int, error: BaseException) -> Staged:
@@ -101,25 +127,43 @@ class Staged:
             return StagingError(f"the snapshot of step {self.step} was cancelled")
         return self.copying.exception()
 
+    def release(self) -> None:
+        """Let the guards go: the sources of the tensors left out may change now (called
+        once the commit copied those the plan wants, or gave up; idempotent)."""
+        if self.hold is not None:
+            self.hold()
+
     def for_another_process(self) -> Staged:
         """What DCP's checkpoint process (PROCESS mode) needs: where the region is and its
         checksums, and how it failed; not the mapping, the views or the Future."""
         return dataclasses.replace(self, shard=None, views=None, copying=None,
-                                   failure=self.error())
+                                   failure=self.error(), hold=None)
 
 
-def stage_now(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any]) -> Staged:
-    """Copy ``state_dict`` into a new shard buffer of (``step``, ``rank``), with checksums."""
-    shard, layout, nbytes = _take_buffer(store, step, rank, state_dict, defer=None)
+def stage_now(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any],
+              prediction: Prediction = NO_PREDICTION) -> Staged:
+    """Copy ``state_dict`` into a new shard buffer of (``step``, ``rank``), with checksums.
+
+    Every tensor is copied (the caller may change any of them once this returns); those that
+    ``prediction`` says another rank writes go last, where the commit cuts them off.
+    """
+    shard, layout, nbytes = _take_buffer(store, step, rank, state_dict, None, prediction,
+                                         skip=lambda _: False)
     return Staged(step, rank, nbytes, shard, layout.staged, layout.digests,
-                  staged_at=time.perf_counter())
+                  staged_at=time.perf_counter(), plan_key=prediction.key)
 
 
 def stage_overlapped(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any],
-                     snapshots: Snapshotter, deferrable: set[int] | None) -> Staged:
+                     snapshots: Snapshotter, deferrable: set[int] | None,
+                     prediction: Prediction = NO_PREDICTION, leave_out: bool = False) -> Staged:
     """Place ``state_dict`` in a new shard buffer and copy now every tensor whose storage is
     not in ``deferrable`` (None: defer every tensor); ``snapshots``' staging thread copies the
     rest (``copying``). Everything that is not a tensor is captured now.
+
+    With ``leave_out``, a deferrable tensor that ``prediction`` says another rank writes is
+    not staged at all: the guards then wait (``Staged.hold``) until the commit has copied
+    those of them that DCP's plan gives this rank after all, so the snapshot stays exact.
+    Without it, such tensors are staged last, for the commit to cut off.
 
     A failed copy fails ``copying``; the snapshotter raises it at the next guard point and the
     commit on this rank, so that the step fails on every rank.
@@ -127,28 +171,35 @@ def stage_overlapped(store: LocalStore, step: int, rank: int, state_dict: dict[s
     def defer(t: torch.Tensor) -> bool:
         return deferrable is None or storage_ptr(t) in deferrable
 
-    shard, layout, nbytes = _take_buffer(store, step, rank, state_dict, defer=defer)
+    def skip(leaf: torch.Tensor) -> bool:
+        return leave_out and defer(_local(leaf))
+
+    shard, layout, nbytes = _take_buffer(store, step, rank, state_dict, defer, prediction, skip)
     staged = Staged(step, rank, nbytes, shard, layout.staged, layout.digests,
-                    overlapped_bytes=sum(c.nbytes for c in layout.deferred))
+                    overlapped_bytes=sum(c.nbytes for c in layout.deferred),
+                    plan_key=prediction.key, skipped_bytes=layout.skipped_bytes)
 
     def copy_rest(copied: Callable[[], None]) -> None:  # on the staging thread
         copy_deferred(layout, copied)
         staged.staged_at = time.perf_counter()
 
-    staged.copying = snapshots.submit(copy_rest, label=step)
+    if layout.skipped_bytes:
+        staged.copying, staged.hold = snapshots.submit_held(copy_rest, label=step)
+    else:
+        staged.copying = snapshots.submit(copy_rest, label=step)
     return staged
 
 
 def _take_buffer(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any],
-                 defer: Callable[[torch.Tensor], bool] | None
-                 ) -> tuple[ShardWriter, Layout, int]:
-    tensors = tensors_of(state_dict)
-    nbytes = staged_bytes(tensors)
+                 defer: Callable[[torch.Tensor], bool] | None, prediction: Prediction,
+                 skip: Callable[[torch.Tensor], bool]) -> tuple[ShardWriter, Layout, int]:
+    leaves = leaves_of(state_dict)
+    offsets, nbytes = lay_out(leaves, prediction, skip)
     shard = store.begin_shard(step, rank, nbytes)
     try:
-        if any(t.device.type != "cpu" for t in tensors):
+        if any(_local(t).device.type != "cpu" for t in leaves):
             shard.buffer.register_for_device_copies()
-        layout = stage_into(state_dict, shard.buffer.tensor, defer)
+        layout = stage_into(state_dict, shard.buffer.tensor, defer, offsets)
     except BaseException:
         shard.abort()
         raise
@@ -179,10 +230,12 @@ class Layout:
     deferred: list[_Copy] = field(default_factory=list)
     unhashed: list[tuple[int, int]] = field(default_factory=list)  # (offset, nbytes)
     ready: Any = None  # CUDA event after the call-time device copies, on the caller's stream
+    skipped_bytes: int = 0  # tensors left out of the buffer (``lay_out``)
 
 
 def stage_into(obj: Any, buffer_tensor: torch.Tensor,
-               defer: Callable[[torch.Tensor], bool] | None = None) -> Layout:
+               defer: Callable[[torch.Tensor], bool] | None = None,
+               offsets: list[int | None] | None = None) -> Layout:
     """Return the layout of ``obj`` in ``buffer_tensor`` (uint8): a copy of ``obj`` whose
     tensors are views of the buffer, with the checksums taken on the way.
 
@@ -192,14 +245,24 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
     the copier (checksummed in the same pass). Others are copied by torch and hashed later:
     device tensors with non_blocking=True into the (page-locked) buffer, in the order of the
     caller's stream, so what runs on that stream afterwards cannot change what they read.
+
+    ``offsets`` (from ``lay_out``, one per tensor leaf in walk order) places each tensor;
+    a leaf whose offset is None stays out of the buffer: its view is the leaf itself. Without
+    it, tensors are laid out one after the other.
     """
     layout = Layout(staged=None, base=buffer_tensor.data_ptr())
-    offset, on_device, spans = 0, False, []
+    next_offset, on_device, spans = 0, False, []
+    places = iter(offsets) if offsets is not None else None
 
     def stage(t: torch.Tensor) -> torch.Tensor:
-        nonlocal offset, on_device
+        nonlocal next_offset, on_device
         local = _local(t).detach()
         n = local.numel() * local.element_size()
+        offset = next(places) if places is not None else next_offset
+        if offset is None:  # another rank's to write, as predicted: see Staged.hold
+            layout.skipped_bytes += n
+            return t
+        next_offset = offset + align(n)
         dst = buffer_tensor[offset:offset + n].view(local.dtype).view(local.shape)
         if defer is not None and n and defer(local):
             layout.deferred.append(_Copy(local, dst, offset, n, local.data_ptr()))
@@ -209,7 +272,6 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
             on_device |= local.device.type != "cpu"
             dst.copy_(local, non_blocking=local.device.type != "cpu")
             layout.unhashed.append((offset, n))
-        offset += align(n)
         if isinstance(t, DTensor):
             return DTensor(dst, t._spec, requires_grad=False)
         return dst

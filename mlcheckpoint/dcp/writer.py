@@ -30,13 +30,13 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._faults import crash_point
+from .._faults import crash_point, pause_point
 from .._gc import pausing_gc
 from ..errors import MLCheckpointError
 from ..store.identity import Lineage, new_id
 from ..store.local_store import LocalStore, ShardWriter, align
 from ..store.manifest import Manifest
-from . import staging
+from . import plans, staging
 from .errors import entry_error
 from .placement import Placement, copy_and_hash
 from .snapshot import Snapshotter
@@ -87,6 +87,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             DCP's own rank, given when the save starts, takes precedence.
         staged: the state dict already staged for this step (``dcp/staging.py``), which
             ``write_data`` commits; else ``stage`` makes it, or ``write_data`` copies.
+        keep_staged: the staged views are read after the commit (a persistent write): the
+            staged region is committed as it is, bytes the plan left out included, instead of
+            being trimmed to the plan (``Placement.keep_planned``).
     """
 
     _synchronize_after_execute = False  # stage() is synchronous: nothing to wait for
@@ -97,7 +100,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                  on_metadata: Callable[[int], None] | None = None,
                  lineage: Lineage | None = None, snapshots: Snapshotter | None = None,
                  rank: int | None = None, world_size: int | None = None,
-                 staged: staging.Staged | None = None):
+                 staged: staging.Staged | None = None, keep_staged: bool = False):
         super().__init__()
         self.step = parse_step(step)
         self.store = store if store is not None else LocalStore(local_dir, job_id)
@@ -110,6 +113,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self.world_size = default_world if world_size is None else world_size
         self.is_coordinator = False
         self.staged = staged  # the hand-off from staging; write_data consumes it
+        self.keep_staged = keep_staged
         self._snapshots = snapshots
         self.copy_seconds = 0.0  # write_data's placing, copying and hashing
         self.committed: Manifest | None = None  # this rank's manifest once write_data committed
@@ -144,12 +148,18 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         DCP fails the step on every rank instead of leaving them waiting, and the next guard
         point raises it too.
         """
-        if self._snapshots is None or not self._snapshots.guarded:
-            self.staged = staging.stage_now(self.store, self.step, self.rank, state_dict)
+        # Every tensor is staged here: DCP may run the commit in another process (PROCESS
+        # mode), which could not copy a tensor left out. Those the plan should leave out go
+        # last, where the commit cuts them off.
+        snapshots = self._snapshots
+        prediction = snapshots.plans.predict(state_dict) if snapshots is not None else None
+        if snapshots is None or not snapshots.guarded:
+            self.staged = staging.stage_now(self.store, self.step, self.rank, state_dict,
+                                            prediction or plans.NO_PREDICTION)
             return self.staged.views
         staged = self.staged = staging.stage_overlapped(
-            self.store, self.step, self.rank, state_dict, self._snapshots,
-            self._snapshots.deferrable())
+            self.store, self.step, self.rank, state_dict, snapshots, snapshots.deferrable(),
+            prediction or plans.NO_PREDICTION)
         views: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         assert staged.copying is not None
         staged.copying.add_done_callback(lambda _: views.set_result(staged.views))
@@ -162,8 +172,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     def close(self) -> None:
         """Give back the buffer of a stage that is not committed."""
-        if self.staged is not None and self.staged.shard is not None:
-            self.staged.shard.abort()
+        if self.staged is not None:
+            self.staged.release()
+            if self.staged.shard is not None:
+                self.staged.shard.abort()
         self.staged = None
 
     # ---------------------------------------------------------------- StorageWriter
@@ -199,6 +211,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         """Commit this rank's shard: place every item (staged ones are in the buffer already),
         copy and hash what is not, then commit the manifest (the rename is the commit)."""
         staged, self.staged = self.staged, None  # consumed, committed or not
+        try:
+            return self._write_data(plan, planner, staged)
+        finally:
+            if staged is not None:
+                staged.release()  # whatever happened, the guards must not wait any longer
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner,
+                    staged: staging.Staged | None) -> Future[list[WriteResult]]:
         if staged is not None:
             staged.result()  # an overlapped stage: every byte in place (DCP waited already)
             error = staged.error()
@@ -208,11 +228,15 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 raise error
         shard = self._open_shard(plan, staged)
         try:
+            pause_point("write_data", self.step, self.rank)
             crash_point("before_data", self.step, self.rank)
             t0 = time.perf_counter()
             placement = Placement(shard, staged.digests if staged is not None else {},
                                   restaged_bytes=_restaged_bytes(staged))
-            placed = [placement.place(item, _resolve(planner, item)) for item in plan.items]
+            resolved = [(item, _resolve(planner, item)) for item in plan.items]
+            if staged is not None and not self.keep_staged:
+                placement.keep_planned(resolved)  # only what the plan gives this rank stays
+            placed = [placement.place(item, data) for item, data in resolved]
             if any(p.tensor is not None and p.tensor.device.type != "cpu" for p in placed):
                 torch.accelerator.synchronize()  # the device copies must land before hashing
             placement.confirm_restaged(placed)
@@ -220,6 +244,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             copy_and_hash(placed[:half])
             crash_point("mid_data", self.step, self.rank)
             copy_and_hash(placed[half:])
+            if staged is not None:  # tensors the stage left out are copied: training may go on
+                staged.release()
             results = [placement.record(p, self.rank) for p in placed]
             self.copy_seconds = time.perf_counter() - t0
             self.save_id = _plan_save_id(plan)
@@ -229,6 +255,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             shard.abort()
             raise
         log.debug("committed step %d rank %d (%d items)", self.step, self.rank, len(results))
+        if staged is not None and self._snapshots is not None:
+            self._snapshots.plans.learn(staged.plan_key, plan)  # the next stage follows it
         if self.on_commit is not None:
             self.on_commit(self.step, self.rank)
         fut: Future[list[WriteResult]] = Future()

@@ -103,6 +103,10 @@ class ShardFiles:
         mpath = self.paths.manifest(manifest.step, manifest.rank)
         tmp = self.paths.manifest_tmp(manifest.step, manifest.rank)
         crash_point("before_manifest", manifest.step, manifest.rank)
+        # Nothing past the data stays in tmpfs (a stage trimmed to its plan, a recycled buffer
+        # with slack): the file holds what replication sends and recovery reads, no more.
+        if os.stat(partial).st_size > manifest.data_bytes:
+            os.truncate(partial, manifest.data_bytes)
         with open(tmp, "wb", opener=_private) as f:
             f.write(manifest.to_bytes())
         with self.commits.committing():  # never while a retention pass looks and retires
@@ -188,8 +192,17 @@ class ShardWriter:
         self.partial_path = path
         self.items: list[ManifestItem] = []
         self.data_bytes = buffer.size
+        self.region = buffer.size  # the mapped part of the data: items past it are appended
         self.cursor = 0  # next free offset for items copied in by write_data
         self._committed = False
+
+    def trim(self, end: int) -> None:
+        """End the data at ``end`` (within the mapping): what lies past it is no part of the
+        shard, items still to come are appended after it, and the commit gives its pages
+        back. For a stage that holds bytes the save's plan does not take."""
+        if not 0 <= end <= self.region or self.data_bytes != self.region:
+            raise ValueError(f"cannot trim a shard of {self.data_bytes} bytes to {end}")
+        self.data_bytes = self.region = self.cursor = end
 
     def append_bytes(self, data) -> tuple[int, int]:
         """Append an item (bytes or any contiguous buffer) after the mapped region; returns
@@ -260,15 +273,25 @@ class ShardSource:
                  st: os.stat_result):
         self.mappings, self.manifest, self.path, self.fd = mappings, manifest, path, fd
         self.mapped = mappings.lookup(st)
+        self._earlier: list = []  # arrays of mappings replaced while reading (see mapping())
 
     def span(self, offset: int, nbytes: int, dst: int | None) -> copier.Span:
         """The copier span that verifies (and, with ``dst``, copies) ``nbytes`` at ``offset``."""
-        return copier.Span(src=self.mapping(offset + nbytes).base_ptr + offset, nbytes=nbytes, dst=dst)
+        if not 0 <= offset <= offset + nbytes <= self.manifest.data_bytes:
+            raise CorruptShardError(f"item at [{offset}, {offset + nbytes}) lies outside the "
+                                    f"{self.manifest.data_bytes} bytes of {self.path}")
+        return copier.Span(src=self.mapping(offset + nbytes).base_ptr + offset, nbytes=nbytes,
+                           dst=dst)
 
     def mapping(self, end: int) -> MappedFile:
         """A mapping of the shard that covers its first ``end`` bytes (kept in the cache: a
         later save that recycles this file finds its page tables built)."""
         if self.mapped is None or self.mapped.size < end:
+            if self.mapped is not None:
+                # Spans taken from the mapping the cache is about to replace (the writer's,
+                # which ends before the items write_data appended) still point into it: an
+                # export of it keeps it mapped until this source is done (see release()).
+                self._earlier.append(self.mapped.array)
             self.mapped = self.mappings.map(self.path, self.manifest.data_bytes, populate=False)
         return self.mapped
 

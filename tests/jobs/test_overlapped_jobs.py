@@ -40,8 +40,12 @@ def test_two_node_job_with_overlapped_saves_loses_a_node_and_resumes_bit_exactly
         ref, res = c.results("reference"), c.results("resumed")
     for rank in (0, 1):
         assert ready[rank]["replicated"], ready
-        # the guarded optimizer owns every tensor: all of them were copied while training went on
-        assert ready[rank]["overlapped"] == ready[rank]["tensor_bytes"], ready
+        # the guarded optimizer owns every tensor: all of them were copied while training went
+        # on (every one at the first save; later only those DCP's plan gave this rank, which
+        # leaves the replicated AdamW step counters to one rank)
+        overlapped, tensor_bytes = ready[rank]["overlapped"], ready[rank]["tensor_bytes"]
+        assert overlapped[0] == tensor_bytes[0], ready
+        assert all(0 < o <= t for o, t in zip(overlapped, tensor_bytes, strict=True)), ready
         r = res[rank]
         assert r["step"] == STOP and r["sources"] == {"0": "local", "1": "peer"}, r
         assert r["losses"] == ref[rank]["losses"][STOP + 1:], (r, ref[rank])

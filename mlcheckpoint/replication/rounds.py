@@ -99,6 +99,7 @@ class Rounds:
         # read again
         self._seen: dict[str, tuple[tuple[int, int, int], dict | None]] = {}
         self._look = 0.0  # leader: seconds until the next look while idle (grows)
+        self._expect = False  # leader: a save was made here, so a new round is coming
         self._logs = RateLimitedLog(log, interval=60.0)
         os.makedirs(os.path.dirname(paths.round), mode=0o700, exist_ok=True)
 
@@ -142,7 +143,7 @@ class Rounds:
         flight, or on any rank but a leader (their looks are file reads); a leader waiting for
         the next round looks less and less often, up to ``IDLE_LOOK_S``."""
         longest = max(poll, IDLE_LOOK_S)
-        if not self.leader or self.topology.rank == 0 or self._in_flight():
+        if not self.leader or self.topology.rank == 0 or self._expect or self._in_flight():
             self._look = poll
             return poll
         wait = min(max(self._look, poll), longest)
@@ -150,8 +151,9 @@ class Rounds:
         return wait
 
     def hurry(self) -> None:
-        """Something happened here (a save): look again soon."""
-        self._look = 0.0
+        """A save was made here (every rank makes each save): rank 0 names it next, so look
+        at every poll until a new round comes."""
+        self._expect = True
 
     # ------------------------------------------------------------------ rank 0
     def propose(self, number: int, step: int, save_id: str) -> Round:
@@ -228,6 +230,8 @@ class Rounds:
         if not isinstance(step, int) or not isinstance(save_id, str):
             raise p.ProtocolError(f"replication round {number} is malformed: {msg}")
         self.latest = Round(number, step, save_id)
+        self._expect = False
+        self._look = 0.0
         self._publish()
 
     def _publish(self) -> None:
@@ -278,18 +282,16 @@ class Rounds:
         """The message sealed in ``path`` by this run (None: missing, or not sealed by this
         run). A file is read again only once it changed (a rename gives it a new inode)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            st = os.fstat(fd)
+            st = os.stat(path)  # one system call while nothing changed
             sig = (st.st_ino, st.st_mtime_ns, st.st_size)
             seen = self._seen.get(path)
             if seen is not None and seen[0] == sig:
                 return seen[1]
-            raw = os.read(fd, MAX_FILE_BYTES + 1)
-        finally:
-            os.close(fd)
+            # (replaced again before this read: the next stat differs, and it is read again)
+            with open(path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+        except FileNotFoundError:
+            return None
         msg = None
         if len(raw) > MAX_FILE_BYTES:
             self._logs.warning(path, "mlcheckpoint: ignored %s: larger than %d bytes", path,

@@ -7,7 +7,6 @@ Two nodes of four ranks share a job directory each, as a node's processes do.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import uuid
@@ -172,19 +171,27 @@ def test_a_stuck_leader_holds_no_other_rank_of_its_node(job):
     assert not job.replicators[0].rounds.all_done(2)  # the job is held, as by any dead rank
 
 
-def test_node_files_are_sealed_for_this_run_and_written_whole(store_dir):
+@pytest.fixture
+def c10d():
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    try:
+        yield server
+    finally:
+        del server
+
+
+def test_node_files_are_sealed_for_this_run_and_written_whole(store_dir, c10d):
     """A node's round file or a rank's report not sealed by this run (left by an earlier run,
     or written by anyone else) is ignored; the files are 0600 in the 0700 job directory and
     replaced by a rename, never written in place."""
-    c10d = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    secret, job_id = os.urandom(32), "sealed"
+    store = LocalStore(store_dir, job_id)
+
+    def rounds(rank: int, session: bytes = b"this run") -> Rounds:
+        rdzv = Rendezvous(c10d, job_id, rank, 2, secret=secret, session=session)
+        return Rounds(rdzv, topology(rank, nodes=1, per_node=2), store.paths)
+
     try:
-        secret, job_id = os.urandom(32), "sealed"
-        store = LocalStore(store_dir, job_id)
-
-        def rounds(rank: int, session: bytes = b"this run") -> Rounds:
-            rdzv = Rendezvous(c10d, job_id, rank, 2, secret=secret, session=session)
-            return Rounds(rdzv, topology(rank, nodes=1, per_node=2), store.paths)
-
         leader, follower = rounds(0), rounds(1)
         old = Seal(secret, b"an earlier run", leader.rdzv.prefix)
         for path, key, msg in ((store.paths.round, "node/0/round",
@@ -210,7 +217,5 @@ def test_node_files_are_sealed_for_this_run_and_written_whole(store_dir):
             f.write(b"\x00" * 10)
         stale = follower.latest
         assert follower.next() is None and follower.latest == stale
-        store.close()
     finally:
-        with contextlib.suppress(Exception):
-            del c10d
+        store.close()

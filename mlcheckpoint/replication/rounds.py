@@ -54,6 +54,7 @@ from .rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 IDLE_LOOK_S = 1.0  # a leader with no round in flight looks for the next one at most this seldom
+QUICK_LOOKS = 4  # looks per poll on a hop that asks the store nothing (or once per job)
 MAX_FILE_BYTES = 4096  # a node round file is a few hundred bytes
 
 
@@ -139,11 +140,19 @@ class Rounds:
         self.floor = self.latest.number if self.latest is not None else 0
 
     def wait_s(self, poll: float) -> float:
-        """How long the replicator may sleep before its next look: ``poll`` while a round is in
-        flight, or on any rank but a leader (their looks are file reads); a leader waiting for
-        the next round looks less and less often, up to ``IDLE_LOOK_S``."""
+        """How long the replicator may sleep before its next look. A quarter of ``poll`` on a
+        hop of a round's path that costs the store nothing or once per job (a rank waiting for
+        its node's file after a save, a leader for its node's reports, rank 0 for the verdict),
+        so the hops the node adds cost less than a poll each; ``poll`` while a round is in
+        flight or a save was made here; otherwise a leader looks less and less often, up to
+        ``IDLE_LOOK_S``."""
         longest = max(poll, IDLE_LOOK_S)
-        if not self.leader or self.topology.rank == 0 or self._expect or self._in_flight():
+        quick = poll / QUICK_LOOKS
+        if not self.leader:
+            return quick if self._expect else poll
+        if self._reported < self.finished or (self.topology.rank == 0 and self._in_flight()):
+            return quick
+        if self.topology.rank == 0 or self._expect or self._in_flight():
             self._look = poll
             return poll
         wait = min(max(self._look, poll), longest)
@@ -152,7 +161,7 @@ class Rounds:
 
     def hurry(self) -> None:
         """A save was made here (every rank makes each save): rank 0 names it next, so look
-        at every poll until a new round comes."""
+        sooner until a new round comes."""
         self._expect = True
 
     # ------------------------------------------------------------------ rank 0
@@ -255,6 +264,8 @@ class Rounds:
                 raise TypeError(f"closed is not a round number: {closed!r}")
         except (TypeError, ValueError) as e:
             raise p.ProtocolError(f"node round file is malformed: {e}: {view}") from None
+        if latest is not None and latest.number > self.finished:
+            self._expect = False
         self.latest, self.closed, self.protected = latest, closed, protected
 
     # ------------------------------------------------------------------ files and keys

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from benchmarks.harness.processes import Helpers, make_workspace, start_parent_watchdog
 from benchmarks.harness.report import loadavg, progress, run_and_report
-from benchmarks.harness.stats import median
+from benchmarks.harness.stats import median, proc_cpu
 from mlcheckpoint.replication import protocol as p
 from mlcheckpoint.replication.control import Seal
 from mlcheckpoint.replication.rendezvous import Rendezvous
@@ -174,26 +174,28 @@ def run_mode(cfg: Config, mode: str, store: dist.Store, root: str,
         named(2)
         warm_up_s = time.monotonic() - t_start
         progress(f"{mode}: warm-up (store connections, one round) {warm_up_s:.1f} s")
-        ops0, t0 = _by_role(sim), time.monotonic()
+        ops0, t0, cpu0 = _by_role(sim), time.monotonic(), proc_cpu()
         round_s = []
         for k in range(3, cfg.rounds + 3):  # round k named = round k - 1 done everywhere
             t = time.monotonic()
             named(k)
             round_s.append(time.monotonic() - t)
-        t1, ops1 = time.monotonic(), _by_role(sim)
+        t1, ops1, cpu1 = time.monotonic(), _by_role(sim), proc_cpu()
         windows[f"{mode}: rounds"] = (t0, t1)
         progress(f"{mode}: {cfg.rounds} rounds in {t1 - t0:.1f} s")
         time.sleep(cfg.settle_s)
-        ops2, t2 = _by_role(sim), time.monotonic()
+        ops2, t2, cpu2 = _by_role(sim), time.monotonic(), proc_cpu()
         time.sleep(cfg.idle_s)
-        t3, ops3 = time.monotonic(), _by_role(sim)
+        t3, ops3, cpu3 = time.monotonic(), _by_role(sim), proc_cpu()
         windows[f"{mode}: idle"] = (t2, t3)
         if sim.errors:
             raise RuntimeError(f"{mode}: a simulated rank failed: {sim.errors[0]!r}")
         return {"ranks": sim.world, "nodes": cfg.nodes,
                 "ops_per_round": _delta(ops0, ops1, cfg.rounds),
                 "ops_per_idle_s": _delta(ops2, ops3, t3 - t2),
-                "round_s_median": median(round_s), "rounds_s": t1 - t0, "warm_up_s": warm_up_s}
+                "round_s_median": median(round_s), "rounds_s": t1 - t0, "warm_up_s": warm_up_s,
+                # cores the simulating process kept busy (all its ranks together)
+                "cpu_rounds": (cpu1 - cpu0) / (t1 - t0), "cpu_idle": (cpu3 - cpu2) / (t3 - t2)}
     finally:
         sim.close()
 
@@ -274,6 +276,8 @@ def report(cfg: Config, figures: dict) -> None:
     print("  per round, per node" + " " * 20 + "".join(
         f"{modes[m]['ops_per_round']['all'] / cfg.nodes:12,.1f}" for m in names))
     print("  round, median seconds" + " " * 18 + "".join(f"{modes[m]['round_s_median']:12.2f}" for m in names))
+    print("  cores busy simulating, rounds" + " " * 10 + "".join(f"{modes[m]['cpu_rounds']:12.2f}" for m in names))
+    print("  cores busy simulating, idle" + " " * 12 + "".join(f"{modes[m]['cpu_idle']:12.2f}" for m in names))
     print(f"\nthe store's latency to another client (ms; a set and a get every {cfg.probe_ms:g} ms)")
     print(f"  {'while':22s} {'probes':>7s} {'set p50':>8s} {'set p99':>8s} {'get p50':>8s} {'get p99':>8s}")
     for name, lat in figures["latency"].items():

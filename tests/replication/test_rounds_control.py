@@ -8,12 +8,14 @@ Two nodes of four ranks share a job directory each, as a node's processes do.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import uuid
 
 import pytest
 import torch.distributed as dist
 from helpers import WAIT, put_metadata, put_shard, wait_for
+from tcp_job import make_shard
 
 from mlcheckpoint.replication import Rendezvous, Replicator
 from mlcheckpoint.replication.control import Seal
@@ -169,6 +171,59 @@ def test_a_stuck_leader_holds_no_other_rank_of_its_node(job):
     assert not follower._thread.is_alive()
     assert follower.rounds.next() is None  # no next round, and no wait for one
     assert not job.replicators[0].rounds.all_done(2)  # the job is held, as by any dead rank
+
+
+@pytest.mark.slow
+def test_a_leader_killed_mid_round_holds_no_other_rank_of_its_node(make_job):
+    """2 nodes x 2 ranks; node 1's leader (rank 2) is a process of its own, SIGKILLed while it
+    pushes its shard of step 2, after it told its node of round 2. Rank 3, on its node, finishes
+    the round, and every wait of its ends at its timeout: none waits for the dead leader."""
+    job = make_job(4)
+    dirs = [job.node_dir(0), job.node_dir(2)]  # node 0's and node 1's local_dir
+    in_process = {0: dirs[0], 1: dirs[0], 3: dirs[1]}
+    reps: dict[int, Replicator] = {}
+    for rank, d in in_process.items():
+        t = TcpTransport(LocalStore(d, job.job_id), job.rdzv(rank), host="127.0.0.1", timeout=WAIT)
+        job.transports.append(t)
+        reps[rank] = Replicator(t.store, t, t.rdzv, topology(rank, nodes=2, per_node=2),
+                                poll_interval=0.05)
+        job.replicators.append(reps[rank])
+    try:
+        _kill_the_leader_mid_round(job, dirs, reps)
+    finally:
+        for rep in reps.values():
+            rep.close()
+            rep.transport.close()
+            rep.store.close()
+
+
+def _kill_the_leader_mid_round(job, dirs: list[str], reps: dict[int, Replicator]) -> None:
+    leader = job.spawn(2, "replicate", dir=dirs[1], nodes=2, per_node=2, nbytes=1 << 16,
+                       env={"MLCHECKPOINT_CRASH_AT": "replica_mid_send@2#2"})
+    job.status("2.ready", leader)
+
+    def save(step: int) -> None:
+        for rank, rep in reps.items():
+            m = make_shard(rep.store, step, rank, 1 << 16)
+            rep.store.write_metadata(step, b"meta", world_size=4, ranks=range(4),
+                                     total_bytes=1 << 18, save_id=m.save_id)
+            rep.notify(step, m.save_id)
+        leader.stdin.write(f"{step}\n".encode())
+        leader.stdin.flush()
+
+    save(1)
+    for rep in reps.values():
+        assert rep.wait_replicated(1, WAIT), job.logs()
+    save(2)
+    assert leader.wait(WAIT) == -signal.SIGKILL, job.logs()  # died mid-push, at the crash point
+    follower = reps[3]
+    wait_for(lambda: follower.rounds.finished == 2, "rank 3 to finish round 2", diag=job.logs)
+    assert not follower.wait_replicated(2, timeout=0.5)
+    assert not reps[0].wait_replicated(2, timeout=0.5)
+    follower.drain(timeout=0.5)
+    follower.close()
+    assert not follower._thread.is_alive()
+    assert not reps[0].rounds.all_done(2)  # node 1 never reported: the job is held, not a rank
 
 
 @pytest.fixture

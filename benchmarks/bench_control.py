@@ -20,7 +20,7 @@ Two modes, one after the other in one run, the same ranks, keys, seals and count
 For each: ``--rounds`` rounds back to back (rank 0 names the next round once the last is all
 done), then ``--idle-s`` seconds with no save.
 
-    python benchmarks/bench_control.py                 # 125 x 8 ranks, about a minute
+    python benchmarks/bench_control.py                 # 125 x 8 ranks, about two minutes here
     python benchmarks/bench_control.py --quick         # 4 x 4 ranks, a few seconds
 """
 

@@ -48,18 +48,15 @@ class TrainState(Stateful):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.step = 0
 
     def state_dict(self) -> dict:
         msd, osd = get_state_dict(self.model, self.optimizer)
-        return {"model": msd, "optimizer": osd, "scheduler": self.scheduler.state_dict(),
-                "step": self.step}
+        return {"model": msd, "optimizer": osd, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
                        optim_state_dict=sd["optimizer"])
         self.scheduler.load_state_dict(sd["scheduler"])
-        self.step = sd["step"]
 
 
 def main() -> None:
@@ -83,20 +80,19 @@ def main() -> None:
     ckpt = mlcheckpoint.CheckpointManager(persistent_dir=args.folder)
     info = ckpt.resume({"app": train})  # memory (local or partner), else the folder, else fresh
     accelerator.print(f"resumed: {info}")
+    start = 0 if info.step is None else info.step + 1  # a checkpoint's step is the last one done
     losses: dict[int, float] = {}
-    for x, y in accelerator.skip_first_batches(loader, train.step):
-        if train.step == args.steps:
+    for step, (x, y) in enumerate(accelerator.skip_first_batches(loader, start), start=start):
+        if step == args.steps:
             break
         loss = nn.functional.mse_loss(model(x).squeeze(1), y)
         accelerator.backward(loss)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        train.step += 1
-        losses[train.step] = loss.item()
-        ckpt.async_save({"app": train}, train.step,
-                        persistent=train.step % args.persistent_every == 0)
-        if train.step == args.hang_after:
+        losses[step] = loss.item()
+        ckpt.async_save({"app": train}, step, persistent=(step + 1) % args.persistent_every == 0)
+        if step == args.hang_after:
             ckpt.wait()  # committed in memory on this rank; the test kills the job now
             if args.out:
                 open(os.path.join(args.out, f"saved-{accelerator.process_index}"), "w").close()

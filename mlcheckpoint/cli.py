@@ -1,7 +1,9 @@
 """``mlcheckpoint`` command line: ls | verify | gc | history | bench.
 
-Each command looks at this node's tmpfs (``--local-dir``, default MLCHECKPOINT_LOCAL_DIR or
-/dev/shm/mlcheckpoint). Tables for people by default, ``--json`` for scripts.
+Each command looks at this node's tmpfs (``--local-dir``, before or after the command; default
+MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint). Tables for people by default, ``--json`` for
+scripts. Output into a pipe that closes early (``| head``) ends quietly with status 141, as a
+Unix tool killed by SIGPIPE does.
 
 Exit codes, ordered by severity (a script may test ``status >= EXIT_CORRUPT``); ``verify``
 returns the worst it found:
@@ -17,13 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
 from . import history
+from ._words import plural
 from .errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
+from .listing import step_labels
 from .persistent import PersistentStorage
 from .settings import BY_NAME, resolve_local_dir, validate_job_id
 from .store import LocalStore
@@ -35,6 +40,7 @@ VERDICTS = {EXIT_OK: "ok", EXIT_INCOMPLETE: "incomplete", EXIT_NOT_FOUND: "not f
             EXIT_CORRUPT: "corrupt"}
 EXIT_CODES_HELP = ("exit status, by severity: 0 ok, 1 incomplete on this node (the rest "
                    "intact), 2 job or step not found, 3 corrupt")
+EXIT_CLOSED_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a tool that SIGPIPE ended
 
 
 def _size(nbytes: int | None) -> str:
@@ -75,7 +81,10 @@ def cmd_ls(args) -> int:
     for job in _jobs(args.local_dir, args.job):
         store = _store(args, job)
         steps: list[dict[str, Any]] = []
-        for step, st in store.inventory().items():
+        events = history.read(store.job_dir)
+        inventory = store.inventory()
+        labels = step_labels(inventory, {e["step"] for e in events if e.get("event") == "replicate"})
+        for step, st in inventory.items():
             sizes = {}
             for r in sorted(st.committed_ranks):
                 try:
@@ -83,11 +92,10 @@ def cmd_ls(args) -> int:
                 except MLCheckpointError:
                     pass
             missing = sorted(set(st.required_ranks or ()) - st.committed_ranks)
-            steps.append({"step": step, "state": "complete" if st.complete else "incomplete",
+            steps.append({"step": step, "state": labels[step],
                           "metadata": st.has_metadata, "shards_here": sorted(st.committed_ranks),
                           "missing_here": missing, "world_size": st.world_size,
                           "checkpoint_bytes": st.total_bytes, "bytes_here": sum(sizes.values())})
-        events = history.read(store.job_dir)
         replicated = {e["step"] for e in events if e.get("event") == "replicate"}
         for s in steps:
             s["replicated_from_here"] = s["step"] in replicated
@@ -142,8 +150,9 @@ def _protection_line(event: dict[str, Any] | None) -> str:
     ago = time.time() - float(event.get("time", time.time()))
     lag, age = event.get("lag_steps"), event.get("age_seconds")
     copies = event.get("copies", 2)
+    behind = "? steps" if lag is None else plural(lag, "step")
     return (f"protected (every shard on {copies} nodes): step {event.get('step')}, known {ago:.0f} s "
-            f"ago; then {'?' if lag is None else lag} steps behind the newest save, saved "
+            f"ago; then {behind} behind the newest save, saved "
             f"{'?' if age is None else f'{age:.1f}'} s before")
 
 
@@ -214,7 +223,7 @@ def cmd_gc(args) -> int:
             if r.get("removed"):
                 print(f"job {r['job']}: removed")
             else:
-                print(f"job {r['job']}: removed {r['debris_removed']} uncommitted file(s); "
+                print(f"job {r['job']}: removed {plural(r['debris_removed'], 'uncommitted file')}; "
                       f"retired steps {r['steps_retired'] or 'none'}")
     return EXIT_OK
 
@@ -241,26 +250,36 @@ def cmd_bench(args, extra: list[str]) -> int:
     return subprocess.call([sys.executable, script, *extra])
 
 
+LOCAL_DIR_HELP = "tmpfs root (default: $MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mlcheckpoint", description="Inspect and manage in-memory checkpoints on this node.",
                                  epilog=EXIT_CODES_HELP)
-    ap.add_argument("--local-dir", default=None, help="tmpfs root (default: $MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint)")
+    ap.add_argument("--local-dir", default=None, help=LOCAL_DIR_HELP)
+    # The global options again for every command, so they may follow it too (``ls
+    # --local-dir X``). SUPPRESS: not given after the command, the value before it stands.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--local-dir", default=argparse.SUPPRESS, help=LOCAL_DIR_HELP)
     sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def command(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kw)
     default_job = BY_NAME["job_id"].text()  # checked where it is used, like --job
 
-    p = sub.add_parser("ls", help="steps per job: size, state, which shards are here")
+    p = command("ls", help="steps per job: size, state, which shards are here")
     p.add_argument("--job", default=default_job)
     p.add_argument("--persistent", help="also list persistent steps in this directory/URL")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("verify", help="check every checksum of a step; " + EXIT_CODES_HELP,
+    p = command("verify", help="check every checksum of a step; " + EXIT_CODES_HELP,
                        description="Check every checksum of a step on this node against the "
                        "step's metadata, as a resume does.", epilog=EXIT_CODES_HELP)
     p.add_argument("--job", default=default_job, required=default_job is None)
     p.add_argument("--step", type=int, help="default: the newest step")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("gc", help="remove debris and old steps, or whole finished jobs")
+    p = command("gc", help="remove debris and old steps, or whole finished jobs")
     p.add_argument("--job", default=default_job, help="default: every job under --local-dir")
     p.add_argument("--keep", type=int, help="also retire all but the newest KEEP steps")
     p.add_argument("--min-age", type=float, default=600.0,
@@ -268,12 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remove", action="store_true", help="delete the job's files entirely (finished jobs)")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("history", help="every save, replication, persistent write and resume")
+    p = command("history", help="every save, replication, persistent write and resume")
     p.add_argument("--job", default=default_job, required=default_job is None)
     p.add_argument("--last", type=int, default=0)
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("bench", help="run a benchmark (local | replication | recovery)")
+    p = command("bench", help="run a benchmark (local | replication | recovery)")
     p.add_argument("which", choices=["local", "replication", "recovery"])
     return ap
 
@@ -287,7 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "bench":
             return cmd_bench(args, extra)
-        return {"ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc, "history": cmd_history}[args.cmd](args)
+        code = {"ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc, "history": cmd_history}[args.cmd](args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # The reader is gone (``| head``): stop quietly. Later flushes (at exit) must not
+        # raise again, so stdout is pointed at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_CLOSED_PIPE
     except MLCheckpointError as e:
         print(f"mlcheckpoint: {e}", file=sys.stderr)
         return EXIT_NOT_FOUND

@@ -53,6 +53,21 @@ class StagingError(MLCheckpointError):
     is not committed on any rank; the previous one stays resumable."""
 
 
+class StateDictError(MLCheckpointError):
+    """An entry of the state dict cannot be saved: a value that is not a tensor must pickle,
+    and this one does not (a lambda, a lock, an open file...). ``key`` is the entry's flattened
+    key, as DCP names it (``"optim.param_groups.0.fn"``), ``type_name`` the type of its value.
+    The step is not committed on any rank; the steps committed before it are untouched."""
+
+    def __init__(self, message: str, key: str = "", type_name: str = ""):
+        super().__init__(message)
+        self.key = key
+        self.type_name = type_name
+
+    def __reduce__(self):  # survives DCP's gathering of exceptions across ranks
+        return (type(self), (str(self), self.key, self.type_name))
+
+
 class ShardNotFoundError(MLCheckpointError):
     """A shard or the global metadata of a step is not present (or not committed)."""
 

@@ -64,6 +64,9 @@ class CheckpointManager:
             derived from ``persistent_dir`` (logged); without any of them, ConfigError.
         local_dir: tmpfs directory; defaults to MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint.
         keep: complete in-memory checkpoints kept per rank (the newest ones).
+        keep_persistent: complete persistent checkpoints kept (the newest ones; default
+            ``$MLCHECKPOINT_KEEP_PERSISTENT``; None: all): rank 0 prunes after each
+            persistent write, never the newest complete step or one being written.
         memory_limit_bytes: cap on this job's tmpfs usage on this node (default
             MLCHECKPOINT_MEMORY_LIMIT; None: only the tmpfs free space).
         replication: "tcp", "pg" (gloo), "nccl" (GPU buffers over NCCL) or "none". Off by
@@ -94,7 +97,8 @@ class CheckpointManager:
 
     def __init__(self, persistent_dir: str | PersistentStorage | None = None, *,
                  job_id: str | None = None, local_dir: str | None = None,
-                 keep: int = default("keep"), memory_limit_bytes: int | str | None = None,
+                 keep: int = default("keep"), keep_persistent: int | None = None,
+                 memory_limit_bytes: int | str | None = None,
                  replication: str = default("replication"), replication_host: str | None = None,
                  replication_timeout: float = default("replication_timeout"),
                  replication_streams: int | None = None,
@@ -106,7 +110,8 @@ class CheckpointManager:
         # (settings.py declares them). Plain torchrun gives no job id: the persistent folder,
         # which a restart keeps, names one.
         self.options = opts = Options.resolve(
-            job_id=job_id, local_dir=local_dir, keep=keep, memory_limit_bytes=memory_limit_bytes,
+            job_id=job_id, local_dir=local_dir, keep=keep, keep_persistent=keep_persistent,
+            memory_limit_bytes=memory_limit_bytes,
             replication=replication, replication_host=replication_host,
             replication_timeout=replication_timeout, replication_streams=replication_streams,
             replication_bandwidth=replication_bandwidth,
@@ -144,7 +149,8 @@ class CheckpointManager:
         self.warmer = self.lifecycle.warmer  # buffers of the next saves
         self.persistent_writer = None if self.persistent is None else PersistentWriter(
             self.persistent, job_dir=self.store.job_dir, rank=self.rank,
-            group=self._persist_pg, pins=self.pins, retention=self.retention)
+            group=self._persist_pg, pins=self.pins, retention=self.retention,
+            keep=opts.keep_persistent)
         self._closed = False
         self.replicator: Replicator | None = None
         self.replica_owners: list[int] = []
@@ -164,7 +170,8 @@ class CheckpointManager:
             self._start_replication(replication, opts)
         self.saver = Saver(self.store, self.topology, group=self._save_pg,
                            snapshots=self.snapshots, retention=self.retention,
-                           warmer=self.warmer, replicator=self.replicator)
+                           warmer=self.warmer, replicator=self.replicator,
+                           all_gather=self._all_gather)
         log.debug("CheckpointManager job=%s dir=%s rank=%d/%d node=%d/%d", self.job_id,
                   self.store.job_dir, self.rank, self.topology.world_size,
                   self.topology.node_rank, self.topology.num_nodes)
@@ -197,8 +204,10 @@ class CheckpointManager:
         """A writer for ``dcp.save`` / ``dcp.async_save`` of ``step``.
 
         Retires this rank's checkpoints beyond ``keep`` first, so their buffers are reused.
+        Collective in a run's first save, which sets an earlier run's steps aside (``save``).
         """
         self._check_open()
+        self.saver.set_aside_earlier_runs(step, self.lineage)
         # save/async_save retire old steps after each save, on the background thread, so they
         # skip this up-front retention (an inventory and c10d round trips on the training thread).
         self.retention.apply()
@@ -210,7 +219,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save(self, state_dict: dict[str, Any], step: int, *, persistent: bool = False) -> SaveResult:
-        """Save ``step`` and return once it is committed in tmpfs on every rank."""
+        """Save ``step`` and return once it is committed in tmpfs on every rank. The first save
+        of a run that did not ``resume`` sets an earlier run's steps aside in ``orphans/``, with
+        one warning (docs/operations.md, "Saving before resume")."""
         self._check_open()
         persist = self._persistent_for(persistent)
         result = self.saver.save(state_dict, step, self.lineage, persist)
@@ -251,7 +262,8 @@ class CheckpointManager:
         CapacityError) is raised at once; a failure of an overlapped copy is raised at this
         rank's next guard point, and the failed step at every rank's next save or async_save
         (which then saves nothing: call it again). Either way the other ranks' saves of this
-        step fail too (no rank waits for it) and the previous step stays resumable.
+        step fail too (no rank waits for it) and the previous step stays resumable. A run's
+        first save, without ``resume`` before it, sets an earlier run's steps aside (``save``).
         """
         self._check_open()
         persist = self._persistent_for(persistent)
@@ -272,6 +284,7 @@ class CheckpointManager:
         self.saver.wait()
         resumed = self._recovery().run(state_dict)
         self.lineage = resumed.lineage  # later saves descend from what was loaded
+        self.saver.settled()
         self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
         info = self.last_resume = resumed.info
         history.record(self.store.job_dir, "resume", step=info.step, rank=self.rank,
@@ -288,6 +301,7 @@ class CheckpointManager:
         self._check_open()
         self.saver.wait()
         self._recovery().continue_from(step)
+        self.saver.settled()
 
     def _recovery(self) -> Recovery:
         return Recovery(self.store, self.topology, Comm(self._all_gather), lineage=self.lineage,
@@ -373,6 +387,9 @@ class CheckpointManager:
                 if self._distributed:
                     # Partners may still push to our listener: close only once everyone drained.
                     self._barrier(timeout)
+                if self.replicator is not None:  # the last round has no next one to close it:
+                    with contextlib.suppress(Exception):  # history learns of it here
+                        self.replicator.newest_protected(self.store.steps())
         finally:
             self._release(wait=not failed)
 

@@ -7,8 +7,13 @@ with plain ``dcp.load`` and FileSystemReader.
 A framework that keeps its own folder names its steps its own way: ``step_format`` says how
 (torchtitan: ``"step-{step}"``), so recovery weighs that folder's newest step against memory
 and loads one of them, once. A folder whose checkpoints only the framework can read (e.g.
-Lightning's, with its ``meta.pt``) subclasses ``PersistentStorage`` and overrides ``steps``
-and ``restore``.
+Lightning's, with its ``meta.pt``) subclasses ``PersistentStorage`` and overrides
+``complete_steps``, ``path`` and ``restore``.
+
+Retention (``keep_persistent``): ``prune`` removes the oldest complete steps beyond the newest
+``keep``; ``to_prune`` is the plan, which never names the newest complete step, a step being
+written, or a step without DCP's ``.metadata`` (a resume may still need the first two, and the
+last may be a write in flight).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -88,6 +94,10 @@ class PersistentStorage:
         load(state_dict, self.reader(step))
 
     def steps(self) -> list[int]:
+        """The steps a resume may load from here, oldest first: the complete ones."""
+        return self.complete_steps()
+
+    def complete_steps(self) -> list[int]:
         """Complete persistent steps (those with DCP's .metadata), oldest first."""
         try:
             if self.is_url:
@@ -103,6 +113,32 @@ class PersistentStorage:
         steps = [s for s in map(self.names.parse, names) if s is not None]
         return sorted(s for s in steps if exists(s))
 
+    def remove(self, step: int) -> None:
+        """Delete ``step``'s checkpoint folder."""
+        if self.is_url:
+            import fsspec
+            fs, path = fsspec.core.url_to_fs(self.path(step))
+            fs.rm(path, recursive=True)
+        else:
+            shutil.rmtree(self.path(step))
+
+    def prune(self, keep: int, spare: Iterable[int] = ()) -> list[int]:
+        """Remove the complete steps ``to_prune`` names (``spare``: steps being written);
+        return them. A step that cannot be removed is logged and left."""
+        removed = []
+        for step in to_prune(self.complete_steps(), keep, spare):
+            try:
+                self.remove(step)
+            except OSError as e:
+                log.warning("mlcheckpoint: could not remove persistent step %d (%s): %s",
+                            step, self.path(step), e)
+                continue
+            removed.append(step)
+        if removed:
+            log.info("mlcheckpoint: removed persistent steps %s from %s (keep_persistent=%d)",
+                     removed, self.location, keep)
+        return removed
+
     def size_bytes(self, step: int) -> int | None:
         if self.is_url:
             return None
@@ -110,6 +146,14 @@ class PersistentStorage:
         for root, _, files in os.walk(self.path(step)):
             total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
         return total
+
+
+def to_prune(complete: Iterable[int], keep: int, spare: Iterable[int] = ()) -> list[int]:
+    """The complete steps retention removes, oldest first: all but the newest ``keep``
+    (>= 1, so never the newest complete step) and but ``spare`` (steps being written)."""
+    ordered = sorted(set(complete))
+    kept = set(ordered[-keep:]) | set(spare)
+    return [s for s in ordered if s not in kept]
 
 
 def open_persistent(persistent: str | os.PathLike | PersistentStorage | None) -> PersistentStorage | None:

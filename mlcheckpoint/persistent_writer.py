@@ -4,6 +4,9 @@
 persistent=True)`` hands the staged views of the step's tmpfs buffers to ``submit``: the step
 stays pinned while the background write reads them, so retention does not recycle its
 buffers meanwhile, and is retired once the write ends if it was held past ``keep``.
+
+With ``keep_persistent`` set, rank 0 prunes the folder after each write that succeeded
+(``PersistentStorage.prune``), sparing the steps being written.
 """
 
 from __future__ import annotations
@@ -38,11 +41,15 @@ class PersistentWriter:
             two run on different threads and must not interleave their collectives).
         pins: where a background write pins the step it reads.
         retention: applied once a pinned step is released.
+        keep: complete persistent steps to keep (None: all).
     """
 
     def __init__(self, storage: PersistentStorage, *, job_dir: str, rank: int,
-                 group: dist.ProcessGroup | None, pins: Pins, retention: Retention):
+                 group: dist.ProcessGroup | None, pins: Pins, retention: Retention,
+                 keep: int | None = None):
         self.storage = storage
+        self.keep = keep
+        self._writing: dict[int, int] = {}  # step -> writes of it in flight (under _lock)
         self.job_dir = job_dir
         self.rank = rank
         self.group = group
@@ -55,17 +62,49 @@ class PersistentWriter:
     def write(self, state_dict: dict[str, Any], step: int) -> None:
         """Write ``step`` now, in this thread."""
         t0 = time.perf_counter()
+        with self._lock:
+            self._writing[step] = self._writing.get(step, 0) + 1
         try:
             dcp.save(state_dict, storage_writer=self.storage.writer(step), process_group=self.group)
         except CheckpointException as e:
             err = unwrap_checkpoint_exception(e, f"persistent save of step {step}")
             log.error("mlcheckpoint: %s", err)
             raise err from None
+        finally:
+            with self._lock:
+                self._writing[step] -= 1
+                if not self._writing[step]:
+                    del self._writing[step]
         seconds = time.perf_counter() - t0
         log.info("mlcheckpoint: persistent checkpoint of step %d written to %s in %.2fs",
                  step, self.storage.path(step), seconds)
         history.record(self.job_dir, "persistent", step=step, rank=self.rank,
                        seconds=round(seconds, 6), location=self.storage.path(step))
+        self.prune()
+
+    def prune(self) -> list[int]:
+        """Rank 0: remove the persistent steps beyond ``keep`` (after a write that succeeded,
+        or when a framework's own write to the folder did); returns them. A failure to list or
+        remove is logged, never raised: the write it follows succeeded."""
+        if self.keep is None or self.rank != 0:
+            return []
+        with self._lock:
+            writing = set(self._writing)
+        try:
+            removed = self.storage.prune(self.keep, spare=writing)
+        except OSError as e:
+            log.warning("mlcheckpoint: pruning the persistent folder %s failed: %s",
+                        self.storage.location, e)
+            return []
+        if removed:
+            history.record(self.job_dir, "persistent_pruned", steps=removed, rank=self.rank,
+                           keep=self.keep)
+        return removed
+
+    def prune_later(self) -> None:
+        """``prune`` on the writer's thread, after the writes queued there."""
+        if self.keep is not None and self.rank == 0:
+            self._executor.submit(self.prune)
 
     def submit(self, staged: dict[str, Any], step: int) -> None:
         """Write ``step`` in the background from ``staged``, the views of its tmpfs buffers."""

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 
+from ._words import plural
 from .store.layout import JobPaths
 from .topology import Topology
 
@@ -55,8 +56,8 @@ class RoomCheck:
     def _holds(self) -> str:
         partner = (" and its partner nodes' replicas" if self.replica_sets > 1
                    else " and its partner node's replicas" if self.replica_sets else "")
-        return (f"keep={self.keep} steps of this node's {self.topology.local_world_size} "
-                f"rank(s){partner}")
+        return (f"keep={self.keep} steps of this node's "
+                f"{plural(self.topology.local_world_size, 'rank')}{partner}")
 
     def _needed(self, shard_bytes: int) -> int:
         return needed_bytes(shard_bytes, keep=self.keep,

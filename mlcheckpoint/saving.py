@@ -11,6 +11,9 @@
 
 ``async_save`` stages on the calling thread, then commits and publishes on the save thread.
 At most one in-memory save is in flight. The persistent write, if asked, follows publish.
+
+A run's first save, unless it resumed (``settled``), first sets aside the steps an earlier run
+of the job left in memory (``set_aside_earlier_runs``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,11 +78,12 @@ class Saver:
         retention: applied after every save.
         warmer: prepares the buffers of the next saves.
         replicator: told of every save once it is committed; None with replication off.
+        all_gather: the job-wide all_gather of the checkpoint group (the manager's).
     """
 
     def __init__(self, store: LocalStore, topology: Topology, *, group: dist.ProcessGroup | None,
                  snapshots: Snapshotter, retention: Retention, warmer: BufferWarmer,
-                 replicator: Replicator | None):
+                 replicator: Replicator | None, all_gather: Callable[[Any], list[Any]]):
         self.store = store
         self.topology = topology
         self.group = group
@@ -86,6 +91,8 @@ class Saver:
         self.retention = retention
         self.warmer = warmer
         self.replicator = replicator
+        self._all_gather = all_gather
+        self._settled = False  # resumed, or the earlier runs' steps set aside: see settled()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-save")
         self._lock = threading.Lock()
         self._in_flight: Future[SaveResult] | None = None
@@ -96,7 +103,7 @@ class Saver:
              persist: PersistentWriter | None) -> SaveResult:
         """Save ``step`` and return once it is committed on every rank (and, with ``persist``,
         written to the persistent folder)."""
-        self._before_save()
+        self._before_save(step, lineage)
         writer = self._writer(step, lineage)
         t0 = time.perf_counter()
         metadata = self._commit(writer, state_dict, "save")  # stages inside write_data
@@ -113,7 +120,7 @@ class Saver:
                    persist: PersistentWriter | None, overlap: bool | None) -> Future[SaveResult]:
         """Stage ``state_dict`` (see ``CheckpointManager.async_save``), then commit and publish
         on the save thread."""
-        self._before_save()
+        self._before_save(step, lineage)
         overlapped = self.snapshots.guarded if overlap is None else overlap
         t0 = time.perf_counter()
         staged = self._stage(state_dict, step, overlapped, overlap)
@@ -143,13 +150,58 @@ class Saver:
             writer.on_metadata = lambda step: replicator.notify(step, writer.save_id)
         return writer
 
+    # ------------------------------------------------------------------ a run's first save
+    def settled(self) -> None:
+        """The job's history is settled for this run (``resume`` or ``continue_from`` ran, and
+        dropped what did not belong to it): saves set nothing aside."""
+        self._settled = True
+
+    def set_aside_earlier_runs(self, step: int, lineage: Lineage) -> None:
+        """Before the first save of a run that never resumed: every node sets aside, in
+        ``orphans/``, the steps an earlier run of the job left in memory (its own shards and
+        replicas alike), so that neither retention (which keeps the numerically newest steps)
+        nor a later resume takes them for this run's. Nothing is deleted. Collective: every
+        rank makes its first save at the same point, and no rank stages before every node is
+        done. One WARNING, from rank 0, names what went where."""
+        if self._settled:
+            return
+        topo = self.topology
+        mine: list[int] = []
+        error = None
+        if topo.local_rank == 0:
+            try:
+                mine = self.store.set_aside_runs(lineage)
+            except (OSError, MLCheckpointError) as e:
+                error = f"node {topo.node_rank}: {e}"
+        gathered = self._all_gather((topo.node_rank, mine, error))
+        errors = [e for _, _, e in gathered if e]
+        if errors:  # every rank alike: the earlier steps would win retention, so no save yet
+            raise MLCheckpointError(
+                f"before saving step {step}, the first save of this run, the steps an earlier "
+                f"run left in memory could not be set aside ({'; '.join(errors)}); call "
+                "resume() before saving to continue from them, or remove them")
+        self._settled = True
+        if mine:
+            history.record(self.store.job_dir, "set_aside", step=step, steps=mine, rank=topo.rank)
+        moved = {node: steps for node, steps, _ in gathered if steps}
+        if moved and topo.rank == 0:
+            where = "; ".join(f"node {n}: {_steps_text(s)}" for n, s in sorted(moved.items()))
+            log.warning(
+                "mlcheckpoint: step %d is the first save of this run, which did not call "
+                "resume(); memory held steps of an earlier run of job %s (%s). They are set "
+                "aside in %s, not deleted: neither retention nor a later resume will take them "
+                "for this run's, and they are removed once this run has a newer complete step. "
+                "To continue from them instead, call resume(state_dict) before the first save.",
+                step, self.store.job_id, where, self.store.paths.orphans_dir)
+
     # ------------------------------------------------------------------ the phases
-    def _before_save(self) -> None:
+    def _before_save(self, step: int, lineage: Lineage) -> None:
         """Wait for the save in flight; if it overlapped and failed (on any rank: the commit
         is collective), raise that here, on every rank alike, so that all ranks skip this
-        call together."""
+        call together. A run's first save sets an earlier run's steps aside."""
         self.wait()
         self.snapshots.raise_failed_save()
+        self.set_aside_earlier_runs(step, lineage)
 
     def _stage(self, state_dict: dict[str, Any], step: int, overlapped: bool,
                overlap: bool | None) -> Staged:
@@ -249,6 +301,11 @@ class Saver:
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
         with self._lock:
             return self._in_flight is None or self._in_flight.done()
+
+
+def _steps_text(steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[:8]))
+    return f"steps {shown}" + (f" and {len(steps) - 8} more" if len(steps) > 8 else "")
 
 
 def _committed_bytes(writer: MemoryStorageWriter) -> int:

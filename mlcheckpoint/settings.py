@@ -127,6 +127,10 @@ def _keep(value: Any, source: str) -> int:
     return validate_keep(value)
 
 
+def _keep_persistent(value: Any, source: str) -> int:
+    return validate_keep(value, source)
+
+
 def _local_dir(value: Any, source: str) -> str:
     return resolve_local_dir(value)
 
@@ -207,6 +211,11 @@ SETTINGS: tuple[Setting, ...] = (
             env="MLCHECKPOINT_LOCAL_DIR", keyword=True, check=_local_dir),
     Setting("keep", "manager", "complete in-memory steps kept per rank (own shards and "
             "replicas); an int >= 1", 2, keyword=True, check=_keep),
+    Setting("keep_persistent", "manager", "complete persistent steps kept in `persistent_dir`: "
+            "after each persistent write, rank 0 removes the oldest beyond this many, never the "
+            "newest complete one, one being written or one without DCP's `.metadata`; an int "
+            ">= 1, or unset to keep all", env="MLCHECKPOINT_KEEP_PERSISTENT", keyword=True,
+            check=_keep_persistent, from_text=_text_whole),
     Setting("memory_limit_bytes", "manager", "cap on this job's tmpfs usage on this node: bytes "
             "as an int, or a string with a unit (see below); `None`: only the tmpfs free space",
             env="MLCHECKPOINT_MEMORY_LIMIT", keyword=True, check=_memory_limit,
@@ -358,6 +367,7 @@ class Options:
     job_id: str
     local_dir: str
     keep: int = default("keep")
+    keep_persistent: int | None = default("keep_persistent")
     memory_limit_bytes: int | None = default("memory_limit_bytes")
     replication: str = default("replication")
     replication_host: str | None = default("replication_host")
@@ -627,15 +637,15 @@ def warn_if_not_memory(local_dir: str) -> None:
         "as %s.", local_dir, _OTHER_FS.get(fs, f"a filesystem of type {fs:#x}"), DEFAULT_LOCAL_DIR)
 
 
-def validate_keep(keep: object) -> int:
-    """``keep``: how many complete checkpoints to keep, a whole number >= 1."""
+def validate_keep(keep: object, setting: str = "keep") -> int:
+    """``keep`` (or ``setting``): how many complete checkpoints to keep, a whole number >= 1."""
     try:
         value = None if isinstance(keep, bool) else operator.index(keep)  # type: ignore[arg-type]
     except TypeError:
         value = None
     if value is None or value < 1:
-        raise ConfigError(f"keep={keep!r}: keep is how many checkpoints to keep and must be a "
-                          "whole number >= 1 (an int such as 1 or 2)")
+        raise ConfigError(f"{setting}={keep!r}: {setting} is how many checkpoints to keep and "
+                          "must be a whole number >= 1 (an int such as 1 or 2)")
     return value
 
 

@@ -10,14 +10,18 @@ import tempfile
 import pytest
 import torch
 
-from mlcheckpoint import CheckpointManager, LocalStore
+from mlcheckpoint import CheckpointManager, LocalStore, history
+from mlcheckpoint._words import plural
 from mlcheckpoint.cli import (
+    EXIT_CLOSED_PIPE,
     EXIT_CORRUPT,
     EXIT_INCOMPLETE,
     EXIT_NOT_FOUND,
     EXIT_OK,
+    _protection_line,
     main,
 )
+from mlcheckpoint.listing import step_label
 
 
 @pytest.fixture
@@ -177,3 +181,98 @@ def test_verify_help_documents_the_exit_codes(capsys):
         main(["verify", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "0 ok, 1 incomplete on this node (the rest intact), 2 job or step not found, 3 corrupt" in out
+
+
+# ---------------------------------------------------------------- issue 32: a Unix tool
+
+def test_global_options_may_follow_the_command(job, capsys):
+    """``mlcheckpoint ls --local-dir X`` works as ``mlcheckpoint --local-dir X ls`` does."""
+    for argv in (["ls", "--local-dir", job, "--json"], ["--local-dir", job, "ls", "--json"],
+                 ["--local-dir", "/nonexistent", "ls", "--local-dir", job, "--json"]):
+        assert main(argv) == EXIT_OK
+        assert [s["step"] for s in json.loads(capsys.readouterr().out)[0]["steps"]] == [0, 1, 2]
+    assert main(["verify", "--job", "clijob", "--local-dir", job]) == EXIT_OK
+    assert main(["history", "--job", "clijob", "--local-dir", job, "--last", "1"]) == EXIT_OK
+
+
+@pytest.mark.slow
+def test_a_closed_pipe_ends_quietly(job):
+    """``mlcheckpoint history | head -1``: the reader leaves after one line; the command stops
+    without a traceback and with the status a shell gives a tool that SIGPIPE ended."""
+    store = LocalStore(job, "clijob", create=False)
+    for i in range(5000):  # far more than a pipe's buffer
+        history.record(store.job_dir, "save", step=i, rank=0, bytes=1000, seconds=0.001)
+    store.close()
+    cli = subprocess.Popen([sys.executable, "-m", "mlcheckpoint.cli", "history", "--job", "clijob",
+                            "--local-dir", job], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = subprocess.Popen(["head", "-1"], stdin=cli.stdout, stdout=subprocess.PIPE)
+    assert cli.stdout is not None and cli.stderr is not None
+    cli.stdout.close()  # head holds the only reading end now
+    try:
+        first, _ = head.communicate(timeout=120)
+        err = cli.stderr.read().decode()
+        code = cli.wait(timeout=120)
+    finally:
+        for p in (cli, head):
+            p.kill()
+            p.wait()
+        cli.stderr.close()
+    assert first.decode().split() == ["time", "event", "step", "rank", "bytes", "seconds", "GB/s",
+                                      "source/transport"]
+    assert err == "" and code == EXIT_CLOSED_PIPE == 141
+
+
+def test_counted_words_are_singular_for_one(job, cli):
+    assert plural(1, "step") == "1 step" and plural(2, "step") == "2 steps"
+    assert plural(0, "copy", "copies") == "0 copies"
+    line = _protection_line({"step": 5, "time": 0, "lag_steps": 1, "age_seconds": 0.5, "copies": 2})
+    assert "then 1 step behind" in line
+    assert "then 3 steps behind" in _protection_line({"step": 5, "time": 0, "lag_steps": 3})
+    store = LocalStore(job, "clijob", create=False)
+    with open(store.data_path(2, 5) + ".partial", "wb") as f:
+        f.write(b"x")
+    store.close()
+    code, out, _ = cli(job, "gc", "--job", "clijob", "--min-age", "0")
+    assert code == 0 and "removed 1 uncommitted file;" in out, out
+
+
+def test_ls_names_steps_a_newer_whole_step_left_behind(job, cli):
+    """Only a step with nothing whole after it is "incomplete": an older partial one is
+    "superseded" (never pushed from here: replication went to a newer save) or "partly
+    retired" (pushed, then retention took part of it)."""
+    store = LocalStore(job, "clijob", create=False)
+    os.unlink(store.manifest_path(0, 0))
+    os.unlink(store.manifest_path(1, 0))
+    history.record(store.job_dir, "replicate", step=0, rank=0, bytes=1, seconds=1.0)
+    store.close()
+    _, out, _ = cli(job, "ls", "--job", "clijob", "--json")
+    states = {s["step"]: s["state"] for s in json.loads(out)[0]["steps"]}
+    assert states == {0: "partly retired", 1: "superseded", 2: "complete"}
+    store = LocalStore(job, "clijob", create=False)
+    os.unlink(store.manifest_path(2, 0))  # nothing whole any more: 2 is what a crash left
+    store.close()
+    _, out, _ = cli(job, "ls", "--job", "clijob", "--json")
+    assert {s["step"]: s["state"] for s in json.loads(out)[0]["steps"]}[2] == "incomplete"
+    assert step_label(complete=False, newer_complete=True, replicated=False) == "superseded"
+
+
+@pytest.mark.slow
+def test_ls_after_a_job_closed_agrees_with_protection():
+    """After a clean finish, ``ls`` on each node names the newest protected step that
+    ``ckpt.protection()`` gave (history recorded it although no later round closed the last
+    one), and shows no step as "incomplete": what replication skipped is "superseded"."""
+    from cluster import Cluster
+
+    with Cluster(nnodes=2, nproc=1, job_id="endjob") as c:
+        c.run("end_of_job.py", "8", timeout=240)
+        seen = c.results("end_of_job")
+        assert all(r["replicated"] for r in seen.values()), seen
+        assert {r["newest_protected"] for r in seen.values()} == {7}
+        for k in range(2):
+            proc = subprocess.run([sys.executable, "-m", "mlcheckpoint.cli", "ls", "--local-dir",
+                                   c.node(k).local_dir, "--json"],
+                                  check=True, capture_output=True, text=True, timeout=120)
+            (entry,) = json.loads(proc.stdout)
+            assert entry["protection"]["step"] == 7, (k, entry["protection"])
+            states = {s["step"]: s["state"] for s in entry["steps"]}
+            assert states[7] == "complete" and "incomplete" not in states.values(), (k, states)

@@ -41,7 +41,7 @@ def test_docker_default_shm_is_reported_at_start(store_dir, clean_env, caplog):
         _save_twice(shm, mib=24)  # 2 steps of 24 MiB fit in 64 MiB: no word at the first save
     (start,) = _warnings(caplog)
     assert shm in start and "64 MiB filesystem (the size of a container's default /dev/shm)" in start
-    assert "holds keep=2 steps of this node's 1 rank(s) only for shards under 32.0 MiB per rank" in start
+    assert "holds keep=2 steps of this node's 1 rank only for shards under 32.0 MiB per rank" in start
     _names_the_settings(start)
 
 
@@ -51,7 +51,7 @@ def test_a_first_save_that_cannot_be_kept_is_reported(store_dir, clean_env, capl
           pytest.raises(CapacityError)):  # what the line foretold: step 2 does not fit
         _save_twice(shm, mib=40)
     _start, first_save = _warnings(caplog)  # once, at the first save, not again at the second
-    assert f"{shm} is on a 64 MiB filesystem, too small for keep=2 steps of this node's 1 rank(s): " \
+    assert f"{shm} is on a 64 MiB filesystem, too small for keep=2 steps of this node's 1 rank: " \
         "about 80 MiB with 40.0 MiB per rank and step" in first_save
     _names_the_settings(first_save)
 

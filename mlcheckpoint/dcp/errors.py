@@ -1,10 +1,11 @@
-"""DCP's exception wrapping, undone: one home for the save and the load paths."""
+"""DCP's exception wrapping, undone: one home for the save and the load paths; and the one
+wording of a state dict entry that cannot be saved."""
 
 from __future__ import annotations
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import MLCheckpointError
+from ..errors import MLCheckpointError, StateDictError
 
 
 def unwrap_checkpoint_exception(e: CheckpointException, what: str) -> BaseException:
@@ -18,3 +19,20 @@ def unwrap_checkpoint_exception(e: CheckpointException, what: str) -> BaseExcept
     first = next(iter(e.failures.values()), None)
     cause = first[0] if isinstance(first, tuple) else first
     return MLCheckpointError(f"{what} failed on ranks {sorted(e.failures)}: {cause!r}")
+
+
+_UNKNOWN = object()
+
+
+def entry_error(key: str, cause: BaseException, value: object = _UNKNOWN) -> StateDictError:
+    """The error of a save that fails on one entry of the state dict (pickling or copying a
+    value that is not a tensor): it names the entry's flattened key and its type."""
+    kind = "value of unknown type"
+    if value is not _UNKNOWN:
+        cls = type(value)
+        kind = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    return StateDictError(
+        f"cannot save state dict entry {key!r} ({kind}): {type(cause).__name__}: {cause}. "
+        "Entries that are not tensors are pickled: remove this one from the state dict, or "
+        "save something it can be rebuilt from (a name, its settings) instead",
+        key=key, type_name=kind)

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
 from ..errors import StagingError
 from ..integrity import copier
 from ..store.local_store import LocalStore, ShardWriter, align
+from .errors import entry_error
 from .snapshot import Snapshotter, storage_ptr
 
 Leaf = torch.Tensor
@@ -212,7 +214,11 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
             return DTensor(dst, t._spec, requires_grad=False)
         return dst
 
-    layout.staged = _walk(obj, stage)  # the sources stay alive: ``obj`` holds them
+    try:
+        layout.staged = _walk(obj, stage)  # the sources stay alive: ``obj`` holds them
+    except _Uncopyable as e:
+        key, value = _flat_entry(obj, e.path, e.value)
+        raise entry_error(key, e.cause, value) from e.cause
     _add_digests(layout, spans, copier.process(spans))
     if on_device or any(c.src.device.type != "cpu" for c in layout.deferred):
         if defer is None:
@@ -286,13 +292,36 @@ def _add_digests(layout: Layout, spans: list[copier.Span], digests: list[int]) -
         layout.digests[(s.dst if s.dst is not None else s.src) - layout.base] = (s.nbytes, d)
 
 
-def _walk(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+class _Uncopyable(Exception):
+    """A value of the state dict that ``copy.deepcopy`` refused, at ``path``."""
+
+    def __init__(self, path: tuple, value: Any, cause: Exception):
+        super().__init__(path)
+        self.path, self.value, self.cause = path, value, cause
+
+
+def _flat_entry(state_dict: Any, path: tuple, value: Any) -> tuple[str, Any]:
+    """The key DCP flattens ``value``, at ``path``, into, and that entry's value (torch's own
+    flattening: e.g. a list without tensors is one entry)."""
+    with contextlib.suppress(Exception):
+        flat, paths = flatten_state_dict(state_dict)
+        inside = [key for key, p in paths.items() if tuple(path[:len(p)]) == tuple(p)]
+        if inside:
+            key = max(inside, key=lambda key: len(paths[key]))
+            return key, flat[key]
+    return ".".join(map(str, path)), value
+
+
+def _walk(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], path: tuple = ()) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):  # a plain dict whatever the mapping type: DCP only needs Mapping
-        return {k: _walk(v, fn) for k, v in obj.items()}
+        return {k: _walk(v, fn, (*path, str(k))) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_walk(v, fn) for v in obj]
+        return [_walk(v, fn, (*path, i)) for i, v in enumerate(obj)]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_walk(v, fn) for v in obj)
-    return copy.deepcopy(obj)
+        return tuple(_walk(v, fn, (*path, i)) for i, v in enumerate(obj))
+    try:
+        return copy.deepcopy(obj)
+    except Exception as e:  # named by its key below, not as a bare TypeError from copy
+        raise _Uncopyable(path, obj, e) from e

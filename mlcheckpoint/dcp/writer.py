@@ -20,7 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -32,6 +37,7 @@ from ..store.identity import Lineage, new_id
 from ..store.local_store import LocalStore, ShardWriter, align
 from ..store.manifest import Manifest
 from . import staging
+from .errors import entry_error
 from .placement import Placement, copy_and_hash
 from .snapshot import Snapshotter
 
@@ -206,7 +212,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             t0 = time.perf_counter()
             placement = Placement(shard, staged.digests if staged is not None else {},
                                   restaged_bytes=_restaged_bytes(staged))
-            placed = [placement.place(item, planner.resolve_data(item)) for item in plan.items]
+            placed = [placement.place(item, _resolve(planner, item)) for item in plan.items]
             if any(p.tensor is not None and p.tensor.device.type != "cpu" for p in placed):
                 torch.accelerator.synchronize()  # the device copies must land before hashing
             placement.confirm_restaged(placed)
@@ -257,6 +263,21 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                         save_id=self.save_id, lineage=self.lineage)
         if self.on_metadata is not None:
             self.on_metadata(self.step)
+
+
+def _resolve(planner: SavePlanner, item: WriteItem) -> Any:
+    """``planner.resolve_data``, which pickles a value that is not a tensor: a failure names the
+    entry (its flattened key) and its type."""
+    try:
+        return planner.resolve_data(item)
+    except Exception as e:
+        if item.type != WriteItemType.BYTE_IO:
+            raise
+        try:
+            value = planner.lookup_object(item.index)  # type: ignore[attr-defined]
+        except (AttributeError, LookupError, ValueError):  # a planner without DCP's lookup
+            raise entry_error(item.index.fqn, e) from e
+        raise entry_error(item.index.fqn, e, value) from e
 
 
 def _restaged_bytes(staged: staging.Staged | None) -> int | None:

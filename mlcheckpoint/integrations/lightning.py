@@ -138,7 +138,7 @@ class LightningFolder(PersistentStorage):
             found.setdefault(int(torch.load(meta, weights_only=False)["global_step"]), path)
         return found
 
-    def steps(self) -> list[int]:
+    def complete_steps(self) -> list[int]:
         return sorted(self._checkpoints())
 
     def path(self, step: int) -> str:
@@ -150,6 +150,16 @@ class LightningFolder(PersistentStorage):
         state_dict[_META] = self.strategy._load_own(path)
 
 
+def keep_persistent(callback: Any) -> int | None:
+    """What a ``ModelCheckpoint`` keeps as ``keep_persistent``: its ``save_top_k`` when it
+    keeps the newest checkpoints (no ``monitor``: Lightning allows only 1 then), else None
+    (all: -1, or the best by a metric, which is not ours to choose)."""
+    top_k = getattr(callback, "save_top_k", -1)
+    if getattr(callback, "monitor", None) is None and isinstance(top_k, int) and top_k >= 1:
+        return top_k
+    return None
+
+
 class MLCheckpointStrategy(ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2) that saves ``mlcheckpoint://`` paths to memory.
 
@@ -159,12 +169,16 @@ class MLCheckpointStrategy(ModelParallelStrategy):
         job_id, local_dir, keep, replication, memory_limit, replication_*, failure_domain,
             replicas: as ``CheckpointManager`` (``memory_limit`` is its
             ``memory_limit_bytes``).
+        keep_persistent: complete checkpoints kept in the folder, pruned after each of
+            Lightning's saves there (never the newest complete one). Default: the first
+            ``ModelCheckpoint``'s ``save_top_k`` when it keeps the newest (no ``monitor``,
+            ``save_top_k`` 1), else all.
         **kwargs: passed to ``ModelParallelStrategy``.
     """
 
     def __init__(self, *, folder: str | None = None, job_id: str | None = None,
                  local_dir: str | None = None, keep: int = default("keep"),
-                 replication: str = default("replication"),
+                 keep_persistent: int | None = None, replication: str = default("replication"),
                  memory_limit: str | int | None = None, replication_host: str | None = None,
                  replication_interface: str | None = None,
                  replication_bandwidth: str | int | None = None,
@@ -174,7 +188,8 @@ class MLCheckpointStrategy(ModelParallelStrategy):
         super().__init__(**kwargs)
         self._folder = folder
         self._manager_args: dict[str, Any] = {
-            "job_id": job_id, "local_dir": local_dir, "keep": keep, "replication": replication,
+            "job_id": job_id, "local_dir": local_dir, "keep": keep,
+            "keep_persistent": keep_persistent, "replication": replication,
             "memory_limit_bytes": memory_limit, "replication_host": replication_host,
             "replication_interface": replication_interface,
             "replication_bandwidth": replication_bandwidth,
@@ -188,14 +203,21 @@ class MLCheckpointStrategy(ModelParallelStrategy):
         super().setup(trainer)
         if self.checkpoints is None:
             folder = self._folder or getattr(trainer.checkpoint_callback, "dirpath", None)
+            args = dict(self._manager_args)
+            if args["keep_persistent"] is None:
+                args["keep_persistent"] = keep_persistent(trainer.checkpoint_callback)
             self.checkpoints = CheckpointManager(
-                LightningFolder(folder, self) if folder else None, **self._manager_args)
+                LightningFolder(folder, self) if folder else None, **args)
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Any | None = None) -> None:
         if not is_memory_path(filepath):
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            writer = self.checkpoints.persistent_writer if self.checkpoints is not None else None
+            if writer is not None:
+                writer.prune()  # rank 0, now that this save is complete
+            return
         assert self.checkpoints is not None, "save_checkpoint before setup"
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})

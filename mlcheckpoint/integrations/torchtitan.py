@@ -14,7 +14,9 @@ Select it in a config-registry function (see docs/integration.md)::
   (``interval`` stays the trainer's checkpoint cadence: it also sizes the dataloader's snapshots);
 - every ``persistent_interval`` steps (a multiple of ``interval``), and at the first/last step
   as torchtitan's settings say, torchtitan writes its own DCP checkpoint ``step-N`` into its
-  folder, with its ``async_mode``, ``keep_latest_k`` and purge;
+  folder, with its ``async_mode``; ``keep_latest_k`` becomes mlcheckpoint's
+  ``keep_persistent``, whose purge never removes the newest complete step for one still being
+  written (torchtitan's own counts every ``step-N`` folder);
 - at start, the newest of: a step in memory (local or on the partner node) and the newest
   ``step-N`` in the folder is loaded, once. With neither, torchtitan's own start runs
   (a ``step-0`` seed checkpoint, ``initial_load_path``, HF weights, or a fresh start).
@@ -84,6 +86,13 @@ class TorchtitanFolder(PersistentStorage):
                                    from_hf=False, from_quantized=False)
 
 
+def keep_persistent(config: CheckpointManager.Config) -> int | None:
+    """The ``keep_persistent`` of a config: its own, else torchtitan's ``keep_latest_k``
+    (0: keep all)."""
+    given = getattr(config, "keep_persistent", None)
+    return given if given is not None else (config.keep_latest_k or None)
+
+
 class MemoryCheckpointManager(CheckpointManager):
     """torchtitan's DCP checkpoint manager, saving every ``interval`` steps to memory."""
 
@@ -102,6 +111,9 @@ class MemoryCheckpointManager(CheckpointManager):
 
         keep: int = default("keep")
         """In-memory checkpoints kept per rank."""
+
+        keep_persistent: int | None = None
+        """Complete ``step-N`` folders kept (default: ``keep_latest_k``, 0 meaning all)."""
 
         replication: Literal["tcp", "pg", "nccl", "none"] = default("replication")
         """How shards reach the partner node."""
@@ -153,7 +165,8 @@ class MemoryCheckpointManager(CheckpointManager):
                         "periodic checkpoints; losing a node and its partner loses them")
         self.checkpoints = MemoryCheckpoints(
             TorchtitanFolder(self), job_id=config.job_id, local_dir=config.local_dir,
-            keep=config.keep, replication=config.replication,
+            keep=config.keep, keep_persistent=keep_persistent(config),
+            replication=config.replication,
             memory_limit_bytes=config.memory_limit, replication_host=config.replication_host,
             replication_interface=config.replication_interface,
             replication_bandwidth=config.replication_bandwidth,
@@ -189,6 +202,14 @@ class MemoryCheckpointManager(CheckpointManager):
         if self._persistent_due(curr_step, last_step):
             super()._save(curr_step, last_step)  # torchtitan's own, into its folder
         return True
+
+    def _purge_stale_checkpoints(self) -> None:
+        # torchtitan calls this after each save to its folder (rank 0 purges). Its own purge
+        # counts every step-N folder, a write still in flight too, and could remove the last
+        # complete one; mlcheckpoint's keeps the newest complete steps.
+        writer = self.checkpoints.persistent_writer if hasattr(self, "checkpoints") else None
+        if writer is not None:
+            writer.prune_later()
 
     # ------------------------------------------------------------------ load
     def _load(self, step: int = -1) -> bool:

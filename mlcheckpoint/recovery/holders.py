@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from .._words import plural
 from ..errors import MLCheckpointError, ShardNotFoundError
 from ..replication.striping import run_streams
 from ..replication.transport import Transport
@@ -117,8 +118,9 @@ class Holders:
         errors = run_streams(read_run, runs)  # returns once no run writes into the sinks
         if errors:
             raise errors[0]
-        log.info("mlcheckpoint: read %d ranges of rank %d's shard of step %d from node(s) %s",
-                 len(ranges), owner, step, sorted(set(came_from)))
+        nodes = sorted(set(came_from))
+        log.info("mlcheckpoint: read %s of rank %d's shard of step %d from %s %s",
+                 plural(len(ranges), "range"), owner, step, "node" if len(nodes) == 1 else "nodes", nodes)
         return came_from
 
     def fetch_metadata(self) -> None:

@@ -22,6 +22,9 @@ from ..store.identity import Lineage
 from .inventory import NodeInventory, StepCopy
 
 MEMORY, PERSISTENT, FRESH = "memory", "persistent", "fresh"
+# A persistent step counts as written before a memory save only by more than this: the
+# persistent folder's clock (a file server's) and the coordinator's may disagree a little.
+CLOCK_SLACK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,13 @@ class Decision:
 
 def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_size: int, *,
                 bad_copies: Iterable[CopyId] = (), bad_steps: Iterable[int] = (),
-                can_fetch: bool = True, copies: int = 2) -> Decision:
-    """Pick the newest step complete among the surviving nodes; a newer persistent step wins.
+                can_fetch: bool = True, copies: int = 2,
+                persistent_written: float | None = None) -> Decision:
+    """Pick the newest step complete among the surviving nodes; a newer persistent step wins,
+    unless it was written (``persistent_written``, a wall-clock time; None: unknown) well
+    before the memory step was saved: a step saved after a higher-numbered persistent one was written
+    belongs to a later history (a run that started over without resuming, or continued from
+    an older step), and the persistent step to an earlier one.
 
     A step is complete when its metadata and every required rank's shard are on some node
     (not counting copies in ``bad_copies``; never a step in ``bad_steps``). Without a transport
@@ -73,12 +81,23 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     reasons: list[str] = []
     newest_protected = _newest_protected(view, copies)
     stranded: list[int] = []
+    persistent_newer = False
     if foreign:
         reasons.append(f"steps {_few(foreign)} belong to another run of this job and are ignored")
+    earlier = False  # the persistent step belongs to an earlier history
     for step in sorted(view, reverse=True):
         if persistent_step is not None and persistent_step > step:
-            reasons.append(f"persistent step {persistent_step} is newer than memory step {step}")
-            break
+            if (persistent_written is not None
+                    and persistent_written < view[step].created - CLOCK_SLACK_S):
+                reasons.append(f"persistent step {persistent_step} was written before memory "
+                               f"step {step} was saved: it belongs to an earlier history and is "
+                               "not loaded")
+                persistent_step, earlier = None, True
+            else:
+                persistent_newer = True
+                reasons.append(f"persistent step {persistent_step} is newer than memory step "
+                               f"{step}: loading it")
+                break
         if step in excluded_steps:
             reasons.append(f"step {step} failed earlier")
             stranded.append(step)
@@ -95,15 +114,29 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
             stranded.append(step)
         reasons.append(f"step {step} unusable: {why}")
     kind, step_ = (PERSISTENT, persistent_step) if persistent_step is not None else (FRESH, None)
-    return Decision(kind, step_, reason="; ".join(reasons) or "no checkpoint found",
+    if earlier:
+        reasons.append("no step in memory is usable: starting fresh")
+    elif not persistent_newer:
+        reasons.append(fallback_reason(step_, bool(view) or bool(foreign)))
+    return Decision(kind, step_, reason="; ".join(reasons),
                     newest_protected=newest_protected, history=history,
                     stranded=[s for s in stranded if step_ is None or s > step_])
+
+
+def fallback_reason(persistent_step: int | None, memory_held_steps: bool) -> str:
+    """Why memory did not serve and what is loaded instead: the last clause of a reason."""
+    memory = ("no step in memory is usable" if memory_held_steps
+              else "memory holds no checkpoint of this job")
+    if persistent_step is not None:
+        return f"{memory}: loading persistent step {persistent_step}"
+    return f"{memory} and there is no persistent checkpoint: starting fresh"
 
 
 @dataclass
 class _StepView:
     save_id: str = ""
     lineage: Lineage | None = None
+    created: float = 0.0  # when the save was made (its coordinator's clock)
     required: tuple[int, ...] | None = None
     world_size: int | None = None
     meta_nodes: list[int] = field(default_factory=list)
@@ -155,8 +188,8 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
     chosen = _chosen_saves(nodes, bad, history)
     view: dict[int, _StepView] = {}
     for step, meta in chosen.items():
-        view[step] = _StepView(save_id=meta.save_id, lineage=meta.lineage, required=meta.required,
-                               world_size=meta.world_size)
+        view[step] = _StepView(save_id=meta.save_id, lineage=meta.lineage, created=meta.created,
+                               required=meta.required, world_size=meta.world_size)
     for inv, step, copy in _metadata_copies(nodes, bad):
         if step in view and copy.save_id == view[step].save_id:
             view[step].meta_nodes.append(inv.node)

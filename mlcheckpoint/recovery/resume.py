@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -29,10 +30,11 @@ from ..topology import Topology
 from .holders import Holders
 from .inventory import NodeInventory, take_inventory
 from .load import load_step
-from .planner import FRESH, MEMORY, PERSISTENT, Decision, plan_resume
+from .planner import FRESH, MEMORY, PERSISTENT, Decision, fallback_reason, plan_resume
 
 log = logging.getLogger(__name__)
 MAX_ROUNDS = 16
+MAX_JOBS_NAMED = 8  # other jobs a warning names (_other_jobs)
 PHASES = ("inventory", "plan", "fetch", "verify", "load", "heal")  # ResumeInfo.phases, in order
 
 
@@ -41,7 +43,10 @@ class ResumeInfo:
     """What ``resume`` loaded: ``step`` is None (and ``source`` None) for a fresh start."""
 
     step: int | None
-    source: str | None  # "local", "peer", "persistent" or None
+    # Job-wide, the same on every rank: "peer" if any rank's bytes came from another node
+    # (also on a node that loaded its own shards locally), else "local"; "persistent" or None.
+    # This rank's own: sources[rank].
+    source: str | None
     seconds: float
     sources: dict[int, str] = field(default_factory=dict)  # rank -> where its bytes came from
     bytes_fetched: int = 0  # job-wide, from peers
@@ -49,7 +54,9 @@ class ResumeInfo:
     # served them ({owner: {node: bytes}}): how the reads spread over the holders. The rebuild
     # of a replaced node's own shard comes after, in the background, and is not counted.
     bytes_served: dict[int, dict[int, int]] = field(default_factory=dict)
-    reason: str | None = None  # why newer candidates were refused, if any
+    # None when the newest step in memory was loaded; else what failed, which newer steps were
+    # refused and why, and what was loaded instead (persistent, fresh) and why.
+    reason: str | None = None
     # True when the step was saved by another world size (DCP resharded it on load: an elastic
     # restart); None when that is not known (a persistent checkpoint does not record it).
     resharded: bool | None = False
@@ -96,7 +103,7 @@ class Recovery:
         """Load the newest usable checkpoint into ``state_dict``; every rank calls it."""
         t0 = time.perf_counter()
         self.store.gc(ranks=[self.topo.rank])  # what a crash of this rank left behind
-        nodes, persistent_step = self._gather_inventory()
+        nodes, (persistent_step, persistent_written) = self._gather_inventory()
         self._lap("inventory", t0)
         bad: set[CopyId] = set()
         bad_steps: set[int] = set()
@@ -106,7 +113,8 @@ class Recovery:
             t = time.perf_counter()
             d = plan_resume(nodes, persistent_step, self.topo.world_size, bad_copies=bad,
                             bad_steps=bad_steps, can_fetch=self.transport is not None,
-                            copies=2 if self.replicator is None else self.replicator.copies)
+                            copies=2 if self.replicator is None else self.replicator.copies,
+                            persistent_written=persistent_written)
             self._lap("plan", t)
             holders = None
             if d.kind != MEMORY:
@@ -136,10 +144,14 @@ class Recovery:
                 self._quarantine(bad_copy)
             else:
                 bad_steps.add(d.step)
-        else:
-            d = Decision(FRESH, None, reason="gave up after too many failed attempts",
-                         newest_protected=d.newest_protected)
+        else:  # every round refused another copy: memory cannot serve, persistent still may
+            kind, step = (PERSISTENT, persistent_step) if persistent_step is not None else (FRESH, None)
+            d = Decision(kind, step, newest_protected=d.newest_protected,
+                         reason=f"gave up on memory after {MAX_ROUNDS} failed attempts; "
+                                + fallback_reason(step, memory_held_steps=True))
             holders = None
+        # The same on every rank, and so is the collective in _other_jobs.
+        elsewhere = self._other_jobs(d) if not any(inv.steps for inv in nodes) else []
         if d.kind == PERSISTENT:
             assert self.persistent is not None and d.step is not None
             # Its own layout and reader; a framework's folder may load it its own way.
@@ -147,7 +159,8 @@ class Recovery:
             self.persistent.restore(state_dict, d.step, functools.partial(load_step, group=self.group))
             self._lap("load", t)
         fetched = holders.bytes_fetched if holders is not None else 0
-        info = self._finish(d, notes, t0, fetched, holders.bytes_served if holders is not None else {})
+        info = self._finish(d, [*notes, d.reason, *elsewhere], t0, fetched,
+                            holders.bytes_served if holders is not None else {})
         t = time.perf_counter()
         healing = self._heal(d, holders)  # after the last collective, in the background
         self._lap("heal", t)
@@ -166,17 +179,45 @@ class Recovery:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
     # ------------------------------------------------------------------ inventory
-    def _gather_inventory(self) -> tuple[list[NodeInventory], int | None]:
-        """Each node's inventory (taken by its local rank 0) and the newest persistent step
-        (listed by rank 0): one all_gather."""
+    def _gather_inventory(self) -> tuple[list[NodeInventory], tuple[int | None, float | None]]:
+        """Each node's inventory (taken by its local rank 0), and the newest persistent step
+        with when it was written (listed by rank 0; None: unknown): one all_gather."""
         mine = (take_inventory(self.store, self.topo.node_rank, self.topo.ranks_of_node(self.topo.node_rank))
                 if self.topo.local_rank == 0 else None)
-        newest = None
+        newest: tuple[int | None, float | None] = (None, None)
         if self.topo.rank == 0 and self.persistent is not None:
             steps = self.persistent.steps()
-            newest = steps[-1] if steps else None
+            if steps:
+                newest = (steps[-1], _written_at(self.persistent, steps[-1]))
         gathered = self.comm.all_gather((mine, newest))
         return [inv for inv, _ in gathered if inv is not None], gathered[0][1]
+
+    def _other_jobs(self, d: Decision) -> list[str]:
+        """Memory holds nothing of this job on any node. If other jobs under ``local_dir`` hold
+        steps, this run may have resolved the wrong job id (a restart that forgot
+        MLCHECKPOINT_JOB_ID and derived one): say so once, from rank 0, at WARNING (shown even
+        with no logging set up), and in the reason on every rank. One all_gather."""
+        mine = self.store.other_jobs() if self.topo.local_rank == 0 else {}
+        found: dict[str, dict[int, int]] = {}  # job -> node -> newest step there
+        for node, jobs in self.comm.all_gather((self.topo.node_rank, mine)):
+            for job, step in jobs.items():
+                found.setdefault(job, {})[node] = step
+        if not found:
+            return []
+        names = sorted(found, key=lambda job: (-max(found[job].values()), job))
+        listed = ", ".join(f"{job} (newest step {max(found[job].values())}, on node"
+                           f"{'s' if len(found[job]) > 1 else ''} "
+                           f"{', '.join(map(str, sorted(found[job])))})" for job in names[:MAX_JOBS_NAMED])
+        more = f" and {len(names) - MAX_JOBS_NAMED} more" if len(names) > MAX_JOBS_NAMED else ""
+        note = (f"memory holds no step of job {self.store.job_id!r}, but other jobs under local_dir "
+                f"do: {listed}{more}; to resume one of them, restart with its id as "
+                "CheckpointManager(job_id=...) or MLCHECKPOINT_JOB_ID")
+        if self.topo.rank == 0:
+            doing = "starts fresh" if d.step is None else f"loads persistent step {d.step}"
+            log.warning("mlcheckpoint: %s (the id must stay the same across restarts). This run "
+                        "%s. If those jobs are done, remove their directories to free the memory "
+                        "they hold.", note, doing)
+        return [note]
 
     def _gather_problems(self, mine: list[tuple[CopyId, str]]) -> list[tuple[CopyId, str]]:
         return [p for rank_problems in self.comm.all_gather(mine) for p in rank_problems]
@@ -246,8 +287,10 @@ class Recovery:
             self.store.retire_shard(copy.step, copy.owner)
 
     # ------------------------------------------------------------------ finish and heal
-    def _finish(self, d: Decision, notes: list[str], t0: float, fetched: int,
+    def _finish(self, d: Decision, reasons: list[str], t0: float, fetched: int,
                 served: dict[int, dict[int, int]]) -> ResumeInfo:
+        """``reasons``: what failed on the way, in order, then the last plan's reason (what
+        was refused and what is loaded), then anything else worth knowing."""
         if d.kind == MEMORY and d.lineage is not None and d.step is not None:
             self.lineage = self.lineage.resumed(d.lineage, d.step)
         if self.transport is not None:  # before the last collective: partners push after it
@@ -268,7 +311,7 @@ class Recovery:
         overall = source
         if d.kind == MEMORY:
             overall = "peer" if "peer" in sources.values() else "local"
-        reason = "; ".join([r for r in [d.reason, *notes] if r]) or None
+        reason = "; ".join(r for r in reasons if r) or None
         resharded = {MEMORY: d.resharded, PERSISTENT: None}.get(d.kind, False)
         info = ResumeInfo(step=d.step, source=overall, seconds=time.perf_counter() - t0,
                           sources=sources, bytes_fetched=sum(b for _, b, _ in gathered),
@@ -319,3 +362,14 @@ class Recovery:
         except (MLCheckpointError, OSError) as e:
             log.warning("mlcheckpoint: rebuilding rank %d's shard of step %d failed: %s",
                         self.topo.rank, holders.step, e)
+
+
+def _written_at(persistent: PersistentStorage, step: int) -> float | None:
+    """When a persistent step was finished: its folder's mtime (DCP renames the step's metadata
+    into it last). None for a URL, whose store may keep no such time."""
+    if persistent.is_url:
+        return None
+    try:
+        return os.stat(persistent.path(step)).st_mtime
+    except OSError:
+        return None

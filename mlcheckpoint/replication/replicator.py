@@ -82,6 +82,7 @@ class Replicator:
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._newest_protected: int | None = None
+        self._recorded_protected: int | None = None  # the last step history says is protected
         self.rounds = Rounds(rdzv, t, store.paths)
         self._closed_seen = 0  # the last closed round this rank looked at (``_round_closed``)
         self._repeat_at = 0.0  # rank 0: not before this (monotonic) time is a round repeated
@@ -93,8 +94,9 @@ class Replicator:
         self._active = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlckpt-replicator", daemon=True)
         self._thread.start()
-        log.info("mlcheckpoint: rank %d replicates to rank(s) %s over %s, keeps replicas of %s",
-                 t.rank, self.targets, transport.name, self.sources)
+        log.info("mlcheckpoint: rank %d replicates to %s %s over %s, keeps replicas of %s",
+                 t.rank, "rank" if len(self.targets) == 1 else "ranks", self.targets,
+                 transport.name, self.sources)
         if t.local_rank == 0:
             self._announce_partners(strategy)
 
@@ -160,8 +162,9 @@ class Replicator:
         protected, as the node's leader learnt it (no store operation; ``candidates``, the
         steps here, are not needed)."""
         r = self.rounds.protected
-        if r is not None:
+        if r is not None and (self._newest_protected is None or r.step > self._newest_protected):
             self.seed_protected(r.step)
+            self._record_protected(r.step)
         return self._newest_protected
 
     def known_protected(self) -> int | None:
@@ -259,15 +262,28 @@ class Replicator:
         self.seed_protected(r.step)
         if self.topology.local_rank != 0:
             return
-        inv = self.store.inventory()
-        saves = lag.save_times(inv)
+        saves = lag.save_times(self.store.inventory())
         state = self.state(r.step)
-        now = lag.status(r.step, saves, None, 0)
-        history.record(self.store.job_dir, "protected", step=r.step, rank=self.topology.rank,
-                       lag_steps=now.lag_steps, age_seconds=now.age_seconds, copies=self.copies,
-                       push_seconds=None if state is None else round(state.seconds, 6))
+        now = self._record_protected(r.step, saves)
         if self.topology.rank == 0 and state is not None and state.state == "replicated":
             self._lag_warning.check(state.seconds, lag.save_interval(saves), now.lag_steps)
+
+    def _record_protected(self, step: int, saves: dict[int, float] | None = None) -> ProtectionStatus:
+        """Record in the node's history (once per node and step: local rank 0) that ``step``
+        is protected, whoever found it: the replicator thread at a round's verdict, or
+        ``protection()`` and a save's retention, from the node's view of the rounds.
+        ``mlcheckpoint ls`` reads it, so after ``close`` it names the step ``protection()`` did."""
+        saves = lag.save_times(self.store.inventory()) if saves is None else saves
+        now = lag.status(step, saves, None, 0)
+        with self._lock:  # the replicator thread and protection()'s caller both come here
+            if self.topology.local_rank != 0 or step == self._recorded_protected:
+                return now
+            self._recorded_protected = step
+        state = self.state(step)
+        history.record(self.store.job_dir, "protected", step=step, rank=self.topology.rank,
+                       lag_steps=now.lag_steps, age_seconds=now.age_seconds, copies=self.copies,
+                       push_seconds=None if state is None else round(state.seconds, 6))
+        return now
 
     def _propose_next(self) -> None:
         """Rank 0: once every rank finished the current round, name the newest save this node

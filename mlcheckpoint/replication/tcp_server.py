@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from .._ratelimit import RateLimitedLog
+from .._words import plural
 from ..errors import ShardNotFoundError
 from ..settings import MAX_STREAMS
 from ..store import LocalStore
@@ -285,6 +286,6 @@ class TcpServer:
             thread.join(max(0.0, deadline - time.monotonic()))
         running = sum(thread.is_alive() for _, thread in sessions)
         if running:
-            log.warning("replication listener closed with %d session thread(s) still running "
-                        "after %.0fs", running, SESSIONS_JOIN_S)
+            log.warning("replication listener closed with %s still running after %.0fs",
+                        plural(running, "session thread"), SESSIONS_JOIN_S)
         return running == 0

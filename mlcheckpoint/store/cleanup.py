@@ -1,5 +1,6 @@
-"""Clearing up a job directory: what crashes left behind (gc), and after a resume what does
-not belong to the job's history any more (settle, set-aside steps).
+"""Clearing up a job directory: what crashes left behind (gc), after a resume what does not
+belong to the job's history any more (settle, set-aside steps), and before the first save of
+a run that did not resume, an earlier run's steps (set_aside_runs).
 
 Each function acts on the store's parts (the inventory, the shard files and the paths they
 share), never on the ``LocalStore`` facade, which calls them.
@@ -14,6 +15,7 @@ import secrets
 import time
 from collections.abc import Iterable
 
+from .._words import plural
 from ..errors import CorruptShardError, ShardNotFoundError
 from .identity import Lineage
 from .inventory import Inventory
@@ -75,7 +77,7 @@ def gc(listing: Inventory, shards: ShardFiles, ranks: Iterable[int] | None = Non
             pool.unlink(e.path)
             removed.append(e.path)
     if removed:
-        log.info("gc removed %d uncommitted file(s) of job %s", len(removed), shards.job_id)
+        log.info("gc removed %s of job %s", plural(len(removed), "uncommitted file"), shards.job_id)
     return removed
 
 
@@ -101,7 +103,9 @@ def settle(listing: Inventory, shards: ShardFiles, lineage: Lineage, loaded: int
             continue
         gone.append(step)
         if step in aside:
-            _set_aside(shards, step)
+            dest = _set_aside(shards, step)
+            log.warning("step %d is complete but was not resumed; kept out of the way in %s "
+                        "until the job has a newer complete step", step, dest)
         else:
             _drop_step(shards, step)
     return gone
@@ -141,13 +145,33 @@ def _drop_step(shards: ShardFiles, step: int) -> None:
         os.rmdir(d)
 
 
-def _set_aside(shards: ShardFiles, step: int) -> None:
+def set_aside_runs(listing: Inventory, shards: ShardFiles, lineage: Lineage) -> list[int]:
+    """Before the first save of a run that did not resume: move every step holding anything
+    committed by a run outside ``lineage`` (an earlier run's saves: own shards, replicas,
+    metadata) into ``orphans/``. Otherwise retention keeps the earlier run's numerically newer
+    steps and retires the new run's saves, and a later resume loads the earlier run's step.
+    Nothing is deleted here; retention removes a set-aside step once the job has a newer
+    complete one (``plan_retention``). Returns the steps moved."""
+    moved = []
+    for step in listing.steps():
+        st = listing.step_state(step)
+        runs = {st.header.run_id} if st.header is not None else set()
+        for rank in sorted(st.committed_ranks):
+            with contextlib.suppress(ShardNotFoundError, CorruptShardError):
+                runs.add(shards.read_manifest(step, rank).run_id)
+        if st.damaged or any(not lineage.admits(run, step) for run in runs):
+            _set_aside(shards, step)
+            moved.append(step)
+    return moved
+
+
+def _set_aside(shards: ShardFiles, step: int) -> str:
+    """Move a step's folder into ``orphans/``; returns where it went."""
     dest = shards.paths.orphan(step, secrets.token_hex(4))
     os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
     with shards.lock.held(), contextlib.suppress(FileNotFoundError):
         os.rename(shards.paths.step_dir(step), dest)
-        log.warning("step %d is complete but was not resumed; kept out of the way in %s "
-                    "until the job has a newer complete step", step, dest)
+    return dest
 
 
 def orphans(paths: JobPaths) -> list[tuple[int, str]]:

@@ -200,6 +200,23 @@ class LocalStore:
         """Steps whose metadata and every needed shard are committed here, oldest first."""
         return self.listing.complete_steps()
 
+    def other_jobs(self) -> dict[str, int]:
+        """Other jobs under ``local_dir`` that hold step folders: job id -> its newest step.
+        Only directory names are listed (a restart that resolved the wrong job id is told what
+        is there); nothing of another job is opened, let alone changed."""
+        found: dict[str, int] = {}
+        try:
+            entries = list(os.scandir(self.local_dir))
+        except OSError:
+            return found
+        for e in entries:
+            with contextlib.suppress(OSError):  # another user's job, or gone meanwhile
+                if e.name != self.job_id and e.is_dir(follow_symlinks=False):
+                    steps = JobPaths(e.path).step_numbers()
+                    if steps:
+                        found[e.name] = steps[-1]
+        return found
+
     def usage_bytes(self) -> int:
         """Bytes held by this job's files on this node (committed, in flight and pooled)."""
         return self.capacity.usage_bytes()
@@ -230,6 +247,11 @@ class LocalStore:
     def settle(self, lineage: Lineage, loaded: int | None, set_aside: Iterable[int] = ()) -> list[int]:
         """After a resume, keep only the job's history up to ``loaded`` (see ``cleanup.settle``)."""
         return cleanup.settle(self.listing, self.shards, lineage, loaded, set_aside)
+
+    def set_aside_runs(self, lineage: Lineage) -> list[int]:
+        """Before the first save of a run that did not resume, move the steps of runs outside
+        ``lineage`` into ``orphans/`` (see ``cleanup.set_aside_runs``); returns them."""
+        return cleanup.set_aside_runs(self.listing, self.shards, lineage)
 
     def orphans(self) -> list[tuple[int, str]]:
         """(step, path) of steps set aside by ``settle``."""

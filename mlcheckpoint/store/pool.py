@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 
+from .._words import plural
 from ..errors import CapacityError
 from . import buffers
 from .buffers import NO_ROOM, MappingCache
@@ -56,7 +57,7 @@ class Capacity:
         replicas = self.replicas if rank in self.replicating else 0
         arriving = replicas * nbytes
         what = (f"checkpoint shard needs {needed / 2**20:.1f} MiB more"
-                + (f" and its step's {replicas} replica(s) from partner nodes "
+                + (f" and its step's {plural(replicas, 'replica')} from partner nodes "
                    f"{arriving / 2**20:.1f} MiB (replicas={replicas})" if arriving else ""))
         total = needed + arriving
         free = self.free_bytes()
@@ -182,7 +183,7 @@ class BufferPool:
             os.rename(tmp, self.paths.pool_buffer(rank, token))  # same inode: the mapping stays
             made += 1
         if made:
-            log.debug("prepared %d buffer(s) of %d bytes for rank %d", made, nbytes, rank)
+            log.debug("prepared %s of %d bytes for rank %d", plural(made, "buffer"), nbytes, rank)
         return made
 
     def recycle(self, path: str, rank: int) -> None:

@@ -4,7 +4,7 @@ recipe, as a real 2-process ``accelerate launch`` job on CPU (DDP over gloo).
 One launch trains 10 steps uninterrupted: the reference. Another saves every step to memory,
 is SIGKILLed (the whole launch, agent and workers) once step 6 is committed, and is launched
 again: it resumes step 6 from this node's memory and ends bit for bit where the reference did
-(the losses of steps 7-10, the learning rate, every parameter and optimizer tensor).
+(the losses of steps 7-9, the learning rate, every parameter and optimizer tensor).
 """
 
 from __future__ import annotations

@@ -721,3 +721,72 @@ def test_property_a_decision_never_combines_two_saves(sc):
     # the newest save any node holds is run B's whenever B left any metadata behind
     if any(c.run_id == "B" for inv in nodes for c in inv.steps.values() if c.has_metadata):
         assert d.history.run_id == "B"
+
+
+# ---------------------------------------------------------------------------- reasons are true
+def _one_shard_lost(steps) -> list:
+    """Steps saved on two nodes whose rank-1 shard survived nowhere (unusable)."""
+    nodes = paired(2, 1, [])
+    for inv in nodes:
+        for s in steps:
+            inv.steps[s] = copy({0}, required=(0, 1), world_size=2)
+    return nodes
+
+
+# (memory, persistent step, bad steps) -> the decision and what its reason must say; every
+# reason also says what was loaded. The first rows were "no checkpoint found" before, which is
+# false when a persistent step is loaded.
+REASONS = {
+    "memory empty, persistent": (lambda: inventories(2, 1, {}), 35, (), (PERSISTENT, 35),
+                                 ["memory holds no checkpoint of this job",
+                                  "loading persistent step 35"]),
+    "memory unusable, persistent": (lambda: _one_shard_lost([6, 7]), 4, (), (PERSISTENT, 4),
+                                    ["step 7 unusable", "step 6 unusable", "ranks [1]",
+                                     "no step in memory is usable", "loading persistent step 4"]),
+    "memory failed, persistent": (lambda: paired(2, 1, [5]), 4, (5,), (PERSISTENT, 4),
+                                  ["step 5 failed earlier", "no step in memory is usable",
+                                   "loading persistent step 4"]),
+    "persistent newer": (lambda: paired(2, 1, [3]), 9, (), (PERSISTENT, 9),
+                         ["persistent step 9 is newer than memory step 3: loading it"]),
+    "nothing anywhere": (lambda: inventories(2, 1, {}), None, (), (FRESH, None),
+                         ["memory holds no checkpoint of this job",
+                          "no persistent checkpoint: starting fresh"]),
+    "memory unusable, no persistent": (lambda: _one_shard_lost([6]), None, (), (FRESH, None),
+                                       ["step 6 unusable", "no step in memory is usable",
+                                        "starting fresh"]),
+    "only step failed, no persistent": (lambda: paired(2, 1, [5]), None, (5,), (FRESH, None),
+                                        ["step 5 failed earlier", "starting fresh"]),
+}
+
+
+@pytest.mark.parametrize("case", list(REASONS))
+def test_reason_says_what_was_loaded_and_why(case):
+    nodes, persistent, bad_steps, decided, phrases = REASONS[case]
+    d = plan_resume(nodes(), persistent, 2, bad_steps=bad_steps)
+    assert (d.kind, d.step) == decided, d
+    for words in phrases:
+        assert words in d.reason, (words, d.reason)
+    assert "no checkpoint found" not in d.reason
+    if d.kind == PERSISTENT:
+        assert "starting fresh" not in d.reason and f"persistent step {d.step}" in d.reason
+
+
+def test_a_persistent_step_written_before_the_memory_step_was_saved_is_an_earlier_history():
+    # Run A wrote persistent step 3 at t=100; run B started over without resuming and saved
+    # steps 0 and 1 at t=200 and 201.
+    nodes = inventories(2, 1, {n: {s: saved({0, 1}, "B", f"b{s}", 200 + s) for s in (0, 1)}
+                               for n in (0, 1)})
+    d = plan_resume(nodes, 3, 2, persistent_written=100.0)
+    assert (d.kind, d.step, d.save_id) == (MEMORY, 1, "b1"), d
+    assert "persistent step 3 was written before memory step 1 was saved" in d.reason
+    # Written after the memory step (one history, the usual case), at an unknown time, or so
+    # little before that clocks may disagree: the higher-numbered persistent step wins as before.
+    for written in (300.0, None, 198.0):
+        d = plan_resume(nodes, 3, 2, persistent_written=written)
+        assert (d.kind, d.step) == (PERSISTENT, 3), (written, d)
+    # Memory of the later history unusable: a fresh start, not the earlier history's step.
+    for inv in nodes:
+        inv.steps = {s: dataclasses.replace(c, owners=frozenset({0}), shard_bytes=((0, 100),))
+                     for s, c in inv.steps.items()}
+    d = plan_resume(nodes, 3, 2, persistent_written=100.0)
+    assert d.kind == FRESH and "starting fresh" in d.reason, d

@@ -14,7 +14,8 @@
         steps/<step:012d>/*.partial, *.tmp    in-flight writes: invisible, removed by gc
         pool/rank-<r:05d>-<token>.buf         retired shard buffers kept for reuse (pages stay touched)
         pool/rank-<r:05d>-<token>.buf.partial a pool buffer being prepared
-        orphans/<step:012d>-<token>/          a complete step a resume did not load, set aside
+        orphans/<step:012d>-<token>/          a complete step a resume did not load, or an
+                                              earlier run's step a first save set aside
 
 Other modules build paths with ``JobPaths`` and ask ``classify(name)`` what a directory entry
 is; none of them tests a name's prefix or suffix.

@@ -203,13 +203,15 @@ def _kill_the_leader_mid_round(job, dirs: list[str], reps: dict[int, Replicator]
     job.status("2.ready", leader)
 
     def save(step: int) -> None:
+        # The leader's shard first: rank 0 names the round once node 0 holds the metadata.
+        leader.stdin.write(f"{step}\n".encode())
+        leader.stdin.flush()
+        job.status(f"2.saved-{step}", leader)
         for rank, rep in reps.items():
             m = make_shard(rep.store, step, rank, 1 << 16)
             rep.store.write_metadata(step, b"meta", world_size=4, ranks=range(4),
                                      total_bytes=1 << 18, save_id=m.save_id)
             rep.notify(step, m.save_id)
-        leader.stdin.write(f"{step}\n".encode())
-        leader.stdin.flush()
 
     save(1)
     for rep in reps.values():

@@ -14,8 +14,9 @@ argv: one JSON object
                              to rank ``peer`` and report {"ok", "bytes" | "error", "bytes_sent"
                              (what went through the budget in this process)}
                      "replicate": rank ``rank`` of ``nodes`` x ``per_node`` ranks with a replicator:
-                             for each step read from stdin, commit a shard (nbytes, seed 0)
-                             and tell the replicator; until stdin closes
+                             for each step read from stdin, commit a shard (nbytes, seed 0),
+                             tell the replicator and write ``<rank>.saved-<step>``; until
+                             stdin closes
 
 ``make_shard`` is also imported by the tests, so both sides build byte-identical shards.
 """
@@ -88,6 +89,7 @@ def main() -> None:
         for line in sys.stdin:
             m = make_shard(store, int(line), rank, cfg["nbytes"])
             rep.notify(m.step, m.save_id)
+            write_status(cfg["status_dir"], f"{rank}.saved-{m.step}", {"save_id": m.save_id})
         rep.close()
     elif cfg["cmd"] == "push":
         try:

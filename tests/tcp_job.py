@@ -30,6 +30,7 @@ from mlcheckpoint.replication import protocol as p
 from mlcheckpoint.replication.rounds import Rounds
 from mlcheckpoint.replication.tcp import TcpTransport
 from mlcheckpoint.store import LocalStore, Manifest, ManifestItem, layout
+from mlcheckpoint.topology import Topology
 
 sys.path.insert(0, WORKERS)
 from repl_peer import make_shard  # a worker module, found through WORKERS
@@ -85,13 +86,16 @@ class Job:
     def idle_rank(self, rank: int) -> None:
         """Take part in replication rounds as ``rank``, a rank with nothing of its own to push:
         a replicator names the next round only once every rank of the job is done."""
-        rounds, stop = Rounds(self.rdzv(rank), self.world), threading.Event()
+        topology = Topology(rank=rank, world_size=self.world, local_rank=0, local_world_size=1,
+                            node_rank=rank, num_nodes=self.world)
+        rounds = Rounds(self.rdzv(rank), topology, self.store(rank).paths)
+        stop = threading.Event()
 
         def follow() -> None:
             while not stop.wait(0.02):
                 r = rounds.next()
                 if r is not None:
-                    rounds.finish(r)
+                    rounds.finish(r, counted=False)
 
         thread = threading.Thread(target=follow, name=f"rounds-{rank}", daemon=True)
         thread.start()

@@ -25,6 +25,7 @@ if REPO_ROOT not in sys.path:
 
 
 from benchmarks import (
+    bench_control,
     bench_first_saves,
     bench_gc,
     bench_local,
@@ -111,6 +112,23 @@ def test_bench_first_saves_and_gc_report_their_figures(capsys):
     assert all(len(r["t"]) == 2 and len(r["commit"]) == 2 for r in gc_figures["async"].values())
     out = capsys.readouterr().out
     assert "async_save blocking time of saves 1..2" in out and "until committed" in out
+
+
+@pytest.mark.slow
+def test_bench_control_quick_counts_both_protocols(capsys):
+    """Real rounds over a real TCPStore (its host, the probe, a helper process): per-node rounds
+    leave the other ranks of a node out of the store, per-rank ones do not."""
+    figures = bench_control.main(["--quick", "--rounds", "2", "--idle-s", "1"])
+    per_rank, per_node = figures["modes"]["per-rank"], figures["modes"]["per-node"]
+    for m in (per_rank, per_node):
+        assert m["ops_per_round"]["leaders"] > 0 and _number(m["round_s_median"]), m
+    assert per_node["ops_per_round"]["others"] == per_node["ops_per_idle_s"]["others"] == 0
+    assert per_rank["ops_per_round"]["others"] > 0 and per_rank["ops_per_idle_s"]["others"] > 0
+    assert set(figures["latency"]) == {"no ranks", "per-rank: rounds", "per-rank: idle",
+                                       "per-node: rounds", "per-node: idle"}
+    for window in ("no ranks", "per-rank: idle", "per-node: idle"):  # a second or more each
+        assert figures["latency"][window]["n"] > 0, figures["latency"]
+    assert "per idle second, other ranks" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -99,7 +99,7 @@ _PATH = re.compile(r"[\w./<>:$-]*(?:<job(?:_id|_dir)?>|\b(?:steps|pool|orphans|l
 _JOB = re.compile(r"^.*?<job(?:_id|_dir)?>(?:/|$)")
 # Placeholders, as layout.py formats them; a bare <step> or <r> stands for an unpadded number.
 _PLACEHOLDERS = {"<step:012d>": "000000000031", "<step>": "31", "<r:05d>": "00000", "<r>": "0",
-                 "<rank>": "0", "<nn>": "07"}
+                 "<rank>": "0", "<nn>": "07", "<local_rank:05d>": "00001"}
 _TOKENS = {ORPHANS: "0123abcd", POOL: "0123456789abcdef"}  # <token>: its length per folder
 _INSIDE = {STEPS: {Kind.STEP}, ORPHANS: {Kind.ORPHAN}, POOL: {Kind.POOL_BUFFER, Kind.POOL_PARTIAL},
            LOCKS: {Kind.LOCK}}

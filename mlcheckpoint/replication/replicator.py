@@ -2,13 +2,16 @@
 
 The job replicates in rounds (``rounds.py``): rank 0 names one save, the newest it holds, every
 rank pushes its shard of that save to its partner rank(s) (``replicas`` of them; rank 0 also
-the global metadata, to one rank of every other node), and the next round starts once every rank is done. Saves made
-meanwhile are skipped (*superseded*) by every rank alike, so the steps that do get replicated
-are whole job-wide. Each rank records per step: committed -> replicated (partner verified the
-checksums), failed, or superseded.
-Job-wide progress is counted in the c10d store, per save (a step saved twice is two saves),
-so any rank can tell when a step is *protected*: every shard and the metadata of the save this
-node holds are on 1 + ``replicas`` nodes (a rank counts its shard once every partner has it).
+the global metadata, to one rank of every other node), and the next round starts once every
+rank is done. Saves made meanwhile are skipped (*superseded*) by every rank alike, so the steps
+that do get replicated are whole job-wide. Each rank records per step: committed -> replicated
+(partner verified the checksums), failed, or superseded.
+Job-wide progress is counted in the c10d store, per save (a step saved twice is two saves): a
+step is *protected* when every shard and the metadata of the save this node holds are on
+1 + ``replicas`` nodes (a rank's shard counts once every partner has it). Only a node's leader
+talks to the store; what it learns (the rounds, and which closed round left its save protected)
+reaches the node's other ranks through a file (``rounds.py``), so saves, ``protection()`` and
+``wait_replicated`` cost the store nothing per rank.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from . import lag
 from .lag import LagWarning, ProtectionStatus
 from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets, sources
 from .rendezvous import Rendezvous
-from .rounds import Round, Rounds
+from .rounds import Round, Rounds, protected_in_store
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -80,7 +83,8 @@ class Replicator:
         self._closed = threading.Event()
         self._newest_protected: int | None = None
         self._recorded_protected: int | None = None  # the last step history says is protected
-        self.rounds = Rounds(rdzv, t.world_size)
+        self.rounds = Rounds(rdzv, t, store.paths)
+        self._closed_seen = 0  # the last closed round this rank looked at (``_round_closed``)
         self._repeat_at = 0.0  # rank 0: not before this (monotonic) time is a round repeated
         self._repeat_after = 1.0
         self._logs = RateLimitedLog(log)
@@ -120,6 +124,7 @@ class Replicator:
         with self._saves_lock:
             self._unreplicated[step] = save_id
         self._active.set()
+        self.rounds.hurry()
         self._wake.set()
 
     def wake(self) -> None:
@@ -131,7 +136,7 @@ class Replicator:
         if reset:
             with self._lock:
                 self._states.clear()
-            self.rounds.latest = None  # the loaded step may be older than the last round's
+            self.rounds.forget()  # the loaded step may be older than the last round's
         self._active.set()
         self._wake.set()
 
@@ -147,45 +152,35 @@ class Replicator:
 
     def is_protected(self, step: int) -> bool:
         """Every rank's shard and the metadata of the save of ``step`` held here are on
-        ``copies`` nodes (job-wide): each rank counts its shard once all its partners
-        acknowledged it."""
+        ``copies`` nodes (job-wide): asks the c10d store (two operations), for ``ls``."""
         save = self._save_here(step)
-        if save is None:
-            return False
-        shards = self.rdzv.add(self.rdzv.counter("shards", step, save), 0)
-        meta = self.rdzv.add(self.rdzv.counter("meta", step, save), 0)
-        return shards >= self.topology.world_size and meta >= 1
-
-    def is_superseded(self, step: int) -> bool:
-        """Some rank skipped this save for a newer one: it will never be protected."""
-        save = self._save_here(step)
-        return save is not None and self.rdzv.add(self.rdzv.counter("superseded", step, save), 0) > 0
+        return save is not None and protected_in_store(self.rdzv, step, save,
+                                                       self.topology.world_size)
 
     def newest_protected(self, candidates: list[int]) -> int | None:
-        """Newest protected step among ``candidates`` (those newer than the last one found)."""
-        for step in sorted(candidates, reverse=True):
-            if self._newest_protected is not None and step <= self._newest_protected:
-                break
-            if self.is_protected(step):
-                self._newest_protected = step
-                self._record_protected(step)
-                break
+        """The newest protected step: that of the newest round that closed with its save
+        protected, as the node's leader learnt it (no store operation; ``candidates``, the
+        steps here, are not needed)."""
+        r = self.rounds.protected
+        if r is not None and (self._newest_protected is None or r.step > self._newest_protected):
+            self.seed_protected(r.step)
+            self._record_protected(r.step)
         return self._newest_protected
 
     def known_protected(self) -> int | None:
-        """The newest protected step found so far (no store round trip)."""
+        """The newest protected step found so far."""
         return self._newest_protected
 
     def round_step(self) -> int | None:
         """The step of the newest replication round this rank has seen (no store round trip):
         its shards must stay until a newer step is protected."""
-        latest = self.rounds.latest
+        latest = self.rounds.taken()
         return None if latest is None else latest.step
 
     def protection(self, ask: bool = True) -> ProtectionStatus:
-        """How far replication lags behind the saves (see ``ProtectionStatus``). ``ask=False``:
-        the newest protected step known here (updated at every save's retention), without a
-        round trip to the c10d store."""
+        """How far replication lags behind the saves (see ``ProtectionStatus``). Asks the c10d
+        store nothing: the newest protected step is that of the last closed round the node
+        heard of (``ask=False``: the one known at the last save)."""
         inv = self.store.inventory()
         newest = self.newest_protected(sorted(inv)) if ask else self.known_protected()
         with self._lock:
@@ -203,25 +198,37 @@ class Replicator:
             self._newest_protected = step
 
     def wait_replicated(self, step: int, timeout: float) -> bool:
+        """Wait until the save of ``step`` held here is protected (True) or will never be (a
+        round named a newer step first), or ``timeout`` passes (False). Watches what the node
+        knows of the rounds; asks the store once, when a newer round settled the step's fate."""
         def settled() -> str | None:
-            if self.is_protected(step):
+            save = self._save_here(step)
+            if save is None:
+                return None
+            p, latest = self.rounds.protected, self.rounds.taken()
+            if p is not None and (p.step, p.save_id) == (step, save):
                 return "protected"
-            return "superseded" if self.is_superseded(step) else None
+            if (latest is not None and latest.step > step) or (p is not None and p.step > step):
+                return "protected" if self.is_protected(step) else "superseded"
+            return None
 
-        outcome = wait_until(settled, deadline_in(timeout), self.wait_poll, between=self._wake.set)
+        # (the replicator looks at its own pace: waking it at each look here would make a
+        # leader ask the store every ``wait_poll``)
+        outcome = wait_until(settled, deadline_in(timeout), self.wait_poll)
         if outcome == "superseded":
-            log.warning("mlcheckpoint: step %d will not be replicated: a newer step "
-                        "superseded it before it was pushed", step)
+            log.warning("mlcheckpoint: step %d will not be protected: a newer step was named "
+                        "for replication first", step)
         return outcome == "protected"
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
         while not self._closed.is_set():
             # Look for work when a save lands here (notify), and at each poll: the poll is how
-            # this rank hears of what nothing here is told of: a round rank 0 named (ranks
-            # other than 0), the last round finished on every rank (rank 0, before it names
-            # the next), or a save that DCP committed in its checkpoint process (PROCESS mode).
-            self._wake.wait(self.poll_interval)
+            # this rank hears of what nothing here is told of: a round rank 0 named, or the
+            # last round closed (the node's leader, in the store; its other ranks, in the
+            # node's file), or a save that DCP committed in its checkpoint process (PROCESS
+            # mode). A leader with no round in flight looks less often (``Rounds.wait_s``).
+            self._wake.wait(self.rounds.wait_s(self.poll_interval))
             self._wake.clear()
             if not self._active.is_set():
                 continue
@@ -235,22 +242,26 @@ class Replicator:
 
     def _replicate_rounds(self) -> None:
         """Do the round the job is in, if it is named; on rank 0, name the next one."""
-        previous = self.rounds.latest
         r = self.rounds.next()
+        self._round_closed()
         if r is not None:
-            if previous is not None and previous.number == r.number - 1:
-                self._round_closed(previous)  # every rank finished it: its counters are final
             self._replicate(r)
             self._wake.set()  # the next round may be named already
         elif self.topology.rank == 0:
             self._propose_next()
 
-    def _round_closed(self, r: Round) -> None:
-        """Round ``r`` is over on every rank: note whether its save is protected (in the node's
-        history, once per node) and, on rank 0, warn if the link cannot keep up."""
-        if self.topology.local_rank != 0 or not self.is_protected(r.step):
+    def _round_closed(self) -> None:
+        """If a round closed since the last look and left its save protected: note it (in the
+        node's history, once per node) and, on rank 0, warn if the link cannot keep up."""
+        closed, r = self.rounds.closed, self.rounds.protected
+        if closed <= self._closed_seen:
+            return
+        self._closed_seen = closed
+        if r is None or r.number != closed:
             return
         self.seed_protected(r.step)
+        if self.topology.local_rank != 0:
+            return
         saves = lag.save_times(self.store.inventory())
         state = self.state(r.step)
         now = self._record_protected(r.step, saves)
@@ -259,9 +270,9 @@ class Replicator:
 
     def _record_protected(self, step: int, saves: dict[int, float] | None = None) -> ProtectionStatus:
         """Record in the node's history (once per node and step: local rank 0) that ``step``
-        is protected, whoever found it: a closed round, or ``protection()`` asking the counters
-        (the last round of a job is never followed by another). ``mlcheckpoint ls`` reads it,
-        so after ``close`` it names the step ``protection()`` did."""
+        is protected, whoever found it: the replicator thread at a round's verdict, or
+        ``protection()`` and a save's retention, from the node's view of the rounds.
+        ``mlcheckpoint ls`` reads it, so after ``close`` it names the step ``protection()`` did."""
         saves = lag.save_times(self.store.inventory()) if saves is None else saves
         now = lag.status(step, saves, None, 0)
         with self._lock:  # the replicator thread and protection()'s caller both come here
@@ -293,23 +304,18 @@ class Replicator:
         if not self.rounds.all_done(self.rounds.finished):
             return  # the round in flight is not done everywhere yet: look again at the next poll
         if repeat:
-            if self.is_protected(step):
+            p = self.rounds.protected
+            if p is not None and (p.step, p.save_id) == (step, save_id):
                 self._repeat_at = math.inf  # done with it: until a newer save comes
                 return
             self._repeat_after = min(2 * self._repeat_after, MAX_REPEAT_S)
         else:
             self._repeat_after = 1.0
-            self._supersede([s for s in saves if s < step and (last is None or s > last.step)],
-                            saves)
+        # Saves older than ``step`` and never named are superseded: each rank marks its own
+        # when it takes the round (``_replicate``).
         self._repeat_at = time.monotonic() + self._repeat_after
         self.rounds.propose(self.rounds.finished + 1, step, save_id)
         self._wake.set()  # take it at once, not at the next poll
-
-    def _supersede(self, steps: list[int], saves: dict[int, str]) -> None:
-        """Saves the job will never replicate: a newer one was named first."""
-        # (this rank's own states of them are marked when it takes the round: ``_replicate``)
-        for s in steps:
-            self.rdzv.add(self.rdzv.counter("superseded", s, saves[s]), 1)
 
     def _mark_superseded(self, steps: list[int], newer: int) -> None:
         """This rank's own shards of ``steps`` stay unpushed (listing and ``drain`` say so)."""
@@ -333,12 +339,13 @@ class Replicator:
             if self._unreplicated.get(r.step) == r.save_id:  # (not a later save of that step)
                 del self._unreplicated[r.step]
             self._superseded += len(skipped)
+        counted = False
         try:
             older = [s for s in self.store.steps() if s < r.step]
             self._mark_superseded(older, r.step)
             st = self.store.step_state(r.step)
             if st.shard_saves.get(self.topology.rank) == r.save_id:
-                self._push_shard(r.step, r.save_id)
+                counted = self._push_shard(r.step, r.save_id)
             else:
                 with self._lock:
                     rep = self._state_for(r.step, r.save_id)
@@ -348,7 +355,7 @@ class Replicator:
             if self.metadata_targets and st.save_id == r.save_id:
                 self._push_metadata(r.step, r.save_id)
         finally:
-            self.rounds.finish(r)
+            self.rounds.finish(r, counted)
 
     def _state_for(self, step: int, save_id: str) -> StepReplication:
         """The state of this save of ``step``; a new save of the step starts afresh. Call with
@@ -363,11 +370,13 @@ class Replicator:
             st = self._states.get(step)
             return st is not None and st.metadata_pushed == save_id
 
-    def _push_shard(self, step: int, save_id: str) -> None:
+    def _push_shard(self, step: int, save_id: str) -> bool:
+        """Push this rank's shard of the save to every partner; True when it newly reached all
+        of them (the node's leader counts it for the save, ``Rounds.finish``)."""
         with self._lock:
             st = self._state_for(step, save_id)
             if st.state == "replicated":  # the round was named again for another rank's sake
-                return
+                return False
             st.attempts += 1
         t0 = time.perf_counter()
         sent = 0
@@ -382,18 +391,18 @@ class Replicator:
                 st.state, st.reason = "failed", str(e)
             self._logs.warning(f"push {step}", "mlcheckpoint: replicating step %d of rank %d "
                                "failed (attempt %d): %s", step, self.topology.rank, st.attempts, e)
-            return
+            return False
         with self._lock:
             st.state, st.reason = "replicated", None
             st.bytes, st.seconds = sent, time.perf_counter() - t0
-        # Counted for the save the partners acknowledged: they compared save ids, so an ack
-        # for an earlier save of this step cannot count here.
-        self.rdzv.add(self.rdzv.counter("shards", step, save_id), 1)
         history.record(self.store.job_dir, "replicate", step=step, rank=self.topology.rank,
                        targets=self.targets, bytes=sent, seconds=round(st.seconds, 6),
                        transport=self.transport.name)
         log.debug("replicated step %d rank %d to %s: %d bytes in %.3fs", step,
                   self.topology.rank, self.targets, sent, st.seconds)
+        # Counted for the save the partners acknowledged: they compared save ids, so an ack
+        # for an earlier save of this step cannot count here.
+        return True
 
     def _push_metadata(self, step: int, save_id: str) -> None:
         if self._metadata_done(step, save_id):
@@ -417,7 +426,7 @@ class Replicator:
     def drain(self, timeout: float) -> None:
         """Wait until this rank's newest shard is replicated, superseded or given up on (best
         effort: rank 0 names it in a round once the round in flight is done)."""
-        wait_until(self._drained, deadline_in(timeout), self.wait_poll, between=self._wake.set)
+        wait_until(self._drained, deadline_in(timeout), self.wait_poll)
 
     def _drained(self) -> bool:
         """Whether this rank's newest shard is replicated (with its metadata), superseded or

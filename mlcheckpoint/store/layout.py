@@ -6,6 +6,8 @@
         history.jsonl                         what was saved, loaded and persisted (history.py)
         locks/fetch-<nn>.lock                 flocks serialising fetches of one shard on a node
         locks/bandwidth                       the node's replication bandwidth schedule (replication/budget.py)
+        locks/round                           the replication round the node's leader read (replication/rounds.py)
+        locks/round-<local_rank:05d>          the round that rank of the node last finished
         steps/<step:012d>/metadata            DCP global metadata (self-verifying, renamed in)
         steps/<step:012d>/rank-<r:05d>.data   raw item bytes of rank r's shard
         steps/<step:012d>/rank-<r:05d>.manifest   per-item checksums; its presence = committed
@@ -34,6 +36,7 @@ LOCK = ".lock"
 RETENTION_LOCK = ".retention.lock"
 HISTORY = "history.jsonl"
 BANDWIDTH = "bandwidth"
+ROUND = "round"
 METADATA = "metadata"
 PARTIAL = ".partial"
 TMP = ".tmp"
@@ -48,6 +51,7 @@ _MANIFEST_RE = re.compile(r"^rank-(\d{5})\.manifest$")
 _POOL_RE = re.compile(r"^rank-(\d{5})-[0-9a-f]{16}\.buf$")
 _OWNED_RE = re.compile(r"^rank-(\d{5})")  # any file of rank r's, in flight ones included
 _FETCH_LOCK_RE = re.compile(r"^fetch-\d{2}\.lock$")
+_ROUND_DONE_RE = re.compile(rf"^{ROUND}-\d{{5}}$")
 
 
 class Kind(enum.Enum):
@@ -62,7 +66,7 @@ class Kind(enum.Enum):
     TEMP = "temp"                  # a manifest or metadata being written (*.tmp, other *.partial)
     POOL_BUFFER = "pool buffer"    # a retired buffer kept for reuse
     POOL_PARTIAL = "pool partial"  # a pool buffer being prepared
-    LOCK = "lock"                  # the node lock, a fetch lock or the bandwidth schedule
+    LOCK = "lock"                  # the node lock, a fetch lock, the bandwidth schedule, a round file
     HISTORY = "history"
     FOLDER = "folder"              # steps/, pool/, orphans/, locks/
     UNKNOWN = "unknown"            # not ours
@@ -89,6 +93,7 @@ class Entry:
 
 
 _FIXED = {METADATA: Kind.METADATA, LOCK: Kind.LOCK, RETENTION_LOCK: Kind.LOCK, BANDWIDTH: Kind.LOCK,
+          ROUND: Kind.LOCK,
           HISTORY: Kind.HISTORY, STEPS: Kind.FOLDER, POOL: Kind.FOLDER, ORPHANS: Kind.FOLDER,
           LOCKS: Kind.FOLDER}
 
@@ -107,7 +112,7 @@ def classify(name: str) -> Entry:
         return Entry(Kind.MANIFEST, rank=int(m.group(1)))
     if m := _POOL_RE.match(name):
         return Entry(Kind.POOL_BUFFER, rank=int(m.group(1)))
-    if _FETCH_LOCK_RE.match(name):
+    if _FETCH_LOCK_RE.match(name) or _ROUND_DONE_RE.match(name):
         return Entry(Kind.LOCK)
     owned = _OWNED_RE.match(name)
     rank = int(owned.group(1)) if owned else None
@@ -206,6 +211,16 @@ class JobPaths:
     def bandwidth(self) -> str:
         """The node's replication bandwidth schedule, shared by its ranks' processes."""
         return os.path.join(self.job_dir, LOCKS, BANDWIDTH)
+
+    @property
+    def round(self) -> str:
+        """The replication round the node's leader read from the c10d store, for the node's
+        other ranks (replication/rounds.py)."""
+        return os.path.join(self.job_dir, LOCKS, ROUND)
+
+    def round_done(self, local_rank: int) -> str:
+        """The round the node's rank ``local_rank`` last finished, for the node's leader."""
+        return os.path.join(self.job_dir, LOCKS, f"{ROUND}-{local_rank:05d}")
 
     def fetch_lock(self, stripe: int) -> str:
         return os.path.join(self.job_dir, LOCKS, f"fetch-{stripe % FETCH_LOCK_STRIPES:02d}.lock")

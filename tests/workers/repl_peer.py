@@ -13,6 +13,10 @@ argv: one JSON object
                      "push": commit a shard (step, owner=rank, nbytes, seed) here, then push it
                              to rank ``peer`` and report {"ok", "bytes" | "error", "bytes_sent"
                              (what went through the budget in this process)}
+                     "replicate": rank ``rank`` of ``nodes`` x ``per_node`` ranks with a replicator:
+                             for each step read from stdin, commit a shard (nbytes, seed 0),
+                             tell the replicator and write ``<rank>.saved-<step>``; until
+                             stdin closes
 
 ``make_shard`` is also imported by the tests, so both sides build byte-identical shards.
 """
@@ -74,6 +78,19 @@ def main() -> None:
                                                               "pid": os.getpid()})
     if cfg["cmd"] == "serve":
         sys.stdin.read()  # the test closes our stdin to end us gracefully
+    elif cfg["cmd"] == "replicate":
+        from mlcheckpoint.replication import Replicator
+        from mlcheckpoint.topology import Topology
+        rank, per_node = cfg["rank"], cfg["per_node"]
+        topology = Topology(rank=rank, world_size=cfg["world"], local_rank=rank % per_node,
+                            local_world_size=per_node, node_rank=rank // per_node,
+                            num_nodes=cfg["nodes"])
+        rep = Replicator(store, transport, rdzv, topology, poll_interval=0.05)
+        for line in sys.stdin:
+            m = make_shard(store, int(line), rank, cfg["nbytes"])
+            rep.notify(m.step, m.save_id)
+            write_status(cfg["status_dir"], f"{rank}.saved-{m.step}", {"save_id": m.save_id})
+        rep.close()
     elif cfg["cmd"] == "push":
         try:
             sent = transport.push_shard(cfg["peer"], cfg["step"], cfg["rank"])

@@ -10,6 +10,7 @@ from .errors import (
     ReplicationError,
     ShardNotFoundError,
     StagingError,
+    UnsupportedStateError,
 )
 from .manager import (
     CheckpointEntry,
@@ -25,6 +26,6 @@ __all__ = [
     "CapacityError", "CheckpointEntry", "CheckpointManager", "ConfigError", "CorruptShardError",
     "LocalStore", "MLCheckpointError", "MemoryStorageReader", "MemoryStorageWriter", "Options",
     "ProtectionStatus", "ProtocolError", "ReplicationError", "ResumeInfo", "SaveResult", "ShardNotFoundError",
-    "StagingError",
+    "StagingError", "UnsupportedStateError",
 ]
 __version__ = "0.1.0"

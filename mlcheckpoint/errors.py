@@ -53,6 +53,12 @@ class StagingError(MLCheckpointError):
     is not committed on any rank; the previous one stays resumable."""
 
 
+class UnsupportedStateError(MLCheckpointError):
+    """A state dict value that cannot be checkpointed as DCP checkpoints it (e.g. a tensor
+    subclass that torch.save cannot serialize). The message names the key, the type and what
+    to do. Raised before the step commits; committed steps are untouched."""
+
+
 class ShardNotFoundError(MLCheckpointError):
     """A shard or the global metadata of a step is not present (or not committed)."""
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import StagingError
 from ..integrity import copier
 from ..store.local_store import LocalStore, ShardWriter, align
+from . import serialized
 from .snapshot import Snapshotter, storage_ptr
 
 Leaf = torch.Tensor
@@ -36,7 +37,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def plain_cpu(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes can be copied raw from its address."""
-    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    return (copier.raw_copyable(t) and t.device.type == "cpu" and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
@@ -52,7 +54,8 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
 
 
 def staged_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum(align(t.numel() * t.element_size()) for t in tensors)
+    """The buffer region the raw tensors take (the others are committed DCP's way)."""
+    return sum(align(t.numel() * t.element_size()) for t in tensors if copier.raw_copyable(t))
 
 
 @dataclass
@@ -194,9 +197,11 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
     layout = Layout(staged=None, base=buffer_tensor.data_ptr())
     offset, on_device, spans = 0, False, []
 
-    def stage(t: torch.Tensor) -> torch.Tensor:
+    def stage(t: torch.Tensor, key: str) -> torch.Tensor:
         nonlocal offset, on_device
         local = _local(t).detach()
+        if not copier.raw_copyable(local):  # DCP's own route, taken now: never deferred
+            return _like(t, serialized.snapshot(local, key))
         n = local.numel() * local.element_size()
         dst = buffer_tensor[offset:offset + n].view(local.dtype).view(local.shape)
         if defer is not None and n and defer(local):
@@ -208,9 +213,7 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
             dst.copy_(local, non_blocking=local.device.type != "cpu")
             layout.unhashed.append((offset, n))
         offset += align(n)
-        if isinstance(t, DTensor):
-            return DTensor(dst, t._spec, requires_grad=False)
-        return dst
+        return _like(t, dst)
 
     layout.staged = _walk(obj, stage)  # the sources stay alive: ``obj`` holds them
     _add_digests(layout, spans, copier.process(spans))
@@ -286,13 +289,20 @@ def _add_digests(layout: Layout, spans: list[copier.Span], digests: list[int]) -
         layout.digests[(s.dst if s.dst is not None else s.src) - layout.base] = (s.nbytes, d)
 
 
-def _walk(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` in ``t``'s place: a DTensor keeps its sharding."""
+    return DTensor(local, t._spec, requires_grad=False) if isinstance(t, DTensor) else local
+
+
+def _walk(obj: Any, fn: Callable[[torch.Tensor, str], torch.Tensor], key: str = "") -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor, key)`` (``key``: its dotted path,
+    for errors) and every other leaf deep-copied."""
     if isinstance(obj, torch.Tensor):
-        return fn(obj)
+        return fn(obj, key)
     if isinstance(obj, dict):  # a plain dict whatever the mapping type: DCP only needs Mapping
-        return {k: _walk(v, fn) for k, v in obj.items()}
+        return {k: _walk(v, fn, f"{key}.{k}" if key else str(k)) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_walk(v, fn) for v in obj]
+        return [_walk(v, fn, f"{key}.{i}") for i, v in enumerate(obj)]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_walk(v, fn) for v in obj)
+        return tuple(_walk(v, fn, f"{key}.{i}") for i, v in enumerate(obj))
     return copy.deepcopy(obj)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -29,7 +29,7 @@ from .._faults import crash_point
 from .._gc import pausing_gc
 from ..errors import MLCheckpointError
 from ..store.identity import Lineage, new_id
-from ..store.local_store import LocalStore, ShardWriter, align
+from ..store.local_store import LocalStore, ShardWriter
 from ..store.manifest import Manifest
 from . import staging
 from .placement import Placement, copy_and_hash
@@ -200,13 +200,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 if staged.shard is not None:
                     staged.shard.abort()  # this step commits nowhere: give the buffer back
                 raise error
-        shard = self._open_shard(plan, staged)
+        t0 = time.perf_counter()
+        resolved = [(item, planner.resolve_data(item)) for item in plan.items]
+        shard = self._open_shard(resolved, staged)
         try:
             crash_point("before_data", self.step, self.rank)
-            t0 = time.perf_counter()
             placement = Placement(shard, staged.digests if staged is not None else {},
                                   restaged_bytes=_restaged_bytes(staged))
-            placed = [placement.place(item, planner.resolve_data(item)) for item in plan.items]
+            placed = [placement.place(item, data) for item, data in resolved]
             if any(p.tensor is not None and p.tensor.device.type != "cpu" for p in placed):
                 torch.accelerator.synchronize()  # the device copies must land before hashing
             placement.confirm_restaged(placed)
@@ -229,9 +230,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         fut.set_result(results)
         return fut
 
-    def _open_shard(self, plan: SavePlan, staged: staging.Staged | None) -> ShardWriter:
+    def _open_shard(self, resolved: list[tuple[WriteItem, Any]],
+                    staged: staging.Staged | None) -> ShardWriter:
         """The staged shard (reopened by name in DCP's checkpoint process), else a new one
-        sized for the plan's tensors."""
+        sized for the plan's raw tensors (``resolved``: each item with what the planner
+        resolved it to; the others are appended)."""
         if staged is not None:
             shard = staged.shard
             if shard is None:  # PROCESS mode: stage() ran in the trainer; reopen its buffer by name
@@ -241,11 +244,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 # the default group's rank; DCP may use another: no_dist, a group of its own).
                 shard.reassign(self.rank)
             return shard
-        nbytes = 0
-        for item in plan.items:
-            if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
-                nbytes += align(torch.Size(item.tensor_data.size).numel()
-                                * item.tensor_data.properties.dtype.itemsize)
+        nbytes = staging.staged_bytes([data for _, data in resolved if isinstance(data, torch.Tensor)])
         return self.store.begin_shard(self.step, self.rank, nbytes)
 
     @pausing_gc

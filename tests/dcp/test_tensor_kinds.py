@@ -14,6 +14,7 @@ with the reason. The same rows under FSDP2 on several ranks: tests/jobs/test_sub
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import tempfile
@@ -21,11 +22,27 @@ import tempfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tensor_kinds import ROWS, SUBCLASS_ROWS, ScaledTensor, Unavailable, build, contents, differences, mutate
+from helpers import flip_byte
+from tensor_kinds import (
+    ROWS,
+    SUBCLASS_ROWS,
+    ScaledTensor,
+    Unavailable,
+    build,
+    contents,
+    differences,
+    mutate,
+)
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mlcheckpoint import CheckpointManager, MLCheckpointError
+from mlcheckpoint import (
+    CheckpointManager,
+    CorruptShardError,
+    MemoryStorageReader,
+    MemoryStorageWriter,
+    MLCheckpointError,
+)
 
 JOB = "job-kinds"
 PATHS = ["save", "async_save", "guard_async_save", "dcp_save", "dcp_async_save"]
@@ -183,25 +200,19 @@ def test_dcp_loads_the_subclass_rows_exactly(row, dcp_results):
 def test_subclass_is_stored_as_dcp_stores_it_and_checksummed(store):
     """A subclass's item holds the bytes DCP's FileSystemWriter writes (torch.save of it) and a
     flipped byte in them fails the load, like any other item."""
-    from helpers import flip_byte
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    from mlcheckpoint import CorruptShardError, MemoryStorageReader, MemoryStorageWriter
-
     sd = {"w": build("own_wrapper_subclass", 0)["w"]}
     dcp.save(sd, storage_writer=MemoryStorageWriter(1, store))
     item = next(it for it in store.read_manifest(1, 0).items if it.key.split("@")[0] == "w")
     with open(store.data_path(1, 0), "rb") as f:
         f.seek(item.offset)
         stored = f.read(item.nbytes)
-    import io
     loaded = torch.load(io.BytesIO(stored), weights_only=True)
     assert isinstance(loaded, ScaledTensor) and contents(loaded) == contents(sd["w"])
     flip_byte(store.data_path(1, 0), item.offset + item.nbytes // 2)
     out = {"w": build("own_wrapper_subclass", 1)["w"]}
     before = contents(out)
     with pytest.raises(CheckpointException) as ei:
-        dcp.load(out, storage_reader=MemoryStorageReader(1, store), planner=DefaultLoadPlanner())
+        dcp.load(out, storage_reader=MemoryStorageReader(1, store))
     assert all(isinstance(f[0] if isinstance(f, tuple) else f, CorruptShardError)
                for f in ei.value.failures.values())
     assert contents(out) == before  # nothing loaded from the bad bytes

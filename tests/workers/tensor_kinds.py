@@ -227,10 +227,14 @@ def _quantized(seed: int, template: bool) -> dict:
     zps = torch.randint(0, 10, (4,), generator=g)
     out = {f"per_tensor_{d}": torch.quantize_per_tensor(x, 0.05 + seed / 100, 3 + seed, d)
            for d in (torch.qint8, torch.quint8, torch.qint32)}
-    out["per_tensor_quint4x2"] = torch.quantize_per_tensor(x, 0.1 + seed / 100, 1 + seed, torch.quint4x2)
     out["per_channel_qint8"] = torch.quantize_per_channel(x, scales, zps * 0, 0, torch.qint8)
     out["per_channel_quint8"] = torch.quantize_per_channel(x, scales, zps, 0, torch.quint8)
     return out
+
+
+def _quint4x2(seed: int, template: bool) -> dict:  # DCP's load cannot copy_ it
+    x = torch.randn(4, 6, generator=_gen(seed))
+    return {"q": torch.quantize_per_tensor(x, 0.1 + seed / 100, 1 + seed, torch.quint4x2)}
 
 
 def _containers(seed: int, template: bool) -> dict:
@@ -307,6 +311,7 @@ ROWS: dict[str, Builder] = {
     "expanded": _expanded,
     "channels_last": _channels_last,
     "quantized": _quantized,
+    "quantized_quint4x2": _quint4x2,
     "containers": _containers,
     **{f"dtype_{str(d).removeprefix('torch.')}": _dtype_row(d) for d in _all_dtypes()},
 }

@@ -52,8 +52,8 @@ def raw_copyable(t: torch.Tensor) -> bool:
     tensor needs its scales; a sparse or nested one has no single strided storage. Those take
     DCP's own route (``dcp/serialized.py``): this is the one place that decides.
     """
-    return (type(t) in _PLAIN_TYPES and t.layout == torch.strided and not t.is_quantized
-            and t.device.type != "meta")
+    return (type(t) in _PLAIN_TYPES and t.layout is torch.strided and not t.is_quantized
+            and not t.is_meta)
 
 
 @dataclass(frozen=True)

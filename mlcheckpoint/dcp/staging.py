@@ -203,7 +203,8 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
         if not copier.raw_copyable(local):  # DCP's own route, taken now: never deferred
             return _like(t, serialized.snapshot(local, key))
         n = local.numel() * local.element_size()
-        dst = buffer_tensor[offset:offset + n].view(local.dtype).view(local.shape)
+        dst = _region(buffer_tensor, offset, n, own_storage=isinstance(t, DTensor))
+        dst = dst.view(local.dtype).view(local.shape)
         if defer is not None and n and defer(local):
             layout.deferred.append(_Copy(local, dst, offset, n, local.data_ptr()))
         elif plain_cpu(local):
@@ -287,6 +288,15 @@ def _copy_from_device(layout: Layout, copies: list[_Copy]) -> None:
 def _add_digests(layout: Layout, spans: list[copier.Span], digests: list[int]) -> None:
     for s, d in zip(spans, digests, strict=True):
         layout.digests[(s.dst if s.dst is not None else s.src) - layout.base] = (s.nbytes, d)
+
+
+def _region(buffer_tensor: torch.Tensor, offset: int, n: int, own_storage: bool) -> torch.Tensor:
+    """The ``n`` bytes at ``offset`` of the buffer. ``own_storage``: as a storage object of
+    their own (the same memory): torch's multiprocessing pickler, which sends staged state
+    to DCP's PROCESS-mode checkpoint process, crashes on two DTensors whose local tensors
+    share one storage. (That process then appends those items anew, not knowing their place.)"""
+    region = buffer_tensor[offset:offset + n]
+    return torch.from_numpy(region.numpy()) if own_storage else region
 
 
 def _like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

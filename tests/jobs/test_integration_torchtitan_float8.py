@@ -16,7 +16,12 @@ import sys
 
 import pytest
 from cluster import Cluster
-from test_integration_torchtitan import SAVED_UNTIL, STEPS, _assert_same_run, torchtitan_0_3_0
+from test_integration_torchtitan import (
+    SAVED_UNTIL,
+    STEPS,
+    _assert_same_run,
+    torchtitan_0_3_0,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -1,10 +1,10 @@
 """Tensor subclasses under FSDP2 on several ranks (tests/workers/subclass_fsdp.py): DTensors
 whose local tensor is torchao's float8 FSDP weight or our own wrapper subclass, saved on 2
 ranks (2 nodes) through every path (save, async_save with and without guard, DCP-native save
-and async_save) and through FileSystemWriter, then resumed on 1 rank and, with node 1
-replaced by an empty one, on 4 ranks: ranks of node 1 read from the peer. Wherever DCP's
-FileSystemReader loads the source exactly, ours must too. DCP's PROCESS mode runs on the
-ranks' local (subclass) tensors.
+and async_save in THREAD and PROCESS mode) and through FileSystemWriter, then resumed on 1
+rank and, with node 1 replaced by an empty one, on 4 ranks: ranks of node 1 read from the
+peer. Wherever DCP's FileSystemReader loads the source exactly, ours must too. PROCESS mode
+also runs on the ranks' local (subclass) tensors themselves.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from cluster import Cluster
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 LAUNCH_TIMEOUT = 300
-OURS = ["save", "async_save", "guard_async_save", "dcp_save", "dcp_async_thread"]
+OURS = ["save", "async_save", "guard_async_save", "dcp_save", "dcp_async_thread",
+        "dcp_async_process"]
 
 
 def launch(c: Cluster, phase: str, nnodes: int, nproc: int) -> dict[int, dict]:

@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor
 
 from mlcheckpoint import CheckpointManager
 
-PATHS = ["fs", "save", "async_save", "guard_async_save", "dcp_save", "dcp_async_thread"]
+PATHS = ["fs", "save", "async_save", "guard_async_save", "dcp_save", "dcp_async_thread",
+         "dcp_async_process"]
 
 
 def torchao_float8():
@@ -108,7 +109,8 @@ def save(path: str, job: str, world: int) -> None:
         elif path == "dcp_save":
             dcp.save(sd, storage_writer=ckpt.storage_writer(1))
         else:
-            fut = dcp.async_save(sd, storage_writer=ckpt.storage_writer(1))
+            kind = AsyncCheckpointerType.PROCESS if path == "dcp_async_process" else AsyncCheckpointerType.THREAD
+            fut = dcp.async_save(sd, storage_writer=ckpt.storage_writer(1), async_checkpointer_type=kind)
             mutate(sd)
             fut.result()
         if not ckpt.wait_replicated(1, timeout=60):
@@ -126,10 +128,9 @@ def local_state(world: int, seed: int) -> dict:
 
 
 def process_mode(job: str, world: int) -> dict:
-    """dcp.async_save in PROCESS mode, changed right after the call, loaded back: through
-    FileSystemWriter/Reader and through ours. (Only the local tensors: with DTensors whose
-    local tensors share one storage, torch's multiprocessing pickler crashes before either
-    writer runs; see docs/integration.md.)"""
+    """dcp.async_save in PROCESS mode of the ranks' local tensors (subclasses themselves, not
+    DTensors of them), changed right after the call, loaded back: through
+    FileSystemWriter/Reader and through ours."""
     out = {}
     for backend in ("fs", "ours"):
         sd = local_state(world, 0)
@@ -174,7 +175,7 @@ def resume(path: str, job: str, world: int) -> dict:
 
 def main() -> None:
     phase = sys.argv[1]
-    rank, world = init()
+    _, world = init()
     job = os.environ["MLCHECKPOINT_JOB_ID"]
     results: dict = {}
     for path in PATHS:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -201,9 +201,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                     staged.shard.abort()  # this step commits nowhere: give the buffer back
                 raise error
         t0 = time.perf_counter()
-        resolved = [(item, planner.resolve_data(item)) for item in plan.items]
-        shard = self._open_shard(resolved, staged)
+        shard = self._open_staged(staged) if staged is not None else None
         try:
+            resolved = [(item, planner.resolve_data(item)) for item in plan.items]
+            if shard is None:  # sized for the raw tensors; the other items are appended
+                tensors = [data for _, data in resolved if isinstance(data, torch.Tensor)]
+                shard = self.store.begin_shard(self.step, self.rank, staging.staged_bytes(tensors))
             crash_point("before_data", self.step, self.rank)
             placement = Placement(shard, staged.digests if staged is not None else {},
                                   restaged_bytes=_restaged_bytes(staged))
@@ -221,7 +224,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             self.committed = shard.commit(world_size=self.world_size, save_id=self.save_id,
                                           run_id=self.lineage.run_id)
         except BaseException:
-            shard.abort()
+            if shard is not None:
+                shard.abort()
             raise
         log.debug("committed step %d rank %d (%d items)", self.step, self.rank, len(results))
         if self.on_commit is not None:
@@ -230,22 +234,16 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         fut.set_result(results)
         return fut
 
-    def _open_shard(self, resolved: list[tuple[WriteItem, Any]],
-                    staged: staging.Staged | None) -> ShardWriter:
-        """The staged shard (reopened by name in DCP's checkpoint process), else a new one
-        sized for the plan's raw tensors (``resolved``: each item with what the planner
-        resolved it to; the others are appended)."""
-        if staged is not None:
-            shard = staged.shard
-            if shard is None:  # PROCESS mode: stage() ran in the trainer; reopen its buffer by name
-                shard = self.store.reopen_shard(self.step, staged.rank, staged.nbytes)
-            if shard.rank != self.rank:
-                # stage() runs before DCP names the rank it saves as (a bare writer stages as
-                # the default group's rank; DCP may use another: no_dist, a group of its own).
-                shard.reassign(self.rank)
-            return shard
-        nbytes = staging.staged_bytes([data for _, data in resolved if isinstance(data, torch.Tensor)])
-        return self.store.begin_shard(self.step, self.rank, nbytes)
+    def _open_staged(self, staged: staging.Staged) -> ShardWriter:
+        """The staged shard (reopened by name in DCP's checkpoint process)."""
+        shard = staged.shard
+        if shard is None:  # PROCESS mode: stage() ran in the trainer; reopen its buffer by name
+            shard = self.store.reopen_shard(self.step, staged.rank, staged.nbytes)
+        if shard.rank != self.rank:
+            # stage() runs before DCP names the rank it saves as (a bare writer stages as
+            # the default group's rank; DCP may use another: no_dist, a group of its own).
+            shard.reassign(self.rank)
+        return shard
 
     @pausing_gc
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

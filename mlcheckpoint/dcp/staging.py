@@ -296,7 +296,7 @@ def _region(buffer_tensor: torch.Tensor, offset: int, n: int, own_storage: bool)
     to DCP's PROCESS-mode checkpoint process, crashes on two DTensors whose local tensors
     share one storage. (That process then appends those items anew, not knowing their place.)"""
     region = buffer_tensor[offset:offset + n]
-    return torch.from_numpy(region.numpy()) if own_storage else region
+    return torch.from_numpy(region.numpy()) if own_storage and n else region  # (empty: no bytes)
 
 
 def _like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,8 @@ class StagingError(MLCheckpointError):
 
 class StateDictError(MLCheckpointError):
     """An entry of the state dict cannot be saved: a value that is not a tensor must pickle,
-    and this one does not (a lambda, a lock, an open file...). ``key`` is the entry's flattened
+    and this one does not (a lambda, a lock, an open file...), or a tensor that is not a plain
+    tensor (a subclass) which torch.save, as DCP uses it for such tensors, cannot serialize. ``key`` is the entry's flattened
     key, as DCP names it (``"optim.param_groups.0.fn"``), ``type_name`` the type of its value.
     The step is not committed on any rank; the steps committed before it are untouched."""
 

@@ -27,7 +27,8 @@ if [ "$for_tests" = 0 ]; then
     pip_install -c "$constraints" -e .
     exit 0
 fi
-# Lightning and accelerate come with their real dependencies (pyproject.toml's extras).
+# Lightning and accelerate come with their real dependencies (pyproject.toml's extras); the
+# test extra brings torchao (tensor subclasses), whose torch requirement the constraints hold.
 pip_install -c "$constraints" -e ".[test,lightning,accelerate]"
 # torchtitan 0.3.0 declares its whole trainer's dependencies (datasets, wandb, tensorboard,
 # torchdata, torch_checkpointing, ... about 50 packages); its checkpointer, which the tests

@@ -26,7 +26,7 @@ from ..integrity.verify import digests_agree
 from ..store.layout import ItemLocation
 from ..store.local_store import ShardWriter, align
 from ..store.manifest import ManifestItem
-from . import staging
+from . import serialized, staging
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class Placed:
     span: copier.Span | None = None
     digest: int = 0
     twin: copier.Span | None = None  # the tensor whose bytes ``span`` should already hold
+    raw: bool = True  # False: stored as DCP stores it (byte items; tensors not raw_copyable)
 
 
 def copy_and_hash(placed: list[Placed]) -> None:
@@ -87,7 +88,7 @@ class Placement:
         any, lie at the end and are cut off."""
         regions: dict[int, int] = {}
         for item, data in resolved:
-            if item.type != WriteItemType.BYTE_IO:
+            if item.type != WriteItemType.BYTE_IO and copier.raw_copyable(data):
                 t = data.detach()
                 nbytes = t.numel() * t.element_size()
                 at = self._staged_offset(t, nbytes)
@@ -122,9 +123,11 @@ class Placement:
             assert isinstance(data, io.BytesIO)
             raw = data.getvalue()
             offset, digest = shard.append_bytes(raw)
-            return Placed(item, offset, len(raw), digest=digest)
+            return Placed(item, offset, len(raw), digest=digest, raw=False)
         assert isinstance(data, torch.Tensor)
         t = data.detach()
+        if not copier.raw_copyable(t):
+            return self._place_serialized(item, t)
         nbytes = t.numel() * t.element_size()
         base = shard.buffer.base_ptr
         staged_at, twin = shard.buffer.contains(t), None  # staged: the bytes are in place
@@ -155,6 +158,13 @@ class Placement:
             span = copier.Span(src=base + offset, nbytes=nbytes)
         return Placed(item, offset, nbytes, t, span)
 
+    def _place_serialized(self, item: WriteItem, t: torch.Tensor) -> Placed:
+        """A tensor without raw bytes (a subclass, a quantized tensor): appended as the bytes
+        DCP's FileSystemWriter writes for it, checksummed as they are written."""
+        raw = serialized.serialize(t, item.index.fqn)
+        offset, digest = self.shard.append_bytes(raw)
+        return Placed(item, offset, len(raw), t, digest=digest, raw=False)
+
     def confirm_restaged(self, placed: list[Placed]) -> None:
         """Compare each PROCESS-mode tensor with the staged region it was taken for (by
         checksum; the region's was usually taken while staging). Where they differ the tensor
@@ -177,15 +187,14 @@ class Placement:
 
     def record(self, p: Placed, rank: int) -> WriteResult:
         """Add ``p`` to the shard's manifest; DCP's WriteResult carries its ItemLocation."""
-        t = p.tensor
-        is_tensor = t is not None
+        t = p.tensor if p.raw else None
         self.shard.add_item(ManifestItem(
             key=item_key(p.item.index), offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
-            kind="tensor" if is_tensor else "bytes",
+            kind="tensor" if t is not None else "bytes",
             dtype=str(t.dtype).removeprefix("torch.") if t is not None else None,
             shape=list(t.shape) if t is not None else None))
         loc = ItemLocation(rank=rank, offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
-                           is_tensor=is_tensor)
+                           is_tensor=t is not None)
         return WriteResult(index=p.item.index, size_in_bytes=p.nbytes, storage_data=loc)
 
     def _staged_checksum(self, offset: int, nbytes: int) -> int | None:

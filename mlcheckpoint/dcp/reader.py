@@ -38,6 +38,7 @@ from ..integrity.checksum import as_byte_tensor
 from ..integrity.verify import CopyId, digest_item, digests_agree, integrity_error
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardSource
+from . import serialized
 from .remote import RemoteReads
 from .writer import parse_step
 
@@ -61,7 +62,8 @@ def _fits_directly(target: torch.Tensor, req: ReadItem, metadata: Metadata | Non
     """Whether a whole stored item can be copied raw into ``target`` (same dtype and size,
     dense, on the CPU)."""
     dtype = _stored_dtype(metadata, req.storage_index.fqn)
-    return (target.device.type == "cpu" and target.is_contiguous() and not target.is_conj()
+    return (copier.raw_copyable(target) and target.device.type == "cpu"
+            and target.is_contiguous() and not target.is_conj()
             and not target.is_neg() and target.dtype == dtype
             and target.numel() == math.prod(req.lengths))
 
@@ -70,6 +72,15 @@ def _copy_view(target: torch.Tensor, view: torch.Tensor) -> None:
     """Copy (and cast) the stored part ``view`` into ``target``, reshaping where DCP's
     request and the target disagree only in shape."""
     target.copy_(view.reshape(target.shape) if target.shape != view.shape else view)
+
+
+def _load_stored_as_dcp(planner: LoadPlanner, req: ReadItem, raw: bytes) -> None:
+    """Hand a verified item that is not raw tensor bytes to the planner, as DCP's reader does:
+    a byte item as it is, a tensor as ``serialized`` stored it."""
+    if req.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(req, io.BytesIO(raw))
+    else:
+        serialized.load_into(planner, req, raw)
 
 
 class MemoryStorageReader(StorageReader):
@@ -177,11 +188,11 @@ class MemoryStorageReader(StorageReader):
         for req in reqs:
             loc = self._location(req.storage_index)
             self.bytes_read += loc.nbytes
-            if req.type == LoadItemType.BYTE_IO:
+            if req.type == LoadItemType.BYTE_IO or not loc.is_tensor:
                 raw = source.read(loc.offset, loc.nbytes)
                 if not digests_agree(loc.checksum, digest_item(raw)):
                     self._corrupt(rank, req, self.node)
-                planner.load_bytes(req, io.BytesIO(raw))
+                _load_stored_as_dcp(planner, req, raw)
                 continue
             first = (loc.offset, loc.nbytes) not in seen
             seen.add((loc.offset, loc.nbytes))
@@ -212,7 +223,7 @@ class MemoryStorageReader(StorageReader):
         for i, req in enumerate(reqs):
             loc = self._location(req.storage_index)
             key = (loc.offset, loc.nbytes)
-            if req.type == LoadItemType.BYTE_IO:
+            if req.type == LoadItemType.BYTE_IO or not loc.is_tensor:
                 continue
             target = planner.resolve_tensor(req).detach()
             targets[i] = target
@@ -241,8 +252,8 @@ class MemoryStorageReader(StorageReader):
         for i, req in enumerate(reqs):
             loc = self._location(req.storage_index)
             sink = sinks[(loc.offset, loc.nbytes)]
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(sink.tobytes()))
+            if req.type == LoadItemType.BYTE_IO or not loc.is_tensor:
+                _load_stored_as_dcp(planner, req, sink.tobytes())
             elif i in direct:
                 planner.commit_tensor(req, targets[i])
             else:

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import StagingError
+from ..integrity.copier import raw_copyable
 from .plans import PlanCache
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,10 @@ log = logging.getLogger(__name__)
 
 def storage_ptr(t: torch.Tensor) -> int:
     """The address of the storage behind ``t`` (a DTensor's local shard): equal for every
-    view of one parameter, e.g. ``param`` and ``model.state_dict()[name]``."""
+    view of one parameter, e.g. ``param`` and ``model.state_dict()[name]``. 0 for a tensor
+    without raw bytes of its own (a subclass): its copy is never deferred."""
     local = t._local_tensor if isinstance(t, DTensor) else t
-    return local.untyped_storage().data_ptr()
+    return local.untyped_storage().data_ptr() if raw_copyable(local) else 0
 
 
 def optimizer_storages(optimizer: torch.optim.Optimizer) -> set[int]:

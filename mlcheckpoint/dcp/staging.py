@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import StagingError
 from ..integrity import copier
 from ..store.local_store import LocalStore, ShardWriter, align
+from . import serialized
 from .errors import entry_error
 from .plans import NO_PREDICTION, Prediction
 from .snapshot import Snapshotter, storage_ptr
@@ -40,7 +41,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def plain_cpu(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes can be copied raw from its address."""
-    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    return (copier.raw_copyable(t) and t.device.type == "cpu" and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
 
 
 def leaves_of(obj: Any) -> list[torch.Tensor]:
@@ -68,14 +70,21 @@ def lay_out(leaves: list[torch.Tensor], prediction: Prediction,
     buffer altogether (its source is copied at the commit if the plan does want it)."""
     offsets: list[int | None] = [None] * len(leaves)
     end = 0
-    wanted = [prediction.wanted(t) for t in leaves]
+    # Only raw tensors take room in the buffer: the others are snapshotted DCP's way.
+    raw = [copier.raw_copyable(_local(t)) for t in leaves]
+    wanted = [r and prediction.wanted(t) for r, t in zip(raw, leaves)]
     head = [i for i, w in enumerate(wanted) if w]
-    tail = [i for i, w in enumerate(wanted) if not w and not skip(leaves[i])]
+    tail = [i for i, w in enumerate(wanted) if raw[i] and not w and not skip(leaves[i])]
     for i in head + tail:
         offsets[i] = end
         local = _local(leaves[i])
         end += align(local.numel() * local.element_size())
     return offsets, end
+
+
+def staged_bytes(tensors: list[torch.Tensor]) -> int:
+    """The buffer region the raw tensors take (the others are committed DCP's way)."""
+    return sum(align(t.numel() * t.element_size()) for t in tensors if copier.raw_copyable(t))
 
 
 @dataclass
@@ -254,16 +263,19 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
     next_offset, on_device, spans = 0, False, []
     places = iter(offsets) if offsets is not None else None
 
-    def stage(t: torch.Tensor) -> torch.Tensor:
+    def stage(t: torch.Tensor, key: str) -> torch.Tensor:
         nonlocal next_offset, on_device
         local = _local(t).detach()
-        n = local.numel() * local.element_size()
         offset = next(places) if places is not None else next_offset
+        if not copier.raw_copyable(local):  # DCP's own route, taken now: never deferred
+            return _like(t, serialized.snapshot(local, key))  # (lay_out gave it no room)
+        n = local.numel() * local.element_size()
         if offset is None:  # another rank's to write, as predicted: see Staged.hold
             layout.skipped_bytes += n
             return t
         next_offset = offset + align(n)
-        dst = buffer_tensor[offset:offset + n].view(local.dtype).view(local.shape)
+        dst = _region(buffer_tensor, offset, n, own_storage=isinstance(t, DTensor))
+        dst = dst.view(local.dtype).view(local.shape)
         if defer is not None and n and defer(local):
             layout.deferred.append(_Copy(local, dst, offset, n, local.data_ptr()))
         elif plain_cpu(local):
@@ -272,9 +284,7 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
             on_device |= local.device.type != "cpu"
             dst.copy_(local, non_blocking=local.device.type != "cpu")
             layout.unhashed.append((offset, n))
-        if isinstance(t, DTensor):
-            return DTensor(dst, t._spec, requires_grad=False)
-        return dst
+        return _like(t, dst)
 
     try:
         layout.staged = _walk(obj, stage)  # the sources stay alive: ``obj`` holds them
@@ -374,9 +384,25 @@ def _flat_entry(state_dict: Any, path: tuple, value: Any) -> tuple[str, Any]:
     return ".".join(map(str, path)), value
 
 
-def _walk(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], path: tuple = ()) -> Any:
+def _region(buffer_tensor: torch.Tensor, offset: int, n: int, own_storage: bool) -> torch.Tensor:
+    """The ``n`` bytes at ``offset`` of the buffer. ``own_storage``: as a storage object of
+    their own (the same memory): torch's multiprocessing pickler, which sends staged state
+    to DCP's PROCESS-mode checkpoint process, crashes on two DTensors whose local tensors
+    share one storage. (That process then appends those items anew, not knowing their place.)"""
+    region = buffer_tensor[offset:offset + n]
+    return torch.from_numpy(region.numpy()) if own_storage and n else region  # (empty: no bytes)
+
+
+def _like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` in ``t``'s place: a DTensor keeps its sharding."""
+    return DTensor(local, t._spec, requires_grad=False) if isinstance(t, DTensor) else local
+
+
+def _walk(obj: Any, fn: Callable[[torch.Tensor, str], torch.Tensor], path: tuple = ()) -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor, key)`` (``key``: its dotted path,
+    for errors) and every other leaf deep-copied (one that refuses: ``_Uncopyable``)."""
     if isinstance(obj, torch.Tensor):
-        return fn(obj)
+        return fn(obj, ".".join(map(str, path)))
     if isinstance(obj, dict):  # a plain dict whatever the mapping type: DCP only needs Mapping
         return {k: _walk(v, fn, (*path, str(k))) for k, v in obj.items()}
     if isinstance(obj, list):

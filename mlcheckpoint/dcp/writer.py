@@ -34,7 +34,7 @@ from .._faults import crash_point, pause_point
 from .._gc import pausing_gc
 from ..errors import MLCheckpointError
 from ..store.identity import Lineage, new_id
-from ..store.local_store import LocalStore, ShardWriter, align
+from ..store.local_store import LocalStore, ShardWriter
 from ..store.manifest import Manifest
 from . import plans, staging
 from .errors import entry_error
@@ -226,14 +226,17 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 if staged.shard is not None:
                     staged.shard.abort()  # this step commits nowhere: give the buffer back
                 raise error
-        shard = self._open_shard(plan, staged)
+        t0 = time.perf_counter()
+        shard = self._open_staged(staged) if staged is not None else None
         try:
             pause_point("write_data", self.step, self.rank)
+            resolved = [(item, _resolve(planner, item)) for item in plan.items]
+            if shard is None:  # sized for the raw tensors; the other items are appended
+                tensors = [data for _, data in resolved if isinstance(data, torch.Tensor)]
+                shard = self.store.begin_shard(self.step, self.rank, staging.staged_bytes(tensors))
             crash_point("before_data", self.step, self.rank)
-            t0 = time.perf_counter()
             placement = Placement(shard, staged.digests if staged is not None else {},
                                   restaged_bytes=_restaged_bytes(staged))
-            resolved = [(item, _resolve(planner, item)) for item in plan.items]
             if staged is not None and not self.keep_staged:
                 placement.keep_planned(resolved)  # only what the plan gives this rank stays
             placed = [placement.place(item, data) for item, data in resolved]
@@ -252,7 +255,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             self.committed = shard.commit(world_size=self.world_size, save_id=self.save_id,
                                           run_id=self.lineage.run_id)
         except BaseException:
-            shard.abort()
+            if shard is not None:
+                shard.abort()
             raise
         log.debug("committed step %d rank %d (%d items)", self.step, self.rank, len(results))
         if staged is not None and self._snapshots is not None:
@@ -263,24 +267,16 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         fut.set_result(results)
         return fut
 
-    def _open_shard(self, plan: SavePlan, staged: staging.Staged | None) -> ShardWriter:
-        """The staged shard (reopened by name in DCP's checkpoint process), else a new one
-        sized for the plan's tensors."""
-        if staged is not None:
-            shard = staged.shard
-            if shard is None:  # PROCESS mode: stage() ran in the trainer; reopen its buffer by name
-                shard = self.store.reopen_shard(self.step, staged.rank, staged.nbytes)
-            if shard.rank != self.rank:
-                # stage() runs before DCP names the rank it saves as (a bare writer stages as
-                # the default group's rank; DCP may use another: no_dist, a group of its own).
-                shard.reassign(self.rank)
-            return shard
-        nbytes = 0
-        for item in plan.items:
-            if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
-                nbytes += align(torch.Size(item.tensor_data.size).numel()
-                                * item.tensor_data.properties.dtype.itemsize)
-        return self.store.begin_shard(self.step, self.rank, nbytes)
+    def _open_staged(self, staged: staging.Staged) -> ShardWriter:
+        """The staged shard (reopened by name in DCP's checkpoint process)."""
+        shard = staged.shard
+        if shard is None:  # PROCESS mode: stage() ran in the trainer; reopen its buffer by name
+            shard = self.store.reopen_shard(self.step, staged.rank, staged.nbytes)
+        if shard.rank != self.rank:
+            # stage() runs before DCP names the rank it saves as (a bare writer stages as
+            # the default group's rank; DCP may use another: no_dist, a group of its own).
+            shard.reassign(self.rank)
+        return shard
 
     @pausing_gc
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

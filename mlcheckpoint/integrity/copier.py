@@ -12,7 +12,7 @@ The C loop (``_hashcopy.c``, when built) does a piece of up to 16 MiB per call i
 the same digests; see there.
 
 Items are contiguous CPU byte ranges given by address; callers keep the memory alive and
-check the sizes. A shard mapped just now (a resume) has no page tables yet: its pages are
+check the sizes, and take a tensor's address only where ``raw_copyable`` says it has one. A shard mapped just now (a resume) has no page tables yet: its pages are
 faulted in by the threads here as they hash, two at a time. Non-contiguous or device tensors
 are first copied by torch in the caller, then only hashed here.
 """
@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ..settings import tuning
 from .checksum import CHUNK_BYTES, combine, hash_at, n_chunks, native_hash_copy
@@ -36,6 +37,23 @@ log = logging.getLogger(__name__)
 
 # Below this many bytes in all, handing work to threads costs more than it saves.
 INLINE_BYTES = 4 << 20
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def raw_copyable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s value is exactly ``numel * element_size`` bytes of its dtype in one
+    strided storage, so that its bytes may be copied by address (contiguous, on the CPU) or by
+    ``Tensor.copy_`` into a plain view of a buffer, and read back the same way.
+
+    Only a plain tensor is. A subclass may keep its bytes in inner tensors (a wrapper subclass
+    has no valid storage of its own: its address is not its data) or compute them; a quantized
+    tensor needs its scales; a sparse or nested one has no single strided storage. Those take
+    DCP's own route (``dcp/serialized.py``): this is the one place that decides.
+    """
+    return (type(t) in _PLAIN_TYPES and t.layout is torch.strided and not t.is_quantized
+            and not t.is_meta)
 
 
 @dataclass(frozen=True)

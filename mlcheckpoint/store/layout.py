@@ -270,4 +270,4 @@ class ItemLocation:
     offset: int
     nbytes: int
     checksum: int
-    is_tensor: bool = True
+    is_tensor: bool = True  # raw tensor bytes; False: as DCP stores it (pickled, torch.save)

@@ -11,6 +11,7 @@ argv: base_folder total_steps [save_until]
   Steps after ``save_until`` are trained but not checkpointed: the run is then both the
   "checkpointed until step S" job and the uninterrupted reference.
 env TITAN_LOAD_STEP: checkpoint.load_step (default -1).
+env TITAN_FLOAT8=1: float8 training as torchtitan's converter sets it up (``to_float8``).
 env TITAN_RAISE_AT_END=1: after reporting, rank 1 raises in its next step while rank 0 waits
   in that step's collective (a rank that fails mid-training); both close() from ``except``.
 Reports "titan_<tag>" (env TITAN_TAG): the resume, per-step losses; rank 0 writes the full
@@ -126,11 +127,23 @@ class TrainState(Stateful):
 def build_model(world: int) -> nn.Module:
     torch.manual_seed(int(os.environ.get("TITAN_SEED", "0")))  # a resumed run starts elsewhere
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8))
+    if os.environ.get("TITAN_FLOAT8"):
+        to_float8(model)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def to_float8(model: nn.Module) -> None:
+    """Float8 training as torchtitan 0.3.0's Float8LinearConverter sets it up on a machine
+    without float8 hardware (``emulate=True``): torchao's Float8Linear for every Linear whose
+    dims are multiples of 16. (The converter module itself imports torchtitan's trainer
+    dependencies, so its torchao config is built here, as it builds it.)"""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=True), module_filter_fn=(
+        lambda m, _fqn: m.in_features % 16 == 0 and m.out_features % 16 == 0))
 
 
 def resume_summary(info) -> dict | None:
@@ -185,6 +198,7 @@ def main() -> None:
                                 "lr": optimizers.optim.param_groups[0]["lr"],
                                 "folder": sorted(os.listdir(checkpointer.folder)),
                                 "torchtitan": os.path.dirname(torchtitan.__file__),
+                                "layers": sorted({type(m).__name__ for m in model}),
                                 "metrics": train_state.metrics_processor.logger.logged})
         if os.environ.get("TITAN_RAISE_AT_END"):
             if rank == 1:

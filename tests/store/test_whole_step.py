@@ -292,7 +292,11 @@ def test_watcher_sees_no_gap_while_a_2x2_job_saves_back_to_back_under_load():
                     assert p["rate_bytes_per_s"] > 0, (rank, p)
                     # the budget cannot carry every save: most are skipped, every rank alike
                     assert 0 < p["superseded"] < r["saves"], (rank, p)
-                    assert abs(p["superseded"] - saved[0]["protection"]["superseded"]) <= 3
+                    # ranks read protection() at their own moment, when one may have taken
+                    # a round the other has not yet: they differ by at most that round's saves
+                    one_round = -(-r["saves"] // max(1, saved[0]["rounds"]))
+                    assert abs(p["superseded"] - saved[0]["protection"]["superseded"]) <= 3 + one_round, \
+                        (rank, p, saved[0]["protection"], one_round)
                 # and so does `mlcheckpoint ls`, from node 0's history
                 listing = subprocess.run(
                     [sys.executable, "-m", "mlcheckpoint.cli", "--local-dir", c.nodes[0].local_dir,

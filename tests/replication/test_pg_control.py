@@ -22,6 +22,10 @@ import torch.distributed as dist
 from cluster import WORKERS
 from helpers import end_peer, wait_for
 
+from mlcheckpoint.replication import Rendezvous
+from mlcheckpoint.replication.control import Doorbell, Mailbox, Seal
+from mlcheckpoint.store.layout import JobPaths
+
 pytestmark = pytest.mark.timeout(300)
 NODES, PER_NODE = 2, 4
 WORLD = NODES * PER_NODE
@@ -130,3 +134,43 @@ def test_an_idle_pg_job_costs_the_store_per_node_and_every_rank_is_served(pg_job
 
     idle = idle_ops(pg_job)
     assert [idle[r] for r in others] == [0] * len(others), idle
+
+
+@pytest.fixture
+def c10d():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    yield store
+    del store
+
+
+def test_a_ring_wakes_its_nodes_ranks_through_the_leader_alone(store_dir, c10d):
+    """The doorbell, in one process (2 nodes x 2 ranks, one TCPStore): a request rings its
+    rank's node only; the node's ranks learn of it from the node's file once the leader
+    relayed it, once per count; a file not sealed by this run wakes nobody."""
+    secret = secrets.token_bytes(32)
+
+    def rdzv(rank: int) -> Rendezvous:
+        return Rendezvous(c10d, "bell", rank, 4, timeout=60, secret=secret, session=b"this run")
+
+    path = JobPaths(os.path.join(store_dir, "node0", "bell")).pg_bell
+    leader_rdzv, other_rdzv = rdzv(0), rdzv(1)
+    leader = Doorbell(leader_rdzv, Mailbox(leader_rdzv, "bell", 60, 2).seal, path, 2)
+    other = Doorbell(other_rdzv, Mailbox(other_rdzv, "bell", 60, 2).seal, path, 2)
+    assert leader.leader and not other.leader
+    assert not other.rang()  # no file yet
+    leader.relay()  # its first look: the count so far
+    assert other.rang() and not other.rang()  # once per change
+
+    poster = Mailbox(rdzv(2), "bell", 60, 2)  # a rank of node 1
+    poster.post(3, {"op": "get_metadata", "step": 1})  # for node 1: node 0 stays quiet
+    leader.relay()
+    assert not other.rang()
+    poster.post(1, {"op": "get_metadata", "step": 1})  # for node 0
+    assert not other.rang()  # not before the leader looked
+    leader.relay()
+    assert other.rang()
+
+    stale = Seal(secret, b"an earlier run", leader_rdzv.prefix)  # what it left behind
+    with open(path, "w") as f:
+        f.write(stale.seal("node/0/pg-bell", {"count": 99}))
+    assert not other.rang()

@@ -331,8 +331,9 @@ SETTINGS: tuple[Setting, ...] = (
             "round when no save wakes it", 0.1, check=_seconds),
     Setting("wait_poll", "timeouts", "seconds between looks while waiting for a step to be "
             "replicated or drained", 0.02, check=_seconds),
-    Setting("mailbox_poll", "timeouts", "seconds between the `pg` transport's looks at this "
-            "rank's mailbox in the c10d store", 0.01, check=_seconds),
+    Setting("mailbox_poll", "timeouts", "seconds between the `pg` transport's looks for "
+            "requests: the node's leader at its doorbell in the c10d store, every rank at the "
+            "node's file of it", 0.01, check=_seconds),
 )
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS if s.env}

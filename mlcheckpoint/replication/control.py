@@ -7,6 +7,18 @@ answers. A message is read once, at its key (a rank reads its mailbox slots in o
 stranger can neither forge one nor replay an old one; the most it can do is delete them.
 Metadata blobs go through the store too and are accepted only with the digest the sealed
 message names.
+
+Who looks at the store while nothing happens: one rank per node. Each node has a *doorbell*, a
+counter in the store that ``Mailbox.post`` raises after it wrote a request for a rank of that
+node. The node's leader (local rank 0) alone reads it, every ``mailbox_poll``, and writes what
+it read into a file of the node's job directory (``JobPaths.pg_bell``); every rank of the node
+reads that file and looks in its mailbox only when it changed. A request is in its slot before
+its ring is counted, so a rank that looks after seeing a count finds every request rung up to
+it. An idle job costs one store operation per node and poll; a request waits at most two polls
+more (the leader's, then its rank's). The doorbell is named by an HMAC like the job's counters
+(a stranger who cannot find it cannot set it to something that is not a count); the file is
+sealed like the messages (one left by another run is ignored). A stranger who rings a bell
+only makes a node's ranks look in their mailboxes once more.
 """
 
 from __future__ import annotations
@@ -14,14 +26,19 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import os
 import secrets
 from datetime import timedelta
 
 from ..errors import ReplicationError
+from ..store.layout import TMP
 from . import protocol as p
 from .rendezvous import Rendezvous
 
+log = logging.getLogger(__name__)
 MAX_TAG = 1 << 30  # gloo tags are 32-bit
+MAX_BELL_FILE_BYTES = 4096  # a sealed count is a couple of hundred bytes
 
 
 class Seal:
@@ -64,22 +81,82 @@ def _digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-class Mailbox:
-    """This rank's side of the control channel: requests into peers' mailboxes, replies to
-    them, and metadata blobs, all sealed; every wait bounded by ``timeout`` seconds."""
+def bell_key(rdzv: Rendezvous, node: int) -> str:
+    """The store key of ``node``'s doorbell (see the module docstring)."""
+    return rdzv.counter("pg-bell", node)
 
-    def __init__(self, rdzv: Rendezvous, job_id: str, timeout: float):
+
+class Doorbell:
+    """When this rank should look in its mailbox: once the count its node's leader read from
+    the node's doorbell changed (see the module docstring). ``ranks_per_node``: ranks are
+    numbered node by node, as torchrun does."""
+
+    def __init__(self, rdzv: Rendezvous, seal: Seal, path: str, ranks_per_node: int):
+        self.node, local = divmod(rdzv.rank, ranks_per_node)
+        self.leader = local == 0
+        self.path, self._rdzv, self._seal = path, rdzv, seal
+        self._key = bell_key(rdzv, self.node)
+        self._file_key = f"node/{self.node}/pg-bell"
+        self._count: int | None = None  # leader: the count last written into the file
+        self._raw: bytes | None = None  # the file as this rank last read it
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+
+    def relay(self) -> None:
+        """The leader's look (one store operation): a new count goes into the node's file,
+        whole or not at all (renamed in)."""
+        count = self._rdzv.add(self._key, 0)
+        if count == self._count:
+            return
+        tmp = self.path + TMP
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, self._seal.seal(self._file_key, {"count": count}).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        self._count = count
+
+    def rang(self) -> bool:
+        """The node's file changed since the last look and this run's leader wrote it: a
+        request may be waiting (no store operation)."""
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(MAX_BELL_FILE_BYTES + 1)
+        except FileNotFoundError:
+            return False
+        if raw == self._raw:
+            return False
+        self._raw = raw
+        try:
+            if len(raw) > MAX_BELL_FILE_BYTES:
+                raise p.ProtocolError(f"larger than {MAX_BELL_FILE_BYTES} bytes")
+            self._seal.open(self._file_key, raw)
+        except p.ProtocolError as e:  # e.g. left by an earlier run of the job: not ours
+            log.debug("mlcheckpoint: ignored %s: %s", self.path, e)
+            return False
+        return True
+
+
+class Mailbox:
+    """This rank's side of the control channel: requests into peers' mailboxes (each rung on
+    its node's doorbell), replies to them, and metadata blobs, all sealed; every wait bounded
+    by ``timeout`` seconds."""
+
+    def __init__(self, rdzv: Rendezvous, job_id: str, timeout: float, ranks_per_node: int = 1):
         self.rdzv, self.job_id, self.timeout = rdzv, job_id, timeout
+        self.ranks_per_node = ranks_per_node
         self.seal = Seal(rdzv.secret(), rdzv.session, rdzv.prefix)
 
     def post(self, peer: int, msg: dict, nonce: str | None = None) -> tuple[int, str]:
-        """Put a request in ``peer``'s mailbox; returns its (tag, nonce)."""
+        """Put a request in ``peer``'s mailbox, then ring its node's doorbell; returns its
+        (tag, nonce)."""
         tag = self.rdzv.add("pg/tag", 1) % MAX_TAG
         seq = self.rdzv.add(f"pg/seq/{peer}", 1)
         nonce = nonce or secrets.token_hex(16)
         msg = {**msg, "from": self.rdzv.rank, "tag": tag, "nonce": nonce, "job_id": self.job_id}
         key = f"pg/mbox/{peer}/{seq}"
         self.rdzv.store.set(key, self.seal.seal(key, msg))
+        self.rdzv.add(bell_key(self.rdzv, peer // self.ranks_per_node), 1)  # after the set: see above
         return tag, nonce
 
     def take_request(self, seq: int) -> bytes | None:

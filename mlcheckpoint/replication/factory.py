@@ -66,7 +66,8 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
         transport = PgTransport(store, rdzv, sink=sink, backend="gloo" if kind == "pg" else "nccl",
                                 timeout=timeout, bandwidth=bandwidth, interface=interface,
                                 master_addr=topology.master_addr, master_port=topology.master_port,
-                                poll_interval=mailbox_poll)
+                                poll_interval=mailbox_poll,
+                                ranks_per_node=topology.local_world_size)
     else:
         raise ConfigError(f"replication transport {kind!r}: expected one of "
                           f"{', '.join(map(repr, TRANSPORTS))}")

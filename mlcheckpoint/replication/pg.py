@@ -5,7 +5,8 @@ buffer), never the training group, so replication cannot deadlock with training 
 Control messages (offers, requests, replies) go through the job's c10d store, sealed
 (``control.py``); the store has timeouts, so a send/recv is only ever posted when the other
 side is known to be waiting for it. Each rank serves its mailbox on one thread, one request at
-a time, through a table of handlers. What arrives lands through the receive sink
+a time, through a table of handlers; it looks in the mailbox only when its node's doorbell rang,
+which the node's leader alone watches in the store, on a thread of its own (``control.py``). What arrives lands through the receive sink
 (``sink.py``), which verifies and commits it.
 
 Paced transfers (pushes, and fetches that ask for it) go in pieces of the bandwidth budget's
@@ -33,7 +34,7 @@ from ..store import LocalStore, Manifest
 from ..store.buffers import MappedFile
 from . import protocol as p
 from .budget import node_budget
-from .control import MAX_TAG, Mailbox
+from .control import MAX_TAG, Doorbell, Mailbox
 from .network import choose_endpoint
 from .rendezvous import Rendezvous
 from .sink import Receipt, ReceiveSink
@@ -85,7 +86,10 @@ class PgTransport(Transport):
         backend: "gloo" (CPU buffers) or "nccl" (through a GPU bounce buffer; each rank must
             have selected its CUDA device).
         timeout: seconds any single wait may take.
-        poll_interval: seconds between looks at this rank's mailbox.
+        poll_interval: seconds between looks at the node's doorbell (its leader, in the store)
+            and at the node's file of it (every rank).
+        ranks_per_node: ranks on each node, numbered node by node (1: every rank watches its
+            own doorbell).
         bandwidth: the node's budget for what we send in the background, bytes/s (0: no cap;
             "auto": the default for ``interface``, else for the one routing to MASTER_ADDR).
         interface: the NIC whose speed sets the "auto" budget (the group itself picks its
@@ -96,7 +100,7 @@ class PgTransport(Transport):
                  backend: str = "gloo", timeout: float = default("replication_timeout"),
                  poll_interval: float = default("mailbox_poll"), bandwidth: int | str = 0,
                  interface: str | None = None, master_addr: str = default("master_addr"),
-                 master_port: int = default("master_port")):
+                 master_port: int = default("master_port"), ranks_per_node: int = 1):
         self.store, self.rdzv, self.timeout = store, rdzv, timeout
         self.sink = sink if sink is not None else ReceiveSink(store)
         link = (choose_endpoint(interface=interface, master_addr=master_addr,
@@ -105,7 +109,8 @@ class PgTransport(Transport):
         self.budget = node_budget(bandwidth, link, store.paths.bandwidth)
         self.backend = backend
         self.name = f"pg/{backend}"
-        self.mailbox = Mailbox(rdzv, store.job_id, timeout)
+        self.mailbox = Mailbox(rdzv, store.job_id, timeout, ranks_per_node)
+        self.bell = Doorbell(rdzv, self.mailbox.seal, store.paths.pg_bell, ranks_per_node)
         self.logs = RateLimitedLog(log)
         self.group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout))
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
@@ -118,6 +123,12 @@ class PgTransport(Transport):
             "get_metadata": self._on_get_metadata}
         self._thread = threading.Thread(target=self._serve_loop, name="mlckpt-pg-serve", daemon=True)
         self._thread.start()
+        # The leader's look at the doorbell runs beside its serving, which may take as long as
+        # a transfer: the node's other ranks are woken meanwhile.
+        self._relay: threading.Thread | None = None
+        if self.bell.leader:
+            self._relay = threading.Thread(target=self._relay_loop, name="mlckpt-pg-bell", daemon=True)
+            self._relay.start()
 
     # ------------------------------------------------------------------ bytes
     def _piece(self, paced: bool) -> int:
@@ -177,13 +188,25 @@ class PgTransport(Transport):
         receipt.commit()
 
     # ------------------------------------------------------------------ server
-    def _serve_loop(self) -> None:
-        seq = 1
+    def _relay_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                raw = self.mailbox.take_request(seq)
+                self.bell.relay()
+            except Exception as e:  # noqa: BLE001 (the store went away: the job is ending)
+                if not self._closed.is_set():
+                    log.warning("mlcheckpoint: pg transport doorbell failed: %s", e)
+                return
+            self._closed.wait(self._poll)
+
+    def _serve_loop(self) -> None:
+        seq, look = 1, False  # look: the doorbell rang since the mailbox was last seen empty
+        while not self._closed.is_set():
+            try:
+                raw = self.mailbox.take_request(seq) if look else None
                 if raw is None:
-                    self._closed.wait(self._poll)  # nothing signals a request: look again soon
+                    look = self.bell.rang()  # no store operation
+                    if not look:
+                        self._closed.wait(self._poll)
                     continue
             except Exception as e:  # noqa: BLE001 (the store went away: the job is ending)
                 if not self._closed.is_set():
@@ -347,9 +370,11 @@ class PgTransport(Transport):
 
     def close(self) -> bool:
         self._closed.set()
-        self._thread.join(timeout=5)
+        threads = [t for t in (self._thread, self._relay) if t is not None]
+        for t in threads:
+            t.join(timeout=5)
         with contextlib.suppress(Exception):
             dist.destroy_process_group(self.group)
         self.budget.close()
-        return not self._thread.is_alive()
+        return not any(t.is_alive() for t in threads)
 

@@ -8,6 +8,7 @@
         locks/bandwidth                       the node's replication bandwidth schedule (replication/budget.py)
         locks/round                           the replication round the node's leader read (replication/rounds.py)
         locks/round-<local_rank:05d>          the round that rank of the node last finished
+        locks/pg-bell                         the node's pg doorbell count its leader read (replication/control.py)
         steps/<step:012d>/metadata            DCP global metadata (self-verifying, renamed in)
         steps/<step:012d>/rank-<r:05d>.data   raw item bytes of rank r's shard
         steps/<step:012d>/rank-<r:05d>.manifest   per-item checksums; its presence = committed
@@ -37,6 +38,7 @@ RETENTION_LOCK = ".retention.lock"
 HISTORY = "history.jsonl"
 BANDWIDTH = "bandwidth"
 ROUND = "round"
+PG_BELL = "pg-bell"
 METADATA = "metadata"
 PARTIAL = ".partial"
 TMP = ".tmp"
@@ -93,7 +95,7 @@ class Entry:
 
 
 _FIXED = {METADATA: Kind.METADATA, LOCK: Kind.LOCK, RETENTION_LOCK: Kind.LOCK, BANDWIDTH: Kind.LOCK,
-          ROUND: Kind.LOCK,
+          ROUND: Kind.LOCK, PG_BELL: Kind.LOCK,
           HISTORY: Kind.HISTORY, STEPS: Kind.FOLDER, POOL: Kind.FOLDER, ORPHANS: Kind.FOLDER,
           LOCKS: Kind.FOLDER}
 
@@ -217,6 +219,12 @@ class JobPaths:
         """The replication round the node's leader read from the c10d store, for the node's
         other ranks (replication/rounds.py)."""
         return os.path.join(self.job_dir, LOCKS, ROUND)
+
+    @property
+    def pg_bell(self) -> str:
+        """The count of the node's pg doorbell its leader read from the c10d store, for the
+        node's ranks to know when to look in their mailboxes (replication/control.py)."""
+        return os.path.join(self.job_dir, LOCKS, PG_BELL)
 
     def round_done(self, local_rank: int) -> str:
         """The round the node's rank ``local_rank`` last finished, for the node's leader."""

@@ -43,7 +43,7 @@ from typing_extensions import Self
 from mlcheckpoint import ConfigError
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.replication import protocol as p
-from mlcheckpoint.replication.control import MAX_TAG, Seal
+from mlcheckpoint.replication.control import MAX_TAG, Seal, bell_key
 from mlcheckpoint.replication.pg import MAX_PIECE_BYTES, MIN_PIECE_BYTES
 from mlcheckpoint.replication.rendezvous import (
     SECRET_ENV,
@@ -470,6 +470,9 @@ class PgPeer:
         self.prefix, self.session = info["prefix"], bytes.fromhex(info["session"])
         self.seal = Seal(self.secret, self.session, self.prefix)
         self.store = dist.PrefixStore(self.prefix, self.c10d)
+        # its node's doorbell (a node of one rank), which a peer rings after each request
+        self.bell = bell_key(Rendezvous(self.c10d, self.job_id, 0, 1, secret=self.secret,
+                                        session=self.session), 0)
         self.local = LocalStore(self.dir, self.job_id, create=False)
 
     def log(self) -> str:
@@ -493,6 +496,7 @@ class PgPeer:
         slot = self.next_slot()
         value = raw if raw is not None else (sealer or self.seal).seal(slot, msg).encode()
         self.store.set(slot, value)
+        self.store.add(self.bell, 1)
         return tag, nonce, value
 
     def reply(self, tag: int, nonce: str, phase: str = "r") -> dict:

@@ -1,0 +1,176 @@
+"""The pg transport's control channel costs the c10d store per node, not per rank, while the
+job is idle (replication/control.py, the doorbell), and still serves every rank's requests.
+
+Two nodes of four ranks: eight processes (tests/workers/pg_node.py), each a real PgTransport
+over a real gloo group and one real TCPStore, each counting its own store operations
+(``testing.control.CountingStore``); a node's ranks share its job directory, as they do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+from cluster import WORKERS
+from helpers import end_peer, wait_for
+
+from mlcheckpoint.replication import Rendezvous
+from mlcheckpoint.replication.control import Doorbell, Mailbox, Seal
+from mlcheckpoint.store.layout import JobPaths
+
+pytestmark = pytest.mark.timeout(300)
+NODES, PER_NODE = 2, 4
+WORLD = NODES * PER_NODE
+NBYTES = 4096  # as the worker's shard
+
+
+class PgJob:
+    """The eight worker processes, and their answers."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.c10d = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        self.procs: list[subprocess.Popen] = []
+        self.logs = [os.path.join(root, f"rank{r}.log") for r in range(WORLD)]
+        self._ids = 0
+        job, secret = f"pgctl-{secrets.token_hex(4)}", secrets.token_hex(32)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for rank in range(WORLD):
+            node_dir = os.path.join(root, f"node{rank // PER_NODE}")
+            os.makedirs(node_dir, mode=0o700, exist_ok=True)
+            cfg = {"host": "127.0.0.1", "port": self.c10d.port, "job": job, "dir": node_dir,
+                   "rank": rank, "world": WORLD, "per_node": PER_NODE, "secret": secret,
+                   "status_dir": root}
+            with open(self.logs[rank], "w") as logf:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, os.path.join(WORKERS, "pg_node.py"), json.dumps(cfg)],
+                    env=env, stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
+                    start_new_session=True, text=True))
+
+    def log(self) -> str:
+        out = []
+        for rank, path in enumerate(self.logs):
+            with open(path) as f:
+                out.append(f"--- rank {rank}\n{f.read()[-3000:]}")
+        return "\n".join(out)
+
+    def answer(self, what: str, rank: int, n: int) -> dict:
+        path = os.path.join(self.root, f"{what}-{rank}-{n}")
+        wait_for(lambda: os.path.exists(path) or self.procs[rank].poll() is not None,
+                 f"{what} of rank {rank}", diag=self.log)
+        assert self.procs[rank].poll() is None, self.log()
+        with open(path) as f:
+            return json.load(f)
+
+    def ask(self, rank: int, cmd: dict) -> int:
+        self._ids += 1
+        self.procs[rank].stdin.write(json.dumps({**cmd, "id": self._ids}) + "\n")
+        self.procs[rank].stdin.flush()
+        return self._ids
+
+    def ops(self) -> list[int]:
+        """Every rank's store operations so far."""
+        ids = [self.ask(rank, {"cmd": "count"}) for rank in range(WORLD)]
+        return [self.answer("count", rank, n)["ops"] for rank, n in enumerate(ids)]
+
+    def read(self, rank: int, peer: int) -> str:
+        """Rank ``rank`` reads rank ``peer``'s shard from it: the sha256 of what came."""
+        return self.answer("read", rank, self.ask(rank, {"cmd": "read", "peer": peer}))["sha256"]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            end_peer(proc)
+        del self.c10d
+
+
+@pytest.fixture
+def pg_job(store_dir):
+    job = PgJob(store_dir)
+    try:
+        for rank in range(WORLD):
+            wait_for(lambda rank=rank: os.path.exists(os.path.join(store_dir, f"ready-{rank}"))
+                     or job.procs[rank].poll() is not None, f"rank {rank} ready", diag=job.log)
+        assert all(p.poll() is None for p in job.procs), job.log()
+        yield job
+    finally:
+        job.close()
+
+
+def shard_digest(owner: int) -> str:
+    """The sha256 of the shard the worker of rank ``owner`` commits (repl_peer.make_shard)."""
+    return hashlib.sha256(np.random.default_rng(owner).bytes(NBYTES)).hexdigest()
+
+
+def idle_ops(job: PgJob) -> list[int]:
+    """Each rank's store operations over an idle stretch."""
+    before = job.ops()
+    threading.Event().wait(1.0)  # an idle stretch to count over (nothing here is timed)
+    return [b - a for a, b in zip(before, job.ops(), strict=True)]
+
+
+@pytest.mark.slow
+def test_an_idle_pg_job_costs_the_store_per_node_and_every_rank_is_served(pg_job):
+    """Idle, a node's other ranks make no store operation (its leader watches the node's
+    doorbell); a request to such a rank on the other node, from such a rank, is still served;
+    and idle again afterwards they are quiet again."""
+    leaders = [n * PER_NODE for n in range(NODES)]
+    others = [r for r in range(WORLD) if r not in leaders]
+    idle_ops(pg_job)  # settling: each rank looks in its mailbox once its leader first rang
+    idle = idle_ops(pg_job)
+    assert [idle[r] for r in others] == [0] * len(others), idle
+    assert all(idle[r] > 0 for r in leaders), idle  # the leaders look: the counter counts
+
+    assert pg_job.read(1, 6) == shard_digest(6)  # node 0's rank 1 from node 1's rank 6
+    assert pg_job.read(5, 2) == shard_digest(2)  # and back
+    assert pg_job.read(0, 7) == shard_digest(7)  # a leader from another node's rank
+
+    idle = idle_ops(pg_job)
+    assert [idle[r] for r in others] == [0] * len(others), idle
+
+
+@pytest.fixture
+def c10d():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    yield store
+    del store
+
+
+def test_a_ring_wakes_its_nodes_ranks_through_the_leader_alone(store_dir, c10d):
+    """The doorbell, in one process (2 nodes x 2 ranks, one TCPStore): a request rings its
+    rank's node only; the node's ranks learn of it from the node's file once the leader
+    relayed it, once per count; a file not sealed by this run wakes nobody."""
+    secret = secrets.token_bytes(32)
+
+    def rdzv(rank: int) -> Rendezvous:
+        return Rendezvous(c10d, "bell", rank, 4, timeout=60, secret=secret, session=b"this run")
+
+    path = JobPaths(os.path.join(store_dir, "node0", "bell")).pg_bell
+    leader_rdzv, other_rdzv = rdzv(0), rdzv(1)
+    leader = Doorbell(leader_rdzv, Mailbox(leader_rdzv, "bell", 60, 2).seal, path, 2)
+    other = Doorbell(other_rdzv, Mailbox(other_rdzv, "bell", 60, 2).seal, path, 2)
+    assert leader.leader and not other.leader
+    assert not other.rang()  # no file yet
+    leader.relay()  # its first look: the count so far
+    assert other.rang() and not other.rang()  # once per change
+
+    poster = Mailbox(rdzv(2), "bell", 60, 2)  # a rank of node 1
+    poster.post(3, {"op": "get_metadata", "step": 1})  # for node 1: node 0 stays quiet
+    leader.relay()
+    assert not other.rang()
+    poster.post(1, {"op": "get_metadata", "step": 1})  # for node 0
+    assert not other.rang()  # not before the leader looked
+    leader.relay()
+    assert other.rang()
+
+    stale = Seal(secret, b"an earlier run", leader_rdzv.prefix)  # what it left behind
+    with open(path, "w") as f:
+        f.write(stale.seal("node/0/pg-bell", {"count": 99}))
+    assert not other.rang()

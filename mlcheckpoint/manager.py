@@ -142,7 +142,7 @@ class CheckpointManager:
         self.lineage = Lineage(agreed[0][0])
         self.replicas: int = agreed[0][2]
         self.topology = self.topology.with_domains([domain for _, domain, _ in agreed])
-        self.snapshots = Snapshotter()  # overlapped saves: the staging thread and the guards
+        self.snapshots = Snapshotter(predict_plans=self.topology.world_size > 1)  # staging thread, guards
         self.lifecycle = Lifecycle(self.store, self.rank, self.keep)
         self.pins = self.lifecycle.pins  # steps whose buffers a transfer or persistent write reads
         self.retention = self.lifecycle.retention

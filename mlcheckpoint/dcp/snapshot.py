@@ -58,7 +58,9 @@ class Snapshotter:
     also where the guard raised it already; a guard does not raise it after that save did.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, predict_plans: bool = True) -> None:
+        """``predict_plans``: whether stages follow a prediction of DCP's plan (``PlanCache``);
+        False where a rank saves alone."""
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-stage")
         self._lock = threading.Lock()
         self._handles: list[GuardHandle] = []  # one per guard() call still in place
@@ -67,7 +69,8 @@ class Snapshotter:
         self._failed_save: BaseException | None = None  # raised at the next save
         self._aborted = False  # closed without waiting: stagings in flight fail
         self.longest_wait_s = 0.0  # the longest time a guard point held the training thread
-        self.plans = PlanCache()  # which tensors this rank's saves wrote (dcp/plans.py)
+        # which tensors this rank's saves wrote (dcp/plans.py)
+        self.plans = PlanCache(predicting=predict_plans)
 
     # ---------------------------------------------------------------- guards
     def guard(self, optimizer: torch.optim.Optimizer) -> GuardHandle:

@@ -26,6 +26,7 @@ from helpers import flip_byte
 from tensor_kinds import (
     ROWS,
     SUBCLASS_ROWS,
+    Mutating,
     ScaledTensor,
     Unavailable,
     build,
@@ -102,18 +103,6 @@ def _tensors(x) -> list[torch.Tensor]:
 
 def _not_plain(t: torch.Tensor) -> bool:
     return type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_quantized
-
-
-class Mutating(torch.optim.Optimizer):
-    """An optimizer whose step changes every byte of its parameters: ``guard`` must have the
-    snapshot taken before it runs."""
-
-    def __init__(self, params):
-        super().__init__(params, {})
-
-    def step(self, closure=None):
-        for group in self.param_groups:
-            mutate(group["params"])
 
 
 def save_with_ours(path: str, sd: dict, ckpt: CheckpointManager) -> None:

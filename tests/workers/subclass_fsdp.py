@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import init, report
-from tensor_kinds import contents, differences, mutate, scaled
+from tensor_kinds import Mutating, contents, differences, mutate, scaled
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -74,15 +74,6 @@ def state(model: nn.Module, step: int) -> dict:
 def is_plain(t: torch.Tensor) -> bool:
     local = t._local_tensor if isinstance(t, DTensor) else t
     return type(local) in (torch.Tensor, nn.Parameter)
-
-
-class Mutating(torch.optim.Optimizer):
-    def __init__(self, params):
-        super().__init__(params, {})
-
-    def step(self, closure=None):
-        for group in self.param_groups:
-            mutate(group["params"])
 
 
 def save(path: str, job: str, world: int) -> None:

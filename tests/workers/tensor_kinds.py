@@ -169,6 +169,18 @@ def mutate(x: Any) -> None:
             torch.empty(0, dtype=torch.uint8).set_(storage).bitwise_not_()
 
 
+class Mutating(torch.optim.Optimizer):
+    """An optimizer whose step changes every byte of its parameters: ``guard`` must have the
+    snapshot taken before it runs."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            mutate(group["params"])
+
+
 # ---------------------------------------------------------------- rows
 
 Builder = Callable[[int, bool], dict]  # (seed, template) -> state dict

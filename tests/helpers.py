@@ -35,6 +35,21 @@ WAIT = 120  # generous bound on waiting for another process/thread (never assert
 T = TypeVar("T")
 
 
+# --------------------------------------------------------------------------- torchtitan
+# Where scripts/setup.sh --test puts torchtitan 0.3.0: outside the environment's site-packages
+# (its trainer's dependencies are not installed), so tests put it on the path themselves.
+TORCHTITAN_0_3_0 = os.environ.get(
+    "MLCHECKPOINT_TORCHTITAN",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "torchtitan-0.3.0"))
+
+
+def torchtitan_integration(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``mlcheckpoint.integrations.torchtitan``, importable with torchtitan 0.3.0 from where
+    scripts/setup.sh --test puts it; skips the test without it."""
+    monkeypatch.syspath_prepend(TORCHTITAN_0_3_0)
+    return pytest.importorskip("mlcheckpoint.integrations.torchtitan")
+
+
 # --------------------------------------------------------------------------- waiting
 def wait_for(cond: Callable[[], T], what: str, timeout: float = WAIT, interval: float = 0.02,
              diag: Callable[[], str] = lambda: "") -> T:

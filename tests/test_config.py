@@ -17,7 +17,7 @@ import typing
 
 import pytest
 import torch
-from helpers import mounted_tmpfs
+from helpers import mounted_tmpfs, torchtitan_integration
 
 import mlcheckpoint
 from mlcheckpoint import (
@@ -502,11 +502,7 @@ def test_tuning_is_read_from_the_environment_unless_installed(monkeypatch):
 # ---------------------------------------------------------------- framework configs
 
 def test_torchtitan_config_offers_every_manager_setting_with_its_default(monkeypatch):
-    # scripts/setup.sh --test installs torchtitan outside site-packages (see README).
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.syspath_prepend(os.environ.get("MLCHECKPOINT_TORCHTITAN",
-                                               os.path.join(repo, ".venv", "torchtitan-0.3.0")))
-    torchtitan = pytest.importorskip("mlcheckpoint.integrations.torchtitan")
+    torchtitan = torchtitan_integration(monkeypatch)
     config = torchtitan.MemoryCheckpointManager.Config
     fields = {f.name: f for f in dataclasses.fields(config)}
     hints = typing.get_type_hints(config)

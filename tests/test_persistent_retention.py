@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import torchtitan_integration
 from torch.distributed.checkpoint import FileSystemWriter
 
 from mlcheckpoint import CheckpointManager, ConfigError
@@ -112,10 +113,7 @@ def test_lightning_maps_save_top_k(store_dir):
 
 
 def test_torchtitan_maps_keep_latest_k(monkeypatch):
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.syspath_prepend(os.environ.get("MLCHECKPOINT_TORCHTITAN",
-                                               os.path.join(repo, ".venv", "torchtitan-0.3.0")))
-    torchtitan = pytest.importorskip("mlcheckpoint.integrations.torchtitan")
+    torchtitan = torchtitan_integration(monkeypatch)
     config = torchtitan.MemoryCheckpointManager.Config
     assert torchtitan.keep_persistent(config(keep_latest_k=3)) == 3
     assert torchtitan.keep_persistent(config(keep_latest_k=0)) is None  # torchtitan's "all"

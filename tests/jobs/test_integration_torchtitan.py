@@ -20,15 +20,11 @@ import sys
 import pytest
 import torch
 from cluster import Cluster
+from helpers import TORCHTITAN_0_3_0  # put on the workers' PYTHONPATH
 
 pytestmark = pytest.mark.slow
 
 STEPS, SAVED_UNTIL = "10", "7"
-# Where scripts/setup.sh --test puts torchtitan 0.3.0: outside the environment's site-packages
-# (its trainer's dependencies are not installed), so it is put on the workers' PYTHONPATH.
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TORCHTITAN_0_3_0 = os.environ.get("MLCHECKPOINT_TORCHTITAN",
-                                  os.path.join(REPO, ".venv", "torchtitan-0.3.0"))
 
 
 def torchtitan_at(path: str) -> str:

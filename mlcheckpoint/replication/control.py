@@ -76,6 +76,17 @@ class Seal:
             raise p.ProtocolError(f"control message at {key} is not an object")
         return msg
 
+    def write_file(self, path: str, key: str, msg: dict) -> None:
+        """``msg`` sealed for ``key`` into the node-local file ``path`` (0600, in the 0700 job
+        directory), whole or not at all: written aside, then renamed in."""
+        tmp = path + TMP
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, self.seal(key, msg).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
 
 def _digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
@@ -107,13 +118,7 @@ class Doorbell:
         count = self._rdzv.add(self._key, 0)
         if count == self._count:
             return
-        tmp = self.path + TMP
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, self._seal.seal(self._file_key, {"count": count}).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+        self._seal.write_file(self.path, self._file_key, {"count": count})
         self._count = count
 
     def rang(self) -> bool:

@@ -46,7 +46,7 @@ import os
 from dataclasses import dataclass
 
 from .._ratelimit import RateLimitedLog
-from ..store.layout import TMP, JobPaths
+from ..store.layout import JobPaths
 from ..topology import Topology
 from . import protocol as p
 from .control import Seal
@@ -123,7 +123,7 @@ class Rounds:
             self._counted = int(counted)
             self._lead()  # the node's other ranks may all be done already
         else:
-            self._write(self.paths.round_done(self.topology.local_rank), self._done_key(),
+            self._seal.write_file(self.paths.round_done(self.topology.local_rank), self._done_key(),
                         {"round": r.number, "counted": int(counted)})
 
     def all_done(self, number: int) -> bool:
@@ -248,7 +248,7 @@ class Rounds:
         def three(r: Round | None) -> list | None:
             return None if r is None else [r.number, r.step, r.save_id]
 
-        self._write(self.paths.round, self._round_key(),
+        self._seal.write_file(self.paths.round, self._round_key(),
                     {"latest": three(self.latest), "closed": self.closed,
                      "protected": three(self.protected)})
 
@@ -278,16 +278,6 @@ class Rounds:
     def _done_key(self, local: int | None = None) -> str:
         local = self.topology.local_rank if local is None else local
         return f"node/{self.topology.node_rank}/round-done/{local}"
-
-    def _write(self, path: str, key: str, msg: dict) -> None:
-        """``msg`` sealed into ``path``, whole or not at all (renamed in)."""
-        tmp = path + TMP
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, self._seal.seal(key, msg).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
 
     def _read(self, path: str, key: str) -> dict | None:
         """The message sealed in ``path`` by this run (None: missing, or not sealed by this

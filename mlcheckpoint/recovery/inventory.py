@@ -26,6 +26,12 @@ class StepCopy:
     created: float = 0.0
     shard_saves: tuple[tuple[int, str], ...] = ()  # (owner, save id of its shard here)
     damaged: tuple[tuple[int, str], ...] = ()  # (owner, why) for unusable shard copies here
+    # owner -> the sets of ranks whose shards hold copies of its items (``store/coverage.py``)
+    copy_groups: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...] = ()
+
+    def copies(self) -> dict[int, list[list[int]]]:
+        """The copy groups, keyed by owner rank."""
+        return {owner: [list(g) for g in gs] for owner, gs in self.copy_groups}
 
     def save_of(self, owner: int) -> str:
         """The save id of ``owner``'s shard here ("" when unrecorded)."""
@@ -63,6 +69,8 @@ def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInvent
         h = st.header
         if h is not None:  # the metadata here names its save, its run and the runs before it
             copy = dataclasses.replace(copy, save_id=h.save_id, run_id=h.run_id, created=h.created,
-                                       ancestors=Lineage.from_header(h.run_id, h.lineage).ancestors)
+                                       ancestors=Lineage.from_header(h.run_id, h.lineage).ancestors,
+                                       copy_groups=tuple((owner, tuple(map(tuple, gs)))
+                                                         for owner, gs in sorted(st.copy_groups.items())))
         inv.steps[step] = copy
     return inv

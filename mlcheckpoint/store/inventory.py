@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from .._ratelimit import RateLimitedLog
 from ..errors import CorruptShardError, ShardNotFoundError
+from . import coverage
 from .layout import JobPaths, Kind, classify
 from .manifest import MetadataHeader
 from .metadata import MetadataFiles
@@ -43,10 +44,18 @@ class StepState:
         return {r for r in self.committed_ranks if self.shard_saves.get(r) == save_id}
 
     @property
+    def copy_groups(self) -> dict[int, list[list[int]]]:
+        """Which other ranks' shards hold copies of each owner's items (``coverage.py``)."""
+        return self.header.copies() if self.header is not None else {}
+
+    @property
     def complete(self) -> bool:
-        """Metadata and every needed rank's shard of that same save are committed here."""
+        """Metadata and every item of that same save are committed here: every needed
+        rank's shard, or, for its items kept by data-parallel replicas, shards holding their
+        copies."""
         return (self.has_metadata and self.required_ranks is not None
-                and set(self.required_ranks) <= self.ranks_of(self.save_id))
+                and not coverage.unreadable(self.required_ranks, self.copy_groups,
+                                            self.ranks_of(self.save_id)))
 
 
 class Inventory:

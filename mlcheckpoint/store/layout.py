@@ -279,3 +279,7 @@ class ItemLocation:
     nbytes: int
     checksum: int
     is_tensor: bool = True  # raw tensor bytes; False: as DCP stores it (pickled, torch.save)
+    # (rank, offset) of agreeing copies of these bytes in other ranks' shards: kept by a
+    # data-parallel replica of the item (``store/coverage.py``); read when ``rank``'s shard is
+    # on no surviving node.
+    copies: tuple[tuple[int, int], ...] = ()

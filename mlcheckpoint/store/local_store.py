@@ -31,6 +31,7 @@ from ..settings import (
 )
 from . import cleanup, retention
 from .buffers import MappedFile, MappingCache
+from .coverage import CopyGroups
 from .identity import Lineage
 from .inventory import Inventory, StepState
 from .layout import ItemLocation, JobPaths
@@ -130,10 +131,12 @@ class LocalStore:
         return self.shards.reopen(step, rank, nbytes)
 
     def write_metadata(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
-                       total_bytes: int, save_id: str = "", lineage: Lineage | None = None) -> None:
+                       total_bytes: int, save_id: str = "", lineage: Lineage | None = None,
+                       copy_groups: CopyGroups | None = None) -> None:
         """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
         self.metadata.write(step, payload, world_size=world_size, ranks=ranks,
-                            total_bytes=total_bytes, save_id=save_id, lineage=lineage)
+                            total_bytes=total_bytes, save_id=save_id, lineage=lineage,
+                            copy_groups=copy_groups)
 
     def write_metadata_file(self, step: int, raw: bytes) -> None:
         """Install an encoded metadata file (e.g. received from a peer) after verifying it."""

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from ..errors import CorruptShardError
 from ..integrity.checksum import ALGORITHM
 from ..integrity.verify import digest_item, digests_agree
+from . import coverage
 from .layout import ItemLocation
 
 FORMAT_VERSION = 1
@@ -101,6 +102,13 @@ class MetadataHeader:
     # The runs this save descends from: (run id, newest step of that run it builds on), oldest
     # first. Recovery uses it to refuse steps of another incarnation of the job.
     lineage: list[list] = field(default_factory=list)
+    # owner rank (a string: JSON) -> the sets of ranks whose shards hold agreeing copies of
+    # some of its items (``store/coverage.py``); empty: every item only in its owner's shard.
+    copy_groups: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    def copies(self) -> dict[int, list[list[int]]]:
+        """The copy groups, keyed by owner rank."""
+        return coverage.from_header(self.copy_groups)
 
 
 def check_identity(run_id: object, save_id: object) -> None:
@@ -140,6 +148,7 @@ def decode_metadata(raw: bytes) -> tuple[MetadataHeader, bytes]:
     header = MetadataHeader(**fields)
     check_identity(header.run_id, header.save_id)
     check_lineage(header.lineage)
+    coverage.from_header(header.copy_groups)
     payload = raw[nl + 1:]
     if header.format != FORMAT_VERSION:
         raise ValueError(f"unsupported metadata format {header.format}")

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity.verify import digest_item
+from .coverage import CopyGroups, to_header
 from .identity import Lineage
 from .layout import JobPaths
 from .locks import CommitLock
@@ -22,12 +23,14 @@ class MetadataFiles:
         self._verified_headers: dict[str, tuple[tuple, MetadataHeader]] = {}
 
     def write(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
-              total_bytes: int, save_id: str = "", lineage: Lineage | None = None) -> None:
+              total_bytes: int, save_id: str = "", lineage: Lineage | None = None,
+              copy_groups: CopyGroups | None = None) -> None:
         """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
         header = MetadataHeader(job_id=self.job_id, step=step, world_size=world_size,
                                 ranks=sorted(set(ranks)), total_bytes=total_bytes,
                                 payload_bytes=len(payload), checksum=digest_item(payload),
-                                save_id=save_id, **(lineage or Lineage()).header_fields())
+                                save_id=save_id, copy_groups=to_header(copy_groups or {}),
+                                **(lineage or Lineage()).header_fields())
         self.install(step, encode_metadata(header, payload))
 
     def write_file(self, step: int, raw: bytes) -> None:

@@ -191,7 +191,7 @@ class CheckpointManager:
             tcp=TcpSettings(host=opts.replication_host, streams=opts.replication_streams,
                             handshake_timeout=self.timeouts.handshake,
                             min_stripe_bytes=tuning().min_stripe_bytes),
-            pg=PgSettings(mailbox_poll=self.timeouts.mailbox_poll))
+            pg=PgSettings(poll_interval=self.timeouts.mailbox_poll))
         transport = make_transport(mode, self.store, rdzv, sink, settings, topology=self.topology)
         self.replicator = Replicator(self.store, transport, rdzv, self.topology,
                                      poll_interval=self.timeouts.replicator_poll,

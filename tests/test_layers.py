@@ -114,10 +114,18 @@ def test_the_transport_core_imports_no_wire_format():
     assert bad == []
 
 
+def wire_formats() -> list[str]:
+    """The packages of replication/ that are a wire format: all but the core and the schedule."""
+    return sorted(d.name for d in (PACKAGE / "replication").iterdir()
+                  if (d / "__init__.py").exists() and d.name not in ("core", "schedule"))
+
+
 def test_no_wire_format_imports_the_schedule_or_another_wire_format():
-    """A transport only moves bytes: ``tcp/`` and ``pg/`` import the core alone, never the
-    schedule (the replicator, rounds), the factory or each other."""
-    bad = [f"{where} imports replication.{part}" for wire in ("tcp", "pg")
+    """A transport only moves bytes: ``tcp/`` and ``pg/`` (and any wire format added beside
+    them) import the core alone, never the schedule (the replicator, rounds), the factory or
+    each other."""
+    assert {"tcp", "pg"} <= set(wire_formats())
+    bad = [f"{where} imports replication.{part}" for wire in wire_formats()
            for where, part in replication_imports(wire) if part != "core"]
     assert bad == []
 

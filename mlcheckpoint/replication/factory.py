@@ -4,7 +4,7 @@ settings of each wire format kept apart (``TransportSettings``)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -65,16 +65,13 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
     topology = topology or Topology()
     announce = topology.num_nodes > 1 and topology.local_rank == 0
     transport: Transport
-    if kind == "tcp":
-        tcp = settings.tcp
-        transport = TcpTransport(store, rdzv, sink=sink, host=tcp.host,
-                                 interface=settings.interface, timeout=settings.timeout,
-                                 streams=tcp.streams, bandwidth=settings.bandwidth,
+    if kind == "tcp":  # TcpSettings' fields are TcpTransport's arguments of the same names
+        transport = TcpTransport(store, rdzv, sink=sink, interface=settings.interface,
+                                 timeout=settings.timeout, bandwidth=settings.bandwidth,
                                  num_nodes=topology.num_nodes, log_peers=announce,
-                                 handshake_timeout=tcp.handshake_timeout,
-                                 min_stripe_bytes=tcp.min_stripe_bytes,
-                                 master_addr=topology.master_addr, master_port=topology.master_port)
-    elif kind in ("pg", "nccl"):
+                                 master_addr=topology.master_addr, master_port=topology.master_port,
+                                 **asdict(settings.tcp))
+    elif kind in ("pg", "nccl"):  # and PgSettings' are PgTransport's
         if kind == "nccl" and (not torch.cuda.is_available() or not dist.is_nccl_available()):
             raise ConfigError("replication='nccl' needs CUDA and a torch built with NCCL; use "
                               "'tcp' or 'pg' on this machine")
@@ -88,8 +85,7 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
                                 timeout=settings.timeout, bandwidth=settings.bandwidth,
                                 interface=settings.interface,
                                 master_addr=topology.master_addr, master_port=topology.master_port,
-                                poll_interval=settings.pg.mailbox_poll,
-                                ranks_per_node=topology.local_world_size)
+                                ranks_per_node=topology.local_world_size, **asdict(settings.pg))
     else:
         raise ConfigError(f"replication transport {kind!r}: expected one of "
                           f"{', '.join(map(repr, TRANSPORTS))}")

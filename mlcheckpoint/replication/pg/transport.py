@@ -53,10 +53,10 @@ MAX_PIECE_BYTES = _BOUNCE_BYTES
 
 @dataclass(frozen=True)
 class PgSettings:
-    """What the process-group transport alone is given (``make_transport``; see
-    ``PgTransport``)."""
+    """What the process-group transport alone is given: each field is the ``PgTransport``
+    argument of the same name (``make_transport`` passes them as they are)."""
 
-    mailbox_poll: float = default("mailbox_poll")  # its ``poll_interval``
+    poll_interval: float = default("mailbox_poll")
 
 
 def want_piece(msg: dict) -> int:

@@ -51,7 +51,8 @@ log = logging.getLogger(__package__)
 
 @dataclass(frozen=True)
 class TcpSettings:
-    """What the TCP transport alone is given (``make_transport``; see ``TcpTransport``)."""
+    """What the TCP transport alone is given: each field is the ``TcpTransport`` argument of
+    the same name (``make_transport`` passes them as they are)."""
 
     host: str | None = None
     streams: int | None = None

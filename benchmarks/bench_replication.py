@@ -76,8 +76,11 @@ from benchmarks.harness.workloads import (
 from benchmarks.replication_report import report, summarize
 from mlcheckpoint import LocalStore, MemoryStorageWriter
 from mlcheckpoint.replication import ReceiveSink, Rendezvous, ReplicaReceived, Transport
-from mlcheckpoint.replication.factory import TransportSettings, make_transport
-from mlcheckpoint.replication.tcp.transport import TcpSettings
+from mlcheckpoint.replication.factory import (
+    TcpSettings,
+    TransportSettings,
+    make_transport,
+)
 from mlcheckpoint.waiting import deadline_in, wait_until
 
 THIS_FILE = os.path.abspath(__file__)

@@ -38,12 +38,15 @@ from .recovery import Recovery, ResumeInfo
 from .recovery.resume import Comm
 from .replication import ReceiveSink, Rendezvous, Replicator
 from .replication.core import network
-from .replication.factory import TransportSettings, make_transport
-from .replication.pg.transport import PgSettings
+from .replication.factory import (
+    PgSettings,
+    TcpSettings,
+    TransportSettings,
+    make_transport,
+)
 from .replication.schedule.pairing import pairing_for
 from .replication.schedule.status import ProtectionStatus, save_times
 from .replication.schedule.status import status as protection_status
-from .replication.tcp.transport import TcpSettings
 from .room import RoomCheck
 from .saving import Saver, SaveResult
 from .settings import Launcher, Options, Timeouts, default, tuning

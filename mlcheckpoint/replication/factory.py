@@ -19,6 +19,8 @@ from .core.transport import Transport
 from .pg.transport import PgSettings, PgTransport
 from .tcp.transport import TcpSettings, TcpTransport
 
+__all__ = ["TRANSPORTS", "PgSettings", "TcpSettings", "TransportSettings", "make_transport"]
+
 log = logging.getLogger(__name__)
 
 # "tcp": a listener per rank, sendfile/recv_into straight between tmpfs files;

@@ -41,8 +41,11 @@ from mlcheckpoint import (
 )
 from mlcheckpoint.replication import ReceiveSink, Rendezvous, Transport
 from mlcheckpoint.replication.core.budget import NodeSchedule
-from mlcheckpoint.replication.factory import TransportSettings, make_transport
-from mlcheckpoint.replication.tcp.transport import TcpSettings
+from mlcheckpoint.replication.factory import (
+    TcpSettings,
+    TransportSettings,
+    make_transport,
+)
 
 sys.path.insert(0, WORKERS)
 from repl_peer import make_shard  # a worker module, found through WORKERS

@@ -32,8 +32,11 @@ def main() -> None:
     import torch.distributed as dist
 
     from mlcheckpoint.replication import ReceiveSink, Rendezvous, ReplicaReceived
-    from mlcheckpoint.replication.factory import TransportSettings, make_transport
-    from mlcheckpoint.replication.tcp.transport import TcpSettings
+    from mlcheckpoint.replication.factory import (
+        TcpSettings,
+        TransportSettings,
+        make_transport,
+    )
     from mlcheckpoint.store import LocalStore
 
     if cfg.get("device") is not None:

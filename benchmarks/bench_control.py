@@ -4,7 +4,7 @@ rounds decided per node against per rank, and the store's latency to another cli
 
 Simulates ``--nodes`` x ``--ranks-per-node`` ranks (default 125 x 8 = 1,000) as threads of
 this process, each with its own store client, speaking the real round protocol
-(``mlcheckpoint/replication/rounds.py`` over ``Rendezvous``) to one real c10d TCPStore that a
+(``mlcheckpoint/replication/schedule/rounds.py`` over ``Rendezvous``) to one real c10d TCPStore that a
 helper process hosts (``mlcheckpoint.testing.control.SimulatedRanks``). Pushes take no time:
 this is the control plane alone. Each rank's operations are counted by its store client
 (``CountingStore``, under the library's ``Rendezvous``). The helper also probes the store from
@@ -44,10 +44,10 @@ import torch.distributed as dist
 from benchmarks.harness.processes import Helpers, make_workspace, start_parent_watchdog
 from benchmarks.harness.report import loadavg, progress, run_and_report
 from benchmarks.harness.stats import median, proc_cpu
-from mlcheckpoint.replication import protocol as p
-from mlcheckpoint.replication.control import Seal
-from mlcheckpoint.replication.rendezvous import Rendezvous
-from mlcheckpoint.replication.rounds import Round, Rounds
+from mlcheckpoint.replication.core.keys import Seal
+from mlcheckpoint.replication.core.rendezvous import Rendezvous
+from mlcheckpoint.replication.schedule.rounds import Round, Rounds
+from mlcheckpoint.replication.tcp import protocol as p
 from mlcheckpoint.store.layout import JobPaths
 from mlcheckpoint.testing.control import SimulatedRanks
 from mlcheckpoint.topology import Topology
@@ -72,7 +72,7 @@ class Config:
 
 class PerRankRounds:
     """Rounds as they were before the control plane went per node (git history of
-    ``replication/rounds.py``): every rank looks for round g + 1 in the store at each poll,
+    ``replication/schedule/rounds.py``): every rank looks for round g + 1 in the store at each poll,
     counts its own pushed shard, and reports itself done; the last rank marks the round all
     done, which rank 0 looks for before naming the next."""
 

@@ -53,7 +53,7 @@ from benchmarks.harness.report import progress, run_and_report
 from benchmarks.harness.stats import median, timed
 from mlcheckpoint.recovery.inventory import NodeInventory, StepCopy
 from mlcheckpoint.recovery.planner import plan_resume
-from mlcheckpoint.replication.pairing import pairing_for
+from mlcheckpoint.replication.schedule.pairing import pairing_for
 from mlcheckpoint.testing.cluster import Cluster, SimulatedCluster, write_result
 from mlcheckpoint.testing.netcluster import NetCluster
 

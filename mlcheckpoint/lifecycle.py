@@ -1,7 +1,8 @@
 """What happens to checkpoints on this node after they are saved or received: the lifecycle
 policy above the passive store.
 
-- ``Pins``: steps whose buffers someone is reading (a transfer, a persistent write).
+- ``Pins`` (``replication/core/sink.py``, which transports pin through): steps whose buffers
+  someone is reading (a transfer, a persistent write).
 - ``RetentionPolicy`` and ``Retention``: which steps to keep (``keep`` per owner, never a
   pinned step, never the newest step replicated everywhere, ...); the store carries a pass out
   (``LocalStore.apply_retention``: a pure plan, then retiring its shards).
@@ -13,61 +14,17 @@ policy above the passive store.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 from .errors import MLCheckpointError
-from .replication.sink import ReplicaReceived
+from .replication.core.sink import Pins, ReplicaReceived
+from .replication.schedule.status import Protection
 from .store import LocalStore
 
 log = logging.getLogger(__name__)
-
-
-class Pins:
-    """Steps whose buffers someone is reading (a transfer, a persistent write): retention skips
-    them, so a buffer is never recycled under a reader."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count: Counter[int] = Counter()
-
-    @contextlib.contextmanager
-    def pinned(self, step: int) -> Iterator[None]:
-        self.pin(step)
-        try:
-            yield
-        finally:
-            self.unpin(step)
-
-    def pin(self, step: int) -> None:
-        with self._lock:
-            self._count[step] += 1
-
-    def unpin(self, step: int) -> None:
-        with self._lock:
-            self._count[step] -= 1
-            if self._count[step] <= 0:
-                del self._count[step]
-
-    def steps(self) -> set[int]:
-        with self._lock:
-            return set(self._count)
-
-
-class Protection(Protocol):
-    """Which steps are on two nodes, job-wide, and which one is being replicated (the
-    replicator)."""
-
-    def newest_protected(self, candidates: list[int]) -> int | None: ...
-
-    def known_protected(self) -> int | None: ...
-
-    def round_step(self) -> int | None: ...
 
 
 @dataclass

@@ -36,11 +36,17 @@ from .persistent import PersistentStorage, open_persistent
 from .persistent_writer import PersistentWriter
 from .recovery import Recovery, ResumeInfo
 from .recovery.resume import Comm
-from .replication import ReceiveSink, Rendezvous, Replicator, network
-from .replication.factory import make_transport
-from .replication.lag import ProtectionStatus, save_times
-from .replication.lag import status as protection_status
-from .replication.pairing import pairing_for
+from .replication import ReceiveSink, Rendezvous, Replicator
+from .replication.core import network
+from .replication.factory import (
+    PgSettings,
+    TcpSettings,
+    TransportSettings,
+    make_transport,
+)
+from .replication.schedule.pairing import pairing_for
+from .replication.schedule.status import ProtectionStatus, save_times
+from .replication.schedule.status import status as protection_status
 from .room import RoomCheck
 from .saving import Saver, SaveResult
 from .settings import Launcher, Options, Timeouts, default, tuning
@@ -182,14 +188,14 @@ class CheckpointManager:
                                              group=self._save_pg,
                                              generation=self.launcher.restart_count)
         sink = ReceiveSink(self.store, pins=self.pins, subscribers=[self.lifecycle.replica_received])
-        transport = make_transport(mode, self.store, rdzv, sink, host=opts.replication_host,
-                                   interface=opts.replication_interface,
-                                   timeout=self.timeouts.replication,
-                                   handshake_timeout=self.timeouts.handshake,
-                                   min_stripe_bytes=tuning().min_stripe_bytes,
-                                   mailbox_poll=self.timeouts.mailbox_poll,
-                                   streams=opts.replication_streams,
-                                   bandwidth=opts.replication_bandwidth, topology=self.topology)
+        settings = TransportSettings(
+            timeout=self.timeouts.replication, bandwidth=opts.replication_bandwidth,
+            interface=opts.replication_interface,
+            tcp=TcpSettings(host=opts.replication_host, streams=opts.replication_streams,
+                            handshake_timeout=self.timeouts.handshake,
+                            min_stripe_bytes=tuning().min_stripe_bytes),
+            pg=PgSettings(poll_interval=self.timeouts.mailbox_poll))
+        transport = make_transport(mode, self.store, rdzv, sink, settings, topology=self.topology)
         self.replicator = Replicator(self.store, transport, rdzv, self.topology,
                                      poll_interval=self.timeouts.replicator_poll,
                                      wait_poll=self.timeouts.wait_poll,

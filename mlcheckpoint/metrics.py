@@ -8,7 +8,7 @@ rather than given as None, which most loggers refuse.
 from __future__ import annotations
 
 from .recovery import ResumeInfo
-from .replication.lag import ProtectionStatus
+from .replication.schedule.status import ProtectionStatus
 from .saving import SaveResult
 
 PREFIX = "mlcheckpoint/"

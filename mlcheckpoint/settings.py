@@ -287,7 +287,7 @@ SETTINGS: tuple[Setting, ...] = (
             "the calling thread at a point until the file `path` exists, so a test makes ranks "
             "meet in the order that exposes a race (`resume_agreed`)",
             env="MLCHECKPOINT_PAUSE_AT"),
-    # The replication secret (replication/rendezvous.py reads and checks it).
+    # The replication secret (replication/core/rendezvous.py reads and checks it).
     Setting("secret", "secret", "the replication secret in hex, see "
             "[Replication secret](#replication-secret)", env="MLCHECKPOINT_REPLICATION_SECRET"),
     Setting("secret_file", "secret", "a file holding the hex secret, see "
@@ -523,7 +523,7 @@ class Launcher:
 
 def secret_sources() -> tuple[str | None, str | None]:
     """(``$MLCHECKPOINT_REPLICATION_SECRET``, ``$MLCHECKPOINT_REPLICATION_SECRET_FILE``), as
-    given; replication/rendezvous.py parses and checks them."""
+    given; replication/core/rendezvous.py parses and checks them."""
     return BY_NAME["secret"].from_env(), BY_NAME["secret_file"].from_env()
 
 
@@ -698,7 +698,7 @@ _UNCAPPED = ("none", "unlimited", "off")
 def parse_bandwidth(value: object, setting: str) -> int | str:
     """A replication bandwidth budget: bytes per second (an int, or a string such as
     "125000000", "100MB/s", "1Gbit", "800Mbit/s"), 0 (also "none", "unlimited") for no cap,
-    or "auto" for the default derived from the link (replication/budget.py)."""
+    or "auto" for the default derived from the link (replication/core/budget.py)."""
     word = value.strip().lower() if isinstance(value, str) else None
     if word == "auto":
         return "auto"

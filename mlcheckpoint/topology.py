@@ -21,7 +21,7 @@ class Topology:
     node_rank: int = 0
     num_nodes: int = 1
     # Where the job meets (MASTER_ADDR, MASTER_PORT): the TCP listener binds the address that
-    # routes there unless told otherwise (replication/network.py).
+    # routes there unless told otherwise (replication/core/network.py).
     master_addr: str = default("master_addr")
     master_port: int = default("master_port")
     # Each node's failure domain ("" where none was named); empty until agreed (with_domains).

@@ -26,9 +26,9 @@ from helpers import WAIT, wait_for
 
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.replication import Rendezvous, Replicator
-from mlcheckpoint.replication import protocol as p
-from mlcheckpoint.replication.rounds import Rounds
-from mlcheckpoint.replication.tcp import TcpTransport
+from mlcheckpoint.replication.schedule.rounds import Rounds
+from mlcheckpoint.replication.tcp import protocol as p
+from mlcheckpoint.replication.tcp.transport import TcpTransport
 from mlcheckpoint.store import LocalStore, Manifest, ManifestItem, layout
 from mlcheckpoint.topology import Topology
 

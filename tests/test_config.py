@@ -29,7 +29,7 @@ from mlcheckpoint import (
     settings,
 )
 from mlcheckpoint.integrity.checksum import native_enabled
-from mlcheckpoint.replication import network
+from mlcheckpoint.replication.core import network
 from mlcheckpoint.replication.factory import TRANSPORTS
 from mlcheckpoint.settings import (
     _MEMORY_FS,

@@ -6,7 +6,10 @@ with ``ast`` (no module is imported to check it).
   no thread, and knows nothing of replication or lifecycle policy;
 - every layer imports only itself, the layers below it and the leaf modules, which import
   only each other (errors, settings, fault points, the GC pause, topology, the persistent
-  folder); no library module imports ``testing/`` (the harness for tests and benchmarks).
+  folder); no library module imports ``testing/`` (the harness for tests and benchmarks);
+- inside ``replication/``: the transport core (``core/``) imports no wire format (``tcp/``,
+  ``pg/``) and nothing above it; no wire format imports the schedule (``schedule/``), the
+  factory or the other wire format; the schedule imports only the core.
 """
 
 from __future__ import annotations
@@ -66,12 +69,26 @@ def top(module: str) -> str:
 
 
 def offending_imports(layer: str, allowed: set[str]) -> list[str]:
+    """Imports of the modules in ``layer`` (its subpackages too) that name a top-level module
+    or package of mlcheckpoint outside ``allowed``."""
     bad = []
-    for path in sorted((PACKAGE / layer).glob("*.py")):
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
         for line, module in imported_modules(path):
             if top(module) not in allowed:
-                bad.append(f"{layer}/{path.name}:{line} imports mlcheckpoint.{module}")
+                bad.append(f"{path.relative_to(PACKAGE)}:{line} imports mlcheckpoint.{module}")
     return bad
+
+
+def replication_imports(part: str) -> list[tuple[str, str]]:
+    """(where, the part of replication/ imported: "core", "tcp", "factory", ...) for every
+    import of another part of replication/ by the modules of ``replication/<part>/``."""
+    found = []
+    for path in sorted((PACKAGE / "replication" / part).rglob("*.py")):
+        for line, module in imported_modules(path):
+            parts = module.split(".")
+            if parts[0] == "replication" and len(parts) > 1 and parts[1] != part:
+                found.append((f"{path.relative_to(PACKAGE)}:{line}", parts[1]))
+    return found
 
 
 def test_store_imports_only_itself_integrity_and_the_leaves():
@@ -86,6 +103,37 @@ def test_every_layer_imports_only_itself_the_layers_below_and_the_leaves():
     bad = []
     for i, layer in enumerate(LAYERS):
         bad += offending_imports(layer, set(LAYERS[:i + 1]) | LEAVES | ALSO.get(layer, set()))
+    assert bad == []
+
+
+def test_the_transport_core_imports_no_wire_format():
+    """``replication/core/`` (the interface, the sink, the request service, the budget, the
+    keys) serves every transport: it imports none of them, nor the schedule above it."""
+    assert (PACKAGE / "replication" / "core" / "service.py").exists()
+    bad = [f"{where} imports replication.{part}" for where, part in replication_imports("core")]
+    assert bad == []
+
+
+def wire_formats() -> list[str]:
+    """The packages of replication/ that are a wire format: all but the core and the schedule."""
+    return sorted(d.name for d in (PACKAGE / "replication").iterdir()
+                  if (d / "__init__.py").exists() and d.name not in ("core", "schedule"))
+
+
+def test_no_wire_format_imports_the_schedule_or_another_wire_format():
+    """A transport only moves bytes: ``tcp/`` and ``pg/`` (and any wire format added beside
+    them) import the core alone, never the schedule (the replicator, rounds), the factory or
+    each other."""
+    assert {"tcp", "pg"} <= set(wire_formats())
+    bad = [f"{where} imports replication.{part}" for wire in wire_formats()
+           for where, part in replication_imports(wire) if part != "core"]
+    assert bad == []
+
+
+def test_the_schedule_sends_through_the_transport_interface():
+    """``replication/schedule/`` knows transports only as ``core.Transport``."""
+    bad = [f"{where} imports replication.{part}" for where, part in replication_imports("schedule")
+           if part != "core"]
     assert bad == []
 
 

@@ -23,8 +23,8 @@ import numpy as np
 
 from .._words import plural
 from ..errors import MLCheckpointError, ShardNotFoundError
-from ..replication.striping import run_streams
-from ..replication.transport import Transport
+from ..replication.core.streams import run_streams
+from ..replication.core.transport import Transport
 from ..store import LocalStore
 from ..topology import Topology
 from .planner import Decision

@@ -1,8 +1,10 @@
-"""Building a transport by name: what ``CheckpointManager(replication=...)`` accepts."""
+"""Building a transport by name: what ``CheckpointManager(replication=...)`` accepts, with the
+settings of each wire format kept apart (``TransportSettings``)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -11,11 +13,13 @@ from ..errors import ConfigError
 from ..settings import default
 from ..store import LocalStore
 from ..topology import Topology
-from .pg import PgTransport
-from .rendezvous import Rendezvous
-from .sink import ReceiveSink
-from .tcp import TcpTransport
-from .transport import Transport
+from .core.rendezvous import Rendezvous
+from .core.sink import ReceiveSink
+from .core.transport import Transport
+from .pg.transport import PgSettings, PgTransport
+from .tcp.transport import TcpSettings, TcpTransport
+
+__all__ = ["TRANSPORTS", "PgSettings", "TcpSettings", "TransportSettings", "make_transport"]
 
 log = logging.getLogger(__name__)
 
@@ -25,49 +29,65 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("tcp", "pg", "nccl")
 
 
-def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: ReceiveSink, *,
-                   timeout: float = default("replication_timeout"), host: str | None = None,
-                   interface: str | None = None, streams: int | None = None,
-                   bandwidth: int | str = 0, topology: Topology | None = None,
-                   handshake_timeout: float = default("handshake"),
-                   min_stripe_bytes: int | None = None,
-                   mailbox_poll: float = default("mailbox_poll")) -> Transport:
-    """The transport ``kind`` (one of ``TRANSPORTS``) for this rank.
+@dataclass(frozen=True)
+class TransportSettings:
+    """How a transport is built: what every kind takes, then each wire format's own.
+
+    Attributes:
+        timeout: seconds any single wait of the transport may take.
+        bandwidth: the node's replication budget in bytes/s (0: no cap; "auto": the default
+            for the interface, see ``core/budget.py``).
+        interface: the network interface replication uses: the TCP listener's address, and
+            the link whose speed sets an "auto" budget (every kind).
+        tcp: for "tcp" alone (``tcp.transport.TcpSettings``).
+        pg: for "pg" and "nccl" alone (``pg.transport.PgSettings``).
+    """
+
+    timeout: float = default("replication_timeout")
+    bandwidth: int | str = 0
+    interface: str | None = None
+    tcp: TcpSettings = field(default_factory=TcpSettings)
+    pg: PgSettings = field(default_factory=PgSettings)
+
+
+def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: ReceiveSink,
+                   settings: TransportSettings | None = None, *,
+                   topology: Topology | None = None) -> Transport:
+    """The transport ``kind`` (one of ``TRANSPORTS``) for this rank, built with ``settings``
+    (default: ``TransportSettings()``).
 
     Collective for "pg" and "nccl" (each creates a process group: every rank calls it at the
     same point). For "nccl" each rank must have selected its CUDA device first
-    (``torch.cuda.set_device``). ``host``, ``interface``, ``streams``, ``handshake_timeout``
-    and ``min_stripe_bytes`` (default: ``settings.tuning()``'s) are for "tcp" alone.
-    ``bandwidth``: the node's replication budget in bytes/s (0: no cap; "auto": the default
-    for the interface, see budget.py). ``topology``: the job's shape (default: one node):
-    with several nodes a listener on a loopback address is refused (``network.py``), the
+    (``torch.cuda.set_device``). ``topology``: the job's shape (default: one node): with
+    several nodes a listener on a loopback address is refused (``core/network.py``), the
     node's local rank 0 logs where replication listens and at what budget it sends, and its
     MASTER_ADDR is where the listener's route is looked up.
     """
+    settings = settings or TransportSettings()
     topology = topology or Topology()
     announce = topology.num_nodes > 1 and topology.local_rank == 0
     transport: Transport
-    if kind == "tcp":
-        transport = TcpTransport(store, rdzv, sink=sink, host=host, interface=interface,
-                                 timeout=timeout, streams=streams, bandwidth=bandwidth,
+    if kind == "tcp":  # TcpSettings' fields are TcpTransport's arguments of the same names
+        transport = TcpTransport(store, rdzv, sink=sink, interface=settings.interface,
+                                 timeout=settings.timeout, bandwidth=settings.bandwidth,
                                  num_nodes=topology.num_nodes, log_peers=announce,
-                                 handshake_timeout=handshake_timeout,
-                                 min_stripe_bytes=min_stripe_bytes,
-                                 master_addr=topology.master_addr, master_port=topology.master_port)
-    elif kind in ("pg", "nccl"):
+                                 master_addr=topology.master_addr, master_port=topology.master_port,
+                                 **asdict(settings.tcp))
+    elif kind in ("pg", "nccl"):  # and PgSettings' are PgTransport's
         if kind == "nccl" and (not torch.cuda.is_available() or not dist.is_nccl_available()):
             raise ConfigError("replication='nccl' needs CUDA and a torch built with NCCL; use "
                               "'tcp' or 'pg' on this machine")
-        if (interface is not None or host is not None) and topology.local_rank == 0:
+        if (settings.interface is not None or settings.tcp.host is not None) \
+                and topology.local_rank == 0:
             log.warning("mlcheckpoint: replication_interface and replication_host choose the "
                         "TCP transport's listener; replication=%r sends over its own %s group, "
                         "which picks its interface itself (GLOO_SOCKET_IFNAME, "
                         "NCCL_SOCKET_IFNAME)", kind, "gloo" if kind == "pg" else "NCCL")
         transport = PgTransport(store, rdzv, sink=sink, backend="gloo" if kind == "pg" else "nccl",
-                                timeout=timeout, bandwidth=bandwidth, interface=interface,
+                                timeout=settings.timeout, bandwidth=settings.bandwidth,
+                                interface=settings.interface,
                                 master_addr=topology.master_addr, master_port=topology.master_port,
-                                poll_interval=mailbox_poll,
-                                ranks_per_node=topology.local_world_size)
+                                ranks_per_node=topology.local_world_size, **asdict(settings.pg))
     else:
         raise ConfigError(f"replication transport {kind!r}: expected one of "
                           f"{', '.join(map(repr, TRANSPORTS))}")

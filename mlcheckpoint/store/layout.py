@@ -5,10 +5,10 @@
         .retention.lock                       flock: retention passes (alone) against commits (shared)
         history.jsonl                         what was saved, loaded and persisted (history.py)
         locks/fetch-<nn>.lock                 flocks serialising fetches of one shard on a node
-        locks/bandwidth                       the node's replication bandwidth schedule (replication/budget.py)
-        locks/round                           the replication round the node's leader read (replication/rounds.py)
+        locks/bandwidth                       the node's replication bandwidth schedule (replication/core/budget.py)
+        locks/round                           the replication round the node's leader read (replication/schedule/rounds.py)
         locks/round-<local_rank:05d>          the round that rank of the node last finished
-        locks/pg-bell                         the node's pg doorbell count its leader read (replication/control.py)
+        locks/pg-bell                         the node's pg doorbell count its leader read (replication/pg/control.py)
         steps/<step:012d>/metadata            DCP global metadata (self-verifying, renamed in)
         steps/<step:012d>/rank-<r:05d>.data   raw item bytes of rank r's shard
         steps/<step:012d>/rank-<r:05d>.manifest   per-item checksums; its presence = committed
@@ -217,13 +217,13 @@ class JobPaths:
     @property
     def round(self) -> str:
         """The replication round the node's leader read from the c10d store, for the node's
-        other ranks (replication/rounds.py)."""
+        other ranks (replication/schedule/rounds.py)."""
         return os.path.join(self.job_dir, LOCKS, ROUND)
 
     @property
     def pg_bell(self) -> str:
         """The count of the node's pg doorbell its leader read from the c10d store, for the
-        node's ranks to know when to look in their mailboxes (replication/control.py)."""
+        node's ranks to know when to look in their mailboxes (replication/pg/control.py)."""
         return os.path.join(self.job_dir, LOCKS, PG_BELL)
 
     def round_done(self, local_rank: int) -> str:

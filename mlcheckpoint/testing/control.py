@@ -1,6 +1,6 @@
 """The replication control plane, counted: a c10d store client that counts the operations the
 library makes through it, and many simulated ranks (threads) that speak the real round
-protocol (``replication/rounds.py``, over ``Rendezvous``) to one real TCPStore. Used by
+protocol (``replication/schedule/rounds.py``, over ``Rendezvous``) to one real TCPStore. Used by
 ``tests/replication/test_rounds_control.py`` and ``benchmarks/bench_control.py``.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..replication.rendezvous import Rendezvous
-from ..replication.rounds import Rounds
+from ..replication.core.rendezvous import Rendezvous
+from ..replication.schedule.rounds import Rounds
 from ..store.layout import JobPaths
 from ..topology import Topology
 

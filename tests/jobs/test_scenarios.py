@@ -48,7 +48,8 @@ from helpers import (
 from tcp_job import debris, make_shard
 
 from mlcheckpoint import CheckpointManager, ShardNotFoundError
-from mlcheckpoint.replication import ReplicationError, sink
+from mlcheckpoint.replication import ReplicationError
+from mlcheckpoint.replication.core import sink
 from mlcheckpoint.store import LocalStore, layout
 from mlcheckpoint.store.manifest import Manifest
 

@@ -1,4 +1,4 @@
-"""The replication bandwidth budget (replication/budget.py): the pacing arithmetic on a
+"""The replication bandwidth budget (replication/core/budget.py): the pacing arithmetic on a
 simulated clock, one schedule for every process of a node, and real pushes whose every byte
 goes through it. No assertion here is about speed: rates are measured in benchmarks only.
 """
@@ -13,8 +13,8 @@ import pytest
 from cluster import WORKERS
 from helpers import wait_for
 
-from mlcheckpoint.replication import protocol
-from mlcheckpoint.replication.budget import (
+from mlcheckpoint.replication.core import budget as budget_module
+from mlcheckpoint.replication.core.budget import (
     ASSUMED_LINK_BYTES_PER_S,
     DEFAULT_BANDWIDTH_SHARE,
     MAX_CHUNK_BYTES,
@@ -29,7 +29,7 @@ from mlcheckpoint.replication.budget import (
     node_budget,
     queueing_delay,
 )
-from mlcheckpoint.replication.network import link_speed
+from mlcheckpoint.replication.core.network import link_speed
 
 sys.path.insert(0, WORKERS)
 from repl_peer import make_shard  # a worker module, found through WORKERS
@@ -219,7 +219,7 @@ def test_every_byte_of_a_push_goes_through_the_budget(make_job, monkeypatch, str
     make_shard(sender.store, 3, 1, nbytes, seed=3)
     booked: list[int] = []
     sent: list[int] = []
-    take, sendfile_all = sender.budget.take, protocol.sendfile_all
+    take, sendfile_all = sender.budget.take, budget_module.sendfile_all
 
     def recording_take(n: int) -> float:
         booked.append(n)
@@ -230,7 +230,7 @@ def test_every_byte_of_a_push_goes_through_the_budget(make_job, monkeypatch, str
         sendfile_all(sock, fd, offset, count)
 
     monkeypatch.setattr(sender.budget, "take", recording_take)
-    monkeypatch.setattr(protocol, "sendfile_all", recording_sendfile)
+    monkeypatch.setattr(budget_module, "sendfile_all", recording_sendfile)
     assert sender.push_shard(0, 3, 1) == nbytes
     receiver.store.verify_shard(3, 1)
     assert sum(booked) == nbytes == sum(sent)

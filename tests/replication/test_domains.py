@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from mlcheckpoint import cli
 from mlcheckpoint.errors import ConfigError
-from mlcheckpoint.replication.pairing import (
+from mlcheckpoint.replication.schedule.pairing import (
     DomainPairing,
     PairwiseRing,
     domain_targets,

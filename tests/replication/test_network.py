@@ -1,4 +1,4 @@
-"""The network replication uses (replication/network.py): which address the TCP listener
+"""The network replication uses (replication/core/network.py): which address the TCP listener
 binds and advertises, the rule that refuses a loopback address between hosts, and both in a
 real 2-node job inside a network namespace of its own."""
 
@@ -17,7 +17,7 @@ import pytest
 from cluster import WORKERS, Cluster, free_port
 
 from mlcheckpoint import ConfigError
-from mlcheckpoint.replication.network import (
+from mlcheckpoint.replication.core.network import (
     BY_HOST,
     BY_INTERFACE,
     BY_ROUTE,

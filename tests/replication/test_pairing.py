@@ -7,7 +7,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlcheckpoint.replication import PairwiseRing
-from mlcheckpoint.replication.pairing import rank_sources, rank_targets, sources
+from mlcheckpoint.replication.schedule.pairing import (
+    rank_sources,
+    rank_targets,
+    sources,
+)
 
 RING = PairwiseRing()
 NODE_COUNTS = range(2, 34)

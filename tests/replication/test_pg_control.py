@@ -1,5 +1,5 @@
 """The pg transport's control channel costs the c10d store per node, not per rank, while the
-job is idle (replication/control.py, the doorbell), and still serves every rank's requests.
+job is idle (replication/pg/control.py, the doorbell), and still serves every rank's requests.
 
 Two nodes of four ranks: eight processes (tests/workers/pg_node.py), each a real PgTransport
 over a real gloo group and one real TCPStore, each counting its own store operations
@@ -23,7 +23,8 @@ from cluster import WORKERS
 from helpers import end_peer, wait_for
 
 from mlcheckpoint.replication import Rendezvous
-from mlcheckpoint.replication.control import Doorbell, Mailbox, Seal
+from mlcheckpoint.replication.core.keys import Seal
+from mlcheckpoint.replication.pg.control import Doorbell, Mailbox
 from mlcheckpoint.store.layout import JobPaths
 
 pytestmark = pytest.mark.timeout(300)

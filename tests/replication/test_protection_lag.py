@@ -1,4 +1,4 @@
-"""Protection lag as users read it (``CheckpointManager.protection()``, replication/lag.py):
+"""Protection lag as users read it (``CheckpointManager.protection()``, replication/schedule/status.py):
 the status from the steps saved and the newest protected one, and the warning that names the
 save interval replication can keep up with. The job-level checks are in test_whole_step.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from mlcheckpoint.replication.lag import LagWarning, save_interval, status
+from mlcheckpoint.replication.schedule.status import LagWarning, save_interval, status
 
 
 def test_status_counts_lag_from_the_newest_save_and_age_from_the_protected_ones_save():
@@ -36,7 +36,7 @@ def test_warning_names_the_interval_that_fits_only_when_the_link_cannot_keep_up(
 
 def test_warning_is_rate_limited(caplog):
     w = LagWarning()
-    with caplog.at_level(logging.WARNING, logger="mlcheckpoint.replication.lag"):
+    with caplog.at_level(logging.WARNING, logger="mlcheckpoint.replication.schedule.status"):
         for _ in range(5):
             w.check(push_seconds=3.0, interval=1.0, lag_steps=4)
         w.check(push_seconds=0.1, interval=1.0, lag_steps=4)

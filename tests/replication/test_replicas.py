@@ -19,7 +19,7 @@ from mlcheckpoint.errors import ConfigError
 from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume
 from mlcheckpoint.recovery.holders import holder_order, stripe_over_holders
 from mlcheckpoint.recovery.planner import MEMORY
-from mlcheckpoint.replication.pairing import (
+from mlcheckpoint.replication.schedule.pairing import (
     DomainPairing,
     PairwiseRing,
     ReplicaPairing,

@@ -17,7 +17,7 @@ from cluster import WORKERS, Cluster
 
 from mlcheckpoint import LocalStore
 from mlcheckpoint.replication import PairwiseRing
-from mlcheckpoint.replication.pairing import rank_sources, rank_targets
+from mlcheckpoint.replication.schedule.pairing import rank_sources, rank_targets
 from mlcheckpoint.store import layout
 
 sys.path.insert(0, WORKERS)

@@ -36,9 +36,9 @@ from tcp_job import (
 from mlcheckpoint import MemoryStorageWriter
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.replication import ReplicationError, Replicator
-from mlcheckpoint.replication import protocol as p
-from mlcheckpoint.replication.protocol import MAX_METADATA_BYTES
-from mlcheckpoint.replication.tcp import TcpTransport
+from mlcheckpoint.replication.core.checks import MAX_METADATA_BYTES
+from mlcheckpoint.replication.tcp import protocol as p
+from mlcheckpoint.replication.tcp.transport import TcpTransport
 from mlcheckpoint.store import (
     LocalStore,
     ManifestItem,

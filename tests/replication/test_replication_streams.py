@@ -18,10 +18,11 @@ from tcp_job import connect, debris, frames_to_eof, make_shard, manifest_dict
 
 from mlcheckpoint import ConfigError, ShardNotFoundError, settings
 from mlcheckpoint.integrity.checksum import checksum
-from mlcheckpoint.replication import ReplicationError, striping
-from mlcheckpoint.replication import protocol as p
-from mlcheckpoint.replication.striping import stripes
-from mlcheckpoint.replication.tcp import TcpTransport
+from mlcheckpoint.replication import ReplicationError
+from mlcheckpoint.replication.tcp import protocol as p
+from mlcheckpoint.replication.tcp import striping
+from mlcheckpoint.replication.tcp.striping import stripes
+from mlcheckpoint.replication.tcp.transport import TcpTransport
 from mlcheckpoint.store import ManifestItem
 
 pytestmark = pytest.mark.timeout(300)

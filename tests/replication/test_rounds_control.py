@@ -1,4 +1,4 @@
-"""Replication rounds cost the c10d store per node, not per rank (replication/rounds.py).
+"""Replication rounds cost the c10d store per node, not per rank (replication/schedule/rounds.py).
 
 Real replicators (threads of this process), real TCP transports and one real TCPStore; each
 rank's store client counts what the library asks of it (``testing.control.CountingStore``).
@@ -18,9 +18,9 @@ from helpers import WAIT, put_metadata, put_shard, wait_for
 from tcp_job import make_shard
 
 from mlcheckpoint.replication import Rendezvous, Replicator
-from mlcheckpoint.replication.control import Seal
-from mlcheckpoint.replication.rounds import Rounds
-from mlcheckpoint.replication.tcp import TcpTransport
+from mlcheckpoint.replication.core.keys import Seal
+from mlcheckpoint.replication.schedule.rounds import Rounds
+from mlcheckpoint.replication.tcp.transport import TcpTransport
 from mlcheckpoint.store import LocalStore
 from mlcheckpoint.testing.control import CountingStore, OpCounts
 from mlcheckpoint.topology import Topology

@@ -40,8 +40,12 @@ from mlcheckpoint import (
     ShardNotFoundError,
 )
 from mlcheckpoint.replication import ReceiveSink, Rendezvous, Transport
-from mlcheckpoint.replication.budget import NodeSchedule
-from mlcheckpoint.replication.factory import make_transport
+from mlcheckpoint.replication.core.budget import NodeSchedule
+from mlcheckpoint.replication.factory import (
+    TcpSettings,
+    TransportSettings,
+    make_transport,
+)
 
 sys.path.insert(0, WORKERS)
 from repl_peer import make_shard  # a worker module, found through WORKERS
@@ -116,9 +120,10 @@ class Job:
             mp.setenv("MLCHECKPOINT_TCP_MIN_STRIPE", str(MiB))  # so a few MiB take 4 streams
             for s in SETUPS:
                 if _runnable(s):  # (the TCP ones both listen; the peer calls neither)
-                    self.locals[s.name] = make_transport(s.kind, self.store, rdzv, sink,
-                                                         timeout=TIMEOUT, host="127.0.0.1",
-                                                         streams=s.streams, bandwidth=BANDWIDTH)
+                    settings = TransportSettings(
+                        timeout=TIMEOUT, bandwidth=BANDWIDTH,
+                        tcp=TcpSettings(host="127.0.0.1", streams=s.streams))
+                    self.locals[s.name] = make_transport(s.kind, self.store, rdzv, sink, settings)
         dist.barrier()
 
     def log(self) -> str:

@@ -42,15 +42,16 @@ from typing_extensions import Self
 
 from mlcheckpoint import ConfigError
 from mlcheckpoint.integrity.checksum import checksum
-from mlcheckpoint.replication import protocol as p
-from mlcheckpoint.replication.control import MAX_TAG, Seal, bell_key
-from mlcheckpoint.replication.pg import MAX_PIECE_BYTES, MIN_PIECE_BYTES
-from mlcheckpoint.replication.rendezvous import (
+from mlcheckpoint.replication.core.keys import Seal
+from mlcheckpoint.replication.core.rendezvous import (
     SECRET_ENV,
     SECRET_FILE_ENV,
     Rendezvous,
     configured_secret,
 )
+from mlcheckpoint.replication.pg.control import MAX_TAG, bell_key
+from mlcheckpoint.replication.pg.transport import MAX_PIECE_BYTES, MIN_PIECE_BYTES
+from mlcheckpoint.replication.tcp import protocol as p
 from mlcheckpoint.store import LocalStore, ManifestItem, MetadataHeader
 from mlcheckpoint.store.manifest import encode_metadata
 

@@ -17,8 +17,8 @@ import numpy as np
 
 from mlcheckpoint import CapacityError, LocalStore
 from mlcheckpoint.integrity.checksum import checksum
-from mlcheckpoint.replication import protocol as p
-from mlcheckpoint.replication.sink import ReceiveSink
+from mlcheckpoint.replication.core.sink import ReceiveSink
+from mlcheckpoint.replication.tcp import protocol as p
 from mlcheckpoint.store import layout
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 

@@ -27,7 +27,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from mlcheckpoint.replication import Rendezvous
-    from mlcheckpoint.replication.pg import PgTransport
+    from mlcheckpoint.replication.pg.transport import PgTransport
     from mlcheckpoint.store import LocalStore
 
     c10d = dist.TCPStore(cfg["host"], cfg["port"], is_master=False)

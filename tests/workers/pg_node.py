@@ -52,7 +52,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from mlcheckpoint.replication import Rendezvous
-    from mlcheckpoint.replication.pg import PgTransport
+    from mlcheckpoint.replication.pg.transport import PgTransport
     from mlcheckpoint.store import LocalStore
     from mlcheckpoint.testing.control import OpCounts
 

@@ -63,7 +63,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from mlcheckpoint.replication import Rendezvous, ReplicationError
-    from mlcheckpoint.replication.tcp import TcpTransport
+    from mlcheckpoint.replication.tcp.transport import TcpTransport
 
     store = LocalStore(cfg["dir"], cfg["job"])
     if cfg["cmd"] == "push":

@@ -12,8 +12,6 @@ rank 0 makes one and shares it over a dedicated gloo group of the job.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import secrets
 import stat
@@ -22,8 +20,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..errors import ConfigError
-from ..settings import default, secret_sources
+from ...errors import ConfigError
+from ...settings import default, secret_sources
+from . import keys
 
 SECRET_ENV = "MLCHECKPOINT_REPLICATION_SECRET"
 SECRET_FILE_ENV = "MLCHECKPOINT_REPLICATION_SECRET_FILE"
@@ -113,7 +112,7 @@ class Rendezvous:
         an HMAC under the secret, so a stranger who can reach the store cannot find it, let alone
         raise it and make a step look protected."""
         name = "/".join(map(str, parts)).encode()
-        return "c/" + hmac.new(self.secret(), self.session + name, hashlib.sha256).hexdigest()[:32]
+        return keys.counter_key(self.secret(), self.session, name)
 
 
 def _innermost(store: dist.Store) -> dist.Store:
@@ -163,11 +162,6 @@ def configured_secret() -> bytes | None:
     return read_secret_file(path) if path else None
 
 
-def _fingerprint(secret: bytes) -> str:
-    """Tells whether two ranks hold the same secret without revealing it."""
-    return hmac.new(secret, b"mlcheckpoint secret fingerprint", hashlib.sha256).hexdigest()[:16]
-
-
 def share_secret(group: dist.ProcessGroup) -> tuple[bytes, bytes]:
     """(secret, session) that every rank of ``group`` agrees on; collective.
 
@@ -179,7 +173,7 @@ def share_secret(group: dist.ProcessGroup) -> tuple[bytes, bytes]:
     mine: dict = {}
     try:
         configured = configured_secret()
-        mine["fingerprint"] = None if configured is None else _fingerprint(configured)
+        mine["fingerprint"] = None if configured is None else keys.fingerprint(configured)
     except ConfigError as e:
         configured, mine["error"] = None, str(e)
     if dist.get_rank(group) == 0:

@@ -25,7 +25,7 @@ look and writes it into the node's file. Per round that is a handful of store op
 node; an idle job costs each leader one look per ``IDLE_LOOK_S`` (and the other ranks none).
 
 What a stranger can do: rounds, verdicts and counters live in the c10d store under HMAC-named
-keys and each value is sealed with the job's secret (``control.Seal``), which never passes
+keys and each value is sealed with the job's secret (``core/keys.Seal``), which never passes
 through the store; a stranger who can reach it can neither find the keys nor steer
 replication with a forged round. The node's files are in the job directory (0700: only the
 job's user can open them) and are sealed too, bound to this run's session: a file an earlier
@@ -45,12 +45,12 @@ import logging
 import os
 from dataclasses import dataclass
 
-from .._ratelimit import RateLimitedLog
-from ..store.layout import JobPaths
-from ..topology import Topology
-from . import protocol as p
-from .control import Seal
-from .rendezvous import Rendezvous
+from ..._ratelimit import RateLimitedLog
+from ...errors import ProtocolError
+from ...store.layout import JobPaths
+from ...topology import Topology
+from ..core.keys import Seal
+from ..core.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 IDLE_LOOK_S = 1.0  # a leader with no round in flight looks for the next one at most this seldom
@@ -201,7 +201,7 @@ class Rounds:
                 return  # not yet: look again at the next pass
             c = done.get("counted")
             if c not in (0, 1) or isinstance(c, bool):
-                raise p.ProtocolError(f"node round report of local rank {local} is malformed: {done}")
+                raise ProtocolError(f"node round report of local rank {local} is malformed: {done}")
             counted += c
         if counted:
             self.rdzv.add(self.rdzv.counter("shards", r.step, r.save_id), counted)
@@ -219,7 +219,7 @@ class Rounds:
             return
         try:
             protected = self._seal.open(key, store.get(key)).get("protected")
-        except p.ProtocolError as e:  # not ours: the true verdict is set over it
+        except ProtocolError as e:  # not ours: the true verdict is set over it
             self._logs.warning("closed", "mlcheckpoint: ignored a replication round verdict: %s", e)
             return
         self.closed = number
@@ -237,7 +237,7 @@ class Rounds:
         msg = self._seal.open(key, store.get(key))
         step, save_id = msg.get("step"), msg.get("save_id")
         if not isinstance(step, int) or not isinstance(save_id, str):
-            raise p.ProtocolError(f"replication round {number} is malformed: {msg}")
+            raise ProtocolError(f"replication round {number} is malformed: {msg}")
         self.latest = Round(number, step, save_id)
         self._expect = False
         self._look = 0.0
@@ -263,7 +263,7 @@ class Rounds:
             if not isinstance(closed, int) or isinstance(closed, bool):
                 raise TypeError(f"closed is not a round number: {closed!r}")
         except (TypeError, ValueError) as e:
-            raise p.ProtocolError(f"node round file is malformed: {e}: {view}") from None
+            raise ProtocolError(f"node round file is malformed: {e}: {view}") from None
         if latest is not None and latest.number > self.finished:
             self._expect = False
         self.latest, self.closed, self.protected = latest, closed, protected
@@ -300,7 +300,7 @@ class Rounds:
         else:
             try:
                 msg = self._seal.open(key, raw)
-            except p.ProtocolError as e:  # e.g. left by an earlier run of the job: not ours
+            except ProtocolError as e:  # e.g. left by an earlier run of the job: not ours
                 self._logs.log(logging.DEBUG, path, "mlcheckpoint: ignored %s: %s", path, e)
         self._seen[path] = (sig, msg)
         return msg

@@ -1,5 +1,7 @@
-"""How far replication lags behind the saves: the status users read, and a warning when the
-link cannot carry every checkpoint."""
+"""Protection: which saves are on 1 + ``replicas`` nodes, and how far replication lags behind
+the saves. The status users read (``ProtectionStatus``), what retention asks (``Protection``,
+answered by the ``Replicator``), and a warning when the link cannot carry every checkpoint.
+Job-wide, protection is counted in the c10d store per save (``rounds.protected_in_store``)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from .._ratelimit import RateLimitedLog
-from ..store.inventory import StepState
+from ..._ratelimit import RateLimitedLog
+from ...store.inventory import StepState
 
 log = logging.getLogger(__name__)
 WARN_EVERY_S = 600.0  # the lag warning, at most this often
@@ -41,6 +44,17 @@ class ProtectionStatus:
     age_seconds: float | None
     rate_bytes_per_s: float | None
     superseded: int
+
+
+class Protection(Protocol):
+    """What retention asks about protection (``lifecycle.RetentionPolicy``): which steps are on
+    two nodes, job-wide, and which one is being replicated (the ``Replicator`` answers)."""
+
+    def newest_protected(self, candidates: list[int]) -> int | None: ...
+
+    def known_protected(self) -> int | None: ...
+
+    def round_step(self) -> int | None: ...
 
 
 def status(newest_protected: int | None, saves: dict[int, float], rate: float | None,

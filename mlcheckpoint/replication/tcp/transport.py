@@ -1,10 +1,21 @@
-"""The calling half of the TCP transport: one authenticated connection per operation.
+"""The TCP transport: an authenticated listener per rank (``server.py``) and one connection per
+operation to a peer's listener (this module: the calling half).
 
-Pushes send with sendfile() straight from the tmpfs file, paced by the node's bandwidth
-budget (``budget.py``; every stream of a striped push draws from it); fetches land through the
-receive sink (``sink.py``) with recv_into() straight into the new buffer; range reads land
-straight in the caller's arrays. A large shard or read goes over several streams (see
-``striping.py``). A fetch tells the holder, which sends the bytes, whether to pace them.
+Payloads leave with sendfile() straight from the tmpfs file and arrive with recv_into()
+straight into the destination mapping: no user-space copy on either side. Pushes are paced by
+the node's bandwidth budget (``core/budget.py``; every stream of a striped push draws from it);
+what arrives lands through the receive sink (``core/sink.py``), which verifies and commits it;
+range reads land straight in the caller's arrays. A fetch tells the holder, which sends the
+bytes, whether to pace them.
+
+A large shard or read can go over several streams (``streams``; see ``striping.py``): one TCP
+stream often cannot fill a fast link. The receiver answers the offer with a one-time token; the
+sender opens the other connections (each authenticated like any other) and names the token and
+its stripe on each. The receiver verifies and commits only once every stripe has landed, and on
+any failure stops the other stripes before it gives the buffer back.
+
+The listener binds the address ``core/network.choose_endpoint`` picks (``interface``, ``host``
+or the route to MASTER_ADDR) and advertises it through the c10d store.
 """
 
 from __future__ import annotations
@@ -15,20 +26,38 @@ import socket
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from .._faults import crash_point
-from ..errors import ReplicationError, ShardNotFoundError
-from ..integrity.checksum import checksum
-from ..store import LocalStore, Manifest
+from ..._faults import crash_point
+from ...errors import ConfigError, ReplicationError, ShardNotFoundError
+from ...integrity.checksum import checksum
+from ...settings import MAX_STREAMS, default, tuning
+from ...store import LocalStore, Manifest
+from ..core.budget import Budget, node_budget
+from ..core.checks import MAX_METADATA_BYTES, manifest_from_wire, want_int
+from ..core.network import check_advertisable, choose_endpoint
+from ..core.rendezvous import Rendezvous
+from ..core.sink import ReceiveSink
+from ..core.streams import run_streams
+from ..core.transport import Transport
 from . import protocol as p
-from .budget import Budget
-from .rendezvous import Rendezvous
-from .sink import ReceiveSink
-from .striping import run_streams, split_evenly, stripes
+from .server import TcpServer
+from .striping import split_evenly, stripes
 
 # One logger for the TCP transport, server and client alike.
-log = logging.getLogger(__package__ + ".tcp")
+log = logging.getLogger(__package__)
+
+
+@dataclass(frozen=True)
+class TcpSettings:
+    """What the TCP transport alone is given: each field is the ``TcpTransport`` argument of
+    the same name (``make_transport`` passes them as they are)."""
+
+    host: str | None = None
+    streams: int | None = None
+    handshake_timeout: float = default("handshake")
+    min_stripe_bytes: int | None = None
 
 
 def send_range(sock: socket.socket, fd: int, offset: int, nbytes: int, m: Manifest,
@@ -41,18 +70,78 @@ def send_range(sock: socket.socket, fd: int, offset: int, nbytes: int, m: Manife
     budget.sendfile(sock, fd, offset + half, nbytes - half)
 
 
-class TcpClient:
-    """Pushes our shards to peers and pulls theirs (arguments: see ``TcpTransport``)."""
+class TcpTransport(Transport):
+    """Serves this rank's store to peers (``server``) and pushes/pulls shards to/from theirs.
 
-    def __init__(self, store: LocalStore, sink: ReceiveSink, rdzv: Rendezvous, *,
-                 timeout: float, streams: int, min_stripe_bytes: int, budget: Budget,
-                 log_peers: bool = False):
-        self.store, self.sink, self.rdzv, self.timeout = store, sink, rdzv, timeout
-        self.streams, self.min_stripe_bytes = streams, min_stripe_bytes
-        self.budget = budget
+    Args:
+        store: this node's store (what we send is read from it).
+        rdzv: the job's rendezvous (secret and peer addresses).
+        sink: where what we receive lands (default: one of its own over ``store``).
+        host: address to listen on (default: ``interface``'s, else the one that routes to
+            MASTER_ADDR).
+        interface: network interface whose IPv4 address to listen on (wins over ``host``).
+        timeout: seconds any single socket operation may block.
+        max_connections: authenticated connections served at once; a striped push or read
+            takes ``streams`` of them, and after a resharding many ranks may read from one.
+        max_handshakes, max_handshakes_per_address: connections in the handshake at once, in
+            all and from one address; beyond either, the oldest is closed (see ``gate.py``).
+        handshake_timeout: seconds a connection may take to authenticate.
+        streams: connections a large shard is pushed over (default: the declared default of
+            ``replication_streams``, settings.py).
+        min_stripe_bytes: the least a stream carries, so small shards use fewer streams
+            (default ``settings.tuning().min_stripe_bytes``).
+        bandwidth: the node's budget for what we send in the background, bytes/s (0: no cap;
+            "auto": the default for the interface, see ``core/budget.py``).
+        num_nodes: nodes in the job; with several, a loopback address is refused
+            (``network.check_advertisable``).
+        master_addr, master_port: the launcher's MASTER_ADDR and MASTER_PORT
+            (``topology.Topology``): without ``interface`` or ``host`` the listener binds the
+            address that routes there.
+        log_peers: log the address each peer advertised, the first time we reach it (the
+            node's local rank 0 does).
+    """
+
+    name = "tcp"
+
+    def __init__(self, store: LocalStore, rdzv: Rendezvous, *, sink: ReceiveSink | None = None,
+                 host: str | None = None, timeout: float = default("replication_timeout"), max_connections: int = 128,
+                 max_handshakes: int = 256, max_handshakes_per_address: int = 64,
+                 handshake_timeout: float = default("handshake"), streams: int | None = None,
+                 min_stripe_bytes: int | None = None, interface: str | None = None,
+                 bandwidth: int | str = 0, num_nodes: int = 1, log_peers: bool = False,
+                 master_addr: str = default("master_addr"),
+                 master_port: int = default("master_port")):
+        self.store, self.rdzv, self.timeout = store, rdzv, timeout
+        self.sink = sink if sink is not None else ReceiveSink(store)
+        self.streams = streams if streams is not None else default("replication_streams")
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise ConfigError(f"streams must be in 1..{MAX_STREAMS}, not {self.streams}")
+        self.min_stripe_bytes = min_stripe_bytes or tuning().min_stripe_bytes
         self.secret = rdzv.secret()
         self._log_peers = log_peers
         self._peers_logged: set[int] = set()
+        self.endpoint = choose_endpoint(host, interface, master_addr=master_addr,
+                                        master_port=master_port)
+        check_advertisable(self.endpoint, num_nodes, master_addr)  # before anything listens or is published
+        self.budget = node_budget(bandwidth, self.endpoint.interface, store.paths.bandwidth)
+        self.server = TcpServer(store, self.sink, rdzv, host=self.endpoint.address,
+                                timeout=timeout, budget=self.budget,
+                                max_connections=max_connections, max_handshakes=max_handshakes,
+                                max_handshakes_per_address=max_handshakes_per_address,
+                                handshake_timeout=handshake_timeout)
+        self.address = self.server.address
+        rdzv.publish("tcp", self.address)
+        log.debug("replication listener of rank %d on %s", rdzv.rank, self.address)
+
+    def describe(self) -> str:
+        interface = self.endpoint.interface or "no single interface"
+        return (f"TCP: rank {self.rdzv.rank} listens on {self.address} ({interface}, chosen by "
+                f"{self.endpoint.chosen_by}); {self.budget.describe()}")
+
+    def close(self) -> bool:
+        idle = self.server.close()
+        self.budget.close()
+        return idle
 
     def _address_of(self, peer: int) -> str:
         """The address ``peer`` advertised (logged the first time, on the node's local rank 0:
@@ -158,7 +247,7 @@ class TcpClient:
                                         "paced": paced})
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
-            m = p.manifest_from_wire(resp.get("manifest"), self.store.job_id, step, owner)
+            m = manifest_from_wire(resp.get("manifest"), self.store.job_id, step, owner)
             with self.sink.begin(m) as receipt:
                 if m.data_bytes:
                     p.recv_into_exact(sock, receipt.array.data, receipt.landed)
@@ -214,5 +303,5 @@ class TcpClient:
             resp = self._request(sock, {"op": "get_metadata", "step": step, "paced": paced})
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} has no metadata of step {step}")
-            nbytes = p.want_int(resp, "nbytes", 1, p.MAX_METADATA_BYTES)
+            nbytes = want_int(resp, "nbytes", 1, MAX_METADATA_BYTES)
             self.sink.commit_metadata(step, p.recv_growing(sock, nbytes), offered=False)

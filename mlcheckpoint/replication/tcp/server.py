@@ -1,10 +1,11 @@
 """The serving half of the TCP transport: one authenticated listener per rank.
 
 New connections log in through the gate (``gate.py``); each logged-in connection gets a thread
-and a session slot and runs requests, one at a time, through a table of handlers. Shards
-leave with sendfile() straight from the tmpfs file (within the node's bandwidth budget when
-the request says ``paced``, see ``budget.py``); replicas arrive with recv_into() straight
-into the buffer the receive sink gives (``sink.py``), which verifies and commits them.
+and a session slot and runs requests, one at a time: the request service
+(``core/service.py``) answers them, through a ``Connection`` that carries the answers and the
+bytes over this socket. Shards leave with sendfile() straight from the tmpfs file (within the
+node's bandwidth budget when the request says ``paced``, see ``core/budget.py``); replicas
+arrive with recv_into() straight into the buffer the receive sink gives (``core/sink.py``).
 
 A striped push (see ``striping.py``): the offer names the stream count, the answer carries a
 one-time token, and the sender's other connections each present the token and a stripe index
@@ -19,26 +20,23 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
 
-from .._ratelimit import RateLimitedLog
-from .._words import plural
-from ..errors import ShardNotFoundError
-from ..settings import MAX_STREAMS
-from ..store import LocalStore
-from ..store.local_store import ShardSource
+from ..._ratelimit import RateLimitedLog
+from ..._words import plural
+from ...settings import MAX_STREAMS
+from ...store import LocalStore
+from ...store.local_store import ShardSource
+from ..core.budget import Budget, sendfile_all
+from ..core.checks import MALFORMED, MAX_METADATA_BYTES, ProtocolError, want_int
+from ..core.rendezvous import Rendezvous
+from ..core.service import RequestService
+from ..core.sink import Receipt, ReceiveSink
 from . import protocol as p
-from .budget import Budget
 from .gate import LoginGate
-from .rendezvous import Rendezvous
-from .sink import Receipt, ReceiveSink
 from .striping import OpenStripes, StripedReceive
 
 # One logger for the TCP transport, server and client alike.
-log = logging.getLogger(__package__ + ".tcp")
-
-Handler = Callable[[socket.socket, dict, int], None]
-
+log = logging.getLogger(__package__)
 
 # Cut sessions end at once (their sockets are shut down); a thread still running after this
 # is stuck elsewhere, and close stops waiting for it (the manager then keeps the store open).
@@ -55,10 +53,7 @@ class TcpServer:
         self.store, self.sink, self.rdzv, self.timeout = store, sink, rdzv, timeout
         self.budget = budget
         self.stripes = OpenStripes()  # striped receives awaiting their other stripes
-        self.handlers: dict[str, Handler] = {
-            "put_shard": self._on_put_shard, "put_part": self._on_put_part,
-            "get_shard": self._on_get_shard, "read_items": self._on_read_items,
-            "put_metadata": self._on_put_metadata, "get_metadata": self._on_get_metadata}
+        self.service = RequestService(store, sink, rdzv.world_size)
         # Anything a peer or a stranger can make happen at will is logged through this.
         self.logs = RateLimitedLog(log)
         self._slots = threading.BoundedSemaphore(max_connections)  # authenticated sessions
@@ -105,11 +100,11 @@ class TcpServer:
                     if e.got:  # else the client hung up between requests: it is done
                         log.warning("replication peer %s: %s", addr, e)
                     return
-                except p.ProtocolError as e:
+                except ProtocolError as e:
                     log.warning("replication peer %s: %s", addr, e)
                     return
                 self._dispatch(conn, req, addr)
-        except (OSError, p.ProtocolError) as e:
+        except (OSError, ProtocolError) as e:
             if self._closed.is_set():  # close cut the session: what failed is expected
                 log.debug("replication connection from %s ended by close: %s", addr, e)
             else:
@@ -127,44 +122,22 @@ class TcpServer:
         """Run one request; anything malformed in it is answered with an error frame, after
         which the connection is closed (ProtocolError)."""
         op = req.get("op")
-        step = None
         try:
-            handler = self.handlers.get(op) if isinstance(op, str) else None
-            if handler is None:
-                raise p.ProtocolError(f"unknown operation {str(op)[:100]!r}")
-            if req.get("job_id") != self.store.job_id:
-                raise p.ProtocolError(f"request for job {str(req.get('job_id'))[:100]!r}")
-            step = p.want_int(req, "step", 0, p.MAX_STEP)
-            handler(conn, req, step)
-        except p.MALFORMED as e:
+            if op == "put_part":  # a stripe of a striped push: this wire's own request
+                self._on_put_part(conn, req, self.service.step_of(req))
+            else:
+                streams = want_int(req, "streams", 1, MAX_STREAMS + 1) if "streams" in req else 1
+                self.service.answer(req, Connection(self, conn, streams))
+        except MALFORMED as e:
             # A logged-in peer is a rank of this job: every failure it meets is worth a line
             # (strangers never get here; the login gate rate-limits what they cause).
-            log.warning("replication request %.100r of step %s from %s failed: %s", op, step,
-                        addr, e)
+            log.warning("replication request %.100r of step %.20s from %s failed: %s", op,
+                        req.get("step"), addr, e)
             with contextlib.suppress(OSError):
                 p.send_frame(conn, {"status": "error", "error": str(e)[:2000]})
-            raise p.ProtocolError(str(e)) from None
+            raise ProtocolError(str(e)) from None
 
     # ------------------------------------------------------------------ receiving
-    def _on_put_shard(self, conn: socket.socket, req: dict, step: int) -> None:
-        owner = p.want_int(req, "owner", 0, self.rdzv.world_size)
-        m = p.manifest_from_wire(req.get("manifest"), self.store.job_id, step, owner)
-        self.sink.check_admitted(m.run_id, step)
-        if self.sink.holds(m):
-            p.send_frame(conn, {"status": "have"})
-            return
-        streams = p.want_int(req, "streams", 1, MAX_STREAMS + 1) if "streams" in req else 1
-        with self.sink.begin(m) as receipt:
-            if streams == 1:
-                p.send_frame(conn, {"status": "ready"})
-                if m.data_bytes:
-                    p.recv_into_exact(conn, receipt.array.data, receipt.landed)
-            else:
-                self._receive_striped(conn, receipt, streams)
-            receipt.commit()
-        p.send_frame(conn, {"status": "ok"})
-        self.sink.received(m)
-
     def _receive_striped(self, conn: socket.socket, receipt: Receipt, streams: int) -> None:
         """Stripe 0 on this connection, the others on connections that present the token;
         returns once all have landed."""
@@ -184,7 +157,7 @@ class TcpServer:
         log.debug("received step %d rank %d over %d streams", m.step, m.rank, streams)
 
     def _on_put_part(self, conn: socket.socket, req: dict, step: int) -> None:
-        index = p.want_int(req, "index", 1, MAX_STREAMS)
+        index = want_int(req, "index", 1, MAX_STREAMS)
         rx = self.stripes.find(req.get("token"), step, req.get("owner"))
         offset, nbytes = rx.claim(index, conn)
         try:
@@ -197,74 +170,6 @@ class TcpServer:
             raise
         finally:
             rx.done[index].set()
-
-    def _on_put_metadata(self, conn: socket.socket, req: dict, step: int) -> None:
-        nbytes = p.want_int(req, "nbytes", 1, p.MAX_METADATA_BYTES)
-        if self.sink.holds_metadata(step, req.get("checksum")):
-            p.send_frame(conn, {"status": "have"})
-            return
-        p.send_frame(conn, {"status": "ready"})
-        self.sink.commit_metadata(step, p.recv_growing(conn, nbytes), offered=True)
-        p.send_frame(conn, {"status": "ok"})
-
-    # ------------------------------------------------------------------ serving
-    def _open_or_missing(self, conn: socket.socket, step: int, owner: int) -> ShardSource | None:
-        """The shard to serve (its data file checked whole), or None once "missing" is sent."""
-        try:
-            return self.store.open_shard(step, owner)
-        except ShardNotFoundError:
-            p.send_frame(conn, {"status": "missing"})
-            return None
-
-    def _send_file(self, conn: socket.socket, fd: int, offset: int, nbytes: int,
-                   paced: bool) -> None:
-        """A range of a shard file: within the node's budget when the requester asked for it
-        (a heal), at the link's speed when not (a resume waits for these bytes)."""
-        if paced:
-            self.budget.sendfile(conn, fd, offset, nbytes)
-        else:
-            p.sendfile_all(conn, fd, offset, nbytes)
-
-    def _on_get_shard(self, conn: socket.socket, req: dict, step: int) -> None:
-        owner = p.want_int(req, "owner", 0, 1 << 20)
-        paced = p.want_bool(req, "paced")
-        with self.sink.pins.pinned(step):
-            source = self._open_or_missing(conn, step, owner)
-            if source is None:
-                return
-            with source:  # sent from the open file: a shard only served needs no mapping here
-                p.send_frame(conn, {"status": "ok", "manifest": source.manifest.to_dict()})
-                if source.manifest.data_bytes:
-                    self._send_file(conn, source.fd, 0, source.manifest.data_bytes, paced)
-
-    def _on_read_items(self, conn: socket.socket, req: dict, step: int) -> None:
-        owner = p.want_int(req, "owner", 0, 1 << 20)
-        paced = p.want_bool(req, "paced")
-        ranges = req.get("ranges")
-        if not isinstance(ranges, list) or len(ranges) > p.MAX_RANGES:
-            raise p.ProtocolError("malformed ranges")
-        with self.sink.pins.pinned(step):
-            source = self._open_or_missing(conn, step, owner)
-            if source is None:
-                return
-            with source:
-                checked = p.checked_ranges(ranges, source.manifest.data_bytes)
-                p.send_frame(conn, {"status": "ok"})
-                for offset, nbytes in checked:
-                    self._send_file(conn, source.fd, offset, nbytes, paced)
-
-    def _on_get_metadata(self, conn: socket.socket, req: dict, step: int) -> None:
-        paced = p.want_bool(req, "paced")
-        try:
-            raw = self.store.read_metadata_file(step)
-        except ShardNotFoundError:
-            p.send_frame(conn, {"status": "missing"})
-            return
-        p.send_frame(conn, {"status": "ok", "nbytes": len(raw)})
-        if paced:
-            self.budget.sendall(conn, raw)
-        else:
-            conn.sendall(raw)
 
     def close(self) -> bool:
         """Stop accepting, cut every open session (a receive in flight is dropped, as when
@@ -289,3 +194,48 @@ class TcpServer:
             log.warning("replication listener closed with %s still running after %.0fs",
                         plural(running, "session thread"), SESSIONS_JOIN_S)
         return running == 0
+
+
+class Connection:
+    """One request's way back over a logged-in connection (the service's ``Channel``)."""
+
+    def __init__(self, server: TcpServer, conn: socket.socket, streams: int):
+        self.server, self.conn = server, conn
+        self.streams = streams  # what a put_shard offer said it will send over
+
+    def answer(self, reply: dict) -> None:
+        p.send_frame(self.conn, reply)
+
+    def receive_shard(self, receipt: Receipt) -> None:
+        if self.streams > 1:
+            self.server._receive_striped(self.conn, receipt, self.streams)
+            return
+        p.send_frame(self.conn, {"status": "ready"})
+        if receipt.m.data_bytes:
+            p.recv_into_exact(self.conn, receipt.array.data, receipt.landed)
+
+    def send_shard(self, reply: dict, source: ShardSource, ranges: list[tuple[int, int]],
+                   paced: bool) -> None:
+        """Sent from the open file: a shard only served needs no mapping here; within the
+        node's budget when the requester asked for it (a heal), at the link's speed when not
+        (a resume waits for these bytes)."""
+        p.send_frame(self.conn, reply)
+        for offset, nbytes in ranges:
+            if not nbytes:
+                continue
+            if paced:
+                self.server.budget.sendfile(self.conn, source.fd, offset, nbytes)
+            else:
+                sendfile_all(self.conn, source.fd, offset, nbytes)
+
+    def receive_metadata(self, req: dict) -> bytes:
+        nbytes = want_int(req, "nbytes", 1, MAX_METADATA_BYTES)
+        p.send_frame(self.conn, {"status": "ready"})
+        return p.recv_growing(self.conn, nbytes)
+
+    def send_metadata(self, reply: dict, raw: bytes, paced: bool) -> None:
+        p.send_frame(self.conn, {**reply, "nbytes": len(raw)})
+        if paced:
+            self.server.budget.sendall(self.conn, raw)
+        else:
+            self.conn.sendall(raw)

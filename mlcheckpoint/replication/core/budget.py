@@ -5,7 +5,7 @@ Which bytes: what replication sends without anyone waiting for it: pushes of sha
 metadata to the partner, and the shards a node serves to a replaced node rebuilding its own
 (the heal after a resume). Not the bytes a resume waits for (its range reads and metadata):
 those take the full link. The receiver of a fetch does not send its bytes, the holder does,
-so a fetch request says whether it is paced (``paced`` in the request; see tcp_client.py).
+so a fetch request says whether it is paced (``paced`` in the request; see core/service.py).
 
 How the ranks of a node share it. They are separate processes, so the budget's state is a
 16-byte file in the job directory (``layout.JobPaths.bandwidth``): until when the node's link
@@ -35,6 +35,7 @@ sending them at line rate into the collectives' queue.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -44,7 +45,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from . import protocol as p
+from ...errors import ProtocolError
 from .network import link_speed
 
 # The default budget ("auto"), as a share of the speed of the NIC replication uses. The link
@@ -244,7 +245,7 @@ class Budget:
         """Send ``nbytes`` of the file ``fd`` from ``offset``, paced (sendfile: no copy)."""
         with self.kernel_paced(sock):
             for start, n in self.chunks(offset, nbytes):
-                p.sendfile_all(sock, fd, start, n)
+                sendfile_all(sock, fd, start, n)
                 self.watch(sock)
 
     def watch(self, sock: socket.socket) -> None:
@@ -286,6 +287,23 @@ class Budget:
 
     def close(self) -> None:
         self.schedule.close()
+
+
+def sendfile_all(sock: socket.socket, fd: int, offset: int, count: int) -> None:
+    """os.sendfile until ``count`` bytes are sent (kernel timeouts end a stuck peer)."""
+    end = offset + count
+    while offset < end:
+        try:
+            sent = os.sendfile(sock.fileno(), fd, offset, end - offset)
+        except BlockingIOError:
+            raise ProtocolError("peer stopped reading (send timed out)") from None
+        except OSError as e:
+            if e.errno == errno.EINTR:
+                continue
+            raise
+        if sent == 0:
+            raise ProtocolError(f"sendfile stopped {end - offset} bytes short (file truncated?)")
+        offset += sent
 
 
 def queueing_delay(sock: socket.socket) -> float | None:

@@ -23,73 +23,19 @@ only makes a node's ranks look in their mailboxes once more.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import os
 import secrets
 from datetime import timedelta
 
-from ..errors import ReplicationError
-from ..store.layout import TMP
-from . import protocol as p
-from .rendezvous import Rendezvous
+from ...errors import ProtocolError, ReplicationError
+from ..core import keys
+from ..core.keys import Seal
+from ..core.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 MAX_TAG = 1 << 30  # gloo tags are 32-bit
 MAX_BELL_FILE_BYTES = 4096  # a sealed count is a couple of hundred bytes
-
-
-class Seal:
-    """Authenticates control messages in the store (see the module docstring)."""
-
-    def __init__(self, secret: bytes, session: bytes, prefix: str):
-        self._key = hmac.new(secret, b"mlcheckpoint pg control\0" + session, hashlib.sha256).digest()
-        self._prefix = prefix
-
-    def _mac(self, key: str, answers: str, body: str) -> str:
-        text = f"{self._prefix}/{key}\0{answers}\0{body}".encode()
-        return hmac.new(self._key, text, hashlib.sha256).hexdigest()
-
-    def seal(self, key: str, msg: dict, answers: str = "") -> str:
-        """``msg`` as stored at ``key`` (a reply names the nonce of the request it ``answers``)."""
-        body = json.dumps(msg, separators=(",", ":"))
-        return json.dumps({"body": body, "mac": self._mac(key, answers, body)})
-
-    def open(self, key: str, raw: bytes, answers: str = "") -> dict:
-        """The message stored at ``key``; ProtocolError unless we sealed it for that key."""
-        try:
-            outer = json.loads(raw)
-            body, mac = outer["body"], outer["mac"]
-            if not isinstance(body, str) or not isinstance(mac, str):
-                raise TypeError("body and mac must be strings")
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
-            raise p.ProtocolError(f"control message at {key} is malformed: {e}") from None
-        if not hmac.compare_digest(mac, self._mac(key, answers, body)):
-            raise p.ProtocolError(f"control message at {key} failed authentication")
-        try:
-            msg = json.loads(body)
-        except ValueError as e:
-            raise p.ProtocolError(f"control message at {key} is malformed: {e}") from None
-        if not isinstance(msg, dict):
-            raise p.ProtocolError(f"control message at {key} is not an object")
-        return msg
-
-    def write_file(self, path: str, key: str, msg: dict) -> None:
-        """``msg`` sealed for ``key`` into the node-local file ``path`` (0600, in the 0700 job
-        directory), whole or not at all: written aside, then renamed in."""
-        tmp = path + TMP
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, self.seal(key, msg).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-
-
-def _digest(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()
 
 
 def bell_key(rdzv: Rendezvous, node: int) -> str:
@@ -134,9 +80,9 @@ class Doorbell:
         self._raw = raw
         try:
             if len(raw) > MAX_BELL_FILE_BYTES:
-                raise p.ProtocolError(f"larger than {MAX_BELL_FILE_BYTES} bytes")
+                raise ProtocolError(f"larger than {MAX_BELL_FILE_BYTES} bytes")
             self._seal.open(self._file_key, raw)
-        except p.ProtocolError as e:  # e.g. left by an earlier run of the job: not ours
+        except ProtocolError as e:  # e.g. left by an earlier run of the job: not ours
             log.debug("mlcheckpoint: ignored %s: %s", self.path, e)
             return False
         return True
@@ -194,7 +140,7 @@ class Mailbox:
         self.rdzv.store.delete_key(key)
         try:
             msg = self.seal.open(key, raw, answers=nonce)
-        except p.ProtocolError as e:
+        except ProtocolError as e:
             raise ReplicationError(f"refused a reply: {e}") from None
         if msg.get("status") == "error":
             raise ReplicationError(f"peer refused: {str(msg.get('error'))[:2000]}")
@@ -204,15 +150,15 @@ class Mailbox:
         """Leave ``raw`` in the store for the other side of request ``nonce``; its digest."""
         # c10d stores bytes as they are (its type stub says str; the binding takes bytes too)
         self.rdzv.store.set(f"pg/blob/{owner}/{nonce}", raw)  # type: ignore[arg-type]
-        return _digest(raw)
+        return keys.blob_digest(raw)
 
     def take_blob(self, owner: int, nonce: str, digest: object) -> bytes:
         """The blob request ``nonce`` names, if it has the digest its sealed message names."""
         key = f"pg/blob/{owner}/{nonce}"
         if not self.rdzv.store.check([key]):  # get() would wait for it until the store's timeout
-            raise p.ProtocolError("the metadata blob its message names is not in the store")
+            raise ProtocolError("the metadata blob its message names is not in the store")
         raw = self.rdzv.store.get(key)
         self.rdzv.store.delete_key(key)
-        if not isinstance(digest, str) or not hmac.compare_digest(_digest(raw), digest):
-            raise p.ProtocolError("metadata blob does not match the digest its message names")
+        if not keys.blob_matches(raw, digest):
+            raise ProtocolError("metadata blob does not match the digest its message names")
         return raw

@@ -3,19 +3,20 @@
 A transport only moves bytes: committed shards and step metadata between ranks, each call
 bounded by a timeout. What it sends in the background (pushes, and shards it serves to a
 fetch that asks to be paced) goes through the node's bandwidth budget (``budget.py``); what
-a resume waits for takes the full link. What it receives lands through a ``ReceiveSink`` (``sink.py``), which
-verifies every checksum before it commits through the LocalStore commit protocol, so a
-transfer cut anywhere leaves nothing visible. Pins, the received-notification and the history
-of saves accepted live in the sink, not in the transport.
-"""
+a resume waits for takes the full link. What a peer asks of it is answered by the request
+service (``service.py``), the same for every transport; what it receives lands through a
+``ReceiveSink`` (``sink.py``), which verifies every checksum before it commits through the
+LocalStore commit protocol, so a transfer cut anywhere leaves nothing visible. Pins, the
+received-notification and the history of saves accepted live in the sink, not in the
+transport."""
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
 
-from ..errors import ReplicationError
-from ..store.identity import Lineage
+from ...errors import ReplicationError
+from ...store.identity import Lineage
 from .budget import Budget
 from .sink import ReceiveSink
 

@@ -19,8 +19,8 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from ..settings import default
+from ...errors import ConfigError
+from ...settings import default
 
 SIOCGIFADDR = 0x8915  # ioctl: the IPv4 address of an interface (linux/sockios.h)
 IFNAMSIZ = 16  # interface names are at most 15 bytes (linux/if.h)

@@ -27,8 +27,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .._ratelimit import RateLimitedLog
-from ..settings import default
+from ..._ratelimit import RateLimitedLog
+from ...settings import default
 from . import protocol as p
 
 ACCEPT_BATCH = 64  # accepts per turn, so pending handshakes are served between bursts

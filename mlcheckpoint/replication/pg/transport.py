@@ -5,12 +5,13 @@ buffer), never the training group, so replication cannot deadlock with training 
 Control messages (offers, requests, replies) go through the job's c10d store, sealed
 (``control.py``); the store has timeouts, so a send/recv is only ever posted when the other
 side is known to be waiting for it. Each rank serves its mailbox on one thread, one request at
-a time, through a table of handlers; it looks in the mailbox only when its node's doorbell rang,
-which the node's leader alone watches in the store, on a thread of its own (``control.py``). What arrives lands through the receive sink
-(``sink.py``), which verifies and commits it.
+a time: the request service (``core/service.py``) answers it, through the ``Request`` that
+carries its replies and bytes. A rank looks in its mailbox only when its node's doorbell rang,
+which the node's leader alone watches in the store, on a thread of its own (``control.py``).
+What arrives lands through the receive sink (``core/sink.py``), which verifies and commits it.
 
 Paced transfers (pushes, and fetches that ask for it) go in pieces of the bandwidth budget's
-chunk, each booked on the node's budget (``budget.py``) before it is sent; the side that
+chunk, each booked on the node's budget (``core/budget.py``) before it is sent; the side that
 sends names the piece size in its offer or reply, so the receiver posts matching recvs.
 Unpaced ones go in one message (NCCL: one per bounce buffer), as before.
 """
@@ -22,23 +23,25 @@ import logging
 import secrets
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .._ratelimit import RateLimitedLog
-from ..errors import ReplicationError, ShardNotFoundError
-from ..settings import default
-from ..store import LocalStore, Manifest
-from ..store.buffers import MappedFile
-from . import protocol as p
-from .budget import node_budget
+from ..._ratelimit import RateLimitedLog
+from ...errors import ProtocolError, ReplicationError, ShardNotFoundError
+from ...settings import default
+from ...store import LocalStore
+from ...store.local_store import ShardSource
+from ..core.budget import node_budget
+from ..core.checks import MALFORMED, manifest_from_wire, want_int, want_str
+from ..core.network import choose_endpoint
+from ..core.rendezvous import Rendezvous
+from ..core.service import RequestService
+from ..core.sink import Receipt, ReceiveSink
+from ..core.transport import Transport
 from .control import MAX_TAG, Doorbell, Mailbox
-from .network import choose_endpoint
-from .rendezvous import Rendezvous
-from .sink import Receipt, ReceiveSink
-from .transport import Transport
 
 log = logging.getLogger(__name__)
 _BOUNCE_BYTES = 256 << 20  # GPU staging chunk for NCCL
@@ -48,24 +51,32 @@ MIN_PIECE_BYTES = 64 << 10
 MAX_PIECE_BYTES = _BOUNCE_BYTES
 
 
+@dataclass(frozen=True)
+class PgSettings:
+    """What the process-group transport alone is given: each field is the ``PgTransport``
+    argument of the same name (``make_transport`` passes them as they are)."""
+
+    poll_interval: float = default("mailbox_poll")
+
+
 def want_piece(msg: dict) -> int:
     """The piece size a peer's offer or reply names, checked (absent: 0, one message)."""
-    piece = p.want_int(msg, "piece", 0, MAX_PIECE_BYTES + 1) if "piece" in msg else 0
+    piece = want_int(msg, "piece", 0, MAX_PIECE_BYTES + 1) if "piece" in msg else 0
     if 0 < piece < MIN_PIECE_BYTES:
-        raise p.ProtocolError(f"piece of {piece} bytes is below {MIN_PIECE_BYTES}")
+        raise ProtocolError(f"piece of {piece} bytes is below {MIN_PIECE_BYTES}")
     return piece
 
 
 class Request:
-    """One authenticated request being answered: who sent it, and where the next reply goes
-    (the first one, then "done" once "ready" was sent, or nowhere once the requester awaits
-    no more)."""
+    """One authenticated request being answered (the service's ``Channel``): who sent it, and
+    where the next reply goes (the first one, then "done" once "ready" was sent, or nowhere
+    once the requester awaits no more). Bytes go by the transport's group, under its tag."""
 
     def __init__(self, transport: PgTransport, msg: dict):
         self.msg, self._transport = msg, transport
-        self.peer = p.want_int(msg, "from", 0, transport.rdzv.world_size)
-        self.tag = p.want_int(msg, "tag", 0, MAX_TAG)
-        self.nonce = p.want_str(msg, "nonce", 64)
+        self.peer = want_int(msg, "from", 0, transport.rdzv.world_size)
+        self.tag = want_int(msg, "tag", 0, MAX_TAG)
+        self.nonce = want_str(msg, "nonce", 64)
         self.op = msg.get("op")
         self._phase = "r"
 
@@ -74,6 +85,31 @@ class Request:
             self._transport.mailbox.reply(self.peer, self.tag, self.nonce, answer, self._phase)
         if then is not None:
             self._phase = then
+
+    def answer(self, reply: dict) -> None:
+        self.reply(reply)
+
+    def receive_shard(self, receipt: Receipt) -> None:
+        piece = want_piece(self.msg)  # the sender's, in its offer
+        self.reply({"status": "ready"}, then="done")
+        self._transport._fill(receipt, self.peer, self.tag, piece)
+
+    def send_shard(self, reply: dict, source: ShardSource, ranges: list[tuple[int, int]],
+                   paced: bool) -> None:
+        piece = self._transport._piece(paced)
+        mapped = source.mapping(source.manifest.data_bytes) if any(n for _, n in ranges) else None
+        self.reply({**reply, "piece": piece}, then="")
+        for o, n in ranges:
+            if n and mapped is not None:
+                self._transport._send_bytes(mapped.array[o:o + n], self.peer, self.tag, piece)
+
+    def receive_metadata(self, req: dict) -> bytes:
+        return self._transport.mailbox.take_blob(self.peer, self.nonce, req.get("sha256"))
+
+    def send_metadata(self, reply: dict, raw: bytes, paced: bool) -> None:
+        # The (small) metadata travels through the c10d store, unpaced: only resumes fetch it.
+        mailbox = self._transport.mailbox
+        self.reply({**reply, "sha256": mailbox.put_blob(self._transport.rdzv.rank, self.nonce, raw)})
 
 
 class PgTransport(Transport):
@@ -117,10 +153,7 @@ class PgTransport(Transport):
         self._poll = poll_interval
         self._closed = threading.Event()
         self._client_lock = threading.Lock()  # one outgoing transfer at a time per rank
-        self.handlers: dict[str, Callable[[Request, int], None]] = {
-            "put_shard": self._on_put_shard, "get_shard": self._on_get_shard,
-            "read_items": self._on_read_items, "put_metadata": self._on_put_metadata,
-            "get_metadata": self._on_get_metadata}
+        self.service = RequestService(store, self.sink, rdzv.world_size)
         self._thread = threading.Thread(target=self._serve_loop, name="mlckpt-pg-serve", daemon=True)
         self._thread.start()
         # The leader's look at the doorbell runs beside its serving, which may take as long as
@@ -180,12 +213,11 @@ class PgTransport(Transport):
         except RuntimeError as e:  # the group's recv failed: the peer is gone or timed out
             raise ReplicationError(f"receiving from rank {peer} failed: {e}") from None
 
-    def _receive_shard(self, receipt: Receipt, peer: int, tag: int, piece: int) -> None:
-        """Fill a receipt with the shard ``peer`` sends under ``tag``, then verify and commit."""
+    def _fill(self, receipt: Receipt, peer: int, tag: int, piece: int) -> None:
+        """Fill a receipt with the shard ``peer`` sends under ``tag`` (the caller commits)."""
         if receipt.m.data_bytes:
             self._recv_bytes(receipt.array, peer, tag, piece)
         receipt.arriving(receipt.m.data_bytes, receipt.m.data_bytes)
-        receipt.commit()
 
     # ------------------------------------------------------------------ server
     def _relay_loop(self) -> None:
@@ -215,7 +247,7 @@ class PgTransport(Transport):
             slot, seq = seq, seq + 1  # each slot is read once: a message is never accepted twice
             try:
                 self._handle(self.mailbox.open_request(slot, raw))
-            except p.ProtocolError as e:
+            except ProtocolError as e:
                 self.logs.log(logging.WARNING, "refused",
                               "mlcheckpoint: pg transport refused a request: %s", e)
             except Exception:  # a bug: say so, and keep serving
@@ -227,81 +259,11 @@ class PgTransport(Transport):
         when it does not even say where to reply, a warning)."""
         req = Request(self, msg)
         try:
-            handler = self.handlers.get(req.op) if isinstance(req.op, str) else None
-            if handler is None:
-                raise p.ProtocolError(f"unknown op {str(req.op)[:100]!r}")
-            if msg.get("job_id") != self.store.job_id:
-                raise p.ProtocolError("wrong job")
-            handler(req, p.want_int(msg, "step", 0, p.MAX_STEP))
-        except (*p.MALFORMED, RuntimeError) as e:  # RuntimeError: any other torch failure
+            self.service.answer(msg, req)
+        except (*MALFORMED, RuntimeError) as e:  # RuntimeError: any other torch failure
             log.warning("mlcheckpoint: pg transport request %.100r from rank %d failed: %s",
                         req.op, req.peer, e)  # a sealed request: a rank of this job, worth every line
             req.reply({"status": "error", "error": str(e)[:2000]})
-
-    def _on_put_shard(self, req: Request, step: int) -> None:
-        owner = p.want_int(req.msg, "owner", 0, self.rdzv.world_size)
-        m = p.manifest_from_wire(req.msg.get("manifest"), self.store.job_id, step, owner)
-        piece = want_piece(req.msg)
-        self.sink.check_admitted(m.run_id, step)
-        if self.sink.holds(m):
-            req.reply({"status": "have"})
-            return
-        with self.sink.begin(m) as receipt:
-            req.reply({"status": "ready"}, then="done")
-            self._receive_shard(receipt, req.peer, req.tag, piece)
-        req.reply({"status": "ok"})
-        self.sink.received(m)
-
-    def _on_get_shard(self, req: Request, step: int) -> None:
-        """The whole shard, with its manifest (paced when the request says so: a heal)."""
-        piece = self._piece(p.want_bool(req.msg, "paced"))
-        with self.sink.pins.pinned(step):
-            shard = self._map_or_missing(req, step)
-            if shard is None:
-                return
-            m, buf = shard
-            req.reply({"status": "ok", "manifest": m.to_dict(), "piece": piece}, then="")
-            self._send_ranges(req, buf, [(0, m.data_bytes)], piece)
-
-    def _on_read_items(self, req: Request, step: int) -> None:
-        """Byte ranges of the shard, straight into the requester's tensors."""
-        piece = self._piece(p.want_bool(req.msg, "paced"))
-        with self.sink.pins.pinned(step):
-            shard = self._map_or_missing(req, step)
-            if shard is None:
-                return
-            m, buf = shard
-            ranges = p.checked_ranges(req.msg.get("ranges"), m.data_bytes)
-            req.reply({"status": "ok", "piece": piece}, then="")
-            self._send_ranges(req, buf, ranges, piece)
-
-    def _map_or_missing(self, req: Request, step: int) -> tuple[Manifest, MappedFile] | None:
-        """The requested shard (call with its step pinned), or None once "missing" is sent."""
-        owner = p.want_int(req.msg, "owner", 0, 1 << 20)
-        try:
-            return self.store.map_shard(step, owner)
-        except ShardNotFoundError:
-            req.reply({"status": "missing"})
-            return None
-
-    def _send_ranges(self, req: Request, buf: MappedFile, ranges: list[tuple[int, int]],
-                     piece: int) -> None:
-        for o, n in ranges:
-            if n:
-                self._send_bytes(buf.array[o:o + n], req.peer, req.tag, piece)
-
-    def _on_put_metadata(self, req: Request, step: int) -> None:
-        raw = self.mailbox.take_blob(req.peer, req.nonce, req.msg.get("sha256"))
-        self.sink.commit_metadata(step, raw, offered=True)
-        req.reply({"status": "ok"})
-
-    def _on_get_metadata(self, req: Request, step: int) -> None:
-        try:
-            raw = self.store.read_metadata_file(step)
-        except ShardNotFoundError:
-            req.reply({"status": "missing"})
-            return
-        req.reply({"status": "ok", "sha256": self.mailbox.put_blob(self.rdzv.rank, req.nonce, raw)})
 
     # ------------------------------------------------------------------ client
     def push_shard(self, peer: int, step: int, owner: int) -> int:
@@ -334,10 +296,11 @@ class PgTransport(Transport):
             resp = self.mailbox.await_reply(tag, nonce)
             if resp.get("status") == "missing":
                 raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
-            m = p.manifest_from_wire(resp.get("manifest"), self.store.job_id, step, owner)
+            m = manifest_from_wire(resp.get("manifest"), self.store.job_id, step, owner)
             piece = want_piece(resp)
             with self.sink.begin(m) as receipt:
-                self._receive_shard(receipt, peer, tag, piece)
+                self._fill(receipt, peer, tag, piece)
+                receipt.commit()
         return m.data_bytes
 
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],

@@ -22,19 +22,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .. import history
-from .._ratelimit import RateLimitedLog
-from ..errors import MLCheckpointError
-from ..settings import default
-from ..store import LocalStore
-from ..topology import Topology
-from ..waiting import deadline_in, wait_until
-from . import lag
-from .lag import LagWarning, ProtectionStatus
+from ... import history
+from ..._ratelimit import RateLimitedLog
+from ...errors import MLCheckpointError
+from ...settings import default
+from ...store import LocalStore
+from ...topology import Topology
+from ...waiting import deadline_in, wait_until
+from ..core.rendezvous import Rendezvous
+from ..core.transport import Transport
 from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets, sources
-from .rendezvous import Rendezvous
 from .rounds import Round, Rounds, protected_in_store
-from .transport import Transport
+from .status import LagWarning, ProtectionStatus, save_interval, save_times
+from .status import status as protection_status
 
 log = logging.getLogger(__name__)
 MAX_REPEAT_S = 30.0  # longest back-off before an unprotected save is named again
@@ -189,7 +189,7 @@ class Replicator:
         with self._saves_lock:
             superseded = self._superseded
         rate = sum(st.bytes for st in pushed) / sum(st.seconds for st in pushed) if pushed else None
-        return lag.status(newest, lag.save_times(inv), rate, superseded)
+        return protection_status(newest, save_times(inv), rate, superseded)
 
     def seed_protected(self, step: int | None) -> None:
         """After a restart the counters are new: take the newest step found on ``copies``
@@ -262,19 +262,19 @@ class Replicator:
         self.seed_protected(r.step)
         if self.topology.local_rank != 0:
             return
-        saves = lag.save_times(self.store.inventory())
+        saves = save_times(self.store.inventory())
         state = self.state(r.step)
         now = self._record_protected(r.step, saves)
         if self.topology.rank == 0 and state is not None and state.state == "replicated":
-            self._lag_warning.check(state.seconds, lag.save_interval(saves), now.lag_steps)
+            self._lag_warning.check(state.seconds, save_interval(saves), now.lag_steps)
 
     def _record_protected(self, step: int, saves: dict[int, float] | None = None) -> ProtectionStatus:
         """Record in the node's history (once per node and step: local rank 0) that ``step``
         is protected, whoever found it: the replicator thread at a round's verdict, or
         ``protection()`` and a save's retention, from the node's view of the rounds.
         ``mlcheckpoint ls`` reads it, so after ``close`` it names the step ``protection()`` did."""
-        saves = lag.save_times(self.store.inventory()) if saves is None else saves
-        now = lag.status(step, saves, None, 0)
+        saves = save_times(self.store.inventory()) if saves is None else saves
+        now = protection_status(step, saves, None, 0)
         with self._lock:  # the replicator thread and protection()'s caller both come here
             if self.topology.local_rank != 0 or step == self._recorded_protected:
                 return now

@@ -1,5 +1,6 @@
 """Striping one shard over several TCP streams: where the cuts go, and the receiver's record of
-a transfer whose stripes arrive on separate connections (see ``tcp.py`` for the protocol).
+a transfer whose stripes arrive on separate connections (see ``transport.py`` for the protocol;
+the streams run through ``core/streams.run_streams``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from ..core.sink import Receipt
 from . import protocol as p
-from .sink import Receipt
 
 T = TypeVar("T")
 
@@ -28,29 +29,6 @@ def split_evenly(pieces: list[tuple], size: Callable[[tuple], int], parts: int) 
         groups[min(parts - 1, int(done // share))].append(piece)
         done += size(piece)
     return groups
-
-
-def run_streams(work: Callable[[T], None], jobs: list[T]) -> list[BaseException]:
-    """Run ``work(job)`` for every job, the first on the calling thread and each other one on a
-    thread of its own. Returns, once all have finished (so none still writes anywhere), what
-    they raised."""
-    errors: list[BaseException] = []
-
-    def run(job: T) -> None:
-        try:
-            work(job)
-        except BaseException as e:  # noqa: BLE001 (handed to the caller, which re-raises)
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(job,), daemon=True, name="mlckpt-tcp-stream")
-               for job in jobs[1:]]
-    for t in threads:
-        t.start()
-    if jobs:
-        run(jobs[0])
-    for t in threads:
-        t.join()
-    return errors
 
 
 def stripes(nbytes: int, streams: int) -> list[tuple[int, int]]:

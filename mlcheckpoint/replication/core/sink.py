@@ -1,11 +1,12 @@
 """The receiving end of every transport: where a replica's bytes land, and what is checked
 before they count.
 
-A transport only moves bytes. For a shard it receives it asks the sink for a ``Receipt`` (a
-fresh buffer in the store, sized by the checked manifest), fills ``receipt.array`` and calls
-``commit()``: every item's checksum is verified, then the store's commit protocol makes the
-replica visible. Leaving the receipt any other way (an error, a cut connection) aborts it, so
-a transfer cut anywhere leaves nothing visible:
+A transport only moves bytes. For a shard it receives, the request service (a push,
+``service.py``) or the transport's own fetch asks the sink for a ``Receipt`` (a fresh buffer in
+the store, sized by the checked manifest); the transport fills ``receipt.array``, then
+``commit()`` verifies every item's checksum and the store's commit protocol makes the replica
+visible. Leaving the receipt any other way (an error, a cut connection) aborts it, so a
+transfer cut anywhere leaves nothing visible:
 
     with sink.begin(manifest) as receipt:
         fill(receipt.array)     # calling receipt.landed(n) as bytes arrive in order, if they do
@@ -13,7 +14,8 @@ a transfer cut anywhere leaves nothing visible:
     sink.received(manifest)     # a pushed replica, once acknowledged
 
 The sink also holds what this node decides about replicas: which saves it accepts
-(``accept_from``), the largest shard it takes, and the steps pinned while a transfer reads them.
+(``accept_from``), the largest shard it takes, and the steps pinned while a transfer reads them
+(``Pins``, which the lifecycle's retention skips).
 Once a pushed replica is in, it publishes a ``ReplicaReceived`` event to its subscribers (the
 lifecycle layer applies retention there), given at construction. How each replica was received
 (``ReceiptTimes``) is kept for the last few, in ``receipt_times``.
@@ -24,25 +26,52 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from .._faults import crash_point
-from ..errors import MLCheckpointError, ReplicationError
-from ..integrity.verify import StreamVerifier, digest_item, digests_agree
-from ..store import LocalStore, Manifest
-from ..store.identity import Lineage
-from . import protocol as p
+from ..._faults import crash_point
+from ...errors import MLCheckpointError, ReplicationError
+from ...integrity.verify import StreamVerifier, digest_item, digests_agree
+from ...store import LocalStore, Manifest
+from ...store.identity import Lineage
+from . import checks
 
 if TYPE_CHECKING:
-    from ..store.shards import ShardWriter
+    from ...store.shards import ShardWriter
 
-class StepPins(Protocol):
-    """Steps retention must skip while a transfer reads their buffers (``lifecycle.Pins``)."""
 
-    def pinned(self, step: int) -> contextlib.AbstractContextManager[None]: ...
+class Pins:
+    """Steps whose buffers someone is reading (a transfer, a persistent write): retention skips
+    them, so a buffer is never recycled under a reader. One per rank, shared by its sink and its
+    lifecycle (``lifecycle.RetentionPolicy``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: Counter[int] = Counter()
+
+    @contextlib.contextmanager
+    def pinned(self, step: int) -> Iterator[None]:
+        self.pin(step)
+        try:
+            yield
+        finally:
+            self.unpin(step)
+
+    def pin(self, step: int) -> None:
+        with self._lock:
+            self._count[step] += 1
+
+    def unpin(self, step: int) -> None:
+        with self._lock:
+            self._count[step] -= 1
+            if self._count[step] <= 0:
+                del self._count[step]
+
+    def steps(self) -> set[int]:
+        with self._lock:
+            return set(self._count)
 
 
 KEPT_RECEIPT_TIMES = 64  # ReceiveSink.receipt_times holds the last this many replicas'
@@ -67,13 +96,6 @@ class ReceiptTimes:
     cpu_s: float | None = None  # process CPU seconds from the buffer to the commit's end
 
 
-class NoPins:
-    """Pins nothing: a sink on its own, with no retention running beside it."""
-
-    def pinned(self, step: int) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-
 @dataclass(frozen=True)
 class ReplicaReceived:
     """The event a sink publishes once a replica a peer pushed is committed and acknowledged."""
@@ -93,16 +115,16 @@ class ReceiveSink:
     Args:
         store: this node's store.
         pins: steps retention must skip; transports pin a step while they read its shard
-            (default: none, for a sink with no retention beside it).
+            (default: pins of its own, which no retention reads: a sink on its own).
         subscribers: called with a ``ReplicaReceived`` once a replica a peer pushed is
             committed and acknowledged (the lifecycle layer applies retention there).
         max_shard_bytes: largest shard a peer may send us (checked before allocating).
     """
 
-    def __init__(self, store: LocalStore, *, pins: StepPins | None = None,
+    def __init__(self, store: LocalStore, *, pins: Pins | None = None,
                  subscribers: Iterable[Subscriber] = (), max_shard_bytes: int = 1 << 40):
         self.store = store
-        self.pins: StepPins = pins if pins is not None else NoPins()
+        self.pins = pins if pins is not None else Pins()
         self.subscribers = list(subscribers)
         self.max_shard_bytes = max_shard_bytes
         # Replicas are received only of saves in this history (set by ``accept_from``).
@@ -144,7 +166,7 @@ class ReceiveSink:
     # ------------------------------------------------------------------ receiving
     def begin(self, m: Manifest) -> Receipt:
         """A fresh buffer for the replica ``m`` describes (its size checked first)."""
-        p.check_offer(m, self.max_shard_bytes)
+        checks.check_offer(m, self.max_shard_bytes)
         cpu0, t0 = time.process_time(), time.monotonic()
         shard = self.store.begin_shard(m.step, m.rank, m.data_bytes)
         t1 = time.monotonic()
@@ -165,7 +187,7 @@ class ReceiveSink:
     def commit_metadata(self, step: int, raw: bytes, *, offered: bool) -> None:
         """Check a step's metadata file from a peer and install it. ``offered``: the peer
         pushed it (rather than answering our request), so it must be of this job's history."""
-        header = p.metadata_from_wire(raw, self.store.job_id, step)
+        header = checks.metadata_from_wire(raw, self.store.job_id, step)
         if offered:
             self.check_admitted(header.run_id, step)
         self.store.write_metadata_file(step, raw)

@@ -297,6 +297,8 @@ def run_train(args: argparse.Namespace, root: str) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001  # one mode failing (torch's stager, say) leaves the rest
             progress(f"train: {mode} failed: {e!r}")
             results[mode] = {"error": repr(e)}
+            for response in pending:  # let DCP's writes end before the directory goes
+                response.upload_completion.exception()
             pending.clear()
         else:
             w = args.warmup

@@ -28,6 +28,7 @@ from benchmarks import (
     bench_control,
     bench_first_saves,
     bench_gc,
+    bench_gpu,
     bench_local,
     bench_network,
     bench_recovery,
@@ -89,6 +90,20 @@ def test_bench_training_runs_every_mode():
         assert len(figures["modes"][mode]["step_s"]) == 2
     assert "overlapped_vs_anchor" in figures["summary"]
     assert figures["summary"]["modes"]["overlapped"]["guard_wait_max_s"] >= 0
+
+
+@pytest.mark.slow
+def test_bench_gpu_runs_every_section_on_the_cpu(capsys):
+    """Its device paths need a GPU; ``--device cpu`` runs the same code, so a typo cannot wait
+    for a GPU machine to show."""
+    figures = bench_gpu.main(["--device", "cpu", "--quick", "--shm-dir", "/dev/shm"])
+    assert figures["h2d"]["wrong"] == [] and figures["h2d"]["step"] == figures["d2h"]["last_step"]
+    assert set(figures["h2d"]["phases"]) == {"inventory", "plan", "fetch", "verify", "load", "heal"}
+    assert len(figures["d2h"]["staging_seconds"]) == 4 and sum(figures["d2h"]["registrations_per_save"]) == 0
+    for mode in ("none", "ours_guard", "ours_blocking", "dcp_async", "none_again"):
+        assert len(figures["train"][mode]["step_seconds"]) == 4, (mode, figures["train"][mode])
+    out = capsys.readouterr().out
+    assert "ours, async_save steady" in out and "ours, resume" in out and "dcp_async" in out
 
 
 @pytest.mark.slow

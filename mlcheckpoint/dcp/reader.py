@@ -68,10 +68,12 @@ def _fits_directly(target: torch.Tensor, req: ReadItem, metadata: Metadata | Non
             and target.numel() == math.prod(req.lengths))
 
 
-def _copy_view(target: torch.Tensor, view: torch.Tensor) -> None:
+def _copy_view(target: torch.Tensor, view: torch.Tensor, non_blocking: bool = False) -> None:
     """Copy (and cast) the stored part ``view`` into ``target``, reshaping where DCP's
-    request and the target disagree only in shape."""
-    target.copy_(view.reshape(target.shape) if target.shape != view.shape else view)
+    request and the target disagree only in shape. ``non_blocking`` (a device target, from a
+    page-locked mapping): the caller synchronizes before anyone reads ``target``."""
+    target.copy_(view.reshape(target.shape) if target.shape != view.shape else view,
+                 non_blocking=non_blocking)
 
 
 def _load_stored_as_dcp(planner: LoadPlanner, req: ReadItem, raw: bytes) -> None:
@@ -206,11 +208,17 @@ class MemoryStorageReader(StorageReader):
         for (req, loc), digest in zip(checked, copier.process(spans), strict=True):
             if not digests_agree(loc.checksum, digest):
                 self._corrupt(rank, req, self.node)
+        to_device = [s for _, t, s in later if s is not None and t.device.type != "cpu"]
+        if to_device:  # page-locked once: the copies below run at the DMA engine's rate
+            source.mapping(max(s.offset + s.nbytes for s in to_device)).register_for_device_copies()
         for req, target, stored in later:
             if stored is not None:  # resharded, cast or on a device: torch copies from the mapping
                 end = stored.offset + stored.nbytes
                 src = source.mapping(end).array[stored.offset:end]
-                _copy_view(target, self._stored_view(req, src))
+                _copy_view(target, self._stored_view(req, src), non_blocking=target.device.type != "cpu")
+        if to_device:
+            torch.accelerator.synchronize()  # every device copy has landed before the commits
+        for req, target, _ in later:
             planner.commit_tensor(req, target)
 
     def _read_remote(self, remote: RemoteReads, rank: int, reqs: list[ReadItem],

@@ -77,6 +77,8 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
         if kind == "nccl" and (not torch.cuda.is_available() or not dist.is_nccl_available()):
             raise ConfigError("replication='nccl' needs CUDA and a torch built with NCCL; use "
                               "'tcp' or 'pg' on this machine")
+        if kind == "nccl":
+            _check_one_device_per_rank(rdzv)
         if (settings.interface is not None or settings.tcp.host is not None) \
                 and topology.local_rank == 0:
             log.warning("mlcheckpoint: replication_interface and replication_host choose the "
@@ -95,3 +97,22 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
         log.info("mlcheckpoint: node %d replicates over %s", topology.node_rank,
                  transport.describe())
     return transport
+
+
+def _check_one_device_per_rank(rdzv: Rendezvous) -> None:
+    """NCCL cannot put two ranks of one communicator on one GPU (e.g. simulated nodes sharing
+    a machine's GPU, or ranks that all kept cuda:0): it fails or hangs at the first send.
+    Every rank publishes its device's UUID and reads everyone's, so all of them refuse
+    together, before any NCCL call."""
+    device = torch.cuda.current_device()
+    rdzv.publish("cuda-device", f"{torch.cuda.get_device_properties(device).uuid}")
+    owners: dict[str, list[int]] = {}
+    for rank in range(rdzv.world_size):
+        owners.setdefault(rdzv.lookup("cuda-device", rank), []).append(rank)
+    shared = [ranks for ranks in owners.values() if len(ranks) > 1]
+    if shared:
+        raise ConfigError(
+            f"replication='nccl' needs a CUDA device per rank, but ranks {shared[0]} use one "
+            f"GPU ({len(owners)} GPUs for {rdzv.world_size} ranks; this rank is on cuda:{device}; "
+            "call torch.cuda.set_device(local_rank) first): NCCL cannot form a communicator "
+            "with two ranks on one GPU; use replication='tcp' or 'pg'")

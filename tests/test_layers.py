@@ -97,7 +97,6 @@ def test_the_library_never_imports_its_test_harness():
 
 
 def test_leaves_import_only_each_other():
-    """At run time: ``errors`` names ``integrity.verify.CopyId`` in an annotation only."""
     bad = [f"{leaf}.py:{line} imports mlcheckpoint.{module}"
            for leaf in sorted(LEAVES) if (PACKAGE / f"{leaf}.py").exists()
            for line, module in imported_modules(PACKAGE / f"{leaf}.py", typing_only=False)

@@ -8,26 +8,17 @@ Three entry points:
   - ``digest_item``: the checksum of one item's bytes (``verify_digests`` then compares
     digests hashed elsewhere, e.g. by the copier while it copies into the model).
 A failure is always ``integrity_error``'s CorruptShardError, worded the same wherever it
-happens, naming the bad copy (``CopyId``) when the caller knows it.
+happens, naming the bad copy (``errors.CopyId``) when the caller knows it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from ..errors import CorruptShardError
+from ..errors import CopyId, CorruptShardError
 from . import copier
 from .checksum import StreamingChecksum, checksum
-
-
-class CopyId(NamedTuple):
-    """One copy of a checkpoint's bytes: ``owner``'s shard of ``step`` (None: the step's
-    metadata) on ``node``. Recovery refuses a bad copy alone and reads another."""
-
-    step: int
-    owner: int | None
-    node: int | None
 
 
 class Recorded(Protocol):

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from helpers import payload, put_shard
 
-from mlcheckpoint import CorruptShardError
+from mlcheckpoint.errors import CopyId, CorruptShardError
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.integrity.verify import (
-    CopyId,
     StreamVerifier,
     digest_item,
     integrity_error,

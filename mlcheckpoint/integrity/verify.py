@@ -49,6 +49,14 @@ def digests_agree(recorded: int, digest: int) -> bool:
     return digest == recorded
 
 
+def same_layout(held: Iterable[Recorded], offered: Iterable[Recorded]) -> bool:
+    """Whether two records of a shard (two manifests' items) name the same bytes: item by item,
+    the same place, size and checksum."""
+    def layout(items: Iterable[Recorded]) -> list[tuple[int, int, int]]:
+        return [(it.offset, it.nbytes, it.checksum) for it in items]
+    return layout(held) == layout(offered)
+
+
 def digest_item(data: Any) -> int:
     """The checksum of one item's bytes (bytes, a uint8 array or a tensor)."""
     return checksum(data)

@@ -6,7 +6,12 @@ with ``ast`` (no module is imported to check it).
   no thread, and knows nothing of replication or lifecycle policy;
 - every layer imports only itself, the layers below it and the leaf modules, which import
   only each other (errors, settings, fault points, the GC pause, topology, the persistent
-  folder); no library module imports ``testing/`` (the harness for tests and benchmarks).
+  folder); no library module imports ``testing/`` (the harness for tests and benchmarks);
+- ``dcp/`` reads other nodes through its own Protocol (``dcp/remote.py``), never through
+  ``replication/`` or ``recovery/``;
+- every comparison of checksums is ``integrity/verify.py``'s.
+
+Every layer rule of the project is here, in this one file.
 """
 
 from __future__ import annotations

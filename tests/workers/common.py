@@ -14,9 +14,6 @@ from mlcheckpoint.testing.cluster import write_result
 # TEST_NO_LOGGING_SETUP=1: a worker that, like many training scripts, never sets logging up.
 if not os.environ.get("TEST_NO_LOGGING_SETUP"):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s r%(process)d %(name)s %(levelname)s %(message)s")
-# A test can ask for one of our loggers at DEBUG (e.g. MLCKPT_TEST_DEBUG=mlcheckpoint.replication.tcp).
-if os.environ.get("MLCKPT_TEST_DEBUG"):
-    logging.getLogger(os.environ["MLCKPT_TEST_DEBUG"]).setLevel(logging.DEBUG)
 
 
 def run_specs(run_job) -> None:

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import wait_for
+from helpers import flip_byte, wait_for
 from tcp_job import connect, debris, frames_to_eof, make_shard, manifest_dict
 
 from mlcheckpoint import ConfigError, ShardNotFoundError, settings
@@ -63,12 +63,7 @@ def test_corrupt_stripe_is_refused_and_nothing_is_committed(make_job, tcp_warnin
     nbytes = 6 * MiB
     make_shard(sender.store, 4, 1, nbytes, seed=2)
     # a bit flips in the sender's copy after commit, in the last stripe
-    pos = stripes(nbytes, 3)[2][0] + 1234
-    with open(sender.store.data_path(4, 1), "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x80]))
+    flip_byte(sender.store.data_path(4, 1), stripes(nbytes, 3)[2][0] + 1234)
     with pytest.raises(ReplicationError, match="checksum mismatch"):
         sender.push_shard(0, 4, 1)
     with pytest.raises(ShardNotFoundError):

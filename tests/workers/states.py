@@ -92,8 +92,14 @@ def clone_state(sd):
     return sd
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, as a flat uint8 tensor (a view where ``t`` is contiguous on the CPU)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
 def raw_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    # A copy first: numpy sharing a live tensor's storage would make it unresizable.
+    return bits(t).clone().numpy().tobytes()
 
 
 def differences(expected, actual, path: str = "sd") -> list[str]:
@@ -102,7 +108,7 @@ def differences(expected, actual, path: str = "sd") -> list[str]:
     and ``==``."""
     if isinstance(expected, torch.Tensor):
         same = (isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype
-                and actual.shape == expected.shape and raw_bytes(actual) == raw_bytes(expected))
+                and actual.shape == expected.shape and torch.equal(bits(actual), bits(expected)))
         return [] if same else [path]
     if isinstance(expected, dict):
         if not isinstance(actual, dict):

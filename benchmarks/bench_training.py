@@ -50,12 +50,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from benchmarks.harness.gilprobe import GilProbe
 from benchmarks.harness.processes import exit_on_sigterm, make_workspace
 from benchmarks.harness.report import machine_info, progress, run_and_report
 from benchmarks.harness.stats import GiB, median, p90, size_str
 from benchmarks.harness.workloads import quiet_dcp, tensors_of
 from mlcheckpoint import CheckpointManager
-from mlcheckpoint._gilprobe import GilProbe
 
 MODES = ("none", "overlapped", "blocking", "dcp")
 LABELS = {"none": "no checkpointing", "overlapped": "ours, overlapped (guard)",

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from .integrity.verify import CopyId
+
+class CopyId(NamedTuple):
+    """One copy of a checkpoint's bytes: ``owner``'s shard of ``step`` (None: the step's
+    metadata) on ``node``. An integrity error names it; recovery refuses a bad copy alone and
+    reads another."""
+
+    step: int
+    owner: int | None
+    node: int | None
 
 
 class MLCheckpointError(RuntimeError):
@@ -35,7 +42,7 @@ class CapacityError(MLCheckpointError):
 class CorruptShardError(MLCheckpointError):
     """Bytes on tmpfs do not match the checksum recorded when they were committed.
 
-    ``copy`` names the bad copy (``integrity.verify.CopyId``: step, owner rank, node) when
+    ``copy`` names the bad copy (``CopyId``: step, owner rank, node) when
     known, so recovery can refuse that copy alone and use another.
     """
 

@@ -8,8 +8,9 @@ policy above the passive store.
   (``LocalStore.apply_retention``: a pure plan, then retiring its shards).
 - ``BufferWarmer``: makes the buffers of an owner's next checkpoints ahead of time.
 - ``Lifecycle``: the three together for one rank; it subscribes to the receive sink's
-  ``ReplicaReceived`` events (a listener thread publishes them) and to the saver's
-  completed saves.
+  ``ReplicaReceived`` events (a listener thread publishes them). Saves subscribe to nothing:
+  the ``Saver`` holds its ``Retention`` and ``BufferWarmer`` and calls them itself, once per
+  committed save (``Saver._publish``).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class BufferWarmer:
 
 class Lifecycle:
     """One rank's lifecycle policy: pins, retention and buffer warming, and what they do when a
-    save completes or a replica arrives.
+    replica arrives (a save calls ``retention`` and ``warmer`` itself, from ``Saver._publish``).
 
     Subscribe ``replica_received`` to the receive sink (``ReceiveSink(subscribers=...)``): it
     runs on a listener thread, never calls the manager, and touches only the store.

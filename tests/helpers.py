@@ -1,11 +1,13 @@
 """Helpers shared by the test modules (test modules never import each other).
 
 - waiting: ``wait_for``
-- damage: ``flip_byte``, ``flip_shard_byte``
+- damage: ``damage_shard`` (a committed shard: flipped, truncated, deleted, bad manifest),
+  ``flip_byte`` (one byte of any file)
 - a real, small tmpfs: ``mounted_tmpfs``
 - shards written straight into a LocalStore: ``payload``, ``begin``, ``put_shard``,
   ``put_metadata``, ``put_step``, ``pool_files``
-- state dicts: ``make_state``, ``zeros_like_state``, ``clone_state``, ``assert_same``
+- state dicts are tests/workers/states.py's (``make_state``, ``zeros_like_state``,
+  ``differences``, ...: one home for tests and workers, on the path through ``WORKERS``)
 
 Simulated clusters live in mlcheckpoint/testing: cluster.py (loopback; tests/cluster.py names
 the workers directory) and netcluster.py (network namespaces joined by shaped links); TCP
@@ -18,17 +20,24 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
 import pytest
-import torch
 
 from mlcheckpoint import LocalStore
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 from mlcheckpoint.waiting import deadline_in, wait_until
+
+# tests/workers holds what tests and workers share (states.py) beside the worker scripts, which
+# run with it first on their path; test modules find it (``from states import ...``) through
+# this line, which runs before any test module is imported (conftest.py -> tcp_job.py -> here).
+WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
+if WORKERS not in sys.path:
+    sys.path.insert(0, WORKERS)
 
 WAIT = 120  # generous bound on waiting for another process/thread (never asserted on)
 
@@ -85,18 +94,46 @@ def flip_byte(path: str, offset: int) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def flip_shard_byte(local_dir: str, job_id: str, step: int, owner: int) -> str:
-    """Flip one byte in the middle of the largest item of a committed shard (located through
-    its manifest); return the item's key."""
-    store = LocalStore(local_dir, job_id, create=False)
-    try:
-        path, m = store.data_path(step, owner), store.read_manifest(step, owner)
-    finally:
-        store.close()
-    item = max(m.items, key=lambda it: it.nbytes)
-    assert item.nbytes > 0, m
-    flip_byte(path, item.offset + item.nbytes // 2)
-    return item.key
+SHARD_DAMAGES = ("flipped", "truncated", "deleted", "bad_manifest")
+
+
+def damage_shard(store: LocalStore, step: int, owner: int, how: str = "flipped", *,
+                 item: str | int | None = None, at: int | None = None) -> ManifestItem | None:
+    """Damage ``owner``'s committed shard of ``step`` in ``store`` after its checksums were
+    recorded, as a fault in memory would (one of ``SHARD_DAMAGES``):
+
+    - "flipped": one byte of an item inverted, ``at`` bytes into it (default: its middle); the
+      item is ``item``: its key as DCP names it (``"model.w"``; a ``@...`` suffix the store
+      adds need not be given), its index in the manifest, or (None) the largest. Returns that item.
+    - "truncated": the data file cut to half the shard's data bytes;
+    - "deleted": the data file removed;
+    - "bad_manifest": the manifest overwritten with bytes that are not JSON.
+
+    A byte at a position of the file rather than of an item: ``flip_byte(store.data_path(...))``.
+    """
+    data = store.data_path(step, owner)
+    if how == "bad_manifest":
+        with open(store.manifest_path(step, owner), "wb") as f:
+            f.write(b"{not json")
+        return None
+    if how == "deleted":
+        os.unlink(data)
+        return None
+    m = store.read_manifest(step, owner)
+    if how == "truncated":
+        os.truncate(data, m.data_bytes // 2)
+        return None
+    assert how == "flipped", how
+    if item is None:
+        chosen = max(m.items, key=lambda it: it.nbytes)
+    elif isinstance(item, int):
+        chosen = m.items[item]
+    else:
+        chosen = next(it for it in m.items if item in (it.key, it.key.split("@")[0]))
+    offset = chosen.nbytes // 2 if at is None else at
+    assert 0 <= offset < chosen.nbytes, (chosen, offset)
+    flip_byte(data, chosen.offset + offset)
+    return chosen
 
 
 # --------------------------------------------------------------------------- a real, small tmpfs
@@ -149,72 +186,3 @@ def put_step(store: LocalStore, step: int, ranks=(0,)) -> None:
 
 def pool_files(store: LocalStore) -> list[str]:
     return sorted(os.path.join(store.pool_dir, n) for n in os.listdir(store.pool_dir))
-
-
-# --------------------------------------------------------------------------- state dicts
-def make_state(seed: int = 0) -> dict[str, Any]:
-    """Every dtype and layout DCP must carry: NaN/inf/-0.0, empty, strided, non-tensors."""
-    g = torch.Generator().manual_seed(seed)
-    f32 = torch.randn(17, 9, generator=g)
-    f32[0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, float("-inf")])
-    base = torch.randn(12, 10, generator=g, dtype=torch.float64)
-    return {
-        "model": {
-            "f32": f32,
-            "f16": torch.randn(33, generator=g).to(torch.float16),
-            "bf16": torch.randn(5, 7, generator=g).to(torch.bfloat16),
-            "f64": torch.randn(3, 3, generator=g, dtype=torch.float64),
-            "layer": {"i8": torch.randint(-128, 127, (19,), generator=g, dtype=torch.int8),
-                      "i32": torch.randint(-2**31, 2**31 - 1, (4, 4), generator=g, dtype=torch.int32)},
-        },
-        "i64": torch.randint(-2**62, 2**62, (6,), generator=g, dtype=torch.int64),
-        "mask": torch.rand(23, generator=g) > 0.5,
-        "c64": torch.randn(8, generator=g, dtype=torch.complex64),
-        "scalar": torch.tensor(3.25 + seed),
-        "scalar_i": torch.tensor(-7 - seed, dtype=torch.int64),
-        "empty": torch.empty(0),
-        "empty2d": torch.zeros(0, 5, dtype=torch.int32),
-        "transposed": torch.randn(6, 4, generator=g).t(),
-        "strided": base[::3, 1::2],
-        "extra": {"step": 10 + seed, "lr": 0.125 * (seed + 1), "name": f"run-{seed}",
-                  "hist": [1, 2.5, "three"], "nested": {"deep": {"k": [seed, seed + 1]}}},
-    }
-
-
-def zeros_like_state(sd):
-    """Same structure, tensors zeroed (contiguous), non-tensors replaced by placeholders."""
-    if isinstance(sd, torch.Tensor):
-        return torch.zeros(sd.shape, dtype=sd.dtype)
-    if isinstance(sd, dict):
-        return {k: zeros_like_state(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [zeros_like_state(v) for v in sd]
-    return None
-
-
-def clone_state(sd):
-    if isinstance(sd, torch.Tensor):
-        return sd.clone()
-    if isinstance(sd, dict):
-        return {k: clone_state(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [clone_state(v) for v in sd]
-    return sd
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def assert_same(expected, actual, path="sd") -> None:
-    """Bit-exact equality (NaN and -0.0 included), dtypes and shapes too."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), path
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
-        assert raw_bytes(actual) == raw_bytes(expected), path
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and actual.keys() == expected.keys(), path
-        for k in expected:
-            assert_same(expected[k], actual[k], f"{path}.{k}")
-    else:
-        assert type(actual) is type(expected) and actual == expected, (path, actual, expected)

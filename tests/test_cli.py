@@ -9,6 +9,7 @@ import tempfile
 
 import pytest
 import torch
+from helpers import damage_shard
 
 from mlcheckpoint import CheckpointManager, LocalStore, history
 from mlcheckpoint._words import plural
@@ -68,13 +69,7 @@ def test_verify_exit_status_reflects_checksums(job, cli):
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2")
     assert code == 0 and "OK" in out
     store = LocalStore(job, "clijob", create=False)
-    m = store.read_manifest(1, 0)
-    item = next(it for it in m.items if it.kind == "tensor")
-    with open(store.data_path(1, 0), "r+b") as f:
-        f.seek(item.offset + 5)
-        b = f.read(1)
-        f.seek(item.offset + 5)
-        f.write(bytes([b[0] ^ 0xFF]))
+    damage_shard(store, 1, 0, at=5)
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "1", "--json")
     assert code == EXIT_CORRUPT == 3
     verdict = json.loads(out)
@@ -133,12 +128,8 @@ def test_verify_checks_bytes_against_the_step_metadata(job, cli):
 
     store = LocalStore(job, "clijob", create=False)
     m = store.read_manifest(2, 0)
-    item = max(m.items, key=lambda it: it.nbytes)
-    with open(store.data_path(2, 0), "r+b") as f:
-        f.seek(item.offset + 10)
-        b = f.read(1)
-        f.seek(item.offset + 10)
-        f.write(bytes([b[0] ^ 0x01]))
+    item = damage_shard(store, 2, 0, at=10)
+    with open(store.data_path(2, 0), "rb") as f:
         f.seek(item.offset)
         forged = checksum(f.read(item.nbytes))
     d = m.to_dict()
@@ -150,16 +141,6 @@ def test_verify_checks_bytes_against_the_step_metadata(job, cli):
     assert code == EXIT_CORRUPT and "CORRUPT" in out and "metadata item" in out, out
 
 
-def _flip_tensor_byte(store: LocalStore, step: int) -> None:
-    m = store.read_manifest(step, 0)
-    item = next(it for it in m.items if it.kind == "tensor")
-    with open(store.data_path(step, 0), "r+b") as f:
-        f.seek(item.offset + 3)
-        b = f.read(1)
-        f.seek(item.offset + 3)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_verify_exit_status_is_the_worst_finding(job, cli):
     """Exit codes rise with severity (ok < incomplete < not found < corrupt), and a step with
     several findings exits with the worst: a corrupt shard beside missing metadata is corrupt."""
@@ -169,7 +150,7 @@ def test_verify_exit_status_is_the_worst_finding(job, cli):
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "1", "--json")
     assert code == EXIT_INCOMPLETE and json.loads(out)["verdict"] == "incomplete"
     os.unlink(store.metadata_path(2))  # step 2: metadata elsewhere and a corrupt shard here
-    _flip_tensor_byte(store, 2)
+    damage_shard(store, 2, 0, at=3)
     store.close()
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2", "--json")
     assert code == EXIT_CORRUPT and json.loads(out)["verdict"] == "corrupt"
@@ -177,8 +158,9 @@ def test_verify_exit_status_is_the_worst_finding(job, cli):
 
 
 def test_verify_help_documents_the_exit_codes(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as done:
         main(["verify", "--help"])
+    assert done.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "0 ok, 1 incomplete on this node (the rest intact), 2 job or step not found, 3 corrupt" in out
 

@@ -8,8 +8,8 @@ import logging
 import os
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
+from states import assert_same, make_state, zeros_like_state
 from torch.distributed.checkpoint import FileSystemWriter
 
 from mlcheckpoint import CheckpointManager, ConfigError
@@ -20,12 +20,8 @@ JOB = "job-integration-core"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def state(value: float) -> dict:
-    return {"w": torch.full((4, 3), value), "extra": {"step": int(value)}}
-
-
-def write_framework_step(folder: str, name: str, value: float) -> None:
-    dcp.save(state(value), storage_writer=FileSystemWriter(os.path.join(folder, name)))
+def write_framework_step(folder: str, name: str, step: int) -> None:
+    dcp.save(make_state(step), storage_writer=FileSystemWriter(os.path.join(folder, name)))
 
 
 # ---------------------------------------------------------------- folder layouts
@@ -44,10 +40,10 @@ def test_step_names_match_only_their_own_format():
 
 def test_persistent_tier_lists_a_framework_layout(store_dir):
     folder = os.path.join(store_dir, "titan")
-    write_framework_step(folder, "step-4", 4.0)
-    write_framework_step(folder, "step-12", 12.0)
+    write_framework_step(folder, "step-4", 4)
+    write_framework_step(folder, "step-12", 12)
     os.makedirs(os.path.join(folder, "step-16"))  # still being written: no .metadata yet
-    write_framework_step(folder, "step-000000000020", 20.0)  # not this layout
+    write_framework_step(folder, "step-000000000020", 20)  # not this layout
     assert PersistentStorage(folder, step_format="step-{step}").steps() == [4, 12]
     assert PersistentStorage(folder).steps() == [20]  # the default layout, as before
 
@@ -68,17 +64,16 @@ class CountingFolder(PersistentStorage):
 def test_resume_loads_the_newest_of_memory_and_framework_folder_once(store_dir, memory_step,
                                                                      folder_step, source):
     folder = CountingFolder(os.path.join(store_dir, "titan"))
-    write_framework_step(folder.location, f"step-{folder_step}", float(folder_step))
+    write_framework_step(folder.location, f"step-{folder_step}", folder_step)
     local = os.path.join(store_dir, "local")
     with CheckpointManager(folder, job_id=JOB, local_dir=local, replication="none") as ckpt:
-        ckpt.save(state(float(memory_step)), memory_step)
+        ckpt.save(make_state(memory_step), memory_step)
     with CheckpointManager(folder, job_id=JOB, local_dir=local, replication="none") as ckpt:
-        target = state(-1.0)
+        target = zeros_like_state(make_state())
         info = ckpt.resume(target)
         newest = max(memory_step, folder_step)
         assert (info.step, info.source) == (newest, source)
-        assert torch.equal(target["w"], torch.full((4, 3), float(newest)))
-        assert target["extra"]["step"] == newest
+        assert_same(make_state(newest), target)
         assert folder.restored == ([folder_step] if source == "persistent" else [])
         listed = {(e.step, e.location) for e in ckpt.checkpoints()}
         assert (folder_step, "persistent") in listed
@@ -108,10 +103,10 @@ def test_manager_without_job_id_uses_its_persistent_folder(clean_env, store_dir)
     folder = os.path.join(store_dir, "persistent")
     local = os.path.join(store_dir, "local")
     with CheckpointManager(folder, local_dir=local, replication="none") as first:
-        first.save(state(3.0), 3)
+        first.save(make_state(3), 3)
     with CheckpointManager(folder, local_dir=local, replication="none") as restarted:
         assert restarted.job_id == first.job_id == derived_job_id(folder)
-        assert restarted.resume(state(0.0)).step == 3  # the restart finds its checkpoints
+        assert restarted.resume(zeros_like_state(make_state())).step == 3  # the restart finds its checkpoints
     with pytest.raises(ConfigError, match="TORCHELASTIC_RUN_ID"):
         CheckpointManager(local_dir=local, replication="none")
 

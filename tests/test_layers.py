@@ -10,6 +10,11 @@ with ``ast`` (no module is imported to check it).
 - inside ``replication/``: the transport core (``core/``) imports no wire format (``tcp/``,
   ``pg/``) and nothing above it; no wire format imports the schedule (``schedule/``), the
   factory or the other wire format; the schedule imports only the core.
+- ``dcp/`` reads other nodes through its own Protocol (``dcp/remote.py``), never through
+  ``replication/`` or ``recovery/``;
+- every comparison of checksums is ``integrity/verify.py``'s.
+
+Every layer rule of the project is here, in this one file.
 """
 
 from __future__ import annotations
@@ -145,7 +150,6 @@ def test_the_library_never_imports_its_test_harness():
 
 
 def test_leaves_import_only_each_other():
-    """At run time: ``errors`` names ``integrity.verify.CopyId`` in an annotation only."""
     bad = [f"{leaf}.py:{line} imports mlcheckpoint.{module}"
            for leaf in sorted(LEAVES) if (PACKAGE / f"{leaf}.py").exists()
            for line, module in imported_modules(PACKAGE / f"{leaf}.py", typing_only=False)
@@ -177,18 +181,130 @@ def test_store_starts_no_thread():
     assert bad == []
 
 
+# A value carries a checksum when it is named for one (checksum, digest, chunk_digests...).
+CHECKSUM_WORDS = ("checksum", "digest")
+# Calls whose result says something about their argument but carries none of its checksums.
+MEASURES = {"len", "bool", "isinstance", "type", "id", "hash"}
+
+
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def own_nodes(scope: ast.AST):
+    """The nodes of ``scope`` (a module or function) outside the functions defined in it."""
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, FUNCTIONS):
+            todo += ast.iter_child_nodes(node)
+
+
+def assignments(scope: ast.AST) -> dict[str, list[ast.expr]]:
+    """name -> the values it is assigned in ``scope`` itself."""
+    assigned: dict[str, list[ast.expr]] = {}
+    for a in own_nodes(scope):
+        if isinstance(a, (ast.Assign, ast.AnnAssign)) and a.value is not None:
+            for t in (a.targets if isinstance(a, ast.Assign) else [a.target]):
+                if isinstance(t, ast.Name):
+                    assigned.setdefault(t.id, []).append(a.value)
+                elif isinstance(t, ast.Tuple) and isinstance(a.value, ast.Tuple):
+                    for n, v in zip(t.elts, a.value.elts):  # x, y = a, b
+                        if isinstance(n, ast.Name):
+                            assigned.setdefault(n.id, []).append(v)
+                # x, y = f(): each part is judged by its name alone
+    return assigned
+
+
+def checksum_comparisons(source: str) -> list[int]:
+    """The lines of ``source`` where ``==`` or ``!=`` compares a value that carries a checksum,
+    judged by what the value holds, not by the name of the comparison: a name or attribute named
+    for a checksum, a call of a function named for one, a tuple, list, comprehension, subscript
+    or copy of one, a name its function assigns one, and a call of a function of the module (or
+    a lambda) that returns one (e.g. a manifest's layout as ``(offset, nbytes, checksum)``
+    tuples)."""
+    tree = ast.parse(source)
+    # function name -> (what it returns, the names it assigns)
+    returns: dict[str, tuple[list[ast.expr], dict[str, list[ast.expr]]]] = {}
+    for f in ast.walk(tree):
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            returns[f.name] = ([r.value for r in own_nodes(f) if isinstance(r, ast.Return) and r.value],
+                               assignments(f))
+        elif isinstance(f, ast.Assign) and isinstance(f.value, ast.Lambda):
+            returns.update({t.id: ([f.value.body], {}) for t in f.targets if isinstance(t, ast.Name)})
+
+    def carries(e: ast.AST, assigned: dict[str, list[ast.expr]], seen: frozenset[str] = frozenset()) -> bool:
+        if isinstance(e, (ast.Name, ast.Attribute)):
+            name = e.id if isinstance(e, ast.Name) else e.attr
+            if any(w in name.lower() for w in CHECKSUM_WORDS):
+                return True
+            if isinstance(e, ast.Name) and e.id not in seen:
+                return any(carries(v, assigned, seen | {e.id}) for v in assigned.get(e.id, ()))
+            return False
+        if isinstance(e, ast.Call):
+            func = e.func.id if isinstance(e.func, ast.Name) else getattr(e.func, "attr", "")
+            if func in MEASURES:
+                return False
+            if any(w in func.lower() for w in CHECKSUM_WORDS):
+                return True
+            if func in returns and func not in seen:
+                values, names = returns[func]
+                return any(carries(v, names, seen | {func}) for v in values)
+            return any(carries(a, assigned, seen) for a in e.args)  # list(...), sorted(...), tuple(...)
+        if isinstance(e, (ast.Tuple, ast.List, ast.Set)):
+            return any(carries(x, assigned, seen) for x in e.elts)
+        if isinstance(e, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+            return carries(e.elt, assigned, seen)
+        if isinstance(e, (ast.Subscript, ast.Starred)):
+            return carries(e.value, assigned, seen)
+        return False
+
+    found = set()
+    for scope in (tree, *(f for f in ast.walk(tree) if isinstance(f, FUNCTIONS))):
+        assigned = assignments(scope)  # a comparison is judged with its own function's names
+        found |= {node.lineno for node in own_nodes(scope) if isinstance(node, ast.Compare)
+                  and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops)
+                  and any(carries(side, assigned) for side in (node.left, *node.comparators))}
+    return sorted(found)
+
+
 def test_checksum_comparisons_live_in_one_file():
-    """Every comparison of a digest with a recorded checksum is ``integrity/verify.py``'s."""
-    bad = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path == PACKAGE / "integrity" / "verify.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
-                names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", "")
-                         for side in (node.left, *node.comparators) for n in ast.walk(side)}
-                if names & {"checksum", "digest"}:
-                    bad.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    """Every comparison of checksums, or of values that hold them, is ``integrity/verify.py``'s."""
+    bad = [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+           if path != PACKAGE / "integrity" / "verify.py"
+           for line in checksum_comparisons(path.read_text())]
+    assert bad == []
+
+
+def test_the_checksum_rule_sees_what_a_comparison_compares():
+    """The checker itself: a comparison of checksums is caught whatever it is called, and
+    measuring a list of digests is not a comparison of them."""
+    caught = {
+        "a.checksum == b.checksum": 1,
+        "digest_item(x) != m.checksum": 1,
+        "(m.save_id, m.checksum) == other": 1,
+        "lay = [(i.offset, i.checksum) for i in m.items]\nlay == other": 2,
+        "def _layout(m):\n    return [(i.offset, i.nbytes, i.checksum) for i in m.items]\n"
+        "held.save_id == m.save_id and _layout(held) == _layout(m)": 3,
+        "key = lambda i: (i.offset, i.checksum)\nkey(a) == key(b)": 2,
+        "sorted(chunk_digests) == want": 1,
+        "got, want = hash_of(x), m.checksum\ngot == want": 2,
+    }
+    for source, line in caught.items():
+        assert checksum_comparisons(source) == [line], source
+    for source in ("len(chunk_digests) == 1", "a.offset == b.offset", "m.save_id != other.save_id",
+                   "isinstance(digest, int) == True",
+                   "offset, digest = append(x)\noffset == 0",
+                   "def f():\n    known = staged_checksum(x)\ndef g(d):\n    known = d.get(0)\n    known[0] == 3"):
+        assert checksum_comparisons(source) == [], source
+
+
+def test_layer_2_reads_other_nodes_through_its_own_protocol():
+    """``dcp/`` reaches other nodes only through ``remote.py``'s ``RemoteReads`` (which
+    ``recovery/holders.py`` implements): it imports neither ``replication/`` nor ``recovery/``."""
+    bad = [f"dcp/{path.name}:{line} imports mlcheckpoint.{module}"
+           for path in sorted((PACKAGE / "dcp").glob("*.py"))
+           for line, module in imported_modules(path) if top(module) in ("replication", "recovery")]
     assert bad == []
 
 

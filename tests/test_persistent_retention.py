@@ -11,16 +11,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import torchtitan_integration
+from states import assert_same, make_state, zeros_like_state
 from torch.distributed.checkpoint import FileSystemWriter
 
 from mlcheckpoint import CheckpointManager, ConfigError
 from mlcheckpoint.persistent import PersistentStorage, to_prune
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def state(value: float) -> dict:
-    return {"w": torch.full((8,), value), "extra": {"step": int(value)}}
 
 
 def manager(store_dir: str, folder: str | PersistentStorage, **kw) -> CheckpointManager:
@@ -41,9 +38,9 @@ def test_keep_persistent_keeps_the_newest_steps(store_dir, layout):
     storage = PersistentStorage(folder, step_format="step-{step}") if layout == "framework" else folder
     with manager(store_dir, storage, keep_persistent=2) as ckpt:
         for step in range(3):
-            ckpt.save(state(step), step, persistent=True)
+            ckpt.save(make_state(step), step, persistent=True)
         for step in range(3, 6):
-            ckpt.async_save(state(step), step, persistent=True).result()
+            ckpt.async_save(make_state(step), step, persistent=True).result()
         ckpt.wait()
         assert ckpt.persistent is not None and ckpt.persistent.steps() == [4, 5]
         names = sorted(os.listdir(folder))
@@ -51,31 +48,31 @@ def test_keep_persistent_keeps_the_newest_steps(store_dir, layout):
                      else ["step-000000000004", "step-000000000005"])
     with manager(store_dir, storage) as ckpt:  # the default keeps every step
         for step in range(6, 9):
-            ckpt.save(state(step), step, persistent=True)
+            ckpt.save(make_state(step), step, persistent=True)
         assert ckpt.persistent is not None and ckpt.persistent.steps() == [4, 5, 6, 7, 8]
 
 
 def test_a_failed_or_unfinished_write_never_costs_the_last_good_step(store_dir):
     folder = os.path.join(store_dir, "persistent")
     with manager(store_dir, folder, keep_persistent=1) as ckpt:
-        ckpt.save(state(1), 1, persistent=True)
+        ckpt.save(make_state(1), 1, persistent=True)
         # Step 2's write fails (its folder's name is taken by a file): nothing is pruned.
         with open(os.path.join(folder, "step-000000000002"), "w") as f:
             f.write("not a folder")
         with pytest.raises(Exception):  # noqa: B017  (DCP's error for the path, as it words it)
-            ckpt.save(state(2), 2, persistent=True)
+            ckpt.save(make_state(2), 2, persistent=True)
         assert ckpt.persistent is not None and ckpt.persistent.steps() == [1]
         # A write that stopped half way (no .metadata) counts for nothing and is left alone.
         os.makedirs(os.path.join(folder, "step-000000000003"))
         with open(os.path.join(folder, "step-000000000003", "__0_0.distcp"), "wb") as f:
             f.write(b"half")
-        ckpt.save(state(4), 4, persistent=True)
+        ckpt.save(make_state(4), 4, persistent=True)
         assert ckpt.persistent.steps() == [4]
     assert sorted(os.listdir(folder)) == ["step-000000000002", "step-000000000003",
                                           "step-000000000004"]
-    loaded = state(0)
+    loaded = zeros_like_state(make_state())
     dcp.load(loaded, checkpoint_id=os.path.join(folder, "step-000000000004"))
-    assert torch.equal(loaded["w"], torch.full((8,), 4.0))
+    assert_same(make_state(4), loaded)
 
 
 def test_keep_persistent_is_checked_and_read_from_its_variable(store_dir, monkeypatch):
@@ -103,7 +100,7 @@ def test_lightning_maps_save_top_k(store_dir):
     folder = os.path.join(store_dir, "ckpts")
     for step in (10, 20, 30):
         path = os.path.join(folder, f"epoch=0-step={step}.ckpt")
-        dcp.save(state(step), storage_writer=FileSystemWriter(path))
+        dcp.save(make_state(step), storage_writer=FileSystemWriter(path))
         if step != 30:  # step 30 is still being written: DCP is done, its meta.pt is not
             torch.save({"global_step": step}, os.path.join(path, "meta.pt"))
     storage = lightning.LightningFolder(folder, strategy=None)

@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .._gc import pausing_gc
-from ..errors import CorruptShardError, ShardNotFoundError
+from ..errors import CopyId, CorruptShardError, ShardNotFoundError
 from ..integrity import copier
 from ..integrity.checksum import as_byte_tensor
-from ..integrity.verify import CopyId, digest_item, digests_agree, integrity_error
+from ..integrity.verify import digest_item, digests_agree, integrity_error
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardSource
 from . import serialized

@@ -8,26 +8,17 @@ Three entry points:
   - ``digest_item``: the checksum of one item's bytes (``verify_digests`` then compares
     digests hashed elsewhere, e.g. by the copier while it copies into the model).
 A failure is always ``integrity_error``'s CorruptShardError, worded the same wherever it
-happens, naming the bad copy (``CopyId``) when the caller knows it.
+happens, naming the bad copy (``errors.CopyId``) when the caller knows it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from ..errors import CorruptShardError
+from ..errors import CopyId, CorruptShardError
 from . import copier
 from .checksum import StreamingChecksum, checksum
-
-
-class CopyId(NamedTuple):
-    """One copy of a checkpoint's bytes: ``owner``'s shard of ``step`` (None: the step's
-    metadata) on ``node``. Recovery refuses a bad copy alone and reads another."""
-
-    step: int
-    owner: int | None
-    node: int | None
 
 
 class Recorded(Protocol):
@@ -56,6 +47,14 @@ def integrity_error(where: str, what: str, copy: CopyId | None = None) -> Corrup
 def digests_agree(recorded: int, digest: int) -> bool:
     """Whether bytes that hash to ``digest`` are the bytes recorded as ``recorded``."""
     return digest == recorded
+
+
+def same_layout(held: Iterable[Recorded], offered: Iterable[Recorded]) -> bool:
+    """Whether two records of a shard (two manifests' items) name the same bytes: item by item,
+    the same place, size and checksum."""
+    def layout(items: Iterable[Recorded]) -> list[tuple[int, int, int]]:
+        return [(it.offset, it.nbytes, it.checksum) for it in items]
+    return layout(held) == layout(offered)
 
 
 def digest_item(data: Any) -> int:

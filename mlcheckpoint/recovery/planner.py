@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..integrity.verify import CopyId
+from ..errors import CopyId
 from ..store.identity import Lineage
 from .inventory import NodeInventory, StepCopy
 

@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 from .._faults import pause_point
 from ..dcp import MemoryStorageReader
-from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
-from ..integrity.verify import CopyId
+from ..errors import CopyId, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..persistent import PersistentStorage
 from ..replication import Replicator
 from ..store import LocalStore

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from cluster import Cluster
-from helpers import assert_same, clone_state, make_state, zeros_like_state
+from states import assert_same, clone_state, make_state, zeros_like_state
 from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
     FileSystemReader,

@@ -8,15 +8,8 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import (
-    assert_same,
-    clone_state,
-    flip_byte,
-    make_state,
-    raw_bytes,
-    wait_for,
-    zeros_like_state,
-)
+from helpers import damage_shard, wait_for
+from states import assert_same, clone_state, make_state, raw_bytes, zeros_like_state
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -165,8 +158,7 @@ def test_flipped_byte_fails_load(store, mode, target):
         dcp.save(sd, storage_writer=writer)
     else:
         dcp.async_save(sd, storage_writer=writer).result(timeout=60)
-    it = item_of(store, 1, "meta.note" if target == "bytes" else "w")
-    flip_byte(store.data_path(1, 0), it.offset + it.nbytes // 2)
+    damage_shard(store, 1, 0, item="meta.note" if target == "bytes" else "w")
     out = {"empty": torch.empty(0), "w": torch.zeros(1000), "meta": {"note": None}}
     with pytest.raises(CheckpointException) as ei:
         dcp.load(out, storage_reader=MemoryStorageReader(1, store))
@@ -184,8 +176,7 @@ def test_flipped_byte_fails_load_into_any_destination(store, dest):
     """Destinations that take the copy path (not the fused hash-and-copy) are verified too."""
     m = torch.randn(30, 40)
     dcp.save({"m": m}, storage_writer=MemoryStorageWriter(1, store))
-    it = item_of(store, 1, "m")
-    flip_byte(store.data_path(1, 0), it.offset + 7)
+    damage_shard(store, 1, 0, item="m", at=7)
     target = torch.zeros(40, 30).t() if dest == "transposed" else torch.zeros(30, 40, dtype=torch.float64)
     with pytest.raises(CheckpointException) as ei:
         dcp.load({"m": target}, storage_reader=MemoryStorageReader(1, store))
@@ -363,8 +354,7 @@ def test_manager_resume_falls_back_past_corrupt_step(dirs):
     with manager(dirs, keep=3) as ckpt:
         for s in (1, 2, 3):
             ckpt.save(make_state(s), s)
-        it = item_of(ckpt.store, 3, "model.f32")
-        flip_byte(ckpt.store.data_path(3, 0), it.offset + 5)
+        damage_shard(ckpt.store, 3, 0, item="model.f32", at=5)
         out = zeros_like_state(make_state())
         info = ckpt.resume(out)
         assert (info.step, info.source) == (2, "local")

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_same, make_state, zeros_like_state
+from states import assert_same, make_state, zeros_like_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mlcheckpoint import CheckpointManager, StateDictError

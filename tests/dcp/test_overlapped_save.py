@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_same
+from states import assert_same
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from states import assert_same, clone_state, zeros_like_state
 from torch import nn
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -93,12 +94,6 @@ def model_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     return {"model": model.state_dict(), "optim": optim.state_dict()}
 
 
-def clone(obj):
-    if isinstance(obj, dict):
-        return {k: clone(v) for k, v in obj.items()}
-    return obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
-
-
 def test_tensors_a_guarded_stage_left_out_are_copied_before_the_optimizer_step(
         store_dir, monkeypatch):
     """The prediction said another rank writes half the tensors; the plan gives them to this
@@ -127,7 +122,7 @@ def test_tensors_a_guarded_stage_left_out_are_copied_before_the_optimizer_step(
                 for it in flat[::2]]
         ckpt.snapshots.plans.learn(key, SavePlan(half))
         train_step(1)
-        expected = clone(model_state(model, optim))
+        expected = clone_state(model_state(model, optim))
         gate = os.path.join(store_dir, "gate")
         monkeypatch.setenv("MLCHECKPOINT_PAUSE_AT", f"write_data@1={gate}")
         fut = ckpt.async_save(model_state(model, optim), 1)
@@ -143,20 +138,12 @@ def test_tensors_a_guarded_stage_left_out_are_copied_before_the_optimizer_step(
         tensor_bytes = sum(align(it.nbytes) for it in ckpt.store.read_manifest(1, 0).items
                            if it.kind == "tensor")
         assert 0 < result.staged_bytes < tensor_bytes  # half was left out, then copied
-        out = clone(expected)
+        out = zeros_like_state(expected)
         dcp.load(out, storage_reader=ckpt.storage_reader(1), no_dist=True)
-        assert all(torch.equal(a, b) for a, b in zip(
-            _tensors(out), _tensors(expected), strict=True))
+        assert_same(expected, out)
         # The plan is learnt: the next stage copies every tensor (the plan gives all here).
         result = ckpt.async_save(model_state(model, optim), 2).result()
         assert result.staged_bytes == tensor_bytes
     finally:
         ckpt.close()
 
-
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, dict):
-        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
-    if isinstance(obj, list):
-        return [t for v in obj for t in _tensors(v)]
-    return [obj] if isinstance(obj, torch.Tensor) else []

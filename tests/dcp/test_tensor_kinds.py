@@ -22,7 +22,8 @@ import tempfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import flip_byte
+from helpers import damage_shard
+from states import differences
 from tensor_kinds import (
     ROWS,
     SUBCLASS_ROWS,
@@ -31,7 +32,6 @@ from tensor_kinds import (
     Unavailable,
     build,
     contents,
-    differences,
     mutate,
 )
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -197,7 +197,7 @@ def test_subclass_is_stored_as_dcp_stores_it_and_checksummed(store):
         stored = f.read(item.nbytes)
     loaded = torch.load(io.BytesIO(stored), weights_only=True)
     assert isinstance(loaded, ScaledTensor) and contents(loaded) == contents(sd["w"])
-    flip_byte(store.data_path(1, 0), item.offset + item.nbytes // 2)
+    damage_shard(store, 1, 0, item=item.key)
     out = {"w": build("own_wrapper_subclass", 1)["w"]}
     before = contents(out)
     with pytest.raises(CheckpointException) as ei:

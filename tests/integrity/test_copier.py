@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
-from helpers import zeros_like_state
+from helpers import damage_shard
+from states import zeros_like_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mlcheckpoint import (
@@ -254,12 +255,7 @@ def test_load_verifies_every_chunk_of_large_items(store_dir, fresh, copy_loop):
         # a fresh store maps the shard without populating it; the writer's store reuses its mapping
         [mapped] = reader_store.mappings._by_key.values()
         assert (mapped.populated_by != "madvise") == fresh  # "madvise": populated for writing
-        it = next(i for i in store.read_manifest(1, 0).items if i.key.startswith("emb"))
-        with open(store.data_path(1, 0), "r+b") as f:
-            f.seek(it.offset + 2 * CHUNK + 9)
-            b = f.read(1)
-            f.seek(it.offset + 2 * CHUNK + 9)
-            f.write(bytes([b[0] ^ 0x10]))
+        damage_shard(store, 1, 0, item="emb", at=2 * CHUNK + 9)
         with pytest.raises(CheckpointException) as ei:
             dcp.load(zeros_like_state(sd), storage_reader=MemoryStorageReader(1, reader_store))
         errs = [f[0] if isinstance(f, tuple) else f for f in ei.value.failures.values()]
@@ -329,12 +325,7 @@ def test_fresh_store_on_a_huge_page_tmpfs_maps_the_shard_populated_and_verifies_
         assert_equal(sd, out)
         [mapped] = fresh.mappings._by_key.values()
         assert mapped.populated_by == "madvise (huge pages)"
-        it = next(i for i in store.read_manifest(1, 0).items if i.key.startswith("emb"))
-        with open(store.data_path(1, 0), "r+b") as f:
-            f.seek(it.offset + CHUNK + 3)
-            b = f.read(1)
-            f.seek(it.offset + CHUNK + 3)
-            f.write(bytes([b[0] ^ 0x01]))
+        damage_shard(store, 1, 0, item="emb", at=CHUNK + 3)
         another = LocalStore(huge_page_tmpfs, "job-huge")  # a fresh process again: no cached mapping
         try:
             with pytest.raises(CheckpointException) as ei:

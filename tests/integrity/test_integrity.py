@@ -8,12 +8,11 @@ import pickle
 
 import numpy as np
 import pytest
-from helpers import payload, put_shard
+from helpers import damage_shard, payload, put_shard
 
-from mlcheckpoint import CorruptShardError
+from mlcheckpoint.errors import CopyId, CorruptShardError
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.integrity.verify import (
-    CopyId,
     StreamVerifier,
     digest_item,
     integrity_error,
@@ -74,12 +73,8 @@ def test_stream_verifier_checks_items_as_bytes_land_in_any_piece_size(piece):
 
 def test_one_wording_for_every_integrity_failure(store):
     """A shard damaged on disk and a region damaged in memory fail with the same words."""
-    m = put_shard(store, 1, 0)
-    with open(store.data_path(1, 0), "r+b") as f:
-        f.seek(m.items[1].offset)
-        byte = f.read(1)
-        f.seek(m.items[1].offset)
-        f.write(bytes([byte[0] ^ 1]))
+    put_shard(store, 1, 0)
+    damage_shard(store, 1, 0, item="second", at=0)
     with pytest.raises(CorruptShardError) as on_disk:
         store.verify_shard(1, 0)
     built = integrity_error("step 1 rank 0 (somewhere)", "item 'second'")

@@ -25,6 +25,7 @@ and a corrupt replica in 2 x 2 ranks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -36,22 +37,14 @@ from dataclasses import dataclass
 
 import pytest
 from cluster import Cluster, lose_node
-from helpers import (
-    WAIT,
-    assert_same,
-    flip_byte,
-    flip_shard_byte,
-    make_state,
-    wait_for,
-    zeros_like_state,
-)
+from helpers import SHARD_DAMAGES, WAIT, damage_shard, wait_for
+from states import assert_same, make_state, zeros_like_state
 from tcp_job import debris, make_shard
 
 from mlcheckpoint import CheckpointManager, ShardNotFoundError
 from mlcheckpoint.replication import ReplicationError
 from mlcheckpoint.replication.core import sink
 from mlcheckpoint.store import LocalStore, layout
-from mlcheckpoint.store.manifest import Manifest
 
 JOB = "job-scenarios"
 MiB = 1 << 20
@@ -63,17 +56,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 # ============================================================================ persistent fallback
 def _manager(local: str, persistent: str) -> CheckpointManager:
     return CheckpointManager(persistent, job_id=JOB, local_dir=local, replication="none", keep=3)
-
-
-def _flip(ckpt: CheckpointManager, step: int) -> None:
-    """One bit of the step's first item flips in memory."""
-    item = ckpt.store.read_manifest(step, 0).items[0]
-    flip_byte(ckpt.store.data_path(step, 0), item.offset)
-
-
-def _truncate(ckpt: CheckpointManager, step: int) -> None:
-    m = ckpt.store.read_manifest(step, 0)
-    os.truncate(ckpt.store.data_path(step, 0), m.data_bytes // 2)
 
 
 @dataclass(frozen=True)
@@ -93,7 +75,8 @@ FALLBACKS = {
         resumed=(4, "persistent")),
     "all_memory_corrupt": Fallback(
         memory=(2,), persistent=(1,),  # step 1 is in memory too
-        damage=lambda ckpt: (_flip(ckpt, 2), _truncate(ckpt, 1)),
+        damage=lambda ckpt: (damage_shard(ckpt.store, 2, 0, item=0, at=0),
+                             damage_shard(ckpt.store, 1, 0, "truncated")),
         resumed=(1, "persistent"),
         reason_names=("step 2", "checksum mismatch", "step 1", "truncated")),
     "persistent_newer": Fallback(
@@ -482,19 +465,6 @@ def test_saves_again_after_a_kill_during_a_save(crash_runs):
 
 
 # ============================================================================ a damaged local copy
-def shard_paths(local_dir: str, job: str, step: int, rank: int) -> tuple[str, Manifest]:
-    store = open_store(local_dir, job)
-    try:
-        return store.data_path(step, rank), store.read_manifest(step, rank)
-    finally:
-        store.close()
-
-
-def truncate(local_dir: str, job: str, step: int, rank: int) -> None:
-    path, m = shard_paths(local_dir, job, step, rank)
-    os.truncate(path, m.data_bytes // 2)
-
-
 @pytest.fixture(scope="module")
 def corruption_runs():
     """Two jobs saving steps 0..3 (memory keeps 2 and 3); their shards are then damaged and
@@ -513,8 +483,10 @@ def corruption_runs():
                 store.close()
 
         out = {"jobs": jobs}
-        out["flipped"] = flip_shard_byte(node.local_dir, jobs["flip"], 3, 1)
-        truncate(node.local_dir, jobs["truncate"], 3, 0)
+        with contextlib.closing(open_store(node.local_dir, jobs["flip"])) as store:
+            out["flipped"] = damage_shard(store, 3, 1).key
+        with contextlib.closing(open_store(node.local_dir, jobs["truncate"])) as store:
+            damage_shard(store, 3, 0, "truncated")
 
         c.clear_results()
         log_start = len(node.log())
@@ -532,27 +504,6 @@ def warnings_for(log: str, job: str, step: int, problem: str) -> list[str]:
             if "WARNING" in line and problem in line and f"/{job}/steps/{step:012d}/" in line]
 
 
-DAMAGES = ("flipped", "truncated", "deleted", "bad_manifest")
-
-
-def damage_own_shard(c: Cluster, name: str, how: str) -> None:
-    """Damage node 0's own shard (rank 0) of step 3 of job ``name``."""
-    store = c.sub_job_store(0, name)
-    try:
-        data, manifest = store.data_path(3, 0), store.manifest_path(3, 0)
-    finally:
-        store.close()
-    if how == "flipped":
-        flip_shard_byte(c.nodes[0].local_dir, c.sub_job(name), 3, 0)
-    elif how == "truncated":
-        os.truncate(data, os.path.getsize(data) // 2)
-    elif how == "deleted":
-        os.unlink(data)
-    else:
-        with open(manifest, "wb") as f:
-            f.write(b"{not json")
-
-
 @pytest.fixture(scope="module")
 def replicated_runs():
     """One job per damage on 2 nodes x 1 rank (tests/workers/rec_jobs.py): steps 2 and 3 are
@@ -564,12 +515,13 @@ def replicated_runs():
             c.run("rec_jobs.py", json.dumps([dict(spec, job=c.sub_job(name)) for name, spec in table.items()]),
                   timeout=150)
 
-        launch({name: {"first": 2, "last": 3} for name in DAMAGES})
-        for name in DAMAGES:
-            damage_own_shard(c, name, name)
-        launch({name: {"heal": True} for name in DAMAGES})
+        launch({name: {"first": 2, "last": 3} for name in SHARD_DAMAGES})
+        for name in SHARD_DAMAGES:  # node 0's own shard (rank 0) of step 3
+            with contextlib.closing(c.sub_job_store(0, name)) as store:
+                damage_shard(store, 3, 0, name)
+        launch({name: {"heal": True} for name in SHARD_DAMAGES})
         out: dict = {}
-        for name in DAMAGES:
+        for name in SHARD_DAMAGES:
             store = c.sub_job_store(0, name)
             try:
                 rebuilt = store.verify_shard(3, 0).step  # node 0's own copy, healed
@@ -584,14 +536,14 @@ def replicated_runs():
 class Damage:
     """A damaged local copy: with a replica on the partner node, or on a node alone."""
 
-    how: str  # one of DAMAGES
+    how: str  # one of SHARD_DAMAGES
     launch: str  # the fixture that ran it
     resumed: tuple[int, str]  # (step, rank 0's source)
     reason_names: tuple[str, ...]
 
 
 DAMAGED = {
-    **{f"{how}_with_a_replica": Damage(how, "replicated_runs", (3, "peer"), ("step 3",)) for how in DAMAGES},
+    **{f"{how}_with_a_replica": Damage(how, "replicated_runs", (3, "peer"), ("step 3",)) for how in SHARD_DAMAGES},
     "flipped_alone": Damage("flipped", "corruption_runs", (2, "local"), ("step 3", "checksum mismatch")),
     "truncated_alone": Damage("truncated", "corruption_runs", (2, "local"), ("step 3", "truncated")),
 }

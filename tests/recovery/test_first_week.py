@@ -11,7 +11,8 @@ import time
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from helpers import assert_same, flip_byte, make_state, zeros_like_state
+from helpers import damage_shard
+from states import assert_same, make_state, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
 
@@ -107,10 +108,8 @@ def test_persistent_loaded_because_memory_is_unusable_says_why(store_dir):
     with manager(store_dir, "job") as ckpt:
         ckpt.save(make_state(4), 4, persistent=True)
         ckpt.save(make_state(6), 6)
-        m = ckpt.store.read_manifest(6, 0)
-        os.truncate(ckpt.store.data_path(6, 0), m.data_bytes // 2)  # listed as damaged
-        item = ckpt.store.read_manifest(4, 0).items[0]
-        flip_byte(ckpt.store.data_path(4, 0), item.offset)  # found when it is loaded
+        damage_shard(ckpt.store, 6, 0, "truncated")  # listed as damaged
+        damage_shard(ckpt.store, 4, 0, item=0, at=0)  # found when it is loaded
     with manager(store_dir, "job") as ckpt:
         out = zeros_like_state(make_state())
         info = ckpt.resume(out)

@@ -19,6 +19,7 @@ is SIGKILLed whole, a corrupt metadata copy, a corrupt replica, and a rank kille
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,7 +28,7 @@ import time
 
 import pytest
 from cluster import Cluster, kill_strays, lose_node
-from helpers import flip_byte, flip_shard_byte
+from helpers import damage_shard, flip_byte
 
 from mlcheckpoint import LocalStore
 from mlcheckpoint.store import layout
@@ -166,8 +167,9 @@ def run():
 
         # Damage between the launches.
         wipe_job(c, 1, "wipe1")
-        flip_shard_byte(c.nodes[0].local_dir, c.sub_job("corrupt2"), 3, 0)
-        flip_shard_byte(c.nodes[1].local_dir, c.sub_job("corrupt2"), 3, 0)
+        for n in (0, 1):
+            with contextlib.closing(open_store(c, n, "corrupt2")) as store:
+                damage_shard(store, 3, 0)
         for n in (0, 1):
             wipe_job(c, n, "persist_wiped")
             wipe_job(c, n, "empty")
@@ -406,7 +408,8 @@ def run2x2():
             wipe_job(c, 1, name)  # replacement machine
         flip_metadata_byte(c, 1, "x2_meta", 3)
         # node 1's copy of rank 0's shard
-        o["badreplica_key"] = flip_shard_byte(c.nodes[1].local_dir, c.sub_job("x2_badreplica"), 3, 0)
+        with contextlib.closing(open_store(c, 1, "x2_badreplica")) as store:
+            o["badreplica_key"] = damage_shard(store, 3, 0).key
 
         o["log"] = launch(c, 2, RESUME_2X2, dies=1)
         for name in RESUME_2X2:

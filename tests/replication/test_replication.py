@@ -21,7 +21,7 @@ from mlcheckpoint.replication.schedule.pairing import rank_sources, rank_targets
 from mlcheckpoint.store import layout
 
 sys.path.insert(0, WORKERS)
-from common import model_state
+from states import make_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -90,7 +90,7 @@ def check_replicated(c: Cluster, nnodes: int, nproc: int, last: int = LAST) -> N
             [(i.key, i.offset, i.nbytes, i.checksum) for i in m1.items]
         assert d0 == d1, f"rank {r}'s shard of step {last} differs between nodes {holders}"
         # ... and the bytes are that rank's own state, not some other rank's
-        own = model_state(r, last, world)[f"rank{r}"]["opt"]
+        own = make_state(last, r)[f"rank{r}"]["opt"]
         (item,) = [i for i in m0.items if i.key.split("@")[0] == f"rank{r}.opt"]
         assert d0[item.offset:item.offset + item.nbytes] == tensor_bytes(own)
 

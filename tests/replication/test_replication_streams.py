@@ -8,12 +8,11 @@ test_replication_faults.py (tcp_job.py has the job they share).
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 
 import numpy as np
 import pytest
-from helpers import wait_for
+from helpers import flip_byte, wait_for
 from tcp_job import connect, debris, frames_to_eof, make_shard, manifest_dict
 
 from mlcheckpoint import ConfigError, ShardNotFoundError, settings
@@ -65,12 +64,7 @@ def test_corrupt_stripe_is_refused_and_nothing_is_committed(make_job, tcp_warnin
     nbytes = 6 * MiB
     make_shard(sender.store, 4, 1, nbytes, seed=2)
     # a bit flips in the sender's copy after commit, in the last stripe
-    pos = stripes(nbytes, 3)[2][0] + 1234
-    with open(sender.store.data_path(4, 1), "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x80]))
+    flip_byte(sender.store.data_path(4, 1), stripes(nbytes, 3)[2][0] + 1234)
     with pytest.raises(ReplicationError, match="checksum mismatch"):
         sender.push_shard(0, 4, 1)
     with pytest.raises(ShardNotFoundError):
@@ -146,7 +140,7 @@ def test_stripes_cover_the_shard_exactly():
             assert all(a % 64 == 0 for a, _ in parts)
 
 
-def test_read_items_over_several_streams(make_job, caplog):
+def test_read_items_over_several_streams(make_job):
     """Recovery reads ranges of a peer's shard over several streams: every range lands whole,
     and it is reported once, only after all of its bytes are in place."""
     job = make_job()
@@ -165,15 +159,15 @@ def test_read_items_over_several_streams(make_job, caplog):
         complete_when_reported.append(sinks[i].tobytes() == data[off:off + n])
         reported.append(i)
 
-    caplog.set_level(logging.DEBUG, logger="mlcheckpoint.replication.tcp")
     assert reader.read_items(0, 8, 0, ranges, sinks, on_range) == sum(n for _, n in ranges)
-    assert "over 4 streams" in caplog.text
+    assert reader.client.reads_by_streams() == {4: 1}
     assert sorted(reported) == list(range(len(ranges)))
     assert all(complete_when_reported)
     for (off, n), sink in zip(ranges, sinks):
         assert sink.tobytes() == data[off:off + n]
     with pytest.raises(ShardNotFoundError):
         reader.read_items(0, 9, 0, ranges, sinks)
+    assert reader.client.reads_by_streams() == {4: 1}  # a failed read is not counted
 
 
 def test_missing_stripe_times_out_and_commits_nothing(make_job, tcp_warnings):

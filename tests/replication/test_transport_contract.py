@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from cluster import WORKERS
-from helpers import end_peer, flip_byte, put_metadata, wait_for
+from helpers import damage_shard, end_peer, put_metadata, wait_for
 from tcp_job import debris
 
 from mlcheckpoint import (
@@ -208,11 +208,6 @@ def data_of(store: LocalStore, step: int, owner: int, nbytes: int = NBYTES) -> b
         return f.read(nbytes)
 
 
-def flip_middle_byte(store: LocalStore, step: int, owner: int) -> None:
-    """Damage a committed shard after its checksums were recorded."""
-    flip_byte(store.data_path(step, owner), NBYTES // 2)
-
-
 # --------------------------------------------------------------------------- push
 def test_push_lands_verified_and_is_reported(pair, step):
     m = make_shard(pair.store, step, 0, NBYTES, seed=step, nitems=7)
@@ -230,7 +225,7 @@ def test_push_lands_verified_and_is_reported(pair, step):
 
 def test_push_of_a_corrupt_copy_is_refused(pair, step):
     make_shard(pair.store, step, 0, NBYTES, seed=step)
-    flip_middle_byte(pair.store, step, 0)
+    damage_shard(pair.store, step, 0)
     with pytest.raises(ReplicationError, match="checksum mismatch"):
         pair.local.push_shard(PEER, step, 0)
     with pytest.raises(ShardNotFoundError):
@@ -258,7 +253,7 @@ def test_fetch_of_a_missing_shard(pair, step):
 
 def test_fetch_of_a_corrupt_copy_commits_nothing(pair, step):
     make_shard(pair.peer_store, step, PEER, NBYTES, seed=step)
-    flip_middle_byte(pair.peer_store, step, PEER)
+    damage_shard(pair.peer_store, step, PEER)
     with pytest.raises(CorruptShardError, match="checksum mismatch"):
         pair.local.fetch_shard(PEER, step, PEER)
     with pytest.raises(ShardNotFoundError):

@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 
 from mlcheckpoint import CorruptShardError
+from mlcheckpoint.errors import CopyId
 from mlcheckpoint.integrity.checksum import checksum
-from mlcheckpoint.integrity.verify import CopyId, region_digests, verify_digests
+from mlcheckpoint.integrity.verify import region_digests, verify_digests
 from mlcheckpoint.lifecycle import Pins, RetentionPolicy
 from mlcheckpoint.store import layout
 from mlcheckpoint.store.inventory import StepState

@@ -14,7 +14,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import diff, empty_like, init, report
+from common import init, report
+from states import differences, zeros_like_state
 
 from mlcheckpoint import CapacityError, CheckpointManager
 
@@ -45,18 +46,18 @@ def save_phase(ckpt: CheckpointManager, rank: int) -> None:
     async_save2 = outcome(lambda: ckpt.async_save(big, 2).result(timeout=120))
     ckpt.wait()
     complete = ckpt.store.complete_steps()
-    loaded = empty_like(state(rank, 1, SMALL))
+    loaded = zeros_like_state(state(rank, 1, SMALL))
     dcp.load(loaded, storage_reader=ckpt.storage_reader(1), process_group=ckpt._save_pg)
     report("race", {"save": save2, "async_save": async_save2, "complete": complete,
-                    "step1_mismatch": diff(state(rank, 1, SMALL), loaded),
+                    "step1_mismatch": differences(state(rank, 1, SMALL), loaded),
                     "save3": outcome(lambda: ckpt.save(state(rank, 3, MID), 3))})
 
 
 def resume_phase(ckpt: CheckpointManager, rank: int) -> None:
-    sd = empty_like(state(rank, 3, MID))
+    sd = zeros_like_state(state(rank, 3, MID))
     info = ckpt.resume(sd)
     report("resumed", {"step": info.step, "source": info.source,
-                       "mismatch": diff(state(rank, 3, MID), sd)})
+                       "mismatch": differences(state(rank, 3, MID), sd)})
 
 
 def main() -> None:

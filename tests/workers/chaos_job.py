@@ -31,7 +31,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import diff, init, report
+from common import init, report
+from states import differences
 
 from mlcheckpoint import CheckpointManager
 
@@ -129,7 +130,7 @@ def check_resume(info, sd: dict, rank: int) -> dict:
         return dict(out, inc=None, match=True, mismatch=[])
     inc = sd[f"rank{rank}"]["meta"]["inc"]
     expected = chaos_state(info.step, inc, rank)
-    mismatch = diff(expected, sd)
+    mismatch = differences(expected, sd)
     return dict(out, inc=inc, extra_inc=sd["extra"]["inc"], match=not mismatch,
                 mismatch=mismatch, digest=digest(sd), shared_digest=digest(sd["shared"]))
 

@@ -22,7 +22,8 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import diff, init, report
+from common import init, report
+from states import differences
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -109,7 +110,7 @@ def case_replicated(b: Backends, backend: str, meshes: dict, rank: int) -> list[
               "yrep": distribute_tensor(torch.zeros(9), meshes["4"], [Shard(0)])}
     dcp.load(target, storage_reader=b.reader(backend, "replicated"))
     order = [] if list(target) == ["step", "rep", "yrep"] else ["key order changed"]
-    return order + diff(full_values(dict(items)), full_values(target))
+    return order + differences(full_values(dict(items)), full_values(target))
 
 
 def dtensor_state(mesh4: DeviceMesh, mesh2x2: DeviceMesh) -> dict:
@@ -137,7 +138,7 @@ def case_dtensor_4(b: Backends, backend: str, meshes: dict) -> list[str]:
     dcp.load(target, storage_reader=b.reader(backend, "dtensor"))
     expected = full_values(sd)
     expected = {k: v.to(target[k].dtype) for k, v in expected.items()}
-    return diff(expected, full_values(target))
+    return differences(expected, full_values(target))
 
 
 def case_dtensor_4_to_2(b: Backends, backend: str, meshes: dict, rank: int) -> list[str]:
@@ -153,7 +154,7 @@ def case_dtensor_4_to_2(b: Backends, backend: str, meshes: dict, rank: int) -> l
     dcp.load(target, storage_reader=b.reader(backend, "dtensor"), process_group=meshes["sub_pg"])
     expected = {"x": full(2, 10, 6), "y": full(3, 5), "z": full(4, 4, 8), "tiny": full(5, 3, 5),
                 "b16": full(6, 8, 4, dtype=torch.bfloat16)}
-    return diff(expected, full_values(target))
+    return differences(expected, full_values(target))
 
 
 def case_2_to_4(b: Backends, backend: str, meshes: dict, rank: int) -> list[str]:
@@ -166,7 +167,7 @@ def case_2_to_4(b: Backends, backend: str, meshes: dict, rank: int) -> list[str]
     target = {"x": distribute_tensor(torch.zeros(7, 3), meshes["4"], [Shard(1)]),
               "rep": torch.zeros(9), "note": {"saved_by": None}}
     dcp.load(target, storage_reader=b.reader(backend, "two_ranks"))
-    return diff({"x": full(7, 7, 3), "rep": full(8, 9), "note": {"saved_by": 2}}, full_values(target))
+    return differences({"x": full(7, 7, 3), "rep": full(8, 9), "note": {"saved_by": 2}}, full_values(target))
 
 
 def scribble(sd: dict) -> None:
@@ -190,7 +191,7 @@ def async_round_trip(b: Backends, backend: str, case: str, sd: dict, pg, **kw) -
     scribble(sd)
     fut.result()
     dcp.load(target, storage_reader=b.reader(backend, case), process_group=pg)
-    return [f"{case}: {d}" for d in diff(expected, full_values(target))]
+    return [f"{case}: {d}" for d in differences(expected, full_values(target))]
 
 
 def case_async_thread(b: Backends, backend: str, meshes: dict) -> list[str]:
@@ -222,7 +223,7 @@ def case_no_dist(b: Backends, backend: str, rank: int) -> list[str]:
     for case in ("no_dist", "no_dist_async"):
         target = {"own": torch.zeros(4, 4), "n": None}
         dcp.load(target, storage_reader=b.reader(backend, case), no_dist=True)
-        out += [f"{case}: {d}" for d in diff(sd, target)]
+        out += [f"{case}: {d}" for d in differences(sd, target)]
     return out
 
 

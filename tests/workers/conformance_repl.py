@@ -13,7 +13,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import diff, init, report
+from common import init, report
+from states import differences
 
 from mlcheckpoint import CheckpointManager
 
@@ -55,7 +56,7 @@ def main() -> None:
         info = ckpt.resume(target)
         healed = ckpt.wait_replicated(info.step, timeout=60) if info.step is not None else False
         report("repl_resume", {"step": info.step, "sources": info.sources, "reason": info.reason,
-                               "mismatch": diff(step_state(2, rank), target), "healed": healed})
+                               "mismatch": differences(step_state(2, rank), target), "healed": healed})
     ckpt.close()
     dist.destroy_process_group()
 

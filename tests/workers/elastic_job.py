@@ -31,8 +31,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import diff, report, run_specs
+from common import report, run_specs
 from rec_jobs import ROWS, comparable, elastic_state, elastic_template
+from states import differences
 from torch.distributed.tensor import DTensor, Shard
 
 from mlcheckpoint import CheckpointManager
@@ -66,7 +67,7 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
     sd = with_layers(elastic_template(rank, world, mesh), layers, rank, world, -1, mesh)
     info = ckpt.resume(sd)
     mismatch = ([] if info.step is None
-                else diff(comparable(state(info.step)), comparable(sd)))
+                else differences(comparable(state(info.step)), comparable(sd)))
     report(f"resume-{job_names}", {"step": info.step, "source": info.source,
                                    "resharded": info.resharded, "match": not mismatch,
                                    "mismatch": mismatch, "world": world, "reason": info.reason,

@@ -4,7 +4,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import model_state, report
+from common import report
+from states import make_state
 
 from mlcheckpoint import CheckpointManager, LocalStore
 
@@ -17,7 +18,7 @@ def main() -> None:
     rank = dist.get_rank()
     ckpt = CheckpointManager(replication="nccl")
     assert ckpt.replicator is not None and ckpt.replicator.transport.name == "pg/nccl"
-    sd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in model_state(rank, 1).items()}
+    sd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in make_state(1, rank).items()}
     ckpt.async_save(sd, 1).result()
     protected = ckpt.wait_replicated(1, 120)
     dist.barrier()

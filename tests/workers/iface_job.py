@@ -9,14 +9,15 @@ import json
 import sys
 
 import torch.distributed as dist
-from common import init, model_state, report
+from common import init, report
+from states import make_state
 
 from mlcheckpoint import CheckpointManager, ConfigError
 
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    rank, world = init()
+    rank, _world = init()
     try:
         ckpt = CheckpointManager(**cfg["kwargs"])
     except ConfigError as e:
@@ -27,7 +28,7 @@ def main() -> None:
     endpoint = getattr(transport, "endpoint", None)
     protected = None
     if cfg.get("save"):
-        ckpt.save(model_state(rank, 0, world), 0)
+        ckpt.save(make_state(0, rank), 0)
         protected = ckpt.wait_replicated(0, timeout=60)
     report("iface", {"address": getattr(transport, "address", None),
                      "interface": endpoint and endpoint.interface,

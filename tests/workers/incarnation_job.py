@@ -18,7 +18,8 @@ import sys
 import time
 
 import torch.distributed as dist
-from common import empty_like, equal, init, model_state, report
+from common import init, report
+from states import differences, make_state, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
 
@@ -27,16 +28,16 @@ SKIP_TIMEOUT = 120
 
 
 def state(rank: int, step: int, salt: int, world: int) -> dict:
-    return model_state(rank, step + 100_000 * salt, world)
+    return make_state(step + 100_000 * salt, rank)
 
 
 def run_job(spec: dict, rank: int, world: int) -> None:
     job = spec["job"]
     ckpt = CheckpointManager(job_id=job)
     if spec.get("resume"):
-        sd = empty_like(state(rank, 0, 0, world))
+        sd = zeros_like_state(state(rank, 0, 0, world))
         info = ckpt.resume(sd)
-        salts = [] if info.step is None else [s for s in SALTS if equal(state(rank, info.step, s, world), sd)]
+        salts = [] if info.step is None else [s for s in SALTS if not differences(state(rank, info.step, s, world), sd)]
         report(f"resume-{job}", {"step": info.step, "source": info.source, "reason": info.reason,
                                  "salts": salts})
     replicated, seconds = [], []

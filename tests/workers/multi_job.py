@@ -16,7 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import diff, empty_like, init, model_state, report
+from common import init, report
+from states import differences, make_state, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
 
@@ -59,9 +60,9 @@ def run_job(job_id: str, mode: str, persist_every: int, first: int, last: int,
             rank: int, world: int) -> None:
     persistent_dir = os.path.join(os.environ["TEST_PERSISTENT_DIR"], job_id) if persist_every else None
     ckpt = CheckpointManager(persistent_dir=persistent_dir, job_id=job_id)
-    sd = empty_like(model_state(rank, 0, world))
+    sd = zeros_like_state(make_state(0, rank))
     info = ckpt.resume(sd)
-    mismatch = [] if info.step is None else diff(model_state(rank, info.step, world), sd)
+    mismatch = [] if info.step is None else differences(make_state(info.step, rank), sd)
     report(f"resume-{job_id}", {"step": info.step, "source": info.source, "match": not mismatch,
                                 "mismatch": mismatch, "reason": info.reason})
     # No rank starts saving before every rank has finished resuming: resume's cleanup of
@@ -69,7 +70,7 @@ def run_job(job_id: str, mode: str, persist_every: int, first: int, last: int,
     # the scenarios here test other things).
     dist.barrier()
     for step in range(first, last + 1):
-        sd = model_state(rank, step, world)
+        sd = make_state(step, rank)
         fut = save(ckpt, sd, step, mode, bool(persist_every) and step % persist_every == 0)
         # Change the live state right after the call, before the save is waited for: a correct
         # async save already holds its own copy.

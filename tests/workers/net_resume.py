@@ -16,16 +16,17 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import diff, empty_like, init, model_state, report
+from common import init, report
+from states import differences, make_state, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
 
 
 def state(rank: int, step: int, world: int) -> dict:
-    """model_state plus a few MB, so that the shards take a while on a shaped link."""
+    """make_state(step, rank) plus a few MB, so that the shards take a while on a shaped link."""
     g = torch.Generator().manual_seed(5000 + step)  # replicated: equal on every rank
     r = torch.Generator().manual_seed(9000 + 100 * step + rank)
-    sd = model_state(rank, step, world)
+    sd = make_state(step, rank)
     sd["big_shared"] = torch.randn(1 << 18, generator=g)  # 1 MiB, saved once
     sd[f"big_rank{rank}"] = torch.randn(1 << 20, generator=r)  # 4 MiB of this rank's own
     return sd
@@ -47,9 +48,9 @@ def main() -> None:
     ckpt = CheckpointManager(replication="tcp")
     address = getattr(ckpt.replicator.transport, "address", None) if ckpt.replicator else None
 
-    sd = empty_like(state(rank, 0, world))
+    sd = zeros_like_state(state(rank, 0, world))
     info = ckpt.resume(sd)
-    mismatch = [] if info.step is None else diff(state(rank, info.step, world), sd)
+    mismatch = [] if info.step is None else differences(state(rank, info.step, world), sd)
     report("resume", {"step": info.step, "source": info.source, "sources": info.sources,
                       "reason": info.reason, "bytes_fetched": info.bytes_fetched,
                       "match": not mismatch, "mismatch": mismatch, "address": address,

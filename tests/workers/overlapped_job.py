@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import init, report
+from states import clone_state, differences, zeros_like_state
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import (
@@ -51,27 +52,11 @@ def local_step(model: nn.Module, optim: torch.optim.Optimizer, i: int, rank: int
     optim.step()
 
 
-def tensors(sd) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv for kk, vv in tensors(v).items()})
-        elif isinstance(v, torch.Tensor):
-            out[k] = v.detach().clone()
-    return out
-
-
-def clone(sd):
-    if isinstance(sd, dict):
-        return {k: clone(v) for k, v in sd.items()}
-    return sd.detach().clone() if isinstance(sd, torch.Tensor) else sd
-
-
-def differs(ckpt: CheckpointManager, step: int, expected: dict[str, torch.Tensor], like) -> list[str]:
-    """Keys whose bytes in ``step`` differ from ``expected``."""
-    target = clone(like)
+def differs(ckpt: CheckpointManager, step: int, expected: dict) -> list[str]:
+    """Where ``step``, loaded, differs from ``expected``."""
+    target = zeros_like_state(expected)
     dcp.load(target, storage_reader=ckpt.storage_reader(step))
-    return [k for k, v in tensors(target).items() if not torch.equal(v, expected[k])]
+    return differences(expected, target)
 
 
 def native(rank: int) -> None:
@@ -84,7 +69,7 @@ def native(rank: int) -> None:
         f"opt.{i}.{k}": v for i, st in enumerate(optim.state.values()) for k, v in st.items()}}}
     out: dict = {}
     for step, mode in ((1, AsyncCheckpointerType.THREAD), (2, AsyncCheckpointerType.PROCESS)):
-        expected = tensors(flat())
+        expected = clone_state(flat())
         writer = ckpt.storage_writer(step)
         resp = dcp.async_save(flat(), storage_writer=writer, async_checkpointer_type=mode)
         out[f"{mode.value}_response"] = isinstance(resp, AsyncSaveResponse)
@@ -92,13 +77,12 @@ def native(rank: int) -> None:
         resp.staging_completion.result()
         local_step(model, optim, step, rank)  # changes every tensor saved
         resp.upload_completion.result()
-        out[f"{mode.value}_differs"] = differs(ckpt, step, expected, flat())
-        out[f"{mode.value}_changed"] = sorted(k for k, v in tensors(flat()).items()
-                                              if not torch.equal(v, expected[k]))
+        out[f"{mode.value}_differs"] = differs(ckpt, step, expected)
+        out[f"{mode.value}_changed"] = differences(expected, flat())
 
     # A failure of the background copy on rank 1 only.
     ckpt.save(flat(), 3)
-    saved3 = tensors(flat())
+    saved3 = clone_state(flat())
     gate = threading.Event()
     ckpt.snapshots.submit(lambda copied: gate.wait(), label=-1)  # hold the staging thread
     fut = ckpt.async_save(flat(), 4)
@@ -121,7 +105,7 @@ def native(rank: int) -> None:
         out["next_save"] = type(e).__name__
     out["after"] = ckpt.async_save(flat(), 6).result().step
     out["step4_complete"] = 4 in ckpt.store.complete_steps()
-    out["step3_differs"] = differs(ckpt, 3, saved3, flat())
+    out["step3_differs"] = differs(ckpt, 3, saved3)
     ckpt.close()
     report("native", out)
 

@@ -5,7 +5,7 @@ argv[1]: a JSON list of job specs, each a dict:
              $TEST_PERSISTENT_DIR/<job> when persist is set)
     first, last   steps saved after the resume (first > last: resume only)
     persist  save a persistent checkpoint every ``persist`` steps (0: no persistent dir)
-    state    "rank": tests/workers/common.model_state (per-rank keys; one world size only)
+    state    "rank": tests/workers/states.make_state(step, rank) (per-rank keys; one world size only)
              "elastic": only replicated tensors and a DTensor sharded over all ranks, valid
              for any world size (DCP reshards)
     crash    MLCHECKPOINT_CRASH_AT for this job only (the process dies there), or absent
@@ -26,7 +26,8 @@ import os
 import signal
 
 import torch
-from common import diff, empty_like, model_state, report, run_specs
+from common import report, run_specs
+from states import differences, make_state, zeros_like_state
 from torch.distributed.tensor import DTensor, Shard
 
 from mlcheckpoint import CheckpointManager
@@ -89,13 +90,13 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
     ckpt = CheckpointManager(persistent_dir=persistent_dir, job_id=job)
 
     def state(step: int) -> dict:
-        return elastic_state(rank, world, step, mesh) if elastic else model_state(rank, step, world)
+        return elastic_state(rank, world, step, mesh) if elastic else make_state(step, rank)
 
-    sd = elastic_template(rank, world, mesh) if elastic else empty_like(model_state(rank, 0, world))
+    sd = elastic_template(rank, world, mesh) if elastic else zeros_like_state(make_state(0, rank))
     if spec.get("kill_after_read") == rank and ckpt.replicator is not None:
         die_after_first_read(ckpt.replicator.transport)
     info = ckpt.resume(sd)
-    mismatch = [] if info.step is None else diff(comparable(state(info.step)), comparable(sd))
+    mismatch = [] if info.step is None else differences(comparable(state(info.step)), comparable(sd))
     report(f"resume-{job}", {"step": info.step, "source": info.source, "match": not mismatch,
                              "mismatch": mismatch, "reason": info.reason,
                              "sources": info.sources, "bytes_fetched": info.bytes_fetched,

@@ -7,17 +7,18 @@ import sys
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import init, model_state, report
+from common import init, report
+from states import make_state
 
 from mlcheckpoint import CheckpointManager, LocalStore
 
 
 def main() -> None:
     last, mode, transport = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    rank, world = init()
+    rank, _world = init()
     ckpt = CheckpointManager(replication=transport)
     for step in range(last + 1):
-        sd = model_state(rank, step, world)
+        sd = make_state(step, rank)
         if mode == "async":
             ckpt.async_save(sd, step)
         elif mode == "sync":

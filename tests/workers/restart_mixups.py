@@ -15,15 +15,16 @@ import os
 import sys
 
 import torch.distributed as dist
-from common import diff, empty_like, init, model_state, report
+from common import init, report
+from states import differences, make_state, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
 
 
 def resumed(ckpt: CheckpointManager, rank: int, world: int) -> dict:
-    sd = empty_like(model_state(rank, 0, world))
+    sd = zeros_like_state(make_state(0, rank))
     info = ckpt.resume(sd)
-    mismatch = [] if info.step is None else diff(model_state(rank, info.step, world), sd)
+    mismatch = [] if info.step is None else differences(make_state(info.step, rank), sd)
     return {"step": info.step, "source": info.source, "reason": info.reason,
             "job_id": ckpt.job_id, "match": not mismatch}
 
@@ -35,14 +36,14 @@ def main() -> None:
     if phase == "first":
         resumed(ckpt, rank, world)
         for step in range(6):
-            ckpt.async_save(model_state(rank, step, world), step, persistent=step == 3)
+            ckpt.async_save(make_state(step, rank), step, persistent=step == 3)
         ckpt.wait()
         assert ckpt.wait_replicated(5, 60)
     elif phase in ("forgot", "resume"):
         report(phase, resumed(ckpt, rank, world))
     elif phase == "skip":
         for step in (0, 1):
-            ckpt.async_save(model_state(rank, step, world), step).result()
+            ckpt.async_save(make_state(step, rank), step).result()
         ckpt.wait()
         report("skip", {"memory": [e.step for e in ckpt.checkpoints() if e.location == "memory"],
                         "orphans": [s for s, _ in ckpt.store.orphans()]})

@@ -16,16 +16,17 @@ import os
 import sys
 
 import torch.distributed as dist
-from common import diff, empty_like, init, model_state, report
+from common import init, report
+from states import differences, make_state, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
 
 
 def resume(job: str, rank: int, world: int) -> tuple[CheckpointManager, dict]:
     ckpt = CheckpointManager(job_id=job)
-    sd = empty_like(model_state(rank, 0, world))
+    sd = zeros_like_state(make_state(0, rank))
     info = ckpt.resume(sd)
-    mismatch = [] if info.step is None else diff(model_state(rank, info.step, world), sd)
+    mismatch = [] if info.step is None else differences(make_state(info.step, rank), sd)
     return ckpt, {"step": info.step, "source": info.source, "match": not mismatch,
                   "reason": info.reason}
 
@@ -37,7 +38,7 @@ def main() -> None:
     if variant == "resave":
         ckpt = CheckpointManager(job_id=job)
         for step in range(4):
-            ckpt.save(model_state(rank, step, world), step)
+            ckpt.save(make_state(step, rank), step)
         dist.barrier()
         if rank == 0:  # the crash: step 3's shards are committed, its metadata never written
             os.unlink(ckpt.store.metadata_path(3))
@@ -49,7 +50,7 @@ def main() -> None:
 
     ckpt, first = resume(job, rank, world)  # the (re)started run ...
     for step in steps:  # ... trains on and saves
-        saving = ckpt.async_save(model_state(rank, step, world), step)
+        saving = ckpt.async_save(make_state(step, rank), step)
         if rank == 1 and step == steps[0]:
             # its files exist under the step's number now: rank 0 may finish its resume
             with open(os.path.join(os.environ["TEST_OUT_DIR"], "staged"), "w"):

@@ -8,7 +8,8 @@ import sys
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import diff, empty_like, init, model_state, report
+from common import init, report
+from states import differences, make_state, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
 
@@ -18,12 +19,12 @@ def main() -> None:
     persist_every = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     transport = sys.argv[5] if len(sys.argv) > 5 else "tcp"
 
-    rank, world = init()
+    rank, _world = init()
     ckpt = CheckpointManager(persistent_dir=os.environ["TEST_PERSISTENT_DIR"] if persist_every else None,
                              replication=transport)
-    sd = empty_like(model_state(rank, 0, world))
+    sd = zeros_like_state(make_state(0, rank))
     info = ckpt.resume(sd)
-    mismatch = [] if info.step is None else diff(model_state(rank, info.step, world), sd)
+    mismatch = [] if info.step is None else differences(make_state(info.step, rank), sd)
     report("resume", {"step": info.step, "source": info.source, "match": not mismatch,
                       "mismatch": mismatch, "reason": info.reason, "sources": info.sources,
                       "bytes_fetched": info.bytes_fetched})
@@ -32,7 +33,7 @@ def main() -> None:
         report("healed", {"step": info.step, "protected": ckpt.wait_replicated(info.step, 60)})
 
     for step in range(first, last + 1):
-        sd = model_state(rank, step, world)
+        sd = make_state(step, rank)
         persistent = bool(persist_every) and step % persist_every == 0
         if mode == "sync":
             ckpt.save(sd, step, persistent=persistent)

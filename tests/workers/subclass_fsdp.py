@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import init, report
-from tensor_kinds import Mutating, contents, differences, mutate, scaled
+from states import differences
+from tensor_kinds import Mutating, contents, mutate, scaled
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException

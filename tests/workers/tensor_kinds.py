@@ -136,16 +136,6 @@ def contents(x: Any) -> Any:
     return x
 
 
-def differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Where two ``contents`` differ (for failure messages)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = [f"{path}.{k}: missing" for k in a.keys() ^ b.keys()]
-        for k in a.keys() & b.keys():
-            out += differences(a[k], b[k], f"{path}.{k}")
-        return out
-    return [] if a == b else [path or "."]
-
-
 # ---------------------------------------------------------------- mutating, as training does
 
 def mutate(x: Any) -> None:

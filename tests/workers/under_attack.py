@@ -15,7 +15,8 @@ import sys
 import time
 
 import torch.distributed as dist
-from common import init, model_state, report
+from common import init, report
+from states import make_state
 
 from mlcheckpoint import CheckpointManager
 from mlcheckpoint.waiting import deadline_in, wait_until
@@ -28,10 +29,10 @@ def wait_for_file(path: str, timeout: float = 300) -> None:
 
 def main() -> None:
     last, timeout, pause = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-    rank, world = init()
+    rank, _world = init()
     ckpt = CheckpointManager(replication="tcp")
     transport = ckpt.replicator.transport
-    ckpt.save(model_state(rank, 0, world), 0)
+    ckpt.save(make_state(0, rank), 0)
     first_protected = ckpt.wait_replicated(0, 60)
     report("ready", {"secret": transport.secret.hex(), "address": transport.address,
                      "master_port": int(os.environ["MASTER_PORT"]), "protected": first_protected,
@@ -39,7 +40,7 @@ def main() -> None:
     wait_for_file(os.path.join(os.environ["TEST_OUT_DIR"], "go"))
     protected = {}
     for step in range(1, last + 1):
-        ckpt.save(model_state(rank, step, world), step)
+        ckpt.save(make_state(step, rank), step)
         protected[step] = ckpt.wait_replicated(step, timeout)
         time.sleep(pause)
     report("attacked", {"protected": protected})

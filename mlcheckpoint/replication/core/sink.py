@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from ..._faults import crash_point
 from ...errors import MLCheckpointError, ReplicationError
-from ...integrity.verify import StreamVerifier, digest_item, digests_agree
+from ...integrity.verify import StreamVerifier, digest_item, digests_agree, same_layout
 from ...store import LocalStore, Manifest
 from ...store.identity import Lineage
 from . import checks
@@ -154,7 +154,7 @@ class ReceiveSink:
         except MLCheckpointError:
             return False
         return held.save_id == m.save_id and held.data_bytes == m.data_bytes and \
-            _layout(held) == _layout(m)
+            same_layout(held.items, m.items)
 
     def holds_metadata(self, step: int, digest: object) -> bool:
         """Whether the step's metadata here has this checksum (a push of it is a no-op)."""
@@ -247,7 +247,3 @@ class Receipt:
 
     def __exit__(self, *exc: object) -> None:
         self.abort()
-
-
-def _layout(m: Manifest) -> list[tuple[int, int, int]]:
-    return [(i.offset, i.nbytes, i.checksum) for i in m.items]

@@ -120,6 +120,8 @@ class TcpTransport(Transport):
         self.secret = rdzv.secret()
         self._log_peers = log_peers
         self._peers_logged: set[int] = set()
+        self._reads_lock = threading.Lock()  # a resume reads from several holders at once
+        self._reads: Counter[int] = Counter()  # stream count -> reads done over that many
         self.endpoint = choose_endpoint(host, interface, master_addr=master_addr,
                                         master_port=master_port)
         check_advertisable(self.endpoint, num_nodes, master_addr)  # before anything listens or is published
@@ -142,6 +144,11 @@ class TcpTransport(Transport):
         idle = self.server.close()
         self.budget.close()
         return idle
+
+    def reads_by_streams(self) -> dict[int, int]:
+        """How many ``read_items`` calls completed over each number of streams."""
+        with self._reads_lock:
+            return dict(self._reads)
 
     def _address_of(self, peer: int) -> str:
         """The address ``peer`` advertised (logged the first time, on the node's local rank 0:
@@ -294,6 +301,8 @@ class TcpTransport(Transport):
         errors = run_streams(read_group, groups)  # returns once no stream writes into the sinks
         if errors:
             raise next((e for e in errors if isinstance(e, ShardNotFoundError)), errors[0])
+        with self._reads_lock:
+            self._reads[len(groups)] += 1
         log.debug("read %d bytes of step %d rank %d from rank %d over %d streams", total, step,
                   owner, peer, len(groups))
         return total

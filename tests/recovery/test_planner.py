@@ -790,3 +790,102 @@ def test_a_persistent_step_written_before_the_memory_step_was_saved_is_an_earlie
                      for s, c in inv.steps.items()}
     d = plan_resume(nodes, 3, 2, persistent_written=100.0)
     assert d.kind == FRESH and "starting fresh" in d.reason, d
+
+
+# ---------------------------------------------------------------------------- data-parallel copies
+def with_copies(c: StepCopy, groups: dict[int, list[list[int]]]) -> StepCopy:
+    """``c`` with the metadata's copy groups (owner -> sets of ranks whose shards hold copies
+    of its items, ``store/coverage.py``)."""
+    return dataclasses.replace(c, copy_groups=tuple((o, tuple(map(tuple, gs)))
+                                                    for o, gs in sorted(groups.items())))
+
+
+DDP = {0: [[1]], 1: [[0]]}  # two data-parallel ranks: each shard holds a copy of the other's items
+
+
+def test_a_shard_on_no_node_is_read_from_copies():
+    # DDP, 2 nodes x 1 rank. Replication sent nothing (every item was on two nodes already);
+    # node 1 was replaced. Rank 1's shard is gone, its items survive in rank 0's shard.
+    nodes = inventories(2, 1, {0: {5: with_copies(copy({0}, required=(0, 1), world_size=2), DDP)}})
+    d = plan_resume(nodes, None, 2)
+    assert (d.kind, d.step) == (MEMORY, 5)
+    assert d.through_copies == [1]
+    assert d.sources == {0: "local", 1: "copies"}
+    assert d.fetches == [Fetch(1, 0, 5, None, 0)]  # its metadata; no fetch of rank 1's shard
+    assert d.holders == {0: [0]}  # who serves the copies: rank 0's shard's holders
+    assert "ranks [1]" in d.reason and "copies" in d.reason, d.reason
+    # The same holdings under a metadata without copy groups (an older save): unusable, as before.
+    old = inventories(2, 1, {0: {5: copy({0}, required=(0, 1), world_size=2)}})
+    d = plan_resume(old, None, 2)
+    assert (d.kind, d.step) == (FRESH, None)
+    assert "shards of ranks [1] are on no surviving node" in d.reason and "cop" not in d.reason
+
+
+def test_copies_on_the_same_node_serve_without_a_transport():
+    # 1 node x 2 ranks, rank 1's shard never committed; its items are copied into rank 0's.
+    nodes = inventories(1, 2, {0: {3: with_copies(copy({0}, required=(0, 1), world_size=2), DDP)}})
+    d = plan_resume(nodes, None, 2, can_fetch=False)
+    assert (d.kind, d.step, d.fetches) == (MEMORY, 3, [])
+    assert d.sources == {0: "local", 1: "copies"}
+    # Across nodes the copies would have to be read from node 0: refused without a transport.
+    nodes = inventories(2, 1, {0: {3: with_copies(copy({0}, required=(0, 1), world_size=2), DDP)},
+                               1: {3: with_copies(copy(set(), required=(0, 1), world_size=2), DDP)}})
+    d = plan_resume(nodes, None, 2, can_fetch=False)
+    assert d.kind == FRESH and "replication is off" in d.reason, d
+    assert plan_resume(nodes, None, 2).sources == {0: "local", 1: "copies"}
+
+
+def test_a_lost_copy_group_leaves_the_step_incomplete_and_says_which():
+    # 2 nodes x 2 ranks; node 1 (ranks 2, 3) lost. Rank 2's items were copied, some to rank 0's
+    # shard and the others to rank 1's; rank 3 has items with no copy at all.
+    groups = {2: [[0], [1]], 3: [[], [1]]}
+    older = paired(2, 2, [4], lost=[1])  # step 4: replicated, complete on node 0
+    older[0].steps[6] = with_copies(copy({0, 1}, required=range(4), world_size=4), groups)
+    d = plan_resume(older, None, 4)
+    assert (d.kind, d.step) == (MEMORY, 4)
+    assert "step 6 unusable: shards of ranks [3] are on no surviving node" in d.reason, d.reason
+    assert "rank 3's items with no copy" in d.reason and "rank 2" not in d.reason, d.reason
+    # Rank 1's shard lost too: the copies of rank 2's items kept there are gone.
+    older[0].steps[6] = with_copies(copy({0}, required=range(4), world_size=4), groups)
+    d = plan_resume(older, None, 4)
+    assert d.step == 4
+    assert "rank 2's items copied only to ranks [1]" in d.reason, d.reason
+    # Without rank 3's uncopied items, step 6 is complete: rank 2 through copies in 0 and 1.
+    older[0].steps[6] = with_copies(copy({0, 1}, required=range(3), world_size=4),
+                                    {2: [[0], [1]]})
+    d = plan_resume(older, None, 4)
+    assert (d.step, d.through_copies, d.resharded) == (6, [2], False), d
+    assert d.sources == {0: "local", 1: "local", 2: "copies", 3: "local"}
+    assert shard_fetches(d) == []
+
+
+def test_a_refused_copy_counts_as_lost():
+    nodes = inventories(2, 1, {0: {5: with_copies(copy({0}, required=(0, 1), world_size=2), DDP)}})
+    d = plan_resume(nodes, None, 2, bad_copies=[(5, 0, 0)])  # rank 0's shard failed a checksum
+    assert d.kind == FRESH
+    assert "failed verification" in d.reason and "rank 1's items copied only to ranks [0]" in d.reason
+
+
+def test_protection_counts_the_nodes_each_item_is_on():
+    # DDP on 2 nodes, nothing replicated: each node holds its own rank's shard, which holds a
+    # copy of the other's items. Every item is on two nodes: protected.
+    nodes = inventories(2, 1, {n: {7: with_copies(copy({n}, required=(0, 1), world_size=2), DDP)}
+                               for n in (0, 1)})
+    d = plan_resume(nodes, None, 2)
+    assert (d.step, d.fetches, d.through_copies) == (7, [], [])
+    assert d.newest_protected == 7
+    assert plan_resume(nodes, None, 2, copies=3).newest_protected is None
+    # An item with no copy (group []) of rank 1 is on node 1 only.
+    partly = {0: [[1]], 1: [[], [0]]}
+    nodes = inventories(2, 1, {n: {7: with_copies(copy({n}, required=(0, 1), world_size=2), partly)}
+                               for n in (0, 1)})
+    assert plan_resume(nodes, None, 2).newest_protected is None
+    # The metadata on one node only: not protected.
+    nodes = inventories(2, 1, {0: {7: with_copies(copy({0}, required=(0, 1), world_size=2), DDP)},
+                               1: {7: with_copies(copy({1}, meta=False), DDP)}})
+    assert plan_resume(nodes, None, 2).newest_protected is None
+    # The same holdings without copy groups (an older save): each shard on one node, as before.
+    nodes = inventories(2, 1, {n: {7: copy({n}, required=(0, 1), world_size=2)} for n in (0, 1)})
+    d = plan_resume(nodes, None, 2)
+    assert (d.step, d.newest_protected, d.through_copies) == (7, None, [])
+    assert d.fetches == []

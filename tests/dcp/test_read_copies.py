@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import assert_same, clone_state, flip_byte, make_state, zeros_like_state
 
 from mlcheckpoint import (
+    CheckpointManager,
     CorruptShardError,
     LocalStore,
     MemoryStorageReader,
@@ -89,7 +90,7 @@ def save_with_lost_shard(store: LocalStore) -> tuple[dict, dict[str, ItemLocatio
                          lineage=Lineage.from_header(header.run_id, header.lineage),
                          copy_groups=coverage.copy_groups(locations))
     assert store.step_state(STEP).copy_groups == {1: [[0]]}
-    assert store.complete_steps() == [STEP]  # whole here: rank 1's items through their copies
+    assert STEP in store.complete_steps()  # whole here: rank 1's items through their copies
     return expected, copies
 
 
@@ -117,6 +118,32 @@ def test_a_copy_gone_too_is_a_clear_error(store):
     os.unlink(store.manifest_path(STEP, 0))  # rank 0's shard uncommitted: the copies are gone
     with pytest.raises(ShardNotFoundError, match="nor is any copy"):
         load_step(target(), MemoryStorageReader(STEP, store, node=0), None)
+
+
+def test_a_resume_reads_them_and_refuses_a_corrupt_copy(store_dir):
+    """A restart with one rank (rank 1 is gone): the resume loads step 4 through the copies and
+    says so; with a copy corrupt, it refuses that copy (rank 0's shard here) and loads step 3."""
+    local = os.path.join(store_dir, "local")
+    store = LocalStore(local, JOB)
+    try:
+        older = state(3)
+        dcp.save(clone_state(older), storage_writer=MemoryStorageWriter(3, store))
+        expected, copies = save_with_lost_shard(store)
+    finally:
+        store.close()
+    with CheckpointManager(None, job_id=JOB, local_dir=local, replication="none") as ckpt:
+        out = target()
+        info = ckpt.resume(out)
+        assert info.step == STEP, info
+        assert "shards of ranks [1] are on no surviving node" in info.reason and "copies" in info.reason
+        same(expected, out)
+        flip_byte(ckpt.store.data_path(STEP, 0), copies["model.f16"].offset + 1)
+    with CheckpointManager(None, job_id=JOB, local_dir=local, replication="none") as ckpt:
+        out = target()
+        info = ckpt.resume(out)
+        assert info.step == 3, info
+        assert "step 4" in info.reason and "its copy" in info.reason, info.reason
+        same(older, out)
 
 
 # ---------------------------------------------------------------- from another node

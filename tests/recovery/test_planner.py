@@ -2,7 +2,8 @@
 
 Deterministic cases pin down each rule; hypothesis then checks the rules together against an
 independent model of "which step is usable and what must move where", over random clusters
-(lost nodes, partial holdings, bad copies, failed steps, a persistent step, replication off).
+(lost nodes, partial holdings, bad copies, failed steps, a persistent step, replication off,
+copies of items that data parallelism kept in other ranks' shards).
 """
 
 from __future__ import annotations
@@ -345,11 +346,17 @@ def scenarios(draw):
     world = nnodes * rpn
     steps = draw(st.lists(st.integers(0, 30), unique=True, min_size=1, max_size=4))
     saved: dict[int, tuple[tuple[int, ...], int]] = {}
+    groups: dict[int, dict[int, list[list[int]]]] = {}  # step -> its metadata's copy groups
     for s in steps:
         ws = world if draw(st.integers(0, 5)) else draw(st.integers(1, 12))  # mostly the same
         full = tuple(range(ws))
         req = full if draw(st.integers(0, 3)) else tuple(sorted(draw(st.sets(st.sampled_from(full), min_size=1))))
         saved[s] = (req, ws)
+        # Mostly none; else data-parallel copies: some owners' items copied into other shards.
+        groups[s] = {} if draw(st.integers(0, 2)) else {
+            o: [sorted(g) for g in draw(st.lists(st.sets(st.sampled_from(full), max_size=2),
+                                                 min_size=1, max_size=2))]
+            for o in draw(st.sets(st.sampled_from(req), max_size=3))}
 
     def base(node: int, s: int) -> set[int]:
         """The shards that ``node``'s ranks saved of step ``s``."""
@@ -391,6 +398,8 @@ def scenarios(draw):
             sizes = {o: draw(st.integers(1, 1000)) for o in sorted(owners)}
             req, ws = saved[s]
             inv[s] = copy(owners, meta=meta, required=req, world_size=ws, sizes=sizes)
+            if meta:
+                inv[s] = with_copies(inv[s], groups[s])
         nodes.append(NodeInventory(n, ranks, inv))
     if draw(st.booleans()):
         nodes = draw(st.permutations(nodes))
@@ -418,18 +427,33 @@ class Model:
         self.owner: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
         self.nbytes: dict[tuple[int, int], set[int]] = defaultdict(set)
         self.saved: dict[int, tuple[tuple[int, ...], int]] = {}
+        self.groups: dict[int, dict[int, list[list[int]]]] = {}
         for n, inv in self.live.items():
             for s, c in inv.steps.items():
                 if c.has_metadata and (s, None, n) not in bad:
                     self.meta[s].add(n)
                     self.saved[s] = (c.required, c.world_size)
+                    self.groups[s] = c.copies()
                 for o, b in c.shard_bytes:
                     if (s, o, n) not in bad:
                         self.owner[s][o].add(n)
                         self.nbytes[(s, o)].add(b)
 
+    def readable(self, s: int, r: int, nodes: set[int] | None = None) -> bool:
+        """Every item of ``r``'s shard of step ``s`` is on a node (in ``nodes``, if given):
+        the shard, or a copy of each item (some shard of each of its copy groups)."""
+        def on(x: int) -> bool:
+            return bool(self.owner[s][x] if nodes is None else self.owner[s][x] & nodes)
+
+        return on(r) or bool(self.groups[s].get(r)) and all(any(on(x) for x in g)
+                                                            for g in self.groups[s][r])
+
     def complete(self, s: int) -> bool:
-        return bool(self.meta[s]) and all(self.owner[s][r] for r in self.saved[s][0])
+        return bool(self.meta[s]) and all(self.readable(s, r) for r in self.saved[s][0])
+
+    def through_copies(self, s: int) -> list[int]:
+        """Owners of step ``s`` whose shard is on no node: their items are read from copies."""
+        return [r for r in self.saved[s][0] if not self.owner[s][r]]
 
     def same_world(self, s: int) -> bool:
         return self.saved[s][1] == self.sc["world"]
@@ -439,7 +463,14 @@ class Model:
         if not self.same_world(s):
             return []
         return [r for r in sorted(self.node_of) if r in self.saved[s][0]
-                and self.node_of[r] not in self.owner[s][r]]
+                and self.node_of[r] not in self.owner[s][r] and self.owner[s][r]]
+
+    def copies_elsewhere(self, s: int) -> list[int]:
+        """Ranks read through copies that are not all on their own node."""
+        if not self.same_world(s):
+            return []
+        return [r for r in self.through_copies(s)
+                if r in self.node_of and not self.readable(s, r, {self.node_of[r]})]
 
     def meta_needs(self, s: int) -> list[int]:
         return sorted(n for n in self.live if n not in self.meta[s])
@@ -447,7 +478,8 @@ class Model:
     def usable(self, s: int) -> bool:
         if s in self.sc["bad_steps"] or not self.complete(s):
             return False
-        return self.sc["can_fetch"] or not (self.shard_needs(s) or self.meta_needs(s))
+        return self.sc["can_fetch"] or not (self.shard_needs(s) or self.meta_needs(s)
+                                            or self.copies_elsewhere(s))
 
     def expected(self) -> tuple[str, int | None]:
         best = max((s for s in self.steps if self.usable(s)), default=None)
@@ -460,9 +492,15 @@ class Model:
 
     def newest_protected(self) -> int | None:
         for s in reversed(self.steps):
-            if len(self.meta[s]) >= 2 and all(len(self.owner[s][r]) >= 2 for r in self.saved[s][0]):
+            if len(self.meta[s]) >= 2 and all(self.places(s, r) >= 2 for r in self.saved[s][0]):
                 return s
         return None
+
+
+    def places(self, s: int, r: int) -> int:
+        """On how many nodes the least-held item of ``r``'s shard of step ``s`` is."""
+        return min(len(self.owner[s][r].union(*(self.owner[s][x] for x in g)))
+                   for g in self.groups[s].get(r) or [()])
 
 
 def run(sc) -> Decision:
@@ -526,7 +564,10 @@ def test_property_fetch_plan_covers_every_need_once(sc):
 
     # Where each rank's bytes come from; who can serve each shard during the load.
     needs = set(m.shard_needs(s))
-    assert d.sources == {r: ("peer" if r in needs else "local") for r in m.node_of}
+    copied = set(m.through_copies(s)) if m.same_world(s) else set()
+    assert d.through_copies == m.through_copies(s)
+    assert d.sources == {r: ("peer" if r in needs else "copies" if r in copied else "local")
+                         for r in m.node_of}
     for o, ranks in d.holders.items():
         assert sorted(ranks) == sorted(r for n in m.owner[s][o] for r in m.live[n].ranks), o
     assert {o for o, ns in m.owner[s].items() if ns} == set(d.holders)

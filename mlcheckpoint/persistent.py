@@ -18,11 +18,13 @@ last may be a write in flight).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shutil
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -32,6 +34,42 @@ from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 DEFAULT_STEP_FORMAT = "step-{step:012d}"
+MAX_ORIGIN_BYTES = 64 << 10  # a larger record is not ours: it fails to parse
+# Beside DCP's files in a step folder we wrote: the run that wrote it (``PersistentOrigin``).
+ORIGIN_FILE = ".mlcheckpoint-origin.json"
+
+
+@dataclass(frozen=True)
+class PersistentOrigin:
+    """Which run of the job wrote a persistent step, and when by that run's own clock.
+
+    Recovery weighs a persistent step against memory by this record where it exists: whether
+    the step belongs to the history the memory steps descend from, and if not, which history
+    is the later one, compared on the job's clocks rather than a file server's. A step written
+    by a framework (or before this record existed) has none; recovery then falls back to the
+    folder's modification time.
+    """
+
+    run_id: str
+    ancestors: tuple[tuple[str, int], ...]
+    created: float  # when the write finished, by the clock of the rank that wrote this record
+
+    def to_json(self) -> str:
+        return json.dumps({"run_id": self.run_id, "ancestors": [list(a) for a in self.ancestors],
+                           "created": self.created})
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> PersistentOrigin:
+        """Parse a record (a file anyone with access may have written): ValueError if malformed."""
+        try:
+            d = json.loads(raw)
+            origin = cls(str(d["run_id"]), tuple((str(r), int(s)) for r, s in d["ancestors"]),
+                         float(d["created"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed {ORIGIN_FILE}: {e}") from None
+        if len(origin.run_id) > 64 or not origin.run_id.isascii():
+            raise ValueError(f"malformed {ORIGIN_FILE}: run id {origin.run_id!r}")
+        return origin
 
 
 def _is_url(location: str) -> bool:
@@ -92,6 +130,40 @@ class PersistentStorage:
         """Load ``step`` into ``state_dict``; recovery calls this once it chose this folder.
         ``load`` is ``dcp.load`` on the checkpoint group (recovery/load.py ``load_step``)."""
         load(state_dict, self.reader(step))
+
+    def record_origin(self, step: int, origin: PersistentOrigin) -> None:
+        """Write ``origin`` into ``step``'s folder (after DCP finished writing it)."""
+        self._write_text(f"{self.path(step)}/{ORIGIN_FILE}", origin.to_json())
+
+    def origin(self, step: int) -> PersistentOrigin | None:
+        """The recorded origin of ``step``; None where there is none or it cannot be read (a
+        damaged record counts as none: recovery then uses the folder's time)."""
+        try:
+            return PersistentOrigin.from_json(self._read_text(f"{self.path(step)}/{ORIGIN_FILE}"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("mlcheckpoint: ignoring the origin record of persistent step %d: %s", step, e)
+            return None
+
+    def _write_text(self, path: str, text: str) -> None:
+        if self.is_url:
+            import fsspec
+            with fsspec.open(path, "w") as f:
+                f.write(text)
+            return
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+    def _read_text(self, path: str) -> str:
+        if self.is_url:
+            import fsspec
+            with fsspec.open(path, "r") as f:
+                return f.read(MAX_ORIGIN_BYTES)
+        with open(path) as f:
+            return f.read(MAX_ORIGIN_BYTES)
 
     def steps(self) -> list[int]:
         """The steps a resume may load from here, oldest first: the complete ones."""

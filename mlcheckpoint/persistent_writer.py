@@ -25,7 +25,8 @@ from . import history
 from ._faults import pause_point
 from .dcp.errors import unwrap_checkpoint_exception
 from .lifecycle import Pins, Retention
-from .persistent import PersistentStorage
+from .persistent import PersistentOrigin, PersistentStorage
+from .store.identity import Lineage
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,9 @@ class PersistentWriter:
         self._lock = threading.Lock()
         self._futures: dict[Future[None], int] = {}  # background writes not yet waited for: their steps
 
-    def write(self, state_dict: dict[str, Any], step: int) -> None:
-        """Write ``step`` now, in this thread."""
+    def write(self, state_dict: dict[str, Any], step: int, lineage: Lineage) -> None:
+        """Write ``step`` now, in this thread; ``lineage``: the run saving it (recorded beside
+        the step by rank 0, ``PersistentOrigin``)."""
         t0 = time.perf_counter()
         with self._lock:
             self._writing[step] = self._writing.get(step, 0) + 1
@@ -75,12 +77,24 @@ class PersistentWriter:
                 self._writing[step] -= 1
                 if not self._writing[step]:
                     del self._writing[step]
+        if self.rank == 0:
+            self._record_origin(step, lineage)
         seconds = time.perf_counter() - t0
         log.info("mlcheckpoint: persistent checkpoint of step %d written to %s in %.2fs",
                  step, self.storage.path(step), seconds)
         history.record(self.job_dir, "persistent", step=step, rank=self.rank,
                        seconds=round(seconds, 6), location=self.storage.path(step))
         self.prune()
+
+    def _record_origin(self, step: int, lineage: Lineage) -> None:
+        """Which run wrote ``step``, for recovery to weigh it against memory. Without it the
+        step is still loadable: a failure is logged, never raised."""
+        origin = PersistentOrigin(lineage.run_id, lineage.ancestors, time.time())
+        try:
+            self.storage.record_origin(step, origin)
+        except OSError as e:
+            log.warning("mlcheckpoint: recording which run wrote persistent step %d failed: %s",
+                        step, e)
 
     def prune(self) -> list[int]:
         """Rank 0: remove the persistent steps beyond ``keep`` (after a write that succeeded,
@@ -106,11 +120,11 @@ class PersistentWriter:
         if self.keep is not None and self.rank == 0:
             self._executor.submit(self.prune)
 
-    def submit(self, staged: dict[str, Any], step: int) -> None:
+    def submit(self, staged: dict[str, Any], step: int, lineage: Lineage) -> None:
         """Write ``step`` in the background from ``staged``, the views of its tmpfs buffers."""
         self.pins.pin(step)
         try:
-            future = self._executor.submit(self._write_pinned, staged, step)
+            future = self._executor.submit(self._write_pinned, staged, step, lineage)
         except BaseException:
             self.pins.unpin(step)
             raise
@@ -118,10 +132,10 @@ class PersistentWriter:
             self._futures = {f: s for f, s in self._futures.items() if not f.done() or f.exception()}
             self._futures[future] = step
 
-    def _write_pinned(self, staged: dict[str, Any], step: int) -> None:
+    def _write_pinned(self, staged: dict[str, Any], step: int, lineage: Lineage) -> None:
         try:
             pause_point("persistent_write", step, self.rank)
-            self.write(staged, step)
+            self.write(staged, step, lineage)
         finally:
             self.pins.unpin(step)
             self.retention.apply()  # the step may have been held past ``keep``

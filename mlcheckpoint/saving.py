@@ -117,7 +117,7 @@ class Saver:
                                     "commit": seconds - writer.copy_seconds})
         self._publish(result, metadata, writer)
         if persist is not None:
-            persist.write(state_dict, step)
+            persist.write(state_dict, step, lineage)
         return result
 
     def async_save(self, state_dict: dict[str, Any], step: int, lineage: Lineage,
@@ -250,7 +250,7 @@ class Saver:
                             staged_bytes=staged.nbytes)
         self._publish(result, metadata, writer)
         if persist is not None:
-            persist.submit(views, writer.step)  # reads the staged views: pins the step
+            persist.submit(views, writer.step, writer.lineage)  # reads the staged views: pins the step
         return result
 
     def _commit(self, writer: MemoryStorageWriter, state_dict: dict[str, Any],

@@ -24,9 +24,20 @@ from .inventory import NodeInventory, StepCopy
 
 MEMORY, PERSISTENT, FRESH = "memory", "persistent", "fresh"
 COPIES = "copies"  # Decision.sources: the rank's own shard is on no node; its items come from copies
-# A persistent step counts as written before a memory save only by more than this: the
-# persistent folder's clock (a file server's) and the coordinator's may disagree a little.
+# A persistent step with no origin record counts as written before a memory save only by
+# more than this: the persistent folder's clock (a file server's) and the coordinator's may
+# disagree a little.
 CLOCK_SLACK_S = 5.0
+
+
+@dataclass(frozen=True)
+class PersistentStep:
+    """The newest persistent step, and what is known of where it comes from."""
+
+    step: int
+    written: float | None = None  # its folder's modification time (the file server's clock)
+    run_id: str | None = None  # the run that wrote it, from its origin record (None: no record)
+    created: float | None = None  # when that run wrote it, by the job's own clock
 
 
 @dataclass(frozen=True)
@@ -66,12 +77,12 @@ class Decision:
 def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_size: int, *,
                 bad_copies: Iterable[CopyId] = (), bad_steps: Iterable[int] = (),
                 can_fetch: bool = True, copies: int = 2,
-                persistent_written: float | None = None) -> Decision:
+                persistent: PersistentStep | None = None) -> Decision:
     """Pick the newest step complete among the surviving nodes; a newer persistent step wins,
-    unless it was written (``persistent_written``, a wall-clock time; None: unknown) well
-    before the memory step was saved: a step saved after a higher-numbered persistent one was written
-    belongs to a later history (a run that started over without resuming, or continued from
-    an older step), and the persistent step to an earlier one.
+    unless it belongs to an earlier history than the memory step (``earlier_history``: a run
+    that started over without resuming, or continued from an older step, saved the memory
+    step after the persistent one was written). ``persistent`` describes the step
+    ``persistent_step`` names (None: nothing is known of its origin).
 
     A step is complete when its metadata is on some node and every required rank's items
     are: its shard, or, where data parallelism kept copies of its items in other ranks' shards
@@ -95,11 +106,11 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     earlier = False  # the persistent step belongs to an earlier history
     for step in sorted(view, reverse=True):
         if persistent_step is not None and persistent_step > step:
-            if (persistent_written is not None
-                    and persistent_written < view[step].created - CLOCK_SLACK_S):
+            origin = persistent if persistent is not None and persistent.step == persistent_step else None
+            if earlier_history(origin, history, view[step].created):
                 reasons.append(f"persistent step {persistent_step} was written before memory "
-                               f"step {step} was saved: it belongs to an earlier history and is "
-                               "not loaded")
+                               f"step {step} was saved, by a run this memory does not descend "
+                               "from: it belongs to an earlier history and is not loaded")
                 persistent_step, earlier = None, True
             else:
                 persistent_newer = True
@@ -133,6 +144,25 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     return Decision(kind, step_, reason="; ".join(reasons),
                     newest_protected=newest_protected, history=history,
                     stranded=[s for s in stranded if step_ is None or s > step_])
+
+
+def earlier_history(persistent: PersistentStep | None, history: Lineage | None,
+                    memory_created: float) -> bool:
+    """Whether a higher-numbered persistent step belongs to an earlier history than a memory
+    save made at ``memory_created`` (by the job's clock) whose history is ``history``.
+
+    With an origin record: never when the memory's history descends from the run that wrote
+    it (at or after that step); otherwise when that run wrote it before the memory save was
+    made, both times by the job's own clocks. Without one (a framework's folder, or an older
+    write): when the folder's time is well before the save (``CLOCK_SLACK_S``: a file
+    server's clock may disagree a little)."""
+    if persistent is None:
+        return False
+    if persistent.run_id is not None and persistent.created is not None:
+        if history is not None and history.admits(persistent.run_id, persistent.step):
+            return False
+        return persistent.created < memory_created
+    return persistent.written is not None and persistent.written < memory_created - CLOCK_SLACK_S
 
 
 def fallback_reason(persistent_step: int | None, memory_held_steps: bool) -> str:

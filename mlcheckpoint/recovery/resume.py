@@ -36,6 +36,7 @@ from .planner import (
     MEMORY,
     PERSISTENT,
     Decision,
+    PersistentStep,
     fallback_reason,
     plan_resume,
 )
@@ -114,7 +115,8 @@ class Recovery:
         """Load the newest usable checkpoint into ``state_dict``; every rank calls it."""
         t0 = time.perf_counter()
         self.store.gc(ranks=[self.topo.rank])  # what a crash of this rank left behind
-        nodes, (persistent_step, persistent_written) = self._gather_inventory()
+        nodes, newest_persistent = self._gather_inventory()
+        persistent_step = newest_persistent.step if newest_persistent is not None else None
         self._lap("inventory", t0)
         bad: set[CopyId] = set()
         bad_steps: set[int] = set()
@@ -125,7 +127,7 @@ class Recovery:
             d = plan_resume(nodes, persistent_step, self.topo.world_size, bad_copies=bad,
                             bad_steps=bad_steps, can_fetch=self.transport is not None,
                             copies=2 if self.replicator is None else self.replicator.copies,
-                            persistent_written=persistent_written)
+                            persistent=newest_persistent)
             self._lap("plan", t)
             holders = None
             if d.kind != MEMORY:
@@ -190,16 +192,19 @@ class Recovery:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
     # ------------------------------------------------------------------ inventory
-    def _gather_inventory(self) -> tuple[list[NodeInventory], tuple[int | None, float | None]]:
+    def _gather_inventory(self) -> tuple[list[NodeInventory], PersistentStep | None]:
         """Each node's inventory (taken by its local rank 0), and the newest persistent step
-        with when it was written (listed by rank 0; None: unknown): one all_gather."""
+        with what is known of its origin (listed by rank 0): one all_gather."""
         mine = (take_inventory(self.store, self.topo.node_rank, self.topo.ranks_of_node(self.topo.node_rank))
                 if self.topo.local_rank == 0 else None)
-        newest: tuple[int | None, float | None] = (None, None)
+        newest: PersistentStep | None = None
         if self.topo.rank == 0 and self.persistent is not None:
             steps = self.persistent.steps()
             if steps:
-                newest = (steps[-1], _written_at(self.persistent, steps[-1]))
+                origin = self.persistent.origin(steps[-1])
+                newest = PersistentStep(steps[-1], _written_at(self.persistent, steps[-1]),
+                                        None if origin is None else origin.run_id,
+                                        None if origin is None else origin.created)
         gathered = self.comm.all_gather((mine, newest))
         return [inv for inv, _ in gathered if inv is not None], gathered[0][1]
 

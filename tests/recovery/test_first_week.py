@@ -188,3 +188,36 @@ def test_set_aside_steps_go_once_the_new_run_has_a_newer_complete_step(store_dir
             left = [s for s, _ in ckpt.store.orphans()]
             assert left == [s for s in (4, 5) if s >= step], (step, left)
         assert memory_steps(ckpt) == [5, 6]
+
+
+def test_an_earlier_runs_persistent_step_stays_out_whatever_the_file_servers_clock_says(store_dir):
+    """The persistent folder's clock (a file server's) runs a minute ahead: by the folder's
+    time the earlier run's persistent step 3 looks written after this run's saves. The run
+    that wrote it is recorded beside it, so the resume still knows it for an earlier history."""
+    earlier_run(store_dir)
+    with manager(store_dir, "job") as ckpt:
+        ahead = time.time() + 60
+        os.utime(ckpt.persistent.path(3), (ahead, ahead))
+        origin = ckpt.persistent.origin(3)
+        assert origin is not None and origin.run_id not in ("", ckpt.lineage.run_id)
+        for step in (0, 1):
+            ckpt.save(make_state(step), step)
+    with manager(store_dir, "job") as ckpt:
+        out = zeros_like_state(make_state())
+        info = ckpt.resume(out)
+    assert (info.step, info.source) == (1, "local"), info
+    assert_same(make_state(1), out)
+    assert "belongs to an earlier history" in info.reason
+
+
+def test_a_damaged_origin_record_falls_back_to_the_folders_time(store_dir):
+    earlier_run(store_dir)  # the folder's time: a minute before this run's saves
+    with manager(store_dir, "job") as ckpt:
+        with open(os.path.join(ckpt.persistent.path(3), ".mlcheckpoint-origin.json"), "w") as f:
+            f.write("{not json")
+        assert ckpt.persistent.origin(3) is None
+        for step in (0, 1):
+            ckpt.save(make_state(step), step)
+    with manager(store_dir, "job") as ckpt:
+        info = ckpt.resume(zeros_like_state(make_state()))
+    assert (info.step, info.source) == (1, "local"), info

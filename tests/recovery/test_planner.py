@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlcheckpoint.recovery import Decision, Fetch, NodeInventory, StepCopy, plan_resume
-from mlcheckpoint.recovery.planner import FRESH, MEMORY, PERSISTENT
+from mlcheckpoint.recovery.planner import FRESH, MEMORY, PERSISTENT, PersistentStep
 
 
 # ---------------------------------------------------------------------------- builders
@@ -817,20 +817,51 @@ def test_a_persistent_step_written_before_the_memory_step_was_saved_is_an_earlie
     # steps 0 and 1 at t=200 and 201.
     nodes = inventories(2, 1, {n: {s: saved({0, 1}, "B", f"b{s}", 200 + s) for s in (0, 1)}
                                for n in (0, 1)})
-    d = plan_resume(nodes, 3, 2, persistent_written=100.0)
+    d = plan_resume(nodes, 3, 2, persistent=PersistentStep(3, written=100.0))
     assert (d.kind, d.step, d.save_id) == (MEMORY, 1, "b1"), d
     assert "persistent step 3 was written before memory step 1 was saved" in d.reason
     # Written after the memory step (one history, the usual case), at an unknown time, or so
     # little before that clocks may disagree: the higher-numbered persistent step wins as before.
     for written in (300.0, None, 198.0):
-        d = plan_resume(nodes, 3, 2, persistent_written=written)
+        d = plan_resume(nodes, 3, 2, persistent=PersistentStep(3, written=written))
         assert (d.kind, d.step) == (PERSISTENT, 3), (written, d)
     # Memory of the later history unusable: a fresh start, not the earlier history's step.
     for inv in nodes:
         inv.steps = {s: dataclasses.replace(c, owners=frozenset({0}), shard_bytes=((0, 100),))
                      for s, c in inv.steps.items()}
-    d = plan_resume(nodes, 3, 2, persistent_written=100.0)
+    d = plan_resume(nodes, 3, 2, persistent=PersistentStep(3, written=100.0))
     assert d.kind == FRESH and "starting fresh" in d.reason, d
+
+
+def test_a_persistent_step_with_an_origin_record_is_weighed_by_run_not_by_the_file_servers_clock():
+    # Run B saved memory steps 0 and 1 at t=200/201 (by the job's clock).
+    nodes = inventories(2, 1, {n: {s: saved({0, 1}, "B", f"b{s}", 200 + s) for s in (0, 1)}
+                               for n in (0, 1)})
+    # Run A wrote persistent step 3 at t=100 by its own clock; the file server's clock says
+    # t=300 (skewed ahead): the record decides, B does not descend from A, so it is earlier.
+    d = plan_resume(nodes, 3, 2, persistent=PersistentStep(3, written=300.0, run_id="A", created=100.0))
+    assert (d.kind, d.step, d.save_id) == (MEMORY, 1, "b1"), d
+    assert "earlier history" in d.reason
+    # Written by B itself (the same history), even with the file server's clock far behind
+    # (t=50): the higher-numbered persistent step is newer and wins.
+    d = plan_resume(nodes, 3, 2, persistent=PersistentStep(3, written=50.0, run_id="B", created=202.0))
+    assert (d.kind, d.step) == (PERSISTENT, 3), d
+    # Written by a run not in B's history but after B's saves (a later history): loaded.
+    d = plan_resume(nodes, 3, 2, persistent=PersistentStep(3, written=50.0, run_id="C", created=250.0))
+    assert (d.kind, d.step) == (PERSISTENT, 3), d
+
+
+def test_a_persistent_step_of_an_ancestor_run_counts_only_up_to_where_this_history_left_it():
+    # Run B resumed from run A's step 1; A went on to write persistent step 3 (at t=150) that
+    # B never saw. B saved step 2 at t=200.
+    nodes = inventories(2, 1, {n: {2: saved({0, 1}, "B", "b2", 200, ancestors=(("A", 1),))}
+                               for n in (0, 1)})
+    d = plan_resume(nodes, 3, 2, persistent=PersistentStep(3, written=150.0, run_id="A", created=150.0))
+    assert (d.kind, d.step) == (MEMORY, 2), d
+    # A's persistent step 1 is where B came from: B's step 2 is newer anyway; a persistent
+    # step 5 written by A at or before the step B took (none here) would count as B's history.
+    d = plan_resume(nodes, 1, 2, persistent=PersistentStep(1, written=90.0, run_id="A", created=90.0))
+    assert (d.kind, d.step) == (MEMORY, 2), d
 
 
 # ---------------------------------------------------------------------------- data-parallel copies

@@ -163,20 +163,20 @@ class MemoryStorageReader(StorageReader):
 
     @pausing_gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with _LocalShards(self._open_local) as here:
-            for rank, reads in sorted(self._where_to_read(plan.items, here).items()):
-                source = here.get(rank)
+        with _Shards(self._open_local, self.remote, self.step) as shards:
+            for rank, reads in sorted(self._where_to_read(plan.items, shards).items()):
+                source = shards.here(rank)
                 if source is not None:
                     self._read_local(rank, reads, source, planner)
                 elif self.remote is None:
-                    raise here.why_absent(rank)
+                    raise shards.why_absent(rank)
                 else:
                     self._read_remote(self.remote, rank, reads, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _where_to_read(self, items: list[ReadItem], here: _LocalShards
+    def _where_to_read(self, items: list[ReadItem], shards: _Shards
                        ) -> dict[int, list[tuple[ReadItem, ItemLocation]]]:
         """Per shard to read, the requests it serves and where in it each one lies: the item's
         own location, or, when its shard is neither here nor held by another node, one of its
@@ -185,8 +185,8 @@ class MemoryStorageReader(StorageReader):
         from_copies: dict[int, set[int]] = defaultdict(set)  # owner -> ranks its copies are read from
         for req in items:
             loc = self._location(req.storage_index)
-            if loc.copies and not self._reachable(loc.rank, here):
-                owner, loc = loc.rank, self._copy_to_read(req, loc, here)
+            if loc.copies and shards.here(loc.rank) is None and not shards.elsewhere(loc.rank):
+                owner, loc = loc.rank, self._copy_to_read(req, loc, shards)
                 from_copies[owner].add(loc.rank)
             reads[loc.rank].append((req, loc))
         for owner, ranks in sorted(from_copies.items()):
@@ -194,16 +194,11 @@ class MemoryStorageReader(StorageReader):
                      "from their copies in the shards of ranks %s", owner, self.step, sorted(ranks))
         return reads
 
-    def _reachable(self, rank: int, here: _LocalShards) -> bool:
-        """Whether ``rank``'s shard is here or held by another node."""
-        return here.get(rank) is not None or (self.remote is not None
-                                              and self.remote.has_holders(self.step, rank))
-
-    def _copy_to_read(self, req: ReadItem, loc: ItemLocation, here: _LocalShards) -> ItemLocation:
+    def _copy_to_read(self, req: ReadItem, loc: ItemLocation, shards: _Shards) -> ItemLocation:
         """The location of a copy of the item at ``loc`` to read instead: same bytes, same
         checksum, in another rank's shard (one here first)."""
-        local = [c for c in loc.copies if here.get(c[0]) is not None]
-        held = [c for c in loc.copies if self.remote is not None and self.remote.has_holders(self.step, c[0])]
+        local = [c for c in loc.copies if shards.here(c[0]) is not None]
+        held = [c for c in loc.copies if shards.elsewhere(c[0])]
         if not local and not held:
             raise ShardNotFoundError(
                 f"step {self.step}: rank {loc.rank}'s shard is on no node, nor is any copy of item "
@@ -328,17 +323,27 @@ class MemoryStorageReader(StorageReader):
         raise error
 
 
-class _LocalShards:
-    """The shards of this node one ``read_data`` opens, each at most once (None: not here),
-    closed together at the end."""
+class _Shards:
+    """Where the shards one ``read_data`` reads are: here (each opened at most once, closed
+    together at the end), or held by another node (asked of ``remote`` once per shard)."""
 
-    def __init__(self, open_local: Callable[[int], ShardSource]):
-        self._open_local = open_local
+    def __init__(self, open_local: Callable[[int], ShardSource], remote: RemoteReads | None,
+                 step: int):
+        self._open_local, self._remote, self._step = open_local, remote, step
         self._opened: dict[int, ShardSource | None] = {}
         self._absent: dict[int, ShardNotFoundError] = {}
+        self._elsewhere: dict[int, bool] = {}
         self._stack = contextlib.ExitStack()
 
-    def get(self, rank: int) -> ShardSource | None:
+    def elsewhere(self, rank: int) -> bool:
+        """Whether another node holds ``rank``'s shard."""
+        if rank not in self._elsewhere:
+            self._elsewhere[rank] = (self._remote is not None
+                                     and self._remote.has_holders(self._step, rank))
+        return self._elsewhere[rank]
+
+    def here(self, rank: int) -> ShardSource | None:
+        """This node's copy of ``rank``'s shard, open (None: not here)."""
         if rank not in self._opened:
             try:
                 self._opened[rank] = self._stack.enter_context(self._open_local(rank))

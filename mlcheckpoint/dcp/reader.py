@@ -2,18 +2,23 @@
 
 Recovery path end: DCP asks for items -> each is located through the global metadata
 (rank, offset, checksum) -> the owner rank's shard is read here (or streamed from a node that
-holds it, through ``remote``) -> bytes are verified and copied into the state dict in one pass.
+holds it, through ``remote``; or, when no node holds it, one of the item's copies that data
+parallelism kept in another rank's shard) -> bytes are verified and copied into the state
+dict in one pass.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import logging
 import math
 import pickle
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +46,9 @@ from ..store.local_store import LocalStore, ShardSource
 from . import serialized
 from .remote import RemoteReads
 from .writer import parse_step
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +99,10 @@ class MemoryStorageReader(StorageReader):
     Every byte is checked against the checksum recorded at save time before it is used; a
     mismatch raises CorruptShardError. A shard this node lacks is streamed from a node that
     holds it through ``remote`` (recovery's ``Holders``, when replication is on), straight
-    into the destination tensors; without ``remote`` it is a ShardNotFoundError.
+    into the destination tensors. An item whose shard is neither here nor held by another
+    node is read from one of its copies (``ItemLocation.copies``: one here first, else one
+    another node holds), checked against the same checksum; without either it is a
+    ShardNotFoundError.
     """
 
     def __init__(self, step: int, store: LocalStore | None = None, *, job_id: str | None = None,
@@ -154,22 +165,48 @@ class MemoryStorageReader(StorageReader):
 
     @pausing_gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        by_rank: dict[int, list[ReadItem]] = defaultdict(list)
-        for req in plan.items:
-            by_rank[self._location(req.storage_index).rank].append(req)
-        for rank, reqs in sorted(by_rank.items()):
-            try:
-                source = self._open_local(rank)
-            except ShardNotFoundError:
-                if self.remote is None:
-                    raise
-                self._read_remote(self.remote, rank, reqs, planner)
-                continue
-            with source:
-                self._read_local(rank, reqs, source, planner)
+        with _Shards(self._open_local, self.remote, self.step) as shards:
+            for rank, reads in sorted(self._where_to_read(plan.items, shards).items()):
+                source = shards.here(rank)
+                if source is not None:
+                    self._read_local(rank, reads, source, planner)
+                elif self.remote is None:
+                    raise shards.why_absent(rank)
+                else:
+                    self._read_remote(self.remote, rank, reads, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _where_to_read(self, items: list[ReadItem], shards: _Shards
+                       ) -> dict[int, list[tuple[ReadItem, ItemLocation]]]:
+        """Per shard to read, the requests it serves and where in it each one lies: the item's
+        own location, or, when its shard is neither here nor held by another node, one of its
+        copies (one here first, else one another node holds)."""
+        reads: dict[int, list[tuple[ReadItem, ItemLocation]]] = defaultdict(list)
+        from_copies: dict[int, set[int]] = defaultdict(set)  # owner -> ranks its copies are read from
+        for req in items:
+            loc = self._location(req.storage_index)
+            if loc.copies and shards.here(loc.rank) is None and not shards.elsewhere(loc.rank):
+                owner, loc = loc.rank, self._copy_to_read(req, loc, shards)
+                from_copies[owner].add(loc.rank)
+            reads[loc.rank].append((req, loc))
+        for owner, ranks in sorted(from_copies.items()):
+            log.info("mlcheckpoint: rank %d's shard of step %d is on no node: reading its items "
+                     "from their copies in the shards of ranks %s", owner, self.step, sorted(ranks))
+        return reads
+
+    def _copy_to_read(self, req: ReadItem, loc: ItemLocation, shards: _Shards) -> ItemLocation:
+        """The location of a copy of the item at ``loc`` to read instead: same bytes, same
+        checksum, in another rank's shard (one here first)."""
+        local = [c for c in loc.copies if shards.here(c[0]) is not None]
+        held = [c for c in loc.copies if shards.elsewhere(c[0])]
+        if not local and not held:
+            raise ShardNotFoundError(
+                f"step {self.step}: rank {loc.rank}'s shard is on no node, nor is any copy of item "
+                f"{req.storage_index.fqn!r} (kept in the shards of ranks {[r for r, _ in loc.copies]})")
+        rank, offset = (local or held)[0]
+        return dataclasses.replace(loc, rank=rank, offset=offset, copies=())
 
     def _open_local(self, rank: int) -> ShardSource:
         """This node's copy of ``rank``'s shard; a damaged copy is named, so recovery can
@@ -179,16 +216,15 @@ class MemoryStorageReader(StorageReader):
         except CorruptShardError as e:
             raise CorruptShardError(str(e), copy=CopyId(self.step, rank, self.node)) from None
 
-    def _read_local(self, rank: int, reqs: list[ReadItem], source: ShardSource,
-                    planner: LoadPlanner) -> None:
+    def _read_local(self, rank: int, reads: list[tuple[ReadItem, ItemLocation]],
+                    source: ShardSource, planner: LoadPlanner) -> None:
         """Verify and copy every item of one mapped shard; the copies and hashes run together
         on the copier's threads, then the items are handed to the planner."""
         spans: list[copier.Span] = []
         checked: list[tuple[ReadItem, ItemLocation]] = []
         later: list[tuple[ReadItem, torch.Tensor, ItemLocation | None]] = []  # (req, target, loc)
         seen: set[tuple[int, int]] = set()
-        for req in reqs:
-            loc = self._location(req.storage_index)
+        for req, loc in reads:
             self.bytes_read += loc.nbytes
             if req.type == LoadItemType.BYTE_IO or not loc.is_tensor:
                 raw = source.read(loc.offset, loc.nbytes)
@@ -221,15 +257,14 @@ class MemoryStorageReader(StorageReader):
         for req, target, _ in later:
             planner.commit_tensor(req, target)
 
-    def _read_remote(self, remote: RemoteReads, rank: int, reqs: list[ReadItem],
+    def _read_remote(self, remote: RemoteReads, rank: int, reads: list[tuple[ReadItem, ItemLocation]],
                      planner: LoadPlanner) -> None:
         """Stream the items of a shard held elsewhere, into the targets where possible."""
-        uses = Counter((loc.offset, loc.nbytes) for loc in map(self._location, (r.storage_index for r in reqs)))
+        uses = Counter((loc.offset, loc.nbytes) for _, loc in reads)
         sinks: dict[tuple[int, int], np.ndarray] = {}
         targets: dict[int, torch.Tensor] = {}
         direct: set[int] = set()
-        for i, req in enumerate(reqs):
-            loc = self._location(req.storage_index)
+        for i, (req, loc) in enumerate(reads):
             key = (loc.offset, loc.nbytes)
             if req.type == LoadItemType.BYTE_IO or not loc.is_tensor:
                 continue
@@ -238,8 +273,7 @@ class MemoryStorageReader(StorageReader):
             if uses[key] == 1 and self._whole_item(req) and _fits_directly(target, req, self._metadata):
                 sinks[key] = as_byte_tensor(target).numpy()  # bytes land in the model directly
                 direct.add(i)
-        for req in reqs:
-            loc = self._location(req.storage_index)
+        for _, loc in reads:
             sinks.setdefault((loc.offset, loc.nbytes), np.empty(loc.nbytes, dtype=np.uint8))
         ranges = sorted(sinks)
         # Each range is hashed on the copier's threads as soon as it lands, while the next
@@ -252,13 +286,11 @@ class MemoryStorageReader(StorageReader):
 
         nodes = remote.read_ranges(self.step, rank, ranges, [sinks[k] for k in ranges], landed)
         came_from = dict(zip(ranges, nodes, strict=True))  # ranges may come from several nodes
-        checks = {self._location(r.storage_index).offset: (r, self._location(r.storage_index))
-                  for r in reqs}
+        checks = {loc.offset: (req, loc) for req, loc in reads}
         for req, loc in checks.values():
             if not digests_agree(loc.checksum, hashing[(loc.offset, loc.nbytes)].result()[0]):
                 self._corrupt(rank, req, came_from[(loc.offset, loc.nbytes)])
-        for i, req in enumerate(reqs):
-            loc = self._location(req.storage_index)
+        for i, (req, loc) in enumerate(reads):
             sink = sinks[(loc.offset, loc.nbytes)]
             if req.type == LoadItemType.BYTE_IO or not loc.is_tensor:
                 _load_stored_as_dcp(planner, req, sink.tobytes())
@@ -283,11 +315,55 @@ class MemoryStorageReader(StorageReader):
         return view
 
     def _corrupt(self, rank: int, req: ReadItem, node: int | None) -> None:
+        """Raise the CorruptShardError naming the copy of ``rank``'s shard on ``node`` that
+        failed (for an item read from a copy: the shard that holds the copy)."""
         if node == self.node:
             where = f"node {node} ({self.store.data_path(self.step, rank)})"
         else:
             where = f"node {node} (job {self.store.job_id})"
-        error = integrity_error(f"step {self.step} rank {rank}'s shard on {where}",
-                                f"item {req.storage_index.fqn!r}", CopyId(self.step, rank, node))
+        item = f"item {req.storage_index.fqn!r}"
+        owner = self._location(req.storage_index).rank
+        if owner != rank:
+            item += f" (its copy: rank {owner}'s shard is on no node)"
+        error = integrity_error(f"step {self.step} rank {rank}'s shard on {where}", item,
+                                CopyId(self.step, rank, node))
         log.error("%s", error)
         raise error
+
+
+class _Shards:
+    """Where the shards one ``read_data`` reads are: here (each opened at most once, closed
+    together at the end), or held by another node (asked of ``remote`` once per shard)."""
+
+    def __init__(self, open_local: Callable[[int], ShardSource], remote: RemoteReads | None,
+                 step: int):
+        self._open_local, self._remote, self._step = open_local, remote, step
+        self._opened: dict[int, ShardSource | None] = {}
+        self._absent: dict[int, ShardNotFoundError] = {}
+        self._elsewhere: dict[int, bool] = {}
+        self._stack = contextlib.ExitStack()
+
+    def elsewhere(self, rank: int) -> bool:
+        """Whether another node holds ``rank``'s shard."""
+        if rank not in self._elsewhere:
+            self._elsewhere[rank] = (self._remote is not None
+                                     and self._remote.has_holders(self._step, rank))
+        return self._elsewhere[rank]
+
+    def here(self, rank: int) -> ShardSource | None:
+        """This node's copy of ``rank``'s shard, open (None: not here)."""
+        if rank not in self._opened:
+            try:
+                self._opened[rank] = self._stack.enter_context(self._open_local(rank))
+            except ShardNotFoundError as e:
+                self._opened[rank], self._absent[rank] = None, e
+        return self._opened[rank]
+
+    def why_absent(self, rank: int) -> ShardNotFoundError:
+        return self._absent[rank]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()

@@ -1,4 +1,5 @@
-"""What the reader needs from other nodes: byte ranges of a shard this node lacks.
+"""What the reader needs from other nodes: byte ranges of a shard this node lacks, and
+whether any other node holds a shard at all (else the reader turns to the item's copies).
 
 Declared here, in layer 2, so the reader never imports recovery or replication (layers 3
 and 4); recovery's ``Holders`` (recovery/holders.py) is the implementation.
@@ -22,4 +23,8 @@ class RemoteReads(Protocol):
         calling ``on_range(i)`` as range ``i`` lands (from any thread). Returns the node each
         range came from (so a checksum mismatch names that copy). The caller verifies the checksums.
         Raises ShardNotFoundError when no holder can serve it."""
+        ...
+
+    def has_holders(self, step: int, owner: int) -> bool:
+        """Whether another node holds ``owner``'s shard of ``step`` (the one being loaded)."""
         ...

@@ -123,6 +123,12 @@ class Holders:
                  plural(len(ranges), "range"), owner, step, "node" if len(nodes) == 1 else "nodes", nodes)
         return came_from
 
+    def has_holders(self, step: int, owner: int) -> bool:
+        """Whether another node holds ``owner``'s shard of the step (``RemoteReads``): when
+        none does, the reader reads the shard's items from their copies."""
+        self._check_step(step)
+        return bool(holder_order(self.plan, self.topo, owner))
+
     def fetch_metadata(self) -> None:
         """Pull the step's global metadata into this node's store."""
         with self.store.fetch_lock(self.step, None):
@@ -133,7 +139,12 @@ class Holders:
     def rebuild(self, owner: int) -> bool:
         """Fetch ``owner``'s whole shard into this node's store, verified and committed, so
         replication can protect it again (a replaced node's own shard, after the load).
-        Returns False when the shard is here already."""
+        Returns False when the shard is here already, or on no node at all (its items were
+        read from their copies; the next save writes it again)."""
+        if owner in self.plan.through_copies:
+            log.info("mlcheckpoint: rank %d's shard of step %d is on no node (its items were read "
+                     "from copies): not rebuilt; the next save protects them again", owner, self.step)
+            return False
         with self.store.fetch_lock(self.step, owner):
             if owner in self.store.step_state(self.step).ranks_of(self.plan.save_id):
                 return False

@@ -18,10 +18,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import CopyId
+from ..store import coverage
 from ..store.identity import Lineage
 from .inventory import NodeInventory, StepCopy
 
 MEMORY, PERSISTENT, FRESH = "memory", "persistent", "fresh"
+COPIES = "copies"  # Decision.sources: the rank's own shard is on no node; its items come from copies
 # A persistent step with no origin record counts as written before a memory save only by
 # more than this: the persistent folder's clock (a file server's) and the coordinator's may
 # disagree a little.
@@ -57,8 +59,12 @@ class Decision:
     holders: dict[int, list[int]] = field(default_factory=dict)  # owner -> ranks that serve it
     metadata_holders: list[int] = field(default_factory=list)
     # rank -> "peer" when the rank's own shard is on no node of its own (a replaced node:
-    # recovery rebuilds it there after the load), else "local" (also when resharded).
+    # recovery rebuilds it there after the load), COPIES when it is on no surviving node at
+    # all (its items are read from the copies data parallelism kept in other ranks' shards),
+    # else "local" (also when resharded).
     sources: dict[int, str] = field(default_factory=dict)
+    # Owners whose shard is on no surviving node: the reader reads their items from copies.
+    through_copies: list[int] = field(default_factory=list)
     resharded: bool = False  # saved with another world size: DCP reshards, reads fetch lazily
     newest_protected: int | None = None  # newest step with every shard on ``copies`` nodes
     reason: str = ""
@@ -78,10 +84,12 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     step after the persistent one was written). ``persistent`` describes the step
     ``persistent_step`` names (None: nothing is known of its origin).
 
-    A step is complete when its metadata and every required rank's shard are on some node
+    A step is complete when its metadata is on some node and every required rank's items
+    are: its shard, or, where data parallelism kept copies of its items in other ranks' shards
+    (the metadata's copy groups, ``store/coverage.py``), shards holding a copy of each item
     (not counting copies in ``bad_copies``; never a step in ``bad_steps``). Without a transport
     (``can_fetch`` False) every node must hold what its own ranks need. A step counts as
-    protected (``newest_protected``) when its metadata and every shard are on ``copies`` nodes
+    protected (``newest_protected``) when its metadata and every item are on ``copies`` nodes
     (1 + the job's ``replicas``).
     """
     bad = set(bad_copies)
@@ -117,6 +125,10 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
         if why is None:
             decision = _fetch_plan(step, view[step], nodes, world_size, can_fetch)
             if decision is not None:
+                if decision.through_copies:
+                    reasons.append(f"the shards of ranks {_few(decision.through_copies)} are on no "
+                                   "surviving node: their items are read from the copies other "
+                                   "ranks' shards keep")
                 decision.reason = "; ".join(reasons)
                 decision.newest_protected = newest_protected
                 decision.history, decision.stranded = history, stranded
@@ -169,6 +181,7 @@ class _StepView:
     created: float = 0.0  # when the save was made (its coordinator's clock)
     required: tuple[int, ...] | None = None
     world_size: int | None = None
+    copy_groups: dict[int, list[list[int]]] = field(default_factory=dict)  # store/coverage.py
     meta_nodes: list[int] = field(default_factory=list)
     owner_nodes: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     owner_bytes: dict[int, int] = field(default_factory=dict)
@@ -219,7 +232,8 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
     view: dict[int, _StepView] = {}
     for step, meta in chosen.items():
         view[step] = _StepView(save_id=meta.save_id, lineage=meta.lineage, created=meta.created,
-                               required=meta.required, world_size=meta.world_size)
+                               required=meta.required, world_size=meta.world_size,
+                               copy_groups=meta.copies())
     for inv, step, copy in _metadata_copies(nodes, bad):
         if step in view and copy.save_id == view[step].save_id:
             view[step].meta_nodes.append(inv.node)
@@ -249,7 +263,7 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
 def _incomplete(v: _StepView) -> str | None:
     if not v.meta_nodes or v.required is None:
         return "no surviving node has its metadata"
-    missing = [r for r in v.required if not v.owner_nodes.get(r)]
+    missing = coverage.unreadable(v.required, v.copy_groups, _surviving(v))
     if missing:
         corrupt = [r for r in missing if r in v.refused]
         lost = [r for r in missing if r not in v.refused]
@@ -260,8 +274,25 @@ def _incomplete(v: _StepView) -> str | None:
                        f"verification{damage}")
         if lost:
             why.append(f"shards of ranks {_few(lost)} are on no surviving node")
+        copied = [r for r in missing if v.copy_groups.get(r)]
+        if copied:  # data parallelism kept copies of their items, but not enough survive
+            why.append("nor do copies of all their items: lost are "
+                       + "; ".join(_lost_copies(v, r) for r in copied[:4]))
         return "; ".join(why)
     return None
+
+
+def _surviving(v: _StepView) -> set[int]:
+    """Owners whose shard (of the step's save, not refused) is on some surviving node."""
+    return {r for r, nodes in v.owner_nodes.items() if nodes}
+
+
+def _lost_copies(v: _StepView, owner: int) -> str:
+    """Which of ``owner``'s items no surviving shard holds, by copy group (for a reason)."""
+    available = _surviving(v)
+    lost = [g for g in v.copy_groups.get(owner, ()) if not any(r in available for r in g)]
+    return ", ".join(f"rank {owner}'s items with no copy" if not g else
+                     f"rank {owner}'s items copied only to ranks {g}" for g in lost[:3])
 
 
 def _few(ranks: list[int]) -> list:
@@ -271,8 +302,13 @@ def _few(ranks: list[int]) -> list:
 def _newest_protected(view: dict[int, _StepView], copies: int) -> int | None:
     for step in sorted(view, reverse=True):
         v = view[step]
+
+        def places_of(rank: int, v: _StepView = v) -> set[int]:
+            return set(v.owner_nodes.get(rank, ()))
+
         if (v.required is not None and len(set(v.meta_nodes)) >= copies
-                and all(len(set(v.owner_nodes.get(r, ()))) >= copies for r in v.required)):
+                and all(coverage.fewest_places(r, v.copy_groups, places_of) >= copies
+                        for r in v.required)):
             return step
     return None
 
@@ -299,6 +335,7 @@ def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size:
         if node not in v.meta_nodes:
             d.fetches.append(Fetch(ranks[0], pick_src(v.meta_nodes, 1), step, None))  # 1: spread them too
     required = set(v.required or ())
+    d.through_copies = sorted(required - _surviving(v))  # complete: their copies survive
     for rank in sorted(rank_node):
         node = rank_node[rank]
         if d.resharded or rank not in required:
@@ -306,6 +343,11 @@ def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size:
             continue
         if node in v.owner_nodes[rank]:
             d.sources[rank] = "local"
+        elif rank in d.through_copies:  # no node to fetch its shard from: the reader reads copies
+            d.sources[rank] = COPIES
+            here = {o for o, ns in v.owner_nodes.items() if node in ns}
+            if not can_fetch and coverage.unreadable([rank], v.copy_groups, here):
+                return None  # some copies it needs are on other nodes only
         else:
             nbytes = v.owner_bytes.get(rank, 0)
             d.fetches.append(Fetch(rank, pick_src(v.owner_nodes[rank], nbytes), step, rank, nbytes))

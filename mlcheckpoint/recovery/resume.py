@@ -30,6 +30,7 @@ from .holders import Holders
 from .inventory import NodeInventory, take_inventory
 from .load import load_step
 from .planner import (
+    COPIES,
     FRESH,
     MEMORY,
     PERSISTENT,
@@ -55,7 +56,10 @@ class ResumeInfo:
     # This rank's own: sources[rank].
     source: str | None
     seconds: float
-    sources: dict[int, str] = field(default_factory=dict)  # rank -> where its bytes came from
+    # rank -> where its bytes came from: "local", "peer", "persistent", or "copies" when its
+    # own shard was on no surviving node (its items were read from the copies data
+    # parallelism kept in other ranks' shards; ``reason`` names those ranks).
+    sources: dict[int, str] = field(default_factory=dict)
     bytes_fetched: int = 0  # job-wide, from peers
     # Job-wide, the bytes read from peers for the load, per shard (its owner rank) and node that
     # served them ({owner: {node: bytes}}): how the reads spread over the holders. The rebuild
@@ -310,6 +314,8 @@ class Recovery:
         # create files under step numbers this drop would otherwise race with).
         self._settle(d.step, set_aside=d.stranded)
         source = {MEMORY: "peer" if fetched else "local", PERSISTENT: "persistent"}.get(d.kind)
+        if d.kind == MEMORY and d.sources.get(self.topo.rank) == COPIES:
+            source = COPIES
         gathered = self.comm.all_gather((source, fetched, served))
         pause_point("resume_agreed", d.step, self.topo.rank)  # tests: other ranks save from here
         sources = {r: s for r, (s, _, _) in enumerate(gathered) if s is not None}
@@ -321,7 +327,7 @@ class Recovery:
                     mine[node] = mine.get(node, 0) + nbytes
         overall = source
         if d.kind == MEMORY:
-            overall = "peer" if "peer" in sources.values() else "local"
+            overall = "peer" if any(b for _, b, _ in gathered) else "local"
         reason = "; ".join(r for r in reasons if r) or None
         resharded = {MEMORY: d.resharded, PERSISTENT: None}.get(d.kind, False)
         info = ResumeInfo(step=d.step, source=overall, seconds=time.perf_counter() - t0,
@@ -358,8 +364,9 @@ class Recovery:
         self.replicator.seed_protected(d.newest_protected)
         self.replicator.activate(reset=True)
         # The plan's "peer" for this rank: its own shard is not on this node (never when
-        # resharded: the saved ranks are not this job's ranks).
-        if holders is None or d.sources.get(self.topo.rank) != "peer":
+        # resharded: the saved ranks are not this job's ranks); COPIES: it is on no node, and
+        # the rebuild only says so (Holders.rebuild).
+        if holders is None or d.sources.get(self.topo.rank) not in ("peer", COPIES):
             return None
         thread = threading.Thread(target=self._rebuild_own_shard, args=(holders, self.replicator),
                                   name="mlckpt-heal", daemon=True)

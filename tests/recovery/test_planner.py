@@ -2,7 +2,8 @@
 
 Deterministic cases pin down each rule; hypothesis then checks the rules together against an
 independent model of "which step is usable and what must move where", over random clusters
-(lost nodes, partial holdings, bad copies, failed steps, a persistent step, replication off).
+(lost nodes, partial holdings, bad copies, failed steps, a persistent step, replication off,
+copies of items that data parallelism kept in other ranks' shards).
 """
 
 from __future__ import annotations
@@ -345,11 +346,17 @@ def scenarios(draw):
     world = nnodes * rpn
     steps = draw(st.lists(st.integers(0, 30), unique=True, min_size=1, max_size=4))
     saved: dict[int, tuple[tuple[int, ...], int]] = {}
+    groups: dict[int, dict[int, list[list[int]]]] = {}  # step -> its metadata's copy groups
     for s in steps:
         ws = world if draw(st.integers(0, 5)) else draw(st.integers(1, 12))  # mostly the same
         full = tuple(range(ws))
         req = full if draw(st.integers(0, 3)) else tuple(sorted(draw(st.sets(st.sampled_from(full), min_size=1))))
         saved[s] = (req, ws)
+        # Mostly none; else data-parallel copies: some owners' items copied into other shards.
+        groups[s] = {} if draw(st.integers(0, 2)) else {
+            o: [sorted(g) for g in draw(st.lists(st.sets(st.sampled_from(full), max_size=2),
+                                                 min_size=1, max_size=2))]
+            for o in draw(st.sets(st.sampled_from(req), max_size=3))}
 
     def base(node: int, s: int) -> set[int]:
         """The shards that ``node``'s ranks saved of step ``s``."""
@@ -391,6 +398,8 @@ def scenarios(draw):
             sizes = {o: draw(st.integers(1, 1000)) for o in sorted(owners)}
             req, ws = saved[s]
             inv[s] = copy(owners, meta=meta, required=req, world_size=ws, sizes=sizes)
+            if meta:
+                inv[s] = with_copies(inv[s], groups[s])
         nodes.append(NodeInventory(n, ranks, inv))
     if draw(st.booleans()):
         nodes = draw(st.permutations(nodes))
@@ -418,18 +427,33 @@ class Model:
         self.owner: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
         self.nbytes: dict[tuple[int, int], set[int]] = defaultdict(set)
         self.saved: dict[int, tuple[tuple[int, ...], int]] = {}
+        self.groups: dict[int, dict[int, list[list[int]]]] = {}
         for n, inv in self.live.items():
             for s, c in inv.steps.items():
                 if c.has_metadata and (s, None, n) not in bad:
                     self.meta[s].add(n)
                     self.saved[s] = (c.required, c.world_size)
+                    self.groups[s] = c.copies()
                 for o, b in c.shard_bytes:
                     if (s, o, n) not in bad:
                         self.owner[s][o].add(n)
                         self.nbytes[(s, o)].add(b)
 
+    def readable(self, s: int, r: int, nodes: set[int] | None = None) -> bool:
+        """Every item of ``r``'s shard of step ``s`` is on a node (in ``nodes``, if given):
+        the shard, or a copy of each item (some shard of each of its copy groups)."""
+        def on(x: int) -> bool:
+            return bool(self.owner[s][x] if nodes is None else self.owner[s][x] & nodes)
+
+        return on(r) or bool(self.groups[s].get(r)) and all(any(on(x) for x in g)
+                                                            for g in self.groups[s][r])
+
     def complete(self, s: int) -> bool:
-        return bool(self.meta[s]) and all(self.owner[s][r] for r in self.saved[s][0])
+        return bool(self.meta[s]) and all(self.readable(s, r) for r in self.saved[s][0])
+
+    def through_copies(self, s: int) -> list[int]:
+        """Owners of step ``s`` whose shard is on no node: their items are read from copies."""
+        return [r for r in self.saved[s][0] if not self.owner[s][r]]
 
     def same_world(self, s: int) -> bool:
         return self.saved[s][1] == self.sc["world"]
@@ -439,7 +463,14 @@ class Model:
         if not self.same_world(s):
             return []
         return [r for r in sorted(self.node_of) if r in self.saved[s][0]
-                and self.node_of[r] not in self.owner[s][r]]
+                and self.node_of[r] not in self.owner[s][r] and self.owner[s][r]]
+
+    def copies_elsewhere(self, s: int) -> list[int]:
+        """Ranks read through copies that are not all on their own node."""
+        if not self.same_world(s):
+            return []
+        return [r for r in self.through_copies(s)
+                if r in self.node_of and not self.readable(s, r, {self.node_of[r]})]
 
     def meta_needs(self, s: int) -> list[int]:
         return sorted(n for n in self.live if n not in self.meta[s])
@@ -447,7 +478,8 @@ class Model:
     def usable(self, s: int) -> bool:
         if s in self.sc["bad_steps"] or not self.complete(s):
             return False
-        return self.sc["can_fetch"] or not (self.shard_needs(s) or self.meta_needs(s))
+        return self.sc["can_fetch"] or not (self.shard_needs(s) or self.meta_needs(s)
+                                            or self.copies_elsewhere(s))
 
     def expected(self) -> tuple[str, int | None]:
         best = max((s for s in self.steps if self.usable(s)), default=None)
@@ -460,9 +492,15 @@ class Model:
 
     def newest_protected(self) -> int | None:
         for s in reversed(self.steps):
-            if len(self.meta[s]) >= 2 and all(len(self.owner[s][r]) >= 2 for r in self.saved[s][0]):
+            if len(self.meta[s]) >= 2 and all(self.places(s, r) >= 2 for r in self.saved[s][0]):
                 return s
         return None
+
+
+    def places(self, s: int, r: int) -> int:
+        """On how many nodes the least-held item of ``r``'s shard of step ``s`` is."""
+        return min(len(self.owner[s][r].union(*(self.owner[s][x] for x in g)))
+                   for g in self.groups[s].get(r) or [()])
 
 
 def run(sc) -> Decision:
@@ -526,7 +564,10 @@ def test_property_fetch_plan_covers_every_need_once(sc):
 
     # Where each rank's bytes come from; who can serve each shard during the load.
     needs = set(m.shard_needs(s))
-    assert d.sources == {r: ("peer" if r in needs else "local") for r in m.node_of}
+    copied = set(m.through_copies(s)) if m.same_world(s) else set()
+    assert d.through_copies == m.through_copies(s)
+    assert d.sources == {r: ("peer" if r in needs else "copies" if r in copied else "local")
+                         for r in m.node_of}
     for o, ranks in d.holders.items():
         assert sorted(ranks) == sorted(r for n in m.owner[s][o] for r in m.live[n].ranks), o
     assert {o for o, ns in m.owner[s].items() if ns} == set(d.holders)
@@ -821,3 +862,102 @@ def test_a_persistent_step_of_an_ancestor_run_counts_only_up_to_where_this_histo
     # step 5 written by A at or before the step B took (none here) would count as B's history.
     d = plan_resume(nodes, 1, 2, persistent=PersistentStep(1, written=90.0, run_id="A", created=90.0))
     assert (d.kind, d.step) == (MEMORY, 2), d
+
+
+# ---------------------------------------------------------------------------- data-parallel copies
+def with_copies(c: StepCopy, groups: dict[int, list[list[int]]]) -> StepCopy:
+    """``c`` with the metadata's copy groups (owner -> sets of ranks whose shards hold copies
+    of its items, ``store/coverage.py``)."""
+    return dataclasses.replace(c, copy_groups=tuple((o, tuple(map(tuple, gs)))
+                                                    for o, gs in sorted(groups.items())))
+
+
+DDP = {0: [[1]], 1: [[0]]}  # two data-parallel ranks: each shard holds a copy of the other's items
+
+
+def test_a_shard_on_no_node_is_read_from_copies():
+    # DDP, 2 nodes x 1 rank. Replication sent nothing (every item was on two nodes already);
+    # node 1 was replaced. Rank 1's shard is gone, its items survive in rank 0's shard.
+    nodes = inventories(2, 1, {0: {5: with_copies(copy({0}, required=(0, 1), world_size=2), DDP)}})
+    d = plan_resume(nodes, None, 2)
+    assert (d.kind, d.step) == (MEMORY, 5)
+    assert d.through_copies == [1]
+    assert d.sources == {0: "local", 1: "copies"}
+    assert d.fetches == [Fetch(1, 0, 5, None, 0)]  # its metadata; no fetch of rank 1's shard
+    assert d.holders == {0: [0]}  # who serves the copies: rank 0's shard's holders
+    assert "ranks [1]" in d.reason and "copies" in d.reason, d.reason
+    # The same holdings under a metadata without copy groups (an older save): unusable, as before.
+    old = inventories(2, 1, {0: {5: copy({0}, required=(0, 1), world_size=2)}})
+    d = plan_resume(old, None, 2)
+    assert (d.kind, d.step) == (FRESH, None)
+    assert "shards of ranks [1] are on no surviving node" in d.reason and "cop" not in d.reason
+
+
+def test_copies_on_the_same_node_serve_without_a_transport():
+    # 1 node x 2 ranks, rank 1's shard never committed; its items are copied into rank 0's.
+    nodes = inventories(1, 2, {0: {3: with_copies(copy({0}, required=(0, 1), world_size=2), DDP)}})
+    d = plan_resume(nodes, None, 2, can_fetch=False)
+    assert (d.kind, d.step, d.fetches) == (MEMORY, 3, [])
+    assert d.sources == {0: "local", 1: "copies"}
+    # Across nodes the copies would have to be read from node 0: refused without a transport.
+    nodes = inventories(2, 1, {0: {3: with_copies(copy({0}, required=(0, 1), world_size=2), DDP)},
+                               1: {3: with_copies(copy(set(), required=(0, 1), world_size=2), DDP)}})
+    d = plan_resume(nodes, None, 2, can_fetch=False)
+    assert d.kind == FRESH and "replication is off" in d.reason, d
+    assert plan_resume(nodes, None, 2).sources == {0: "local", 1: "copies"}
+
+
+def test_a_lost_copy_group_leaves_the_step_incomplete_and_says_which():
+    # 2 nodes x 2 ranks; node 1 (ranks 2, 3) lost. Rank 2's items were copied, some to rank 0's
+    # shard and the others to rank 1's; rank 3 has items with no copy at all.
+    groups = {2: [[0], [1]], 3: [[], [1]]}
+    older = paired(2, 2, [4], lost=[1])  # step 4: replicated, complete on node 0
+    older[0].steps[6] = with_copies(copy({0, 1}, required=range(4), world_size=4), groups)
+    d = plan_resume(older, None, 4)
+    assert (d.kind, d.step) == (MEMORY, 4)
+    assert "step 6 unusable: shards of ranks [3] are on no surviving node" in d.reason, d.reason
+    assert "rank 3's items with no copy" in d.reason and "rank 2" not in d.reason, d.reason
+    # Rank 1's shard lost too: the copies of rank 2's items kept there are gone.
+    older[0].steps[6] = with_copies(copy({0}, required=range(4), world_size=4), groups)
+    d = plan_resume(older, None, 4)
+    assert d.step == 4
+    assert "rank 2's items copied only to ranks [1]" in d.reason, d.reason
+    # Without rank 3's uncopied items, step 6 is complete: rank 2 through copies in 0 and 1.
+    older[0].steps[6] = with_copies(copy({0, 1}, required=range(3), world_size=4),
+                                    {2: [[0], [1]]})
+    d = plan_resume(older, None, 4)
+    assert (d.step, d.through_copies, d.resharded) == (6, [2], False), d
+    assert d.sources == {0: "local", 1: "local", 2: "copies", 3: "local"}
+    assert shard_fetches(d) == []
+
+
+def test_a_refused_copy_counts_as_lost():
+    nodes = inventories(2, 1, {0: {5: with_copies(copy({0}, required=(0, 1), world_size=2), DDP)}})
+    d = plan_resume(nodes, None, 2, bad_copies=[(5, 0, 0)])  # rank 0's shard failed a checksum
+    assert d.kind == FRESH
+    assert "failed verification" in d.reason and "rank 1's items copied only to ranks [0]" in d.reason
+
+
+def test_protection_counts_the_nodes_each_item_is_on():
+    # DDP on 2 nodes, nothing replicated: each node holds its own rank's shard, which holds a
+    # copy of the other's items. Every item is on two nodes: protected.
+    nodes = inventories(2, 1, {n: {7: with_copies(copy({n}, required=(0, 1), world_size=2), DDP)}
+                               for n in (0, 1)})
+    d = plan_resume(nodes, None, 2)
+    assert (d.step, d.fetches, d.through_copies) == (7, [], [])
+    assert d.newest_protected == 7
+    assert plan_resume(nodes, None, 2, copies=3).newest_protected is None
+    # An item with no copy (group []) of rank 1 is on node 1 only.
+    partly = {0: [[1]], 1: [[], [0]]}
+    nodes = inventories(2, 1, {n: {7: with_copies(copy({n}, required=(0, 1), world_size=2), partly)}
+                               for n in (0, 1)})
+    assert plan_resume(nodes, None, 2).newest_protected is None
+    # The metadata on one node only: not protected.
+    nodes = inventories(2, 1, {0: {7: with_copies(copy({0}, required=(0, 1), world_size=2), DDP)},
+                               1: {7: with_copies(copy({1}, meta=False), DDP)}})
+    assert plan_resume(nodes, None, 2).newest_protected is None
+    # The same holdings without copy groups (an older save): each shard on one node, as before.
+    nodes = inventories(2, 1, {n: {7: copy({n}, required=(0, 1), world_size=2)} for n in (0, 1)})
+    d = plan_resume(nodes, None, 2)
+    assert (d.step, d.newest_protected, d.through_copies) == (7, None, [])
+    assert d.fetches == []

@@ -1,0 +1,218 @@
+"""Reading an item from a copy when its shard is on no node (issue 28 item 2, recovery side).
+
+A data-parallel job keeps agreeing copies of an item in other ranks' shards
+(``ItemLocation.copies``). Here a real checkpoint is built where rank 1's shard is on no node
+and every item it was the primary of has a copy in rank 0's shard: the reader loads them from
+the copies, bit-exact, on the node that holds rank 0's shard and, through recovery's
+``Holders``, on another node; a corrupt copy is named (its rank and node) so recovery can
+refuse it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import flip_byte
+from states import assert_same, clone_state, make_state, zeros_like_state
+
+from mlcheckpoint import (
+    CheckpointManager,
+    CorruptShardError,
+    LocalStore,
+    MemoryStorageReader,
+    MemoryStorageWriter,
+)
+from mlcheckpoint.errors import CopyId, ShardNotFoundError
+from mlcheckpoint.recovery import plan_resume, take_inventory
+from mlcheckpoint.recovery.holders import Holders
+from mlcheckpoint.recovery.load import load_step
+from mlcheckpoint.replication import Transport
+from mlcheckpoint.store import coverage
+from mlcheckpoint.store.identity import Lineage
+from mlcheckpoint.store.layout import ItemLocation
+from mlcheckpoint.topology import Topology
+
+JOB = "job-read-copies"
+STEP = 4
+KEPT = "model.f32"  # the one item rank 0 stays the primary of; rank 1 was the primary of the rest
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def state(seed: int = 1) -> dict:
+    """make_state's tensors and plain values (byte items), and a quantized tensor (stored as
+    DCP stores it: ``is_tensor`` False)."""
+    sd = make_state(seed)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+    sd["q"] = torch.quantize_per_tensor(x, 0.05, 3, torch.qint8)
+    return sd
+
+
+def target() -> dict:
+    out = zeros_like_state(make_state(1))
+    out["q"] = torch.quantize_per_tensor(torch.zeros(4, 6), 0.05, 3, torch.qint8)
+    return out
+
+
+def same(expected: dict, out: dict) -> None:
+    assert torch.equal(out["q"].int_repr(), expected["q"].int_repr())
+    assert (out["q"].q_scale(), out["q"].q_zero_point()) == (expected["q"].q_scale(), expected["q"].q_zero_point())
+    assert_same({k: v for k, v in expected.items() if k != "q"}, {k: v for k, v in out.items() if k != "q"})
+
+
+def save_with_lost_shard(store: LocalStore) -> tuple[dict, dict[str, ItemLocation]]:
+    """Save ``state()`` as rank 0's shard, then commit a metadata in which rank 1 is the
+    primary of every item but ``KEPT``, at offsets of its own, with the copy in rank 0's shard;
+    rank 1's shard is never written. Returns the state saved and the moved items' copies."""
+    sd = state()
+    expected = clone_state(sd)
+    dcp.save(sd, storage_writer=MemoryStorageWriter(STEP, store))
+    header, payload = store.read_metadata(STEP)
+    md = pickle.loads(payload)
+    copies: dict[str, ItemLocation] = {}
+    for i, (index, loc) in enumerate(sorted(md.storage_data.items(), key=lambda kv: str(kv[0]))):
+        if index.fqn == KEPT:
+            continue
+        copies[index.fqn] = loc
+        md.storage_data[index] = ItemLocation(rank=1, offset=1000 * i, nbytes=loc.nbytes,
+                                              checksum=loc.checksum, is_tensor=loc.is_tensor,
+                                              copies=((0, loc.offset),))
+    kinds = {loc.is_tensor for loc in copies.values()}
+    assert kinds == {True, False} and any(k.startswith("extra.") for k in copies)  # every kind moved
+    locations = list(md.storage_data.values())
+    store.write_metadata(STEP, pickle.dumps(md), world_size=2, ranks={0, 1},
+                         total_bytes=sum(loc.nbytes for loc in locations), save_id=header.save_id,
+                         lineage=Lineage.from_header(header.run_id, header.lineage),
+                         copy_groups=coverage.copy_groups(locations))
+    assert store.step_state(STEP).copy_groups == {1: [[0]]}
+    assert STEP in store.complete_steps()  # whole here: rank 1's items through their copies
+    return expected, copies
+
+
+def test_items_of_a_shard_on_no_node_load_from_their_copies(store, caplog):
+    expected, _ = save_with_lost_shard(store)
+    out = target()
+    with caplog.at_level("INFO", logger="mlcheckpoint.dcp.reader"):
+        load_step(out, MemoryStorageReader(STEP, store, node=0), None)
+    same(expected, out)
+    assert "rank 1's shard of step 4 is on no node" in caplog.text
+
+
+def test_a_corrupt_copy_is_named(store):
+    _, copies = save_with_lost_shard(store)
+    loc = copies["model.layer.i32"]
+    flip_byte(store.data_path(STEP, 0), loc.offset + 3)
+    with pytest.raises(CorruptShardError) as ei:
+        load_step(target(), MemoryStorageReader(STEP, store, node=0), None)
+    assert ei.value.copy == CopyId(STEP, 0, 0)  # the copy's rank and node: refused, another tried
+    assert "'model.layer.i32' (its copy" in str(ei.value)
+
+
+def test_a_copy_gone_too_is_a_clear_error(store):
+    save_with_lost_shard(store)
+    os.unlink(store.manifest_path(STEP, 0))  # rank 0's shard uncommitted: the copies are gone
+    with pytest.raises(ShardNotFoundError, match="nor is any copy"):
+        load_step(target(), MemoryStorageReader(STEP, store, node=0), None)
+
+
+def test_a_resume_reads_them_and_refuses_a_corrupt_copy(store_dir):
+    """A restart with one rank (rank 1 is gone): the resume loads step 4 through the copies and
+    says so; with a copy corrupt, it refuses that copy (rank 0's shard here) and loads step 3."""
+    local = os.path.join(store_dir, "local")
+    store = LocalStore(local, JOB)
+    try:
+        older = state(3)
+        dcp.save(clone_state(older), storage_writer=MemoryStorageWriter(3, store))
+        expected, copies = save_with_lost_shard(store)
+    finally:
+        store.close()
+    with CheckpointManager(None, job_id=JOB, local_dir=local, replication="none") as ckpt:
+        out = target()
+        info = ckpt.resume(out)
+        assert info.step == STEP, info
+        assert "shards of ranks [1] are on no surviving node" in info.reason and "copies" in info.reason
+        same(expected, out)
+        flip_byte(ckpt.store.data_path(STEP, 0), copies["model.f16"].offset + 1)
+    with CheckpointManager(None, job_id=JOB, local_dir=local, replication="none") as ckpt:
+        out = target()
+        info = ckpt.resume(out)
+        assert info.step == 3, info
+        assert "step 4" in info.reason and "its copy" in info.reason, info.reason
+        same(older, out)
+
+
+# ---------------------------------------------------------------- from another node
+
+class OtherNode(Transport):
+    """Serves range reads from another node's store (a real LocalStore on tmpfs, read in
+    this process): what the transport would stream, without the network."""
+
+    name = "other-node"
+
+    def __init__(self, store: LocalStore) -> None:
+        self.store = store
+        self.owners_read: list[int] = []
+
+    def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
+        self.owners_read.append(owner)
+        with self.store.open_shard(step, owner) as source:
+            for i, ((offset, nbytes), sink) in enumerate(zip(ranges, sinks, strict=True)):
+                sink[:] = np.frombuffer(source.read(offset, nbytes), np.uint8)
+                if on_range is not None:
+                    on_range(i)
+        return sum(n for _, n in ranges)
+
+    def push_shard(self, peer: int, step: int, owner: int) -> int:
+        raise AssertionError("a load never pushes")
+
+    def push_metadata(self, peer: int, step: int) -> None:
+        raise AssertionError("a load never pushes")
+
+    def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
+        raise AssertionError("the load reads ranges")
+
+    def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
+        raise AssertionError("node 1 holds the metadata")
+
+    def close(self) -> bool:
+        return True
+
+
+def node(n: int) -> Topology:
+    return Topology(rank=n, world_size=2, local_rank=0, local_world_size=1, node_rank=n, num_nodes=2)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_copies_held_by_another_node_are_read_through_the_holders(store, store_dir, corrupt):
+    """Node 1 (a replacement) holds only the metadata; node 0 holds rank 0's shard with the
+    copies. The planner reads rank 1 through copies; node 1's reader streams them from node 0."""
+    expected, copies = save_with_lost_shard(store)
+    replacement = LocalStore(os.path.join(store_dir, "node1"), JOB)
+    try:
+        replacement.write_metadata_file(STEP, store.read_metadata_file(STEP))
+        inventories = [take_inventory(store, 0, [0]), take_inventory(replacement, 1, [1])]
+        plan = plan_resume(inventories, None, 2)
+        assert (plan.step, plan.through_copies, plan.sources) == (STEP, [1], {0: "local", 1: "copies"})
+        transport = OtherNode(store)
+        holders = Holders(transport, replacement, node(1), plan)
+        assert holders.has_holders(STEP, 0) and not holders.has_holders(STEP, 1)
+        if corrupt:
+            flip_byte(store.data_path(STEP, 0), copies["i64"].offset)
+        reader = MemoryStorageReader(STEP, replacement, node=1, remote=holders, save_id=plan.save_id)
+        out = target()
+        if corrupt:
+            with pytest.raises(CorruptShardError) as ei:
+                load_step(out, reader, None)
+            assert ei.value.copy == CopyId(STEP, 0, 0), ei.value  # node 0's copy of rank 0's shard
+            return
+        load_step(out, reader, None)
+        same(expected, out)
+        assert set(transport.owners_read) == {0}  # rank 1's items came from rank 0's shard
+        assert not holders.rebuild(1)  # rank 1's shard is on no node: nothing to rebuild
+    finally:
+        replacement.close()

@@ -160,14 +160,14 @@ def test_read_items_over_several_streams(make_job):
         reported.append(i)
 
     assert reader.read_items(0, 8, 0, ranges, sinks, on_range) == sum(n for _, n in ranges)
-    assert reader.client.reads_by_streams() == {4: 1}
+    assert reader.reads_by_streams() == {4: 1}
     assert sorted(reported) == list(range(len(ranges)))
     assert all(complete_when_reported)
     for (off, n), sink in zip(ranges, sinks):
         assert sink.tobytes() == data[off:off + n]
     with pytest.raises(ShardNotFoundError):
         reader.read_items(0, 9, 0, ranges, sinks)
-    assert reader.client.reads_by_streams() == {4: 1}  # a failed read is not counted
+    assert reader.reads_by_streams() == {4: 1}  # a failed read is not counted
 
 
 def test_missing_stripe_times_out_and_commits_nothing(make_job, tcp_warnings):

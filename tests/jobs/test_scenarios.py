@@ -51,6 +51,7 @@ from mlcheckpoint import CheckpointManager, ShardNotFoundError
 from mlcheckpoint.replication import ReplicationError, sink
 from mlcheckpoint.store import LocalStore, layout
 from mlcheckpoint.store.manifest import Manifest
+from mlcheckpoint.testing import internals
 
 JOB = "job-scenarios"
 MiB = 1 << 20
@@ -66,13 +67,13 @@ def _manager(local: str, persistent: str) -> CheckpointManager:
 
 def _flip(ckpt: CheckpointManager, step: int) -> None:
     """One bit of the step's first item flips in memory."""
-    item = ckpt.store.read_manifest(step, 0).items[0]
-    flip_byte(ckpt.store.data_path(step, 0), item.offset)
+    item = internals(ckpt).store.read_manifest(step, 0).items[0]
+    flip_byte(internals(ckpt).store.data_path(step, 0), item.offset)
 
 
 def _truncate(ckpt: CheckpointManager, step: int) -> None:
-    m = ckpt.store.read_manifest(step, 0)
-    os.truncate(ckpt.store.data_path(step, 0), m.data_bytes // 2)
+    m = internals(ckpt).store.read_manifest(step, 0)
+    os.truncate(internals(ckpt).store.data_path(step, 0), m.data_bytes // 2)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class Fallback:
 
 FALLBACKS = {
     "memory_lost": Fallback(
-        memory=(5,), persistent=(4,), damage=lambda ckpt: ckpt.store.destroy(),
+        memory=(5,), persistent=(4,), damage=lambda ckpt: internals(ckpt).store.destroy(),
         resumed=(4, "persistent")),
     "all_memory_corrupt": Fallback(
         memory=(2,), persistent=(1,),  # step 1 is in memory too
@@ -96,7 +97,7 @@ FALLBACKS = {
         resumed=(1, "persistent"),
         reason_names=("step 2", "checksum mismatch", "step 1", "truncated")),
     "persistent_newer": Fallback(
-        memory=(3,), persistent=(6,), damage=lambda ckpt: ckpt.store.retire_shard(6, 0),
+        memory=(3,), persistent=(6,), damage=lambda ckpt: internals(ckpt).store.retire_shard(6, 0),
         resumed=(6, "persistent"), reason_names=("persistent step 6",)),
     "memory_newer": Fallback(  # the contrast: intact memory at least as new wins
         memory=(5,), persistent=(4,), damage=lambda ckpt: None, resumed=(5, "local"),

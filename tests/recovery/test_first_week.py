@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import assert_same, flip_byte, make_state, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.testing import internals
 
 # DCP warns that it assumes a single process when no process group is initialised.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -107,10 +108,10 @@ def test_persistent_loaded_because_memory_is_unusable_says_why(store_dir):
     with manager(store_dir, "job") as ckpt:
         ckpt.save(make_state(4), 4, persistent=True)
         ckpt.save(make_state(6), 6)
-        m = ckpt.store.read_manifest(6, 0)
-        os.truncate(ckpt.store.data_path(6, 0), m.data_bytes // 2)  # listed as damaged
-        item = ckpt.store.read_manifest(4, 0).items[0]
-        flip_byte(ckpt.store.data_path(4, 0), item.offset)  # found when it is loaded
+        m = internals(ckpt).store.read_manifest(6, 0)
+        os.truncate(internals(ckpt).store.data_path(6, 0), m.data_bytes // 2)  # listed as damaged
+        item = internals(ckpt).store.read_manifest(4, 0).items[0]
+        flip_byte(internals(ckpt).store.data_path(4, 0), item.offset)  # found when it is loaded
     with manager(store_dir, "job") as ckpt:
         out = zeros_like_state(make_state())
         info = ckpt.resume(out)
@@ -128,7 +129,7 @@ def earlier_run(store_dir: str) -> None:
     with manager(store_dir, "job") as ckpt:
         for step in (3, 4, 5):
             ckpt.save(make_state(100 + step), step, persistent=step == 3)
-        folder = ckpt.persistent.path(3)
+        folder = internals(ckpt).persistent.path(3)
     then = time.time() - 60
     os.utime(folder, (then, then))
 
@@ -154,7 +155,7 @@ def test_saving_before_resume_sets_the_earlier_run_aside(store_dir, capsys, how)
         # them out of retention.
         assert memory_steps(ckpt) == [0, 1]
         # Set aside, not deleted.
-        assert [step for step, _ in ckpt.store.orphans()] == [4, 5]
+        assert [step for step, _ in internals(ckpt).store.orphans()] == [4, 5]
     err = capsys.readouterr().err
     warned = [line for line in err.splitlines() if "did not call resume()" in line]
     assert len(warned) == 1, err  # one warning, visible with no logging set up
@@ -176,7 +177,7 @@ def test_a_run_that_resumed_sets_nothing_aside(store_dir, capsys):
         info = ckpt.resume(zeros_like_state(make_state()))
         assert info.step == 5
         ckpt.save(make_state(6), 6)
-        assert memory_steps(ckpt) == [5, 6] and ckpt.store.orphans() == []
+        assert memory_steps(ckpt) == [5, 6] and internals(ckpt).store.orphans() == []
     assert "did not call resume()" not in capsys.readouterr().err
 
 
@@ -185,6 +186,6 @@ def test_set_aside_steps_go_once_the_new_run_has_a_newer_complete_step(store_dir
     with manager(store_dir, "job") as ckpt:
         for step in range(7):
             ckpt.save(make_state(step), step)
-            left = [s for s, _ in ckpt.store.orphans()]
+            left = [s for s, _ in internals(ckpt).store.orphans()]
             assert left == [s for s in (4, 5) if s >= step], (step, left)
         assert memory_steps(ckpt) == [5, 6]

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from common import diff, empty_like, init, report
 
 from mlcheckpoint import CapacityError, CheckpointManager
+from mlcheckpoint.testing import internals
 
 MiB = 1 << 20
 SMALL, MID, BIG = 1, 7, 20
@@ -44,7 +45,7 @@ def save_phase(ckpt: CheckpointManager, rank: int) -> None:
     save2 = outcome(lambda: ckpt.save(big, 2))
     async_save2 = outcome(lambda: ckpt.async_save(big, 2).result(timeout=120))
     ckpt.wait()
-    complete = ckpt.store.complete_steps()
+    complete = internals(ckpt).store.complete_steps()
     loaded = empty_like(state(rank, 1, SMALL))
     dcp.load(loaded, storage_reader=ckpt.storage_reader(1), process_group=ckpt._save_pg)
     report("race", {"save": save2, "async_save": async_save2, "complete": complete,

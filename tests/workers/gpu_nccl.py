@@ -7,6 +7,7 @@ import torch.distributed as dist
 from common import model_state, report
 
 from mlcheckpoint import CheckpointManager, LocalStore
+from mlcheckpoint.testing import internals
 
 
 def main() -> None:
@@ -16,7 +17,8 @@ def main() -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl")
     rank = dist.get_rank()
     ckpt = CheckpointManager(replication="nccl")
-    assert ckpt.replicator is not None and ckpt.replicator.transport.name == "pg/nccl"
+    replicator = internals(ckpt).replicator
+    assert replicator is not None and replicator.transport.name == "pg/nccl"
     sd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in model_state(rank, 1).items()}
     ckpt.async_save(sd, 1).result()
     protected = ckpt.wait_replicated(1, 120)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from common import diff, empty_like, init, model_state, report
 
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.testing import internals
 
 
 def state(rank: int, step: int, world: int) -> dict:
@@ -45,7 +46,8 @@ def main() -> None:
     hold = len(sys.argv) > 3 and sys.argv[3] == "hold"
     rank, world = init()
     ckpt = CheckpointManager(replication="tcp")
-    address = getattr(ckpt.replicator.transport, "address", None) if ckpt.replicator else None
+    replicator = internals(ckpt).replicator
+    address = getattr(replicator.transport, "address", None) if replicator else None
 
     sd = empty_like(state(rank, 0, world))
     info = ckpt.resume(sd)

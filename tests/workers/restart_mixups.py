@@ -18,6 +18,7 @@ import torch.distributed as dist
 from common import diff, empty_like, init, model_state, report
 
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.testing import internals
 
 
 def resumed(ckpt: CheckpointManager, rank: int, world: int) -> dict:
@@ -45,7 +46,7 @@ def main() -> None:
             ckpt.async_save(model_state(rank, step, world), step).result()
         ckpt.wait()
         report("skip", {"memory": [e.step for e in ckpt.checkpoints() if e.location == "memory"],
-                        "orphans": [s for s, _ in ckpt.store.orphans()]})
+                        "orphans": [s for s, _ in internals(ckpt).store.orphans()]})
     else:
         raise ValueError(phase)
     ckpt.close()

@@ -532,7 +532,7 @@ def test_torchtitan_config_offers_every_manager_setting_with_its_default(monkeyp
         name = "memory_limit" if s.name == "memory_limit_bytes" else s.name
         assert name in fields, name
         assert fields[name].default == (None if s.env else s.default), name
-    assert fields["replication"].default_factory() == ReplicationOptions()  # type: ignore[misc]
+    assert fields["replication"].default_factory() == ReplicationOptions()
 
 
 def test_lightning_strategy_offers_every_manager_setting_with_its_default():
@@ -542,6 +542,23 @@ def test_lightning_strategy_offers_every_manager_setting_with_its_default():
         name = "memory_limit" if s.name == "memory_limit_bytes" else s.name
         assert params[name].default == (None if s.env else s.default), name
     assert params["replication"].default is None  # ReplicationOptions(): every field's default
+
+
+def test_framework_configs_take_replication_options_and_the_flat_fields_still_work(monkeypatch):
+    """torchtitan's Config and the Lightning strategy group replication as the manager does;
+    their flat fields of the last release warn and land in the same ReplicationOptions."""
+    torchtitan = torchtitan_integration(monkeypatch)
+    config = torchtitan.MemoryCheckpointManager.Config
+    grouped = ReplicationOptions(mode="pg", streams=3, replicas=2)
+    assert config(replication=grouped).replication == grouped
+    assert config(replication="none").replication == ReplicationOptions(mode="none")
+    with pytest.warns(DeprecationWarning, match=r"replication_streams=.*ReplicationOptions\(streams="):
+        flat = config(replication="pg", replication_streams=3, replicas=2)
+    assert flat.replication == grouped and flat.replication_streams is None
+    lightning = pytest.importorskip("mlcheckpoint.integrations.lightning")
+    with pytest.warns(DeprecationWarning, match=r"replicas=.*ReplicationOptions\(replicas="):
+        strategy = lightning.MLCheckpointStrategy(replication="pg", replication_streams=3, replicas=2)
+    assert strategy._options.replication == grouped
 
 
 @pytest.mark.parametrize("var, value", [

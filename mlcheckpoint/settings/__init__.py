@@ -42,7 +42,6 @@ from .resolved import (
     ReplicationOptions,
     Timeouts,
     Tuning,
-    resolve_bandwidth,
     resolve_memory_limit,
     tuned,
     tuning,
@@ -53,7 +52,7 @@ __all__ = [
     "BY_ENV", "BY_NAME", "DEFAULT_LOCAL_DIR", "DEPRECATED_KEYWORDS", "ENV_VARS", "MAX_REPLICAS",
     "MAX_STREAMS", "REPLICATION_MODES", "SETTINGS", "Launcher", "Options", "ReplicationOptions",
     "Setting", "Timeouts", "Tuning", "check_environment", "default", "derived_job_id",
-    "parse_bandwidth", "parse_bytes", "resolve_bandwidth", "resolve_job_id", "resolve_local_dir",
+    "parse_bandwidth", "parse_bytes", "resolve_job_id", "resolve_local_dir",
     "resolve_memory_limit", "secret_sources", "tuned", "tuning", "validate_job_id",
     "validate_keep", "variable_text",
 ]

@@ -183,12 +183,6 @@ def resolve_memory_limit(memory_limit_bytes: int | str | None = None) -> int | N
     return BY_NAME["memory_limit_bytes"].resolve(memory_limit_bytes)
 
 
-def resolve_bandwidth(bandwidth: int | str | None = None) -> int | str:
-    """The replication budget: the argument, else $MLCHECKPOINT_REPLICATION_BANDWIDTH, else
-    "auto"."""
-    return BY_NAME["replication_bandwidth"].resolve(bandwidth)
-
-
 # ---------------------------------------------------------------- process-wide tuning
 
 def _usable_cores() -> int:

@@ -113,6 +113,16 @@ class Config:
         return cases
 
 
+def _budget_supported() -> bool:
+    """Whether this build's manager takes a replication bandwidth budget (flat before issue 30,
+    a ReplicationOptions field since)."""
+    import mlcheckpoint
+    options = getattr(mlcheckpoint, "ReplicationOptions", None)
+    if options is not None:
+        return "bandwidth" in inspect.signature(options).parameters
+    return "replication_bandwidth" in inspect.signature(CheckpointManager).parameters
+
+
 def parse_args(argv: list[str]) -> Config:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -606,7 +616,7 @@ def run_all(cfg: Config, argv: list[str]) -> dict[str, Any]:
         raise SystemExit(f"/dev/shm has {size_str(free)} free; this run needs about {size_str(need)}")
     meta: dict[str, Any] = {"command": command_line(argv), "load_start": loadavg(),
                             "machine": machine_info("/dev/shm"),
-                            "budget_supported": "replication_bandwidth" in inspect.signature(CheckpointManager).parameters}
+                            "budget_supported": _budget_supported()}
     t0 = time.perf_counter()
     res = run(cfg)
     meta["duration_s"], meta["load_end"] = time.perf_counter() - t0, loadavg()

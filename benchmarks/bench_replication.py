@@ -255,7 +255,7 @@ def train_main(cfg: dict) -> None:
     start_parent_watchdog(cfg["root"])
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from mlcheckpoint import CheckpointManager
+    from mlcheckpoint import CheckpointManager, ReplicationOptions
 
     rank = cfg["rank"]
     # What torchrun sets for 2 nodes x 1 rank: Topology.detect() sees 2 nodes.
@@ -284,10 +284,10 @@ def train_main(cfg: dict) -> None:
     for mode in ("none", "tcp"):
         job = f"{cfg['job']}-{mode}"
         # No bandwidth budget: this measures replication at loopback speed, as the transfers above.
-        ckpt = CheckpointManager(job_id=job, local_dir=node_dir, keep=cfg["keep"], replication=mode,
-                                 replication_host="127.0.0.1", replication_timeout=cfg["timeout"],
-                                 replication_bandwidth=0)
-        if (ckpt.replicator is not None) != (mode == "tcp"):
+        ckpt = CheckpointManager(job_id=job, local_dir=node_dir, keep=cfg["keep"],
+                                 replication=ReplicationOptions(mode=mode, host="127.0.0.1",
+                                                                timeout=cfg["timeout"], bandwidth=0))
+        if ckpt.replication_mode != mode:
             raise RuntimeError(f"replication={mode!r} but the manager runs {ckpt.replication_mode!r}")
         rows = []
         try:
@@ -319,14 +319,13 @@ def _timed_save(ckpt: Any, sd: StateDict, step: int, compute: Any, iters: int,
     row = {"step": step, "blocking_s": t1 - t0, "blocking_cpu_s": c1 - c0, "save_s": res.seconds,
            "bytes": res.bytes, "compute_s": compute_s,
            "phases": dict(getattr(res, "phases", {}))}  # SaveResult.phases: stage, commit, publish
-    if ckpt.replicator is not None:
-        replicator = ckpt.replicator
+    if ckpt.replication_mode != "none":
 
         def settled() -> Any:
-            st = replicator.state(step)
+            st = ckpt.replication_state(step)
             return st if st is not None and st.state in ("replicated", "failed", "superseded") else None
 
-        st = wait_until(settled, deadline_in(timeout), 0.002) or replicator.state(step)
+        st = wait_until(settled, deadline_in(timeout), 0.002) or ckpt.replication_state(step)
         row["replicated_after_s"] = time.perf_counter() - t0
         row.update(replication_state=None if st is None else st.state,
                    replication_s=None if st is None else st.seconds,

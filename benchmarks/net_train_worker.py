@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.bench_training import model_for
 from benchmarks.harness.workloads import tensors_of
-from mlcheckpoint import CheckpointManager, history
+from mlcheckpoint import CheckpointManager, LocalStore, history
 from mlcheckpoint.testing.cluster import write_result
 
 BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
@@ -142,13 +142,18 @@ class Trainer:
 
 def resolved_budget(ckpt: CheckpointManager | None) -> Any:
     """The replication budget the manager resolved, where this build has one."""
-    return None if ckpt is None else getattr(ckpt.options, "replication_bandwidth", None)
+    if ckpt is None:
+        return None
+    grouped = getattr(ckpt.options, "replication", None)  # ReplicationOptions since issue 30
+    if grouped is not None and not isinstance(grouped, str):
+        return grouped.bandwidth
+    return getattr(ckpt.options, "replication_bandwidth", None)
 
 
 def pushed_bytes(ckpt: CheckpointManager | None, steps: int) -> dict[str, int]:
     """This rank's replication pushes: how many of its steps, and their bytes (the
     replicator's own count of what it sent)."""
-    states = [ckpt.replicator.state(s) for s in range(steps)] if ckpt and ckpt.replicator else []
+    states = [ckpt.replication_state(s) for s in range(steps)] if ckpt is not None else []
     done = [st for st in states if st is not None and st.state == "replicated"]
     return {"steps": len(done), "bytes": sum(st.bytes for st in done)}
 
@@ -213,7 +218,7 @@ def train(args: argparse.Namespace) -> None:
               "save_bytes": save_bytes, "staged_bytes": staged_bytes,
               "pushed": pushed_bytes(ckpt, args.steps), "steps": steps, "warmup": args.warmup,
               "rss_anon_baseline": rss.baseline, "rss_anon_peak": rss.peak,
-              "guard_longest_wait_s": None if ckpt is None else ckpt.snapshots.longest_wait_s,
+              "guard_longest_wait_s": None if ckpt is None else ckpt.stats()["mlcheckpoint/guard_longest_wait_seconds"],
               "budget": resolved_budget(ckpt), "budget_env": os.environ.get(BANDWIDTH_ENV),
               "job_id": None if ckpt is None else ckpt.job_id, "replicated_before_report": replicated}
     report(args.name, result)
@@ -235,7 +240,7 @@ def resume(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     info = ckpt.resume(sd)
     wall = time.perf_counter() - t0
-    own = [e for e in history.read(ckpt.store.job_dir)
+    own = [e for e in history.read(LocalStore(ckpt.options.local_dir, ckpt.job_id, create=False).job_dir)
            if e.get("event") == "resume" and e.get("rank") == rank]
     report(args.name, {"rank": rank, "node": int(os.environ["GROUP_RANK"]), "step": info.step,
                        "loaded_step": sd["step"], "source": info.source,

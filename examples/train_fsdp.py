@@ -149,7 +149,7 @@ def main() -> None:
         if rank == 0:
             log.info("step %d loss %.4f (checkpoint blocked training %.1f ms; longest wait at "
                      "the guard %.1f ms)", step, losses[step], blocked * 1e3,
-                     ckpt.snapshots.longest_wait_s * 1e3)
+                     ckpt.stats()["mlcheckpoint/guard_longest_wait_seconds"] * 1e3)
             if args.progress:
                 with open(args.progress, "a") as f:
                     f.write(f"{step}\n")

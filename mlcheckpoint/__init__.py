@@ -19,13 +19,14 @@ from .manager import (
     ResumeInfo,
     SaveResult,
 )
-from .settings import Options
+from .settings import Options, ReplicationOptions
 from .store import LocalStore
 
 __all__ = [
     "CapacityError", "CheckpointEntry", "CheckpointManager", "ConfigError", "CorruptShardError",
     "LocalStore", "MLCheckpointError", "MemoryStorageReader", "MemoryStorageWriter", "Options",
-    "ProtectionStatus", "ProtocolError", "ReplicationError", "ResumeInfo", "SaveResult", "ShardNotFoundError",
+    "ProtectionStatus", "ProtocolError", "ReplicationError", "ReplicationOptions", "ResumeInfo",
+    "SaveResult", "ShardNotFoundError",
     "StagingError", "StateDictError",
 ]
 __version__ = "0.1.0"

@@ -36,7 +36,7 @@ from .persistent import PersistentStorage, open_persistent
 from .persistent_writer import PersistentWriter
 from .recovery import Recovery, ResumeInfo
 from .recovery.resume import Comm
-from .replication import ReceiveSink, Rendezvous, Replicator
+from .replication import ReceiveSink, Rendezvous, Replicator, StepReplication
 from .replication.core import network
 from .replication.factory import (
     PgSettings,
@@ -47,11 +47,11 @@ from .replication.factory import (
 from .replication.schedule.pairing import pairing_for
 from .replication.schedule.status import ProtectionStatus, save_times
 from .replication.schedule.status import status as protection_status
-from .room import RoomCheck
 from .saving import Saver, SaveResult
-from .settings import Launcher, Options, Timeouts, default, tuning
+from .settings import Launcher, Options, ReplicationOptions, Timeouts, default, tuning
 from .store import LocalStore
 from .store.identity import Lineage, new_id
+from .tmpfs import RoomCheck
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -75,66 +75,42 @@ class CheckpointManager:
             persistent write, never the newest complete step or one being written.
         memory_limit_bytes: cap on this job's tmpfs usage on this node (default
             MLCHECKPOINT_MEMORY_LIMIT; None: only the tmpfs free space).
-        replication: "tcp", "pg" (gloo), "nccl" (GPU buffers over NCCL) or "none". Off by
-            itself on a single node.
-        replication_host: address the TCP listener binds and advertises (default: that of
-            ``replication_interface``, else the one routing to MASTER_ADDR; env
-            MLCHECKPOINT_REPLICATION_HOST).
-        replication_timeout: seconds any single replication socket operation may block.
-        replication_streams: TCP connections one large shard is pushed over (default
-            ``$MLCHECKPOINT_TCP_STREAMS`` or 4; each stream carries at least 64 MiB).
-        replication_bandwidth: bytes per second replication may send in the background, for
-            the whole node (its ranks share it): an int or a string such as "100MB/s" or
-            "1Gbit"; 0 or "none" for no cap (default ``$MLCHECKPOINT_REPLICATION_BANDWIDTH``
-            or "auto": a share of the interface's speed, see docs/operations.md). A resume's
-            own reads are never capped.
-        replication_interface: network interface (e.g. "eth1", "ib0") whose IPv4 address the
-            TCP listener binds and advertises to the other nodes (default
-            ``$MLCHECKPOINT_REPLICATION_IFNAME``; with ``replication_host``, both must agree).
-        failure_domain: what fails together with this node: a rack, a switch, a power feed
-            (default ``$MLCHECKPOINT_FAILURE_DOMAIN``, else the leaf switch SLURM's topology
-            plugin names). Partners are then chosen in other domains (docs/operations.md).
-        replicas: partner nodes that keep a replica of each shard, 1-8 (default
-            ``$MLCHECKPOINT_REPLICAS`` or 1), in distinct failure domains where possible:
-            losing any ``replicas`` nodes resumes from memory. Each node keeps that many other
-            nodes' shards beside its own (docs/operations.md, "More than one partner"). Rank
-            0's value holds for the job.
+        replication: a ``ReplicationOptions`` (transport, listener, streams, bandwidth,
+            partners, failure domain), or only its mode: "tcp" (default), "pg", "nccl" or
+            "none". Off by itself on a single node.
+        options: every setting above in one ``Options``, instead of the keywords.
+
+    The flat replication keywords of earlier releases (``replication_streams=4``, ...,
+    ``replicas``, ``failure_domain``) still work for this release, with a DeprecationWarning
+    naming their ``ReplicationOptions`` field. ``ckpt.options`` holds every setting resolved.
     """
 
     def __init__(self, persistent_dir: str | PersistentStorage | None = None, *,
                  job_id: str | None = None, local_dir: str | None = None,
                  keep: int = default("keep"), keep_persistent: int | None = None,
                  memory_limit_bytes: int | str | None = None,
-                 replication: str = default("replication"), replication_host: str | None = None,
-                 replication_timeout: float = default("replication_timeout"),
-                 replication_streams: int | None = None,
-                 replication_bandwidth: int | str | None = None,
-                 replication_interface: str | None = None, failure_domain: str | None = None,
-                 replicas: int | None = None):
-        self.persistent = open_persistent(persistent_dir)
-        # Every argument and variable, resolved and checked before anything is written
-        # (settings.py declares them). Plain torchrun gives no job id: the persistent folder,
-        # which a restart keeps, names one.
-        self.options = opts = Options.resolve(
-            job_id=job_id, local_dir=local_dir, keep=keep, keep_persistent=keep_persistent,
-            memory_limit_bytes=memory_limit_bytes,
-            replication=replication, replication_host=replication_host,
-            replication_timeout=replication_timeout, replication_streams=replication_streams,
-            replication_bandwidth=replication_bandwidth,
-            replication_interface=replication_interface, failure_domain=failure_domain,
-            replicas=replicas, derive_job_id_from=None if self.persistent is None else self.persistent.location)
-        network.check_listen_settings(opts.replication_host, opts.replication_interface,
-                                      host_given=replication_host is not None,
-                                      interface_given=replication_interface is not None)
-        replication = opts.replication
-        self.launcher = Launcher.from_env()
-        self.timeouts = Timeouts(replication=opts.replication_timeout)
-        self.topology = Topology.detect(self.launcher)
-        self.rank = self.topology.rank
-        self.keep = opts.keep
-        self.store = LocalStore(opts.local_dir, opts.job_id,
-                                memory_limit_bytes=opts.memory_limit_bytes)
-        self.job_id = self.store.job_id
+                 replication: ReplicationOptions | str | None = None,
+                 options: Options | None = None, **deprecated: Any):
+        self._persistent = open_persistent(persistent_dir)
+        # Every argument and variable, resolved and checked before anything is written. Plain
+        # torchrun gives no job id: the persistent folder, which a restart keeps, names one.
+        given = Options.of("CheckpointManager", options, job_id=job_id, local_dir=local_dir,
+                           keep=keep, keep_persistent=keep_persistent,
+                           memory_limit_bytes=memory_limit_bytes, replication=replication,
+                           deprecated=deprecated)
+        self.options = opts = given.resolved(
+            derive_job_id_from=None if self._persistent is None else self._persistent.location)
+        repl = opts.replication
+        network.check_listen_settings(repl.host, repl.interface,
+                                      host_given=given.replication.host is not None,
+                                      interface_given=given.replication.interface is not None)
+        self._launcher = Launcher.from_env()
+        self._timeouts = Timeouts(replication=repl.timeout)
+        self._topology = Topology.detect(self._launcher)
+        self.rank = self._topology.rank
+        self._store = LocalStore(opts.local_dir, opts.job_id,
+                                 memory_limit_bytes=opts.memory_limit_bytes)
+        self.job_id = self._store.job_id
         self._distributed = dist.is_available() and dist.is_initialized()
         # Two groups: in-memory saves and persistent writes run on different threads and must
         # not interleave their collectives; neither may share the training group.
@@ -144,66 +120,73 @@ class CheckpointManager:
         # resume extends it with the run it loaded from (see store/identity.py). The same
         # collective agrees every node's failure domain and rank 0's replica count (the
         # pairing follows them).
-        agreed = self._all_gather((new_id(), opts.failure_domain, opts.replicas))
-        self.lineage = Lineage(agreed[0][0])
-        self.replicas: int = agreed[0][2]
-        self.topology = self.topology.with_domains([domain for _, domain, _ in agreed])
-        self.snapshots = Snapshotter(predict_plans=self.topology.world_size > 1)  # staging thread, guards
-        self.lifecycle = Lifecycle(self.store, self.rank, self.keep)
-        self.pins = self.lifecycle.pins  # steps whose buffers a transfer or persistent write reads
-        self.retention = self.lifecycle.retention
-        self.warmer = self.lifecycle.warmer  # buffers of the next saves
-        self.persistent_writer = None if self.persistent is None else PersistentWriter(
-            self.persistent, job_dir=self.store.job_dir, rank=self.rank,
-            group=self._persist_pg, pins=self.pins, retention=self.retention,
-            keep=opts.keep_persistent)
+        agreed = self._all_gather((new_id(), repl.failure_domain, repl.replicas))
+        self._lineage = Lineage(agreed[0][0])
+        self._replicas: int = agreed[0][2]
+        self._topology = self._topology.with_domains([domain for _, domain, _ in agreed])
+        self._snapshots = Snapshotter(predict_plans=self._topology.world_size > 1)  # staging thread, guards
+        # Pins: steps whose buffers a transfer or persistent write reads; the warmer prepares
+        # the buffers of the next saves.
+        self._lifecycle = Lifecycle(self._store, self.rank, opts.keep)
+        self._persistent_writer = None if self._persistent is None else PersistentWriter(
+            self._persistent, job_dir=self._store.job_dir, rank=self.rank,
+            group=self._persist_pg, pins=self._lifecycle.pins,
+            retention=self._lifecycle.retention, keep=opts.keep_persistent)
         self._closed = False
-        self.replicator: Replicator | None = None
-        self.replica_owners: list[int] = []
+        self._replicator: Replicator | None = None
         self._heal_thread: threading.Thread | None = None
-        self.last_resume: ResumeInfo | None = None  # what this manager's resume() loaded
-        if replication != "none" and self.topology.num_nodes == 1:
+        self._last_resume: ResumeInfo | None = None  # what this manager's resume() loaded
+        mode: str = repl.mode
+        if mode != "none" and self._topology.num_nodes == 1:
             log.info("mlcheckpoint: single node, replication off (nothing to pair with)")
-            replication = "none"
-        if replication != "none" and not self._distributed:
+            mode = "none"
+        if mode != "none" and not self._distributed:
             log.info("mlcheckpoint: no process group initialised, replication off")
-            replication = "none"
-        self.replication_mode = replication
-        self.room = RoomCheck(self.store.local_dir, self.store.paths, self.topology, self.keep,
-                              replica_sets=self.replicas if replication != "none" else 0)
-        self.room.at_start()  # a container's small /dev/shm: say so now, not at a failed save
-        if replication != "none":
-            self._start_replication(replication, opts)
-        self.saver = Saver(self.store, self.topology, group=self._save_pg,
-                           snapshots=self.snapshots, retention=self.retention,
-                           warmer=self.warmer, replicator=self.replicator,
-                           all_gather=self._all_gather)
+            mode = "none"
+        self._mode = mode
+        self._room = RoomCheck(self._store.local_dir, self._store.paths, self._topology,
+                               opts.keep, replica_sets=self._replicas if mode != "none" else 0)
+        self._room.at_start()  # a container's small /dev/shm: say so now, not at a failed save
+        if mode != "none":
+            self._start_replication(mode, repl)
+        self._saver = Saver(self._store, self._topology, group=self._save_pg,
+                            snapshots=self._snapshots, retention=self._lifecycle.retention,
+                            warmer=self._lifecycle.warmer, replicator=self._replicator,
+                            all_gather=self._all_gather)
         log.debug("CheckpointManager job=%s dir=%s rank=%d/%d node=%d/%d", self.job_id,
-                  self.store.job_dir, self.rank, self.topology.world_size,
-                  self.topology.node_rank, self.topology.num_nodes)
+                  self._store.job_dir, self.rank, self._topology.world_size,
+                  self._topology.node_rank, self._topology.num_nodes)
 
-    def _start_replication(self, mode: str, opts: Options) -> None:
+    @property
+    def replication_mode(self) -> str:
+        """The transport replication runs over ("tcp", "pg", "nccl"), or "none": off, as asked
+        or because there is no other node or no process group."""
+        return self._mode
+
+    def _start_replication(self, mode: str, repl: ReplicationOptions) -> None:
         # The replication secret is agreed over our own gloo group, never the c10d store.
-        rdzv = Rendezvous.from_default_group(self.job_id, self.timeouts.rendezvous,
+        rdzv = Rendezvous.from_default_group(self.job_id, self._timeouts.rendezvous,
                                              group=self._save_pg,
-                                             generation=self.launcher.restart_count)
-        sink = ReceiveSink(self.store, pins=self.pins, subscribers=[self.lifecycle.replica_received])
+                                             generation=self._launcher.restart_count)
+        sink = ReceiveSink(self._store, pins=self._lifecycle.pins,
+                           subscribers=[self._lifecycle.replica_received])
+        # Resolved, the budget is never None ("auto", 0 or bytes/s).
+        bandwidth = repl.bandwidth if repl.bandwidth is not None else "auto"
         settings = TransportSettings(
-            timeout=self.timeouts.replication, bandwidth=opts.replication_bandwidth,
-            interface=opts.replication_interface,
-            tcp=TcpSettings(host=opts.replication_host, streams=opts.replication_streams,
-                            handshake_timeout=self.timeouts.handshake,
+            timeout=self._timeouts.replication, bandwidth=bandwidth, interface=repl.interface,
+            tcp=TcpSettings(host=repl.host, streams=repl.streams,
+                            handshake_timeout=self._timeouts.handshake,
                             min_stripe_bytes=tuning().min_stripe_bytes),
-            pg=PgSettings(poll_interval=self.timeouts.mailbox_poll))
-        transport = make_transport(mode, self.store, rdzv, sink, settings, topology=self.topology)
-        self.replicator = Replicator(self.store, transport, rdzv, self.topology,
-                                     poll_interval=self.timeouts.replicator_poll,
-                                     wait_poll=self.timeouts.wait_poll,
-                                     strategy=pairing_for(self.topology.domains, self.replicas))
-        self.replica_owners = self.replicator.sources
-        self.retention.protect_replicas(self.replicator, self.replica_owners)
-        self.store.capacity.expect_replicas([self.rank], len(self.replica_owners))
-        transport.accept_from(self.lineage)
+            pg=PgSettings(poll_interval=self._timeouts.mailbox_poll))
+        transport = make_transport(mode, self._store, rdzv, sink, settings, topology=self._topology)
+        self._replicator = Replicator(self._store, transport, rdzv, self._topology,
+                                      poll_interval=self._timeouts.replicator_poll,
+                                      wait_poll=self._timeouts.wait_poll,
+                                      strategy=pairing_for(self._topology.domains, self._replicas))
+        owners = self._replicator.sources  # whose shards this rank keeps replicas of
+        self._lifecycle.retention.protect_replicas(self._replicator, owners)
+        self._store.capacity.expect_replicas([self.rank], len(owners))
+        transport.accept_from(self._lineage)
 
     # ------------------------------------------------------------------ DCP-native
     def storage_writer(self, step: int) -> MemoryStorageWriter:
@@ -213,15 +196,15 @@ class CheckpointManager:
         Collective in a run's first save, which sets an earlier run's steps aside (``save``).
         """
         self._check_open()
-        self.saver.set_aside_earlier_runs(step, self.lineage)
+        self._saver.set_aside_earlier_runs(step, self._lineage)
         # save/async_save retire old steps after each save, on the background thread, so they
         # skip this up-front retention (an inventory and c10d round trips on the training thread).
-        self.retention.apply()
-        return self.saver.storage_writer(step, self.lineage)
+        self._lifecycle.retention.apply()
+        return self._saver.storage_writer(step, self._lineage)
 
     def storage_reader(self, step: int) -> MemoryStorageReader:
         """A reader for ``dcp.load`` of an in-memory ``step``."""
-        return MemoryStorageReader(step, self.store)
+        return MemoryStorageReader(step, self._store)
 
     # ------------------------------------------------------------------ save
     def save(self, state_dict: dict[str, Any], step: int, *, persistent: bool = False) -> SaveResult:
@@ -230,8 +213,8 @@ class CheckpointManager:
         one warning (docs/operations.md, "Saving before resume")."""
         self._check_open()
         persist = self._persistent_for(persistent)
-        result = self.saver.save(state_dict, step, self.lineage, persist)
-        self.room.after_first_save(step)
+        result = self._saver.save(state_dict, step, self._lineage, persist)
+        self._room.after_first_save(step)
         return result
 
     def guard(self, optimizer: torch.optim.Optimizer) -> GuardHandle:
@@ -244,13 +227,13 @@ class CheckpointManager:
         run. Everything else in the state dict is captured when ``async_save`` is called.
         Returns a handle whose ``remove()`` takes the guard off.
         """
-        return self.snapshots.guard(optimizer)
+        return self._snapshots.guard(optimizer)
 
     def wait_staged(self) -> None:
         """Wait until the snapshot of the save in flight is taken: call it before changing a
         guarded optimizer's tensors outside ``optimizer.step()`` (or any tensor, after
         ``async_save(..., overlap=True)``). Raises this rank's staging failure, if any."""
-        self.snapshots.wait()
+        self._snapshots.wait()
 
     def async_save(self, state_dict: dict[str, Any], step: int, *,
                    persistent: bool = False, overlap: bool | None = None) -> Future[SaveResult]:
@@ -273,8 +256,8 @@ class CheckpointManager:
         """
         self._check_open()
         persist = self._persistent_for(persistent)
-        future = self.saver.async_save(state_dict, step, self.lineage, persist, overlap)
-        self.room.after_first_save(step)
+        future = self._saver.async_save(state_dict, step, self._lineage, persist, overlap)
+        self._room.after_first_save(step)
         return future
 
     # ------------------------------------------------------------------ resume
@@ -287,13 +270,13 @@ class CheckpointManager:
         another copy, an older step, the persistent step, then a fresh start (step None).
         """
         self._check_open()
-        self.saver.wait()
+        self._saver.wait()
         resumed = self._recovery().run(state_dict)
-        self.lineage = resumed.lineage  # later saves descend from what was loaded
-        self.saver.settled()
+        self._lineage = resumed.lineage  # later saves descend from what was loaded
+        self._saver.settled()
         self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
-        info = self.last_resume = resumed.info
-        history.record(self.store.job_dir, "resume", step=info.step, rank=self.rank,
+        info = self._last_resume = resumed.info
+        history.record(self._store.job_dir, "resume", step=info.step, rank=self.rank,
                        source=info.sources.get(self.rank, info.source), seconds=round(info.seconds, 6),
                        bytes=resumed.bytes_fetched, reason=info.reason)
         return info
@@ -305,18 +288,18 @@ class CheckpointManager:
         are dropped on every node, as after a resume: the job saves new ones under their
         numbers, and retention must not keep the abandoned ones as the newest."""
         self._check_open()
-        self.saver.wait()
+        self._saver.wait()
         self._recovery().continue_from(step)
-        self.saver.settled()
+        self._saver.settled()
 
     def _recovery(self) -> Recovery:
-        return Recovery(self.store, self.topology, Comm(self._all_gather), lineage=self.lineage,
-                        group=self._save_pg, replicator=self.replicator, persistent=self.persistent)
+        return Recovery(self._store, self._topology, Comm(self._all_gather), lineage=self._lineage,
+                        group=self._save_pg, replicator=self._replicator, persistent=self._persistent)
 
     # ------------------------------------------------------------------ listing
     def checkpoints(self) -> list[CheckpointEntry]:
         """In-memory steps on this node and persistent steps, oldest first."""
-        return list_checkpoints(self.store, self.replicator, self.persistent)
+        return list_checkpoints(self._store, self._replicator, self._persistent)
 
     def protection(self) -> ProtectionStatus:
         """How far replication lags behind the saves: the newest protected step (every shard
@@ -326,20 +309,25 @@ class CheckpointManager:
         return self._protection(ask=True)
 
     def _protection(self, ask: bool) -> ProtectionStatus:
-        if self.replicator is None:
-            return protection_status(None, save_times(self.store.inventory()), None, 0)
-        return self.replicator.protection(ask)
+        if self._replicator is None:
+            return protection_status(None, save_times(self._store.inventory()), None, 0)
+        return self._replicator.protection(ask)
 
     def stats(self) -> dict[str, float]:
         """Figures to log beside the loss (TensorBoard, W&B, any logger): the last committed
         save's seconds, phases (``stage``, ``commit``, ``publish``), the training thread's
-        wait and bytes; the newest protected step, its lag in steps and age in seconds; the
-        last resume's seconds and phases. Keys start with ``mlcheckpoint/``; a figure not
-        known yet is left out. Reads this node's step list and asks the c10d store nothing
-        (the protected step is the newest one known at the last save): fine to call on the
-        training thread every step."""
-        return metrics.stats(self.saver.last_result, self._protection(ask=False),
-                             self.last_resume)
+        wait and bytes; the longest a guard held ``optimizer.step()``; the newest protected
+        step, its lag in steps and age in seconds; the last resume's seconds and phases. Keys
+        start with ``mlcheckpoint/``; a figure not known yet is left out. Reads this node's
+        step list and asks the c10d store nothing: fine to call on the training thread."""
+        return metrics.stats(self._saver.last_result, self._protection(ask=False),
+                             self._last_resume, guard_longest_wait=self._snapshots.longest_wait_s)
+
+    def replication_state(self, step: int) -> StepReplication | None:
+        """What this rank knows of its push of ``step`` to its partners: its ``state``
+        ("committed", "replicated", "failed" or "superseded"), ``bytes``, ``seconds``,
+        ``attempts``, ``reason``. None with replication off or for a step it never saw."""
+        return None if self._replicator is None else self._replicator.state(step)
 
     def wait_replicated(self, step: int, timeout: float | None = None) -> bool:
         """Wait until every shard and the metadata of ``step`` are on two nodes (job-wide).
@@ -348,19 +336,19 @@ class CheckpointManager:
         replication off, returns whether the step is complete locally (there is nothing more
         to wait for).
         """
-        if self.replicator is None:
-            return step in self.store.complete_steps()
-        return self.replicator.wait_replicated(
-            step, self.timeouts.close if timeout is None else timeout)
+        if self._replicator is None:
+            return step in self._store.complete_steps()
+        return self._replicator.wait_replicated(
+            step, self._timeouts.close if timeout is None else timeout)
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
         """Block until every save, persistent write and post-resume repair has finished."""
-        self.saver.wait()
+        self._saver.wait()
         if self._heal_thread is not None:
             self._heal_thread.join()
-        if self.persistent_writer is not None:
-            self.persistent_writer.wait()  # raises the first failed write not raised yet
+        if self._persistent_writer is not None:
+            self._persistent_writer.wait()  # raises the first failed write not raised yet
 
     def close(self, failed: bool | None = None, *, timeout: float | None = None) -> None:
         """Wait for saves and replication in flight, then release threads, sockets and
@@ -379,7 +367,7 @@ class CheckpointManager:
         if failed is None:
             failed = sys.exc_info()[1] is not None
         if timeout is None:
-            timeout = self.timeouts.close
+            timeout = self._timeouts.close
         try:
             if failed:
                 log.warning("mlcheckpoint: closing after an error on this rank: not waiting for "
@@ -388,14 +376,14 @@ class CheckpointManager:
                 # A failed persistent write was logged where it happened: close goes on.
                 with contextlib.suppress(Exception):
                     self.wait()
-                if self.replicator is not None:
-                    self.replicator.drain(timeout=timeout)
+                if self._replicator is not None:
+                    self._replicator.drain(timeout=timeout)
                 if self._distributed:
                     # Partners may still push to our listener: close only once everyone drained.
                     self._barrier(timeout)
-                if self.replicator is not None:  # the last round has no next one to close it:
+                if self._replicator is not None:  # the last round has no next one to close it:
                     with contextlib.suppress(Exception):  # history learns of it here
-                        self.replicator.newest_protected(self.store.steps())
+                        self._replicator.newest_protected(self._store.steps())
         finally:
             self._release(wait=not failed)
 
@@ -410,21 +398,21 @@ class CheckpointManager:
 
     def _release(self, wait: bool) -> None:
         self._closed = True
-        self.warmer.stop()  # a save finishing now prepares no more buffers
+        self._lifecycle.warmer.stop()  # a save finishing now prepares no more buffers
         # Not waiting: a snapshot in flight fails rather than commits what training changes.
-        self.snapshots.close(wait=wait)
-        idle = self.saver.close(wait)
-        if self.persistent_writer is not None:
-            idle = self.persistent_writer.close(wait) and idle
-        idle = self.warmer.close(wait) and idle
-        if self.replicator is not None:
-            self.replicator.close()
+        self._snapshots.close(wait=wait)
+        idle = self._saver.close(wait)
+        if self._persistent_writer is not None:
+            idle = self._persistent_writer.close(wait) and idle
+        idle = self._lifecycle.warmer.close(wait) and idle
+        if self._replicator is not None:
+            self._replicator.close()
             # Its session threads write received replicas into the store's mappings.
-            idle = self.replicator.transport.close() and idle
+            idle = self._replicator.transport.close() and idle
         if idle and not (self._heal_thread is not None and self._heal_thread.is_alive()):
             # Else (a failing close) work still running uses these mappings: they go with the
             # process.
-            self.store.close()
+            self._store.close()
 
     def __enter__(self) -> Self:
         return self
@@ -436,15 +424,25 @@ class CheckpointManager:
         if self._closed:
             raise MLCheckpointError("CheckpointManager is closed")
 
+    def prune_persistent(self, later: bool = False) -> None:
+        """Remove the persistent steps beyond ``keep_persistent`` (rank 0; the newest complete
+        step and one being written stay): for a framework that writes its own persistent
+        checkpoints, after each. ``later``: on the writer's thread, after the writes queued."""
+        if self._persistent_writer is not None:
+            if later:
+                self._persistent_writer.prune_later()
+            else:
+                self._persistent_writer.prune()
+
     def _persistent_for(self, persistent: bool) -> PersistentWriter | None:
         """The writer a save with ``persistent`` uses (None: no persistent write). Refused at
         the call, before anything is staged or pinned, when there is no persistent folder."""
         if not persistent:
             return None
-        if self.persistent_writer is None:
+        if self._persistent_writer is None:
             raise ConfigError("persistent=True needs CheckpointManager(persistent_dir=...): "
                               "no persistent folder was given")
-        return self.persistent_writer
+        return self._persistent_writer
 
     # ------------------------------------------------------------------ collectives
     def _all_gather(self, obj: Any) -> list[Any]:

@@ -15,8 +15,9 @@ PREFIX = "mlcheckpoint/"
 
 
 def stats(save: SaveResult | None, protection: ProtectionStatus,
-          resume: ResumeInfo | None) -> dict[str, float]:
-    """The last published save, the replication lag and the last resume, as numbers."""
+          resume: ResumeInfo | None, guard_longest_wait: float = 0.0) -> dict[str, float]:
+    """The last published save, the replication lag and the last resume, as numbers;
+    ``guard_longest_wait``: the longest a guard held the training thread (seconds)."""
     out: dict[str, float | int | None] = {}
     if save is not None:
         out.update(save_step=save.step, save_seconds=save.seconds,
@@ -24,6 +25,7 @@ def stats(save: SaveResult | None, protection: ProtectionStatus,
                    save_overlapped_bytes=save.overlapped_bytes,
                    save_staged_bytes=save.staged_bytes)
         out.update({f"save_{phase}_seconds": s for phase, s in save.phases.items()})
+    out.update(guard_longest_wait_seconds=guard_longest_wait)
     out.update(protected_step=protection.newest_protected,
                protection_lag_steps=protection.lag_steps,
                protection_age_seconds=protection.age_seconds,

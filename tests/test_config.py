@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import logging
 import os
@@ -32,16 +33,16 @@ from mlcheckpoint.integrity.checksum import native_enabled
 from mlcheckpoint.replication.core import network
 from mlcheckpoint.replication.factory import TRANSPORTS
 from mlcheckpoint.settings import (
-    _MEMORY_FS,
     DEFAULT_LOCAL_DIR,
+    DEPRECATED_KEYWORDS,
     ENV_VARS,
     SETTINGS,
     Launcher,
     Options,
+    ReplicationOptions,
     Timeouts,
     Tuning,
     default,
-    filesystem_type,
     parse_bandwidth,
     parse_bytes,
     resolve_job_id,
@@ -51,6 +52,8 @@ from mlcheckpoint.settings import (
     validate_keep,
     variable_text,
 )
+from mlcheckpoint.testing import internals
+from mlcheckpoint.tmpfs import _MEMORY_FS, filesystem_type
 from mlcheckpoint.topology import Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -293,7 +296,7 @@ def test_bad_sizes_are_refused(bad):
 def test_memory_limit_env_with_units(store_dir, monkeypatch):
     monkeypatch.setenv("MLCHECKPOINT_MEMORY_LIMIT", "8GB")
     with manager(store_dir) as ckpt:
-        assert ckpt.store.memory_limit_bytes == 8 * 10**9
+        assert internals(ckpt).store.memory_limit_bytes == 8 * 10**9
     store = LocalStore(store_dir, "job-config")  # the same variable, read the same way
     assert store.memory_limit_bytes == 8 * 10**9
     store.close()
@@ -312,7 +315,7 @@ def test_bad_memory_limit_env_is_a_config_error(store_dir, monkeypatch):
 
 def test_memory_limit_argument_with_units_is_enforced(store_dir):
     with manager(store_dir, memory_limit_bytes="256KiB") as ckpt:
-        assert ckpt.store.memory_limit_bytes == 256 << 10
+        assert internals(ckpt).store.memory_limit_bytes == 256 << 10
         with pytest.raises(CapacityError):
             ckpt.save({"w": torch.zeros(MiB // 4)}, 1)
 
@@ -334,7 +337,7 @@ def test_pickled_value_larger_than_free_space_is_a_capacity_error(store_dir, how
                 ckpt.async_save(big, 2).result(timeout=60)
         assert mnt in str(ei.value) and ei.value.needed > 6 * MiB
         ckpt.wait()
-        assert ckpt.store.complete_steps() == [1]
+        assert internals(ckpt).store.complete_steps() == [1]
         out = {"w": torch.zeros(1024), "blob": b""}
         assert ckpt.resume(out).step == 1
         assert torch.equal(out["w"], torch.arange(1024.0)) and out["blob"] == b"small"
@@ -353,7 +356,7 @@ def test_persistent_save_without_persistent_dir_is_refused_at_the_call(store_dir
                 getattr(ckpt, how)(state, step, persistent=True)
             ckpt.async_save(state, step).result(timeout=60)
         ckpt.wait()
-        assert ckpt.store.steps() == [3]
+        assert internals(ckpt).store.steps() == [3]
 
 
 # ---------------------------------------------------------------- one declaration
@@ -362,36 +365,55 @@ DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
                    "configuration.md")
 PACKAGE = os.path.dirname(os.path.abspath(mlcheckpoint.__file__))
 MANAGER_SETTINGS = [s for s in SETTINGS if s.group == "manager"]
+REPLICATION_SETTINGS = [s for s in SETTINGS if s.group == "replication"]
+
+
+def configuration_doc():
+    """scripts/configuration_doc.py, which renders the tables of docs/configuration.md."""
+    path = os.path.join(os.path.dirname(DOC), "..", "scripts", "configuration_doc.py")
+    spec = importlib.util.spec_from_file_location("configuration_doc", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_the_manager_arguments_are_the_declared_ones_with_their_defaults():
-    """CheckpointManager's keywords, Options' fields and their defaults all come from SETTINGS:
-    an argument that has a variable defaults to None (unset: the variable, else the declared
-    default); one without defaults to the declared default itself."""
+    """CheckpointManager's keywords, Options' and ReplicationOptions' fields and their defaults
+    all come from SETTINGS: a field that has a variable defaults to None (unset: the variable,
+    else the declared default); one without defaults to the declared default itself."""
     params = dict(inspect.signature(CheckpointManager.__init__).parameters)
     params.pop("self")
-    assert list(params) == [s.name for s in SETTINGS if s.keyword]  # same names, same order
+    keywords = [s.name for s in SETTINGS if s.keyword]
+    assert list(params) == [*keywords, "replication", "options", "deprecated"]  # same order
     for s in SETTINGS:
         if s.keyword:
             assert params[s.name].default == (None if s.env else s.default), s.name
-    assert [f.name for f in dataclasses.fields(Options)] == [s.name for s in MANAGER_SETTINGS]
-    for f in dataclasses.fields(Options):
-        if f.default is not dataclasses.MISSING:
-            assert f.default == default(f.name), f.name
+    assert [f.name for f in dataclasses.fields(Options)] == [
+        *(s.name for s in MANAGER_SETTINGS), "replication"]
+    assert [f.name for f in dataclasses.fields(ReplicationOptions)] == [
+        s.attribute for s in REPLICATION_SETTINGS]
+    for group, holder in ((MANAGER_SETTINGS, Options()), (REPLICATION_SETTINGS, ReplicationOptions())):
+        for s in group:
+            assert getattr(holder, s.attribute) == (None if s.env else s.default), s.name
     assert set(settings.REPLICATION_MODES) == {*TRANSPORTS, "none"}
+    assert typing.get_args(typing.get_type_hints(ReplicationOptions)["mode"]) == \
+        settings.REPLICATION_MODES
 
 
 def test_the_doc_tables_are_generated_from_the_declaration():
-    """docs/configuration.md's tables of arguments, variables and timeouts are what
-    scripts/configuration_doc.py makes from SETTINGS; every variable is in the doc."""
+    """docs/configuration.md's tables of arguments, ReplicationOptions' fields, variables and
+    timeouts are what scripts/configuration_doc.py makes from SETTINGS; every variable is in
+    the doc."""
+    doc = configuration_doc()
     with open(DOC) as f:
         text = f.read()
-    assert settings.render_doc(text) == text, "run python scripts/configuration_doc.py"
+    assert doc.render_doc(text) == text, "run python scripts/configuration_doc.py"
     for s in SETTINGS:
         if s.env:
-            assert f"| `{s.env}` | {s.variable_cell()} |" in text, s.env
-        if s.keyword:
-            assert f"| `{s.name}` | {s.argument_cell()} |" in text, s.name
+            assert f"| `{s.env}` | {doc.variable_cell(s)} |" in text, s.env
+        if s.keyword or s.group == "replication":
+            assert f"| `{s.attribute}` | {doc.argument_cell(s)} |" in text, s.name
     assert set(re.findall(r"MLCHECKPOINT_\w+", text)) <= set(ENV_VARS)
 
 
@@ -423,18 +445,18 @@ def _environment_reads(tree: ast.AST) -> list[int]:
 
 
 def test_no_library_module_but_settings_reads_the_environment():
-    """Only settings.py reads os.environ; every other module is handed its settings. The
-    fault points (_faults.py, test hooks read at each check) may ask settings.variable_text,
-    and nothing else does."""
+    """Only settings/declared.py reads os.environ; every other module is handed its settings.
+    The fault points (_faults.py, test hooks read at each check) and the rest of settings/ may
+    ask settings.variable_text, and nothing else does."""
     readers, raw_text, named = {}, [], set()
     for path, text in _library_modules():
         tree = ast.parse(text, path)
         named |= set(re.findall(r"MLCHECKPOINT_[A-Z_]+", text))
-        if path != "settings.py" and _environment_reads(tree):
+        if path != os.path.join("settings", "declared.py") and _environment_reads(tree):
             readers[path] = _environment_reads(tree)
         calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
                  for n in ast.walk(tree) if isinstance(n, ast.Call)}
-        if "variable_text" in calls and path not in ("settings.py", "_faults.py"):
+        if "variable_text" in calls and path != "_faults.py" and not path.startswith("settings"):
             raw_text.append(path)
     assert readers == {}, readers
     assert raw_text == []
@@ -451,7 +473,7 @@ def test_no_declared_timeout_is_written_again_as_a_default():
                 if s.group == "timeouts" or s.name == "replication_timeout"}
     found = []
     for path, text in _library_modules():
-        if path == "settings.py":
+        if path == os.path.join("settings", "declared.py"):
             continue
         for node in ast.walk(ast.parse(text, path)):
             if isinstance(node, ast.arguments):
@@ -471,9 +493,10 @@ def test_documented_defaults_are_the_defaults(monkeypatch):
     assert 1 <= Tuning.from_env().copy_threads <= 4
     assert native_enabled() is _gc.enabled() is True
     assert settings.tuning().min_stripe_bytes == 64 << 20
-    options = Options.resolve(job_id="j", local_dir="/dev/shm/x")
-    assert options == Options(job_id="j", local_dir="/dev/shm/x")
-    assert (options.replication_bandwidth, options.replication_streams) == ("auto", 4)
+    options = Options(job_id="j", local_dir="/dev/shm/x").resolved()
+    assert options == Options(job_id="j", local_dir="/dev/shm/x", replication=ReplicationOptions(
+        streams=4, bandwidth="auto", replicas=1))
+    assert (options.replication.bandwidth, options.replication.streams) == ("auto", 4)
     assert Launcher.from_env() == Launcher()
     assert Topology.detect(Launcher()) == Topology()
     assert Timeouts().replication == default("replication_timeout") == 60.0
@@ -505,12 +528,11 @@ def test_torchtitan_config_offers_every_manager_setting_with_its_default(monkeyp
     torchtitan = torchtitan_integration(monkeypatch)
     config = torchtitan.MemoryCheckpointManager.Config
     fields = {f.name: f for f in dataclasses.fields(config)}
-    hints = typing.get_type_hints(config)
     for s in MANAGER_SETTINGS:
         name = "memory_limit" if s.name == "memory_limit_bytes" else s.name
         assert name in fields, name
         assert fields[name].default == (None if s.env else s.default), name
-    assert typing.get_args(hints["replication"]) == settings.REPLICATION_MODES  # "nccl" too
+    assert fields["replication"].default_factory() == ReplicationOptions()
 
 
 def test_lightning_strategy_offers_every_manager_setting_with_its_default():
@@ -519,6 +541,24 @@ def test_lightning_strategy_offers_every_manager_setting_with_its_default():
     for s in MANAGER_SETTINGS:
         name = "memory_limit" if s.name == "memory_limit_bytes" else s.name
         assert params[name].default == (None if s.env else s.default), name
+    assert params["replication"].default is None  # ReplicationOptions(): every field's default
+
+
+def test_framework_configs_take_replication_options_and_the_flat_fields_still_work(monkeypatch):
+    """torchtitan's Config and the Lightning strategy group replication as the manager does;
+    their flat fields of the last release warn and land in the same ReplicationOptions."""
+    torchtitan = torchtitan_integration(monkeypatch)
+    config = torchtitan.MemoryCheckpointManager.Config
+    grouped = ReplicationOptions(mode="pg", streams=3, replicas=2)
+    assert config(replication=grouped).replication == grouped
+    assert config(replication="none").replication == ReplicationOptions(mode="none")
+    with pytest.warns(DeprecationWarning, match=r"replication_streams=.*ReplicationOptions\(streams="):
+        flat = config(replication="pg", replication_streams=3, replicas=2)
+    assert flat.replication == grouped and flat.replication_streams is None
+    lightning = pytest.importorskip("mlcheckpoint.integrations.lightning")
+    with pytest.warns(DeprecationWarning, match=r"replicas=.*ReplicationOptions\(replicas="):
+        strategy = lightning.MLCheckpointStrategy(replication="pg", replication_streams=3, replicas=2)
+    assert strategy._options.replication == grouped
 
 
 @pytest.mark.parametrize("var, value", [
@@ -543,34 +583,90 @@ def test_bad_variable_is_a_config_error_at_construction(store_dir, monkeypatch, 
 
 
 @pytest.mark.parametrize("setting, value", [
-    ("replication", "udp"), ("replication_timeout", 0), ("replication_timeout", float("nan")),
-    ("replication_timeout", "60"), ("replication_streams", 0), ("replication_streams", 17),
-    ("replication_streams", True), ("replication_host", ""), ("keep", 0),
-    ("replication_bandwidth", "fast"), ("replication_bandwidth", -1),
-    ("replication_bandwidth", True), ("replication_bandwidth", "1 furlong/s"),
-    ("replication_interface", "nosuch0"), ("replication_interface", "")])
+    ("mode", "udp"), ("timeout", 0), ("timeout", float("nan")), ("timeout", "60"),
+    ("streams", 0), ("streams", 17), ("streams", True), ("host", ""),
+    ("bandwidth", "fast"), ("bandwidth", -1), ("bandwidth", True), ("bandwidth", "1 furlong/s"),
+    ("interface", ""), ("replicas", 0), ("failure_domain", "")])
+def test_bad_replication_option_is_a_config_error_naming_it(store_dir, setting, value):
+    """Checked when the ReplicationOptions is made, before any manager exists."""
+    with pytest.raises(ConfigError) as ei:
+        ReplicationOptions(**{setting: value})
+    assert f"ReplicationOptions.{setting}={value!r}" in str(ei.value)
+
+
+@pytest.mark.parametrize("setting, value", [("keep", 0), ("keep", None), ("replication", "udp")])
 def test_bad_argument_is_a_config_error_naming_it(store_dir, setting, value):
     local = os.path.join(store_dir, "local")
     kw = {"job_id": "job-config", "local_dir": local, "replication": "none", setting: value}
     with pytest.raises(ConfigError) as ei:
         CheckpointManager(**kw)
-    assert f"{setting}={value!r}" in str(ei.value)
+    assert f"={value!r}" in str(ei.value)
+    assert not os.path.exists(local)
+
+
+def test_an_interface_that_is_not_here_is_refused_at_construction(store_dir):
+    local = os.path.join(store_dir, "local")
+    with pytest.raises(ConfigError, match="'nosuch0' is not a network interface"):
+        CheckpointManager(job_id="job-config", local_dir=local,
+                          replication=ReplicationOptions(mode="none", interface="nosuch0"))
     assert not os.path.exists(local)
 
 
 def test_arguments_win_over_variables_and_are_kept_on_the_manager(store_dir, monkeypatch):
     monkeypatch.setenv("MLCHECKPOINT_TCP_STREAMS", "8")
     monkeypatch.setenv("MLCHECKPOINT_REPLICATION_HOST", "10.0.0.7")
-    from_env = Options.resolve(job_id="j", local_dir=store_dir)
-    assert (from_env.replication_streams, from_env.replication_host) == (8, "10.0.0.7")
-    explicit = Options.resolve(job_id="j", local_dir=store_dir, replication_streams=2,
-                               replication_host="127.0.0.1")
-    assert (explicit.replication_streams, explicit.replication_host) == (2, "127.0.0.1")
+    from_env = Options(job_id="j", local_dir=store_dir).resolved()
+    assert (from_env.replication.streams, from_env.replication.host) == (8, "10.0.0.7")
+    explicit = Options(job_id="j", local_dir=store_dir, replication=ReplicationOptions(
+        streams=2, host="127.0.0.1")).resolved()
+    assert (explicit.replication.streams, explicit.replication.host) == (2, "127.0.0.1")
     with manager(store_dir, keep=3, memory_limit_bytes="1GiB") as ckpt:
-        assert ckpt.options == Options(job_id="job-config", local_dir=store_dir, keep=3,
-                                       memory_limit_bytes=1 << 30, replication="none",
-                                       replication_host="10.0.0.7", replication_streams=8)
-        assert ckpt.store.memory_limit_bytes == 1 << 30
+        assert ckpt.options == Options(
+            job_id="job-config", local_dir=store_dir, keep=3, memory_limit_bytes=1 << 30,
+            replication=ReplicationOptions(mode="none", host="10.0.0.7", streams=8,
+                                           bandwidth="auto", replicas=1))
+        assert internals(ckpt).store.memory_limit_bytes == 1 << 30
+
+
+def test_one_options_object_is_the_same_as_the_keywords(store_dir):
+    """CheckpointManager(options=Options(...)) builds what the keywords build; it takes no
+    other setting beside it."""
+    options = Options(job_id="job-config", local_dir=store_dir, keep=3,
+                      replication=ReplicationOptions(mode="none", streams=2))
+    with CheckpointManager(options=options) as ckpt:
+        assert ckpt.options == options.resolved()
+        assert ckpt.options.keep == 3 and ckpt.options.replication.streams == 2
+    with pytest.raises(TypeError, match="keep"):
+        CheckpointManager(options=options, keep=4)
+    with pytest.raises(TypeError, match="replication"):
+        CheckpointManager(options=options, replication="none")
+
+
+@pytest.mark.parametrize("flat, field, value", [
+    ("replication_host", "host", "127.0.0.1"), ("replication_interface", "interface", "lo"),
+    ("replication_timeout", "timeout", 7.5), ("replication_streams", "streams", 3),
+    ("replication_bandwidth", "bandwidth", "1Gbit"), ("replicas", "replicas", 2),
+    ("failure_domain", "failure_domain", "rack-3")])
+def test_flat_replication_keywords_still_work_with_a_deprecation_warning(
+        store_dir, flat, field, value):
+    """The keywords of the last release: each warns, naming its ReplicationOptions field, and
+    sets that field as the new spelling does."""
+    with pytest.warns(DeprecationWarning, match=rf"{flat}=.*ReplicationOptions\({field}=") as w:
+        ckpt = manager(store_dir, **{flat: value})
+    assert w[0].filename == __file__  # the warning points at the caller's line
+    with ckpt:
+        new = Options(job_id="job-config", local_dir=store_dir, replication=ReplicationOptions(
+            mode="none", **{field: value})).resolved()
+        assert ckpt.options == new
+    assert DEPRECATED_KEYWORDS[flat] == field
+
+
+def test_a_flat_keyword_and_its_field_together_are_refused(store_dir):
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="replication_streams"):
+        CheckpointManager(job_id="job-config", local_dir=store_dir, replication_streams=2,
+                          replication=ReplicationOptions(mode="none", streams=3))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'replication_port'"):
+        CheckpointManager(job_id="job-config", local_dir=store_dir, replication_port=1)
 
 
 # ---------------------------------------------------------------- replication bandwidth and interface
@@ -594,33 +690,30 @@ def test_bad_bandwidths_are_refused(bad):
 
 def test_bandwidth_argument_wins_over_its_variable(store_dir, monkeypatch):
     monkeypatch.setenv("MLCHECKPOINT_REPLICATION_BANDWIDTH", "1Gbit")
-    assert Options.resolve(job_id="j", local_dir=store_dir).replication_bandwidth == 125_000_000
-    assert Options.resolve(job_id="j", local_dir=store_dir,
-                           replication_bandwidth="none").replication_bandwidth == 0
-    assert Options(job_id="j", local_dir=store_dir,
-                   replication_bandwidth="2GB/s").replication_bandwidth == 2 * 10**9
+    assert ReplicationOptions().resolved().bandwidth == 125_000_000
+    assert ReplicationOptions(bandwidth="none").resolved().bandwidth == 0
+    assert ReplicationOptions(bandwidth="2GB/s").bandwidth == 2 * 10**9
 
 
-def resolve_and_check(**arguments):
-    """Options as the manager resolves them, with its check of the listener's settings."""
-    options = Options.resolve(**arguments)
-    network.check_listen_settings(options.replication_host, options.replication_interface,
-                                  host_given="replication_host" in arguments,
-                                  interface_given="replication_interface" in arguments)
+def resolve_and_check(**fields):
+    """ReplicationOptions as the manager resolves them, with its check of the listener's
+    settings."""
+    options = ReplicationOptions(**fields).resolved()
+    network.check_listen_settings(options.host, options.interface,
+                                  host_given="host" in fields, interface_given="interface" in fields)
     return options
 
 
 def test_replication_interface_is_checked_and_kept(store_dir, monkeypatch):
     monkeypatch.setenv("MLCHECKPOINT_REPLICATION_IFNAME", "lo")
-    assert resolve_and_check(job_id="j", local_dir=store_dir).replication_interface == "lo"
+    assert resolve_and_check().interface == "lo"
     # With a host too: the same address is fine, another one is refused naming both.
-    assert resolve_and_check(job_id="j", local_dir=store_dir,
-                           replication_host="127.0.0.1").replication_host == "127.0.0.1"
+    assert resolve_and_check(host="127.0.0.1").host == "127.0.0.1"
     with pytest.raises(ConfigError) as ei:
-        resolve_and_check(job_id="j", local_dir=store_dir, replication_host="10.0.0.7")
+        resolve_and_check(host="10.0.0.7")
     msg = str(ei.value)
     assert "replication_host='10.0.0.7'" in msg and "MLCHECKPOINT_REPLICATION_IFNAME='lo'" in msg
     monkeypatch.delenv("MLCHECKPOINT_REPLICATION_IFNAME")
     with pytest.raises(ConfigError, match="replication_interface='nosuch0' is not a network "
                                           "interface here .*lo"):
-        resolve_and_check(job_id="j", local_dir=store_dir, replication_interface="nosuch0")
+        resolve_and_check(interface="nosuch0")

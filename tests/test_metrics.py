@@ -33,6 +33,7 @@ def test_stats_give_the_last_save_and_the_last_resume_as_numbers(store_dir, clea
     for phase in ("stage", "commit", "publish"):
         assert stats[f"mlcheckpoint/save_{phase}_seconds"] == second.phases[phase] >= 0
     assert stats["mlcheckpoint/superseded_saves"] == 0  # replication off: nothing protected
+    assert stats["mlcheckpoint/guard_longest_wait_seconds"] == 0.0  # no guard: never held
     assert "mlcheckpoint/protected_step" not in stats
 
     # A restarted job is a fresh manager: its stats carry the resume, not a save.

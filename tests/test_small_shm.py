@@ -16,7 +16,7 @@ from helpers import mounted_tmpfs
 
 from mlcheckpoint import CheckpointManager
 from mlcheckpoint.errors import CapacityError
-from mlcheckpoint.room import needed_bytes
+from mlcheckpoint.tmpfs import needed_bytes
 
 MiB = 1 << 20
 JOB = "small-shm"
@@ -24,7 +24,7 @@ JOB = "small-shm"
 
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "mlcheckpoint.room" and r.levelno == logging.WARNING]
+            if r.name == "mlcheckpoint.tmpfs" and r.levelno == logging.WARNING]
 
 
 def _save_twice(local_dir: str, mib: int) -> None:
@@ -36,7 +36,7 @@ def _save_twice(local_dir: str, mib: int) -> None:
 
 
 def test_docker_default_shm_is_reported_at_start(store_dir, clean_env, caplog):
-    caplog.set_level(logging.WARNING, logger="mlcheckpoint.room")
+    caplog.set_level(logging.WARNING, logger="mlcheckpoint.tmpfs")
     with mounted_tmpfs(os.path.join(store_dir, "shm"), "size=64m,mode=0700") as shm:
         _save_twice(shm, mib=24)  # 2 steps of 24 MiB fit in 64 MiB: no word at the first save
     (start,) = _warnings(caplog)
@@ -46,7 +46,7 @@ def test_docker_default_shm_is_reported_at_start(store_dir, clean_env, caplog):
 
 
 def test_a_first_save_that_cannot_be_kept_is_reported(store_dir, clean_env, caplog):
-    caplog.set_level(logging.WARNING, logger="mlcheckpoint.room")
+    caplog.set_level(logging.WARNING, logger="mlcheckpoint.tmpfs")
     with (mounted_tmpfs(os.path.join(store_dir, "shm"), "size=64m,mode=0700") as shm,
           pytest.raises(CapacityError)):  # what the line foretold: step 2 does not fit
         _save_twice(shm, mib=40)
@@ -62,7 +62,7 @@ def _names_the_settings(line: str) -> None:
 
 
 def test_a_larger_tmpfs_says_nothing(store_dir, clean_env, caplog):
-    caplog.set_level(logging.WARNING, logger="mlcheckpoint.room")
+    caplog.set_level(logging.WARNING, logger="mlcheckpoint.tmpfs")
     with mounted_tmpfs(os.path.join(store_dir, "shm"), "size=160m,mode=0700") as shm:
         _save_twice(shm, mib=24)
     assert _warnings(caplog) == []

@@ -23,6 +23,7 @@ Not covered: ``FSDPStrategy`` (FSDP1). It refuses CPU, keeps its own checkpoint 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -47,7 +48,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..errors import ConfigError
 from ..manager import CheckpointManager, ResumeInfo
 from ..persistent import PersistentStorage
-from ..settings import default
+from ..settings import DEPRECATED_KEYWORDS, Options, ReplicationOptions, default
 
 SCHEME = "mlcheckpoint://"
 LATEST = SCHEME + "latest"
@@ -166,9 +167,10 @@ class MLCheckpointStrategy(ModelParallelStrategy):
     Args:
         folder: Lightning's checkpoint folder to fall back on (default: the dirpath of the
             trainer's first ``ModelCheckpoint``); None and no ModelCheckpoint: memory only.
-        job_id, local_dir, keep, replication, memory_limit, replication_*, failure_domain,
-            replicas: as ``CheckpointManager`` (``memory_limit`` is its
-            ``memory_limit_bytes``).
+        job_id, local_dir, keep, replication, memory_limit: as ``CheckpointManager``
+            (``replication`` a ``ReplicationOptions`` or its mode; ``memory_limit`` is its
+            ``memory_limit_bytes``). The flat ``replication_*``, ``failure_domain`` and
+            ``replicas`` of earlier releases still work, with a DeprecationWarning.
         keep_persistent: complete checkpoints kept in the folder, pruned after each of
             Lightning's saves there (never the newest complete one). Default: the first
             ``ModelCheckpoint``'s ``save_top_k`` when it keeps the newest (no ``monitor``,
@@ -178,23 +180,16 @@ class MLCheckpointStrategy(ModelParallelStrategy):
 
     def __init__(self, *, folder: str | None = None, job_id: str | None = None,
                  local_dir: str | None = None, keep: int = default("keep"),
-                 keep_persistent: int | None = None, replication: str = default("replication"),
-                 memory_limit: str | int | None = None, replication_host: str | None = None,
-                 replication_interface: str | None = None,
-                 replication_bandwidth: str | int | None = None,
-                 replication_timeout: float = default("replication_timeout"),
-                 replication_streams: int | None = None, failure_domain: str | None = None,
-                 replicas: int | None = None, **kwargs: Any):
+                 keep_persistent: int | None = None,
+                 replication: ReplicationOptions | str | None = None,
+                 memory_limit: str | int | None = None, **kwargs: Any):
+        flat = {name: kwargs.pop(name) for name in DEPRECATED_KEYWORDS if name in kwargs}
         super().__init__(**kwargs)
         self._folder = folder
-        self._manager_args: dict[str, Any] = {
-            "job_id": job_id, "local_dir": local_dir, "keep": keep,
-            "keep_persistent": keep_persistent, "replication": replication,
-            "memory_limit_bytes": memory_limit, "replication_host": replication_host,
-            "replication_interface": replication_interface,
-            "replication_bandwidth": replication_bandwidth,
-            "replication_timeout": replication_timeout, "replication_streams": replication_streams,
-            "failure_domain": failure_domain, "replicas": replicas}
+        self._options = Options.of("MLCheckpointStrategy", job_id=job_id, local_dir=local_dir,
+                                   keep=keep, keep_persistent=keep_persistent,
+                                   memory_limit_bytes=memory_limit, replication=replication,
+                                   deprecated=flat)
         self.checkpoints: CheckpointManager | None = None
         self.last_resume: ResumeInfo | None = None  # that of the last load_checkpoint(LATEST)
         self._failed = False
@@ -203,20 +198,20 @@ class MLCheckpointStrategy(ModelParallelStrategy):
         super().setup(trainer)
         if self.checkpoints is None:
             folder = self._folder or getattr(trainer.checkpoint_callback, "dirpath", None)
-            args = dict(self._manager_args)
-            if args["keep_persistent"] is None:
-                args["keep_persistent"] = keep_persistent(trainer.checkpoint_callback)
+            options = self._options
+            if options.keep_persistent is None:
+                options = dataclasses.replace(
+                    options, keep_persistent=keep_persistent(trainer.checkpoint_callback))
             self.checkpoints = CheckpointManager(
-                LightningFolder(folder, self) if folder else None, **args)
+                LightningFolder(folder, self) if folder else None, options=options)
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Any | None = None) -> None:
         if not is_memory_path(filepath):
             super().save_checkpoint(checkpoint, filepath, storage_options)
-            writer = self.checkpoints.persistent_writer if self.checkpoints is not None else None
-            if writer is not None:
-                writer.prune()  # rank 0, now that this save is complete
+            if self.checkpoints is not None:
+                self.checkpoints.prune_persistent()  # rank 0, now that this save is complete
             return
         assert self.checkpoints is not None, "save_checkpoint before setup"
         state = {"state_dict": checkpoint.pop("state_dict")}

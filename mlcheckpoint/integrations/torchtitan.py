@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Literal
+from typing import Any
 
 from torchtitan.components import checkpointer as torchtitan_checkpointer
 from torchtitan.components.checkpointer.base import MODEL
@@ -42,7 +42,7 @@ from ..errors import ConfigError, MLCheckpointError
 from ..manager import CheckpointManager as MemoryCheckpoints
 from ..persistent import PersistentStorage
 from ..recovery import ResumeInfo
-from ..settings import default
+from ..settings import DEPRECATED_KEYWORDS, Options, ReplicationOptions, default
 
 SUPPORTED_TORCHTITAN = "0.3.0"
 log = logging.getLogger(__name__)
@@ -115,39 +115,33 @@ class MemoryCheckpointManager(CheckpointManager):
         keep_persistent: int | None = None
         """Complete ``step-N`` folders kept (default: ``keep_latest_k``, 0 meaning all)."""
 
-        replication: Literal["tcp", "pg", "nccl", "none"] = default("replication")
-        """How shards reach the partner node."""
-
         memory_limit: str | None = None
         """Cap on this job's tmpfs use per node, e.g. "64GiB" (default $MLCHECKPOINT_MEMORY_LIMIT)."""
 
+        replication: ReplicationOptions = field(default_factory=ReplicationOptions)
+        """How shards reach partner nodes: ``ReplicationOptions(mode=..., streams=...,
+        replicas=...)``, as ``CheckpointManager(replication=...)``; a mode string ("pg") is
+        taken as ``ReplicationOptions(mode="pg")``."""
+
+        # The flat replication settings of earlier releases: for this release still, with a
+        # DeprecationWarning naming the ReplicationOptions field.
         replication_host: str | None = None
-        """Address the TCP listener binds (default $MLCHECKPOINT_REPLICATION_HOST)."""
-
         replication_interface: str | None = None
-        """Network interface the TCP listener binds, e.g. "eth1" (default
-        $MLCHECKPOINT_REPLICATION_IFNAME)."""
-
-        failure_domain: str | None = None
-        """This node's failure domain, e.g. "rack-12": partners are chosen in other domains
-        (default $MLCHECKPOINT_FAILURE_DOMAIN, else SLURM's leaf switch)."""
-
-        replicas: int | None = None
-        """Partner nodes that keep a replica of each shard (default $MLCHECKPOINT_REPLICAS
-        or 1): losing any that many nodes resumes from memory."""
-
         replication_bandwidth: str | None = None
-        """Background replication budget per node, e.g. "1Gbit" (default
-        $MLCHECKPOINT_REPLICATION_BANDWIDTH or "auto")."""
-
-        replication_timeout: float = default("replication_timeout")
-        """Seconds any single replication operation may block."""
-
+        replication_timeout: float | None = None
         replication_streams: int | None = None
-        """TCP connections one shard is pushed over (default $MLCHECKPOINT_TCP_STREAMS or 4)."""
+        failure_domain: str | None = None
+        replicas: int | None = None
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)  # slots dataclass: no zero-argument super()
+            flat = {name: getattr(self, name) for name in DEPRECATED_KEYWORDS
+                    if getattr(self, name) is not None}
+            self.replication = Options.of("MemoryCheckpointManager.Config",
+                                          replication=self.replication, deprecated=flat,
+                                          stacklevel=4).replication
+            for name in flat:
+                setattr(self, name, None)  # now in self.replication
             if self.persistent_interval < 0 or self.persistent_interval % self.interval:
                 raise ConfigError(
                     f"checkpoint.persistent_interval={self.persistent_interval} must be 0 or a "
@@ -166,13 +160,7 @@ class MemoryCheckpointManager(CheckpointManager):
         self.checkpoints = MemoryCheckpoints(
             TorchtitanFolder(self), job_id=config.job_id, local_dir=config.local_dir,
             keep=config.keep, keep_persistent=keep_persistent(config),
-            replication=config.replication,
-            memory_limit_bytes=config.memory_limit, replication_host=config.replication_host,
-            replication_interface=config.replication_interface,
-            replication_bandwidth=config.replication_bandwidth,
-            replication_timeout=config.replication_timeout,
-            replication_streams=config.replication_streams, failure_domain=config.failure_domain,
-            replicas=config.replicas)
+            memory_limit_bytes=config.memory_limit, replication=config.replication)
 
     # ------------------------------------------------------------------ save
     def _memory_due(self, curr_step: int) -> bool:
@@ -207,9 +195,8 @@ class MemoryCheckpointManager(CheckpointManager):
         # torchtitan calls this after each save to its folder (rank 0 purges). Its own purge
         # counts every step-N folder, a write still in flight too, and could remove the last
         # complete one; mlcheckpoint's keeps the newest complete steps.
-        writer = self.checkpoints.persistent_writer if hasattr(self, "checkpoints") else None
-        if writer is not None:
-            writer.prune_later()
+        if hasattr(self, "checkpoints"):
+            self.checkpoints.prune_persistent(later=True)
 
     # ------------------------------------------------------------------ load
     def _load(self, step: int = -1) -> bool:

@@ -22,13 +22,8 @@ from collections.abc import Iterable, Iterator
 from .._faults import pause_point
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity.verify import verify_region
-from ..settings import (
-    local_dir_errors,
-    resolve_job_id,
-    resolve_local_dir,
-    resolve_memory_limit,
-    warn_if_not_memory,
-)
+from ..settings import resolve_job_id, resolve_local_dir, resolve_memory_limit
+from ..tmpfs import local_dir_errors, warn_if_not_memory
 from . import cleanup, retention
 from .buffers import MappedFile, MappingCache
 from .coverage import CopyGroups
@@ -56,7 +51,7 @@ class LocalStore:
     """
 
     def __init__(self, local_dir: str | os.PathLike | None = None, job_id: str | None = None, *,
-                 memory_limit_bytes: int | None = None, create: bool = True):
+                 memory_limit_bytes: int | str | None = None, create: bool = True):
         self.local_dir = resolve_local_dir(local_dir)
         self.job_id = resolve_job_id(job_id)
         self.paths = JobPaths(os.path.join(self.local_dir, self.job_id))

@@ -22,6 +22,7 @@ from mlcheckpoint import (
     MLCheckpointError,
     ResumeInfo,
 )
+from mlcheckpoint.testing import internals
 
 JOB = "job-dcp"
 
@@ -354,7 +355,7 @@ def test_manager_resume_falls_back_past_corrupt_step(dirs):
     with manager(dirs, keep=3) as ckpt:
         for s in (1, 2, 3):
             ckpt.save(make_state(s), s)
-        damage_shard(ckpt.store, 3, 0, item="model.f32", at=5)
+        damage_shard(internals(ckpt).store, 3, 0, item="model.f32", at=5)
         out = zeros_like_state(make_state())
         info = ckpt.resume(out)
         assert (info.step, info.source) == (2, "local")
@@ -408,7 +409,7 @@ def test_manager_wait_raises_a_failed_background_persistent_write(dirs):
         with pytest.raises((MLCheckpointError, OSError)):
             ckpt.wait()  # the write of step 9 failed: wait says so
         ckpt.wait()  # raised once
-        assert ckpt.pins.steps() == set()  # the failed write gave its step back
+        assert internals(ckpt).pins.steps() == set()  # the failed write gave its step back
         ckpt.save(make_state(10), 10)
         assert [e.step for e in ckpt.checkpoints()] == [10]
 
@@ -423,14 +424,14 @@ def test_a_failing_close_unpins_the_persistent_writes_it_cancels(dirs, monkeypat
         for step in (1, 2, 3):
             assert ckpt.async_save(make_state(step), step, persistent=True).result(timeout=60).persistent
         wait_for(lambda: os.path.exists(f"{release}.reached"), "step 1's persistent write to start")
-        assert ckpt.pins.steps() == {1, 2, 3}
+        assert internals(ckpt).pins.steps() == {1, 2, 3}
         ckpt.close(failed=True)
-        assert ckpt.pins.steps() == {1}
+        assert internals(ckpt).pins.steps() == {1}
     finally:
         release.touch()
         ckpt.close(failed=True)  # (idempotent) on a failure above, nothing is left queued
         # The running write ends before the fixture removes the folders it writes into.
-        wait_for(lambda: ckpt.pins.steps() == set(), "the running write to end")
+        wait_for(lambda: internals(ckpt).pins.steps() == set(), "the running write to end")
     assert os.path.exists(os.path.join(dirs[1], f"step-{1:012d}", ".metadata"))
     assert not os.path.exists(os.path.join(dirs[1], f"step-{2:012d}"))
 
@@ -445,8 +446,8 @@ def test_manager_retention_keeps_newest(dirs):
         ckpt.wait()
         mem = [e.step for e in ckpt.checkpoints() if e.location == "memory"]
         assert mem == [5, 6]
-        assert ckpt.store.complete_steps() == [5, 6]
-        pooled = os.listdir(ckpt.store.pool_dir)
+        assert internals(ckpt).store.complete_steps() == [5, 6]
+        pooled = os.listdir(internals(ckpt).store.pool_dir)
         assert 1 <= len(pooled) <= 2
 
 

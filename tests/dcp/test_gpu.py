@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from cluster import Cluster
 
-from mlcheckpoint import CheckpointManager, MemoryStorageReader
+from mlcheckpoint import CheckpointManager
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -32,7 +32,7 @@ def test_async_save_stages_device_tensors_straight_into_tmpfs():
             assert all(t.device.type == "cpu" for t in staged.values())
             writer.close()
             out = {k: torch.zeros_like(v, device="cuda") for k, v in expected.items()}
-            dcp.load(out, storage_reader=MemoryStorageReader(1, ckpt.store))
+            dcp.load(out, storage_reader=ckpt.storage_reader(1))
             for k, v in expected.items():
                 assert torch.equal(out[k].cpu(), v)
     finally:

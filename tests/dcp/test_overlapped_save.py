@@ -19,7 +19,8 @@ from states import assert_same
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from mlcheckpoint import CheckpointManager, MemoryStorageReader, StagingError
+from mlcheckpoint import CheckpointManager, StagingError
+from mlcheckpoint.testing import internals
 
 JOB = "overlap"
 
@@ -51,7 +52,7 @@ class HeldStaging:
 
     def __init__(self, ckpt: CheckpointManager):
         self.gate = threading.Event()
-        ckpt.snapshots.submit(lambda copied: self.gate.wait(), label=-1)
+        internals(ckpt).snapshots.submit(lambda copied: self.gate.wait(), label=-1)
 
     def release(self) -> None:
         self.gate.set()
@@ -71,7 +72,7 @@ def release_at_step(optim: torch.optim.Optimizer, holds: list[HeldStaging]) -> N
 
 def load(ckpt: CheckpointManager, step: int, like: dict) -> dict:
     out = copy.deepcopy(like)
-    dcp.load(out, storage_reader=MemoryStorageReader(step, ckpt.store), no_dist=True)
+    dcp.load(out, storage_reader=ckpt.storage_reader(step), no_dist=True)
     return out
 
 
@@ -96,6 +97,9 @@ def test_optimizer_step_waits_and_the_snapshot_is_the_pre_step_state(store_dir):
         assert not fut.done()  # returned before the copy: it waits behind the held job
         train_step(model, optim, 1)  # optimizer.step() releases the copy, the guard waits for it
         assert fut.result().step == 2
+        # stats() gives the longest time a guard held the training thread
+        assert ckpt.stats()["mlcheckpoint/guard_longest_wait_seconds"] == \
+            internals(ckpt).snapshots.longest_wait_s
         after = state(model, optim)
         before = load(ckpt, 1, after)
         assert_same(load(ckpt, 2, after), before)
@@ -212,7 +216,7 @@ def test_failing_close_during_staging_commits_nothing_torn(store_dir):
         fut.result(timeout=60)
     train_step(model, optim, 1)
     with make_manager(store_dir) as again:
-        assert again.store.complete_steps() == [1]
+        assert internals(again).store.complete_steps() == [1]
         out = copy.deepcopy(expected)
         assert again.resume(out).step == 1
         assert_same(out, expected)
@@ -239,7 +243,7 @@ def test_staging_failure_surfaces_at_the_guard_and_the_previous_step_resumes(sto
         with pytest.raises(StagingError):
             fut.result()
         exp_avg.resize_(kept.shape).copy_(kept)
-        assert ckpt.store.complete_steps() == [1]
+        assert internals(ckpt).store.complete_steps() == [1]
         with pytest.raises(StagingError):  # every rank's next save says so, and skips
             ckpt.async_save(sd, 3)
         ckpt.async_save(sd, 3).result()  # raised once: saving goes on
@@ -260,7 +264,7 @@ def test_without_a_guard_async_save_blocks(store_dir):
         assert_same(load(ckpt, 2, expected), expected)
         handle = ckpt.guard(optim)
         handle.remove()
-        assert not ckpt.snapshots.guarded
+        assert not internals(ckpt).snapshots.guarded
 
 
 def test_overlap_false_blocks_and_wait_staged_waits(store_dir):

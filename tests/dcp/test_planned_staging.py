@@ -25,6 +25,7 @@ from mlcheckpoint import (
 from mlcheckpoint.dcp.plans import PlanCache
 from mlcheckpoint.dcp.snapshot import Snapshotter
 from mlcheckpoint.store.shards import align
+from mlcheckpoint.testing import internals
 
 JOB = "planned"
 
@@ -109,18 +110,18 @@ def test_tensors_a_guarded_stage_left_out_are_copied_before_the_optimizer_step(
 
     ckpt = CheckpointManager(job_id=JOB, local_dir=store_dir, replication="none", keep=4)
     # A rank alone predicts nothing (DCP gives it every item); this test forges a prediction.
-    ckpt.snapshots.plans = PlanCache()
+    internals(ckpt).snapshots.plans = PlanCache()
     try:
         train_step(0)
         ckpt.guard(optim)
         first = ckpt.async_save(model_state(model, optim), 0).result()
         assert first.staged_bytes > 0
         # A stale prediction: every other tensor is another rank's to write.
-        key = ckpt.snapshots.plans.predict(model_state(model, optim)).key
-        flat = [k for k in ckpt.store.read_manifest(0, 0).items if k.kind == "tensor"]
+        key = internals(ckpt).snapshots.plans.predict(model_state(model, optim)).key
+        flat = [k for k in internals(ckpt).store.read_manifest(0, 0).items if k.kind == "tensor"]
         half = [WriteItem(MetadataIndex(it.key.split("@")[0]), WriteItemType.TENSOR)
                 for it in flat[::2]]
-        ckpt.snapshots.plans.learn(key, SavePlan(half))
+        internals(ckpt).snapshots.plans.learn(key, SavePlan(half))
         train_step(1)
         expected = clone_state(model_state(model, optim))
         gate = os.path.join(store_dir, "gate")
@@ -135,7 +136,7 @@ def test_tensors_a_guarded_stage_left_out_are_copied_before_the_optimizer_step(
         finally:
             timer.join()
         result = fut.result()
-        tensor_bytes = sum(align(it.nbytes) for it in ckpt.store.read_manifest(1, 0).items
+        tensor_bytes = sum(align(it.nbytes) for it in internals(ckpt).store.read_manifest(1, 0).items
                            if it.kind == "tensor")
         assert 0 < result.staged_bytes < tensor_bytes  # half was left out, then copied
         out = zeros_like_state(expected)

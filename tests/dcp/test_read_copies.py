@@ -35,6 +35,7 @@ from mlcheckpoint.replication import Transport
 from mlcheckpoint.store import coverage
 from mlcheckpoint.store.identity import Lineage
 from mlcheckpoint.store.layout import ItemLocation
+from mlcheckpoint.testing import internals
 from mlcheckpoint.topology import Topology
 
 JOB = "job-read-copies"
@@ -137,7 +138,7 @@ def test_a_resume_reads_them_and_refuses_a_corrupt_copy(store_dir):
         assert info.step == STEP, info
         assert "shards of ranks [1] are on no surviving node" in info.reason and "copies" in info.reason
         same(expected, out)
-        flip_byte(ckpt.store.data_path(STEP, 0), copies["model.f16"].offset + 1)
+        flip_byte(internals(ckpt).store.data_path(STEP, 0), copies["model.f16"].offset + 1)
     with CheckpointManager(None, job_id=JOB, local_dir=local, replication="none") as ckpt:
         out = target()
         info = ckpt.resume(out)

@@ -45,6 +45,7 @@ from mlcheckpoint import CheckpointManager, ShardNotFoundError
 from mlcheckpoint.replication import ReplicationError
 from mlcheckpoint.replication.core import sink
 from mlcheckpoint.store import LocalStore, layout
+from mlcheckpoint.testing import internals
 
 JOB = "job-scenarios"
 MiB = 1 << 20
@@ -71,16 +72,16 @@ class Fallback:
 
 FALLBACKS = {
     "memory_lost": Fallback(
-        memory=(5,), persistent=(4,), damage=lambda ckpt: ckpt.store.destroy(),
+        memory=(5,), persistent=(4,), damage=lambda ckpt: internals(ckpt).store.destroy(),
         resumed=(4, "persistent")),
     "all_memory_corrupt": Fallback(
         memory=(2,), persistent=(1,),  # step 1 is in memory too
-        damage=lambda ckpt: (damage_shard(ckpt.store, 2, 0, item=0, at=0),
-                             damage_shard(ckpt.store, 1, 0, "truncated")),
+        damage=lambda ckpt: (damage_shard(internals(ckpt).store, 2, 0, item=0, at=0),
+                             damage_shard(internals(ckpt).store, 1, 0, "truncated")),
         resumed=(1, "persistent"),
         reason_names=("step 2", "checksum mismatch", "step 1", "truncated")),
     "persistent_newer": Fallback(
-        memory=(3,), persistent=(6,), damage=lambda ckpt: ckpt.store.retire_shard(6, 0),
+        memory=(3,), persistent=(6,), damage=lambda ckpt: internals(ckpt).store.retire_shard(6, 0),
         resumed=(6, "persistent"), reason_names=("persistent step 6",)),
     "memory_newer": Fallback(  # the contrast: intact memory at least as new wins
         memory=(5,), persistent=(4,), damage=lambda ckpt: None, resumed=(5, "local"),

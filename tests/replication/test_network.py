@@ -148,7 +148,7 @@ def test_replication_listens_on_the_named_interface_and_refuses_loopback(netns):
         # (a) replication_interface names the namespace's NIC: every rank binds and advertises
         # its address, step 0 is replicated over it, and node 0 logs where it listens and
         # where its partner said it listens.
-        results = run_job_in(netns, c, {"kwargs": {"replication_interface": netns.interface},
+        results = run_job_in(netns, c, {"kwargs": {"interface": netns.interface},
                                         "save": True})
         for rank, res in results.items():
             assert res["address"].rsplit(":", 1)[0] == netns.address, (rank, res)
@@ -163,7 +163,7 @@ def test_replication_listens_on_the_named_interface_and_refuses_loopback(netns):
         # (b) replication_host forced to loopback while MASTER_ADDR is the namespace's address:
         # every rank refuses at construction, naming the setting.
         c.clear_results()
-        results = run_job_in(netns, c, {"kwargs": {"replication_host": "127.0.0.1"}})
+        results = run_job_in(netns, c, {"kwargs": {"host": "127.0.0.1"}})
         for rank, res in results.items():
             assert "error" in res, (rank, res)
             assert "replication_host" in res["error"], res["error"]

@@ -28,7 +28,7 @@ from mlcheckpoint.replication.schedule.pairing import (
     rank_targets,
     replica_targets,
 )
-from mlcheckpoint.settings import Options
+from mlcheckpoint.settings import ReplicationOptions
 from mlcheckpoint.topology import Topology
 
 JOB = "job-replicas"
@@ -105,13 +105,13 @@ def test_rank_pairing_follows_node_pairing(domains, local_world, replicas):
 
 
 def test_the_setting_is_a_whole_number_from_1_to_8(clean_env):
-    assert Options.resolve(job_id="j", local_dir="/dev/shm/x").replicas == 1
+    assert ReplicationOptions().resolved().replicas == 1
     clean_env.setenv("MLCHECKPOINT_REPLICAS", "3")
-    assert Options.resolve(job_id="j", local_dir="/dev/shm/x").replicas == 3
-    assert Options.resolve(job_id="j", local_dir="/dev/shm/x", replicas=2).replicas == 2
+    assert ReplicationOptions().resolved().replicas == 3
+    assert ReplicationOptions(replicas=2).resolved().replicas == 2
     for bad in (0, 9, True, "2"):
         with pytest.raises(ConfigError, match="replicas"):
-            Options.resolve(job_id="j", local_dir="/dev/shm/x", replicas=bad)
+            ReplicationOptions(replicas=bad)
 
 
 # ---------------------------------------------------------------------------- resuming

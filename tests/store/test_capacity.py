@@ -9,6 +9,7 @@ import torch
 from helpers import mounted_tmpfs
 
 from mlcheckpoint import CapacityError, CheckpointManager, LocalStore
+from mlcheckpoint.testing import internals
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -50,7 +51,7 @@ def usage_after_one_save(local_dir: str) -> int:
     probe_dir = os.path.join(local_dir, "probe")
     with limited_manager(probe_dir, None, keep=1) as ckpt:
         ckpt.save(state(0), 0)
-        store = ckpt.store
+        store = internals(ckpt).store
     total = 0  # after close: the preparation has finished
     for root, dirs, files in os.walk(store.job_dir):
         dirs[:] = [d for d in dirs if os.path.join(root, d) != store.pool_dir]
@@ -66,7 +67,7 @@ def test_memory_limit_raises_and_keeps_committed(store_dir, how):
     with limited_manager(local, limit, keep=1) as ckpt:
         first = state(1)
         ckpt.save(first, 1)
-        assert ckpt.store.usage_bytes() <= limit
+        assert internals(ckpt).store.usage_bytes() <= limit
 
         with pytest.raises(CapacityError) as ei:
             if how == "save":
@@ -76,21 +77,21 @@ def test_memory_limit_raises_and_keeps_committed(store_dir, how):
         e = ei.value
         check_message(e)
         assert mib_str(limit) in str(e)  # names the limit
-        assert ckpt.store.complete_steps() == [1]
-        ckpt.store.verify_shard(1, 0)
+        assert internals(ckpt).store.complete_steps() == [1]
+        internals(ckpt).store.verify_shard(1, 0)
         ckpt.wait()  # a failed async save leaves nothing in flight that could hang
-        assert ckpt.store.usage_bytes() <= limit
+        assert internals(ckpt).store.usage_bytes() <= limit
 
         # Training continues: a smaller state fits; committing it retires step 1 into the pool,
         # whose buffer then takes the next full-size save without growing usage.
         ckpt.save(state(3, mib=0.0625), 3)
-        assert ckpt.store.complete_steps() == [3]
+        assert internals(ckpt).store.complete_steps() == [3]
         if how == "save":
             ckpt.save(state(4), 4)
         else:
             ckpt.async_save(state(4), 4).result(timeout=60)
-        assert ckpt.store.complete_steps() == [4]
-        assert ckpt.store.usage_bytes() <= limit
+        assert internals(ckpt).store.complete_steps() == [4]
+        assert internals(ckpt).store.usage_bytes() <= limit
 
     with limited_manager(local, limit, keep=1) as ckpt:  # restart
         out = zeros()
@@ -145,7 +146,7 @@ def test_full_tmpfs_raises_capacity_error_and_keeps_checkpoints(small_tmpfs):
     with limited_manager(small_tmpfs, None, keep=2) as ckpt:
         ckpt.save(state(1, mib=3), 1)
         ckpt.save(state(2, mib=3), 2)
-        used = ckpt.store.usage_bytes()
+        used = internals(ckpt).store.usage_bytes()
         with pytest.raises(CapacityError) as ei:
             ckpt.save(state(3, mib=3), 3)  # 9 MiB would be needed on an 8 MiB tmpfs
         check_message(ei.value)
@@ -153,10 +154,10 @@ def test_full_tmpfs_raises_capacity_error_and_keeps_checkpoints(small_tmpfs):
         with pytest.raises(CapacityError):
             ckpt.async_save(state(3, mib=3), 3)
         ckpt.wait()
-        assert ckpt.store.complete_steps() == [1, 2]
-        assert ckpt.store.usage_bytes() == used
+        assert internals(ckpt).store.complete_steps() == [1, 2]
+        assert internals(ckpt).store.usage_bytes() == used
         for s in (1, 2):
-            ckpt.store.verify_shard(s, 0)
+            internals(ckpt).store.verify_shard(s, 0)
     with limited_manager(small_tmpfs, None, keep=2) as ckpt:
         out = zeros(3)
         info = ckpt.resume(out)
@@ -164,4 +165,4 @@ def test_full_tmpfs_raises_capacity_error_and_keeps_checkpoints(small_tmpfs):
         assert torch.equal(out["w"], state(2, mib=3)["w"])
         # a checkpoint that fits still goes in
         ckpt.save(state(3, mib=0.5), 3)
-        assert ckpt.store.complete_steps()[-1] == 3
+        assert internals(ckpt).store.complete_steps()[-1] == 3

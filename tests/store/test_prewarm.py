@@ -11,6 +11,7 @@ from helpers import payload, pool_files, put_metadata, put_shard, put_step
 
 from mlcheckpoint import CheckpointManager, LocalStore
 from mlcheckpoint.store import buffers, layout
+from mlcheckpoint.testing import internals
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -107,10 +108,10 @@ def test_manager_prepares_buffers_after_the_first_save(store_dir):
     sd = {"w": torch.randn(256, 256), "b": torch.randn(300)}
     with CheckpointManager(job_id=JOB, local_dir=store_dir, keep=2, replication="none") as ckpt:
         ckpt.save(sd, 1)
-        warmer = ckpt.warmer.thread
+        warmer = internals(ckpt).warmer.thread
         assert warmer is not None
         warmer.join(timeout=60)
-        store = ckpt.store
+        store = internals(ckpt).store
         prepared = {os.stat(p).st_ino for p in pool_files(store)}
         assert len(prepared) == 2
         assert populated_by(store, pool_files(store)) == {"madvise"}

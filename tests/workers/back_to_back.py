@@ -15,6 +15,7 @@ import torch.distributed as dist
 from common import init, report
 
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.testing import internals
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
     ckpt.wait()
     protection = ckpt.protection()
     ckpt.close()
-    rep = ckpt.replicator
+    rep = internals(ckpt).replicator
     assert rep is not None
     report("back_to_back", {"saves": step, "rounds": rep.rounds.finished,
                             "protection": protection.__dict__})

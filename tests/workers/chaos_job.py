@@ -34,7 +34,7 @@ import torch.distributed as dist
 from common import init, report
 from states import differences
 
-from mlcheckpoint import CheckpointManager
+from mlcheckpoint import CheckpointManager, ReplicationOptions
 
 BIG = 1 << 18  # float32 items of the per-rank tensor: ~1 MiB per shard, replication takes a while
 
@@ -142,7 +142,7 @@ def main() -> None:
     progress = Progress(rank, rnd)
     arm_crash_point()
     progress("pid", os.getpid())  # the test watches for this rank's death
-    ckpt = CheckpointManager(keep=2, replication_timeout=10.0)
+    ckpt = CheckpointManager(keep=2, replication=ReplicationOptions(timeout=10.0))
     sd = template(rank)
     progress("resume")
     info = ckpt.resume(sd)

@@ -17,6 +17,7 @@ from common import init, report
 from states import differences
 
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.testing import internals
 
 
 def rep(step: int) -> torch.Tensor:
@@ -33,10 +34,10 @@ def step_state(step: int, rank: int) -> dict:
 def holdings(ckpt: CheckpointManager) -> dict:
     """{step: {owner: [items, data_bytes]}} of every verified shard on this node."""
     out = {}
-    for step, st in ckpt.store.inventory().items():
+    for step, st in internals(ckpt).store.inventory().items():
         out[step] = {}
         for owner in sorted(st.committed_ranks):
-            m = ckpt.store.verify_shard(step, owner)
+            m = internals(ckpt).store.verify_shard(step, owner)
             out[step][owner] = [len(m.items), m.data_bytes]
     return out
 

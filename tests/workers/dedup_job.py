@@ -94,7 +94,7 @@ def train(rank: int) -> None:
                   for idx, loc in md.storage_data.items()
                   if loc.rank == rank and idx.fqn in expected[step]}
         dcp.load(loaded, storage_reader=ckpt.storage_reader(step))
-        st = ckpt.replicator.state(step) if ckpt.replicator is not None else None
+        st = ckpt.replication_state(step)
         out[step] = {
             "state_bytes": state_bytes[step],
             "data_bytes": s.bytes,

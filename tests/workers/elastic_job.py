@@ -36,7 +36,7 @@ from rec_jobs import ROWS, comparable, elastic_state, elastic_template
 from states import differences
 from torch.distributed.tensor import DTensor, Shard
 
-from mlcheckpoint import CheckpointManager
+from mlcheckpoint import CheckpointManager, ReplicationOptions
 
 
 def with_layers(sd: dict, layers: int, rank: int, world: int, step: int, mesh) -> dict:
@@ -58,7 +58,7 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
         os.environ["MLCHECKPOINT_FAILURE_DOMAIN"] = spec["domains"][int(os.environ["GROUP_RANK"])]
     else:
         os.environ.pop("MLCHECKPOINT_FAILURE_DOMAIN", None)
-    ckpt = CheckpointManager(job_id=job, replicas=spec.get("replicas"))
+    ckpt = CheckpointManager(job_id=job, replication=ReplicationOptions(replicas=spec.get("replicas")))
     layers = int(spec.get("layers", 0))
 
     def state(step: int) -> dict:

@@ -8,6 +8,7 @@ from common import report
 from states import make_state
 
 from mlcheckpoint import CheckpointManager, LocalStore
+from mlcheckpoint.testing import internals
 
 
 def main() -> None:
@@ -17,7 +18,8 @@ def main() -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl")
     rank = dist.get_rank()
     ckpt = CheckpointManager(replication="nccl")
-    assert ckpt.replicator is not None and ckpt.replicator.transport.name == "pg/nccl"
+    replicator = internals(ckpt).replicator
+    assert replicator is not None and replicator.transport.name == "pg/nccl"
     sd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in make_state(1, rank).items()}
     ckpt.async_save(sd, 1).result()
     protected = ckpt.wait_replicated(1, 120)

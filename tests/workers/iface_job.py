@@ -1,5 +1,5 @@
 """Worker: build a CheckpointManager with the replication settings given in argv[1] (a JSON
-object: "kwargs" for the constructor, "save": whether to save step 0 and wait until it is on
+object: "kwargs" for its ReplicationOptions, "save": whether to save step 0 and wait until it is on
 two nodes), and report where replication listens, or the ConfigError the constructor raised.
 
 report "iface": {"address", "interface", "chosen_by", "protected"} or {"error"}
@@ -12,19 +12,21 @@ import torch.distributed as dist
 from common import init, report
 from states import make_state
 
-from mlcheckpoint import CheckpointManager, ConfigError
+from mlcheckpoint import CheckpointManager, ConfigError, ReplicationOptions
+from mlcheckpoint.testing import internals
 
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     rank, _world = init()
     try:
-        ckpt = CheckpointManager(**cfg["kwargs"])
+        ckpt = CheckpointManager(replication=ReplicationOptions(**cfg["kwargs"]))
     except ConfigError as e:
         report("iface", {"error": str(e)})
         dist.destroy_process_group()
         return
-    transport = ckpt.replicator.transport if ckpt.replicator else None
+    replicator = internals(ckpt).replicator
+    transport = replicator.transport if replicator else None
     endpoint = getattr(transport, "endpoint", None)
     protected = None
     if cfg.get("save"):

@@ -20,6 +20,7 @@ from common import init, report
 from states import differences, make_state, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.testing import internals
 
 
 def state(rank: int, step: int, world: int) -> dict:
@@ -46,7 +47,8 @@ def main() -> None:
     hold = len(sys.argv) > 3 and sys.argv[3] == "hold"
     rank, world = init()
     ckpt = CheckpointManager(replication="tcp")
-    address = getattr(ckpt.replicator.transport, "address", None) if ckpt.replicator else None
+    replicator = internals(ckpt).replicator
+    address = getattr(replicator.transport, "address", None) if replicator else None
 
     sd = zeros_like_state(state(rank, 0, world))
     info = ckpt.resume(sd)

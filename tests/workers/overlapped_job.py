@@ -34,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from mlcheckpoint import CheckpointManager, StagingError
+from mlcheckpoint.testing import internals
 
 STOP, TOTAL = 3, 6
 
@@ -84,7 +85,7 @@ def native(rank: int) -> None:
     ckpt.save(flat(), 3)
     saved3 = clone_state(flat())
     gate = threading.Event()
-    ckpt.snapshots.submit(lambda copied: gate.wait(), label=-1)  # hold the staging thread
+    internals(ckpt).snapshots.submit(lambda copied: gate.wait(), label=-1)  # hold the staging thread
     fut = ckpt.async_save(flat(), 4)
     if rank == 1:
         weight = optim.state[model[0].weight]["exp_avg"]
@@ -104,7 +105,7 @@ def native(rank: int) -> None:
     except StagingError as e:
         out["next_save"] = type(e).__name__
     out["after"] = ckpt.async_save(flat(), 6).result().step
-    out["step4_complete"] = 4 in ckpt.store.complete_steps()
+    out["step4_complete"] = 4 in internals(ckpt).store.complete_steps()
     out["step3_differs"] = differs(ckpt, 3, saved3)
     ckpt.close()
     report("native", out)

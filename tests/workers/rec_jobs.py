@@ -31,6 +31,7 @@ from states import differences, make_state, zeros_like_state
 from torch.distributed.tensor import DTensor, Shard
 
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.testing import internals
 from mlcheckpoint.waiting import deadline_in, wait_until
 
 ROWS = 24  # divisible by every world size used (1, 2, 3, 4)
@@ -93,8 +94,9 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
         return elastic_state(rank, world, step, mesh) if elastic else make_state(step, rank)
 
     sd = elastic_template(rank, world, mesh) if elastic else zeros_like_state(make_state(0, rank))
-    if spec.get("kill_after_read") == rank and ckpt.replicator is not None:
-        die_after_first_read(ckpt.replicator.transport)
+    replicator = internals(ckpt).replicator
+    if spec.get("kill_after_read") == rank and replicator is not None:
+        die_after_first_read(replicator.transport)
     info = ckpt.resume(sd)
     mismatch = [] if info.step is None else differences(comparable(state(info.step)), comparable(sd))
     report(f"resume-{job}", {"step": info.step, "source": info.source, "match": not mismatch,
@@ -102,14 +104,14 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
                              "sources": info.sources, "bytes_fetched": info.bytes_fetched,
                              "world": world})
     if spec.get("await_own") and info.step is not None:
-        wait_until(lambda: rank in ckpt.store.step_state(info.step).committed_ranks,
+        wait_until(lambda: rank in internals(ckpt).store.step_state(info.step).committed_ranks,
                    deadline_in(60), 0.05)
-    if spec.get("heal") and info.step is not None and ckpt.replicator is not None:
+    if spec.get("heal") and info.step is not None and ckpt.replication_mode != "none":
         report(f"healed-{job}", {"step": info.step,
                                  "protected": ckpt.wait_replicated(info.step, 60)})
     for step in range(int(spec.get("first", 1)), int(spec.get("last", 0)) + 1):
         ckpt.save(state(step), step, persistent=bool(persist) and step % persist == 0)
-        if ckpt.replicator is not None and not spec.get("back_to_back"):
+        if ckpt.replication_mode != "none" and not spec.get("back_to_back"):
             ckpt.wait_replicated(step, 60)
     ckpt.wait()
     report(f"listing-{job}", {"entries": [e.__dict__ for e in ckpt.checkpoints()]})

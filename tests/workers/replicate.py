@@ -11,6 +11,7 @@ from common import init, report
 from states import make_state
 
 from mlcheckpoint import CheckpointManager, LocalStore
+from mlcheckpoint.testing import internals
 
 
 def main() -> None:
@@ -43,10 +44,11 @@ def main() -> None:
             verified.append(r)
         held[step] = {"ranks": verified, "metadata": st.has_metadata}
     listing = [e.__dict__ for e in ckpt.checkpoints()]
-    server = getattr(ckpt.replicator.transport, "server", None) if ckpt.replicator else None
+    replicator = internals(ckpt).replicator
+    server = getattr(replicator.transport, "server", None) if replicator else None
     report("replicate", {"protected": protected, "held": held, "listing": listing,
-                         "targets": ckpt.replicator.targets if ckpt.replicator else [],
-                         "sources": ckpt.replica_owners,
+                         "targets": replicator.targets if replicator else [],
+                         "sources": replicator.sources if replicator else [],
                          # this rank's TCP listener: striped receives, by stream count
                          "striped": server.stripes.landed() if server is not None else {}})
     ckpt.close()

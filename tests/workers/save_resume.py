@@ -28,7 +28,7 @@ def main() -> None:
     report("resume", {"step": info.step, "source": info.source, "match": not mismatch,
                       "mismatch": mismatch, "reason": info.reason, "sources": info.sources,
                       "bytes_fetched": info.bytes_fetched})
-    if info.step is not None and ckpt.replicator is not None:
+    if info.step is not None and ckpt.replication_mode != "none":
         # self-healing: the loaded step is re-protected without waiting for the next save
         report("healed", {"step": info.step, "protected": ckpt.wait_replicated(info.step, 60)})
 
@@ -53,7 +53,7 @@ def main() -> None:
         for t in sd["model"].values():
             t.add_(1)
     ckpt.wait()
-    if last >= first and ckpt.replicator is not None:
+    if last >= first and ckpt.replication_mode != "none":
         report("protected", {"step": last, "protected": ckpt.wait_replicated(last, 60)})
     report("listing", {"entries": [e.__dict__ for e in ckpt.checkpoints()]})
     ckpt.close()

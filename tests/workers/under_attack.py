@@ -19,6 +19,7 @@ from common import init, report
 from states import make_state
 
 from mlcheckpoint import CheckpointManager
+from mlcheckpoint.testing import internals
 from mlcheckpoint.waiting import deadline_in, wait_until
 
 
@@ -31,12 +32,12 @@ def main() -> None:
     last, timeout, pause = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
     rank, _world = init()
     ckpt = CheckpointManager(replication="tcp")
-    transport = ckpt.replicator.transport
+    transport = internals(ckpt).replicator.transport
     ckpt.save(make_state(0, rank), 0)
     first_protected = ckpt.wait_replicated(0, 60)
     report("ready", {"secret": transport.secret.hex(), "address": transport.address,
                      "master_port": int(os.environ["MASTER_PORT"]), "protected": first_protected,
-                     "prefix": ckpt.replicator.rdzv.prefix})
+                     "prefix": internals(ckpt).replicator.rdzv.prefix})
     wait_for_file(os.path.join(os.environ["TEST_OUT_DIR"], "go"))
     protected = {}
     for step in range(1, last + 1):

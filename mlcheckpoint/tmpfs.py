@@ -1,9 +1,13 @@
-"""Is the tmpfs big enough? One warning line, at construction and at the first save.
+"""Is ``local_dir`` fit to hold checkpoints? On a memory filesystem, writable, big enough.
 
-Containers get small memory filesystems by default (Docker: a 64 MiB ``/dev/shm``), and a
-checkpoint that does not fit fails only later, at a save or when a partner's replica arrives.
-This says so early, in one line that names the setting to raise. It never raises: a save
-that does not fit still gets its CapacityError from the store.
+- ``local_dir_errors``: what the OS says while the store creates its directories (a file in
+  the way, a read-only or foreign directory) becomes a ConfigError naming the fix;
+- ``warn_if_not_memory``: one warning when ``local_dir`` is not on tmpfs/ramfs (statfs);
+- ``RoomCheck``: one warning line, at construction and at the first save, when the tmpfs is
+  too small for what the job keeps. Containers get small memory filesystems by default
+  (Docker: a 64 MiB ``/dev/shm``), and a checkpoint that does not fit fails only later, at a
+  save or when a partner's replica arrives. It never raises: a save that does not fit still
+  gets its CapacityError from the store.
 
 A node holds ``keep`` steps of its own ranks' shards and, when replicating, as many of each
 partner's (``replicas`` of them): for a node of n ranks with shards of s bytes,
@@ -13,14 +17,79 @@ keep * n * s * (1 + replicas).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ._words import plural
-from .store.layout import JobPaths
+from .errors import ConfigError
+from .settings import DEFAULT_LOCAL_DIR
 from .topology import Topology
 
+if TYPE_CHECKING:
+    from .store.layout import JobPaths
+
 log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- creating it, its filesystem
+
+@contextlib.contextmanager
+def local_dir_errors(local_dir: str) -> Iterator[None]:
+    """Turn what the OS says while creating the store's directories into a ConfigError that
+    names ``local_dir`` and the fix (a regular file in the way, a read-only or foreign dir)."""
+    fix = "pass local_dir= (or set MLCHECKPOINT_LOCAL_DIR to) a writable directory on tmpfs"
+    try:
+        yield
+    except (FileExistsError, NotADirectoryError) as e:
+        what = repr(e.filename) if isinstance(e, FileExistsError) else f"a part of {e.filename!r}"
+        raise ConfigError(f"local_dir {local_dir!r} cannot hold checkpoints: {what} is a file, "
+                          f"not a directory; {fix}") from e
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        why = "is on a read-only filesystem" if e.errno == errno.EROFS else "is not writable by this user"
+        raise ConfigError(f"local_dir {local_dir!r} {why} ({e.strerror}: {e.filename!r}); "
+                          f"{fix}") from e
+
+
+# statfs f_type of the filesystems that keep their files in memory, and names of a few others
+# for the warning's wording.
+_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs", 0x958458F6: "hugetlbfs"}
+_OTHER_FS = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x794C7630: "overlayfs",
+            0x6969: "nfs", 0xFF534D42: "cifs", 0x65735546: "fuse", 0x2FC12FC1: "zfs"}
+_warned_not_memory: set[str] = set()
+
+
+def filesystem_type(path: str) -> int | None:
+    """statfs(2)'s f_type of the filesystem holding ``path``; None where it cannot be read."""
+    try:
+        statfs = ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes; f_type comes first
+    if statfs(os.fsencode(path), buf) != 0:
+        return None
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def warn_if_not_memory(local_dir: str) -> None:
+    """Warn (once per directory and process) when ``local_dir`` is not on tmpfs/ramfs."""
+    fs = filesystem_type(local_dir)
+    if fs is None or fs in _MEMORY_FS or local_dir in _warned_not_memory:
+        return
+    _warned_not_memory.add(local_dir)
+    log.warning(
+        "mlcheckpoint: local_dir %s is on %s, not tmpfs: in-memory checkpoints go to that "
+        "filesystem instead, so saves and resumes run at its speed, not at memory speed, and "
+        "take its space. Point local_dir= or MLCHECKPOINT_LOCAL_DIR at a tmpfs directory such "
+        "as %s.", local_dir, _OTHER_FS.get(fs, f"a filesystem of type {fs:#x}"), DEFAULT_LOCAL_DIR)
+
+
+# ---------------------------------------------------------------- its size
 
 MiB = 1 << 20
 CONTAINER_DEFAULT_BYTES = 64 * MiB  # Docker's /dev/shm unless `--shm-size` says otherwise

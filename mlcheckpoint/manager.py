@@ -333,7 +333,7 @@ class CheckpointManager:
         (the protected step is the newest one known at the last save): fine to call on the
         training thread every step."""
         return metrics.stats(self.saver.last_result, self._protection(ask=False),
-                             self.last_resume)
+                             self.last_resume, self.saver.copy_modes(), self.replicator)
 
     def wait_replicated(self, step: int, timeout: float | None = None) -> bool:
         """Wait until every shard and the metadata of ``step`` are on two nodes (job-wide).

@@ -7,7 +7,9 @@ rather than given as None, which most loggers refuse.
 
 from __future__ import annotations
 
+from .dcp.copies import DEDUP, DP_COPIES
 from .recovery import ResumeInfo
+from .replication import Replicator
 from .replication.lag import ProtectionStatus
 from .saving import SaveResult
 
@@ -15,9 +17,18 @@ PREFIX = "mlcheckpoint/"
 
 
 def stats(save: SaveResult | None, protection: ProtectionStatus,
-          resume: ResumeInfo | None) -> dict[str, float]:
-    """The last published save, the replication lag and the last resume, as numbers."""
+          resume: ResumeInfo | None, copy_modes: tuple[str, ...] = (),
+          replicator: Replicator | None = None) -> dict[str, float]:
+    """The last published save, the replication lag and the last resume, as numbers; with
+    data parallelism's copies (``dcp/copies.py``), how many nodes keep them (``dp_copies_nodes``)
+    or had too little room (``dedup_nodes``), and the shard bytes replication did not send
+    because they were covered (``replication_skipped_bytes``)."""
     out: dict[str, float | int | None] = {}
+    if copy_modes:
+        out.update(dp_copies_nodes=copy_modes.count(DP_COPIES),
+                   dedup_nodes=copy_modes.count(DEDUP))
+    if replicator is not None:
+        out.update(replication_skipped_bytes=replicator.skipped_bytes)
     if save is not None:
         out.update(save_step=save.step, save_seconds=save.seconds,
                    save_blocking_seconds=save.blocking_seconds, save_bytes=save.bytes,

@@ -18,6 +18,7 @@ import os
 
 from ._words import plural
 from .store.layout import JobPaths
+from .store.local_store import LocalStore
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,14 @@ def filesystem_bytes(path: str) -> int:
     """Total size of the filesystem holding ``path``."""
     vfs = os.statvfs(path)
     return vfs.f_blocks * vfs.f_frsize
+
+
+def step_room(store: LocalStore, keep: int) -> int:
+    """The bytes one step of this node's shards may take: the job's memory limit (else its
+    tmpfs's size) shared by the ``keep`` steps it holds and the one being saved."""
+    size = filesystem_bytes(store.local_dir)
+    limit = store.memory_limit_bytes
+    return (size if limit is None else min(limit, size)) // (max(1, keep) + 1)
 
 
 def needed_bytes(shard_bytes: int, *, keep: int, ranks_per_node: int, replicating: bool,

@@ -139,3 +139,5 @@ def test_lost_node_resumes_from_the_copies_on_the_other():
         res = c.results("resumed")
         for r, rep in res.items():
             assert rep["step"] == LAST and rep["mismatch"] == [], (r, rep, c.logs())
+        # rank 1's shard was on no node: its items came from the copies in rank 0's
+        assert res[0]["sources"]["1"] == "copies", res[0]

@@ -56,6 +56,7 @@ def main() -> None:
         info = ckpt.resume(sd)
         want = layout_state(layout, rank, local_rank, info.step or 0)
         report("resumed", {"step": info.step, "source": info.source, "reason": info.reason,
+                           "sources": info.sources,
                            "mismatch": diff(want, sd), "bytes_fetched": info.bytes_fetched})
         ckpt.close()
         dist.destroy_process_group()

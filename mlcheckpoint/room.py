@@ -38,10 +38,11 @@ def filesystem_bytes(path: str) -> int:
 
 def step_room(store: LocalStore, keep: int) -> int:
     """The bytes one step of this node's shards may take: the job's memory limit (else its
-    tmpfs's size) shared by the ``keep`` steps it holds and the one being saved."""
+    tmpfs's size) shared by the ``keep`` steps it holds, the newest protected step (kept
+    when older) and the one being saved."""
     size = filesystem_bytes(store.local_dir)
     limit = store.memory_limit_bytes
-    return (size if limit is None else min(limit, size)) // (max(1, keep) + 1)
+    return (size if limit is None else min(limit, size)) // (max(1, keep) + 2)
 
 
 def needed_bytes(shard_bytes: int, *, keep: int, ranks_per_node: int, replicating: bool,

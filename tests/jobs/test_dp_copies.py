@@ -111,11 +111,11 @@ def test_hsdp_sends_nothing_across_replica_groups():
 
 def test_too_little_room_falls_back_to_replication():
     # A step is ~512 KiB: each node ~256 KiB of its own items, as much again of its
-    # partner's replicas or of copies. With keep=1 a node's room is half the limit (the newest
-    # step and the one being saved); copies are only kept where the node's own items, its
-    # partner's replicas and the copies fit (768 KiB: not in 1.3 MiB / 2); replication as
-    # before (at most ~1 MiB at a time) does fit.
-    limit = 1330 * 1024
+    # partner's replicas or of copies. With keep=1 a node's room per step is a third of the
+    # limit (kept, protected and in-flight steps: room.step_room); copies are only kept where
+    # the node's own items, its partner's replicas and the copies fit (768 KiB, not in
+    # 2 MiB / 3); replication as before (~1.7 MiB at its peak) does fit.
+    limit = 2048 * 1024
     with Cluster(2, 1) as c:
         res = run(c, "ddp", env={"TEST_MEMORY_LIMIT": str(limit), "TEST_KEEP": "1"})
         for r, rep in res.items():

@@ -123,7 +123,16 @@ def choose(held: Mapping[int, Sequence[tuple[MetadataIndex, int]]],
             holders[k].add(rank)
             nbytes[k] = max(n, nbytes.get(k, 0))
             index_of.setdefault(k, index)
-    primary = {key_of(index): rank for rank, items in planned.items() for index in items}
+    primary: dict[Key, int] = {}
+    twice: set[Key] = set()  # planned on several ranks (a planner that does not de-duplicate)
+    for rank, indexes in planned.items():
+        for index in indexes:
+            k = key_of(index)
+            if k in primary:
+                twice.add(k)
+            primary[k] = rank
+    for k in twice:  # written more than once already: no copy of it is kept
+        del primary[k]
     num_nodes = max(node_of_rank, default=-1) + 1
     own = [0] * num_nodes  # bytes of the primaries on each node
     load: dict[int, int] = defaultdict(int)  # bytes each rank's shard holds so far

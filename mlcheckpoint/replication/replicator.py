@@ -8,11 +8,10 @@ that do get replicated are whole job-wide. Each rank records per step: committed
 (partner verified the checksums), failed, or superseded.
 Job-wide progress is counted in the c10d store, per save (a step saved twice is two saves): a
 step is *protected* when every shard and the metadata of the save this node holds are on
-1 + ``replicas`` nodes (a rank's shard counts once every partner has it, or unsent when data
-parallelism's copies put its items there already: ``covered.py``). Only a node's leader
-talks to the store; what it learns (the rounds, and which closed round left its save protected)
-reaches the node's other ranks through a file (``rounds.py``), so saves, ``protection()`` and
-``wait_replicated`` cost the store nothing per rank.
+1 + ``replicas`` nodes (a shard counts once every partner has it, or where data parallelism's
+copies cover it: ``covered.py``). Only a node's leader talks to the store; what it learns (the
+rounds, which closed round left its save protected) reaches the node's other ranks through a
+file (``rounds.py``): saves, ``protection()`` and ``wait_replicated`` cost it nothing per rank.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ from ..settings import default
 from ..store import LocalStore
 from ..topology import Topology
 from ..waiting import deadline_in, wait_until
-from . import lag
-from .covered import shard_covered
+from . import covered, lag
 from .lag import LagWarning, ProtectionStatus
 from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets, sources
 from .rendezvous import Rendezvous
@@ -317,8 +315,7 @@ class Replicator:
         # Saves older than ``step`` and never named are superseded: each rank marks its own
         # when it takes the round (``_replicate``).
         self._repeat_at = time.monotonic() + self._repeat_after
-        if self.metadata_targets:  # first: it says which shards need no sending (covered.py)
-            self._push_metadata(step, save_id)
+        self._push_metadata(step, save_id)  # first: it says which shards need no sending (covered.py)
         self.rounds.propose(self.rounds.finished + 1, step, save_id)
         self._wake.set()  # take it at once, not at the next poll
 
@@ -350,8 +347,8 @@ class Replicator:
             self._mark_superseded(older, r.step)
             st = self.store.step_state(r.step)
             if st.shard_saves.get(self.topology.rank) == r.save_id:
-                counted = self._push_shard(r.step, r.save_id,
-                                           shard_covered(st, r.save_id, self.topology, self.copies))
+                counted = self._push_shard(r.step, r.save_id, covered.shard_covered(
+                    st, r.save_id, self.topology, self.copies))
             else:
                 with self._lock:
                     rep = self._state_for(r.step, r.save_id)
@@ -376,10 +373,9 @@ class Replicator:
             st = self._states.get(step)
             return st is not None and st.metadata_pushed == save_id
 
-    def _push_shard(self, step: int, save_id: str, covered: bool = False) -> bool:
-        """Push this rank's shard of the save to every partner (none if data parallelism's
-        copies ``covered`` it); True when it newly reached all of them (the node's leader
-        counts it for the save, ``Rounds.finish``)."""
+    def _push_shard(self, step: int, save_id: str, by_copies: bool = False) -> bool:
+        """Push this rank's shard of the save to every partner (to none if covered ``by_copies``);
+        True when it newly reached all of them (its node's leader counts it, ``Rounds.finish``)."""
         with self._lock:
             st = self._state_for(step, save_id)
             if st.state == "replicated":  # the round was named again for another rank's sake
@@ -388,7 +384,8 @@ class Replicator:
         t0 = time.perf_counter()
         sent = 0
         try:
-            for peer in [] if covered else self.targets:
+            skipped = self.store.read_manifest(step, self.topology.rank).data_bytes if by_copies else 0
+            for peer in [] if by_copies else self.targets:
                 if peer in st.acked_by:
                     continue
                 sent += self.transport.push_shard(peer, step, self.topology.rank)
@@ -399,9 +396,8 @@ class Replicator:
             self._logs.warning(f"push {step}", "mlcheckpoint: replicating step %d of rank %d "
                                "failed (attempt %d): %s", step, self.topology.rank, st.attempts, e)
             return False
-        skipped = self.store.read_manifest(step, self.topology.rank).data_bytes if covered else 0
         with self._lock:
-            st.state, st.reason = "replicated", "covered by data-parallel copies" if covered else None
+            st.state, st.reason = "replicated", "covered by data-parallel copies" if by_copies else None
             st.bytes, st.seconds = sent, time.perf_counter() - t0
             self.skipped_bytes += skipped
         history.record(self.store.job_dir, "replicate", step=step, rank=self.topology.rank,
@@ -414,7 +410,7 @@ class Replicator:
         return True
 
     def _push_metadata(self, step: int, save_id: str) -> None:
-        if self._metadata_done(step, save_id):
+        if self._metadata_done(step, save_id) or not self.metadata_targets:
             return
         try:
             for peer in self.metadata_targets:

@@ -83,3 +83,10 @@ def test_attach_records_agreeing_copies_only(caplog):
     assert out[b].copies == ()
     assert "b (rank 0, rank 1)" in caplog.text
     assert primaries[a].copies == ()  # the input is left alone
+
+
+def test_items_a_planner_did_not_deduplicate_get_no_copies():
+    held = ddp(2, {"a": 10, "b": 10})
+    planned = {0: [idx("a"), idx("b")], 1: [idx("b")]}  # "b" written by both
+    choice = copies.choose(held, planned, [0, 1], {0: BIG, 1: BIG})
+    assert choice.copies == {1: [idx("a")]}

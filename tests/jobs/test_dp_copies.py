@@ -60,7 +60,7 @@ def test_ddp_protected_with_no_replication_bytes(nproc, mode):
         world = 2 * nproc
         sent = sent_bytes(c, LAST)
         assert sent == dict.fromkeys(range(world), 0), sent
-        for r, rep in res.items():
+        for rep in res.values():
             assert rep["state"] == "replicated" and rep["reason"] == "covered by data-parallel copies", rep
             assert rep["stats"]["mlcheckpoint/dp_copies_nodes"] == 2.0, rep["stats"]
             assert rep["stats"]["mlcheckpoint/replication_skipped_bytes"] > 0, rep["stats"]
@@ -118,7 +118,7 @@ def test_too_little_room_falls_back_to_replication():
     limit = 2048 * 1024
     with Cluster(2, 1) as c:
         res = run(c, "ddp", env={"TEST_MEMORY_LIMIT": str(limit), "TEST_KEEP": "1"})
-        for r, rep in res.items():
+        for rep in res.values():
             assert rep["stats"]["mlcheckpoint/dedup_nodes"] == 2.0, rep["stats"]
             assert rep["reason"] is None, rep
         sent = sent_bytes(c, LAST)

@@ -43,7 +43,7 @@ def layout_state(layout: str, rank: int, local_rank: int, step: int) -> dict:
 def main() -> None:
     layout, last, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     resume = len(sys.argv) > 4 and sys.argv[4] == "resume"
-    rank, world = init()
+    rank, _ = init()
     local_rank = int(os.environ["LOCAL_RANK"])
     kwargs = {}
     if "TEST_MEMORY_LIMIT" in os.environ:

@@ -21,7 +21,7 @@ def shard_covered(st: StepState, save_id: str, topology: Topology, copies: int) 
     sends it to every node before naming a round (``Replicator._propose_next``)."""
     if st.save_id != save_id or st.required_ranks is None:
         return False
-    if topology.rank not in st.required_ranks:
-        return True  # DCP gave this rank no item: its shard holds copies only, if anything
+    # (a rank DCP gave no item has no copy groups: its shard, copies only if anything, is
+    # sent as before; recovery may still want it)
     return coverage.fewest_places(topology.rank, st.copy_groups,
                                   lambda r: {topology.place_of_rank(r)}) >= copies

@@ -1,8 +1,9 @@
 """MemoryStorageWriter: a DCP StorageWriter that commits each rank's shard to tmpfs.
 
 Save path: DCP plan (with a ``CopyPolicy``, the coordinator also chooses which ranks keep
-copies of items that data parallelism holds on several nodes: ``copies.py``) -> ``write_data`` consumes what staging handed over (``staging.Staged``,
-if the state dict was staged) and copies (or, after staging, only hashes) every item into one
+copies of items that data parallelism holds on several nodes: ``copies.py``) ->
+``write_data`` consumes what staging handed over (``staging.Staged``, if the state dict was
+staged) and copies (or, after staging, only hashes) every item into one
 mapped shard buffer (where each item goes: ``placement.py``) -> the shard is committed with
 its manifest -> the coordinator's ``finish`` commits the global metadata. Tensor bytes are raw; only DCP's own byte items
 (non-tensor values) and the global metadata are pickled, as DCP pickles them.

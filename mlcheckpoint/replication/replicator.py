@@ -51,7 +51,7 @@ class StepReplication:
     reason: str | None = None
     attempts: int = 0
     bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # pushing (0 when copies covered it: no push for the rate)
     metadata_pushed: str | None = None  # the save whose metadata reached the other nodes
 
 
@@ -398,7 +398,7 @@ class Replicator:
             return False
         with self._lock:
             st.state, st.reason = "replicated", "covered by data-parallel copies" if by_copies else None
-            st.bytes, st.seconds = sent, time.perf_counter() - t0
+            st.bytes, st.seconds = sent, 0.0 if by_copies else time.perf_counter() - t0
             self.skipped_bytes += skipped
         history.record(self.store.job_dir, "replicate", step=step, rank=self.topology.rank,
                        targets=self.targets, bytes=sent, seconds=round(st.seconds, 6),

@@ -64,6 +64,8 @@ def test_ddp_protected_with_no_replication_bytes(nproc, mode):
             assert rep["state"] == "replicated" and rep["reason"] == "covered by data-parallel copies", rep
             assert rep["stats"]["mlcheckpoint/dp_copies_nodes"] == 2.0, rep["stats"]
             assert rep["stats"]["mlcheckpoint/replication_skipped_bytes"] > 0, rep["stats"]
+            # nothing was pushed: no replication rate to report
+            assert "mlcheckpoint/replication_bytes_per_second" not in rep["stats"], rep["stats"]
         # every item's primary has an agreeing copy on the other node, named in the metadata
         md = metadata(c, 0, LAST)
         for index, loc in md.storage_data.items():

@@ -98,6 +98,9 @@ def test_fsdp_sends_its_own_shards():
         for r in range(2):
             assert sent[r] == shard_bytes(c, r, LAST, r) > 0, sent
             assert res[r]["reason"] is None, res[r]
+            stats = res[r]["stats"]  # no node held an item of another's: none kept, none skipped
+            assert (stats["mlcheckpoint/dp_copies_nodes"], stats["mlcheckpoint/dedup_nodes"],
+                    stats["mlcheckpoint/replication_skipped_bytes"]) == (0, 0, 0), stats
         assert all(not loc.copies for loc in metadata(c, 0, LAST).storage_data.values())
 
 

@@ -2,14 +2,8 @@
 recovery and the persistent fallback together; each public method is a few lines that hand
 over to a collaborator built in ``__init__``: ``Saver`` (saving.py, the save path),
 ``PersistentWriter`` (persistent_writer.py), ``Recovery`` (recovery/), ``Lifecycle``
-(lifecycle.py: pins, retention, buffer warming), ``Replicator`` (replication/).
-
-    ckpt = CheckpointManager(persistent_dir="/nfs/run42")
-    info = ckpt.resume(state_dict)
-    for step in range(0 if info.step is None else info.step + 1, total):
-        train_step()
-        ckpt.async_save(state_dict, step, persistent=(step % 500 == 0))
-    ckpt.close()
+(lifecycle.py: pins, retention, buffer warming), ``Replicator`` (replication/). A training
+loop that uses it: ``examples/quickstart.py``.
 """
 
 from __future__ import annotations
@@ -116,17 +110,13 @@ class CheckpointManager:
         # not interleave their collectives; neither may share the training group.
         self._save_pg = dist.new_group(backend="gloo") if self._distributed else None
         self._persist_pg = dist.new_group(backend="gloo") if self._distributed else None
-        # This run's identity, agreed by every rank (rank 0's): every save names it, and a
-        # resume extends it with the run it loaded from (see store/identity.py). The same
-        # collective agrees every node's failure domain and rank 0's replica count (the
-        # pairing follows them).
+        # One collective agrees this run's identity (rank 0's; see store/identity.py), every
+        # node's failure domain and rank 0's replica count (the pairing follows them).
         agreed = self._all_gather((new_id(), repl.failure_domain, repl.replicas))
         self._lineage = Lineage(agreed[0][0])
         self._replicas: int = agreed[0][2]
         self._topology = self._topology.with_domains([domain for _, domain, _ in agreed])
         self._snapshots = Snapshotter(predict_plans=self._topology.world_size > 1)  # staging thread, guards
-        # Pins: steps whose buffers a transfer or persistent write reads; the warmer prepares
-        # the buffers of the next saves.
         self._lifecycle = Lifecycle(self._store, self.rank, opts.keep)
         self._persistent_writer = None if self._persistent is None else PersistentWriter(
             self._persistent, job_dir=self._store.job_dir, rank=self.rank,
@@ -317,11 +307,15 @@ class CheckpointManager:
         """Figures to log beside the loss (TensorBoard, W&B, any logger): the last committed
         save's seconds, phases (``stage``, ``commit``, ``publish``), the training thread's
         wait and bytes; the longest a guard held ``optimizer.step()``; the newest protected
-        step, its lag in steps and age in seconds; the last resume's seconds and phases. Keys
+        step, its lag in steps and age in seconds; how many nodes keep data parallelism's
+        copies and the shard bytes they spared replication; the last resume's seconds and phases. Keys
         start with ``mlcheckpoint/``; a figure not known yet is left out. Reads this node's
         step list and asks the c10d store nothing: fine to call on the training thread."""
-        return metrics.stats(self._saver.last_result, self._protection(ask=False),
-                             self._last_resume, guard_longest_wait=self._snapshots.longest_wait_s)
+        return metrics.stats(
+            self._saver.last_result, self._protection(ask=False), self._last_resume,
+            guard_longest_wait=self._snapshots.longest_wait_s,
+            copy_modes=self._saver.copy_modes(),
+            skipped_bytes=None if self._replicator is None else self._replicator.skipped_bytes)
 
     def replication_state(self, step: int) -> StepReplication | None:
         """What this rank knows of its push of ``step`` to its partners: its ``state``

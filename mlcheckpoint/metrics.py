@@ -7,6 +7,7 @@ rather than given as None, which most loggers refuse.
 
 from __future__ import annotations
 
+from .dcp.copies import DEDUP, DP_COPIES
 from .recovery import ResumeInfo
 from .replication.schedule.status import ProtectionStatus
 from .saving import SaveResult
@@ -15,10 +16,19 @@ PREFIX = "mlcheckpoint/"
 
 
 def stats(save: SaveResult | None, protection: ProtectionStatus,
-          resume: ResumeInfo | None, guard_longest_wait: float = 0.0) -> dict[str, float]:
+          resume: ResumeInfo | None, *, guard_longest_wait: float = 0.0,
+          copy_modes: tuple[str, ...] = (), skipped_bytes: int | None = None) -> dict[str, float]:
     """The last published save, the replication lag and the last resume, as numbers;
-    ``guard_longest_wait``: the longest a guard held the training thread (seconds)."""
+    ``guard_longest_wait``: the longest a guard held the training thread (seconds); with data
+    parallelism's copies (``dcp/copies.py``), how many nodes keep them (``dp_copies_nodes``)
+    or had too little room (``dedup_nodes``), and the shard bytes replication did not send
+    because they were covered (``replication_skipped_bytes``, None: replication off)."""
     out: dict[str, float | int | None] = {}
+    if copy_modes:
+        out.update(dp_copies_nodes=copy_modes.count(DP_COPIES),
+                   dedup_nodes=copy_modes.count(DEDUP))
+    if skipped_bytes is not None:
+        out.update(replication_skipped_bytes=skipped_bytes)
     if save is not None:
         out.update(save_step=save.step, save_seconds=save.seconds,
                    save_blocking_seconds=save.blocking_seconds, save_bytes=save.bytes,

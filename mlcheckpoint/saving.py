@@ -19,6 +19,7 @@ of the job left in memory (``set_aside_earlier_runs``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dic
 from . import history
 from ._gc import gc_paused
 from .dcp import MemoryStorageWriter, staging
+from .dcp.copies import CopyPolicy
 from .dcp.errors import unwrap_checkpoint_exception
 from .dcp.snapshot import Snapshotter
 from .dcp.staging import Staged
@@ -46,6 +48,7 @@ from .persistent_writer import PersistentWriter
 from .replication import Replicator
 from .store import LocalStore
 from .store.identity import Lineage
+from .tmpfs import step_room
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -96,6 +99,11 @@ class Saver:
         self.warmer = warmer
         self.replicator = replicator
         self._all_gather = all_gather
+        # Replicating: keep data parallelism's copies (dcp/copies.py), which it need not send.
+        self.copy_policy = None if replicator is None else CopyPolicy(
+            tuple(r // topology.local_world_size for r in range(topology.world_size)),
+            functools.partial(step_room, store.local_dir, store.memory_limit_bytes,
+                              retention.policy.keep), replicator.copies - 1)
         self._settled = False  # resumed, or the earlier runs' steps set aside: see settled()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-save")
         self._lock = threading.Lock()
@@ -156,6 +164,10 @@ class Saver:
             writer.on_commit = lambda step, _rank: replicator.notify(step, writer.save_id)
             writer.on_metadata = lambda step: replicator.notify(step, writer.save_id)
         return writer
+
+    def copy_modes(self) -> tuple[str, ...]:
+        """Each node's mode at the last save (``dcp/copies.py``); () without copies."""
+        return self.copy_policy.modes.modes if self.copy_policy is not None else ()
 
     # ------------------------------------------------------------------ a run's first save
     def settled(self) -> None:
@@ -299,7 +311,8 @@ class Saver:
                 ) -> MemoryStorageWriter:
         return MemoryStorageWriter(step, self.store, lineage=lineage, snapshots=self.snapshots,
                                    rank=self.topology.rank,
-                                   world_size=self.topology.world_size, staged=staged)
+                                   world_size=self.topology.world_size, staged=staged,
+                                   copy_policy=self.copy_policy)
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:

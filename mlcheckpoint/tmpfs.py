@@ -104,6 +104,15 @@ def filesystem_bytes(path: str) -> int:
     return vfs.f_blocks * vfs.f_frsize
 
 
+def step_room(local_dir: str, memory_limit: int | None, keep: int) -> int:
+    """The bytes one step of this node's shards may take: the job's memory limit (else the
+    size of ``local_dir``'s tmpfs) shared by the ``keep`` steps it holds, the newest
+    protected step (kept when older) and the one being saved."""
+    size = filesystem_bytes(local_dir)
+    limit = memory_limit
+    return (size if limit is None else min(limit, size)) // (max(1, keep) + 2)
+
+
 def needed_bytes(shard_bytes: int, *, keep: int, ranks_per_node: int, replicating: bool,
                  replica_sets: int = 1) -> int:
     """tmpfs a node needs: ``keep`` steps of its ranks' shards, and as much again for each of

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 # Structures remembered per manager: a loop alternating between a few (e.g. with and without
@@ -93,11 +93,12 @@ class PlanCache:
         return Prediction(key, frozenset(id(v) for fqn, v in flat.items()
                                          if fqn in fqns and isinstance(v, torch.Tensor)))
 
-    def learn(self, key: Hashable, plan: SavePlan) -> None:
-        """Remember the tensor items of ``plan`` (this rank's final plan) for ``key``."""
+    def learn(self, key: Hashable, plan: SavePlan, kept: Iterable[WriteItem] = ()) -> None:
+        """Remember the tensor items of ``plan`` (this rank's final plan) and of the copies it
+        ``kept`` (``copies.py``) for ``key``."""
         if key is None:
             return
-        fqns = frozenset(item.index.fqn for item in plan.items
+        fqns = frozenset(item.index.fqn for item in (*plan.items, *kept)
                          if item.type != WriteItemType.BYTE_IO)
         with self._lock:
             self._planned[key] = fqns

@@ -1,7 +1,9 @@
 """MemoryStorageWriter: a DCP StorageWriter that commits each rank's shard to tmpfs.
 
-Save path: DCP plan -> ``write_data`` consumes what staging handed over (``staging.Staged``,
-if the state dict was staged) and copies (or, after staging, only hashes) every item into one
+Save path: DCP plan (with a ``CopyPolicy``, the coordinator also chooses which ranks keep
+copies of items that data parallelism holds on several nodes: ``copies.py``) ->
+``write_data`` consumes what staging handed over (``staging.Staged``, if the state dict was
+staged) and copies (or, after staging, only hashes) every item into one
 mapped shard buffer (where each item goes: ``placement.py``) -> the shard is committed with
 its manifest -> the coordinator's ``finish`` commits the global metadata. Tensor bytes are raw; only DCP's own byte items
 (non-tensor values) and the global metadata are pickled, as DCP pickles them.
@@ -37,7 +39,7 @@ from ..store import coverage
 from ..store.identity import Lineage, new_id
 from ..store.local_store import LocalStore, ShardWriter
 from ..store.manifest import Manifest
-from . import plans, staging
+from . import copies, plans, staging
 from .errors import entry_error
 from .placement import Placement, copy_and_hash
 from .snapshot import Snapshotter
@@ -91,6 +93,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         keep_staged: the staged views are read after the commit (a persistent write): the
             staged region is committed as it is, bytes the plan left out included, instead of
             being trimmed to the plan (``Placement.keep_planned``).
+        copy_policy: keep, on every node, one copy of each item that data parallelism holds
+            there but DCP gives to a rank of another node, so that replication need not send
+            it (``copies.py``; CheckpointManager passes one when it replicates); None: none.
     """
 
     _synchronize_after_execute = False  # stage() is synchronous: nothing to wait for
@@ -101,7 +106,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                  on_metadata: Callable[[int], None] | None = None,
                  lineage: Lineage | None = None, snapshots: Snapshotter | None = None,
                  rank: int | None = None, world_size: int | None = None,
-                 staged: staging.Staged | None = None, keep_staged: bool = False):
+                 staged: staging.Staged | None = None, keep_staged: bool = False,
+                 copy_policy: copies.CopyPolicy | None = None):
         super().__init__()
         self.step = parse_step(step)
         self.store = store if store is not None else LocalStore(local_dir, job_id)
@@ -115,6 +121,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self.is_coordinator = False
         self.staged = staged  # the hand-off from staging; write_data consumes it
         self.keep_staged = keep_staged
+        self.copy_policy = copy_policy
+        self._held: dict[copies.Key, WriteItem] = {}  # with a policy: every item this rank holds
         self._snapshots = snapshots
         self.copy_seconds = 0.0  # write_data's placing, copying and hashing
         self.committed: Manifest | None = None  # this rank's manifest once write_data committed
@@ -192,13 +200,38 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self.rank = kwargs.get("rank", self.rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        # With a copy policy, offer every item this rank holds (DCP's plan, not yet
+        # de-duplicated) to the coordinator, which chooses the copies.
+        policy = self.copy_policy
+        if policy is None or self.rank >= len(policy.node_of_rank):
+            return plan
+        self._held = {copies.key_of(item.index): item for item in plan.items}
+        offer = copies.LocalItems(node=policy.node_of_rank[self.rank], room=policy.room(),
+                                  items=tuple((item.index, item.tensor_storage_size() or 0)
+                                              for item in plan.items))
+        return dataclasses.replace(plan, storage_data=offer)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # One id for this save, chosen once and carried to every rank in its plan: shards and
         # metadata of two saves of the same step can then never be taken for one checkpoint.
         save_id = new_id()
-        return [dataclasses.replace(plan, storage_data=save_id) for plan in plans]
+        offers = [plan.storage_data for plan in plans]
+        policy = self.copy_policy
+        if (policy is None or len(plans) < 2
+                or not all(isinstance(o, copies.LocalItems) for o in offers)):
+            return [dataclasses.replace(plan, storage_data=copies.PlanData(save_id))
+                    for plan in plans]
+        room: dict[int, int] = {}
+        for o in offers:  # (the ranks of a node share its tmpfs: they offer the same room)
+            room[o.node] = min(o.room, room.get(o.node, o.room))
+        choice = copies.choose({rank: o.items for rank, o in enumerate(offers)},
+                               {rank: [item.index for item in plan.items]
+                                for rank, plan in enumerate(plans)},
+                               [o.node for o in offers], room, policy.replicas)
+        policy.modes.note(choice)
+        return [dataclasses.replace(plan, storage_data=copies.PlanData(
+                    save_id, tuple(choice.copies.get(rank, ())), choice.modes))
+                for rank, plan in enumerate(plans)]
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id)
@@ -232,15 +265,16 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         try:
             pause_point("write_data", self.step, self.rank)
             resolved = [(item, _resolve(planner, item)) for item in plan.items]
+            kept = [(item, _resolve(planner, item)) for item in self._kept_copies(plan)]
             if shard is None:  # sized for the raw tensors; the other items are appended
-                tensors = [data for _, data in resolved if isinstance(data, torch.Tensor)]
+                tensors = [data for _, data in resolved + kept if isinstance(data, torch.Tensor)]
                 shard = self.store.begin_shard(self.step, self.rank, staging.staged_bytes(tensors))
             crash_point("before_data", self.step, self.rank)
             placement = Placement(shard, staged.digests if staged is not None else {},
                                   restaged_bytes=_restaged_bytes(staged))
             if staged is not None and not self.keep_staged:
-                placement.keep_planned(resolved)  # only what the plan gives this rank stays
-            placed = [placement.place(item, data) for item, data in resolved]
+                placement.keep_planned(resolved + kept)  # only what the plan gives this rank stays
+            placed = [placement.place(item, data) for item, data in resolved + kept]
             if any(p.tensor is not None and p.tensor.device.type != "cpu" for p in placed):
                 torch.accelerator.synchronize()  # the device copies must land before hashing
             placement.confirm_restaged(placed)
@@ -251,6 +285,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             if staged is not None:  # tensors the stage left out are copied: training may go on
                 staged.release()
             results = [placement.record(p, self.rank) for p in placed]
+            results[len(resolved):] = [  # told apart in ``finish``: they are no primaries
+                WriteResult(wr.index, wr.size_in_bytes, copies.KeptCopy(wr.storage_data))
+                for wr in results[len(resolved):]]
             self.copy_seconds = time.perf_counter() - t0
             self.save_id = _plan_save_id(plan)
             self.committed = shard.commit(world_size=self.world_size, save_id=self.save_id,
@@ -261,12 +298,22 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             raise
         log.debug("committed step %d rank %d (%d items)", self.step, self.rank, len(results))
         if staged is not None and self._snapshots is not None:
-            self._snapshots.plans.learn(staged.plan_key, plan)  # the next stage follows it
+            # the next stage follows it, copies included
+            self._snapshots.plans.learn(staged.plan_key, plan, [item for item, _ in kept])
         if self.on_commit is not None:
             self.on_commit(self.step, self.rank)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _kept_copies(self, plan: SavePlan) -> list[WriteItem]:
+        """This rank's own WriteItems of the copies the coordinator gave it to keep."""
+        data = plan.storage_data
+        if not isinstance(data, copies.PlanData):
+            return []
+        if self.copy_policy is not None:
+            self.copy_policy.modes.seen(data.modes)
+        return [self._held[k] for k in map(copies.key_of, data.copies) if k in self._held]
 
     def _open_staged(self, staged: staging.Staged) -> ShardWriter:
         """The staged shard (reopened by name in DCP's checkpoint process)."""
@@ -281,8 +328,15 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     @pausing_gc
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {wr.index: wr.storage_data for rank_results in results
-                                 for wr in rank_results}
+        primaries, kept = {}, []
+        for rank_results in results:
+            for wr in rank_results:
+                if isinstance(wr.storage_data, copies.KeptCopy):
+                    kept.append((wr.index, wr.storage_data.location))
+                else:
+                    primaries[wr.index] = wr.storage_data
+        # agreeing copies are attached to their primaries' locations (``ItemLocation.copies``)
+        metadata.storage_data = copies.attach(primaries, kept)
         crash_point("before_metadata", self.step, self.rank)
         commit_metadata(self.store, self.step, metadata, world_size=len(results),
                         save_id=self.save_id, lineage=self.lineage)
@@ -312,8 +366,9 @@ def _restaged_bytes(staged: staging.Staged | None) -> int | None:
 
 
 def _plan_save_id(plan: SavePlan) -> str:
-    save_id = plan.storage_data
-    if not isinstance(save_id, str) or not save_id:
+    data = plan.storage_data
+    save_id = data.save_id if isinstance(data, copies.PlanData) else None
+    if not save_id:
         raise MLCheckpointError("the save plan carries no save id: MemoryStorageWriter's "
                                 "prepare_global_plan did not run (use_collectives=False is "
                                 "not supported)")

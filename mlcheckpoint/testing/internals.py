@@ -17,6 +17,7 @@ from ..manager import CheckpointManager
 from ..persistent import PersistentStorage
 from ..persistent_writer import PersistentWriter
 from ..replication import Replicator
+from ..saving import Saver
 from ..store import LocalStore
 
 
@@ -29,6 +30,7 @@ class Internals:
     replicator: Replicator | None  # None: replication off
     persistent: PersistentStorage | None  # the persistent folder, if any
     persistent_writer: PersistentWriter | None
+    saver: Saver  # the save path (its copy policy: dcp/copies.py)
 
 
 def internals(ckpt: CheckpointManager) -> Internals:
@@ -36,4 +38,5 @@ def internals(ckpt: CheckpointManager) -> Internals:
     lifecycle = ckpt._lifecycle
     return Internals(store=ckpt._store, pins=lifecycle.pins, snapshots=ckpt._snapshots,
                      warmer=lifecycle.warmer, replicator=ckpt._replicator,
-                     persistent=ckpt._persistent, persistent_writer=ckpt._persistent_writer)
+                     persistent=ckpt._persistent, persistent_writer=ckpt._persistent_writer,
+                     saver=ckpt._saver)

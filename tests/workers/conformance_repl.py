@@ -46,6 +46,9 @@ def main() -> None:
     phase = sys.argv[1]
     rank, _ = init()
     ckpt = CheckpointManager(replication="tcp", keep=2)
+    # No data-parallel copies (dcp/copies.py): with them rank 1 would keep a copy of "rep"
+    # and hold bytes, and no shard would need sending; here the shards must travel.
+    internals(ckpt).saver.copy_policy = None
     if phase == "save":
         dcp.save(step_state(1, rank), storage_writer=ckpt.storage_writer(1))
         ckpt.save(step_state(2, rank), 2)

@@ -25,6 +25,7 @@ from torch import nn
 
 from mlcheckpoint import CheckpointManager
 from mlcheckpoint.store.shards import align
+from mlcheckpoint.testing import internals
 
 STEPS = 7
 CHANGED = (3, 4)  # rank 0's state dict has an extra entry at these steps
@@ -70,8 +71,15 @@ def digest(flat: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def without_copies(ckpt: CheckpointManager) -> CheckpointManager:
+    """The de-duplicated mode (what a node without room for data parallelism's copies falls
+    back to, dcp/copies.py): with copies, each node would keep the whole state and send none."""
+    internals(ckpt).saver.copy_policy = None
+    return ckpt
+
+
 def train(rank: int) -> None:
-    ckpt = CheckpointManager(keep=STEPS + 1)
+    ckpt = without_copies(CheckpointManager(keep=STEPS + 1))
     model, optim = build()
     train_step(model, optim, -1)  # AdamW's state exists before the guard takes its storages
     ckpt.guard(optim)
@@ -114,7 +122,7 @@ def train(rank: int) -> None:
 
 
 def resume(rank: int) -> None:
-    ckpt = CheckpointManager(keep=STEPS + 1)
+    ckpt = without_copies(CheckpointManager(keep=STEPS + 1))
     model, optim = build()
     train_step(model, optim, -1)  # AdamW's state, to load into
     sd = state(model, optim, rank, STEPS - 1)

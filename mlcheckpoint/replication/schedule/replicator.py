@@ -8,10 +8,10 @@ that do get replicated are whole job-wide. Each rank records per step: committed
 (partner verified the checksums), failed, or superseded.
 Job-wide progress is counted in the c10d store, per save (a step saved twice is two saves): a
 step is *protected* when every shard and the metadata of the save this node holds are on
-1 + ``replicas`` nodes (a rank's shard counts once every partner has it). Only a node's leader
-talks to the store; what it learns (the rounds, and which closed round left its save protected)
-reaches the node's other ranks through a file (``rounds.py``), so saves, ``protection()`` and
-``wait_replicated`` cost the store nothing per rank.
+1 + ``replicas`` nodes (a shard counts once every partner has it, or where data parallelism's
+copies cover it: ``covered.py``). Only a node's leader talks to the store; what it learns (the
+rounds, which closed round left its save protected) reaches the node's other ranks through a
+file (``rounds.py``): saves, ``protection()`` and ``wait_replicated`` cost it nothing per rank.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ...topology import Topology
 from ...waiting import deadline_in, wait_until
 from ..core.rendezvous import Rendezvous
 from ..core.transport import Transport
+from . import covered
 from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets, sources
 from .rounds import Round, Rounds, protected_in_store
 from .status import LagWarning, ProtectionStatus, save_interval, save_times
@@ -51,7 +52,7 @@ class StepReplication:
     reason: str | None = None
     attempts: int = 0
     bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # pushing (0 when copies covered it: no push for the rate)
     metadata_pushed: str | None = None  # the save whose metadata reached the other nodes
 
 
@@ -78,6 +79,7 @@ class Replicator:
         self._unreplicated: dict[int, str] = {}  # step -> save id, saved since the last round
         self._saves_lock = threading.Lock()  # for it and _superseded: notify runs on the save thread
         self._superseded = 0  # saves this rank was told of and never replicated
+        self.skipped_bytes = 0  # shard bytes not sent: data parallelism's copies covered them
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -314,6 +316,7 @@ class Replicator:
         # Saves older than ``step`` and never named are superseded: each rank marks its own
         # when it takes the round (``_replicate``).
         self._repeat_at = time.monotonic() + self._repeat_after
+        self._push_metadata(step, save_id)  # first: it says which shards need no sending (covered.py)
         self.rounds.propose(self.rounds.finished + 1, step, save_id)
         self._wake.set()  # take it at once, not at the next poll
 
@@ -345,7 +348,8 @@ class Replicator:
             self._mark_superseded(older, r.step)
             st = self.store.step_state(r.step)
             if st.shard_saves.get(self.topology.rank) == r.save_id:
-                counted = self._push_shard(r.step, r.save_id)
+                counted = self._push_shard(r.step, r.save_id, covered.shard_covered(
+                    st, r.save_id, self.topology, self.copies))
             else:
                 with self._lock:
                     rep = self._state_for(r.step, r.save_id)
@@ -370,9 +374,9 @@ class Replicator:
             st = self._states.get(step)
             return st is not None and st.metadata_pushed == save_id
 
-    def _push_shard(self, step: int, save_id: str) -> bool:
-        """Push this rank's shard of the save to every partner; True when it newly reached all
-        of them (the node's leader counts it for the save, ``Rounds.finish``)."""
+    def _push_shard(self, step: int, save_id: str, by_copies: bool = False) -> bool:
+        """Push this rank's shard of the save to every partner (to none if covered ``by_copies``);
+        True when it newly reached all of them (its node's leader counts it, ``Rounds.finish``)."""
         with self._lock:
             st = self._state_for(step, save_id)
             if st.state == "replicated":  # the round was named again for another rank's sake
@@ -381,7 +385,8 @@ class Replicator:
         t0 = time.perf_counter()
         sent = 0
         try:
-            for peer in self.targets:
+            skipped = self.store.read_manifest(step, self.topology.rank).data_bytes if by_copies else 0
+            for peer in [] if by_copies else self.targets:
                 if peer in st.acked_by:
                     continue
                 sent += self.transport.push_shard(peer, step, self.topology.rank)
@@ -393,11 +398,12 @@ class Replicator:
                                "failed (attempt %d): %s", step, self.topology.rank, st.attempts, e)
             return False
         with self._lock:
-            st.state, st.reason = "replicated", None
-            st.bytes, st.seconds = sent, time.perf_counter() - t0
+            st.state, st.reason = "replicated", "covered by data-parallel copies" if by_copies else None
+            st.bytes, st.seconds = sent, 0.0 if by_copies else time.perf_counter() - t0
+            self.skipped_bytes += skipped
         history.record(self.store.job_dir, "replicate", step=step, rank=self.topology.rank,
                        targets=self.targets, bytes=sent, seconds=round(st.seconds, 6),
-                       transport=self.transport.name)
+                       transport=self.transport.name, skipped_bytes=skipped)
         log.debug("replicated step %d rank %d to %s: %d bytes in %.3fs", step,
                   self.topology.rank, self.targets, sent, st.seconds)
         # Counted for the save the partners acknowledged: they compared save ids, so an ack
@@ -405,7 +411,7 @@ class Replicator:
         return True
 
     def _push_metadata(self, step: int, save_id: str) -> None:
-        if self._metadata_done(step, save_id):
+        if self._metadata_done(step, save_id) or not self.metadata_targets:
             return
         try:
             for peer in self.metadata_targets:

@@ -1,0 +1,230 @@
+"""Which rank of each node keeps a copy of a replicated item: data parallelism's copies.
+
+A data-parallel job (DDP, HSDP's replica groups) holds the same item on several ranks, often
+on several nodes. DCP's planner writes each such item once, in the shard of the rank it
+chooses (the item's *primary*). Every other node that holds the item already has its bytes
+in memory: keeping one copy there, in the shard of one of its ranks, puts the item on two
+nodes without sending a byte, so replication need not send it (``store/coverage.py`` counts
+the places; the replicator skips a shard whose items are all on enough of them).
+
+``choose`` is the pure decision, made once per save on DCP's coordinator
+(``MemoryStorageWriter.prepare_global_plan``) from every rank's full item list (before DCP
+de-duplicated it), the de-duplicated plans, the node of each rank and each node's room:
+
+- a node keeps each item it holds but whose primary is elsewhere once (one rank: the one with
+  the fewest bytes so far, lowest rank on a tie), never per rank;
+- a node whose copies would not fit its room keeps none (``dedup`` mode): its items reach
+  other nodes by replication, as without copies.
+
+The records that travel in DCP's plans (``LocalItems`` up, ``PlanData`` down) and in its write
+results (``KeptCopy``) live here too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from ..integrity.verify import digests_agree
+from ..store.layout import ItemLocation
+
+log = logging.getLogger(__name__)
+
+DP_COPIES = "dp-copies"  # the node keeps a copy of each replicated item it holds
+DEDUP = "dedup"  # too little room: it keeps none; DCP's de-duplication plus replication
+UNIQUE = "unique"  # it holds no item whose primary is on another node: nothing to keep
+
+Key = tuple[str, tuple[int, ...] | None]  # an item's identity: FQN and chunk offset
+
+
+def key_of(index: MetadataIndex) -> Key:
+    """An item's identity across ranks (``MetadataIndex.index`` is only a hint)."""
+    return index.fqn, None if index.offset is None else tuple(index.offset)
+
+
+@dataclass(frozen=True)
+class CopyPolicy:
+    """What the writer needs to offer copies (``CheckpointManager`` makes one when the job
+    replicates across nodes).
+
+    Args:
+        node_of_rank: the node of each rank of the save's process group, in rank order.
+        room: the bytes one step of this node's shards may take (asked at each save).
+        replicas: how many partner nodes keep replicas of each node's shards: a node's room
+            is first kept for its own shards and those replicas, copies take what is left.
+    """
+
+    node_of_rank: tuple[int, ...]
+    room: Callable[[], int]
+    replicas: int = 1
+    # which nodes kept copies at the last save planned here (the coordinator's): log and stats
+    modes: ModeLog = field(default_factory=lambda: ModeLog(), compare=False)
+
+
+@dataclass(frozen=True)
+class LocalItems:
+    """One rank's offer, in its local plan's ``storage_data``: every item it holds (before
+    DCP de-duplicates), with its bytes (0 for a byte item: its size is not known yet)."""
+
+    node: int
+    room: int
+    items: tuple[tuple[MetadataIndex, int], ...]
+
+
+@dataclass(frozen=True)
+class PlanData:
+    """The coordinator's word to one rank, in its final plan's ``storage_data``: the save id,
+    the items this rank keeps a copy of, and each node's mode (for the log and ``stats``)."""
+
+    save_id: str
+    copies: tuple[MetadataIndex, ...] = ()
+    modes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class KeptCopy:
+    """A write result's ``storage_data`` for a copy (a primary's is its ItemLocation): the
+    coordinator attaches it to the primary's location if the checksums agree."""
+
+    location: ItemLocation
+
+
+@dataclass(frozen=True)
+class Choice:
+    """``choose``'s answer: per rank the items it keeps a copy of; per node its mode."""
+
+    copies: dict[int, list[MetadataIndex]]
+    modes: tuple[str, ...]
+    copy_bytes: tuple[int, ...]  # per node, the bytes of the copies it keeps
+
+
+def choose(held: Mapping[int, Sequence[tuple[MetadataIndex, int]]],
+           planned: Mapping[int, Sequence[MetadataIndex]], node_of_rank: Sequence[int],
+           room: Mapping[int, int], replicas: int = 1) -> Choice:
+    """Choose the copy keepers of one save.
+
+    Args:
+        held: per rank, every item it holds and its bytes (its local plan).
+        planned: per rank, the items DCP's de-duplicated plan gives it (the primaries).
+        node_of_rank: the node of each rank.
+        room: per node, the bytes one step of its shards may take.
+        replicas: partner nodes that keep replicas of each node's shards.
+    """
+    nbytes: dict[Key, int] = {}
+    holders: dict[Key, set[int]] = defaultdict(set)
+    index_of: dict[Key, MetadataIndex] = {}
+    for rank, items in held.items():
+        for index, n in items:
+            k = key_of(index)
+            holders[k].add(rank)
+            nbytes[k] = max(n, nbytes.get(k, 0))
+            index_of.setdefault(k, index)
+    primary: dict[Key, int] = {}
+    twice: set[Key] = set()  # planned on several ranks (a planner that does not de-duplicate)
+    for rank, indexes in planned.items():
+        for index in indexes:
+            k = key_of(index)
+            if k in primary:
+                twice.add(k)
+            primary[k] = rank
+    for k in twice:  # written more than once already: no copy of it is kept
+        del primary[k]
+    num_nodes = max(node_of_rank, default=-1) + 1
+    own = [0] * num_nodes  # bytes of the primaries on each node
+    load: dict[int, int] = defaultdict(int)  # bytes each rank's shard holds so far
+    for k, rank in primary.items():
+        own[node_of_rank[rank]] += nbytes.get(k, 0)
+        load[rank] += nbytes.get(k, 0)
+    # Per node, the items to keep: held by one of its ranks, primary on another node.
+    wanted: dict[int, list[Key]] = defaultdict(list)
+    for k, ranks in holders.items():
+        p = primary.get(k)
+        if p is None:
+            continue
+        for node in sorted({node_of_rank[r] for r in ranks} - {node_of_rank[p]}):
+            wanted[node].append(k)
+    modes, copy_bytes = [UNIQUE] * num_nodes, [0] * num_nodes
+    copies: dict[int, list[MetadataIndex]] = defaultdict(list)
+    for node in range(num_nodes):
+        keys = wanted.get(node, [])
+        if not keys:
+            continue
+        extra = sum(nbytes[k] for k in keys)
+        if extra > room.get(node, 0) - own[node] * (1 + replicas):
+            modes[node] = DEDUP
+            continue
+        modes[node], copy_bytes[node] = DP_COPIES, extra
+        # Largest first, each to the node's holder with the fewest bytes: shards stay even.
+        for k in sorted(keys, key=lambda k: (-nbytes[k], k[0], k[1] or ())):
+            keeper = min((r for r in holders[k] if node_of_rank[r] == node),
+                         key=lambda r: (load[r], r))
+            load[keeper] += nbytes[k]
+            copies[keeper].append(index_of[k])
+    return Choice(dict(copies), tuple(modes), tuple(copy_bytes))
+
+
+class ModeLog:
+    """Says once, and again whenever it changes, which nodes keep copies (one line)."""
+
+    def __init__(self) -> None:
+        self.modes: tuple[str, ...] = ()
+
+    def seen(self, modes: tuple[str, ...]) -> None:
+        """A save's modes, as the coordinator sent them (any rank; no log)."""
+        self.modes = modes
+
+    def note(self, choice: Choice) -> None:
+        """The coordinator chose: log if the modes changed."""
+        if choice.modes == self.modes:
+            return
+        self.modes = choice.modes
+        level = logging.WARNING if DEDUP in choice.modes else logging.INFO
+        log.log(level, "mlcheckpoint: data-parallel copies: %s", describe(choice))
+
+
+def describe(choice: Choice) -> str:
+    """One line on which nodes keep copies and which fall back to replication."""
+    parts = []
+    for node, mode in enumerate(choice.modes):
+        if mode == DP_COPIES:
+            parts.append(f"node {node} keeps {choice.copy_bytes[node] / 2**20:.1f} MiB of "
+                         "copies (replication skips what they cover)")
+        elif mode == DEDUP:
+            parts.append(f"node {node} has too little room for its copies: it keeps none, "
+                         "its items are replicated as usual")
+        else:
+            parts.append(f"node {node} holds no item kept on another node")
+    return "; ".join(parts)
+
+
+def attach(primaries: dict[MetadataIndex, ItemLocation],
+           kept: Sequence[tuple[MetadataIndex, ItemLocation]]) -> dict[MetadataIndex, ItemLocation]:
+    """The primaries' locations with every kept copy whose bytes agree attached (``copies``).
+    A copy that differs (a replica that is not bit-identical: a non-deterministic reduction)
+    is left out, with one WARNING per save naming such items and ranks: it is no copy, and
+    replication sends its primary's shard."""
+    extra: dict[MetadataIndex, list[tuple[int, int]]] = defaultdict(list)
+    differ: list[str] = []
+    for index, copy in kept:
+        loc = primaries.get(index)
+        if loc is None:
+            continue  # (DCP planned every item somewhere; a copy without one is not ours to add)
+        if ((copy.nbytes, copy.is_tensor) == (loc.nbytes, loc.is_tensor)
+                and digests_agree(loc.checksum, copy.checksum)):
+            extra[index].append((copy.rank, copy.offset))
+        else:
+            differ.append(f"{index.fqn} (rank {loc.rank}, rank {copy.rank})")
+    if differ:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        log.warning("mlcheckpoint: %d %s differ between data-parallel replicas: %s; not counted "
+                    "as copies (replication sends them)", len(differ),
+                    "item" if len(differ) == 1 else "items", shown)
+    out = dict(primaries)
+    for index, places in extra.items():
+        loc = out[index]
+        out[index] = replace(loc, copies=tuple(sorted({*loc.copies, *places})))
+    return out

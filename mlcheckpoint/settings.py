@@ -244,6 +244,12 @@ SETTINGS: tuple[Setting, ...] = (
             check=lambda v, s: parse_bandwidth(v, s),
             env_doc="bytes/s for the whole node (`125000000`, `100MB/s`, `1Gbit`, `800Mbit/s`, "
                     "`10Gbps`), `0`/`none`/`unlimited` for no cap, or `auto`"),
+    Setting("adaptive_pacing", "pacing", "`0` paces replication as before issue 28: at the "
+            "budget (`auto`: 5% of the interface's speed), a tenth of it while training's traffic "
+            "queues on the link. By default (off loopback) replication grows into the capacity "
+            "training leaves idle, up to the budget (`auto`: the interface's speed), and backs "
+            "off within milliseconds when a queue builds; see operations.md", True,
+            env="MLCHECKPOINT_ADAPTIVE_PACING", from_text=_text_flag, shown="`1`"),
     Setting("replication_interface", "manager", "the network interface (`\"eth1\"`, `\"ib0\"`) "
             "whose IPv4 address the TCP listener binds and advertises, as `NCCL_SOCKET_IFNAME` "
             "picks NCCL's; see [Replication network](#replication-network)",

@@ -191,7 +191,7 @@ def test_bench_network_quick_reports_every_mode_and_the_resume():
     figures = bench_network.main(["--quick", "--rounds", "1", "--rates", "1gbit"])
     cfg = figures["config"]
     modes = figures["summary"]["rates"]["1gbit"]["modes"]
-    assert set(modes) == set(bench_network.MODES)
+    assert set(modes) == set(bench_network.DEFAULT_MODES)
     for mode, m in modes.items():
         assert m["steps"] == cfg["steps"] - cfg["warmup"], mode
         for key in ("median_s", "p90_s", "vs_off", "vs_none", "fwd_bwd_median_s", "node0_bytes_per_step",

@@ -26,8 +26,7 @@ below the link's rate, builds no queue. The setting ``adaptive_pacing`` says wha
 - adaptive (the default): the node's rate, kept in the shared schedule, follows the
   delay-based controller ``delay_control.next_rate``: it grows into the link while the
   queueing delay stays under 1 ms and is cut within milliseconds when it rises. It starts from
-  the default share of the link and moves between ``FLOOR_SHARE`` of the ceiling and the
-  ceiling, the budget (``replication_bandwidth``; "auto": the NIC's speed, or an assumed
+  the default share of the link and moves between ``FLOOR_SHARE`` of that and the ceiling, the budget (``replication_bandwidth``; "auto": the NIC's speed, or an assumed
   10 Gbit/s). So replication takes the gaps between collectives, and gives them back.
 - fixed (``MLCHECKPOINT_ADAPTIVE_PACING=0``, as before issue 28): the budget is the rate; past ``YIELD_DELAY_S`` of delay the whole
   node's replication drops to ``YIELD_SHARE`` of it for ``YIELD_HOLD_S``, renewed while the
@@ -57,6 +56,8 @@ from . import protocol as p
 from .delay_control import (
     FLOOR_SHARE,
     NO_PACING,
+    Rate,
+    net_of_ack_gap,
     next_rate,
     note_once,
     queueing_delay,
@@ -128,11 +129,12 @@ class Booking:
     total: int = 0
     yield_until: float = 0.0
     rate: float = 0.0
+    peak: float = 0.0
     sampled: float = 0.0
     cut: float = 0.0
 
 
-_STATE = struct.Struct("<dQdddd")
+_STATE = struct.Struct("<dQddddd")
 
 
 class NodeSchedule:
@@ -215,8 +217,8 @@ class Budget:
         self._clock, self._sleep = clock, sleep
         self.yielding = yielding and bytes_per_s > 0  # give way to other traffic (see above)
         self.adaptive = self.yielding and adaptive
-        self.floor = max(1.0, FLOOR_SHARE * bytes_per_s)
         self.start = float(min(bytes_per_s, start or bytes_per_s))
+        self.floor = max(1.0, FLOOR_SHARE * self.start)
         self._rate_now = self.start if self.adaptive else float(bytes_per_s)  # the last booking's
         self.chunk = chunk_bytes(int(self._rate_now)) if bytes_per_s else MAX_CHUNK_BYTES
         # A booking further ahead than any set of senders could make (a schedule file left
@@ -319,11 +321,13 @@ class Budget:
         with self.schedule.locked() as booking:
             now = self._clock()
             rate = booking.rate or self.start
-            new = next_rate(rate, delay, now - booking.sampled if booking.sampled else 0.0,
-                            now - booking.cut, floor=self.floor, ceiling=self.rate)
+            state = next_rate(Rate(rate, booking.peak), net_of_ack_gap(delay, rate),
+                              now - booking.sampled if booking.sampled else 0.0, now - booking.cut,
+                              floor=self.floor, ceiling=self.rate)
+            new = state.rate
             if new < rate:
                 booking.cut = now
-            booking.rate, booking.sampled = new, now
+            booking.rate, booking.peak, booking.sampled = new, state.peak, now
         self._rate_now = new
         if new < rate:
             with self._counters:

@@ -39,8 +39,12 @@ from mlcheckpoint.replication.delay_control import (
     FLOOR_SHARE,
     GROW_S,
     MAX_GROW_GAP_S,
+    PEAK_AFTER_OVERSHOOT,
+    PEAK_MEMORY_S,
     TARGET_DELAY_S,
     YIELD_NOW_DELAY_S,
+    Rate,
+    net_of_ack_gap,
     next_rate,
     queueing_delay,
 )
@@ -155,39 +159,57 @@ def test_a_queue_on_the_path_slows_every_sender_of_the_node_for_a_while(tmp_path
 FLOOR, CEILING = 1e6, 1e9
 
 
-def decide(rate: float, delay: float, since_sample: float = 0.004, since_cut: float = 1.0) -> float:
-    return next_rate(rate, delay, since_sample, since_cut, floor=FLOOR, ceiling=CEILING)
+def decide(rate: float, delay: float, since_sample: float = 0.004, since_cut: float = 1.0,
+           peak: float = 0.0) -> Rate:
+    return next_rate(Rate(rate, peak), delay, since_sample, since_cut, floor=FLOOR, ceiling=CEILING)
 
 
 def test_the_controller_grows_while_the_path_is_quiet_and_cuts_when_it_queues():
     """next_rate, the adaptive controller's whole decision, as a function of its samples."""
-    # A quiet path: growth e^(dt/GROW_S), less the nearer the delay is to the target.
-    assert decide(1e8, 0.0, since_sample=GROW_S) == pytest.approx(1e8 * math.e)
-    half = decide(1e8, TARGET_DELAY_S / 2, since_sample=GROW_S)
-    assert half == pytest.approx(1e8 * math.exp(0.5))
-    assert decide(1e8, TARGET_DELAY_S) == 1e8  # at the target: hold
-    assert decide(9e8, 0.0, since_sample=1.0) == CEILING  # never past the ceiling
+    quiet = TARGET_DELAY_S / 2
+    # Past its peak, the rate grows by rate * dt / GROW_S...
+    assert decide(1e8, quiet, since_sample=0.004).rate == pytest.approx(1e8 * (1 + 0.004 / GROW_S))
+    # ...below it, by peak * dt / GROW_S (the peak a little forgotten): back to it within GROW_S.
+    peak = 5e8 * math.exp(-0.004 / PEAK_MEMORY_S)
+    assert decide(1e7, quiet, since_sample=0.004, peak=5e8).rate == pytest.approx(1e7 + peak * 0.004 / GROW_S)
+    assert decide(9e8, 0.0, since_sample=1.0).rate == CEILING  # never past the ceiling
     # A long gap without samples says nothing about the path: it counts as MAX_GROW_GAP_S.
     assert decide(1e8, 0.0, since_sample=60.0) == decide(1e8, 0.0, since_sample=MAX_GROW_GAP_S)
-    # A queue past the target halves the rate; one past YIELD_NOW_DELAY_S (a burst from
-    # someone else) drops it to the floor; never below the floor.
-    assert decide(1e8, TARGET_DELAY_S * 1.5) == 1e8 * DECREASE
-    assert decide(1e8, YIELD_NOW_DELAY_S * 1.5) == FLOOR
-    assert decide(1.5 * FLOOR, TARGET_DELAY_S * 1.5) == FLOOR
+    # The peak follows the rate up and is forgotten slowly.
+    assert decide(1e8, quiet, peak=5e7).peak == 1e8
+    assert decide(1e7, quiet, since_sample=0.01, peak=5e8).peak == pytest.approx(
+        5e8 * math.exp(-0.01 / PEAK_MEMORY_S))
+    # A queue past the target (our own overshoot) halves the rate, and the peak comes down to
+    # just under the rate that built it.
+    assert decide(1e8, TARGET_DELAY_S * 1.5, peak=2e8) == Rate(1e8 * DECREASE, 1e8 * PEAK_AFTER_OVERSHOOT)
+    # One past YIELD_NOW_DELAY_S (someone else's burst) drops the rate to the floor; the peak
+    # stays, to return to once the burst has passed.
+    assert decide(1e8, YIELD_NOW_DELAY_S * 1.5, since_sample=0.0, peak=2e8) == Rate(FLOOR, 2e8)
+    assert decide(1.5 * FLOOR, TARGET_DELAY_S * 1.5).rate == FLOOR  # never below the floor
     # One queue shows in several samples: answered once per CUT_EVERY_S.
-    assert decide(1e8, YIELD_NOW_DELAY_S * 2, since_cut=CUT_EVERY_S / 2) == 1e8
-    assert decide(1e8, YIELD_NOW_DELAY_S * 2, since_cut=CUT_EVERY_S) == FLOOR
+    assert decide(1e8, YIELD_NOW_DELAY_S * 2, since_cut=CUT_EVERY_S / 2).rate == 1e8
+    assert decide(1e8, YIELD_NOW_DELAY_S * 2, since_cut=CUT_EVERY_S).rate == FLOOR
 
 
-def test_the_controller_reaches_an_idle_link_quickly_and_leaves_it_at_once():
-    """Samples every 4 ms: from the floor to the ceiling (three decades) within a second of a
-    quiet path; the first sample of a full queue gives the link back."""
-    rate, samples = FLOOR, 0
-    while rate < CEILING:
-        rate = decide(rate, 0.0)
+def test_the_controller_finds_an_idle_link_and_leaves_it_at_once():
+    """Samples every 4 ms: from the floor to the ceiling (three decades) within 0.2 s of a
+    quiet path; the first sample of a full queue gives the link back; once it has passed, the
+    rate is back at its peak within GROW_S."""
+    state, samples = Rate(FLOOR, 0.0), 0
+    while state.rate < CEILING:
+        state = next_rate(state, 0.0, 0.004, 1.0, floor=FLOOR, ceiling=CEILING)
         samples += 1
-    assert samples * 0.004 < math.log(CEILING / FLOOR) * GROW_S * 1.01
-    assert decide(rate, 0.004) == FLOOR
+    assert samples * 0.004 < 0.2
+    state = next_rate(state, YIELD_NOW_DELAY_S * 2, 0.004, 1.0, floor=FLOOR, ceiling=CEILING)
+    assert state.rate == FLOOR
+    for _ in range(round(GROW_S / 0.004)):
+        state = next_rate(state, 0.0, 0.004, 1.0, floor=FLOOR, ceiling=CEILING)
+    assert state.rate > 0.95 * CEILING
+
+
+def test_delayed_acks_at_a_low_rate_are_not_a_queue():
+    assert net_of_ack_gap(0.0005, 1e9) == pytest.approx(0.0005 - 2 * 1448 / 1e9)
+    assert net_of_ack_gap(0.0005, 1e6) == 0.0  # a 1.4 ms gap between segments
 
 
 def test_adaptive_pacing_moves_every_sender_of_the_node(tmp_path):
@@ -219,7 +241,7 @@ def test_adaptive_pacing_moves_every_sender_of_the_node(tmp_path):
     assert booked_rate(b) == pytest.approx(ceiling)
     time.now += 0.004
     a.sample(0.01)  # a burst of other traffic
-    assert b.current_rate() == a.floor == FLOOR_SHARE * ceiling and a.yields == 1
+    assert b.current_rate() == a.floor == FLOOR_SHARE * start and a.yields == 1
     assert booked_rate(b) == pytest.approx(a.floor)
     a.sample(None)  # no TCP_INFO: no change
     assert b.current_rate() == a.floor

@@ -238,7 +238,8 @@ SETTINGS: tuple[Setting, ...] = (
             env_doc="a whole number in 1-16"),
     Setting("replication_bandwidth", "manager", "bytes per second that replication may send in "
             "the background, for the whole node (all its ranks together); `0`/`\"none\"` for no "
-            "cap; `\"auto\"`: a share of the interface's speed. See "
+            "cap; `\"auto\"`: up to the interface's speed, from 5% of it (a fixed 5% without "
+            "`adaptive_pacing`). See "
             "[Replication network](#replication-network)", "auto",
             env="MLCHECKPOINT_REPLICATION_BANDWIDTH", keyword=True,
             check=lambda v, s: parse_bandwidth(v, s),

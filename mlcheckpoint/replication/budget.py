@@ -25,12 +25,13 @@ below the link's rate, builds no queue. The setting ``adaptive_pacing`` says wha
 
 - adaptive (the default): the node's rate, kept in the shared schedule, follows the
   delay-based controller ``delay_control.next_rate``: it grows into the link while the
-  queueing delay stays under 1 ms and is cut within milliseconds when it rises. It starts from
-  the default share of the link and moves between ``FLOOR_SHARE`` of that and the ceiling, the budget (``replication_bandwidth``; "auto": the NIC's speed, or an assumed
-  10 Gbit/s). So replication takes the gaps between collectives, and gives them back.
-- fixed (``MLCHECKPOINT_ADAPTIVE_PACING=0``, as before issue 28): the budget is the rate; past ``YIELD_DELAY_S`` of delay the whole
-  node's replication drops to ``YIELD_SHARE`` of it for ``YIELD_HOLD_S``, renewed while the
-  queue stays.
+  queueing delay stays under 1 ms and is cut within milliseconds when it rises. It moves
+  between the ceiling, the budget (``replication_bandwidth``; "auto": the NIC's speed, or an
+  assumed 10 Gbit/s), and ``FLOOR_SHARE`` of where it starts (the budget; "auto": the default
+  share of the link). So replication takes the gaps between collectives, and gives them back.
+- fixed (``MLCHECKPOINT_ADAPTIVE_PACING=0``, as before issue 28): the budget is the rate; past
+  ``YIELD_DELAY_S`` of delay the whole node's replication drops to ``YIELD_SHARE`` of it for
+  ``YIELD_HOLD_S``, renewed while the queue stays.
 
 Pacing goes in chunks of about 4 ms of budget (64 KiB to 4 MiB), each still sent with
 sendfile() straight from the tmpfs file: no extra copy. Each paced socket also gets
@@ -386,9 +387,9 @@ def node_budget(setting: int | str, interface: str | None, path: str | None, *,
                 adaptive: bool | None = None) -> Budget:
     """The budget of a node from the ``replication_bandwidth`` setting (bytes/s, 0 for no cap,
     or "auto"), booked in the file ``path``, paced adaptively or not (``adaptive``; None: the
-    setting ``adaptive_pacing``, $MLCHECKPOINT_ADAPTIVE_PACING). Fixed: the budget ("auto": ``default_bandwidth`` of the NIC
-    ``interface``). Adaptive: from ``default_bandwidth`` up to the budget ("auto": the NIC's
-    speed, or an assumed one)."""
+    setting ``adaptive_pacing``, $MLCHECKPOINT_ADAPTIVE_PACING). Fixed: the budget ("auto":
+    ``default_bandwidth`` of the NIC ``interface``). Adaptive: up to the budget, from it
+    ("auto": up to the NIC's speed or an assumed one, from ``default_bandwidth``)."""
     # Other traffic shares a NIC; on loopback (one machine) there is none worth yielding to.
     yielding = interface is not None and interface != "lo"
     if adaptive is None:
@@ -396,8 +397,10 @@ def node_budget(setting: int | str, interface: str | None, path: str | None, *,
     speed = link_speed(interface) if interface else None
     if setting != "auto":
         assert isinstance(setting, int)
+        # What the user allows, the controller may start at (the pg transport, which takes no
+        # samples, stays there).
         return Budget(setting, path, origin="replication_bandwidth", yielding=yielding,
-                      adaptive=adaptive, start=default_bandwidth(speed))
+                      adaptive=adaptive)
     link = (f"{interface}'s {format_rate(speed)}" if speed else
             f"an assumed {format_rate(ASSUMED_LINK_BYTES_PER_S)}, as {interface or 'the interface'} "
             "reports no speed; set MLCHECKPOINT_REPLICATION_BANDWIDTH to fit the link")

@@ -256,8 +256,8 @@ def test_the_pacing_setting_chooses_the_controller(monkeypatch):
     b = node_budget("auto", iface, None)
     assert b.adaptive and b.rate == ASSUMED_LINK_BYTES_PER_S
     assert b.current_rate() == default_bandwidth(None)
-    explicit = node_budget(200_000_000, iface, None)
-    assert explicit.adaptive and explicit.rate == 200_000_000
+    explicit = node_budget(200_000_000, iface, None)  # the ceiling, and where it starts
+    assert explicit.adaptive and explicit.rate == explicit.current_rate() == 200_000_000
     assert node_budget("auto", "lo", None).adaptive is False
     monkeypatch.setenv("MLCHECKPOINT_ADAPTIVE_PACING", "0")
     fixed = node_budget("auto", iface, None)

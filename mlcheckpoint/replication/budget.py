@@ -8,8 +8,8 @@ those take the full link. The receiver of a fetch does not send its bytes, the h
 so a fetch request says whether it is paced (``paced`` in the request; see tcp_client.py).
 
 How the ranks of a node share it. They are separate processes, so the budget's state is a
-16-byte file in the job directory (``layout.JobPaths.bandwidth``): until when the node's link
-is booked, and how many bytes were booked in all. A sender books one chunk at a time, under an
+56-byte file in the job directory (``layout.JobPaths.bandwidth``): until when the node's link
+is booked, how many bytes were booked in all, and the pacing's state (``Booking``). A sender books one chunk at a time, under an
 flock held for a few microseconds: the chunk's turn comes once everything booked before it has
 gone out at the budget's rate (at once when the link is idle), and the sender sleeps until
 then. Every rank, thread and stripe of a node draws from that one schedule: N senders at once

@@ -66,17 +66,17 @@ from mlcheckpoint.testing.netcluster import NetCluster, available, parse_rate
 WORKER = os.path.join(REPO_ROOT, "benchmarks", "net_train_worker.py")
 BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
 ADAPTIVE_ENV = "MLCHECKPOINT_ADAPTIVE_PACING"
-MODES = ("none", "off", "unbudgeted", "budgeted", "fixed")
+MODES = ("none", "off", "unbudgeted", "budgeted", "adaptive")
 DEFAULT_MODES = ("none", "off", "unbudgeted", "budgeted")
 RESUME_AFTER = "unbudgeted"  # the launch whose memory the resume starts from
 LABELS = {"none": "no checkpointing", "off": "replication off",
-          "unbudgeted": "replication, unbudgeted", "budgeted": "replication, default (adaptive)",
-          "fixed": "replication, fixed pacing (old)"}
+          "unbudgeted": "replication, unbudgeted", "budgeted": "replication, default budget",
+          "adaptive": "replication, adaptive pacing"}
 # What each mode adds to the job's environment. "budgeted" leaves the variables unset (the
 # worker also drops them, should the caller's shell have set them).
 MODE_ENV = {"none": {}, "off": {}, "unbudgeted": {BANDWIDTH_ENV: "unlimited"}, "budgeted": {},
-            "fixed": {ADAPTIVE_ENV: "0"}}
-REPLICATING = ("unbudgeted", "budgeted", "fixed")
+            "adaptive": {ADAPTIVE_ENV: "1"}}
+REPLICATING = ("unbudgeted", "budgeted", "adaptive")
 
 TARGET_BUDGETED_VS_OFF = 1.02  # median step time <= 2% above replication off
 TARGET_IDLE_SHARE = 0.6  # the default takes >= 60% of the link capacity training leaves idle
@@ -135,8 +135,8 @@ def parse_args(argv: list[str]) -> Config:
                         "replicated across nodes) (default ddp)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=None,
                    help=f"modes to interleave (default {' '.join(DEFAULT_MODES)}; "
-                        "fixed: the default budget with MLCHECKPOINT_ADAPTIVE_PACING=0, "
-                        "the pacing before issue 28)")
+                        "adaptive: the default budget with MLCHECKPOINT_ADAPTIVE_PACING=1, "
+                        "issue 28's delay-based pacing)")
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
     p.add_argument("--nproc", type=int, default=1, help="ranks per node (default 1)")
     p.add_argument("--replace", type=int, default=1,
@@ -512,7 +512,7 @@ def summarize(cfg: Config, res: dict[str, Any]) -> dict[str, Any]:
             modes["budgeted"]["vs_unbudgeted"] = modes["budgeted"]["median_s"] / modes["unbudgeted"]["median_s"]
         s["rates"][rate] = {"modes": modes}
         fast = (parse_rate(rate) or 0) >= 5 * 10**9
-        for name in ("budgeted", "fixed"):
+        for name in ("budgeted", "adaptive"):
             if name not in modes:
                 continue
             b, label = modes[name], LABELS[name]

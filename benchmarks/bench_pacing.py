@@ -10,9 +10,9 @@ all-reduce does. Beside it, node 0 replicates to node 1 without end (``paced``: 
 Budget.sendfile with the default budget, as a push does). Interleaved rounds of three modes:
 
 * none      the exchanges alone
-* fixed     with replication paced as before issue 28 (MLCHECKPOINT_ADAPTIVE_PACING=0: 5% of
+* fixed     with replication paced as by default (as before issue 28; 5% of
             the assumed 10 Gbit/s, a tenth of it while a queue lasts)
-* adaptive  with replication paced by the delay-based controller (the default)
+* adaptive  with replication paced by the delay-based controller (MLCHECKPOINT_ADAPTIVE_PACING=1)
 
 Per rate and mode: the exchanges' median and p90 seconds (and against none), replication's
 bytes per second, node 0's bytes on its link per second, and the share of the link capacity

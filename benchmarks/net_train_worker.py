@@ -10,9 +10,9 @@ MODE is one of bench_network's modes:
   unbudgeted  CheckpointManager(replication="tcp"); the benchmark sets
               MLCHECKPOINT_REPLICATION_BANDWIDTH=unlimited in the environment
   budgeted    CheckpointManager(replication="tcp") with MLCHECKPOINT_REPLICATION_BANDWIDTH
-              and MLCHECKPOINT_ADAPTIVE_PACING unset: the library's default (adaptive pacing)
-  fixed       the same with MLCHECKPOINT_ADAPTIVE_PACING=0 (the benchmark sets it): the
-              fixed default budget that steps down while a queue lasts (before issue 28)
+              and MLCHECKPOINT_ADAPTIVE_PACING unset: the library's default budget and pacing
+  adaptive    the same with MLCHECKPOINT_ADAPTIVE_PACING=1 (the benchmark sets it): the
+              delay-based pacing that grows into the idle link (issue 28)
 
 Training: bench_training's transformer LM, AdamW, one compute thread, in one of three
 parallelisms (``--parallel``; gloo, so every collective crosses the node's shaped link):
@@ -64,7 +64,7 @@ from mlcheckpoint.testing.cluster import write_result
 
 BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
 ADAPTIVE_ENV = "MLCHECKPOINT_ADAPTIVE_PACING"
-MODES = ("none", "off", "unbudgeted", "budgeted", "fixed")
+MODES = ("none", "off", "unbudgeted", "budgeted", "adaptive")
 PARALLEL = ("ddp", "fsdp", "hsdp")
 
 
@@ -200,7 +200,7 @@ def train(args: argparse.Namespace) -> None:
     rss = RssSampler()  # from before the manager: everything checkpointing adds shows
     ckpt = None
     if args.mode != "none":
-        if args.mode in ("budgeted", "fixed"):
+        if args.mode in ("budgeted", "adaptive"):
             os.environ.pop(BANDWIDTH_ENV, None)  # the default budget, whatever the caller's shell set
         if args.mode == "budgeted":
             os.environ.pop(ADAPTIVE_ENV, None)  # the default pacing, likewise

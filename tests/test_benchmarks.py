@@ -221,24 +221,24 @@ def test_bench_network_quick_reports_every_mode_and_the_resume():
 @pytest.mark.slow
 def test_bench_network_fsdp_runs_with_the_old_pacing_beside_the_new():
     """--parallel fsdp (all-gathers and reduce-scatters cross the link) with replication off,
-    the default (adaptive) pacing and the fixed one: every mode trains, replicates and reports
+    the default (fixed) pacing and the adaptive one: every mode trains, replicates and reports
     the link figures of issue 28 item 3."""
     reason = netcluster.available()
     if reason:
         pytest.skip(f"no emulated network: {reason}")
     figures = bench_network.main(["--quick", "--rounds", "1", "--rates", "1gbit", "--parallel", "fsdp",
-                                  "--modes", "off", "budgeted", "fixed"])
+                                  "--modes", "off", "budgeted", "adaptive"])
     modes = figures["summary"]["rates"]["1gbit"]["modes"]
-    assert set(modes) == {"off", "budgeted", "fixed"}
-    for mode in ("budgeted", "fixed"):
+    assert set(modes) == {"off", "budgeted", "adaptive"}
+    for mode in ("budgeted", "adaptive"):
         m = modes[mode]
         for key in ("link_utilisation", "replication_bytes_per_step", "idle_Bps", "idle_share_used"):
             assert _number(m[key]), (mode, key, m[key])
         assert m["replication_bytes_per_step"] > 0, mode  # replication crossed the link
     rank0 = {x["mode"]: x["ranks"]["0"] for x in figures["launches"]}
     assert rank0["off"]["parallel"] == "fsdp"
-    assert rank0["budgeted"]["pacing"].startswith("adaptive") and "adaptive" not in rank0["fixed"]["pacing"]
-    assert all(st["booked_bytes"] is not None for st in rank0["budgeted"]["steps"])
+    assert rank0["adaptive"]["pacing"].startswith("adaptive") and "adaptive" not in rank0["budgeted"]["pacing"]
+    assert all(st["booked_bytes"] is not None for st in rank0["adaptive"]["steps"])
 
 
 @pytest.mark.slow

@@ -23,13 +23,13 @@ no more when they leave it idle. So a paced TCP send reads its socket's queueing
 (``delay_control.queueing_delay``, from TCP_INFO) after each chunk: replication alone, paced
 below the link's rate, builds no queue. The setting ``adaptive_pacing`` says what to do:
 
-- adaptive (the default): the node's rate, kept in the shared schedule, follows the
+- adaptive (``MLCHECKPOINT_ADAPTIVE_PACING=1``; experimental, see docs/performance.md): the node's rate, kept in the shared schedule, follows the
   delay-based controller ``delay_control.next_rate``: it grows into the link while the
   queueing delay stays under 1 ms and is cut within milliseconds when it rises. It moves
   between the ceiling, the budget (``replication_bandwidth``; "auto": the NIC's speed, or an
   assumed 10 Gbit/s), and ``FLOOR_SHARE`` of where it starts (the budget; "auto": the default
   share of the link). So replication takes the gaps between collectives, and gives them back.
-- fixed (``MLCHECKPOINT_ADAPTIVE_PACING=0``, as before issue 28): the budget is the rate; past
+- fixed (the default, as before issue 28): the budget is the rate; past
   ``YIELD_DELAY_S`` of delay the whole node's replication drops to ``YIELD_SHARE`` of it for
   ``YIELD_HOLD_S``, renewed while the queue stays.
 

@@ -248,11 +248,14 @@ def test_adaptive_pacing_moves_every_sender_of_the_node(tmp_path):
 
 
 def test_the_pacing_setting_chooses_the_controller(monkeypatch):
-    """Off loopback the default paces adaptively, from the default share up to the link
-    (assumed where the NIC reports none); MLCHECKPOINT_ADAPTIVE_PACING=0 restores the fixed
-    budget; loopback never yields, so it keeps the fixed budget."""
-    monkeypatch.delenv("MLCHECKPOINT_ADAPTIVE_PACING", raising=False)
+    """MLCHECKPOINT_ADAPTIVE_PACING=1: off loopback, pace adaptively from the default share up
+    to the link (assumed where the NIC reports none); by default, or =0, the fixed budget;
+    loopback never yields, so it keeps the fixed budget."""
     iface = "dummy-nic"  # not in sysfs: no speed
+    monkeypatch.delenv("MLCHECKPOINT_ADAPTIVE_PACING", raising=False)
+    default = node_budget("auto", iface, None)
+    assert not default.adaptive and default.yielding and default.rate == default_bandwidth(None)
+    monkeypatch.setenv("MLCHECKPOINT_ADAPTIVE_PACING", "1")
     b = node_budget("auto", iface, None)
     assert b.adaptive and b.rate == ASSUMED_LINK_BYTES_PER_S
     assert b.current_rate() == default_bandwidth(None)

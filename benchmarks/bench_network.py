@@ -65,15 +65,22 @@ from mlcheckpoint.testing.netcluster import NetCluster, available, parse_rate
 
 WORKER = os.path.join(REPO_ROOT, "benchmarks", "net_train_worker.py")
 BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
-MODES = ("none", "off", "unbudgeted", "budgeted")
+ADAPTIVE_ENV = "MLCHECKPOINT_ADAPTIVE_PACING"
+MODES = ("none", "off", "unbudgeted", "budgeted", "adaptive")
+DEFAULT_MODES = ("none", "off", "unbudgeted", "budgeted")
 RESUME_AFTER = "unbudgeted"  # the launch whose memory the resume starts from
 LABELS = {"none": "no checkpointing", "off": "replication off",
-          "unbudgeted": "replication, unbudgeted", "budgeted": "replication, default budget"}
-# What each mode adds to the job's environment. "budgeted" leaves the variable unset (the
-# worker also drops it, should the caller's shell have set it).
-MODE_ENV = {"none": {}, "off": {}, "unbudgeted": {BANDWIDTH_ENV: "unlimited"}, "budgeted": {}}
+          "unbudgeted": "replication, unbudgeted", "budgeted": "replication, default budget",
+          "adaptive": "replication, adaptive pacing"}
+# What each mode adds to the job's environment. "budgeted" leaves the variables unset (the
+# worker also drops them, should the caller's shell have set them).
+MODE_ENV = {"none": {}, "off": {}, "unbudgeted": {BANDWIDTH_ENV: "unlimited"}, "budgeted": {},
+            "adaptive": {ADAPTIVE_ENV: "1"}}
+REPLICATING = ("unbudgeted", "budgeted", "adaptive")
 
 TARGET_BUDGETED_VS_OFF = 1.02  # median step time <= 2% above replication off
+TARGET_IDLE_SHARE = 0.6  # the default takes >= 60% of the link capacity training leaves idle
+TARGET_LAG_FAST = 2  # steps, at 5 Gbit/s and faster
 TARGET_RESUME_VS_RAW = 0.8  # resume >= 0.8x the raw transfer of the same bytes
 TARGET_PARALLEL_RESUME = 1.25  # "about as long": k nodes replaced at once vs one
 SAMPLE_EVERY_S = 0.5  # tmpfs sampling period
@@ -83,6 +90,8 @@ SAMPLE_EVERY_S = 0.5  # tmpfs sampling period
 @dataclass(frozen=True)
 class Config:
     rates: tuple[str, ...]
+    modes: tuple[str, ...]
+    parallel: str  # ddp, fsdp or hsdp
     nodes: int
     nproc: int  # ranks per node
     replace: int  # nodes replaced at once in the largest resume case
@@ -97,7 +106,8 @@ class Config:
     json_path: str | None
 
     def worker_args(self) -> list[str]:
-        return ["--params-mb", str(self.params_mb), "--seq-len", str(self.seq_len)]
+        return ["--params-mb", str(self.params_mb), "--seq-len", str(self.seq_len),
+                "--parallel", self.parallel]
 
     def train_args(self) -> list[str]:
         return [*self.worker_args(), "--steps", str(self.steps), "--warmup", str(self.warmup),
@@ -128,6 +138,15 @@ def parse_args(argv: list[str]) -> Config:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", nargs="+", default=None,
                    help="link rates in tc notation (default 1gbit 5gbit; 1gbit with --quick)")
+    p.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp",
+                   help="how the model is spread: ddp (every rank the whole model, gradients "
+                        "all-reduced), fsdp (sharded over all ranks: all-gathers and "
+                        "reduce-scatters cross the link), hsdp (sharded within a node, "
+                        "replicated across nodes) (default ddp)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                   help=f"modes to interleave (default {' '.join(DEFAULT_MODES)}; "
+                        "adaptive: the default budget with MLCHECKPOINT_ADAPTIVE_PACING=1, "
+                        "issue 28's delay-based pacing)")
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
     p.add_argument("--nproc", type=int, default=1, help="ranks per node (default 1)")
     p.add_argument("--replace", type=int, default=1,
@@ -160,7 +179,10 @@ def parse_args(argv: list[str]) -> Config:
         p.error("need --nodes >= 2, --nproc >= 1, --rounds >= 1, --warmup >= 1, --steps >= warmup + 2")
     if a.replace < 1 or 2 * a.replace > a.nodes:
         p.error(f"--replace {a.replace}: 1 to nodes/2 (one node of each pair)")
-    return Config(rates=rates, nodes=a.nodes, nproc=a.nproc, replace=a.replace, rounds=a.rounds,
+    modes = tuple(m for m in MODES if m in (a.modes or DEFAULT_MODES))
+    if "off" not in modes:
+        p.error("--modes must include off: every figure is set against it")
+    return Config(rates=rates, modes=modes, parallel=a.parallel, nodes=a.nodes, nproc=a.nproc, replace=a.replace, rounds=a.rounds,
                   steps=steps, warmup=warmup,
                   params_mb=a.params_mb if a.params_mb is not None else (2.0 if a.quick else 134.0),
                   batch=a.batch, seq_len=a.seq_len or (32 if a.quick else 64), keep=a.keep,
@@ -346,7 +368,8 @@ class Bench:
     def run(self) -> None:
         cfg = self.cfg
         for rnd in range(cfg.rounds):
-            order = list(MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)])  # no mode always first
+            modes = cfg.modes
+            order = list(modes[rnd % len(modes):] + modes[:rnd % len(modes)])  # no mode always first
             for rate in cfg.rates:
                 self.cluster.set_rate(rate)
                 for mode in order:
@@ -472,37 +495,62 @@ def summarize_resume(res: dict[str, Any]) -> dict[str, Any]:
             "launch_s": res["launch_s"], "phases": resume_phases(res)}
 
 
+def link_figures(m: dict[str, Any], off: dict[str, Any], link_Bps: float) -> None:
+    """What a mode did with the link, against replication off (into ``m``): utilisation (node
+    0's bytes on its link per second of step), the replication bytes on the link per step (its
+    bytes beyond off's), and the share of the capacity off leaves idle that replication used."""
+    m["link_utilisation"] = m["node0_bytes_per_step"] / m["median_s"] / link_Bps
+    m["replication_bytes_per_step"] = m["node0_bytes_per_step"] - off["node0_bytes_per_step"]
+    m["replication_link_Bps"] = m["replication_bytes_per_step"] / m["median_s"]
+    m["idle_Bps"] = link_Bps - off["node0_bytes_per_step"] / off["median_s"]
+    m["idle_share_used"] = m["replication_link_Bps"] / m["idle_Bps"]
+
+
 def summarize(cfg: Config, res: dict[str, Any]) -> dict[str, Any]:
     s: dict[str, Any] = {"rates": {}, "resumes": [summarize_resume(r) for r in res["resumes"]], "targets": []}
     targets = s["targets"]
     for rate in cfg.rates:
         modes = {m: summarize_mode(cfg, [x for x in res["launches"] if x["rate"] == rate and x["mode"] == m])
-                 for m in MODES}
-        off, none = modes["off"]["median_s"], modes["none"]["median_s"]
+                 for m in cfg.modes}
+        off = modes["off"]
+        link_Bps = (parse_rate(rate) or 0) / 8
         for m in modes.values():
-            m["vs_off"], m["vs_none"] = m["median_s"] / off, m["median_s"] / none
-        b, u = modes["budgeted"], modes["unbudgeted"]
-        b["vs_unbudgeted"] = b["median_s"] / u["median_s"]
+            m["vs_off"] = m["median_s"] / off["median_s"]
+            m["vs_none"] = m["median_s"] / modes["none"]["median_s"] if "none" in modes else None
+            link_figures(m, off, link_Bps)
+        if "budgeted" in modes and "unbudgeted" in modes:
+            modes["budgeted"]["vs_unbudgeted"] = modes["budgeted"]["median_s"] / modes["unbudgeted"]["median_s"]
         s["rates"][rate] = {"modes": modes}
-        targets.append({"name": f"{rate}: default budget, median step <= {TARGET_BUDGETED_VS_OFF:.2f}x replication off",
-                        "value": b["vs_off"], "pass": b["vs_off"] <= TARGET_BUDGETED_VS_OFF})
-        budget = b["budget"]
-        if isinstance(budget, (int, float)) and budget > 0:
-            bound = b["node_checkpoint_bytes"] / budget / b["median_s"] + 1
-            targets.append({"name": f"{rate}: lag <= bytes per node per checkpoint / budget / step time + 1 "
-                                    f"= {bound:.1f} steps", "value": b["lag_steps_max"],
+        fast = (parse_rate(rate) or 0) >= 5 * 10**9
+        for name in ("budgeted", "adaptive"):
+            if name not in modes:
+                continue
+            b, label = modes[name], LABELS[name]
+            targets.append({"name": f"{rate}: {label}, median step <= {TARGET_BUDGETED_VS_OFF:.2f}x replication off",
+                            "value": b["vs_off"], "pass": b["vs_off"] <= TARGET_BUDGETED_VS_OFF})
+            targets.append({"name": f"{rate}: {label}, share of the idle link used >= {TARGET_IDLE_SHARE:.0%}",
+                            "value": b["idle_share_used"], "pass": b["idle_share_used"] >= TARGET_IDLE_SHARE})
+            bound = TARGET_LAG_FAST if fast else b["node_checkpoint_bytes"] / b["idle_Bps"] / b["median_s"] + 1
+            what = (f"{TARGET_LAG_FAST}" if fast else
+                    f"bytes per node / idle link rate / step time + 1 = {bound:.1f}")
+            targets.append({"name": f"{rate}: {label}, lag <= {what} steps", "value": b["lag_steps_max"],
                             "pass": b["lag_steps_max"] is not None and b["lag_steps_max"] <= math.ceil(bound)})
-        if b["lag_steps_max"] is not None:
-            grew = b["lag_second_half_median"] - b["lag_first_half_median"]
-            targets.append({"name": f"{rate}: default budget, lag not growing (2nd half median - 1st half)",
-                            "value": grew, "pass": grew <= 1})
-        for m in ("off", "unbudgeted", "budgeted"):
-            targets.append({"name": f"{rate}: {LABELS[m]}, peak RssAnon growth <= one shard",
-                            "value": modes[m]["rss_anon_growth_shards"], "pass": modes[m]["rss_anon_growth_shards"] <= 1})
+            if b["lag_steps_max"] is not None:
+                grew = b["lag_second_half_median"] - b["lag_first_half_median"]
+                targets.append({"name": f"{rate}: {label}, lag not growing (2nd half median - 1st half)",
+                                "value": grew, "pass": grew <= 1})
+        for mode in modes:
+            if mode != "none":
+                targets.append({"name": f"{rate}: {LABELS[mode]}, peak RssAnon growth <= one shard",
+                                "value": modes[mode]["rss_anon_growth_shards"],
+                                "pass": modes[mode]["rss_anon_growth_shards"] <= 1})
         limit = 2 * cfg.keep + 1
-        targets.append({"name": f"{rate}: default budget, tmpfs per node <= {limit} checkpoints "
-                                f"(keep own + keep replicas + one in flight)",
-                        "value": b["tmpfs_peak_checkpoints"], "pass": b["tmpfs_peak_checkpoints"] <= limit})
+        for mode in REPLICATING:
+            if mode in modes:
+                targets.append({"name": f"{rate}: {LABELS[mode]}, tmpfs per node <= {limit} checkpoints "
+                                        f"(keep own + keep replicas + one in flight)",
+                                "value": modes[mode]["tmpfs_peak_checkpoints"],
+                                "pass": modes[mode]["tmpfs_peak_checkpoints"] <= limit})
     one = {(r["rate"], r["round"]): r for r in s["resumes"] if len(r["replaced"]) == 1}
     for r in s["resumes"]:
         targets.append({"name": f"{r['rate']}, round {r['round'] + 1}, node(s) {r['replaced']} replaced: "
@@ -537,47 +585,71 @@ def print_dedup(modes: dict[str, dict[str, Any]]) -> None:
               + ", ".join(f"{k} {size_str(v)}" for k, v in parts.items()))
 
 
+def lag_series(launch: dict[str, Any]) -> str:
+    """Rank 0's protection lag after each step of one launch, warm-up included (``.``: none)."""
+    return " ".join("." if x["lag_steps"] is None else str(x["lag_steps"]) for x in launch["ranks"]["0"]["steps"])
+
+
 def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, Any]) -> None:
     first = res["launches"][0]["ranks"]["0"]
     sh, machine = first["shape"], meta["machine"]
     print(f"\nmlcheckpoint {machine['mlcheckpoint']} network benchmark: {cfg.nodes} emulated nodes x "
-          f"{cfg.nproc} rank(s), DDP (gloo) transformer LM ({sh['layers']} blocks, d_model {sh['d_model']}, "
-          f"{first['params'] / 1e6:.1f}M parameters) + AdamW,\n  checkpoint per rank "
+          f"{cfg.nproc} rank(s), {cfg.parallel.upper()} (gloo) transformer LM ({sh['layers']} blocks, "
+          f"d_model {sh['d_model']}, {first['params'] / 1e6:.1f}M parameters) + AdamW,\n  state per rank "
           f"{size_str(first['state_bytes'])}, ckpt.guard + ckpt.async_save every step, batch {cfg.batch} x "
           f"{cfg.seq_len} tokens, 1 compute thread per rank")
     print(f"  {machine['cores']} cores, {machine['cpu']}, torch {machine['torch']}; load average "
           f"{meta['load_start']} at start, {meta['load_end']} at the end; took {meta['duration_s'] / 60:.1f} min")
-    print(f"  {cfg.rounds} round(s) x {len(MODES)} modes per rate, interleaved, each a fresh launch of "
+    print(f"  {cfg.rounds} round(s) x {len(cfg.modes)} modes per rate, interleaved, each a fresh launch of "
           f"{cfg.steps} steps, the first {cfg.warmup} discarded" + (" [--quick]" if cfg.quick else ""))
-    budget = s["rates"][cfg.rates[0]]["modes"]["budgeted"]["budget"]
-    print(f"  default budget: {budget if budget is not None else 'none in this build (replication_bandwidth not supported: budgeted = unbudgeted)'}")
+    for mode in REPLICATING:
+        if mode in cfg.modes:
+            launch = next(x for x in res["launches"] if x["mode"] == mode)
+            print(f"  {LABELS[mode]}: {launch['ranks']['0'].get('pacing') or launch['ranks']['0']['budget']}")
     print(f"  command: {meta['command']}")
-    head = (f"{'mode':<29}{'median s':>9}{'p90 s':>8}{'vs off':>8}{'vs none':>8}{'fwd+bwd':>8}"
-            f"{'node0 MB/step':>14}{'lag med/max':>12}{'age s med/max':>14}{'skipped':>8}"
-            f"{'tmpfs/node':>11}{'RssAnon+':>10}")
+    head = (f"{'mode':<33}{'median s':>9}{'p90 s':>8}{'vs off':>8}{'vs none':>8}{'fwd+bwd':>8}"
+            f"{'node0 MB/step':>14}{'repl MB/step':>13}{'link busy':>10}{'idle used':>10}"
+            f"{'lag med/max':>12}{'age s med/max':>14}{'skipped':>8}{'tmpfs/node':>11}{'RssAnon+':>10}")
     for rate, r in s["rates"].items():
         raws = [g for x in s["resumes"] if x["rate"] == rate for g in x["raw_gbit_s"]]
-        print(f"\nlink {rate} (raw TCP between the nodes: {', '.join(f'{g:.2f}' for g in raws)} Gbit/s)")
+        print(f"\nlink {rate}" + (f" (raw TCP between the nodes: {', '.join(f'{g:.2f}' for g in raws)} Gbit/s)"
+                                   if raws else ""))
         print(head)
         for mode, m in r["modes"].items():
             lag = "-" if m["lag_steps_max"] is None else f"{m['lag_steps_median']:g}/{m['lag_steps_max']}"
             age = "-" if m["age_s_max"] is None else f"{m['age_s_median']:.1f}/{m['age_s_max']:.1f}"
             skipped = "-" if mode in ("none", "off") else "/".join(str(x) for x in m["superseded"])
             tmpfs = "-" if mode == "none" else size_str(m["tmpfs_peak_bytes"])
-            print(f"{LABELS[mode]:<29}{m['median_s']:>9.3f}{m['p90_s']:>8.3f}{m['vs_off']:>7.2f}x"
-                  f"{m['vs_none']:>7.2f}x{m['fwd_bwd_median_s']:>8.3f}{m['node0_bytes_per_step'] / 1e6:>14.0f}"
+            repl = "-" if mode not in REPLICATING else f"{m['replication_bytes_per_step'] / 1e6:.0f}"
+            used = "-" if mode not in REPLICATING else f"{m['idle_share_used']:.0%}"
+            vs_none = "-" if m["vs_none"] is None else f"{m['vs_none']:.2f}x"
+            print(f"{LABELS[mode]:<33}{m['median_s']:>9.3f}{m['p90_s']:>8.3f}{m['vs_off']:>7.2f}x"
+                  f"{vs_none:>8}{m['fwd_bwd_median_s']:>8.3f}{m['node0_bytes_per_step'] / 1e6:>14.0f}"
+                  f"{repl:>13}{m['link_utilisation']:>10.0%}{used:>10}"
                   f"{lag:>12}{age:>14}{skipped:>8}{tmpfs:>11}{size_str(m['rss_anon_growth_bytes']):>10}")
         print_dedup(r["modes"])
-        b = r["modes"]["budgeted"]
         print("  per-launch medians (s): " + "; ".join(
             f"{mode} " + ", ".join(f"{x:.3f}" for x in m["round_medians_s"]) for mode, m in r["modes"].items()))
-        print(f"  default budget vs unbudgeted: {b['vs_unbudgeted']:.2f}x the step time; lag first/second "
-              f"half median {_opt(b['lag_first_half_median'], 'g')}/{_opt(b['lag_second_half_median'], 'g')} "
-              f"steps; replication rate {_opt(b['replication_rate_Bps'] / 1e6, '.0f')} MB/s; tmpfs peak "
-              f"{b['tmpfs_peak_checkpoints']:.1f} node checkpoints")
-    print("  median/p90: step time (forward, backward with DDP's all-reduce, optimizer.step with the guard, "
+        off = r["modes"]["off"]
+        print(f"  idle link with replication off: {off['idle_Bps'] / 1e6:.0f} MB/s of "
+              f"{(parse_rate(rate) or 0) / 8e6:.0f} MB/s")
+        for mode in REPLICATING:
+            if mode not in r["modes"]:
+                continue
+            m = r["modes"][mode]
+            extra = f"{m['vs_unbudgeted']:.2f}x unbudgeted's step time; " if "vs_unbudgeted" in m else ""
+            print(f"  {LABELS[mode]}: {extra}replication on the link {m['replication_link_Bps'] / 1e6:.0f} MB/s; "
+                  f"lag first/second half median {_opt(m['lag_first_half_median'], 'g')}/"
+                  f"{_opt(m['lag_second_half_median'], 'g')} steps; tmpfs peak "
+                  f"{m['tmpfs_peak_checkpoints']:.1f} node checkpoints")
+            for launch in res["launches"]:
+                if launch["rate"] == rate and launch["mode"] == mode:
+                    print(f"    lag per step, round {launch['round'] + 1}: {lag_series(launch)}")
+    print("  median/p90: step time (forward, backward with the collectives, optimizer.step with the guard, "
           "async_save) of rank 0's measured steps, all rounds; node0 MB/step: node 0's eth0 tx per step; "
-          "lag: ckpt.protection().lag_steps after each step, age: its age_seconds; skipped: saves "
+          "repl MB/step: node0 MB/step beyond replication off's; link busy: node0 MB/step / step time / link "
+          "rate; idle used: replication's bytes per second on the link / the link capacity replication off "
+          "leaves idle; lag: ckpt.protection().lag_steps after each step, age: its age_seconds; skipped: saves "
           "superseded per launch (rank 0); tmpfs/node: peak du of a node's local_dir; RssAnon+: peak "
           "growth of any rank from before its CheckpointManager")
     print("\nresume of replaced nodes over the link (ResumeInfo.seconds of the replaced ranks; raw: one TCP "

@@ -1,8 +1,8 @@
 """One rank of bench_network's job, started by torchrun inside a node of a NetCluster.
 
     net_train_worker.py MODE NAME [--steps N --warmup W --params-mb P --batch B --seq-len L]
-                                  [--keep K] [--hold]
-    net_train_worker.py resume NAME [--params-mb P --seq-len L]
+                                  [--keep K] [--hold] [--parallel ddp|fsdp|hsdp]
+    net_train_worker.py resume NAME [--params-mb P --seq-len L --parallel ddp|fsdp|hsdp]
 
 MODE is one of bench_network's modes:
   none        DDP training, no CheckpointManager at all
@@ -10,14 +10,21 @@ MODE is one of bench_network's modes:
   unbudgeted  CheckpointManager(replication="tcp"); the benchmark sets
               MLCHECKPOINT_REPLICATION_BANDWIDTH=unlimited in the environment
   budgeted    CheckpointManager(replication="tcp") with MLCHECKPOINT_REPLICATION_BANDWIDTH
-              unset: the library's default budget
+              and MLCHECKPOINT_ADAPTIVE_PACING unset: the library's default budget and pacing
+  adaptive    the same with MLCHECKPOINT_ADAPTIVE_PACING=1 (the benchmark sets it): the
+              delay-based pacing that grows into the idle link (issue 28)
 
-Training: bench_training's transformer LM wrapped in DDP (gloo: its all-reduce crosses the
-node's shaped link every step), AdamW, one compute thread; ``ckpt.guard(optimizer)`` once and
+Training: bench_training's transformer LM, AdamW, one compute thread, in one of three
+parallelisms (``--parallel``; gloo, so every collective crosses the node's shaped link):
+``ddp`` (DistributedDataParallel: every rank holds the whole model, its all-reduce of the
+gradients runs in the backward), ``fsdp`` (fully_shard of each block and the root over all
+ranks: parameters are all-gathered in forward and backward, gradients reduce-scattered; each
+rank holds 1/world of the state), ``hsdp`` (fully_shard on a (nodes, ranks per node) mesh:
+sharded within a node, replicated across nodes, whose gradients are all-reduced); ``ckpt.guard(optimizer)`` once and
 ``ckpt.async_save`` after every step. One untimed step first (Adam's moments exist after it),
 then ``--steps`` timed steps. After each step, untimed: ``ckpt.protection()``, the node's
-eth0 tx_bytes (``/sys/class/net/eth0``, this namespace's), the save result of the previous
-step. A thread samples RssAnon (``/proc/self/status``) every 20 ms from just before the
+eth0 tx_bytes (``/sys/class/net/eth0``, this namespace's), the bytes replication booked on
+the node's bandwidth schedule so far, the save result of the previous step. A thread samples RssAnon (``/proc/self/status``) every 20 ms from just before the
 CheckpointManager is made. ``--hold``: wait (untimed) until the last step is on two nodes,
 report, and keep the job (and its replication) alive until the benchmark kills the node.
 
@@ -45,15 +52,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.bench_training import model_for
 from benchmarks.harness.workloads import tensors_of
 from mlcheckpoint import CheckpointManager, LocalStore, history
+from mlcheckpoint.replication.core.budget import NodeSchedule
 from mlcheckpoint.testing.cluster import write_result
 
 BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
-MODES = ("none", "off", "unbudgeted", "budgeted")
+ADAPTIVE_ENV = "MLCHECKPOINT_ADAPTIVE_PACING"
+MODES = ("none", "off", "unbudgeted", "budgeted", "adaptive")
+PARALLEL = ("ddp", "fsdp", "hsdp")
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,6 +79,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--hold", action="store_true")
+    p.add_argument("--parallel", choices=PARALLEL, default="ddp")
     return p.parse_args()
 
 
@@ -113,18 +126,34 @@ class RssSampler:
         self.peak = max(self.peak, rss_anon())
 
 
-class Trainer:
-    """The model, its optimizer and one training step."""
+def shard(model: torch.nn.Module, parallel: str) -> None:
+    """fully_shard each block, then the root: over every rank (fsdp), or sharded within a node
+    and replicated across nodes (hsdp)."""
+    world, per_node = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    mesh = (init_device_mesh("cpu", (world,)) if parallel == "fsdp" else
+            init_device_mesh("cpu", (world // per_node, per_node),
+                             mesh_dim_names=("replicate", "shard")))
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
-    def __init__(self, args: argparse.Namespace, ddp: bool):
+
+class Trainer:
+    """The model, its optimizer and one training step (``train``: each rank its own data)."""
+
+    def __init__(self, args: argparse.Namespace, train: bool):
         self.args = args
         params_bytes = int(args.params_mb * 1e6)
         # bench_training's model_for sizes parameters + two Adam moments (12 bytes/parameter).
         model, self.shape = model_for(3 * params_bytes, args.seq_len)
         self.params = sum(p.numel() for p in model.parameters())
-        self.model: torch.nn.Module = DDP(model) if ddp else model
+        if args.parallel == "ddp":  # a resume needs no DDP: the state dict's keys are the module's
+            self.model: torch.nn.Module = DDP(model) if train else model
+        else:  # a resume shards as the training did: its state dict holds the same DTensors
+            shard(model, args.parallel)
+            self.model = model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.gen = torch.Generator().manual_seed(1 + (dist.get_rank() if ddp else 0))
+        self.gen = torch.Generator().manual_seed(1 + (dist.get_rank() if train else 0))
 
     def forward_backward(self) -> None:
         a = self.args
@@ -132,7 +161,7 @@ class Trainer:
         logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP's all-reduce of the gradients runs in here
+        loss.backward()  # DDP's all-reduce (FSDP's all-gathers and reduce-scatters) run in here
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """The live tensors (the optimizer updates them in place): one dict serves every save."""
@@ -150,6 +179,13 @@ def resolved_budget(ckpt: CheckpointManager | None) -> Any:
     return getattr(ckpt.options, "replication_bandwidth", None)
 
 
+def describe_budget(ckpt: CheckpointManager | None) -> str | None:
+    """How the transport paces (its log line), where it has a budget."""
+    transport = getattr(ckpt.replicator, "transport", None) if ckpt is not None else None
+    budget = getattr(transport, "budget", None)
+    return budget.describe() if budget is not None else None
+
+
 def pushed_bytes(ckpt: CheckpointManager | None, steps: int) -> dict[str, int]:
     """This rank's replication pushes: how many of its steps, and their bytes (the
     replicator's own count of what it sent)."""
@@ -160,7 +196,7 @@ def pushed_bytes(ckpt: CheckpointManager | None, steps: int) -> dict[str, int]:
 
 def train(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
-    trainer = Trainer(args, ddp=True)
+    trainer = Trainer(args, train=True)
     trainer.forward_backward()  # untimed: DDP's first step, and Adam's moments come to exist
     trainer.optimizer.step()
     sd = trainer.state_dict(0)
@@ -169,10 +205,13 @@ def train(args: argparse.Namespace) -> None:
     rss = RssSampler()  # from before the manager: everything checkpointing adds shows
     ckpt = None
     if args.mode != "none":
-        if args.mode == "budgeted":
+        if args.mode in ("budgeted", "adaptive"):
             os.environ.pop(BANDWIDTH_ENV, None)  # the default budget, whatever the caller's shell set
+        if args.mode == "budgeted":
+            os.environ.pop(ADAPTIVE_ENV, None)  # the default pacing, likewise
         ckpt = CheckpointManager(keep=args.keep, replication="none" if args.mode == "off" else "tcp")
         ckpt.guard(trainer.optimizer)
+    schedule = NodeSchedule(ckpt.store.paths.bandwidth) if ckpt is not None else None
     steps: list[dict[str, Any]] = []
     save_bytes: list[int] = []
     staged_bytes: list[int | None] = []  # copied before DCP planned (None: a build without it)
@@ -195,6 +234,7 @@ def train(args: argparse.Namespace) -> None:
         p = ckpt.protection() if ckpt is not None else None
         steps.append({"step": step, "t": t3 - t_start, "step_s": t3 - t0, "fwd_bwd_s": t1 - t0,
                       "optim_s": t2 - t1, "save_call_s": t3 - t2, "tx_bytes": tx_bytes(),
+                      "booked_bytes": schedule.total_bytes() if schedule is not None else None,
                       "newest_protected": None if p is None else p.newest_protected,
                       "lag_steps": None if p is None else p.lag_steps,
                       "age_s": None if p is None else p.age_seconds,
@@ -213,13 +253,16 @@ def train(args: argparse.Namespace) -> None:
     if args.hold and ckpt is not None and args.mode != "off":
         replicated = ckpt.wait_replicated(args.steps - 1, timeout=120)
     rss.stop()
-    result = {"rank": rank, "node": int(os.environ["GROUP_RANK"]), "mode": args.mode,
+    if schedule is not None:
+        schedule.close()
+    result = {"rank": rank, "parallel": args.parallel, "node": int(os.environ["GROUP_RANK"]), "mode": args.mode,
               "params": trainer.params, "shape": trainer.shape, "state_bytes": state_bytes,
               "save_bytes": save_bytes, "staged_bytes": staged_bytes,
               "pushed": pushed_bytes(ckpt, args.steps), "steps": steps, "warmup": args.warmup,
               "rss_anon_baseline": rss.baseline, "rss_anon_peak": rss.peak,
               "guard_longest_wait_s": None if ckpt is None else ckpt.stats()["mlcheckpoint/guard_longest_wait_seconds"],
               "budget": resolved_budget(ckpt), "budget_env": os.environ.get(BANDWIDTH_ENV),
+              "pacing": describe_budget(ckpt),
               "job_id": None if ckpt is None else ckpt.job_id, "replicated_before_report": replicated}
     report(args.name, result)
     if args.hold:
@@ -230,7 +273,7 @@ def train(args: argparse.Namespace) -> None:
 
 def resume(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
-    trainer = Trainer(args, ddp=False)  # the same state dict: DDP's keys are the module's
+    trainer = Trainer(args, train=False)
     for p in trainer.model.parameters():
         p.grad = torch.zeros_like(p)
     trainer.optimizer.step()  # Adam's moments exist: the state dict has their tensors

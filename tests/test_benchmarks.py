@@ -3,7 +3,8 @@ library reports of a real receipt (probes that wrapped library functions once pr
 0.000" for every push, timing a function the receive path no longer called), bench_local's
 fresh-process resume resumes in a child process and reports ResumeInfo.phases, bench_training
 runs every mode, bench_network runs every mode on an emulated cluster and resumes a replaced
-node over its link, and every benchmark's main runs its config -> run -> report of the figures.
+node over its link (and an FSDP job beside the pacing before issue 28), bench_pacing runs its
+modes beside real exchanges, and every benchmark's main runs its config -> run -> report of the figures.
 Tiny sizes: these check the measuring, not the figures."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from benchmarks import (
     bench_gpu,
     bench_local,
     bench_network,
+    bench_pacing,
     bench_recovery,
     bench_replication,
     bench_training,
@@ -206,7 +208,7 @@ def test_bench_network_quick_reports_every_mode_and_the_resume():
     figures = bench_network.main(["--quick", "--rounds", "1", "--rates", "1gbit"])
     cfg = figures["config"]
     modes = figures["summary"]["rates"]["1gbit"]["modes"]
-    assert set(modes) == set(bench_network.MODES)
+    assert set(modes) == set(bench_network.DEFAULT_MODES)
     for mode, m in modes.items():
         assert m["steps"] == cfg["steps"] - cfg["warmup"], mode
         for key in ("median_s", "p90_s", "vs_off", "vs_none", "fwd_bwd_median_s", "node0_bytes_per_step",
@@ -229,3 +231,39 @@ def test_bench_network_quick_reports_every_mode_and_the_resume():
     assert resume["bytes"] > 0 and resume["link_received_bytes"] >= resume["bytes"]  # over the link
     for key in ("seconds", "ratio", "ratio_before", "ratio_after"):
         assert _number(resume[key]) and resume[key] > 0, key
+
+
+@pytest.mark.slow
+def test_bench_network_fsdp_runs_with_the_old_pacing_beside_the_new():
+    """--parallel fsdp (all-gathers and reduce-scatters cross the link) with replication off,
+    the default (fixed) pacing and the adaptive one: every mode trains, replicates and reports
+    the link figures of issue 28 item 3."""
+    reason = netcluster.available()
+    if reason:
+        pytest.skip(f"no emulated network: {reason}")
+    figures = bench_network.main(["--quick", "--rounds", "1", "--rates", "1gbit", "--parallel", "fsdp",
+                                  "--modes", "off", "budgeted", "adaptive"])
+    modes = figures["summary"]["rates"]["1gbit"]["modes"]
+    assert set(modes) == {"off", "budgeted", "adaptive"}
+    for mode in ("budgeted", "adaptive"):
+        m = modes[mode]
+        for key in ("link_utilisation", "replication_bytes_per_step", "idle_Bps", "idle_share_used"):
+            assert _number(m[key]), (mode, key, m[key])
+        assert m["replication_bytes_per_step"] > 0, mode  # replication crossed the link
+    rank0 = {x["mode"]: x["ranks"]["0"] for x in figures["launches"]}
+    assert rank0["off"]["parallel"] == "fsdp"
+    assert rank0["adaptive"]["pacing"].startswith("adaptive") and "adaptive" not in rank0["budgeted"]["pacing"]
+    assert all(st["booked_bytes"] is not None for st in rank0["adaptive"]["steps"])
+
+
+@pytest.mark.slow
+def test_bench_pacing_reports_every_mode():
+    reason = netcluster.available()
+    if reason:
+        pytest.skip(f"no emulated network: {reason}")
+    figures = bench_pacing.main(["--rates", "1gbit", "--rounds", "1", "--seconds", "2"])
+    rows = {r["mode"]: r for r in figures["summary"]["rows"]}
+    assert set(rows) == set(bench_pacing.MODES)
+    for mode, row in rows.items():
+        assert _number(row["median_ms"]) and row["median_ms"] > 0, mode
+        assert (row["replication_Bps"] > 0) == (mode != "none"), mode

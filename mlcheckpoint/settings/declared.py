@@ -216,12 +216,20 @@ SETTINGS: tuple[Setting, ...] = (
             env_doc="a whole number in 1-16"),
     Setting("replication_bandwidth", "replication", "bytes per second that replication may "
             "send in the background, for the whole node (all its ranks together); "
-            "`0`/`\"none\"` for no cap; `\"auto\"`: a share of the interface's speed. See "
+            "`0`/`\"none\"` for no cap; `\"auto\"`: 5% of the interface's speed (with "
+            "`adaptive_pacing`: up to its speed, from 5%). See "
             "[Replication network](#replication-network)", "auto",
             env="MLCHECKPOINT_REPLICATION_BANDWIDTH", field="bandwidth",
             check=lambda v, s: parse_bandwidth(v, s),
             env_doc="bytes/s for the whole node (`125000000`, `100MB/s`, `1Gbit`, `800Mbit/s`, "
                     "`10Gbps`), `0`/`none`/`unlimited` for no cap, or `auto`"),
+    Setting("adaptive_pacing", "pacing", "`1` lets replication (off loopback) grow into the "
+            "link capacity training leaves idle, up to the budget (`auto`: the interface's speed), "
+            "backing off within milliseconds when a queue builds (experimental: it still slows "
+            "FSDP steps at 5 Gbit/s, see operations.md). By default replication sends at the "
+            "budget (`auto`: 5% of the interface's speed), a tenth of it while training's "
+            "traffic queues on the link", False,
+            env="MLCHECKPOINT_ADAPTIVE_PACING", from_text=_text_flag, shown="`0`"),
     Setting("replicas", "replication", "partner nodes that keep a replica of each shard (1-8), "
             "in distinct failure domains where possible: losing any `replicas` nodes resumes "
             "from memory; each node then keeps `replicas` other nodes' shards beside its own "

@@ -5,9 +5,14 @@ goes through it. No assertion here is about speed: rates are measured in benchma
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import socket
+import statistics
+import subprocess
 import sys
+import time
 
 import pytest
 from cluster import WORKERS
@@ -27,14 +32,31 @@ from mlcheckpoint.replication.core.budget import (
     chunk_bytes,
     default_bandwidth,
     node_budget,
+)
+from mlcheckpoint.replication.core.delay_control import (
+    CUT_EVERY_S,
+    DECREASE,
+    FLOOR_SHARE,
+    GROW_S,
+    MAX_GROW_GAP_S,
+    PEAK_AFTER_OVERSHOOT,
+    PEAK_MEMORY_S,
+    TARGET_DELAY_S,
+    YIELD_NOW_DELAY_S,
+    Rate,
+    net_of_ack_gap,
+    next_rate,
     queueing_delay,
 )
 from mlcheckpoint.replication.core.network import link_speed
+from mlcheckpoint.testing import netcluster
+from mlcheckpoint.testing.netcluster import NetCluster
 
 sys.path.insert(0, WORKERS)
 from repl_peer import make_shard  # a worker module, found through WORKERS
 
 MiB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class SimulatedTime:
@@ -131,6 +153,118 @@ def test_a_queue_on_the_path_slows_every_sender_of_the_node_for_a_while(tmp_path
     c = budget(rate, time, path)
     c.saw_queue(1.0)
     assert a.yields == 1 and c.yields == 0
+
+
+# --------------------------------------------------------------------------- adaptive pacing
+FLOOR, CEILING = 1e6, 1e9
+
+
+def decide(rate: float, delay: float, since_sample: float = 0.004, since_cut: float = 1.0,
+           peak: float = 0.0) -> Rate:
+    return next_rate(Rate(rate, peak), delay, since_sample, since_cut, floor=FLOOR, ceiling=CEILING)
+
+
+def test_the_controller_grows_while_the_path_is_quiet_and_cuts_when_it_queues():
+    """next_rate, the adaptive controller's whole decision, as a function of its samples."""
+    quiet = TARGET_DELAY_S / 2
+    # Past its peak, the rate grows by rate * dt / GROW_S...
+    assert decide(1e8, quiet, since_sample=0.004).rate == pytest.approx(1e8 * (1 + 0.004 / GROW_S))
+    # ...below it, by peak * dt / GROW_S (the peak a little forgotten): back to it within GROW_S.
+    peak = 5e8 * math.exp(-0.004 / PEAK_MEMORY_S)
+    assert decide(1e7, quiet, since_sample=0.004, peak=5e8).rate == pytest.approx(1e7 + peak * 0.004 / GROW_S)
+    assert decide(9e8, 0.0, since_sample=1.0).rate == CEILING  # never past the ceiling
+    # A long gap without samples says nothing about the path: it counts as MAX_GROW_GAP_S.
+    assert decide(1e8, 0.0, since_sample=60.0) == decide(1e8, 0.0, since_sample=MAX_GROW_GAP_S)
+    # The peak follows the rate up and is forgotten slowly.
+    assert decide(1e8, quiet, peak=5e7).peak == 1e8
+    assert decide(1e7, quiet, since_sample=0.01, peak=5e8).peak == pytest.approx(
+        5e8 * math.exp(-0.01 / PEAK_MEMORY_S))
+    # A queue past the target (our own overshoot) halves the rate, and the peak comes down to
+    # just under the rate that built it.
+    assert decide(1e8, TARGET_DELAY_S * 1.5, peak=2e8) == Rate(1e8 * DECREASE, 1e8 * PEAK_AFTER_OVERSHOOT)
+    # One past YIELD_NOW_DELAY_S (someone else's burst) drops the rate to the floor; the peak
+    # stays, to return to once the burst has passed.
+    assert decide(1e8, YIELD_NOW_DELAY_S * 1.5, since_sample=0.0, peak=2e8) == Rate(FLOOR, 2e8)
+    assert decide(1.5 * FLOOR, TARGET_DELAY_S * 1.5).rate == FLOOR  # never below the floor
+    # One queue shows in several samples: answered once per CUT_EVERY_S.
+    assert decide(1e8, YIELD_NOW_DELAY_S * 2, since_cut=CUT_EVERY_S / 2).rate == 1e8
+    assert decide(1e8, YIELD_NOW_DELAY_S * 2, since_cut=CUT_EVERY_S).rate == FLOOR
+
+
+def test_the_controller_finds_an_idle_link_and_leaves_it_at_once():
+    """Samples every 4 ms: from the floor to the ceiling (three decades) within 0.2 s of a
+    quiet path; the first sample of a full queue gives the link back; once it has passed, the
+    rate is back at its peak within GROW_S."""
+    state, samples = Rate(FLOOR, 0.0), 0
+    while state.rate < CEILING:
+        state = next_rate(state, 0.0, 0.004, 1.0, floor=FLOOR, ceiling=CEILING)
+        samples += 1
+    assert samples * 0.004 < 0.2
+    state = next_rate(state, YIELD_NOW_DELAY_S * 2, 0.004, 1.0, floor=FLOOR, ceiling=CEILING)
+    assert state.rate == FLOOR
+    for _ in range(round(GROW_S / 0.004)):
+        state = next_rate(state, 0.0, 0.004, 1.0, floor=FLOOR, ceiling=CEILING)
+    assert state.rate > 0.95 * CEILING
+
+
+def test_delayed_acks_at_a_low_rate_are_not_a_queue():
+    assert net_of_ack_gap(0.0005, 1e9) == pytest.approx(0.0005 - 2 * 1448 / 1e9)
+    assert net_of_ack_gap(0.0005, 1e6) == 0.0  # a 1.4 ms gap between segments
+
+
+def test_adaptive_pacing_moves_every_sender_of_the_node(tmp_path):
+    """Adaptive budgets of two processes of a node (one schedule file): both book at the
+    node's controller rate, which starts at ``start`` and moves with either one's samples."""
+    time = SimulatedTime()
+    path = str(tmp_path / "locks" / "bandwidth")
+    ceiling, start = 100_000_000, 5_000_000
+
+    def adaptive() -> Budget:
+        return Budget(ceiling, path, yielding=True, adaptive=True, start=start, clock=time.clock,
+                      sleep=time.sleep)
+
+    a, b = adaptive(), adaptive()
+    assert a.current_rate() == start and a.chunk == chunk_bytes(start)
+
+    def booked_rate(budget: Budget) -> float:  # the rate b's next chunk is booked at
+        budget.take(1)
+        t0 = time.now
+        budget.take(100_000)
+        budget.take(1)
+        return 100_001 / (time.now - t0)  # the 100,000 bytes and the 1 after them
+
+    assert booked_rate(b) == pytest.approx(start)
+    for _ in range(100):  # a's socket: a quiet path, 4 ms apart
+        time.now += 0.004
+        a.sample(0.0)
+    assert b.current_rate() == ceiling  # grown to the ceiling, for b as well
+    assert booked_rate(b) == pytest.approx(ceiling)
+    time.now += 0.004
+    a.sample(0.01)  # a burst of other traffic
+    assert b.current_rate() == a.floor == FLOOR_SHARE * start and a.yields == 1
+    assert booked_rate(b) == pytest.approx(a.floor)
+    a.sample(None)  # no TCP_INFO: no change
+    assert b.current_rate() == a.floor
+
+
+def test_the_pacing_setting_chooses_the_controller(monkeypatch):
+    """MLCHECKPOINT_ADAPTIVE_PACING=1: off loopback, pace adaptively from the default share up
+    to the link (assumed where the NIC reports none); by default, or =0, the fixed budget;
+    loopback never yields, so it keeps the fixed budget."""
+    iface = "dummy-nic"  # not in sysfs: no speed
+    monkeypatch.delenv("MLCHECKPOINT_ADAPTIVE_PACING", raising=False)
+    default = node_budget("auto", iface, None)
+    assert not default.adaptive and default.yielding and default.rate == default_bandwidth(None)
+    monkeypatch.setenv("MLCHECKPOINT_ADAPTIVE_PACING", "1")
+    b = node_budget("auto", iface, None)
+    assert b.adaptive and b.rate == ASSUMED_LINK_BYTES_PER_S
+    assert b.current_rate() == default_bandwidth(None)
+    explicit = node_budget(200_000_000, iface, None)  # the ceiling, and where it starts
+    assert explicit.adaptive and explicit.rate == explicit.current_rate() == 200_000_000
+    assert node_budget("auto", "lo", None).adaptive is False
+    monkeypatch.setenv("MLCHECKPOINT_ADAPTIVE_PACING", "0")
+    fixed = node_budget("auto", iface, None)
+    assert not fixed.adaptive and fixed.yielding and fixed.rate == default_bandwidth(None)
 
 
 def test_queueing_delay_reads_a_real_sockets_tcp_info():
@@ -275,3 +409,45 @@ def test_the_ranks_of_a_node_share_one_budget(make_job):
         assert results[r]["bytes"] == n == results[r]["bytes_sent"]
         receiver.store.verify_shard(4, r)
     assert schedule.total_bytes() == sum(sizes.values())
+
+
+# --------------------------------------------------------------------------- over a shaped link
+PACED_SENDER = os.path.join(WORKERS, "paced_sender.py")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(netcluster.available() is not None, reason=f"no emulated network: {netcluster.available()}")
+def test_adaptive_pacing_grows_into_an_idle_link_and_yields_to_a_competing_flow():
+    """A real sender in an emulated node (1 Gbit/s tbf link) paces through an adaptive Budget
+    that starts at a twentieth of the link: alone, its rate grows to most of the link; when an
+    unpaced bulk flow (as training's collectives) fills the same link, it drops to a small
+    share. The margins are wide: the rates only have to land on the right side of them."""
+    link = 125_000_000  # bytes/s
+    start = link // 20
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    with NetCluster(nodes=2, rate="1gbit") as c:
+        ports = []
+        for _ in range(2):  # one receiver for the paced sender, one for the competing flow
+            recv = c.run_in(1, [sys.executable, "-I", netcluster._PEER, "recv", c.address(1)],
+                            stdout=subprocess.PIPE, text=True)
+            assert recv.stdout is not None
+            ports.append(recv.stdout.readline().split()[1])
+        sender = c.run_in(0, [sys.executable, PACED_SENDER, c.address(1), ports[0], "6",
+                              str(2 * link), str(start)], stdout=subprocess.PIPE, text=True, env=env)
+        assert sender.stdout is not None
+        assert sender.stdout.readline().strip() == "ready"
+        time.sleep(3)  # the sender has the link to itself
+        competing_from = time.monotonic()
+        competing = c.run_in(0, [sys.executable, "-I", netcluster._PEER, "send", c.address(1), ports[1],
+                                 str(2 * link)])
+        assert competing.wait(timeout=120) == 0
+        competing_until = time.monotonic()
+        out, _ = sender.communicate(timeout=120)
+        assert sender.returncode == 0, out
+    samples = json.loads(out)["samples"]
+    alone = [r for t, r in samples if competing_from - 1.5 < t < competing_from]
+    shared = [r for t, r in samples if competing_from + 0.3 < t < competing_until]
+    span = (samples[0][0] - competing_from, samples[-1][0] - competing_from) if samples else None
+    assert len(alone) > 20 and len(shared) > 20, (len(alone), len(shared), span)
+    assert statistics.median(alone) > 0.4 * link > 4 * start, statistics.median(alone)
+    assert statistics.median(shared) < 0.2 * link, statistics.median(shared)

@@ -12,7 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import diff, empty_like, init, report
+from common import init, report
+from states import differences, zeros_like_state
 
 from mlcheckpoint import CheckpointManager
 
@@ -52,12 +53,12 @@ def main() -> None:
         kwargs["keep"] = int(os.environ["TEST_KEEP"])
     ckpt = CheckpointManager(replication="tcp", **kwargs)
     if resume:
-        sd = empty_like(layout_state(layout, rank, local_rank, 0))
+        sd = zeros_like_state(layout_state(layout, rank, local_rank, 0))
         info = ckpt.resume(sd)
         want = layout_state(layout, rank, local_rank, info.step or 0)
         report("resumed", {"step": info.step, "source": info.source, "reason": info.reason,
                            "sources": info.sources,
-                           "mismatch": diff(want, sd), "bytes_fetched": info.bytes_fetched})
+                           "mismatch": differences(want, sd), "bytes_fetched": info.bytes_fetched})
         ckpt.close()
         dist.destroy_process_group()
         return

@@ -8,8 +8,8 @@ those take the full link. The receiver of a fetch does not send its bytes, the h
 so a fetch request says whether it is paced (``paced`` in the request; see core/service.py).
 
 How the ranks of a node share it. They are separate processes, so the budget's state is a
-16-byte file in the job directory (``layout.JobPaths.bandwidth``): until when the node's link
-is booked, and how many bytes were booked in all. A sender books one chunk at a time, under an
+56-byte file in the job directory (``layout.JobPaths.bandwidth``): until when the node's link
+is booked, how many bytes were booked in all, and the pacing's state (``Booking``). A sender books one chunk at a time, under an
 flock held for a few microseconds: the chunk's turn comes once everything booked before it has
 gone out at the budget's rate (at once when the link is idle), and the sender sleeps until
 then. Every rank, thread and stripe of a node draws from that one schedule: N senders at once
@@ -17,14 +17,21 @@ get about 1/N of the budget each, with no rank holding the link for a whole shar
 served by a node interleaves with its pushes), and in any t seconds the node sends at most
 ``rate * t + chunk`` bytes. (A token bucket one chunk deep: an idle link saves up no burst.)
 
-Yielding to training. The link also carries training's collectives, and a fixed budget takes
-its share of the link whether they need it or not. So a paced TCP send reads its socket's
-TCP_INFO after each chunk: when the smoothed round-trip time stands above the connection's
-minimum by more than ``YIELD_DELAY_S``, a queue is building on the path (replication alone,
-paced below the link's rate, builds none: something else is filling the link), and the whole
-node's replication drops to ``YIELD_SHARE`` of its budget for ``YIELD_HOLD_S``, renewed while
-the queue stays. In the gaps between collectives it sends at the full budget. A scavenger in
-the spirit of LEDBAT (RFC 6817), which these kernels do not ship as a congestion control.
+Yielding to training, and taking what it leaves idle. The link also carries training's
+collectives, and a fixed budget takes its share of the link whether they need it or not, and
+no more when they leave it idle. So a paced TCP send reads its socket's queueing delay
+(``delay_control.queueing_delay``, from TCP_INFO) after each chunk: replication alone, paced
+below the link's rate, builds no queue. The setting ``adaptive_pacing`` says what to do:
+
+- adaptive (``MLCHECKPOINT_ADAPTIVE_PACING=1``; experimental, see docs/performance.md): the node's rate, kept in the shared schedule, follows the
+  delay-based controller ``delay_control.next_rate``: it grows into the link while the
+  queueing delay stays under 1 ms and is cut within milliseconds when it rises. It moves
+  between the ceiling, the budget (``replication_bandwidth``; "auto": the NIC's speed, or an
+  assumed 10 Gbit/s), and ``FLOOR_SHARE`` of where it starts (the budget; "auto": the default
+  share of the link). So replication takes the gaps between collectives, and gives them back.
+- fixed (the default, as before issue 28): the budget is the rate; past
+  ``YIELD_DELAY_S`` of delay the whole node's replication drops to ``YIELD_SHARE`` of it for
+  ``YIELD_HOLD_S``, renewed while the queue stays.
 
 Pacing goes in chunks of about 4 ms of budget (64 KiB to 4 MiB), each still sent with
 sendfile() straight from the tmpfs file: no extra copy. Each paced socket also gets
@@ -35,6 +42,7 @@ sending them at line rate into the collectives' queue.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import os
@@ -46,6 +54,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ...errors import ProtocolError
+from ...settings import BY_NAME
+from .delay_control import (
+    FLOOR_SHARE,
+    NO_PACING,
+    Rate,
+    net_of_ack_gap,
+    next_rate,
+    note_once,
+    queueing_delay,
+    set_pacing,
+    use_low_priority,
+)
 from .network import link_speed
 
 # The default budget ("auto"), as a share of the speed of the NIC replication uses. The link
@@ -74,11 +94,7 @@ MAX_CHUNK_BYTES = 4 << 20
 YIELD_DELAY_S = 0.001
 YIELD_SHARE = 0.1
 YIELD_HOLD_S = 0.1
-_TCP_INFO_BYTES = 152  # up to tcpi_min_rtt (struct tcp_info, linux/tcp.h)
-_TCPI_RTT, _TCPI_MIN_RTT = 68, 148  # byte offsets of the u32 fields, microseconds
 
-SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # linux/asm-generic/socket.h
-_NO_PACING = 0xFFFFFFFF  # ~0U: the kernel's "no limit"
 
 
 def default_bandwidth(link_bytes_per_s: int | None) -> int:
@@ -107,14 +123,20 @@ def format_rate(bytes_per_s: float) -> str:
 class Booking:
     """The node's schedule: the link is booked until ``until`` (CLOCK_MONOTONIC seconds, the
     same clock in every process of the machine); ``total`` bytes were booked in all; other
-    traffic was seen on the path (``yield_until``): send at ``YIELD_SHARE`` until then."""
+    traffic was seen on the path (``yield_until``): send at ``YIELD_SHARE`` until then (fixed
+    pacing). Adaptive pacing: the node's ``rate`` (0: not started), when it was last
+    ``sampled`` and ``cut``."""
 
     until: float = 0.0
     total: int = 0
     yield_until: float = 0.0
+    rate: float = 0.0
+    peak: float = 0.0
+    sampled: float = 0.0
+    cut: float = 0.0
 
 
-_STATE = struct.Struct("<dQd")
+_STATE = struct.Struct("<dQddddd")
 
 
 class NodeSchedule:
@@ -133,7 +155,7 @@ class NodeSchedule:
         """The booking, to read and change; written back when the block ends without error."""
         with self._lock:
             if self.path is None:
-                booking = Booking(self._local.until, self._local.total, self._local.yield_until)
+                booking = dataclasses.replace(self._local)
                 yield booking
                 self._local = booking
                 return
@@ -143,7 +165,7 @@ class NodeSchedule:
                 raw = os.pread(fd, _STATE.size, 0)
                 booking = Booking(*_STATE.unpack(raw)) if len(raw) == _STATE.size else Booking()
                 yield booking
-                os.pwrite(fd, _STATE.pack(booking.until, booking.total, booking.yield_until), 0)
+                os.pwrite(fd, _STATE.pack(*dataclasses.astuple(booking)), 0)
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
@@ -170,31 +192,41 @@ class Budget:
     """Paces what this process sends in the background, within the node's budget.
 
     Args:
-        bytes_per_s: the node's budget; 0: no cap (nothing is paced or booked).
+        bytes_per_s: the node's budget (fixed pacing: the rate; adaptive: the ceiling); 0: no
+            cap (nothing is paced or booked).
         path: the node's schedule file (``LocalStore.paths.bandwidth``); None: this process
             alone (tests).
         origin: where the rate came from, for the log.
+        yielding: give way to other traffic on the path (see the module docstring).
+        adaptive: with ``yielding``, the delay-based controller from ``start`` (bytes/s;
+            default: the budget) instead of the fixed rate with its step down.
         clock, sleep: time.monotonic and time.sleep; tests pass simulated ones.
 
     Counters (this process): ``bytes_sent``, every byte that went through the budget (also
-    when uncapped); ``seconds_waited``, the sleeps it imposed. Node-wide:
-    ``schedule.total_bytes()``.
+    when uncapped); ``seconds_waited``, the sleeps it imposed; ``yields``, the queues it saw
+    and slowed the node down for. Node-wide: ``schedule.total_bytes()``, ``current_rate()``.
     """
 
     def __init__(self, bytes_per_s: int, path: str | None = None, *, origin: str = "",
-                 yielding: bool = False, clock: Callable[[], float] = time.monotonic,
+                 yielding: bool = False, adaptive: bool = False, start: int | None = None,
+                 clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep):
         if isinstance(bytes_per_s, bool) or not isinstance(bytes_per_s, int) or bytes_per_s < 0:
             raise ValueError(f"bytes_per_s must be an int >= 0, not {bytes_per_s!r}")
         self.rate = bytes_per_s
-        self.chunk = chunk_bytes(bytes_per_s) if bytes_per_s else MAX_CHUNK_BYTES
         self.origin = origin
         self.schedule = NodeSchedule(path if bytes_per_s else None)
         self._clock, self._sleep = clock, sleep
+        self.yielding = yielding and bytes_per_s > 0  # give way to other traffic (see above)
+        self.adaptive = self.yielding and adaptive
+        self.start = float(min(bytes_per_s, start or bytes_per_s))
+        self.floor = max(1.0, FLOOR_SHARE * self.start)
+        self._rate_now = self.start if self.adaptive else float(bytes_per_s)  # the last booking's
+        self.chunk = chunk_bytes(int(self._rate_now)) if bytes_per_s else MAX_CHUNK_BYTES
         # A booking further ahead than any set of senders could make (a schedule file left
         # by another boot, if local_dir is not tmpfs) is forgotten rather than slept on.
-        self._stale_after = max(60.0, 1024 * self.chunk / bytes_per_s) if bytes_per_s else 0.0
-        self.yielding = yielding and bytes_per_s > 0  # give way to other traffic (see above)
+        slowest = self.floor if self.adaptive else bytes_per_s
+        self._stale_after = max(60.0, 1024 * self.chunk / slowest) if bytes_per_s else 0.0
         self._counters = threading.Lock()
         self.bytes_sent = 0
         self.seconds_waited = 0.0
@@ -207,7 +239,17 @@ class Budget:
     def describe(self) -> str:
         if not self.capped:
             return "no bandwidth cap"
+        if self.adaptive:
+            return (f"adaptive: up to {format_rate(self.rate)} per node ({self.origin}), from "
+                    f"{format_rate(self.start)}, yielding to other traffic on the link")
         return f"at most {format_rate(self.rate)} per node ({self.origin})"
+
+    def _booking_rate(self, booking: Booking, start: float) -> float:
+        if self.adaptive:
+            if not booking.rate:
+                booking.rate = self.start
+            return booking.rate
+        return self.rate * YIELD_SHARE if start < booking.yield_until else self.rate
 
     def take(self, nbytes: int) -> float:
         """Book ``nbytes`` on the node's link and sleep until their turn; return the seconds
@@ -217,9 +259,10 @@ class Budget:
             with self.schedule.locked() as booking:
                 now = self._clock()
                 start = booking.until if now < booking.until < now + self._stale_after else now
-                rate = self.rate * YIELD_SHARE if start < booking.yield_until else self.rate
+                rate = self._booking_rate(booking, start)
                 booking.until = start + nbytes / rate
                 booking.total += nbytes
+            self._rate_now = rate
             delay = start - now
         with self._counters:
             self.bytes_sent += nbytes
@@ -228,33 +271,72 @@ class Budget:
             self._sleep(delay)
         return delay
 
+    def current_rate(self) -> float:
+        """The node's rate now (bytes/s): the controller's, or the fixed one (0: no cap)."""
+        if not self.capped:
+            return 0.0
+        with self.schedule.locked() as booking:
+            return self._booking_rate(booking, self._clock())
+
     def chunks(self, offset: int, nbytes: int) -> Iterator[tuple[int, int]]:
         """(offset, length) of each chunk of the range, booked (and waited for) before it is
-        yielded: the caller sends it at once."""
+        yielded: the caller sends it at once. Adaptive chunks follow the rate (~4 ms of it)."""
         if not self.capped:  # one piece, as fast as the link goes
             self.take(nbytes)
             yield offset, nbytes
             return
         end = offset + nbytes
-        for start in range(offset, end, self.chunk):
-            n = min(self.chunk, end - start)
+        start = offset
+        while start < end:
+            chunk = chunk_bytes(int(self._rate_now)) if self.adaptive else self.chunk
+            n = min(chunk, end - start)
             self.take(n)
             yield start, n
+            start += n
 
     def sendfile(self, sock: socket.socket, fd: int, offset: int, nbytes: int) -> None:
         """Send ``nbytes`` of the file ``fd`` from ``offset``, paced (sendfile: no copy)."""
-        with self.kernel_paced(sock):
+        with self.kernel_paced(sock) as pace:
             for start, n in self.chunks(offset, nbytes):
+                pace()
                 sendfile_all(sock, fd, start, n)
                 self.watch(sock)
 
     def watch(self, sock: socket.socket) -> None:
-        """After a chunk: if the path to the peer is queueing, slow the node down a while."""
-        if self.yielding:
-            self.saw_queue(queueing_delay(sock))
+        """After a chunk: act on the queue on the path to the peer (module docstring)."""
+        if not self.yielding:
+            return
+        delay = queueing_delay(sock)
+        if delay is None:
+            note_once("tcp_info", "mlcheckpoint: no TCP_INFO on replication's sockets here: "
+                       "replication cannot see training's traffic and keeps its rate")
+        if self.adaptive:
+            self.sample(delay)
+        else:
+            self.saw_queue(delay)
+
+    def sample(self, delay: float | None) -> None:
+        """Adaptive pacing: a socket's queueing delay was ``delay`` seconds (None: unknown);
+        move the node's rate as ``next_rate`` decides."""
+        if not self.adaptive or delay is None:
+            return
+        with self.schedule.locked() as booking:
+            now = self._clock()
+            rate = booking.rate or self.start
+            state = next_rate(Rate(rate, booking.peak), net_of_ack_gap(delay, rate),
+                              now - booking.sampled if booking.sampled else 0.0, now - booking.cut,
+                              floor=self.floor, ceiling=self.rate)
+            new = state.rate
+            if new < rate:
+                booking.cut = now
+            booking.rate, booking.peak, booking.sampled = new, state.peak, now
+        self._rate_now = new
+        if new < rate:
+            with self._counters:
+                self.yields += 1
 
     def saw_queue(self, delay: float | None) -> None:
-        """A socket's queueing delay was ``delay`` seconds (None: unknown): past
+        """Fixed pacing: a socket's queueing delay was ``delay`` seconds (None: unknown): past
         ``YIELD_DELAY_S``, every sender of the node books at ``YIELD_SHARE`` of the budget for
         the next ``YIELD_HOLD_S``."""
         if not self.yielding or delay is None or delay <= YIELD_DELAY_S:
@@ -267,23 +349,36 @@ class Budget:
     def sendall(self, sock: socket.socket, data: bytes) -> None:
         """Send ``data``, paced."""
         view = memoryview(data)
-        with self.kernel_paced(sock):
+        with self.kernel_paced(sock) as pace:
             for start, n in self.chunks(0, len(view)):
+                pace()
                 sock.sendall(view[start:start + n])
 
     @contextlib.contextmanager
-    def kernel_paced(self, sock: socket.socket) -> Iterator[None]:
-        """Cap the socket at the budget's rate while the block sends (best effort: a kernel
-        without TCP pacing leaves the user-space schedule alone in charge)."""
-        # A little above the budget: the kernel counts headers too, and the schedule, not
-        # the kernel, is what holds the node to its budget.
-        kernel_rate = self.rate + self.rate // 16
-        capped = self.capped and kernel_rate < _NO_PACING and _set_pacing(sock, kernel_rate)
+    def kernel_paced(self, sock: socket.socket) -> Iterator[Callable[[], None]]:
+        """Cap the socket at the rate while the block sends (best effort: a kernel without
+        TCP pacing leaves the user-space schedule alone in charge). The block calls what it
+        is given before each chunk: under adaptive pacing the cap follows the node's rate."""
+        if self.yielding:
+            use_low_priority(sock)
+        paced = [0]  # the socket's cap now (0: none set)
+
+        def pace() -> None:
+            # A little above the rate: the kernel counts headers too, and the schedule, not
+            # the kernel, is what holds the node to its budget.
+            kernel_rate = min(NO_PACING - 1, int(self._rate_now * 17 / 16))
+            if self.capped and kernel_rate != paced[0]:
+                if set_pacing(sock, kernel_rate):
+                    paced[0] = kernel_rate
+                else:
+                    note_once("pacing", "mlcheckpoint: this kernel refuses SO_MAX_PACING_RATE: "
+                               "replication paces per chunk only")
+
         try:
-            yield
+            yield pace
         finally:
-            if capped:  # a served connection may go on to serve unpaced requests
-                _set_pacing(sock, _NO_PACING)
+            if paced[0]:  # a served connection may go on to serve unpaced requests
+                set_pacing(sock, NO_PACING)
 
     def close(self) -> None:
         self.schedule.close()
@@ -306,42 +401,29 @@ def sendfile_all(sock: socket.socket, fd: int, offset: int, count: int) -> None:
         offset += sent
 
 
-def queueing_delay(sock: socket.socket) -> float | None:
-    """Seconds the socket's smoothed RTT stands above its minimum (None: no TCP_INFO)."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
-    except OSError:
-        return None
-    if len(info) < _TCP_INFO_BYTES:
-        return None
-    rtt, = struct.unpack_from("<I", info, _TCPI_RTT)
-    min_rtt, = struct.unpack_from("<I", info, _TCPI_MIN_RTT)
-    if min_rtt in (0, 0xFFFFFFFF):
-        return None
-    return max(0, rtt - min_rtt) / 1e6
-
-
-def _set_pacing(sock: socket.socket, rate: int) -> bool:
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("I", rate))
-    except OSError:
-        return False
-    return True
-
-
-def node_budget(setting: int | str, interface: str | None, path: str | None) -> Budget:
+def node_budget(setting: int | str, interface: str | None, path: str | None, *,
+                adaptive: bool | None = None) -> Budget:
     """The budget of a node from the ``replication_bandwidth`` setting (bytes/s, 0 for no cap,
-    or "auto": ``default_bandwidth`` of the NIC ``interface``), booked in the file ``path``."""
+    or "auto"), booked in the file ``path``, paced adaptively or not (``adaptive``; None: the
+    setting ``adaptive_pacing``, $MLCHECKPOINT_ADAPTIVE_PACING). Fixed: the budget ("auto":
+    ``default_bandwidth`` of the NIC ``interface``). Adaptive: up to the budget, from it
+    ("auto": up to the NIC's speed or an assumed one, from ``default_bandwidth``)."""
     # Other traffic shares a NIC; on loopback (one machine) there is none worth yielding to.
     yielding = interface is not None and interface != "lo"
+    if adaptive is None:
+        adaptive = bool(BY_NAME["adaptive_pacing"].resolve())
+    speed = link_speed(interface) if interface else None
     if setting != "auto":
         assert isinstance(setting, int)
-        return Budget(setting, path, origin="replication_bandwidth", yielding=yielding)
-    speed = link_speed(interface) if interface else None
-    if speed:
-        origin = f"default: {DEFAULT_BANDWIDTH_SHARE:g} of {interface}'s {format_rate(speed)}"
-    else:
-        origin = (f"default: {DEFAULT_BANDWIDTH_SHARE:g} of an assumed "
-                  f"{format_rate(ASSUMED_LINK_BYTES_PER_S)}, as {interface or 'the interface'} "
-                  "reports no speed; set MLCHECKPOINT_REPLICATION_BANDWIDTH to fit the link")
-    return Budget(default_bandwidth(speed), path, origin=origin, yielding=yielding)
+        # What the user allows, the controller may start at (the pg transport, which takes no
+        # samples, stays there).
+        return Budget(setting, path, origin="replication_bandwidth", yielding=yielding,
+                      adaptive=adaptive)
+    link = (f"{interface}'s {format_rate(speed)}" if speed else
+            f"an assumed {format_rate(ASSUMED_LINK_BYTES_PER_S)}, as {interface or 'the interface'} "
+            "reports no speed; set MLCHECKPOINT_REPLICATION_BANDWIDTH to fit the link")
+    if adaptive and yielding:
+        return Budget(speed or ASSUMED_LINK_BYTES_PER_S, path, origin=f"default: {link}",
+                      yielding=True, adaptive=True, start=default_bandwidth(speed))
+    return Budget(default_bandwidth(speed), path, yielding=yielding,
+                  origin=f"default: {DEFAULT_BANDWIDTH_SHARE:g} of {link}")

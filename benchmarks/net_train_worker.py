@@ -60,6 +60,7 @@ from benchmarks.bench_training import model_for
 from benchmarks.harness.workloads import tensors_of
 from mlcheckpoint import CheckpointManager, LocalStore, history
 from mlcheckpoint.replication.core.budget import NodeSchedule
+from mlcheckpoint.testing import internals
 from mlcheckpoint.testing.cluster import write_result
 
 BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
@@ -181,7 +182,8 @@ def resolved_budget(ckpt: CheckpointManager | None) -> Any:
 
 def describe_budget(ckpt: CheckpointManager | None) -> str | None:
     """How the transport paces (its log line), where it has a budget."""
-    transport = getattr(ckpt.replicator, "transport", None) if ckpt is not None else None
+    replicator = internals(ckpt).replicator if ckpt is not None else None
+    transport = getattr(replicator, "transport", None)
     budget = getattr(transport, "budget", None)
     return budget.describe() if budget is not None else None
 
@@ -211,7 +213,8 @@ def train(args: argparse.Namespace) -> None:
             os.environ.pop(ADAPTIVE_ENV, None)  # the default pacing, likewise
         ckpt = CheckpointManager(keep=args.keep, replication="none" if args.mode == "off" else "tcp")
         ckpt.guard(trainer.optimizer)
-    schedule = NodeSchedule(ckpt.store.paths.bandwidth) if ckpt is not None else None
+    schedule = (NodeSchedule(LocalStore(ckpt.options.local_dir, ckpt.job_id, create=False).paths.bandwidth)
+                if ckpt is not None else None)
     steps: list[dict[str, Any]] = []
     save_bytes: list[int] = []
     staged_bytes: list[int | None] = []  # copied before DCP planned (None: a build without it)

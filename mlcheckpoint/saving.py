@@ -101,7 +101,7 @@ class Saver:
         self._all_gather = all_gather
         # Replicating: keep data parallelism's copies (dcp/copies.py), which it need not send.
         self.copy_policy = None if replicator is None else CopyPolicy(
-            tuple(r // topology.local_world_size for r in range(topology.world_size)),
+            tuple(map(topology.node_of, range(topology.world_size))),
             functools.partial(step_room, store.local_dir, store.memory_limit_bytes,
                               retention.policy.keep), replicator.copies - 1)
         self._settled = False  # resumed, or the earlier runs' steps set aside: see settled()

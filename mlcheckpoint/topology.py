@@ -47,10 +47,14 @@ class Topology:
         """Ranks on ``node`` (torchrun numbers ranks node by node)."""
         return list(range(node * self.local_world_size, (node + 1) * self.local_world_size))
 
+    def node_of(self, rank: int) -> int:
+        """The node ``rank`` runs on (torchrun numbers ranks node by node)."""
+        return rank // self.local_world_size
+
     def place_of_rank(self, rank: int) -> str | int:
         """Where ``rank``'s shard counts as one place: its node's failure domain where the
         node named one, else its node."""
-        node = rank // self.local_world_size
+        node = self.node_of(rank)
         return self.domains[node] if node < len(self.domains) and self.domains[node] else node
 
     def with_domains(self, per_rank: Sequence[str | None]) -> Topology:

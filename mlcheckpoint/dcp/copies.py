@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from .._words import plural
 from ..integrity.verify import digests_agree
 from ..store.layout import ItemLocation
 
@@ -220,9 +221,8 @@ def attach(primaries: dict[MetadataIndex, ItemLocation],
             differ.append(f"{index.fqn} (rank {loc.rank}, rank {copy.rank})")
     if differ:
         shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
-        log.warning("mlcheckpoint: %d %s differ between data-parallel replicas: %s; not counted "
-                    "as copies (replication sends them)", len(differ),
-                    "item" if len(differ) == 1 else "items", shown)
+        log.warning("mlcheckpoint: %s differ between data-parallel replicas: %s; not counted "
+                    "as copies (replication sends them)", plural(len(differ), "item"), shown)
     out = dict(primaries)
     for index, places in extra.items():
         loc = out[index]

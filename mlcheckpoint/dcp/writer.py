@@ -266,6 +266,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             pause_point("write_data", self.step, self.rank)
             resolved = [(item, _resolve(planner, item)) for item in plan.items]
             kept = [(item, _resolve(planner, item)) for item in self._kept_copies(plan)]
+            if self.copy_policy is not None and isinstance(plan.storage_data, copies.PlanData):
+                self.copy_policy.modes.seen(plan.storage_data.modes)  # for stats() on every rank
             if shard is None:  # sized for the raw tensors; the other items are appended
                 tensors = [data for _, data in resolved + kept if isinstance(data, torch.Tensor)]
                 shard = self.store.begin_shard(self.step, self.rank, staging.staged_bytes(tensors))
@@ -311,8 +313,6 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         data = plan.storage_data
         if not isinstance(data, copies.PlanData):
             return []
-        if self.copy_policy is not None:
-            self.copy_policy.modes.seen(data.modes)
         return [self._held[k] for k in map(copies.key_of, data.copies) if k in self._held]
 
     def _open_staged(self, staged: staging.Staged) -> ShardWriter:

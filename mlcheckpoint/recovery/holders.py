@@ -38,9 +38,7 @@ def holder_order(plan: Decision, topology: Topology, owner: int | None) -> list[
     source the plan chose for this node first (it balanced the bytes each holder serves),
     then every other holder, starting at an offset set by this rank so that the readers of
     one node spread over the holders. A pure function of the plan and who asks."""
-    def node_of(rank: int) -> int:
-        return rank // topology.local_world_size
-
+    node_of = topology.node_of
     here = topology.node_rank
     planned = [f.src_rank for f in plan.fetches if f.owner == owner and node_of(f.dst_rank) == here]
     held = plan.metadata_holders if owner is None else plan.holders.get(owner, [])
@@ -106,7 +104,7 @@ class Holders:
                 owner, lambda src: self.transport.read_items(
                     src, step, owner, [ranges[i] for i in indices], [sinks[i] for i in indices],
                     lambda j: on_range(indices[j]), paced=False), order=order)
-            node = src // self.topo.local_world_size
+            node = self.topo.node_of(src)
             with lock:
                 by_node = self.bytes_served.setdefault(owner, {})
                 by_node[node] = by_node.get(node, 0) + nbytes

@@ -252,7 +252,7 @@ class Recovery:
         except (MLCheckpointError, OSError) as e:
             # Refuse the copy the plan chose; the next plan picks another holder.
             src = mine[0].src_rank
-            return [(CopyId(holders.step, None, src // self.topo.local_world_size),
+            return [(CopyId(holders.step, None, self.topo.node_of(src)),
                      f"fetching the metadata of step {holders.step} failed: {e}")]
         return []
 

@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from .cluster import Node, SimulatedCluster
+from .cluster import Node, SimulatedCluster, is_dead
 from .links import parse_rate, tbf_params
 
 PREFIX = "mlckpt-net-"
@@ -111,6 +111,13 @@ def kill_netns(netns: str, timeout: float = 30) -> list[int]:
                     pass
         seen |= pids
         time.sleep(0.02)
+    # A killed process leaves the namespace early in its exit, before it is a zombie: the
+    # namespace can be empty while one is still exiting. Return only once every one is dead.
+    while not all(is_dead(pid) for pid in seen):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {sorted(p for p in seen if not is_dead(p))} in "
+                               f"{netns} still exiting after SIGKILL")
+        time.sleep(0.01)
     return sorted(seen)
 
 

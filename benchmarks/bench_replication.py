@@ -81,6 +81,7 @@ from mlcheckpoint.replication.factory import (
     TransportSettings,
     make_transport,
 )
+from mlcheckpoint.retention import apply_retention
 from mlcheckpoint.waiting import deadline_in, wait_until
 
 THIS_FILE = os.path.abspath(__file__)
@@ -227,7 +228,7 @@ def peer_main(cfg: dict) -> None:
                 times = sink.receipt_times.get((step, owner))  # how the library received it
                 stats = asdict(times) if times is not None else {}
                 t0 = time.perf_counter()
-                retired = lstore.apply_retention([event.owner], keep)
+                retired = apply_retention(lstore, [event.owner], keep)
                 stats.update(retention_s=time.perf_counter() - t0, retired=retired)
                 with report_lock:
                     report_store.set(f"peer/{kind}/rx/{event.step}", json.dumps(stats))
@@ -470,7 +471,7 @@ class Bench:
                 row = self.push(transport, "tcp", r)
                 row["save_s"] = save_s
                 tcp_rows.append(row)
-                store_s.apply_retention([0], keep=1)  # the sender recycles its buffers too
+                apply_retention(store_s, [0], keep=1)  # the sender recycles its buffers too
                 if not r % 2:
                     raw_round()
                 progress(f"tcp push {r}: {row['gbps']:.2f} GB/s; raw sendfile "
@@ -512,7 +513,7 @@ class Bench:
                     row = self.push(transport, "pg", r)
                     row["save_s"] = save_s
                     pg_rows.append(row)
-                    store_s.apply_retention([0], keep=1)
+                    apply_retention(store_s, [0], keep=1)
                     progress(f"pg push {r}: {row['gbps']:.2f} GB/s; raw sendfile "
                               f"{pg_raw['sendfile'][-1]['gbps']:.2f} GB/s")
             finally:

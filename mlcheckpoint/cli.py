@@ -30,6 +30,7 @@ from ._words import plural
 from .errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from .listing import step_labels
 from .persistent import PersistentStorage
+from .retention import apply_retention
 from .settings import BY_NAME, resolve_local_dir, validate_job_id
 from .store import LocalStore
 from .store.layout import STEPS, ItemLocation
@@ -209,12 +210,7 @@ def cmd_gc(args) -> int:
             report.append({"job": job, "removed": "all"})
             continue
         removed = store.gc(min_age_s=args.min_age)
-        retired = []
-        if args.keep is not None:
-            owners = set()
-            for st in store.inventory().values():
-                owners |= st.committed_ranks
-            retired = store.apply_retention(sorted(owners), args.keep)
+        retired = [] if args.keep is None else _retire_beyond(store, args.keep)
         report.append({"job": job, "debris_removed": len(removed), "steps_retired": retired})
     if args.json:
         print(json.dumps(report, indent=1))
@@ -226,6 +222,23 @@ def cmd_gc(args) -> int:
                 print(f"job {r['job']}: removed {plural(r['debris_removed'], 'uncommitted file')}; "
                       f"retired steps {r['steps_retired'] or 'none'}")
     return EXIT_OK
+
+
+def _retire_beyond(store: LocalStore, keep: int) -> list[int]:
+    """``gc --keep``: every shard of every step older than the newest ``keep`` complete steps
+    here goes, whichever rank owns it (own shards, replicas, ranks of an earlier world size),
+    with its metadata; returns those steps.
+
+    What one node can know of "complete" is its own part: the step's metadata (written once
+    every rank of the job committed its shard) and this node's shards of that same save
+    (``retention.finished_steps``). A step being written has no metadata yet, so it and every
+    newer one stay. So do the newest step held whole here and the newest protected step the
+    node's history records (the whole-step and protection invariants). Retired buffers are
+    freed, not pooled, and the pool of recycled buffers is emptied: a job still running makes
+    new ones at its next saves."""
+    protected = [e.get("step") for e in history.read(store.job_dir) if e.get("event") == "protected"]
+    newest = protected[-1] if protected and isinstance(protected[-1], int) else None
+    return apply_retention(store, (), keep, () if newest is None else (newest,), node_owners=())
 
 
 def cmd_history(args) -> int:
@@ -248,6 +261,13 @@ def cmd_bench(args, extra: list[str]) -> int:
         print(f"benchmark {script} not found (benchmarks ship with the source tree)", file=sys.stderr)
         return EXIT_NOT_FOUND
     return subprocess.call([sys.executable, script, *extra])
+
+
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n}")
+    return n
 
 
 LOCAL_DIR_HELP = "tmpfs root (default: $MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlcheckpoint)"
@@ -281,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("gc", help="remove debris and old steps, or whole finished jobs")
     p.add_argument("--job", default=default_job, help="default: every job under --local-dir")
-    p.add_argument("--keep", type=int, help="also retire all but the newest KEEP steps")
+    p.add_argument("--keep", type=_at_least_one, help="also retire every shard (any rank's) of all but the newest "
+                   "KEEP complete steps; a step still being written, the newest step held whole "
+                   "here and the newest protected step stay")
     p.add_argument("--min-age", type=float, default=600.0,
                    help="spare uncommitted files younger than this many seconds (a save in flight)")
     p.add_argument("--remove", action="store_true", help="delete the job's files entirely (finished jobs)")

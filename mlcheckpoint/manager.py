@@ -38,7 +38,7 @@ from .replication.factory import (
     TransportSettings,
     make_transport,
 )
-from .replication.schedule.pairing import pairing_for
+from .replication.schedule.pairing import pairing_for, sources
 from .replication.schedule.status import ProtectionStatus, save_times
 from .replication.schedule.status import status as protection_status
 from .saving import Saver, SaveResult
@@ -117,7 +117,10 @@ class CheckpointManager:
         self._replicas: int = agreed[0][2]
         self._topology = self._topology.with_domains([domain for _, domain, _ in agreed])
         self._snapshots = Snapshotter(predict_plans=self._topology.world_size > 1)  # staging thread, guards
-        self._lifecycle = Lifecycle(self._store, self.rank, opts.keep)
+        # Whose shards this node's ranks retire: theirs (replication adds the partners'); any
+        # other owner's, left by an earlier world size, go with their steps.
+        self._lifecycle = Lifecycle(self._store, self.rank, opts.keep,
+                                    node_owners=self._topology.ranks_of_node(self._topology.node_rank))
         self._persistent_writer = None if self._persistent is None else PersistentWriter(
             self._persistent, job_dir=self._store.job_dir, rank=self.rank,
             group=self._persist_pg, pins=self._lifecycle.pins,
@@ -169,12 +172,15 @@ class CheckpointManager:
                             min_stripe_bytes=tuning().min_stripe_bytes),
             pg=PgSettings(poll_interval=self._timeouts.mailbox_poll))
         transport = make_transport(mode, self._store, rdzv, sink, settings, topology=self._topology)
+        strategy = pairing_for(self._topology.domains, self._replicas)
         self._replicator = Replicator(self._store, transport, rdzv, self._topology,
                                       poll_interval=self._timeouts.replicator_poll,
-                                      wait_poll=self._timeouts.wait_poll,
-                                      strategy=pairing_for(self._topology.domains, self._replicas))
+                                      wait_poll=self._timeouts.wait_poll, strategy=strategy)
         owners = self._replicator.sources  # whose shards this rank keeps replicas of
-        self._lifecycle.retention.protect_replicas(self._replicator, owners)
+        topo = self._topology
+        held = [topo.node_rank, *sources(strategy, topo.node_rank, topo.num_nodes)]
+        self._lifecycle.retention.protect_replicas(
+            self._replicator, owners, node_owners=[r for n in held for r in topo.ranks_of_node(n)])
         self._store.capacity.expect_replicas([self.rank], len(owners))
         transport.accept_from(self._lineage)
 

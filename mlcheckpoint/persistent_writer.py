@@ -24,9 +24,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import history
 from ._faults import pause_point
 from .dcp.errors import unwrap_checkpoint_exception
-from .lifecycle import Pins, Retention
 from .persistent import PersistentOrigin, PersistentStorage
+from .retention import Retention
 from .store.identity import Lineage
+from .store.pins import Pins
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 import torch
-from helpers import damage_shard
+from helpers import begin, damage_shard, payload, put_shard, put_step
 
 from mlcheckpoint import CheckpointManager, LocalStore, history
 from mlcheckpoint._words import plural
@@ -99,6 +99,69 @@ def test_gc_removes_debris_and_old_steps(job, cli):
     assert store.complete_steps() == [2]
     code, _, _ = cli(job, "gc", "--job", "clijob", "--remove")
     assert code == 0 and not os.path.exists(os.path.join(job, "clijob"))
+
+
+@pytest.fixture
+def resized():
+    """Node 0 of a job that ran 2 x 2 (steps 1, 2: its ranks 0, 1 and the replicas of node 1's
+    ranks 2, 3), then 1 x 2 (steps 3 to 5), and is writing step 6: rank 0's shard committed,
+    rank 1's still being written, no metadata yet."""
+    root = tempfile.mkdtemp(prefix="mlckpt-cli-", dir="/dev/shm")
+    store = LocalStore(root, "gcjob")
+    try:
+        for step in (1, 2):
+            put_step(store, step, ranks=(0, 1, 2, 3))
+        for step in (3, 4, 5):
+            put_step(store, step, ranks=(0, 1))
+        put_shard(store, 6, 0)
+        begin(store, 6, 1, payload(6, 1))
+        yield root, store
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def held(store: LocalStore) -> dict[int, list[int]]:
+    return {s: sorted(store.step_state(s).committed_ranks) for s in store.steps()}
+
+
+def test_gc_keep_retires_every_ranks_shards_of_older_steps_never_the_step_being_written(resized, cli):
+    """``gc --keep N`` keeps the N newest complete steps (metadata here, and this node's shards
+    of that save) and whatever is newer; every other step goes whole, whoever owns its shards
+    (ranks 2, 3 are no rank's of the 1 x 2 job), metadata included."""
+    root, store = resized
+    partial = store.data_path(6, 1) + ".partial"
+    code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "2", "--json")
+    assert code == 0 and json.loads(out)[0]["steps_retired"] == [1, 2, 3]
+    assert held(store) == {4: [0, 1], 5: [0, 1], 6: [0]}
+    assert os.path.exists(partial)  # the shard being written, spared
+    assert not os.path.exists(store.step_dir(1)) and not os.path.exists(store.step_dir(2))
+    assert store.pool.owners() == set()  # what gc retires is freed, not pooled
+    code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "1")
+    assert code == 0 and "retired steps [4]" in out, out
+    assert held(store) == {5: [0, 1], 6: [0]} and os.path.exists(partial)
+    code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "1")
+    assert "retired steps none" in out, out
+
+
+def test_gc_keep_spares_the_newest_protected_and_the_newest_whole_step(resized, cli):
+    """The node's history names step 3 as the newest protected step: it stays, as the job's
+    own retention would keep it until a newer one is protected. Step 5 lacks rank 1's shard
+    here (a replica not back yet), so step 4 is the newest step held whole, and stays."""
+    root, store = resized
+    history.record(store.job_dir, "protected", step=3, lag_steps=2)
+    store.retire_shard(5, 1)
+    code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "1", "--json")
+    assert code == 0 and json.loads(out)[0]["steps_retired"] == [1, 2]
+    assert held(store) == {3: [0, 1], 4: [0, 1], 5: [0], 6: [0]}
+
+
+def test_gc_keep_must_keep_one(resized, capsys):
+    root, store = resized
+    with pytest.raises(SystemExit):
+        main(["--local-dir", root, "gc", "--job", "gcjob", "--keep", "0"])
+    assert "must be 1 or more" in capsys.readouterr().err
+    assert held(store)[1] == [0, 1, 2, 3]
 
 
 def test_history_records_saves_and_resume(job, cli):

@@ -176,6 +176,16 @@ def test_no_store_module_imports_the_store_facade_back():
     assert bad == []
 
 
+def test_retention_and_the_lifecycle_import_nothing_of_replication_at_run_time():
+    """The manager subscribes the lifecycle to the receive sink, and hands retention the
+    replicator as a ``Protection``: neither ``lifecycle.py`` nor ``retention.py`` imports
+    ``replication/`` but for annotations, so neither calls into the sink that calls them."""
+    bad = [f"{name}:{line} imports mlcheckpoint.{module}" for name in ("lifecycle.py", "retention.py")
+           for line, module in imported_modules(PACKAGE / name, typing_only=False)
+           if top(module) == "replication"]
+    assert bad == []
+
+
 def test_store_starts_no_thread():
     """Threads start above the store (the copier's pool in integrity/, the lifecycle's
     warmer); the store only guards its own state with locks."""

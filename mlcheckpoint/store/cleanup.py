@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Iterable
 
@@ -183,3 +184,10 @@ def orphans(paths: JobPaths) -> list[tuple[int, str]]:
         return []
     found = ((classify(n), os.path.join(root, n)) for n in names)
     return sorted((e.step, path) for e, path in found if e.kind is Kind.ORPHAN and e.step is not None)
+
+
+def remove_orphan(paths: JobPaths, path: str) -> None:
+    """Delete a step set aside by ``settle`` (a path ``orphans`` returned)."""
+    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(paths.orphans_dir):
+        raise ValueError(f"{path} is not a step set aside in {paths.orphans_dir}")
+    shutil.rmtree(path, ignore_errors=True)

@@ -7,8 +7,10 @@ made of:
   - ``shards.ShardFiles``: writing, committing, opening and retiring shards;
   - ``metadata.MetadataFiles``: each step's global metadata;
   - ``inventory.Inventory``: what is here, for which owner, committed or not;
-  - ``retention`` and ``cleanup``: what to retire, and what crashes or resumes leave behind.
-Other layers call the methods below; the parts are for the store itself.
+  - ``cleanup``: what crashes or resumes leave behind.
+Other layers call the methods below; the parts are for the store itself, except that a
+retention pass (``mlcheckpoint/retention.py``, which decides what to keep) holds ``commits``
+and calls ``shards.remove_step_if_empty`` and the ``pool``'s ``owners``/``drop``.
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ import os
 import shutil
 from collections.abc import Iterable, Iterator
 
-from .._faults import pause_point
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity.verify import verify_region
 from ..settings import resolve_job_id, resolve_local_dir, resolve_memory_limit
 from ..tmpfs import local_dir_errors, warn_if_not_memory
-from . import cleanup, retention
+from . import cleanup
 from .buffers import MappedFile, MappingCache
 from .coverage import CopyGroups
 from .identity import Lineage
@@ -219,24 +220,11 @@ class LocalStore:
         """Bytes held by this job's files on this node (committed, in flight and pooled)."""
         return self.capacity.usage_bytes()
 
-    # ------------------------------------------------------------------ retention and gc
+    # ------------------------------------------------------------------ retirement and gc
     def retire_shard(self, step: int, rank: int) -> None:
-        """Uncommit a shard (manifest first) and recycle its buffer."""
+        """Uncommit a shard (manifest first) and recycle its buffer (what retention,
+        ``mlcheckpoint/retention.py``, and a quarantine call)."""
         self.shards.retire(step, rank)
-
-    def apply_retention(self, ranks: Iterable[int], keep: int, protected: Iterable[int] = ()) -> list[int]:
-        """Keep the newest ``keep`` complete steps of each owner rank in ``ranks``
-        (``retention.plan_retention`` says which go); returns the steps retired.
-
-        One pass at a time on a node, and no commit during a pass (``CommitLock``): a plan
-        guards the newest step it sees whole, and a pass interleaved with another, or with the
-        commit that makes a newer step whole, could retire the step that is then the newest
-        whole one.
-        """
-        with self.commits.retiring():
-            plan = retention.plan_retention(self.inventory(), ranks, keep, protected, self.orphans())
-            pause_point("retention_planned")  # tests: another pass or a replica comes in now
-            return retention.retire(self.shards, plan)
 
     def gc(self, ranks: Iterable[int] | None = None, min_age_s: float = 0.0) -> list[str]:
         """Remove what crashes left behind (see ``cleanup.gc``); returns the removed paths."""
@@ -254,6 +242,10 @@ class LocalStore:
     def orphans(self) -> list[tuple[int, str]]:
         """(step, path) of steps set aside by ``settle``."""
         return cleanup.orphans(self.paths)
+
+    def remove_orphan(self, path: str) -> None:
+        """Delete a step set aside by ``settle`` (a path ``orphans`` returned)."""
+        cleanup.remove_orphan(self.paths, path)
 
     def destroy(self) -> None:
         """Delete every file of this job on this node."""

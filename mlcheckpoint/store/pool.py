@@ -207,6 +207,29 @@ class BufferPool:
         for _, extra in sorted(mine, reverse=True)[POOL_PER_RANK:]:
             self.unlink(extra)
 
+    def owners(self) -> set[int]:
+        """Owner ranks with a recycled buffer in the pool."""
+        found = set()
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.paths.pool_dir):
+                entry = classify(e.name)
+                if entry.kind is Kind.POOL_BUFFER and entry.rank is not None:
+                    found.add(entry.rank)
+        return found
+
+    def drop(self, rank: int) -> int:
+        """Delete every recycled buffer of ``rank`` (an owner no rank of this node keeps shards
+        of any more); returns how many. A save taking one meanwhile keeps it (the rename wins
+        or the unlink finds nothing)."""
+        dropped = 0
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.paths.pool_dir):
+                entry = classify(e.name)
+                if entry.kind is Kind.POOL_BUFFER and entry.rank == rank:
+                    self.unlink(e.path)
+                    dropped += 1
+        return dropped
+
     def discard(self, path: str) -> None:
         """Drop an uncommitted file: into the pool if it is a shard's buffer, else delete."""
         if not os.path.exists(path):

@@ -12,13 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dcp.snapshot import Snapshotter
-from ..lifecycle import BufferWarmer, Pins
+from ..lifecycle import BufferWarmer
 from ..manager import CheckpointManager
 from ..persistent import PersistentStorage
 from ..persistent_writer import PersistentWriter
 from ..replication import Replicator
 from ..saving import Saver
 from ..store import LocalStore
+from ..store.pins import Pins
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,11 @@ each its own job id, in four launches:
 
 Each resume must load the newest step every partner acknowledged, from memory, bit-exact
 against the saved tensors, with every rank agreeing, and ``ResumeInfo.resharded`` set.
+
+A fourth job, "resize", rides along in launches 2 to 4 (2 x 2 -> 1 x 2 -> 2 x 1, saving a few
+steps of 16 MiB after each resume): afterwards neither node may hold a shard of the earlier
+shapes' ranks or steps, nor a recycled buffer of them, and each node's tmpfs is within the
+bound docs/operations.md states.
 """
 
 from __future__ import annotations
@@ -26,10 +31,14 @@ import pytest
 from cluster import WORKERS, Cluster, free_port, kill_strays, lose_node
 from helpers import wait_for
 
+from mlcheckpoint.store.layout import classify
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 LAUNCH_TIMEOUT = 180
 LAST = 3  # every job saves steps 1..LAST before its restart
+RESIZE_MIB = 16  # the "resize" job's checkpoint, about
+KEEP = 2  # the manager's default keep
 
 
 def specs(c: Cluster, table: dict[str, dict]) -> str:
@@ -72,6 +81,7 @@ def run():
         c.clear_results()
         c.nproc = 2
         c.start("elastic_job.py", specs(c, {"grow": {"first": 1, "last": 0}, "reshape": save,
+                                             "resize": dict(save, mib=RESIZE_MIB),
                                              "shrink": dict(save, hold=True)}))
         o["shrink_acked"] = wait_for_reports(c, "acked", "shrink", 4)
         o["grow"] = c.sub_job_results("resume", "grow")
@@ -81,14 +91,39 @@ def run():
         kill_strays(c)
         shutil.rmtree(c.sub_job_dir(1, "shrink"))  # the lost machine's memory is gone too
 
-        launch(c, 1, 2, {"shrink": {"first": 1, "last": 0}})
+        # "resize" goes on in each shape for more than ``keep`` saves (node 1 idles meanwhile)
+        launch(c, 1, 2, {"shrink": {"first": 1, "last": 0},
+                         "resize": {"first": LAST + 1, "last": LAST + 4, "mib": RESIZE_MIB}})
         o["shrink"] = c.sub_job_results("resume", "shrink")
+        o["resize_1x2"] = c.sub_job_results("resume", "resize")
 
-        launch(c, 2, 1, {"reshape": {"first": LAST + 1, "last": LAST + 1}})
+        launch(c, 2, 1, {"reshape": {"first": LAST + 1, "last": LAST + 1},
+                         "resize": {"first": LAST + 5, "last": LAST + 8, "mib": RESIZE_MIB}})
         o["reshape"] = c.sub_job_results("resume", "reshape")
         o["reshape_after"] = c.sub_job_results("acked", "reshape")
+        o["resize_2x1"] = c.sub_job_results("resume", "resize")
+        o["resize_acked"] = c.sub_job_results("acked", "resize")
+        o["resize_nodes"] = [held_by(c, k, "resize") for k in range(2)]
         o["logs"] = c.logs()
         yield o
+
+
+def held_by(c: Cluster, node: int, name: str) -> dict:
+    """What job ``name`` holds on ``node``: committed shards per step, every owner with a
+    recycled buffer, the bytes its files take, and the data bytes of its newest step here."""
+    store = c.sub_job_store(node, name)
+    try:
+        steps = {s: sorted(store.step_state(s).committed_ranks) for s in store.steps()}
+        newest = max(steps, default=None)
+        pooled = {classify(n).rank for n in os.listdir(store.pool_dir)}
+        return {"steps": steps, "pool": sorted(r for r in pooled if r is not None),
+                "usage": store.usage_bytes(),
+                "step_bytes": sum(store.read_manifest(newest, r).data_bytes
+                                  for r in steps.get(newest, [])),
+                "files": sorted(os.path.relpath(os.path.join(d, f), store.job_dir)
+                                for d, _, fs in os.walk(store.job_dir) for f in fs)}
+    finally:
+        store.close()
 
 
 def newest_acked(acked: dict[int, dict]) -> int:
@@ -123,6 +158,31 @@ def test_reshape_to_fewer_ranks_per_node(run):
     check_resumed(run["reshape"], 2, step, run["logs"])
     # the job goes on in its new shape: its next save is replicated again
     assert all(r["steps"] == [LAST + 1] for r in run["reshape_after"].values()), run["reshape_after"]
+
+
+def test_after_2x2_1x2_2x1_no_shard_of_a_retired_step_or_rank_is_left(run):
+    """2 x 2 (steps 1-3) -> 1 x 2 on node 0 (4-7) -> 2 x 1 (8-11). Each node ends with the
+    2 x 1 job's newest ``keep`` steps: its rank's shards and its partner's replicas (ranks 0
+    and 1) and nothing of the earlier shapes (ranks 2, 3, steps 1-7, their recycled
+    buffers), within docs/operations.md's bound: (keep + 2) x the bytes one step puts on the
+    node, when nothing is in flight and replication kept up."""
+    assert all(r["match"] and r["resharded"] for r in run["resize_1x2"].values()), run["resize_1x2"]
+    assert all(r["match"] for r in run["resize_2x1"].values()), run["resize_2x1"]  # world 2 again
+    assert [run["resize_1x2"][0]["step"], run["resize_2x1"][0]["step"]] == [LAST, LAST + 4]
+    last = LAST + 8
+    assert all(last in r["steps"] for r in run["resize_acked"].values()), run["resize_acked"]
+    for node, held in enumerate(run["resize_nodes"]):
+        steps = {int(s): ranks for s, ranks in held["steps"].items()}
+        where = f"node {node} holds {steps}, pool of ranks {held['pool']}, files {held['files']}"
+        bound = (KEEP + 2) * held["step_bytes"] + (1 << 20)  # + manifests, metadata, history
+        print(f"\nnode {node}: {held['usage'] / 2**20:.1f} MiB in tmpfs, bound "
+              f"{bound / 2**20:.1f} MiB (one step here: {held['step_bytes'] / 2**20:.1f} MiB)")
+        assert all(set(ranks) <= {0, 1} for ranks in steps.values()), where
+        assert min(steps) > LAST + 4, where  # nothing of the 2 x 2 or 1 x 2 saves
+        assert steps[last] == [0, 1] and len(steps) <= KEEP + 1, where
+        assert set(held["pool"]) <= {0, 1}, where
+        assert held["step_bytes"] >= RESIZE_MIB * 2**20 * 0.9, held  # the whole checkpoint
+        assert held["usage"] <= bound, where
 
 
 def test_grow_onto_an_empty_node(run):

@@ -1,4 +1,6 @@
-"""LocalStore: commit protocol, verification, gc, retention, buffer pool, job isolation."""
+"""LocalStore: commit protocol, verification, gc, the buffer pool, job isolation (retention
+passes only as what pools buffers and removes set-aside steps; the rest in
+tests/test_retention.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from helpers import (
 
 from mlcheckpoint import CorruptShardError, LocalStore, ShardNotFoundError
 from mlcheckpoint.integrity.checksum import checksum
+from mlcheckpoint.retention import apply_retention
 from mlcheckpoint.store import layout
 from mlcheckpoint.store.identity import Lineage
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
@@ -289,69 +292,11 @@ def test_gc_removes_orphan_metadata_of_old_incomplete_steps(store):
 
 # ---------------------------------------------------------------- retention and pool
 
-def test_retention_keeps_newest_complete_steps_and_pools_buffers(store):
-    inodes = {}
-    for s in range(1, 6):
-        put_step(store, s)
-        inodes[s] = os.stat(store.data_path(s, 0)).st_ino
-    retired = store.apply_retention([0], keep=2)
-    assert retired == [1, 2, 3]
-    assert store.steps() == [4, 5]
-    assert store.complete_steps() == [4, 5]
-    for s in (4, 5):
-        store.verify_shard(s, 0)
-    pooled = pool_files(store)
-    assert 1 <= len(pooled) <= 2  # a bounded number of buffers per rank
-    pooled_inodes = {os.stat(p).st_ino for p in pooled}
-    assert pooled_inodes <= {inodes[1], inodes[2], inodes[3]}
-    assert store.apply_retention([0], keep=2) == []  # idempotent
-
-
-def test_retention_never_touches_in_flight_or_protected_steps(store):
-    for s in (1, 2, 3, 4):
-        put_step(store, s)
-    put_shard(store, 5, 0)  # shard committed, metadata not yet: a save in flight
-    begin(store, 6, 0, payload(6, 0))  # still being written
-    retired = store.apply_retention([0], keep=2, protected=[1])
-    assert retired == [2]
-    assert store.complete_steps() == [1, 3, 4]
-    assert store.inventory()[5].committed_ranks == {0}
-    assert os.path.exists(store.data_path(6, 0) + layout.PARTIAL)
-    store.verify_shard(1, 0)
-    store.verify_shard(5, 0)
-
-
-def test_retention_between_protected_steps(store):
-    for s in (1, 2, 3, 4):
-        put_step(store, s)
-    assert store.apply_retention([0], keep=1, protected={2}) == [1, 3]
-    assert store.complete_steps() == [2, 4]
-
-
-def test_retention_is_per_rank(store):
-    for s in (1, 2, 3):
-        put_step(store, s, ranks=(0, 1))
-    assert store.apply_retention([0], keep=1) == [1, 2]
-    inv = store.inventory()
-    assert inv[1].committed_ranks == {1} and inv[2].committed_ranks == {1}
-    store.verify_shard(1, 1)
-    assert store.complete_steps() == [3]
-    assert store.apply_retention([0, 1], keep=1) == [1, 2]
-    assert store.steps() == [3]
-
-
-def test_retention_rejects_keep_zero(store):
-    put_step(store, 1)
-    with pytest.raises(ValueError):
-        store.apply_retention([0], keep=0)
-    assert store.complete_steps() == [1]
-
-
 def test_begin_shard_reuses_pooled_buffer(store):
     put_step(store, 1)
     put_step(store, 2)
     ino1 = os.stat(store.data_path(1, 0)).st_ino
-    store.apply_retention([0], keep=1)
+    apply_retention(store, [0], keep=1)
     assert [os.stat(p).st_ino for p in pool_files(store)] == [ino1]
 
     data = payload(3, 0)
@@ -414,7 +359,7 @@ def test_two_jobs_in_one_local_dir_are_isolated(store_dir):
 
         assert a.gc() == []
         assert os.path.exists(b_partial)
-        a.apply_retention([0], keep=1)
+        apply_retention(a, [0], keep=1)
         assert a.complete_steps() == [3]
         assert b.complete_steps() == [2, 5]
         assert os.listdir(b.pool_dir) == []
@@ -514,10 +459,10 @@ def test_settle_keeps_history_drops_other_runs_and_sets_complete_newer_steps_asi
     assert [s for s, _ in store.orphans()] == [4]
     # the orphan goes once the job has a newer complete step here, not before
     put_save(store, 3, "B")
-    store.apply_retention([0, 1], keep=5)
+    apply_retention(store, [0, 1], keep=5)
     assert [s for s, _ in store.orphans()] == [4]
     put_save(store, 5, "B")
-    store.apply_retention([0, 1], keep=5)
+    apply_retention(store, [0, 1], keep=5)
     assert store.orphans() == []
 
 

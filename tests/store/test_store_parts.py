@@ -1,5 +1,5 @@
-"""The store's parts on their own: file names (layout.classify), the pure retention plan and
-the policy the manager holds, item verification, and a pickled store's shared mapping cache."""
+"""The store's parts on their own: file names (layout.classify), item verification, and a
+pickled store's shared mapping cache."""
 
 from __future__ import annotations
 
@@ -9,19 +9,14 @@ import pickle
 import numpy as np
 import pytest
 from helpers import put_metadata, put_shard, put_step
-from hypothesis import given, settings
-from hypothesis import strategies as hst
 
 from mlcheckpoint import CorruptShardError
 from mlcheckpoint.errors import CopyId
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.integrity.verify import region_digests, verify_digests
-from mlcheckpoint.lifecycle import Pins, RetentionPolicy
 from mlcheckpoint.store import layout
-from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.store.layout import JobPaths, Kind, classify
-from mlcheckpoint.store.manifest import ManifestItem, MetadataHeader
-from mlcheckpoint.store.retention import plan_retention
+from mlcheckpoint.store.manifest import ManifestItem
 
 JOB = "job-parts"
 
@@ -71,103 +66,6 @@ def test_job_paths_list_only_step_folders(store):
     put_step(store, 11)
     os.makedirs(os.path.join(store.steps_dir, "not-a-step"))
     assert store.paths.step_numbers() == [2, 11] == store.steps()
-
-
-# ---------------------------------------------------------------- retention plan
-
-def state(step: int, ranks=(0,), *, metadata: bool = True, save: str = "s") -> StepState:
-    st = StepState(step, committed_ranks=set(ranks), shard_saves={r: save for r in ranks})
-    if metadata:
-        st.has_metadata = True
-        st.required_ranks = list(ranks)
-        st.header = MetadataHeader(job_id=JOB, step=step, world_size=1, ranks=list(ranks),
-                                   total_bytes=0, payload_bytes=0, checksum=0, save_id="s")
-    return st
-
-
-def test_plan_keeps_newest_complete_and_what_is_newer_or_protected():
-    inv = {1: state(1), 2: state(2), 3: state(3), 4: state(4), 5: state(5, metadata=False)}
-    plan = plan_retention(inv, [0], keep=2, protected={1})
-    assert plan.shards == ((2, 0),)  # 1 protected, 3-4 kept, 5 in flight (no metadata yet)
-    assert plan.steps == [2]
-    assert plan_retention(inv, [0], keep=2).steps == [1, 2]
-
-
-def test_plan_counts_only_shards_of_the_save_the_metadata_names():
-    inv = {1: state(1), 2: state(2, save="other"), 3: state(3)}
-    # step 2's shard is of another save: not complete for rank 0, so keep=2 keeps 1 and 3
-    assert plan_retention(inv, [0], keep=2).shards == ()
-    assert plan_retention(inv, [0], keep=1).shards == ((1, 0), (2, 0))
-
-
-def test_plan_drops_bare_metadata_and_set_aside_steps_past_a_complete_one():
-    inv = {1: state(1, ranks=()), 2: state(2), 3: state(3)}
-    plan = plan_retention(inv, [0], keep=1, set_aside=[(0, "/o/0"), (5, "/o/5")])
-    assert plan.bare_metadata == (1,)
-    assert plan.set_aside == ((0, "/o/0"),)  # step 5 is newer than the newest complete (3)
-    assert plan.newest_complete == 3
-
-
-def test_plan_refuses_keep_below_one():
-    with pytest.raises(ValueError):
-        plan_retention({}, [0], keep=0)
-
-
-@settings(max_examples=200, deadline=None)
-@given(steps=hst.dictionaries(hst.integers(0, 30), hst.tuples(hst.booleans(), hst.booleans()),
-                              max_size=12),
-       keep=hst.integers(1, 4), protected=hst.sets(hst.integers(0, 30), max_size=3))
-def test_plan_never_retires_protected_or_the_newest_complete_steps(steps, keep, protected):
-    inv = {s: state(s, ranks=(0,) if held else (), metadata=meta)
-           for s, (held, meta) in steps.items()}
-    plan = plan_retention(inv, [0], keep=keep, protected=protected)
-    retired = {s for s, _ in plan.shards}
-    complete = sorted(s for s, st in inv.items() if st.complete)
-    assert not retired & protected
-    assert not retired & set(complete[-keep:])
-    assert all(s < complete[-keep] for s in retired)  # nothing newer than the oldest kept
-    assert all(0 in inv[s].committed_ranks for s in retired)
-
-
-def test_store_retention_carries_out_the_plan(store):
-    for s in (1, 2, 3):
-        put_step(store, s)
-    plan = plan_retention(store.inventory(), [0], keep=1)
-    assert store.apply_retention([0], keep=1) == plan.steps == [1, 2]
-    assert store.complete_steps() == [3]
-
-
-class Replicas:
-    """Stands in for the replicator's view of job-wide protection (a plain value here)."""
-
-    def __init__(self, newest: int | None, known: int | None, round_step: int | None = None):
-        self.newest, self.known, self.asked = newest, known, 0
-        self.round = round_step
-
-    def newest_protected(self, candidates: list[int]) -> int | None:
-        self.asked += 1
-        return self.newest
-
-    def known_protected(self) -> int | None:
-        return self.known
-
-    def round_step(self) -> int | None:
-        return self.round
-
-
-def test_policy_keeps_pinned_and_newest_protected_steps(store):
-    for s in range(1, 6):
-        put_step(store, s)
-    pins = Pins()
-    pins.pin(1)
-    replicas = Replicas(newest=2, known=3)
-    policy = RetentionPolicy(keep=1, pins=pins, replicas=replicas)
-    assert policy.protected(store) == {1, 2} and replicas.asked == 1
-    # A listener thread does not ask the job-wide counters: the last known step instead.
-    assert policy.protected(store, ask=False) == {1, 3} and replicas.asked == 1
-    assert policy.apply(store, [0], ask=False) == [2, 4]
-    assert store.complete_steps() == [1, 3, 5]
-    assert RetentionPolicy(keep=1, pins=Pins()).apply(store, [0]) == [1, 3]
 
 
 # ---------------------------------------------------------------- verify_digests

@@ -28,10 +28,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 
 from mlcheckpoint import LocalStore
-from mlcheckpoint.lifecycle import Pins, Retention
+from mlcheckpoint.retention import (
+    Retention,
+    RetentionPlan,
+    apply_retention,
+    plan_retention,
+)
 from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.store.manifest import MetadataHeader
-from mlcheckpoint.store.retention import RetentionPlan, plan_retention
+from mlcheckpoint.store.pins import Pins
 
 RANKS = (0, 1, 2, 3)  # a 2 x 2 job seen from node 0: ranks 0, 1 are its own, 2, 3 replicas
 OWN, REPLICAS = (0, 1), (2, 3)
@@ -188,11 +193,11 @@ def test_interleaved_retention_passes_cannot_retire_each_others_guard(store, mon
     put_node0_step(store, 16, OWN)
     release = tmp_path / "release"
     monkeypatch.setenv("MLCHECKPOINT_PAUSE_AT", f"retention_planned={release}")
-    a = threading.Thread(target=store.apply_retention, args=([0], 1))
+    a = threading.Thread(target=apply_retention, args=(store, [0], 1))
     a.start()
     wait_for(lambda: os.path.exists(f"{release}.reached"), "pass A to reach its pause")
     arrival = threading.Thread(target=put_shard, args=(store, 15, 3))
-    b = threading.Thread(target=store.apply_retention, args=([0], 1))
+    b = threading.Thread(target=apply_retention, args=(store, [0], 1))
     arrival.start()
     # without the lock the replica lands now; B must plan after it to retire step 14
     arrival.join(timeout=3)

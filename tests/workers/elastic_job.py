@@ -19,6 +19,8 @@ argv[1]: a JSON list of job specs, run in order, each a dict:
     replicas partner nodes per node (the manager's ``replicas``); absent: its default
     layers   more sharded tensors in the state (each rank's piece of each: one more item in its
              shard); absent: none
+    mib      one more tensor of about this many MiB sharded over all ranks (shards large enough
+             for a test to measure what a node's tmpfs holds); absent: none
 
 The state is rec_jobs' "elastic" one (a DTensor sharded over all ranks plus replicated
 tensors), valid for any world size. Reports per job: "resume-<job>" {step, source, resharded,
@@ -50,6 +52,19 @@ def with_layers(sd: dict, layers: int, rank: int, world: int, step: int, mesh) -
     return sd
 
 
+def with_bulk(sd: dict, mib: float, rank: int, world: int, step: int, mesh) -> dict:
+    """``sd`` and a float32 tensor of about ``mib`` MiB sharded over all ranks (``step`` -1:
+    zeros, a template to load into)."""
+    if mib:
+        rows = ROWS * 1024
+        full = torch.randn(rows, max(1, int(mib * 2**20) // 4 // rows),
+                           generator=torch.Generator().manual_seed(5000 + step))
+        local = full.chunk(world)[rank].clone()
+        sd["bulk"] = DTensor.from_local(local.zero_() if step < 0 else local, mesh, [Shard(0)],
+                                        run_check=False, shape=full.shape, stride=full.stride())
+    return sd
+
+
 def run_job(spec: dict, rank: int, world: int, mesh) -> None:
     job = spec["job"]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -59,12 +74,14 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
     else:
         os.environ.pop("MLCHECKPOINT_FAILURE_DOMAIN", None)
     ckpt = CheckpointManager(job_id=job, replication=ReplicationOptions(replicas=spec.get("replicas")))
-    layers = int(spec.get("layers", 0))
+    layers, mib = int(spec.get("layers", 0)), float(spec.get("mib", 0))
 
     def state(step: int) -> dict:
-        return with_layers(elastic_state(rank, world, step, mesh), layers, rank, world, step, mesh)
+        sd = with_layers(elastic_state(rank, world, step, mesh), layers, rank, world, step, mesh)
+        return with_bulk(sd, mib, rank, world, step, mesh)
 
-    sd = with_layers(elastic_template(rank, world, mesh), layers, rank, world, -1, mesh)
+    sd = with_bulk(with_layers(elastic_template(rank, world, mesh), layers, rank, world, -1, mesh),
+                   mib, rank, world, -1, mesh)
     info = ckpt.resume(sd)
     mismatch = ([] if info.step is None
                 else differences(comparable(state(info.step)), comparable(sd)))

@@ -4,7 +4,7 @@
 - ``service.py``: ``RequestService``, the meaning of every request a peer makes, whatever
   carried it; a transport's listener hands it the request and a ``Channel`` back;
 - ``sink.py``: ``ReceiveSink``, where every received replica lands (verified, committed,
-  published as ``ReplicaReceived``), and ``Pins``;
+  published as ``ReplicaReceived``), and the step pins it holds (``store/pins.py``);
 - ``checks.py``: the bounds and checks on every field a peer sends;
 - ``budget.py``: the node's bandwidth budget, which paces what is sent in the background;
 - ``keys.py``: every key derived from the job's secret, and what is proved or sealed with one;

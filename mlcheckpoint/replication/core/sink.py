@@ -15,9 +15,10 @@ transfer cut anywhere leaves nothing visible:
 
 The sink also holds what this node decides about replicas: which saves it accepts
 (``accept_from``), the largest shard it takes, and the steps pinned while a transfer reads them
-(``Pins``, which the lifecycle's retention skips).
-Once a pushed replica is in, it publishes a ``ReplicaReceived`` event to its subscribers (the
-lifecycle layer applies retention there), given at construction. How each replica was received
+(``store/pins.py`` ``Pins``, which retention skips).
+Once a pushed replica is in, it publishes a ``ReplicaReceived`` event to its subscribers, given
+at construction (the manager subscribes its lifecycle, which applies retention there); the
+sink calls nothing else above it. How each replica was received
 (``ReceiptTimes``) is kept for the last few, in ``receipt_times``.
 """
 
@@ -26,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,42 +37,11 @@ from ...errors import MLCheckpointError, ReplicationError
 from ...integrity.verify import StreamVerifier, digest_item, digests_agree, same_layout
 from ...store import LocalStore, Manifest
 from ...store.identity import Lineage
+from ...store.pins import Pins
 from . import checks
 
 if TYPE_CHECKING:
     from ...store.shards import ShardWriter
-
-
-class Pins:
-    """Steps whose buffers someone is reading (a transfer, a persistent write): retention skips
-    them, so a buffer is never recycled under a reader. One per rank, shared by its sink and its
-    lifecycle (``lifecycle.RetentionPolicy``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count: Counter[int] = Counter()
-
-    @contextlib.contextmanager
-    def pinned(self, step: int) -> Iterator[None]:
-        self.pin(step)
-        try:
-            yield
-        finally:
-            self.unpin(step)
-
-    def pin(self, step: int) -> None:
-        with self._lock:
-            self._count[step] += 1
-
-    def unpin(self, step: int) -> None:
-        with self._lock:
-            self._count[step] -= 1
-            if self._count[step] <= 0:
-                del self._count[step]
-
-    def steps(self) -> set[int]:
-        with self._lock:
-            return set(self._count)
 
 
 KEPT_RECEIPT_TIMES = 64  # ReceiveSink.receipt_times holds the last this many replicas'
@@ -117,7 +87,8 @@ class ReceiveSink:
         pins: steps retention must skip; transports pin a step while they read its shard
             (default: pins of its own, which no retention reads: a sink on its own).
         subscribers: called with a ``ReplicaReceived`` once a replica a peer pushed is
-            committed and acknowledged (the lifecycle layer applies retention there).
+            committed and acknowledged (the manager subscribes its lifecycle, which applies
+            retention there).
         max_shard_bytes: largest shard a peer may send us (checked before allocating).
     """
 

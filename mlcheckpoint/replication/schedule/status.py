@@ -47,7 +47,7 @@ class ProtectionStatus:
 
 
 class Protection(Protocol):
-    """What retention asks about protection (``lifecycle.RetentionPolicy``): which steps are on
+    """What retention asks about protection (``retention.RetentionPolicy``): which steps are on
     two nodes, job-wide, and which one is being replicated (the ``Replicator`` answers)."""
 
     def newest_protected(self, candidates: list[int]) -> int | None: ...

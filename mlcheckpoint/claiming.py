@@ -55,8 +55,12 @@ def claim_job_dir(paths: JobPaths, me: Claimant, node: int,
     (the memory's run had another persistent folder; ``$MLCHECKPOINT_PERSISTENT_DIR_MOVED``
     accepts it)."""
     accept_moved = bool(BY_NAME["persistent_dir_moved"].resolve())
-    taken = JobClaim.take(paths, me, accept_moved=accept_moved)
-    mine = refusal_text(taken, me, node) if isinstance(taken, Refusal) else None
+    taken: JobClaim | Refusal | None = None
+    try:
+        taken = JobClaim.take(paths, me, accept_moved=accept_moved)
+        mine = refusal_text(taken, me, node) if isinstance(taken, Refusal) else None
+    except OSError as e:  # said in the gather below: no other rank waits out a timeout for it
+        mine = ("error", f"could not claim job directory {paths.job_dir} on node {node}: {e}")
     verdicts = all_gather(mine)
     refused = [(rank, v) for rank, v in enumerate(verdicts) if v is not None]
     if not refused:

@@ -93,3 +93,9 @@ def test_a_manager_that_is_dropped_or_closed_after_a_failure_frees_the_directory
     gc.collect()
     with manager(store_dir) as last:
         assert last.resume(zeros_like_state(make_state())).step == 1
+
+
+def test_a_claim_the_os_refuses_is_a_config_error_not_a_hang(store_dir, clean_env):
+    os.makedirs(os.path.join(store_dir, "local", JOB, "claim.json"))  # not a file
+    with pytest.raises(ConfigError, match="could not claim job directory .* on node 0"):
+        manager(store_dir)

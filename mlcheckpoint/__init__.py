@@ -5,6 +5,7 @@ from .errors import (
     CapacityError,
     ConfigError,
     CorruptShardError,
+    JobDirInUseError,
     MLCheckpointError,
     ProtocolError,
     ReplicationError,
@@ -24,7 +25,7 @@ from .store import LocalStore
 
 __all__ = [
     "CapacityError", "CheckpointEntry", "CheckpointManager", "ConfigError", "CorruptShardError",
-    "LocalStore", "MLCheckpointError", "MemoryStorageReader", "MemoryStorageWriter", "Options",
+    "JobDirInUseError", "LocalStore", "MLCheckpointError", "MemoryStorageReader", "MemoryStorageWriter", "Options",
     "ProtectionStatus", "ProtocolError", "ReplicationError", "ReplicationOptions", "ResumeInfo",
     "SaveResult", "ShardNotFoundError",
     "StagingError", "StateDictError",

@@ -33,6 +33,8 @@ from .persistent import PersistentStorage
 from .retention import apply_retention
 from .settings import BY_NAME, resolve_local_dir, validate_job_id
 from .store import LocalStore
+from .store.claim import Claimant
+from .store.claim import holder as claim_holder
 from .store.layout import STEPS, ItemLocation
 from .store.manifest import item_locations
 
@@ -102,7 +104,9 @@ def cmd_ls(args) -> int:
             s["replicated_from_here"] = s["step"] in replicated
         protected = [e for e in events if e.get("event") == "protected"]
         pairing = [e for e in events if e.get("event") == "pairing"]
+        run, live = claim_holder(store.paths)
         entry: dict[str, Any] = {"job": job, "dir": store.job_dir, "steps": steps,
+                                 "run": None if run is None else {**run.to_json(), "live": live},
                                  "usage_bytes": store.usage_bytes(),
                                  "protection": protected[-1] if protected else None,
                                  "pairing": pairing[-1] if pairing else None}
@@ -123,6 +127,8 @@ def cmd_ls(args) -> int:
         print(_table(rows, ["step", "state", "checkpoint", "here", "shards here (ranks)",
                             "not here", "metadata", "pushed to partner"]))
         print(_protection_line(entry["protection"]))
+        if entry["run"] is not None and (run := Claimant.from_json(entry["run"])) is not None:
+            print(f"{'in use by' if entry['run']['live'] else 'last run'}: {run.describe()}")
         if entry["pairing"] is not None:
             print(_pairing_line(entry["pairing"]))
         if "persistent_steps" in entry:

@@ -23,6 +23,13 @@ class ConfigError(MLCheckpointError):
     """A missing or invalid setting (job id, directory, option)."""
 
 
+class JobDirInUseError(ConfigError):
+    """Another live run holds this job's directory on a node: two jobs launched with one job id
+    and one ``local_dir``. Raised by ``CheckpointManager(...)`` on every rank of the second run,
+    before anything in the directory is changed. The message names the other run (host, pids,
+    when it started, its persistent_dir) and the settings that keep two jobs apart."""
+
+
 class CapacityError(MLCheckpointError):
     """A save does not fit into tmpfs or into ``memory_limit_bytes``.
 

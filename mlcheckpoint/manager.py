@@ -21,6 +21,7 @@ import torch.distributed as dist
 from typing_extensions import Self
 
 from . import history, metrics
+from .claiming import claim_job_dir, claimant
 from .dcp import MemoryStorageReader, MemoryStorageWriter
 from .dcp.snapshot import GuardHandle, Snapshotter
 from .errors import ConfigError, MLCheckpointError
@@ -116,6 +117,10 @@ class CheckpointManager:
         self._lineage = Lineage(agreed[0][0])
         self._replicas: int = agreed[0][2]
         self._topology = self._topology.with_domains([domain for _, domain, _ in agreed])
+        # One live run per job directory on a node: claimed before anything here reads or
+        # changes a file of it; a refusal on any node raises on every rank (claiming.py).
+        me = claimant(self._lineage.run_id, self._persistent, self._launcher)
+        self._claim = claim_job_dir(self._store.paths, me, self._topology.node_rank, self._all_gather)
         self._snapshots = Snapshotter(predict_plans=self._topology.world_size > 1)  # staging thread, guards
         # Whose shards this node's ranks retire: theirs (replication adds the partners'); any
         # other owner's, left by an earlier world size, go with their steps.
@@ -413,6 +418,9 @@ class CheckpointManager:
             # Else (a failing close) work still running uses these mappings: they go with the
             # process.
             self._store.close()
+        # This run starts nothing more here, also after a failing close: the next run (a
+        # restart in this process included) may claim the directory.
+        self._claim.release()
 
     def __enter__(self) -> Self:
         return self

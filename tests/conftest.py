@@ -18,7 +18,7 @@ from mlcheckpoint import LocalStore
 # Settings read from the environment; tests that depend on their absence use ``clean_env``.
 MLCHECKPOINT_ENV_VARS = ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
                          "MLCHECKPOINT_LOCAL_DIR", "MLCHECKPOINT_CRASH_AT",
-                         "MLCHECKPOINT_PAUSE_AT")
+                         "MLCHECKPOINT_PAUSE_AT", "MLCHECKPOINT_PERSISTENT_DIR_MOVED")
 
 
 def _starts_python(args) -> bool:

@@ -6,6 +6,7 @@
 - a real, small tmpfs: ``mounted_tmpfs``
 - shards written straight into a LocalStore: ``payload``, ``begin``, ``put_shard``,
   ``put_metadata``, ``put_step``, ``pool_files``
+- what a directory holds, to show a run changed nothing there: ``snapshot``
 - state dicts are tests/workers/states.py's (``make_state``, ``zeros_like_state``,
   ``differences``, ...: one home for tests and workers, on the path through ``WORKERS``)
 
@@ -17,6 +18,7 @@ endpoints joined in one job in tcp_job.py.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -186,3 +188,16 @@ def put_step(store: LocalStore, step: int, ranks=(0,)) -> None:
 
 def pool_files(store: LocalStore) -> list[str]:
     return sorted(os.path.join(store.pool_dir, n) for n in os.listdir(store.pool_dir))
+
+
+def snapshot(root: str) -> dict[str, tuple[int, int, str]]:
+    """Every file under ``root``: its size, modification time and a digest of its bytes."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            st = os.stat(p)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns,
+                                                  hashlib.sha256(f.read()).hexdigest())
+    return out

@@ -65,6 +65,18 @@ def test_ls_lists_steps_and_shards(job, cli):
     assert all(s["state"] == "complete" and s["shards_here"] == [0] and s["metadata"] for s in data[0]["steps"])
 
 
+def test_ls_names_the_run_that_holds_the_directory(job, cli):
+    code, out, _ = cli(job, "ls")
+    assert code == 0 and "last run: run " in out and f"pid {os.getpid()}" in out
+    with CheckpointManager(job_id="clijob", local_dir=job, replication="none", keep=3):
+        code, out, _ = cli(job, "ls", "--json")
+        run = json.loads(out)[0]["run"]
+        assert run["live"] and run["pids"] == [os.getpid()]
+        code, out, _ = cli(job, "ls")
+        assert "in use by: run " in out
+    assert not json.loads(cli(job, "ls", "--json")[1])[0]["run"]["live"]
+
+
 def test_verify_exit_status_reflects_checksums(job, cli):
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2")
     assert code == 0 and "OK" in out

@@ -191,6 +191,12 @@ SETTINGS: tuple[Setting, ...] = (
             env="MLCHECKPOINT_MEMORY_LIMIT", keyword=True, check=_memory_limit,
             shown="unset (no limit)",
             env_doc="bytes, or a size with a unit (`8GiB`, `8G`, `8GB`, `512MiB`, `1.5T`)"),
+    # Read once when the manager claims its job directory (store/claim.py); not an argument.
+    Setting("persistent_dir_moved", "persistent", "`1` lets a run resume from memory that a "
+            "run with another `persistent_dir` saved (the job's persistent folder moved); "
+            "without it the manager refuses to start there, naming both folders (see "
+            "operations.md, One live run per job directory)", False,
+            env="MLCHECKPOINT_PERSISTENT_DIR_MOVED", from_text=_text_flag, shown="`0`"),
     # ReplicationOptions(...) fields, in its order: ``name`` is the flat spelling (the
     # keyword of earlier releases, still accepted with a DeprecationWarning), ``field`` the
     # field's own name.

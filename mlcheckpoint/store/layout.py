@@ -3,6 +3,8 @@
     <local_dir>/<job_id>/
         .lock                                 flock for step-level bookkeeping
         .retention.lock                       flock: retention passes (alone) against commits (shared)
+        .claim.lock                           flock held shared by every rank of the live run on this node (store/claim.py)
+        claim.json                            the run that holds (or last held) the directory: host, pids, start, persistent_dir
         history.jsonl                         what was saved, loaded and persisted (history.py)
         locks/fetch-<nn>.lock                 flocks serialising fetches of one shard on a node
         locks/bandwidth                       the node's replication bandwidth schedule (replication/core/budget.py)
@@ -35,6 +37,8 @@ ORPHANS = "orphans"
 LOCKS = "locks"
 LOCK = ".lock"
 RETENTION_LOCK = ".retention.lock"
+CLAIM_LOCK = ".claim.lock"
+CLAIM = "claim.json"
 HISTORY = "history.jsonl"
 BANDWIDTH = "bandwidth"
 ROUND = "round"
@@ -69,6 +73,7 @@ class Kind(enum.Enum):
     POOL_BUFFER = "pool buffer"    # a retired buffer kept for reuse
     POOL_PARTIAL = "pool partial"  # a pool buffer being prepared
     LOCK = "lock"                  # the node lock, a fetch lock, the bandwidth schedule, a round file
+    CLAIM = "claim"                # the live run's claim on the directory and its record
     HISTORY = "history"
     FOLDER = "folder"              # steps/, pool/, orphans/, locks/
     UNKNOWN = "unknown"            # not ours
@@ -95,7 +100,7 @@ class Entry:
 
 
 _FIXED = {METADATA: Kind.METADATA, LOCK: Kind.LOCK, RETENTION_LOCK: Kind.LOCK, BANDWIDTH: Kind.LOCK,
-          ROUND: Kind.LOCK, PG_BELL: Kind.LOCK,
+          ROUND: Kind.LOCK, PG_BELL: Kind.LOCK, CLAIM_LOCK: Kind.CLAIM, CLAIM: Kind.CLAIM,
           HISTORY: Kind.HISTORY, STEPS: Kind.FOLDER, POOL: Kind.FOLDER, ORPHANS: Kind.FOLDER,
           LOCKS: Kind.FOLDER}
 
@@ -200,6 +205,16 @@ class JobPaths:
     @property
     def history(self) -> str:
         return os.path.join(self.job_dir, HISTORY)
+
+    @property
+    def claim_lock(self) -> str:
+        """The flock every rank of the run that holds the directory keeps, shared."""
+        return os.path.join(self.job_dir, CLAIM_LOCK)
+
+    @property
+    def claim(self) -> str:
+        """The record of the run that holds, or last held, the directory (store/claim.py)."""
+        return os.path.join(self.job_dir, CLAIM)
 
     def step_numbers(self) -> list[int]:
         """The steps that have a folder here, oldest first."""

@@ -41,6 +41,8 @@ def test_classify_names_every_path_the_layout_builds():
         paths.bandwidth: (Kind.LOCK, None, None),
         paths.lock: (Kind.LOCK, None, None),
         paths.history: (Kind.HISTORY, None, None),
+        paths.claim_lock: (Kind.CLAIM, None, None),
+        paths.claim: (Kind.CLAIM, None, None),
         paths.steps_dir: (Kind.FOLDER, None, None),
         paths.pool_dir: (Kind.FOLDER, None, None),
     }

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -78,6 +79,24 @@ def batch_for(step: int, rank: int, device: torch.device) -> torch.Tensor:
     return torch.cat(seq, dim=1).to(device)
 
 
+class TrainingState(Stateful):
+    """What a checkpoint holds: the sharded model and optimizer states and the loss history.
+    DCP calls ``state_dict`` only when it saves or loads a checkpoint, so a fresh start never
+    reads the optimizer's state: ``get_state_dict`` creates it on an optimizer that has not
+    stepped yet, and the run would no longer train as it does without checkpoints."""
+
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer, losses: torch.Tensor):
+        self.model, self.optim, self.losses = model, optim, losses
+
+    def state_dict(self) -> dict:
+        msd, osd = get_state_dict(self.model, self.optim)
+        return {"model": msd, "optim": osd, "losses": self.losses}  # losses: loaded in place
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"],
+                       optim_state_dict=sd["optim"])
+
+
 def params_digest(model: nn.Module) -> str:
     """A hash of the full (unsharded) parameters; collective."""
     h = hashlib.sha256()
@@ -117,12 +136,10 @@ def main() -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     ckpt = CheckpointManager(persistent_dir=args.persistent_dir)
-    msd, osd = get_state_dict(model, optim)
     # Fixed-shape tensors round-trip exactly; DCP matches keys, so a list that grows would not.
     losses = torch.zeros(args.steps, dtype=torch.float64)
-    state = {"model": msd, "optim": osd, "losses": losses}
-    info = ckpt.resume(state)
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    state = {"training": TrainingState(model, optim, losses)}
+    info = ckpt.resume(state)  # nothing is read on a fresh start
     start = 0 if info.step is None else info.step + 1
     ckpt.guard(optim)  # optim.step() waits for the snapshot in flight: async_save need not
     if rank == 0:
@@ -141,9 +158,8 @@ def main() -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses[step] = mean.item() / dist.get_world_size()
-        msd, osd = get_state_dict(model, optim)
         t0 = time.perf_counter()
-        ckpt.async_save({"model": msd, "optim": osd, "losses": losses}, step,
+        ckpt.async_save(state, step,
                         persistent=bool(args.persistent_dir) and (step + 1) % args.persist_every == 0)
         blocked = time.perf_counter() - t0
         if rank == 0:

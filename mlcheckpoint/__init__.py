@@ -20,14 +20,15 @@ from .manager import (
     ResumeInfo,
     SaveResult,
 )
+from .persistent import PersistentStorage
 from .settings import Options, ReplicationOptions
 from .store import LocalStore
 
 __all__ = [
     "CapacityError", "CheckpointEntry", "CheckpointManager", "ConfigError", "CorruptShardError",
-    "JobDirInUseError", "LocalStore", "MLCheckpointError", "MemoryStorageReader", "MemoryStorageWriter", "Options",
-    "ProtectionStatus", "ProtocolError", "ReplicationError", "ReplicationOptions", "ResumeInfo",
-    "SaveResult", "ShardNotFoundError",
+    "JobDirInUseError", "LocalStore", "MLCheckpointError", "MemoryStorageReader",
+    "MemoryStorageWriter", "Options", "PersistentStorage", "ProtectionStatus", "ProtocolError",
+    "ReplicationError", "ReplicationOptions", "ResumeInfo", "SaveResult", "ShardNotFoundError",
     "StagingError", "StateDictError",
 ]
 __version__ = "0.1.0"

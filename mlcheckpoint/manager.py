@@ -265,6 +265,15 @@ class CheckpointManager:
     def resume(self, state_dict: dict[str, Any]) -> ResumeInfo:
         """Load the newest usable checkpoint into ``state_dict`` (in place); all ranks call it.
 
+        ``state_dict`` is the dict ``async_save`` takes. Its top-level values may be DCP
+        ``Stateful`` objects (e.g. a model and its optimizer behind ``get_state_dict`` and
+        ``set_state_dict``): as in ``dcp.load``, their ``state_dict()`` is read only when a
+        step is loaded, after every rank agreed on it, and ``load_state_dict()`` gets what was
+        loaded. A fresh start reads none of them, so it trains as the same program without
+        mlcheckpoint; an optimizer's state dict read before its first step would create its
+        state (AdamW's ``step`` 1). Tensors elsewhere in the dict are loaded in place, other
+        values replaced.
+
         Picks the newest step complete across the surviving nodes (fetching what a replaced
         node lacks from its partner), unless the persistent checkpoint is newer. Copies whose
         checksums fail are refused by all ranks together and the next candidate is tried:

@@ -74,11 +74,14 @@ def test_the_readme_program_runs_and_resumes_at_the_next_step(store_dir):
     """As written, with ``torchrun --nproc-per-node=2``: a fresh start saves steps 0..19 (10
     and 20 of them persistent); run again it resumes step 19 from memory and has nothing left
     to do; with memory and the newest persistent step gone it resumes step 9 from the
-    persistent folder and saves 10..19 again."""
+    persistent folder, saves 10..19 again and trains them exactly as the first run did."""
     local = os.path.join(store_dir, "shm")
     env = dict(os.environ, MLCHECKPOINT_JOB_ID="quickstart", MLCHECKPOINT_LOCAL_DIR=local,
                OMP_NUM_THREADS="1")
-    assert "resumed: step None from None" in _launch(store_dir, env)
+    first = _launch(store_dir, env)
+    assert "resumed: step None from None" in first
+    losses = dict(re.findall(r"^step (\d+) loss (\S+)$", first, re.MULTILINE))
+    assert sorted(map(int, losses)) == list(range(20)), first
     assert _saved_steps(local) == list(range(20))
     folder = os.path.join(store_dir, "checkpoints")
     assert sorted(os.listdir(folder)) == ["step-000000000009", "step-000000000019"]
@@ -88,8 +91,11 @@ def test_the_readme_program_runs_and_resumes_at_the_next_step(store_dir):
 
     shutil.rmtree(local)
     shutil.rmtree(os.path.join(folder, "step-000000000019"))
-    assert "resumed: step 9 from persistent" in _launch(store_dir, env)
+    again = _launch(store_dir, env)
+    assert "resumed: step 9 from persistent" in again
     assert _saved_steps(local) == list(range(10, 20))
+    resumed = dict(re.findall(r"^step (\d+) loss (\S+)$", again, re.MULTILINE))
+    assert resumed == {step: loss for step, loss in losses.items() if int(step) >= 10}
 
 
 # ---------------------------------------------------------------- paths in the docs

@@ -12,8 +12,9 @@ import torch.distributed.checkpoint as dcp
 from states import assert_same, make_state, zeros_like_state
 from torch.distributed.checkpoint import FileSystemWriter
 
-from mlcheckpoint import CheckpointManager, ConfigError
-from mlcheckpoint.persistent import PersistentStorage, StepNames
+import mlcheckpoint
+from mlcheckpoint import CheckpointManager, ConfigError, PersistentStorage
+from mlcheckpoint.persistent import StepNames
 from mlcheckpoint.settings import derived_job_id, resolve_job_id
 
 JOB = "job-integration-core"
@@ -25,6 +26,13 @@ def write_framework_step(folder: str, name: str, step: int) -> None:
 
 
 # ---------------------------------------------------------------- folder layouts
+
+def test_persistent_storage_is_importable_from_the_package():
+    """What docs/integration.md and docs/configuration.md tell a framework to pass as
+    ``persistent_dir``, from where they say it is."""
+    assert "PersistentStorage" in mlcheckpoint.__all__
+    assert PersistentStorage.__module__ == "mlcheckpoint.persistent"
+
 
 def test_step_names_match_only_their_own_format():
     titan = StepNames("step-{step}")

@@ -36,6 +36,7 @@ from lightning.pytorch import __version__ as lightning_version
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -239,7 +240,7 @@ class MLCheckpointStrategy(ModelParallelStrategy):
         state[_META] = b""
         info = self.last_resume = self.checkpoints.resume(state)
         if info.step is None:
-            return self._fresh_start()
+            return self._fresh_start(info)
         self._log_stats(info.step)
         meta = state[_META]
         return _unpickle(meta) if isinstance(meta, bytes) else meta
@@ -248,11 +249,15 @@ class MLCheckpointStrategy(ModelParallelStrategy):
         """Lightning's own load of a checkpoint in its folder."""
         return super().load_checkpoint(path, weights_only=weights_only)
 
-    def _fresh_start(self) -> dict[str, Any]:
+    def _fresh_start(self, info: ResumeInfo) -> dict[str, Any]:
         # Lightning restores whatever load_checkpoint returns: give it nothing to change (the
         # schedulers' own states) rather than an empty dict, which it cannot migrate.
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
+        # Nothing was restored: the trainer has no checkpoint path, and Lightning does not
+        # report "Restored all states from the checkpoint at mlcheckpoint://latest".
+        trainer.ckpt_path = None
+        rank_zero_info(f"Nothing to restore from {LATEST}: {info.reason or 'starting fresh'}")
         return {"pytorch-lightning_version": lightning_version,
                 "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
 

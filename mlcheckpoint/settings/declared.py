@@ -165,9 +165,9 @@ SETTINGS: tuple[Setting, ...] = (
     # an argument but not an option: the manager opens it (persistent.py).
     Setting("persistent_dir", "persistent", "directory or fsspec URL for persistent DCP "
             "checkpoints (`<dir>/step-<step:012d>`), loadable with stock `dcp.load`; or a "
-            '`PersistentStorage(dir, step_format="step-{step}")` for a framework\'s own folder '
-            "layout (see integration.md). `save`/`async_save(..., persistent=True)` without it "
-            "is a `ConfigError` at the call", keyword=True),
+            '`mlcheckpoint.PersistentStorage(dir, step_format="step-{step}")` for a framework\'s '
+            "own folder layout (see integration.md). `save`/`async_save(..., persistent=True)` "
+            "without it is a `ConfigError` at the call", keyword=True),
     Setting("job_id", "manager", "names `<local_dir>/<job_id>`; stable across restarts; else "
             "derived from `persistent_dir`", env="MLCHECKPOINT_JOB_ID", keyword=True,
             check=_job_id,

@@ -7,9 +7,13 @@ argv: phase folder
   resume    - MLCheckpointStrategy, fit(ckpt_path=LATEST): resumes through the strategy.
   lightning - plain ModelParallelStrategy, fit(ckpt_path=<folder>/step=6): Lightning's own
               sharded resume of the same step.
-Resumed phases train to step 10 and report "lightning_<tag>" (env LIGHTNING_TAG, default the
-phase): losses per step, the global step and epoch they resumed at, the resume source; rank 0
-saves the full final parameters and optimizer state to <TEST_OUT_DIR>/lightning_<tag>.pt.
+  fresh     - as save, with fit(ckpt_path=LATEST) and nothing in memory or ``folder``: a
+              fresh start, trained to step 10.
+  plain     - as fresh, with plain ModelParallelStrategy and no ckpt_path: the same training
+              without mlcheckpoint.
+Every phase but save trains to step 10 and reports "lightning_<tag>" (env LIGHTNING_TAG,
+default the phase): losses per step, the global step and epoch it started at, the resume
+source; rank 0 saves the full final parameters and optimizer state to <TEST_OUT_DIR>/lightning_<tag>.pt.
 """
 
 import os
@@ -106,21 +110,22 @@ class Logged(Logger):
 def main() -> None:
     phase, folder = sys.argv[1], sys.argv[2]
     tag = os.environ.get("LIGHTNING_TAG", phase)
-    L.seed_everything(1 if phase == "save" else 2, verbose=False)  # resumes start elsewhere
-    if phase == "lightning":
+    # Resumes start from another seed: what they load must decide where they go.
+    L.seed_everything(1 if phase in ("save", "fresh", "plain") else 2, verbose=False)
+    if phase in ("lightning", "plain"):
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     else:
         strategy = MLCheckpointStrategy(data_parallel_size=2, tensor_parallel_size=1, folder=folder)
     record = Record(kill=phase == "save")
-    memory = [] if phase == "lightning" else [MemoryCheckpoint(every_n_train_steps=2)]
-    own = ModelCheckpoint(dirpath=folder if phase == "save" else f"{folder}-{tag}",
+    memory = [] if phase in ("lightning", "plain") else [MemoryCheckpoint(every_n_train_steps=2)]
+    own = ModelCheckpoint(dirpath=folder if phase in ("save", "fresh") else f"{folder}-{tag}",
                           filename="{step}", every_n_train_steps=2, save_top_k=-1)
     logged = Logged()
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=MAX_STEPS, strategy=strategy,
                         callbacks=[record, own] + memory,
                         logger=logged, enable_progress_bar=False, enable_model_summary=False)
     model = Net()
-    ckpt_path = {"save": None, "resume": LATEST,
+    ckpt_path = {"save": None, "resume": LATEST, "fresh": LATEST, "plain": None,
                  "lightning": os.path.join(folder, f"step={RESUME_STEP}.ckpt")}[phase]
     trainer.fit(model, ckpt_path=ckpt_path)
     msd, osd = get_state_dict(model, trainer.optimizers[0])

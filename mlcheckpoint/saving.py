@@ -82,9 +82,6 @@ class SaveResult:
     # ``save``, which copies only what the plan gives this rank). Following the previous
     # step's plan (dcp/plans.py), an overlapped stage copies only this rank's items.
     staged_bytes: int = 0
-    # A DCP-native save's: ``seconds`` runs from ``storage_writer`` until this rank's shard
-    # was committed, ``blocking_seconds`` is ``stage`` (dcp.async_save) or all of ``seconds``
-    # (dcp.save), and "commit" is the rest of ``seconds``.
 
 
 @dataclass(frozen=True)
@@ -368,7 +365,9 @@ class Saver:
     def _native_committed(self, native: _NativeSave) -> Committed | None:
         """What this rank committed with ``native``'s writer: the writer says (it committed
         here), else the store (DCP's PROCESS mode committed in its checkpoint process); None
-        if nothing yet."""
+        if nothing yet. Its ``SaveResult``: ``seconds`` from ``storage_writer`` until this
+        rank's shard was committed; ``blocking_seconds`` the ``stage`` of ``dcp.async_save``,
+        or all of ``seconds`` for ``dcp.save``; phase "commit" the rest of ``seconds``."""
         writer = native.writer
         manifest = writer.committed
         if manifest is None:

@@ -47,7 +47,8 @@ def test_native_async_saves_beside_a_persistent_async_save_lose_a_node_and_resum
         ready = wait_for(lambda: len(c.results("ready")) == 2 * NPROC and c.results("ready"),
                          "every rank saved and replicated step STOP", timeout=600, diag=c.logs)
         views = [node_view(c, n, c.job_id) for n in (0, 1)]
-        persisted = sorted(os.listdir(c.persistent_dir))
+        persisted = sorted(d for d in os.listdir(c.persistent_dir)
+                           if os.path.exists(os.path.join(c.persistent_dir, d, ".metadata")))
         c.nodes[1].kill()
         c.nodes[1].wipe()
         c.nodes[0].kill()
@@ -62,7 +63,7 @@ def test_native_async_saves_beside_a_persistent_async_save_lose_a_node_and_resum
         assert view["owned"] == view["shards"], (node, view)
         assert {STOP - 1, STOP} <= set(view["owned"]) and STOP in view["complete"], (node, view)
     assert views[0]["metadata"][STOP] == views[1]["metadata"][STOP]
-    assert persisted == sorted(f"step-{s}" for s in range(0, STOP + 1, PERSIST_EVERY))
+    assert persisted == [f"step-{s:012d}" for s in range(0, STOP + 1, PERSIST_EVERY)]
     for rank in range(2 * NPROC):
         r = res[rank]
         assert r["step"] == STOP and r["next"] == STOP + 1, r

@@ -115,7 +115,8 @@ def train(rank: int, world: int) -> None:
     losses = [train_step(model, optim, sched, rank) for _ in range(TOTAL)]
     report("reference", {"losses": losses, "digest": digest(model)})
 
-    ckpt = CheckpointManager(keep=2)
+    folder = os.environ["TEST_PERSISTENT_DIR"]
+    ckpt = CheckpointManager(persistent_dir=folder, keep=2)
     warmed = watch_warmer(ckpt)
     persist_pg = dist.new_group(backend="gloo")  # the persistent saves' own group
     model, optim, sched = build(world, seed=0)
@@ -133,7 +134,7 @@ def train(rank: int, world: int) -> None:
         if step % PERSIST_EVERY == 0:
             if disk is not None:
                 disk.result()
-            path = os.path.join(os.environ["TEST_PERSISTENT_DIR"], f"step-{step}")
+            path = os.path.join(folder, f"step-{step:012d}")  # the layout persistent_dir reads
             disk = dcp.async_save(sd, storage_writer=FileSystemWriter(path), process_group=persist_pg)
     ram.result()
     disk.result()
@@ -147,7 +148,7 @@ def train(rank: int, world: int) -> None:
 
 
 def resume(rank: int, world: int) -> None:
-    ckpt = CheckpointManager(keep=2)
+    ckpt = CheckpointManager(persistent_dir=os.environ["TEST_PERSISTENT_DIR"], keep=2)
     model, optim, sched = build(world, seed=1234)  # another init: only a real load matches
     torch.manual_seed(5)
     train_step(model, optim, sched, rank)  # creates AdamW's state to load into

@@ -111,6 +111,7 @@ class CheckpointManager:
         # not interleave their collectives; neither may share the training group.
         self._save_pg = dist.new_group(backend="gloo") if self._distributed else None
         self._persist_pg = dist.new_group(backend="gloo") if self._distributed else None
+        self._dcp_pg: dist.ProcessGroup | None = None  # DCP-native saves': ``process_group``
         # One collective agrees this run's identity (rank 0's; see store/identity.py), every
         # node's failure domain and rank 0's replica count (the pairing follows them).
         agreed = self._all_gather((new_id(), repl.failure_domain, repl.replicas))
@@ -190,18 +191,33 @@ class CheckpointManager:
         transport.accept_from(self._lineage)
 
     # ------------------------------------------------------------------ DCP-native
-    def storage_writer(self, step: int) -> MemoryStorageWriter:
-        """A writer for ``dcp.save`` / ``dcp.async_save`` of ``step``.
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The process group to pass to ``dcp.save``/``dcp.async_save`` with
+        ``storage_writer()``: a gloo group for these saves alone, so that their collectives,
+        which ``dcp.async_save`` runs on a thread of its own, never meet the training
+        thread's, another save's or the manager's. Made the first time it is read, which
+        every rank does at the same point (making a group is collective). None without a
+        process group."""
+        if self._dcp_pg is None and self._distributed:
+            self._dcp_pg = dist.new_group(backend="gloo")
+        return self._dcp_pg
 
-        Retires this rank's checkpoints beyond ``keep`` first, so their buffers are reused.
-        Collective in a run's first save, which sets an earlier run's steps aside (``save``).
+    def storage_writer(self, step: int) -> MemoryStorageWriter:
+        """A writer for ``dcp.save`` / ``dcp.async_save`` of ``step``; pass
+        ``process_group=ckpt.process_group`` with it (``dcp.async_save`` on the default group
+        is refused: see docs/integration.md).
+
+        What the save commits is published (history, metadata to every node, replication,
+        retention, buffers) at this rank's next call: ``storage_writer``, ``wait`` or
+        ``close``. Collective in a run's first save, which sets an earlier run's steps aside
+        (``save``).
         """
         self._check_open()
-        self._saver.set_aside_earlier_runs(step, self._lineage)
-        # save/async_save retire old steps after each save, on the background thread, so they
-        # skip this up-front retention (an inventory and c10d round trips on the training thread).
-        self._lifecycle.retention.apply()
-        return self._saver.storage_writer(step, self._lineage)
+        writer = self._saver.storage_writer(step, self._lineage)
+        if self._saver.last_result is not None:
+            self._room.after_first_save(self._saver.last_result.step)
+        return writer
 
     def storage_reader(self, step: int) -> MemoryStorageReader:
         """A reader for ``dcp.load`` of an in-memory ``step``."""

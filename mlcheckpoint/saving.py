@@ -1,4 +1,5 @@
-"""Saver: the save path behind ``CheckpointManager.save`` and ``async_save``, in three phases.
+"""Saver: the save path behind ``CheckpointManager.save`` and ``async_save``, in three phases,
+and the publish path after every commit, DCP-native saves' included.
 
     stage    copy the state dict into this rank's tmpfs buffer, with checksums
              (``dcp/staging.py``; an overlapped stage finishes on the staging thread). It
@@ -6,11 +7,20 @@
              the commit instead: ``write_data`` copies what DCP's plan gives this rank.
     commit   ``dcp.save`` through a ``MemoryStorageWriter``: every rank's ``write_data``
              commits its shard (the manifest rename), the coordinator the global metadata.
-    publish  once the step is committed on every rank: its metadata on every node, the
-             replicator told (once, of this save), retention, the next buffers.
+    publish  once the save is committed on this rank (``_publish``, one path for both
+             routes): the history record, its metadata on every node, the replicator told
+             (once, of this save), retention, the next buffers, ``last_result``.
 
 ``async_save`` stages on the calling thread, then commits and publishes on the save thread.
 At most one in-memory save is in flight. The persistent write, if asked, follows publish.
+
+A DCP-native save (``storage_writer``: the user's ``dcp.save``/``dcp.async_save`` drives the
+writer) stages and commits in DCP's hands, on DCP's thread or, in PROCESS mode, in DCP's
+checkpoint process, and DCP returns the global metadata to its caller, not to the writer. So
+the Saver publishes it at its next call on this rank (the next ``storage_writer``, a save,
+``wait``, ``close``), from what the writer, or else the store, shows was committed: the same
+``_publish``, with the metadata only where this rank holds it (the coordinator's writer, which
+committed it in ``finish``); rank 0's replicator sends it to the other nodes.
 
 A run's first save, unless it resumed (``settled``), first sets aside the steps an earlier run
 of the job left in memory (``set_aside_earlier_runs``).
@@ -74,6 +84,28 @@ class SaveResult:
     staged_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class Committed:
+    """A save committed on this rank, as the publish path takes it from either route."""
+
+    result: SaveResult
+    save_id: str
+    lineage: Lineage
+    metadata: Metadata | None  # the step's global metadata, where this rank holds it
+    # Every rank holds the metadata (``dcp.save`` returned it to each): no node needs it
+    # sent. False for a DCP-native save, whose metadata only the coordinator's writer saw.
+    metadata_everywhere: bool
+
+
+@dataclass
+class _NativeSave:
+    """A writer ``storage_writer`` handed out, until what DCP committed with it is published."""
+
+    writer: MemoryStorageWriter
+    made: float  # time.time() when handed out (manifests carry their commit's)
+    earlier_save: str | None  # this rank's shard of the step already here then: not this save
+
+
 class Saver:
     """Saves steps of one CheckpointManager into ``store``; collective over ``group``.
 
@@ -108,6 +140,7 @@ class Saver:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-save")
         self._lock = threading.Lock()
         self._in_flight: Future[SaveResult] | None = None
+        self._native: list[_NativeSave] = []  # DCP-native saves not published yet, oldest first
         self.last_result: SaveResult | None = None  # the newest save published (for stats())
 
     # ------------------------------------------------------------------ the two saves
@@ -123,7 +156,7 @@ class Saver:
         result = SaveResult(step, _committed_bytes(writer), seconds, seconds, persist is not None,
                             phases={"stage": writer.copy_seconds,
                                     "commit": seconds - writer.copy_seconds})
-        self._publish(result, metadata, writer)
+        self._publish(Committed(result, writer.save_id, writer.lineage, metadata, True))
         if persist is not None:
             persist.write(state_dict, step, lineage)
         return result
@@ -152,17 +185,17 @@ class Saver:
         return fut
 
     def storage_writer(self, step: int, lineage: Lineage) -> MemoryStorageWriter:
-        """A writer for a DCP-native save (``CheckpointManager.storage_writer``). DCP drives
-        it, not this Saver, so nothing publishes: the writer tells the replicator itself when
-        its shard and the metadata are committed. In DCP's PROCESS mode the writer commits in
-        another process and tells nobody; the replicator, started now, finds the save at its
-        next poll."""
-        writer = self._writer(step, lineage)
-        replicator = self.replicator
-        if replicator is not None:
-            replicator.activate()
-            writer.on_commit = lambda step, _rank: replicator.notify(step, writer.save_id)
-            writer.on_metadata = lambda step: replicator.notify(step, writer.save_id)
+        """A writer for a DCP-native save of ``step`` (``CheckpointManager.storage_writer``).
+
+        DCP drives it, not this Saver: what it commits is published at this Saver's next call
+        on this rank (see the module docstring). Before that, as for a save: the earlier
+        DCP-native saves are published, a failed overlapped save is raised, and a run's first
+        save sets an earlier run's steps aside (collective)."""
+        self._before_save(step, lineage)
+        writer = self._writer(step, lineage, refuse_default_group=True)
+        self._native.append(_NativeSave(writer, time.time(), self._shard_save_here(step)))
+        if self.replicator is not None:
+            self.replicator.activate()
         return writer
 
     def copy_modes(self) -> tuple[str, ...]:
@@ -260,7 +293,7 @@ class Saver:
                             persist is not None, staged.overlapped_bytes,
                             phases={"stage": stage_s, "commit": seconds - stage_s},
                             staged_bytes=staged.nbytes)
-        self._publish(result, metadata, writer)
+        self._publish(Committed(result, writer.save_id, writer.lineage, metadata, True))
         if persist is not None:
             persist.submit(views, writer.step, writer.lineage)  # reads the staged views: pins the step
         return result
@@ -283,44 +316,102 @@ class Saver:
             with contextlib.suppress(OSError, MLCheckpointError):
                 self.store.retire_shard(writer.step, self.topology.rank)
 
-    def _publish(self, result: SaveResult, metadata: Metadata,
-                 writer: MemoryStorageWriter) -> None:
-        """The step is committed on every rank: record it, put its metadata on this node,
-        tell the replicator, apply retention and prepare the next buffers (each once)."""
+    def _publish(self, saved: Committed) -> None:
+        """The one path after every commit, whichever route saved, each part once per save:
+        record it, put its metadata on every node, tell the replicator, apply retention,
+        prepare the next buffers, and keep its result for ``stats()``."""
         t0 = time.perf_counter()
-        step, rank = result.step, self.topology.rank
-        history.record(self.store.job_dir, "save", step=step, rank=rank, bytes=result.bytes,
+        result, rank = saved.result, self.topology.rank
+        history.record(self.store.job_dir, "save", step=result.step, rank=rank, bytes=result.bytes,
                        seconds=round(result.seconds, 6),
                        blocking_seconds=round(result.blocking_seconds, 6))
-        # dcp.save returns the global metadata on every rank: every node stores it at once,
-        # without waiting for the coordinator's push.
-        if self.topology.local_rank == 0 and self.topology.node_rank != 0:
-            try:
-                self.store.read_metadata(step, writer.save_id)
-            except MLCheckpointError:  # none yet, or an earlier save's of this step number
-                commit_metadata(self.store, step, metadata, self.topology.world_size,
-                                save_id=writer.save_id, lineage=writer.lineage)
+        self._metadata_here(saved)
         if self.replicator is not None:
-            self.replicator.notify(step, writer.save_id)
+            # Where only the coordinator saw the metadata, rank 0's replicator sends it to the
+            # other nodes now, not only when a round names this save.
+            self.replicator.notify(result.step, saved.save_id,
+                                   share_metadata=not saved.metadata_everywhere)
         self.retention.apply()
         self.warmer.prepare(rank, result.bytes)
         result.phases["publish"] = time.perf_counter() - t0
         self.last_result = result
 
-    def _writer(self, step: int, lineage: Lineage, staged: Staged | None = None
-                ) -> MemoryStorageWriter:
+    def _metadata_here(self, saved: Committed) -> None:
+        """Each node's leader stores the metadata it holds, at once, without waiting for the
+        coordinator's push. The coordinator's node (node 0) has it from ``finish``."""
+        if (saved.metadata is None or self.topology.local_rank != 0
+                or self.topology.node_rank == 0):
+            return
+        step = saved.result.step
+        try:
+            self.store.read_metadata(step, saved.save_id)
+        except MLCheckpointError:  # none yet, or an earlier save's of this step number
+            commit_metadata(self.store, step, saved.metadata, self.topology.world_size,
+                            save_id=saved.save_id, lineage=saved.lineage)
+
+    # ------------------------------------------------------------------ DCP-native saves
+    def _publish_native(self) -> None:
+        """Publish every DCP-native save committed on this rank since the last look, oldest
+        first. A writer handed out before one that committed, and not committed itself, is
+        dropped: its save failed, or never ran."""
+        found = [(i, saved) for i, native in enumerate(self._native)
+                 if (saved := self._native_committed(native)) is not None]
+        if not found:
+            return
+        self._native = self._native[found[-1][0] + 1:]
+        for _, saved in found:
+            self._publish(saved)
+
+    def _native_committed(self, native: _NativeSave) -> Committed | None:
+        """What this rank committed with ``native``'s writer: the writer says (it committed
+        here), else the store (DCP's PROCESS mode committed in its checkpoint process); None
+        if nothing yet. Its ``SaveResult``: ``seconds`` from ``storage_writer`` until this
+        rank's shard was committed; ``blocking_seconds`` the ``stage`` of ``dcp.async_save``,
+        or all of ``seconds`` for ``dcp.save``; phase "commit" the rest of ``seconds``."""
+        writer = native.writer
+        manifest = writer.committed
+        if manifest is None:
+            try:
+                manifest = self.store.read_manifest(writer.step, self.topology.rank)
+            except MLCheckpointError:  # not committed (yet), or retired
+                return None
+            if manifest.save_id == native.earlier_save:
+                return None
+        seconds = max(0.0, manifest.created - native.made)
+        staged = writer.stage_seconds > 0  # dcp.async_save staged it; dcp.save held the caller
+        stage = writer.stage_seconds if staged else writer.copy_seconds
+        result = SaveResult(writer.step, manifest.data_bytes,
+                            writer.stage_seconds if staged else seconds, seconds,
+                            overlapped_bytes=writer.overlapped_bytes,
+                            phases={"stage": stage, "commit": max(0.0, seconds - stage)},
+                            staged_bytes=writer.staged_bytes)
+        return Committed(result, manifest.save_id, writer.lineage, writer.metadata, False)
+
+    def _shard_save_here(self, step: int) -> str | None:
+        """The save id of this rank's committed shard of ``step`` here, if any."""
+        try:
+            return self.store.read_manifest(step, self.topology.rank).save_id
+        except MLCheckpointError:
+            return None
+
+    def _writer(self, step: int, lineage: Lineage, staged: Staged | None = None, *,
+                refuse_default_group: bool = False) -> MemoryStorageWriter:
         return MemoryStorageWriter(step, self.store, lineage=lineage, snapshots=self.snapshots,
                                    rank=self.topology.rank,
                                    world_size=self.topology.world_size, staged=staged,
-                                   copy_policy=self.copy_policy)
+                                   copy_policy=self.copy_policy,
+                                   refuse_default_group=refuse_default_group)
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:
-        """Wait for the save in flight; its error belongs to the caller of ``async_save``."""
+        """Wait for the save in flight (its error belongs to the caller of ``async_save``),
+        then publish the DCP-native saves committed since the last look (the caller waited
+        for DCP's futures; one still running is published at a later call)."""
         with self._lock:
             fut = self._in_flight
         if fut is not None:
             fut.exception()
+        self._publish_native()
 
     def close(self, wait: bool) -> bool:
         """Stop the save thread (``wait``: after the save in flight). Returns whether no save

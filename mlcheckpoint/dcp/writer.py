@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import pickle
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,7 +38,7 @@ from ..store import coverage
 from ..store.identity import Lineage, new_id
 from ..store.local_store import LocalStore, ShardWriter
 from ..store.manifest import Manifest
-from . import copies, plans, staging
+from . import copies, groups, plans, staging
 from .errors import entry_error
 from .placement import Placement, copy_and_hash
 from .snapshot import Snapshotter
@@ -76,10 +75,6 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     Args:
         step: the training step this checkpoint holds (a non-negative int).
         store: the job's LocalStore; by default one for ``job_id``/``local_dir``.
-        on_commit: called with (step, rank) after this rank's shard is committed (not pickled
-            into DCP's PROCESS-mode checkpoint process).
-        on_metadata: called with (step) on the coordinator after the global metadata is
-            committed (likewise not pickled).
         lineage: the run this save belongs to and the runs it descends from (recorded in the
             metadata, so recovery never mixes incarnations of a step); CheckpointManager passes
             its own.
@@ -96,23 +91,28 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         copy_policy: keep, on every node, one copy of each item that data parallelism holds
             there but DCP gives to a rank of another node, so that replication need not send
             it (``copies.py``; CheckpointManager passes one when it replicates); None: none.
+        refuse_default_group: ``stage`` raises ConfigError when a THREAD-mode
+            ``dcp.async_save`` drives this writer on the default process group, which the
+            training thread uses meanwhile (``groups.py``; CheckpointManager's writers do).
+
+    After the save, on this rank: ``committed`` (this rank's manifest, set by ``write_data``)
+    and ``save_id``; on the coordinator also ``metadata`` (what ``finish`` committed). In
+    DCP's PROCESS mode these are set in the checkpoint process's copy of the writer, not in
+    this one: the store holds the result.
     """
 
     _synchronize_after_execute = False  # stage() is synchronous: nothing to wait for
 
     def __init__(self, step: int, store: LocalStore | None = None, *, job_id: str | None = None,
                  local_dir: str | None = None,
-                 on_commit: Callable[[int, int], None] | None = None,
-                 on_metadata: Callable[[int], None] | None = None,
                  lineage: Lineage | None = None, snapshots: Snapshotter | None = None,
                  rank: int | None = None, world_size: int | None = None,
                  staged: staging.Staged | None = None, keep_staged: bool = False,
-                 copy_policy: copies.CopyPolicy | None = None):
+                 copy_policy: copies.CopyPolicy | None = None, refuse_default_group: bool = False):
         super().__init__()
         self.step = parse_step(step)
         self.store = store if store is not None else LocalStore(local_dir, job_id)
-        self.on_commit = on_commit
-        self.on_metadata = on_metadata
+        self.refuse_default_group = refuse_default_group
         self.lineage = lineage or Lineage()
         self.save_id = ""  # made by the coordinator's global plan, sent to every rank in it
         default_rank, default_world = _default_group()
@@ -125,24 +125,21 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._held: dict[copies.Key, WriteItem] = {}  # with a policy: every item this rank holds
         self._snapshots = snapshots
         self.copy_seconds = 0.0  # write_data's placing, copying and hashing
+        self.stage_seconds = 0.0  # how long ``stage`` held the caller (dcp.async_save)
+        self.staged_bytes = 0  # tensor bytes ``stage`` copied (or left to the staging thread)
+        self.overlapped_bytes = 0  # of them, those the staging thread copies after it returned
         self.committed: Manifest | None = None  # this rank's manifest once write_data committed
-
-    @property
-    def overlapped_bytes(self) -> int:
-        """Tensor bytes the staging thread copies after ``stage`` returned."""
-        return self.staged.overlapped_bytes if self.staged is not None else 0
+        self.metadata: Metadata | None = None  # the coordinator's, once finish committed it
 
     @property
     def checkpoint_id(self) -> str:
         return f"mlcheckpoint://{self.store.job_id}/{self.step}"
 
     # PROCESS mode pickles the writer into another process: keep what identifies the staged
-    # buffer, drop the mapping and the in-process callbacks.
+    # buffer, drop the mapping and the staging thread.
     def __getstate__(self):
         state = self.__dict__.copy()
         state["staged"] = None if self.staged is None else self.staged.for_another_process()
-        state["on_commit"] = None
-        state["on_metadata"] = None
         state["_snapshots"] = None
         return state
 
@@ -157,22 +154,31 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         DCP fails the step on every rank instead of leaving them waiting, and the next guard
         point raises it too.
         """
+        if self.refuse_default_group:  # before DCP issues any collective: every rank alike
+            groups.refuse_default_group(self.step)
+        t0 = time.perf_counter()
         # Every tensor is staged here: DCP may run the commit in another process (PROCESS
         # mode), which could not copy a tensor left out. Those the plan should leave out go
         # last, where the commit cuts them off.
         snapshots = self._snapshots
         prediction = snapshots.plans.predict(state_dict) if snapshots is not None else None
         if snapshots is None or not snapshots.guarded:
-            self.staged = staging.stage_now(self.store, self.step, self.rank, state_dict,
-                                            prediction or plans.NO_PREDICTION)
-            return self.staged.views
+            staged = self.staged = staging.stage_now(self.store, self.step, self.rank, state_dict,
+                                                     prediction or plans.NO_PREDICTION)
+            self._staged_in(staged, t0)
+            return staged.views
         staged = self.staged = staging.stage_overlapped(
             self.store, self.step, self.rank, state_dict, snapshots, snapshots.deferrable(),
             prediction or plans.NO_PREDICTION)
+        self._staged_in(staged, t0)
         views: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         assert staged.copying is not None
         staged.copying.add_done_callback(lambda _: views.set_result(staged.views))
         return views
+
+    def _staged_in(self, staged: staging.Staged, t0: float) -> None:
+        self.stage_seconds = time.perf_counter() - t0
+        self.staged_bytes, self.overlapped_bytes = staged.nbytes, staged.overlapped_bytes
 
     def synchronize_staging(self) -> None:
         """Wait for an overlapped stage (DCP's older protocol; prefer staging_completion)."""
@@ -302,8 +308,6 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         if staged is not None and self._snapshots is not None:
             # the next stage follows it, copies included
             self._snapshots.plans.learn(staged.plan_key, plan, [item for item, _ in kept])
-        if self.on_commit is not None:
-            self.on_commit(self.step, self.rank)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -340,8 +344,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         crash_point("before_metadata", self.step, self.rank)
         commit_metadata(self.store, self.step, metadata, world_size=len(results),
                         save_id=self.save_id, lineage=self.lineage)
-        if self.on_metadata is not None:
-            self.on_metadata(self.step)
+        self.metadata = metadata
 
 
 def _resolve(planner: SavePlanner, item: WriteItem) -> Any:

@@ -225,12 +225,9 @@ def test_writer_and_reader_from_job_id_and_local_dir(store):
 
 
 def test_writer_and_reader_pickle(store):
-    calls = []
-    w = MemoryStorageWriter(12, store, on_commit=lambda s, r: calls.append((s, r)),
-                            on_metadata=calls.append)
+    w = MemoryStorageWriter(12, store)
     w2 = pickle.loads(pickle.dumps(w))
     assert w2.step == 12 and w2.store.job_dir == store.job_dir
-    assert w2.on_commit is None and w2.on_metadata is None
     assert w2.checkpoint_id == w.checkpoint_id
     sd = {"a": torch.arange(10.0), "n": 1}
     dcp.save(sd, storage_writer=w2)
@@ -303,12 +300,15 @@ def test_process_mode_writes_each_tensor_once(store, caplog, diverge):
     assert ("differ from the tensor DCP sent" in caplog.text) == diverge
 
 
-def test_callbacks_fire_on_commit(store):
-    calls = []
-    w = MemoryStorageWriter(2, store, on_commit=lambda s, r: calls.append(("shard", s, r)),
-                            on_metadata=lambda s: calls.append(("meta", s)))
-    dcp.save({"a": torch.ones(3)}, storage_writer=w)
-    assert calls == [("shard", 2, 0), ("meta", 2)]
+def test_writer_says_what_it_committed(store):
+    """What the manager's publish path reads after a DCP-native save: this rank's manifest
+    and save id, and on the coordinator the metadata it committed."""
+    w = MemoryStorageWriter(2, store)
+    returned = dcp.save({"a": torch.ones(3)}, storage_writer=w)
+    assert w.committed is not None and w.committed.step == 2
+    assert [i.nbytes for i in w.committed.items] == [12]
+    assert w.save_id and w.committed.save_id == w.save_id
+    assert w.metadata is returned
 
 
 def test_closing_unused_staged_writer_leaves_nothing_visible(store):

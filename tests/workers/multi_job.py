@@ -31,13 +31,15 @@ def save(ckpt: CheckpointManager, sd: dict, step: int, mode: str, persistent: bo
         ckpt.async_save(sd, step, persistent=persistent)
         return None
     if mode == "dcp":
-        dcp.save(sd, storage_writer=ckpt.storage_writer(step))
+        dcp.save(sd, storage_writer=ckpt.storage_writer(step), process_group=ckpt.process_group)
         return None
     if mode == "dcp_async":
-        return dcp.async_save(sd, storage_writer=ckpt.storage_writer(step))
+        return dcp.async_save(sd, storage_writer=ckpt.storage_writer(step),
+                              process_group=ckpt.process_group)
     if mode == "dcp_async_process":
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         return dcp.async_save(sd, storage_writer=ckpt.storage_writer(step),
+                              process_group=ckpt.process_group,
                               async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     raise ValueError(mode)
 

@@ -72,7 +72,8 @@ def native(rank: int) -> None:
     for step, mode in ((1, AsyncCheckpointerType.THREAD), (2, AsyncCheckpointerType.PROCESS)):
         expected = clone_state(flat())
         writer = ckpt.storage_writer(step)
-        resp = dcp.async_save(flat(), storage_writer=writer, async_checkpointer_type=mode)
+        resp = dcp.async_save(flat(), storage_writer=writer, process_group=ckpt.process_group,
+                              async_checkpointer_type=mode)
         out[f"{mode.value}_response"] = isinstance(resp, AsyncSaveResponse)
         out[f"{mode.value}_overlapped"] = writer.overlapped_bytes
         resp.staging_completion.result()

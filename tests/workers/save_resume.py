@@ -40,14 +40,16 @@ def main() -> None:
         elif mode == "async":
             ckpt.async_save(sd, step, persistent=persistent)
         elif mode == "dcp":
-            dcp.save(sd, storage_writer=ckpt.storage_writer(step))
+            dcp.save(sd, storage_writer=ckpt.storage_writer(step), process_group=ckpt.process_group)
         elif mode == "dcp_async":
-            dcp.async_save(sd, storage_writer=ckpt.storage_writer(step)).result()
+            dcp.async_save(sd, storage_writer=ckpt.storage_writer(step),
+                           process_group=ckpt.process_group).result()
         elif mode == "dcp_async_process":
             from torch.distributed.checkpoint.state_dict_saver import (
                 AsyncCheckpointerType,
             )
             dcp.async_save(sd, storage_writer=ckpt.storage_writer(step),
+                           process_group=ckpt.process_group,
                            async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
         # Mutate the live state right after the call: a correct async save already has its copy.
         for t in sd["model"].values():

@@ -102,7 +102,8 @@ def save(path: str, job: str, world: int) -> None:
             dcp.save(sd, storage_writer=ckpt.storage_writer(1))
         else:
             kind = AsyncCheckpointerType.PROCESS if path == "dcp_async_process" else AsyncCheckpointerType.THREAD
-            fut = dcp.async_save(sd, storage_writer=ckpt.storage_writer(1), async_checkpointer_type=kind)
+            fut = dcp.async_save(sd, storage_writer=ckpt.storage_writer(1),
+                                 process_group=ckpt.process_group, async_checkpointer_type=kind)
             mutate(sd)
             fut.result()
         if not ckpt.wait_replicated(1, timeout=60):

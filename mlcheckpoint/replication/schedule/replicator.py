@@ -77,6 +77,7 @@ class Replicator:
         self.wait_poll = wait_poll  # wait_replicated's and drain's look at the state
         self._states: dict[int, StepReplication] = {}
         self._unreplicated: dict[int, str] = {}  # step -> save id, saved since the last round
+        self._metadata_due: dict[int, str] = {}  # rank 0: saves whose metadata only node 0 holds
         self._saves_lock = threading.Lock()  # for it and _superseded: notify runs on the save thread
         self._superseded = 0  # saves this rank was told of and never replicated
         self.skipped_bytes = 0  # shard bytes not sent: data parallelism's copies covered them
@@ -120,11 +121,16 @@ class Replicator:
                        sources=[[n, domain(n)] for n in held])
 
     # ------------------------------------------------------------------ inputs
-    def notify(self, step: int, save_id: str) -> None:
+    def notify(self, step: int, save_id: str, *, share_metadata: bool = False) -> None:
         """This rank's shard of ``step`` (save ``save_id``) is committed (the Saver: on every
-        rank): start replicating if not yet, and look now rather than at the next poll."""
+        rank, once per save): start replicating if not yet, and look now rather than at the
+        next poll. ``share_metadata``: no other node holds the save's metadata (a DCP-native
+        save: only the coordinator's writer saw it); rank 0 sends it to them at its next look,
+        not only when a round names the save."""
         with self._saves_lock:
             self._unreplicated[step] = save_id
+            if share_metadata and self.metadata_targets:
+                self._metadata_due[step] = save_id
         self._active.set()
         self.rounds.hurry()
         self._wake.set()
@@ -244,6 +250,7 @@ class Replicator:
 
     def _replicate_rounds(self) -> None:
         """Do the round the job is in, if it is named; on rank 0, name the next one."""
+        self._share_metadata()
         r = self.rounds.next()
         self._round_closed()
         if r is not None:
@@ -319,6 +326,16 @@ class Replicator:
         self._push_metadata(step, save_id)  # first: it says which shards need no sending (covered.py)
         self.rounds.propose(self.rounds.finished + 1, step, save_id)
         self._wake.set()  # take it at once, not at the next poll
+
+    def _share_metadata(self) -> None:
+        """Rank 0: send the metadata of the saves that only this node holds to every other
+        node, so that each node holds every save whole that it holds the shards of, as after
+        the manager's saves. Small, and once per save: not coalesced like shards."""
+        with self._saves_lock:
+            due, self._metadata_due = self._metadata_due, {}
+        for step, save_id in sorted(due.items()):
+            if self.store.step_state(step).save_id == save_id:  # (else not here yet, or gone)
+                self._push_metadata(step, save_id)
 
     def _mark_superseded(self, steps: list[int], newer: int) -> None:
         """This rank's own shards of ``steps`` stay unpushed (listing and ``drain`` say so)."""

@@ -164,10 +164,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         guarded = snapshots is not None and snapshots.guarded
         try:
             prediction = snapshots.plans.predict(state_dict) if snapshots is not None else None
-            if snapshots is None or not snapshots.guarded:
+            if not guarded:
                 self.staged = staging.stage_now(self.store, self.step, self.rank, state_dict,
                                                 prediction or plans.NO_PREDICTION)
                 return self.staged.views
+            assert snapshots is not None
             staged = self.staged = staging.stage_overlapped(
                 self.store, self.step, self.rank, state_dict, snapshots, snapshots.deferrable(),
                 prediction or plans.NO_PREDICTION)
@@ -318,14 +319,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         return fut
 
     def _raise_failed_stage(self) -> None:
-        """Raise the error of a stage that failed (after waiting for an overlapped copy); the
-        writer no longer holds it."""
-        staged = self.staged
-        if staged is not None:
-            staged.result()
-            if staged.error() is not None:
+        """Raise the error of a stage that failed (see ``_raise_if_failed``); the writer no
+        longer holds it."""
+        if self.staged is not None:
+            try:
+                _raise_if_failed(self.staged)
+            except BaseException:
                 self.staged = None
-                _raise_if_failed(staged)
+                raise
 
     def _kept_copies(self, plan: SavePlan) -> list[WriteItem]:
         """This rank's own WriteItems of the copies the coordinator gave it to keep."""

@@ -106,11 +106,10 @@ class Capacity:
             fixes.append(f"lower keep= (this node's older steps hold {older / 2**20:.1f} MiB)")
         if arriving and short <= arriving:
             fixes.append("lower replicas=")
-        fixes += also
         if elsewhere and short > older:
             fixes.append(f"free space on it (other programs use it; keeping fewer steps would "
                          f"give back only {older / 2**20:.1f} MiB)")
-        return _either(fixes)
+        return _either(fixes + list(also))
 
     def filesystem_bytes(self) -> int:
         """The size of the filesystem the job directory is on."""

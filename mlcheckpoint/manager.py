@@ -225,9 +225,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save(self, state_dict: dict[str, Any], step: int, *, persistent: bool = False) -> SaveResult:
-        """Save ``step`` and return once it is committed in tmpfs on every rank. The first save
-        of a run that did not ``resume`` sets an earlier run's steps aside in ``orphans/``, with
-        one warning (docs/operations.md, "Saving before resume")."""
+        """Save ``step`` and return once it is committed in tmpfs on every rank. A save that
+        fails on any rank raises the same error on every rank, naming the rank and node that
+        hit it (docs/operations.md, "What a failed save does"). The first save of a run that
+        did not ``resume`` sets an earlier run's steps aside in ``orphans/``, with one warning
+        (docs/operations.md, "Saving before resume")."""
         self._check_open()
         persist = self._persistent_for(persistent)
         result = self._saver.save(state_dict, step, self._lineage, persist)
@@ -264,12 +266,12 @@ class CheckpointManager:
         captured at call time.
 
         At most one in-memory save is in flight: a second call first waits for the previous
-        one. The future's result is a SaveResult. A failure while copying here (e.g.
-        CapacityError) is raised at once; a failure of an overlapped copy is raised at this
-        rank's next guard point, and the failed step at every rank's next save or async_save
-        (which then saves nothing: call it again). Either way the other ranks' saves of this
-        step fail too (no rank waits for it) and the previous step stays resumable. A run's
-        first save, without ``resume`` before it, sets an earlier run's steps aside (``save``).
+        one. The future's result is a SaveResult. A save that fails on any rank (e.g. a
+        CapacityError while copying here, or a failed overlapped copy) fails every rank's
+        future with the same error, naming the rank and node that hit it; no rank waits for
+        another, the previous step stays resumable and the next save is an ordinary one. A
+        failed overlapped copy is also raised at this rank's next guard point. A run's first
+        save, without ``resume`` before it, sets an earlier run's steps aside (``save``).
         """
         self._check_open()
         persist = self._persistent_for(persistent)

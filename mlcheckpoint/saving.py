@@ -48,7 +48,7 @@ from . import history
 from ._gc import gc_paused
 from .dcp import MemoryStorageWriter, staging
 from .dcp.copies import CopyPolicy
-from .dcp.errors import unwrap_checkpoint_exception
+from .dcp.errors import save_failure
 from .dcp.snapshot import Snapshotter
 from .dcp.staging import Staged
 from .dcp.writer import commit_metadata
@@ -112,8 +112,7 @@ class Saver:
     Args:
         store, topology: this node's store and where this rank sits in the job.
         group: the in-memory saves' process group (one rank per job rank).
-        snapshots: the staging thread and guards of overlapped saves; it also keeps the
-            failure of an overlapped save until the next save raises it.
+        snapshots: the staging thread and guards of overlapped saves.
         retention: applied after every save.
         warmer: prepares the buffers of the next saves.
         replicator: told of every save once it is committed; None with replication off.
@@ -173,15 +172,14 @@ class Saver:
         staged = self._stage(state_dict, step, overlapped, overlap, leave_out=persist is None)
         blocking = time.perf_counter() - t0
         # A stage that failed here still goes to the commit, which fails the step on every
-        # rank (no rank waits for this one); the caller hears of it now.
+        # rank with this rank's error: every rank's future says so, and no rank waits for this
+        # one. (Raising it here, on this rank alone, would leave the ranks' calls out of step.)
         writer = self._writer(step, lineage, staged)
         writer.keep_staged = persist is not None
         fut = self._executor.submit(self._commit_and_publish, writer, staged, persist, t0,
-                                    blocking, overlapped)
+                                    blocking)
         with self._lock:
             self._in_flight = fut
-        if staged.failure is not None:
-            raise staged.failure
         return fut
 
     def storage_writer(self, step: int, lineage: Lineage) -> MemoryStorageWriter:
@@ -248,11 +246,10 @@ class Saver:
 
     # ------------------------------------------------------------------ the phases
     def _before_save(self, step: int, lineage: Lineage) -> None:
-        """Wait for the save in flight; if it overlapped and failed (on any rank: the commit
-        is collective), raise that here, on every rank alike, so that all ranks skip this
-        call together. A run's first save sets an earlier run's steps aside."""
+        """Wait for the save in flight (whose failure its own future reports, on every rank:
+        this save goes ahead either way, on every rank alike). A run's first save sets an
+        earlier run's steps aside."""
         self.wait()
-        self.snapshots.raise_failed_save()
         self.set_aside_earlier_runs(step, lineage)
 
     def _stage(self, state_dict: dict[str, Any], step: int, overlapped: bool,
@@ -270,20 +267,19 @@ class Saver:
                 deferrable = None if overlap else self.snapshots.deferrable()
                 return staging.stage_overlapped(self.store, step, rank, flat, self.snapshots,
                                                 deferrable, prediction, leave_out)
-        except (MLCheckpointError, OSError) as e:
+        except Exception as e:  # noqa: BLE001  (a Stateful's state_dict() may raise anything)
+            # Failed on this rank alone: the commit fails the step on every rank with it.
             return Staged.failed(step, rank, e)
 
     def _commit_and_publish(self, writer: MemoryStorageWriter, staged: Staged,
-                            persist: PersistentWriter | None, t0: float, blocking: float,
-                            overlapped: bool) -> SaveResult:
+                            persist: PersistentWriter | None, t0: float, blocking: float
+                            ) -> SaveResult:
         """The save thread's part of ``async_save``."""
         views = staged.result()  # an overlapped stage: every byte in place (or its error)
         try:
             metadata = self._commit(writer, views, "async save")
         except Exception as e:
             log.error("mlcheckpoint: %s", e)
-            if overlapped and staged.failure is None:  # (else async_save raised it already)
-                self.snapshots.save_failed(e)
             raise
         finally:
             staged.release()  # in case write_data never ran here (it releases the guards)
@@ -300,13 +296,18 @@ class Saver:
 
     def _commit(self, writer: MemoryStorageWriter, state_dict: dict[str, Any],
                 what: str) -> Metadata:
-        """``dcp.save``: every rank commits its shard, the coordinator the metadata."""
+        """``dcp.save``: every rank commits its shard, the coordinator the metadata. A failure
+        on any rank (a stage that failed fails DCP's planning) fails it on every rank with
+        one error, naming the rank and node that hit it."""
         try:
             with gc_paused():
                 return dcp.save(state_dict, storage_writer=writer, process_group=self.group)
         except CheckpointException as e:
             self._drop_failed_shard(writer)
-            raise unwrap_checkpoint_exception(e, f"{what} of step {writer.step}") from None
+            raise save_failure(e, f"{what} of step {writer.step}",
+                               self.topology.node_of) from None
+        finally:
+            writer.close()  # a stage the commit never took (its planning failed): its buffer back
 
     def _drop_failed_shard(self, writer: MemoryStorageWriter) -> None:
         """A step that failed on some rank is no checkpoint: give back the space this rank's

@@ -6,8 +6,8 @@ copied into the tmpfs buffer on the staging thread afterwards, and only for tens
 nothing changes before a guard point: the parameters and the optimizer state of an optimizer
 passed to ``guard``, which only ``optimizer.step()`` changes. Every other tensor (BatchNorm
 running statistics that the next forward updates, loose tensors) is copied at call time; they
-are small. ``Snapshotter`` owns the staging thread, the guards and the failure of an
-overlapped save; ``dcp/staging.py`` does the copies.
+are small. ``Snapshotter`` owns the staging thread, the guards and the failure of a copy;
+``dcp/staging.py`` does the copies.
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ def optimizer_storages(optimizer: torch.optim.Optimizer) -> set[int]:
 
 class Snapshotter:
     """The staging thread of one CheckpointManager, the guards that wait for it, and the
-    failure of an overlapped save, which it raises where the user hears of it.
+    failure of a copy, which it raises at this rank's next guard point.
 
     One staging runs at a time, in submission order. A staging that fails here is raised at
-    this rank's next guard point (``wait``), once. The overlapped save it belonged to then
-    fails on every rank (the commit is collective), and each rank's Saver reports that with
-    ``save_failed``: it is raised at every rank's next save (``raise_failed_save``), once,
-    also where the guard raised it already; a guard does not raise it after that save did.
+    this rank's next guard point (``wait``), once, unless the next staging starts first. The
+    save it belonged to fails on every rank, with this error, through its commit (the failed
+    stage fails DCP's planning: ``MemoryStorageWriter.prepare_local_plan``); every rank's
+    future of that save reports it.
     """
 
     def __init__(self, predict_plans: bool = True) -> None:
@@ -66,7 +66,6 @@ class Snapshotter:
         self._handles: list[GuardHandle] = []  # one per guard() call still in place
         self._in_flight: Future[None] | None = None
         self._failure: BaseException | None = None  # raised at the next guard point
-        self._failed_save: BaseException | None = None  # raised at the next save
         self._aborted = False  # closed without waiting: stagings in flight fail
         self.longest_wait_s = 0.0  # the longest time a guard point held the training thread
         # which tensors this rank's saves wrote (dcp/plans.py)
@@ -137,6 +136,7 @@ class Snapshotter:
 
         with self._lock:
             self._in_flight = copied
+            self._failure = None  # an earlier save's: its future reported it
         return self._executor.submit(run), lambda: _settle(copied)
 
     def _check_open(self, label: int) -> None:
@@ -156,22 +156,6 @@ class Snapshotter:
             failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
-
-    def save_failed(self, error: BaseException) -> None:
-        """An overlapped save failed (its staging, here or on another rank, or its commit):
-        the next save raises ``error``."""
-        with self._lock:
-            self._failed_save = error
-
-    def raise_failed_save(self) -> None:
-        """At the start of a save: raise the failure of the overlapped save before it, once.
-        A staging failure not raised at a guard yet is raised here instead."""
-        with self._lock:
-            error, self._failed_save = self._failed_save, None
-            if error is not None:
-                self._failure = None
-        if error is not None:
-            raise error
 
     def close(self, wait: bool = True) -> None:
         """Stop the staging thread. Without ``wait``, a staging in flight fails (StagingError)

@@ -150,9 +150,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         """Copy ``state_dict`` into this step's tmpfs buffer; return views of it, or, when an
         optimizer is guarded, a Future of them that completes once every byte is in place.
 
-        A failed background copy does not fail that Future: the commit raises it, so that
-        DCP fails the step on every rank instead of leaving them waiting, and the next guard
-        point raises it too.
+        A stage that fails (e.g. CapacityError) or a failed background copy does not fail
+        here: the commit raises it, so that DCP fails the step on every rank instead of
+        leaving them waiting for this one; the next guard point raises a failed copy too.
         """
         if self.refuse_default_group:  # before DCP issues any collective: every rank alike
             groups.refuse_default_group(self.step)
@@ -161,16 +161,27 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         # mode), which could not copy a tensor left out. Those the plan should leave out go
         # last, where the commit cuts them off.
         snapshots = self._snapshots
-        prediction = snapshots.plans.predict(state_dict) if snapshots is not None else None
-        if snapshots is None or not snapshots.guarded:
-            staged = self.staged = staging.stage_now(self.store, self.step, self.rank, state_dict,
-                                                     prediction or plans.NO_PREDICTION)
+        guarded = snapshots is not None and snapshots.guarded
+        try:
+            prediction = snapshots.plans.predict(state_dict) if snapshots is not None else None
+            if not guarded:
+                staged = self.staged = staging.stage_now(self.store, self.step, self.rank,
+                                                         state_dict,
+                                                         prediction or plans.NO_PREDICTION)
+                self._staged_in(staged, t0)
+                return staged.views
+            assert snapshots is not None
+            staged = self.staged = staging.stage_overlapped(
+                self.store, self.step, self.rank, state_dict, snapshots, snapshots.deferrable(),
+                prediction or plans.NO_PREDICTION)
             self._staged_in(staged, t0)
-            return staged.views
-        staged = self.staged = staging.stage_overlapped(
-            self.store, self.step, self.rank, state_dict, snapshots, snapshots.deferrable(),
-            prediction or plans.NO_PREDICTION)
-        self._staged_in(staged, t0)
+        except Exception as e:  # noqa: BLE001  (whatever it is, every rank hears of it)
+            self.staged = staging.Staged.failed(self.step, self.rank, e)
+            if not guarded:
+                return self.staged.views
+            done: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+            done.set_result(self.staged.views)
+            return done
         views: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         assert staged.copying is not None
         staged.copying.add_done_callback(lambda _: views.set_result(staged.views))
@@ -206,6 +217,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self.rank = kwargs.get("rank", self.rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # A stage that failed fails the step here, in DCP's planning: the coordinator hands
+        # this rank's error to every rank before any of them writes (a rank that went on with
+        # nothing staged would leave the plan without its items: DCP's planner warns of each
+        # and fails the step with its own error, not ours).
+        self._raise_failed_stage()
         # With a copy policy, offer every item this rank holds (DCP's plan, not yet
         # de-duplicated) to the coordinator, which chooses the copies.
         policy = self.copy_policy
@@ -260,12 +276,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def _write_data(self, plan: SavePlan, planner: SavePlanner,
                     staged: staging.Staged | None) -> Future[list[WriteResult]]:
         if staged is not None:
-            staged.result()  # an overlapped stage: every byte in place (DCP waited already)
-            error = staged.error()
-            if error is not None:
-                if staged.shard is not None:
-                    staged.shard.abort()  # this step commits nowhere: give the buffer back
-                raise error
+            _raise_if_failed(staged)
         t0 = time.perf_counter()
         shard = self._open_staged(staged) if staged is not None else None
         try:
@@ -311,6 +322,16 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _raise_failed_stage(self) -> None:
+        """Raise the error of a stage that failed (see ``_raise_if_failed``); the writer no
+        longer holds it."""
+        if self.staged is not None:
+            try:
+                _raise_if_failed(self.staged)
+            except BaseException:
+                self.staged = None
+                raise
 
     def _kept_copies(self, plan: SavePlan) -> list[WriteItem]:
         """This rank's own WriteItems of the copies the coordinator gave it to keep."""
@@ -360,6 +381,18 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> Any:
         except (AttributeError, LookupError, ValueError):  # a planner without DCP's lookup
             raise entry_error(item.index.fqn, e) from e
         raise entry_error(item.index.fqn, e, value) from e
+
+
+def _raise_if_failed(staged: staging.Staged) -> None:
+    """Raise why ``staged`` failed, once its overlapped copy is over, giving its buffer back
+    (the step commits nowhere) and its guards their go."""
+    staged.result()  # an overlapped stage: every byte in place (or its error)
+    error = staged.error()
+    if error is not None:
+        staged.release()
+        if staged.shard is not None:
+            staged.shard.abort()
+        raise error
 
 
 def _restaged_bytes(staged: staging.Staged | None) -> int | None:

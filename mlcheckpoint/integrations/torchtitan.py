@@ -183,8 +183,10 @@ class MemoryCheckpointManager(CheckpointManager):
         if self._memory_due(curr_step):
             try:
                 # Returns once the state is copied to tmpfs: training may change it right after.
+                # A save that fails (e.g. CapacityError) fails its future on every rank, and
+                # the save thread logs it: training and the folder's saves go on.
                 self.checkpoints.async_save(self._flattened_model_states_sd(), curr_step)
-            except MLCheckpointError as e:  # e.g. CapacityError: the folder still gets its saves
+            except MLCheckpointError as e:  # (e.g. a manager closed): the folder still gets its saves
                 log.error("mlcheckpoint: in-memory checkpoint of step %d failed: %s", curr_step, e)
             self._log_stats(curr_step)
         if self._persistent_due(curr_step, last_step):

@@ -47,10 +47,12 @@ class Capacity:
         """Each save of ``ranks`` brings ``replicas`` partners' shards of about its size."""
         self.replicating, self.replicas = frozenset(ranks), replicas
 
-    def preflight(self, nbytes: int, reusable: int, *, rank: int | None = None) -> None:
+    def preflight(self, nbytes: int, reusable: int, *, rank: int | None = None,
+                  step: int | None = None) -> None:
         """Raise CapacityError unless ``nbytes`` fit (``reusable`` of them already held by a
         buffer that will be recycled), and, for a save of a replicating ``rank`` that needs
-        new room, the replicas of that step that will arrive too."""
+        new room, the replicas of that step that will arrive too. The error names only what
+        can make room (``step``: the step being saved, which retention would not retire)."""
         needed = nbytes - reusable
         if needed <= 0:
             return
@@ -62,32 +64,89 @@ class Capacity:
         total = needed + arriving
         free = self.free_bytes()
         if total > free:
+            size = self.filesystem_bytes()
             raise CapacityError(
-                f"{what} but {self.local_dir} has only {free / 2**20:.1f} MiB free; enlarge the "
-                f"tmpfs, lower keep={'' if not arriving else ' or replicas='}, or set "
-                f"MLCHECKPOINT_LOCAL_DIR to a larger one", needed=total, available=free)
+                f"{what} but {self.local_dir} has only {free / 2**20:.1f} MiB free; "
+                + self._remedies(whole=nbytes + arriving, shard=nbytes, short=total - free,
+                                 arriving=arriving, room=size, step=step,
+                                 grow="enlarge the tmpfs", elsewhere=True,
+                                 also=("set MLCHECKPOINT_LOCAL_DIR to a larger one",),
+                                 room_text=f"its {size / 2**20:.1f} MiB filesystem"),
+                needed=total, available=free)
         if self.memory_limit_bytes is not None:
             used = self.usage_bytes()
             room = self.memory_limit_bytes - used
             if total > room:
+                limit = self.memory_limit_bytes
                 raise CapacityError(
                     f"{what} but job {self.job_id} already uses {used / 2**20:.1f} MiB of its "
-                    f"{self.memory_limit_bytes / 2**20:.1f} MiB memory limit", needed=total,
-                    available=max(room, 0))
+                    f"{limit / 2**20:.1f} MiB memory limit; "
+                    + self._remedies(whole=nbytes + arriving, shard=nbytes, short=total - room,
+                                     arriving=arriving, room=limit, step=step,
+                                     grow="raise memory_limit_bytes (MLCHECKPOINT_MEMORY_LIMIT)",
+                                     room_text="the whole limit"),
+                    needed=total, available=max(room, 0))
+
+    def _remedies(self, *, whole: int, shard: int, short: int, arriving: int, room: int,
+                  step: int | None, grow: str, room_text: str, also: tuple[str, ...] = (),
+                  elsewhere: bool = False) -> str:
+        """What can make ``short`` more bytes of room, and only that: ``grow`` (to a size, when
+        the save, ``whole`` bytes, is larger than all the ``room`` there is) and ``also``
+        always; a lower ``keep=`` only when the steps retention would then retire hold enough;
+        a lower ``replicas=`` only when the shard alone would fit; with ``elsewhere`` (others
+        share the room), freeing it when nothing of ours would."""
+        if whole > room:
+            replicas = ["lower replicas="] if arriving and shard <= room else []
+            return (f"one save is larger than {room_text}: "
+                    + _either([f"{grow} to at least {whole / 2**20:.1f} MiB", *replicas, *also])
+                    + ' (more to keep steps: docs/operations.md, "Sizing tmpfs")')
+        fixes = [grow]
+        older = self.older_steps_bytes(step)
+        if short <= older:
+            fixes.append(f"lower keep= (this node's older steps hold {older / 2**20:.1f} MiB)")
+        if arriving and short <= arriving:
+            fixes.append("lower replicas=")
+        if elsewhere and short > older:
+            fixes.append(f"free space on it (other programs use it; keeping fewer steps would "
+                         f"give back only {older / 2**20:.1f} MiB)")
+        return _either(fixes + list(also))
+
+    def filesystem_bytes(self) -> int:
+        """The size of the filesystem the job directory is on."""
+        vfs = os.statvfs(self.paths.job_dir)
+        return vfs.f_blocks * vfs.f_frsize
+
+    def older_steps_bytes(self, saving: int | None) -> int:
+        """Bytes this node holds in committed steps older than its newest one (``saving``, the
+        step being saved, not counted; nor the leftovers of steps that failed): what keeping
+        fewer steps could give back."""
+        steps = [s for s in self.paths.step_numbers()
+                 if s != saving and os.path.exists(self.paths.metadata(s))]
+        total = 0
+        for step in steps[:-1]:
+            with contextlib.suppress(FileNotFoundError):
+                for e in os.scandir(self.paths.step_dir(step)):
+                    with contextlib.suppress(FileNotFoundError):
+                        total += e.stat().st_blocks * 512
+        return total
 
     def free_bytes(self) -> int:
         vfs = os.statvfs(self.paths.job_dir)
         return vfs.f_bavail * vfs.f_frsize
 
-    def no_room(self, needed: int) -> CapacityError:
+    def no_room(self, needed: int, step: int | None = None) -> CapacityError:
         """The error for space that ran out after the check passed: another rank of this node
         or another program took it meanwhile."""
         free = self.free_bytes()
         return CapacityError(
             f"checkpoint data needs {needed / 2**20:.1f} MiB but {self.local_dir} ran out of "
             f"space while reserving it ({free / 2**20:.1f} MiB free now; other ranks of this node "
-            f"or other programs use the rest); enlarge the tmpfs, lower keep=, or set "
-            f"MLCHECKPOINT_LOCAL_DIR to a larger one", needed=needed, available=free)
+            "or other programs use the rest); "
+            + self._remedies(whole=needed, shard=needed, short=needed - free, arriving=0,
+                             room=self.filesystem_bytes(), step=step, grow="enlarge the tmpfs",
+                             also=("set MLCHECKPOINT_LOCAL_DIR to a larger one",),
+                             room_text="its filesystem", elsewhere=True),
+            needed=needed, available=free)
 
     def usage_bytes(self) -> int:
         """Bytes held by this job's files on this node (committed, in flight and pooled)."""
@@ -97,6 +156,11 @@ class Capacity:
                 with contextlib.suppress(FileNotFoundError):
                     total += os.stat(os.path.join(root, name)).st_blocks * 512
         return total
+
+
+def _either(fixes: list[str]) -> str:
+    """"a", "a or b", "a, b or c"."""
+    return fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + f" or {fixes[-1]}"
 
 
 class BufferPool:

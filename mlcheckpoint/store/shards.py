@@ -65,7 +65,7 @@ class ShardFiles:
             self.pool.discard(partial)
             self.remove_step_if_empty(step)
             if no_room:
-                raise self.capacity.no_room(nbytes) from e
+                raise self.capacity.no_room(nbytes, step) from e
             raise
         return ShardWriter(self, step, rank, buffer, partial)
 
@@ -74,7 +74,8 @@ class ShardFiles:
         allocated (OSError ENOSPC when they cannot be). Runs under the node's lock."""
         candidate = self.pool.candidate(rank, nbytes)
         # Capacity first: a refused shard must leave nothing behind, not even its step folder.
-        self.capacity.preflight(nbytes, reusable=candidate[1] if candidate else 0, rank=rank)
+        self.capacity.preflight(nbytes, reusable=candidate[1] if candidate else 0, rank=rank,
+                                step=step)
         os.makedirs(self.paths.step_dir(step), mode=0o700, exist_ok=True)
         # An empty shard (a rank with no tensor bytes) has no pages to reuse: the pooled buffers
         # stay for saves that do.
@@ -217,7 +218,7 @@ class ShardWriter:
                 done += os.pwrite(fd, view[done:], offset + done)
         except OSError as e:
             if e.errno in NO_ROOM:
-                raise self.files.capacity.no_room(view.nbytes) from e
+                raise self.files.capacity.no_room(view.nbytes, self.step) from e
             raise
         finally:
             os.close(fd)

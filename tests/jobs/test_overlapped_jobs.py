@@ -23,9 +23,12 @@ def test_dcp_native_overlap_and_a_staging_failure_on_one_rank():
             assert r[f"{mode}_differs"] == [], (rank, mode, r)  # ... after the snapshot
         assert r["future"] == "StagingError" and r["step4_complete"] is False, (rank, r)
         assert r["step3_differs"] == [] and r["after"] == 6, (rank, r)
-    # the failing rank hears of it at its guard, and every rank at its next save
-    assert (res[1]["guard"], res[1]["next_save"]) == ("StagingError", "StagingError"), res[1]
-    assert (res[0]["guard"], res[0]["next_save"]) == ("ok", "StagingError"), res[0]
+        assert r["next_save"] == "ok", (rank, r)  # the failed save's future said it: no more
+    # every rank's future says the same, naming the rank that failed; that rank also hears of
+    # it at its guard
+    assert res[0]["future_text"] == res[1]["future_text"], res
+    assert "async save of step 4 failed on rank 1 (node 0): " in res[0]["future_text"], res
+    assert (res[0]["guard"], res[1]["guard"]) == ("ok", "StagingError"), res
 
 
 def test_two_node_job_with_overlapped_saves_loses_a_node_and_resumes_bit_exactly():

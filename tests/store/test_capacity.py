@@ -73,7 +73,7 @@ def test_memory_limit_raises_and_keeps_committed(store_dir, how):
             if how == "save":
                 ckpt.save(state(2), 2)
             else:
-                ckpt.async_save(state(2), 2)
+                ckpt.async_save(state(2), 2).result(timeout=60)
         e = ei.value
         check_message(e)
         assert mib_str(limit) in str(e)  # names the limit
@@ -108,7 +108,7 @@ def test_memory_limit_failure_then_resume_earlier_step(store_dir):
         with pytest.raises(CapacityError):
             ckpt.save(state(2, mib=2), 2)
         with pytest.raises(CapacityError):
-            ckpt.async_save(state(2, mib=2), 2)
+            ckpt.async_save(state(2, mib=2), 2).result(timeout=60)
     with limited_manager(local, limit, keep=1) as ckpt:
         out = zeros()
         info = ckpt.resume(out)
@@ -152,7 +152,7 @@ def test_full_tmpfs_raises_capacity_error_and_keeps_checkpoints(small_tmpfs):
         check_message(ei.value)
         assert small_tmpfs in str(ei.value)
         with pytest.raises(CapacityError):
-            ckpt.async_save(state(3, mib=3), 3)
+            ckpt.async_save(state(3, mib=3), 3).result(timeout=60)
         ckpt.wait()
         assert internals(ckpt).store.complete_steps() == [1, 2]
         assert internals(ckpt).store.usage_bytes() == used
@@ -166,3 +166,62 @@ def test_full_tmpfs_raises_capacity_error_and_keeps_checkpoints(small_tmpfs):
         # a checkpoint that fits still goes in
         ckpt.save(state(3, mib=0.5), 3)
         assert internals(ckpt).store.complete_steps()[-1] == 3
+
+
+# ---------------------------------------------------------------- what the message suggests
+# Only what can make room: the size needed when one save is larger than all the room there is,
+# a lower keep= only when the steps it would retire hold enough.
+
+def test_a_shard_larger_than_the_whole_tmpfs_names_the_size_it_needs(small_tmpfs):
+    with limited_manager(small_tmpfs, None, keep=2) as ckpt, pytest.raises(CapacityError) as ei:
+        ckpt.save(state(1, mib=12), 1)
+    msg = str(ei.value)
+    assert "one save is larger than its 8.0 MiB filesystem: enlarge the tmpfs to at least " \
+        "12.0 MiB" in msg and small_tmpfs in msg, msg
+    assert "keep=" not in msg and "replicas=" not in msg, msg  # neither could help
+
+
+def test_keep_is_suggested_when_fewer_kept_steps_would_make_room(small_tmpfs):
+    with limited_manager(small_tmpfs, None, keep=2) as ckpt:
+        ckpt.save(state(1, mib=3), 1)
+        ckpt.save(state(2, mib=3), 2)
+        with pytest.raises(CapacityError) as ei:
+            ckpt.save(state(3, mib=3), 3)  # keep=1 would have retired step 1's 3 MiB
+    msg = str(ei.value)
+    assert "enlarge the tmpfs, lower keep= (this node's older steps hold 3.0 MiB)" in msg, msg
+    assert "larger than" not in msg and "free space on it" not in msg, msg
+
+
+def test_room_another_program_holds_is_named_and_keep_is_not(small_tmpfs):
+    with open(os.path.join(small_tmpfs, "other-program"), "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 4 * MiB)
+    with limited_manager(small_tmpfs, None, keep=2) as ckpt:
+        ckpt.save(state(1, mib=2.5), 1)
+        with pytest.raises(CapacityError) as ei:
+            ckpt.save(state(2, mib=2.5), 2)  # no older step to retire: keep= cannot help
+    msg = str(ei.value)
+    assert "free space on it (other programs use it; keeping fewer steps would give back " \
+        "only 0.0 MiB)" in msg, msg
+    assert "keep=" not in msg and "larger than" not in msg, msg
+
+
+def test_a_memory_limit_smaller_than_one_save_names_the_limit_it_needs(store_dir):
+    with (limited_manager(os.path.join(store_dir, "local"), MiB, keep=2) as ckpt,
+          pytest.raises(CapacityError) as ei):
+        ckpt.save(state(1, mib=2), 1)
+    msg = str(ei.value)
+    assert "one save is larger than the whole limit: raise memory_limit_bytes " \
+        "(MLCHECKPOINT_MEMORY_LIMIT) to at least 2.0 MiB" in msg, msg
+    assert "keep=" not in msg, msg
+
+
+def test_a_memory_limit_that_holds_fewer_steps_suggests_keep(store_dir):
+    limit = 2 * usage_after_one_save(store_dir) + 256 * 1024  # two steps, not three
+    with limited_manager(os.path.join(store_dir, "local"), limit, keep=2) as ckpt:
+        ckpt.save(state(1), 1)
+        ckpt.save(state(2), 2)
+        with pytest.raises(CapacityError) as ei:
+            ckpt.save(state(3), 3)
+    msg = str(ei.value)
+    assert "raise memory_limit_bytes (MLCHECKPOINT_MEMORY_LIMIT) or lower keep= (this node's " \
+        "older steps hold 1.0 MiB)" in msg, msg

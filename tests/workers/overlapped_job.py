@@ -100,6 +100,7 @@ def native(rank: int) -> None:
         out["guard"] = type(e).__name__
         weight.resize_(kept.shape).copy_(kept)
     out["future"] = type(fut.exception()).__name__ if fut.exception() else "ok"
+    out["future_text"] = str(fut.exception())
     try:
         ckpt.async_save(flat(), 5).result()
         out["next_save"] = "ok"

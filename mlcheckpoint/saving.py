@@ -187,8 +187,8 @@ class Saver:
 
         DCP drives it, not this Saver: what it commits is published at this Saver's next call
         on this rank (see the module docstring). Before that, as for a save: the earlier
-        DCP-native saves are published, a failed overlapped save is raised, and a run's first
-        save sets an earlier run's steps aside (collective)."""
+        DCP-native saves are published, and a run's first save sets an earlier run's steps
+        aside (collective)."""
         self._before_save(step, lineage)
         writer = self._writer(step, lineage, refuse_default_group=True)
         self._native.append(_NativeSave(writer, time.time(), self._shard_save_here(step)))

@@ -11,6 +11,10 @@ Which stream: a copy taken at the call (a tensor the next forward may change) ru
 caller's current stream, so everything the caller enqueues afterwards runs after it; an
 overlapped copy runs on the device's side stream (``side_stream``), ordered after the caller's
 stream at the call by an event (``Layout.ready``), while the next forward and backward run.
+
+``on_device`` says which tensors take this branch. Tests route CPU tensors through it (no
+stream, no event: the copies and checksums run at once), so the bookkeeping of a device save
+(its checksums, their algorithm, the host's bytes) runs in CI without a GPU.
 """
 
 from __future__ import annotations
@@ -40,6 +44,22 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.current_stream(device)
 
 
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a plain tensor's local part) is staged through this branch: its bytes
+    are in device memory."""
+    return t.device.type != "cpu"
+
+
+def call_event(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
+    """An event on the caller's stream, after what it enqueued so far, where some of
+    ``tensors`` are in CUDA memory (None otherwise): copies on another stream wait for it."""
+    if not any(t.device.type == "cuda" for t in tensors):
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 @dataclass
 class _Batch:
     """The copies of one device, and what their enqueueing left to read back."""
@@ -64,8 +84,9 @@ class DeviceCopies:
         return bool(self._batches)
 
     @property
-    def nbytes(self) -> int:
-        return sum(sum(b.sizes) for b in self._batches.values())
+    def sources(self) -> list[torch.Tensor]:
+        """The tensors still to be copied or waited for."""
+        return [t for b in self._batches.values() for t in b.sources]
 
     def add(self, src: torch.Tensor, dst: torch.Tensor, offset: int, nbytes: int) -> None:
         """Copy ``src`` (in device memory) into ``dst`` (its view of the buffer, at ``offset``)."""
@@ -80,15 +101,20 @@ class DeviceCopies:
         """Enqueue every copy, then the checksums of the sources, on ``stream_of(device)``
         (after ``after``, an event of the caller's stream); returns without waiting."""
         for device, batch in self._batches.items():
+            if device.type == "cpu":  # a test's stand-in for device memory: at once
+                for src, dst in zip(batch.sources, batch.targets):
+                    dst.copy_(src)
+                batch.host_digests = wsum.tensor_digests(batch.sources)
+                continue
             stream = stream_of(device)
             if after is not None:
                 stream.wait_event(after)
             with torch.cuda.stream(stream):
                 for src, dst in zip(batch.sources, batch.targets):
                     dst.copy_(src, non_blocking=True)
-                on_device = wsum.tensor_digests(batch.sources)
-                batch.host_digests = torch.empty(on_device.shape, dtype=torch.int64, pin_memory=True)
-                batch.host_digests.copy_(on_device, non_blocking=True)
+                computed = wsum.tensor_digests(batch.sources)
+                batch.host_digests = torch.empty(computed.shape, dtype=torch.int64, pin_memory=True)
+                batch.host_digests.copy_(computed, non_blocking=True)
                 batch.done = torch.cuda.Event()
                 batch.done.record(stream)
 
@@ -97,8 +123,9 @@ class DeviceCopies:
         checksum, algorithm). The sources are no longer read after this."""
         out: Digests = {}
         for batch in self._batches.values():
-            assert batch.done is not None and batch.host_digests is not None, "enqueue() first"
-            batch.done.synchronize()
+            assert batch.host_digests is not None, "enqueue() first"
+            if batch.done is not None:
+                batch.done.synchronize()
             values = wsum.to_unsigned(batch.host_digests)
             for offset, nbytes, digest in zip(batch.offsets, batch.sizes, values, strict=True):
                 out[offset] = (nbytes, digest, digests.WSUM)

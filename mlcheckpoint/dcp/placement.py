@@ -28,7 +28,7 @@ from ..integrity.verify import digests_agree
 from ..store.layout import ItemLocation
 from ..store.local_store import ShardWriter, align
 from ..store.manifest import ManifestItem
-from . import serialized, staging
+from . import device_staging, serialized, staging
 from .device_staging import DeviceCopies, Digests
 
 log = logging.getLogger(__name__)
@@ -164,14 +164,14 @@ class Placement:
         offset = shard.cursor
         shard.cursor = align(offset + nbytes)
         dst = shard.buffer.tensor[offset:offset + nbytes]
-        if staging.plain_cpu(t):
-            span = copier.Span(src=t.data_ptr(), nbytes=nbytes, dst=base + offset)
-        elif t.device.type != "cpu":  # straight into the page-locked buffer; hashed on the device
+        if device_staging.on_device(t):  # straight into the page-locked buffer; hashed on the device
             shard.buffer.register_for_device_copies()
             placed = Placed(item, offset, nbytes, t, algorithm=digests.algorithm_for(t))
             self._device.add(t, dst.view(t.dtype).view(t.shape), offset, nbytes)
             self._on_device[offset] = placed
             return placed
+        if staging.plain_cpu(t):
+            span = copier.Span(src=t.data_ptr(), nbytes=nbytes, dst=base + offset)
         else:  # a strided view: torch copies it now; the hash comes with the rest
             dst.view(t.dtype).view(t.shape).copy_(t)
             self.host_bytes += nbytes

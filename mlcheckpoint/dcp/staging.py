@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from ..errors import StagingError
 from ..integrity import copier
 from ..store.local_store import LocalStore, ShardWriter, align
-from . import serialized
-from .device_staging import DeviceCopies, Digests, side_stream
+from . import device_staging, serialized
+from .device_staging import DeviceCopies, Digests, call_event, side_stream
 from .errors import entry_error
 from .plans import NO_PREDICTION, Prediction
 from .snapshot import Snapshotter, storage_ptr
@@ -212,7 +212,7 @@ def _take_buffer(store: LocalStore, step: int, rank: int, state_dict: dict[str, 
     offsets, nbytes = lay_out(leaves, prediction, skip)
     shard = store.begin_shard(step, rank, nbytes)
     try:
-        if any(_local(t).device.type != "cpu" for t in leaves):
+        if any(device_staging.on_device(_local(t)) for t in leaves):
             store.expect_device_copies(rank)  # its next buffers: registered as they are prepared
             shard.buffer.register_for_device_copies()
         layout = stage_into(state_dict, shard.buffer.tensor, defer, offsets)
@@ -289,10 +289,10 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
         dst = dst.view(local.dtype).view(local.shape)
         if defer is not None and n and defer(local):
             layout.deferred.append(_Copy(local, dst, offset, n, local.data_ptr()))
+        elif device_staging.on_device(local):
+            layout.at_call.add(local, dst, offset, n)
         elif plain_cpu(local):
             spans.append(copier.Span(src=local.data_ptr(), nbytes=n, dst=layout.base + offset))
-        elif local.device.type != "cpu":
-            layout.at_call.add(local, dst, offset, n)
         else:
             dst.copy_(local)
             layout.unhashed.append((offset, n))
@@ -307,12 +307,11 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
     _add_digests(layout, spans, copier.process(spans))
     if layout.at_call:
         layout.at_call.enqueue()
-    if layout.at_call or any(c.src.device.type != "cpu" for c in layout.deferred):
-        if defer is None:
-            layout.digests.update(layout.at_call.wait())
-        else:  # the staging thread's copies start after what the caller's stream did so far
-            layout.ready = torch.cuda.Event()
-            layout.ready.record()
+    if defer is None:
+        layout.digests.update(layout.at_call.wait())
+        layout.at_call = DeviceCopies()
+    else:  # the staging thread's copies start after what the caller's stream did so far
+        layout.ready = call_event([c.src for c in layout.deferred] + layout.at_call.sources)
     return layout
 
 
@@ -332,14 +331,14 @@ def copy_deferred(layout: Layout, copied: Callable[[], None] = lambda: None) -> 
             raise StagingError(f"a tensor of {c.nbytes} bytes was resized or replaced before "
                                "its snapshot was taken; call ckpt.wait_staged() before changing "
                                "tensors outside optimizer.step()")
-        if plain_cpu(c.src):
+        if device_staging.on_device(c.src):
+            device_copies.add(c.src, c.dst, c.offset, c.nbytes)
+        elif plain_cpu(c.src):
             spans.append(copier.Span(src=c.ptr, nbytes=c.nbytes, dst=layout.base + c.offset))
-        elif c.src.device.type == "cpu":
+        else:
             c.dst.copy_(c.src)
             layout.unhashed.append((c.offset, c.nbytes))
             layout.host_bytes += c.nbytes
-        else:
-            device_copies.add(c.src, c.dst, c.offset, c.nbytes)
     if device_copies:
         device_copies.enqueue(side_stream, after=layout.ready)
     _add_digests(layout, spans, copier.process(spans))

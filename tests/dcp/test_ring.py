@@ -44,6 +44,18 @@ def pieces(sizes: list[int]) -> int:
     return sum(-(-n // SLOT) for n in sizes)
 
 
+def fills(sizes: list[int]) -> int:
+    """Slot fills when consecutive pieces share a slot while they fit."""
+    count, at = 0, SLOT
+    for n in sizes:
+        for begin in range(0, n, SLOT):
+            size = min(SLOT, n - begin)
+            if at + size > SLOT:
+                count, at = count + 1, 0
+            at += -(-size // ring.PIECE_ALIGN) * ring.PIECE_ALIGN
+    return count
+
+
 @pytest.mark.parametrize("algorithms", [[digests.WSUM], [digests.XXH3], [digests.XXH3, digests.WSUM]])
 def test_every_item_lands_whole_and_verified(algorithms):
     reads = make_reads(SIZES, algorithms)
@@ -52,6 +64,17 @@ def test_every_item_lands_whole_and_verified(algorithms):
     for r in reads:
         assert np.array_equal(r.target.numpy(), r.source)
     assert loader.pieces_copied == pieces(SIZES)
+    assert loader.fills == fills(SIZES) < pieces(SIZES)  # small items shared slots
+
+
+def test_thousands_of_small_items_take_a_few_slot_fills():
+    sizes = [4 * (k % 50) + 1 for k in range(3000)]  # about 300 KiB in all
+    reads = make_reads(sizes, [digests.XXH3, digests.WSUM], seed=4)
+    loader = ring.Ring(ring.HostMover(), slots=2, slot_bytes=SLOT)
+    assert loader.load(reads) == []
+    assert loader.fills == 1 and loader.pieces_copied == 3000
+    reads[1234].source[0] ^= 1
+    assert ring.Ring(ring.HostMover(), slots=2, slot_bytes=SLOT).load(reads) == [1234]
 
 
 @pytest.mark.parametrize("algorithm", [digests.WSUM, digests.XXH3])
@@ -69,7 +92,7 @@ def test_a_bad_byte_names_its_item(algorithm, where):
 class LateMover(ring.HostMover):
     """Copies that complete later, on another thread, as a DMA engine's would: each checks that
     its slot still holds what it held when the copy was issued, and that copies run in the
-    order they were issued."""
+    order they were issued; a fence completes after the copies before it."""
 
     def __init__(self, delay: float = 0.002):
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -81,13 +104,11 @@ class LateMover(ring.HostMover):
         self._lock = threading.Lock()
         self._issued = 0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         snapshot = src.clone()
         with self._lock:
             n = self._issued
             self._issued += 1
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
 
         def later() -> None:
             time.sleep(self.delay)
@@ -95,9 +116,17 @@ class LateMover(ring.HostMover):
                 self.errors.append(f"copy {n}: its slot was refilled before it ran")
             dst.copy_(src)
             self.order.append(n)
+        self.pool.submit(later)
+
+    def fence(self):
+        with self._lock:
+            self.in_flight += 1  # slot fills whose copies have not all run
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+        def passed() -> None:
             with self._lock:
                 self.in_flight -= 1
-        return self.pool.submit(later)
+        return self.pool.submit(passed)  # runs after the copies submitted before it
 
     def wait(self, token) -> None:
         token.result()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import damage_shard
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mlcheckpoint import CheckpointManager, CorruptShardError
 from mlcheckpoint.dcp import device_staging
@@ -192,3 +193,8 @@ def test_a_cuda_save_costs_the_host_no_byte_of_its_tensors(store_dir, how):
         dcp.load(target, storage_reader=ckpt.storage_reader(5), no_dist=True)  # through the ring
         for k, v in want.items():
             assert torch.equal(target["model"][k], v), k
+        bad = damage_shard(store, 5, 0, item="model.0.weight")
+        assert bad is not None and bad.algorithm == digests.WSUM  # verified by the device on load
+        with pytest.raises(CheckpointException) as e:
+            dcp.load(target, storage_reader=ckpt.storage_reader(5), no_dist=True)
+        assert "checksum mismatch in item 'model.0.weight'" in str(e.value)

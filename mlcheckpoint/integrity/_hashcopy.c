@@ -138,6 +138,10 @@ static PyObject *hash_copy(PyObject *self, PyObject *args) {
 #define WSUM_MAX_ROWS 4096u
 
 static int32_t wsum_w[WSUM_ROW_WORDS];
+/* The column weights again, each odd one moved down a word (wsum_w_odd[2k] = W[2k + 1]): the
+ * vector loops multiply the low 32 bits of 64-bit lanes, the data's odd words shifted down and
+ * these loaded as they are. */
+static int32_t wsum_w_odd[WSUM_ROW_WORDS];
 static uint64_t wsum_u[WSUM_MAX_ROWS];
 static size_t wsum_rows_per_chunk;  /* 0: not bound */
 
@@ -153,40 +157,63 @@ static uint64_t row_sum_scalar(const uint8_t *p, size_t words, size_t first) {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
-#define HAVE_WSUM_AVX2 1
+#define HAVE_WSUM_VECTORS 1
 /* Sixteen words a step: _mm256_mul_epi32 multiplies the low signed 32 bits of each 64-bit
  * lane into a 64-bit product, once for the even words and once (shifted down) for the odd
- * ones; four accumulators keep the multipliers busy. */
+ * ones. The loops start at an even word (`first` is even wherever a row is whole). */
 __attribute__((target("avx2"))) static uint64_t row_sum_avx2(const uint8_t *p, size_t words, size_t first) {
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
     __m256i a2 = _mm256_setzero_si256(), a3 = _mm256_setzero_si256();
     size_t j = 0;
-    for (; j + 16 <= words; j += 16) {
-        __m256i v0 = _mm256_loadu_si256((const __m256i *)(p + 4 * j));
-        __m256i v1 = _mm256_loadu_si256((const __m256i *)(p + 4 * j + 32));
-        __m256i w0 = _mm256_loadu_si256((const __m256i *)(wsum_w + first + j));
-        __m256i w1 = _mm256_loadu_si256((const __m256i *)(wsum_w + first + j + 8));
-        a0 = _mm256_add_epi64(a0, _mm256_mul_epi32(v0, w0));
-        a1 = _mm256_add_epi64(a1, _mm256_mul_epi32(_mm256_srli_epi64(v0, 32), _mm256_srli_epi64(w0, 32)));
-        a2 = _mm256_add_epi64(a2, _mm256_mul_epi32(v1, w1));
-        a3 = _mm256_add_epi64(a3, _mm256_mul_epi32(_mm256_srli_epi64(v1, 32), _mm256_srli_epi64(w1, 32)));
+    if (first % 2 == 0) {
+        for (; j + 16 <= words; j += 16) {
+            __m256i v0 = _mm256_loadu_si256((const __m256i *)(p + 4 * j));
+            __m256i v1 = _mm256_loadu_si256((const __m256i *)(p + 4 * j + 32));
+            a0 = _mm256_add_epi64(a0, _mm256_mul_epi32(v0, _mm256_loadu_si256((const __m256i *)(wsum_w + first + j))));
+            a1 = _mm256_add_epi64(a1, _mm256_mul_epi32(_mm256_srli_epi64(v0, 32),
+                                                       _mm256_loadu_si256((const __m256i *)(wsum_w_odd + first + j))));
+            a2 = _mm256_add_epi64(a2, _mm256_mul_epi32(v1, _mm256_loadu_si256((const __m256i *)(wsum_w + first + j + 8))));
+            a3 = _mm256_add_epi64(a3, _mm256_mul_epi32(_mm256_srli_epi64(v1, 32),
+                                                       _mm256_loadu_si256((const __m256i *)(wsum_w_odd + first + j + 8))));
+        }
     }
     __m256i acc = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
     uint64_t lanes[4];
     _mm256_storeu_si256((__m256i *)lanes, acc);
     return lanes[0] + lanes[1] + lanes[2] + lanes[3] + row_sum_scalar(p + 4 * j, words - j, first + j);
 }
-static int wsum_use_avx2 = -1;
+
+/* The same, thirty-two words a step. */
+__attribute__((target("avx512f"))) static uint64_t row_sum_avx512(const uint8_t *p, size_t words, size_t first) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    __m512i a2 = _mm512_setzero_si512(), a3 = _mm512_setzero_si512();
+    size_t j = 0;
+    if (first % 2 == 0) {
+        for (; j + 32 <= words; j += 32) {
+            __m512i v0 = _mm512_loadu_si512((const void *)(p + 4 * j));
+            __m512i v1 = _mm512_loadu_si512((const void *)(p + 4 * j + 64));
+            a0 = _mm512_add_epi64(a0, _mm512_mul_epi32(v0, _mm512_loadu_si512((const void *)(wsum_w + first + j))));
+            a1 = _mm512_add_epi64(a1, _mm512_mul_epi32(_mm512_srli_epi64(v0, 32),
+                                                       _mm512_loadu_si512((const void *)(wsum_w_odd + first + j))));
+            a2 = _mm512_add_epi64(a2, _mm512_mul_epi32(v1, _mm512_loadu_si512((const void *)(wsum_w + first + j + 16))));
+            a3 = _mm512_add_epi64(a3, _mm512_mul_epi32(_mm512_srli_epi64(v1, 32),
+                                                       _mm512_loadu_si512((const void *)(wsum_w_odd + first + j + 16))));
+        }
+    }
+    uint64_t total = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+    return total + row_sum_scalar(p + 4 * j, words - j, first + j);
+}
+
+typedef uint64_t (*row_sum_fn)(const uint8_t *, size_t, size_t);
+static row_sum_fn row_sum_best;  /* chosen once, at wsum_bind */
 #endif
 
 static uint64_t row_sum(const uint8_t *p, size_t words, size_t first) {
-#ifdef HAVE_WSUM_AVX2
-    if (wsum_use_avx2 < 0)
-        wsum_use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-    if (wsum_use_avx2)
-        return row_sum_avx2(p, words, first);
-#endif
+#ifdef HAVE_WSUM_VECTORS
+    return row_sum_best(p, words, first);
+#else
     return row_sum_scalar(p, words, first);
+#endif
 }
 
 /* The sum of the nbytes at p, which start at word `pos` of a chunk and end inside it (a last
@@ -220,7 +247,14 @@ static PyObject *wsum_bind(PyObject *self, PyObject *args) {
         return NULL;
     }
     memcpy(wsum_w, (const void *)(uintptr_t)w_a, sizeof wsum_w);
+    for (size_t j = 0; j < WSUM_ROW_WORDS; j++)
+        wsum_w_odd[j] = j % 2 == 0 && j + 1 < WSUM_ROW_WORDS ? wsum_w[j + 1] : 0;
     memcpy(wsum_u, (const void *)(uintptr_t)u_a, (size_t)rows * sizeof(uint64_t));
+#ifdef HAVE_WSUM_VECTORS
+    __builtin_cpu_init();
+    row_sum_best = __builtin_cpu_supports("avx512f") ? row_sum_avx512
+                 : __builtin_cpu_supports("avx2") ? row_sum_avx2 : row_sum_scalar;
+#endif
     wsum_rows_per_chunk = (size_t)rows;
     Py_RETURN_NONE;
 }

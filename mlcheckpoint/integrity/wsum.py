@@ -337,29 +337,22 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
                           device=device)
     for i, words in direct:
         rows.add(words, i, 0, weights, scratch)
+    zeros = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)  # the rows' padding
     for batch in _pack_batches(packed):
-        nrows = sum(-(-p[2].numel() // ROW_BYTES) for p in batch)
-        buf = torch.zeros(nrows * ROW_WORDS, dtype=torch.int32, device=device)
-        flat = buf.view(torch.uint8)
-        dsts, srcs, at = [], [], 0
-        for _, _, b in batch:
-            dsts.append(flat[at:at + b.numel()])
-            srcs.append(b)
-            at += -(-b.numel() // ROW_BYTES) * ROW_BYTES
-        torch._foreach_copy_(dsts, srcs)
-        at = 0
+        pieces: list[torch.Tensor] = []
         for i, first, b in batch:
-            r = -(-b.numel() // ROW_BYTES)
-            rows.segments.append((i, first, r))
-            at += r
-        block = buf.view(nrows, ROW_WORDS)
+            pad = -b.numel() % ROW_BYTES
+            pieces += [b, zeros[:pad]] if pad else [b]
+            rows.segments.append((i, first, -(-b.numel() // ROW_BYTES)))
+        # One copy for the batch: torch.cat copies many inputs per kernel.
+        block = torch.cat(pieces).view(torch.int32).view(-1, ROW_WORDS)
         start = rows.filled
-        for r in range(0, nrows, block_rows):
+        for r in range(0, block.shape[0], block_rows):
             part = block[r:r + block_rows]
             product = scratch[:part.shape[0]]
             torch.mul(part, weights, out=product)
             torch.sum(product, dim=1, out=rows.sums[start + r:start + r + part.shape[0]])
-        rows.filled += nrows
+        rows.filled += block.shape[0]
     return _combine_on_device(rows, sizes, row_weights, device)
 
 
@@ -382,33 +375,58 @@ PACK_LIMIT = 64 << 20
 
 def _combine_on_device(rows: _Rows, sizes: list[int], row_weights: torch.Tensor,
                        device: torch.device) -> torch.Tensor:
-    """Row sums -> chunk sums -> digests, with index operations over small tensors whose
-    layout is sent to the device in one copy."""
+    """Row sums -> chunk sums -> digests. Sums over runs of rows (and of chunks) are
+    differences of a cumulative sum, gathered at the runs' ends: no atomic adds, so the result
+    is the same under ``torch.use_deterministic_algorithms`` (and integer sums wrap alike in any
+    order anyway). The runs' layout is sent to the device in one copy."""
     chunks = [-(-n // CHUNK_BYTES) if n else 1 for n in sizes]
-    chunk_base = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(np.int64)
-    total_chunks = int(sum(chunks))
+    chunk_base = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+    total_chunks = int(chunk_base[-1])
     seg = np.array(rows.segments, dtype=np.int64).reshape(-1, 3)  # item, first row, rows
-    seg_start = np.concatenate([[0], np.cumsum(seg[:, 2])[:-1]]).astype(np.int64) if len(seg) else seg[:, 0]
-    layout = _to_device([seg[:, 0], seg[:, 1], seg[:, 2], seg_start, chunk_base,
-                         np.asarray(chunks, np.int64), np.asarray(sizes, np.int64)], device)
-    seg_item, seg_first, seg_rows, seg_start_t, chunk_base_t, chunks_t, sizes_t = layout
+    seg_start = np.concatenate([[0], np.cumsum(seg[:, 2])]).astype(np.int64)
+    # Each segment's rows, cut where its item's chunks end: pieces [begin, end) of the rows,
+    # each in one chunk; a chunk gets at most two (an item's rows read in place, then its last
+    # partial row, packed), so its sum is two gathered pieces (the second may be the empty one).
+    item, first, n, at = seg[:, 0], seg[:, 1], seg[:, 2], seg_start[:-1]
+    first_chunk, last_chunk = first // ROWS_PER_CHUNK, (first + n - 1) // ROWS_PER_CHUNK
+    count = last_chunk - first_chunk + 1
+    of_piece = np.repeat(np.arange(len(seg)), count)
+    nth = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    chunk = first_chunk[of_piece] + nth  # the item's chunk of each piece
+    low = np.maximum(first[of_piece], chunk * ROWS_PER_CHUNK)
+    high = np.minimum((first + n)[of_piece], (chunk + 1) * ROWS_PER_CHUNK)
+    begin = low - first[of_piece] + at[of_piece]
+    end = high - first[of_piece] + at[of_piece]
+    owner = chunk_base[item[of_piece]] + chunk
+    empty = len(begin)  # the index of an empty piece, for chunks with fewer than two
+    of_chunk = np.full((total_chunks, 2), empty, dtype=np.int64)
+    order = np.argsort(owner, kind="stable")
+    slot = np.zeros(len(owner), dtype=np.int64)
+    if len(owner):
+        first_of = np.searchsorted(owner[order], owner[order], side="left")
+        slot[order] = np.arange(len(owner)) - first_of
+    assert slot.size == 0 or slot.max() < 2, "a chunk made of more than two runs of rows"
+    of_chunk[owner, slot] = np.arange(len(owner))
+    index_in_item = np.arange(total_chunks, dtype=np.int64) - np.repeat(chunk_base[:-1], chunks)
+    layout = _to_device([seg[:, 1], seg[:, 2], seg_start[:-1], np.concatenate([begin, [0]]),
+                         np.concatenate([end, [0]]), of_chunk.reshape(-1), index_in_item,
+                         chunk_base, np.asarray(sizes, np.int64)], device)
+    seg_first, seg_rows, seg_at, piece_begin, piece_end, chunk_pieces, chunk_index, base_t, sizes_t = layout
     n_rows = rows.filled
-    chunk_sums = torch.zeros(total_chunks, dtype=torch.int64, device=device)
     if n_rows:
         of_row = torch.repeat_interleave(torch.arange(len(seg), device=device), seg_rows,
                                          output_size=n_rows)
-        row_in_item = torch.arange(n_rows, device=device) - seg_start_t[of_row] + seg_first[of_row]
+        row_in_item = torch.arange(n_rows, device=device) - seg_at[of_row] + seg_first[of_row]
         weighted = rows.sums[:n_rows] * row_weights[row_in_item % ROWS_PER_CHUNK]
-        chunk_of_row = chunk_base_t[seg_item[of_row]] + row_in_item // ROWS_PER_CHUNK
-        chunk_sums.index_add_(0, chunk_of_row, weighted)
-    item_of_chunk = torch.repeat_interleave(torch.arange(len(sizes), device=device), chunks_t,
-                                            output_size=total_chunks)
-    index = torch.arange(total_chunks, device=device) - chunk_base_t[item_of_chunk] + 1
-    terms = _fmix64_tensor(chunk_sums + index * _as_int64(K_CHUNK))
-    totals = torch.zeros(len(sizes), dtype=torch.int64, device=device)
-    totals.index_add_(0, item_of_chunk, terms)
-    totals = totals + _fmix64_tensor(sizes_t ^ _as_int64(K_LENGTH))
-    return _fmix64_tensor(totals)
+        running = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(weighted, 0)])
+        pieces = running[piece_end] - running[piece_begin]  # (the last: the empty piece, 0)
+        chunk_sums = pieces[chunk_pieces].view(total_chunks, 2).sum(dim=1)
+    else:
+        chunk_sums = torch.zeros(total_chunks, dtype=torch.int64, device=device)
+    terms = _fmix64_tensor(chunk_sums + (chunk_index + 1) * _as_int64(K_CHUNK))
+    running = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(terms, 0)])
+    totals = running[base_t[1:]] - running[base_t[:-1]]
+    return _fmix64_tensor(totals + _fmix64_tensor(sizes_t ^ _as_int64(K_LENGTH)))
 
 
 def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

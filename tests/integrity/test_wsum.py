@@ -224,3 +224,17 @@ def test_the_device_computes_the_host_value():
     want = [host(stored_bytes(t)) for t in tensors.values()]
     assert device(*(t.cuda() for t in tensors.values())) == want
     assert device(tensors["float32"].cuda().t()) == [host(stored_bytes(tensors["float32"].t()))]
+    torch.use_deterministic_algorithms(True)  # a job may ask for it: no op here refuses
+    try:
+        assert device(*(t.cuda() for t in tensors.values())) == want
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_the_tensor_op_engine_runs_under_deterministic_algorithms():
+    data = random_bytes(CHUNK + ROW + 3, 11)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert device(torch.from_numpy(data.copy()), torch.zeros(0)) == [host(data), host(np.empty(0, np.uint8))]
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -46,8 +46,9 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
 
 def on_device(t: torch.Tensor) -> bool:
     """Whether ``t`` (a plain tensor's local part) is staged through this branch: its bytes
-    are in device memory."""
-    return t.device.type != "cpu"
+    are in CUDA memory. (Another accelerator's tensors are copied by torch and hashed by the
+    host, as strided CPU tensors are.)"""
+    return t.device.type == "cuda"
 
 
 def call_event(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:

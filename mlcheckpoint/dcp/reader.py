@@ -301,8 +301,9 @@ class MemoryStorageReader(StorageReader):
             torch.accelerator.synchronize()  # every device copy has landed before the commits
 
     def _through_ring(self, target: torch.Tensor) -> bool:
-        """Whether ``target`` is loaded through the ring: a target in device memory."""
-        return target.device.type != "cpu"
+        """Whether ``target`` is loaded through the ring: a target in CUDA memory. (Another
+        accelerator's targets take the host's path: verified there, then copied by torch.)"""
+        return target.device.type == "cuda"
 
     def _read_remote(self, remote: RemoteReads, rank: int, reads: list[tuple[ReadItem, ItemLocation]],
                      planner: LoadPlanner) -> None:

@@ -35,9 +35,9 @@ DEFAULT = XXH3
 
 
 def algorithm_for(t: torch.Tensor) -> str:
-    """The algorithm an item copied from ``t`` is recorded with: ``WSUM`` for a tensor in
-    device memory (its checksum is computed there), ``XXH3`` otherwise."""
-    return WSUM if t.device.type not in ("cpu", "meta") else XXH3
+    """The algorithm an item copied from ``t`` is recorded with: ``WSUM`` for a tensor in CUDA
+    memory (its checksum is computed there), ``XXH3`` otherwise (the host hashes it)."""
+    return WSUM if t.device.type == "cuda" else XXH3
 
 
 def recorded_as(algorithm: str) -> str | None:

@@ -209,6 +209,8 @@ def test_a_trailing_zero_is_not_the_same_item():
 def test_the_algorithm_decision():
     assert digests.algorithm_for(torch.zeros(3)) == digests.XXH3
     assert digests.algorithm_for(torch.zeros(3, device="meta")) == digests.XXH3
+    if torch.cuda.is_available():
+        assert digests.algorithm_for(torch.zeros(3, device="cuda")) == digests.WSUM
     assert digests.check(digests.WSUM) == digests.WSUM
     for bad in ("md5", "", None, 3, ["xxh3_64/chunks-2MiB"]):
         with pytest.raises(ValueError, match="unknown checksum algorithm"):

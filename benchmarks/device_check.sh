@@ -3,7 +3,8 @@
 # is 15 minutes, start included). Here first: benchmarks/device_prep.sh. Then, with the device
 # tool: run(command="bash benchmarks/device_check.sh", carry=[".baseline"], timeout_s=590).
 #
-# In order, each step bounded by its own timeout so a slow one leaves the rest their time:
+# In order, each step bounded by its own timeout (together 560 s plus the builds) so a slow one
+# leaves the rest their time; a benchmark cut short still writes the sections it finished:
 #   1. builds the C extension of this checkout and of the baseline (.baseline/);
 #   2. the GPU tests (pytest -m "gpu and not slow": device digests equal the host's, a CUDA
 #      save costs the host no byte and resumes through the ring, a corrupt item is refused);
@@ -34,19 +35,19 @@ else
 fi
 
 say "GPU tests"
-timeout 150 $PY -m pytest -q -p no:cacheprovider -m "gpu and not slow" tests/integrity tests/dcp \
+timeout 120 $PY -m pytest -q -p no:cacheprovider -m "gpu and not slow" tests/integrity tests/dcp \
     > "$OUT/tests.log" 2>&1
 say "GPU tests: exit $? ($(tail -1 "$OUT/tests.log"))"
 
 say "bench_gpu, this checkout"
-timeout 330 $PY benchmarks/bench_gpu.py --size-gb 4 $EXTRA --json "$OUT/after.json" > "$OUT/after.log" 2>&1
+timeout 300 $PY benchmarks/bench_gpu.py --size-gb 4 $EXTRA --json "$OUT/after.json" > "$OUT/after.log" 2>&1
 say "bench_gpu: exit $?"
 
 if [ -d .baseline/mlcheckpoint ] && [ -f "$OUT/after.json" ]; then
     calibration=$($PY -c "import json,sys; t=json.load(open(sys.argv[1])).get('train') or {}; \
 print(f\"--micro-batch {t['micro_batch']} --accums {t['accums']}\" if t else '')" "$OUT/after.json")
     say "bench_gpu, the baseline ($(cat .baseline/REVISION 2>/dev/null)) $calibration"
-    timeout 150 $PY benchmarks/bench_gpu.py --package .baseline --only d2h,h2d,train --modes ours_guard \
+    timeout 140 $PY benchmarks/bench_gpu.py --package .baseline --only d2h,h2d,train --modes ours_guard \
         --size-gb 4 $EXTRA $calibration --json "$OUT/baseline.json" > "$OUT/baseline.log" 2>&1
     say "bench_gpu baseline: exit $?"
 fi

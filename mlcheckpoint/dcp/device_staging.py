@@ -45,10 +45,11 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def on_device(t: torch.Tensor) -> bool:
-    """Whether ``t`` (a plain tensor's local part) is staged through this branch: its bytes
-    are in CUDA memory. (Another accelerator's tensors are copied by torch and hashed by the
-    host, as strided CPU tensors are.)"""
-    return t.device.type == "cuda"
+    """Whether ``t`` (a plain tensor's local part) is staged through this branch: the one
+    decision of ``digests.algorithm_for`` gives it the device's checksum (a tensor in CUDA
+    memory; another accelerator's tensors are copied by torch and hashed by the host, as
+    strided CPU tensors are)."""
+    return digests.algorithm_for(t) == digests.WSUM
 
 
 def call_event(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
@@ -129,6 +130,6 @@ class DeviceCopies:
                 batch.done.synchronize()
             values = wsum.to_unsigned(batch.host_digests)
             for offset, nbytes, digest in zip(batch.offsets, batch.sizes, values, strict=True):
-                out[offset] = (nbytes, digest, digests.WSUM)
+                out[offset] = (nbytes, digest, wsum.NAME)  # what this branch's engine computes
             batch.sources, batch.targets = [], []  # let the sources go
         return out

@@ -75,7 +75,7 @@ class Placement:
 
     Args:
         shard: this rank's shard, staged or fresh.
-        staged_digests: offset -> (nbytes, checksum) that ``stage`` took while copying.
+        staged_digests: offset -> (nbytes, checksum, algorithm) that ``stage`` took while copying.
         restaged_bytes: the staged region's size when this runs in DCP's checkpoint process
             (PROCESS mode) on a buffer reopened by name; None otherwise.
     """
@@ -166,7 +166,7 @@ class Placement:
         dst = shard.buffer.tensor[offset:offset + nbytes]
         if device_staging.on_device(t):  # straight into the page-locked buffer; hashed on the device
             shard.buffer.register_for_device_copies()
-            placed = Placed(item, offset, nbytes, t, algorithm=digests.algorithm_for(t))
+            placed = Placed(item, offset, nbytes, t, algorithm=digests.WSUM)  # (set again when it lands)
             self._device.add(t, dst.view(t.dtype).view(t.shape), offset, nbytes)
             self._on_device[offset] = placed
             return placed

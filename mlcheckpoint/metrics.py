@@ -33,7 +33,7 @@ def stats(save: SaveResult | None, protection: ProtectionStatus,
         out.update(save_step=save.step, save_seconds=save.seconds,
                    save_blocking_seconds=save.blocking_seconds, save_bytes=save.bytes,
                    save_overlapped_bytes=save.overlapped_bytes,
-                   save_staged_bytes=save.staged_bytes)
+                   save_staged_bytes=save.staged_bytes, save_host_bytes=save.host_bytes)
         out.update({f"save_{phase}_seconds": s for phase, s in save.phases.items()})
     out.update(guard_longest_wait_seconds=guard_longest_wait)
     out.update(protected_step=protection.newest_protected,

@@ -82,6 +82,9 @@ class SaveResult:
     # ``save``, which copies only what the plan gives this rank). Following the previous
     # step's plan (dcp/plans.py), an overlapped stage copies only this rank's items.
     staged_bytes: int = 0
+    # Bytes of this rank's save that the host copied or hashed. Tensors in device memory add
+    # none: they are copied by DMA and checksummed on the device (dcp/device_staging.py).
+    host_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,8 @@ class Saver:
         seconds = time.perf_counter() - t0
         result = SaveResult(step, _committed_bytes(writer), seconds, seconds, persist is not None,
                             phases={"stage": writer.copy_seconds,
-                                    "commit": seconds - writer.copy_seconds})
+                                    "commit": seconds - writer.copy_seconds},
+                            host_bytes=writer.host_bytes)
         self._publish(Committed(result, writer.save_id, writer.lineage, metadata, True))
         if persist is not None:
             persist.write(state_dict, step, lineage)
@@ -288,7 +292,7 @@ class Saver:
         result = SaveResult(writer.step, _committed_bytes(writer), blocking, seconds,
                             persist is not None, staged.overlapped_bytes,
                             phases={"stage": stage_s, "commit": seconds - stage_s},
-                            staged_bytes=staged.nbytes)
+                            staged_bytes=staged.nbytes, host_bytes=writer.host_bytes)
         self._publish(Committed(result, writer.save_id, writer.lineage, metadata, True))
         if persist is not None:
             persist.submit(views, writer.step, writer.lineage)  # reads the staged views: pins the step
@@ -385,7 +389,7 @@ class Saver:
                             writer.stage_seconds if staged else seconds, seconds,
                             overlapped_bytes=writer.overlapped_bytes,
                             phases={"stage": stage, "commit": max(0.0, seconds - stage)},
-                            staged_bytes=writer.staged_bytes)
+                            staged_bytes=writer.staged_bytes, host_bytes=writer.host_bytes)
         return Committed(result, manifest.save_id, writer.lineage, writer.metadata, False)
 
     def _shard_save_here(self, step: int) -> str | None:

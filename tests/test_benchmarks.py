@@ -95,17 +95,32 @@ def test_bench_training_runs_every_mode():
 
 
 @pytest.mark.slow
-def test_bench_gpu_runs_every_section_on_the_cpu(capsys):
+def test_bench_gpu_runs_every_section_on_the_cpu(capsys, tmp_path):
     """Its device paths need a GPU; ``--device cpu`` runs the same code, so a typo cannot wait
-    for a GPU machine to show."""
+    for a GPU machine to show. The summary reads what the sections wrote."""
     figures = bench_gpu.main(["--device", "cpu", "--quick", "--shm-dir", "/dev/shm"])
     assert figures["h2d"]["wrong"] == [] and figures["h2d"]["step"] == figures["d2h"]["last_step"]
     assert set(figures["h2d"]["phases"]) == {"inventory", "plan", "fetch", "verify", "load", "heal"}
     assert len(figures["d2h"]["staging_seconds"]) == 4 and sum(figures["d2h"]["registrations_per_save"]) == 0
-    for mode in ("none", "ours_guard", "ours_blocking", "dcp_async", "none_again"):
-        assert len(figures["train"][mode]["step_seconds"]) == 4, (mode, figures["train"][mode])
+    assert figures["d2h"]["host_bytes_per_save"][0] >= figures["d2h"]["bytes"]  # CPU tensors: the host copies
+    assert figures["digest"]["engines_agree"] and set(figures["digest"]["host_gbps"]) >= {
+        "memcpy", "copy+xxh3, copier (2 threads)", "copy+wsum64, copier (2 threads)"} | (
+        {"copy+wsum64, 1 thread"} if figures["digest"]["host_gbps"].get("xxh3, 1 thread") else set())
+    levels = figures["train"]["levels"]
+    assert list(levels) == ["4", "1"] and figures["train"]["accums"].count(",") == 1
+    for level in levels.values():
+        for mode in ("none", "ours_guard", "dcp_async"):
+            assert len(level[mode]["step_seconds"]) == (3 if mode == "dcp_async" else 4), (mode, level[mode])
+            assert level[mode]["cpu_percent"] > 0
+        assert level["ours_guard"]["host_bytes_per_save"] > 0
+        assert level["dcp_async"]["stager_closes_deferred"] == 0  # torch 2.13 leaves it to its owner
+    assert set(figures["threads"]) == {"2x1", "2x2"}
+    assert all(r["save_gbps"] > 0 and r["load_gbps"] > 0 for r in figures["threads"].values())
+    summary = bench_gpu.summarize(figures, figures)
+    assert summary["after"]["train"]["4"]["ours_guard_overhead_percent"] is not None
     out = capsys.readouterr().out
     assert "ours, async_save steady" in out and "ours, resume" in out and "dcp_async" in out
+    assert "copy+wsum64" in out and "processes x" in out
 
 
 @pytest.mark.slow

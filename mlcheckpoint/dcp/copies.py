@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .._words import plural
-from ..integrity.verify import digests_agree
+from ..integrity.verify import records_agree
 from ..store.layout import ItemLocation
 
 log = logging.getLogger(__name__)
@@ -214,8 +214,7 @@ def attach(primaries: dict[MetadataIndex, ItemLocation],
         loc = primaries.get(index)
         if loc is None:
             continue  # (DCP planned every item somewhere; a copy without one is not ours to add)
-        if ((copy.nbytes, copy.is_tensor) == (loc.nbytes, loc.is_tensor)
-                and digests_agree(loc.checksum, copy.checksum)):
+        if (copy.nbytes, copy.is_tensor) == (loc.nbytes, loc.is_tensor) and records_agree(loc, copy):
             extra[index].append((copy.rank, copy.offset))
         else:
             differ.append(f"{index.fqn} (rank {loc.rank}, rank {copy.rank})")

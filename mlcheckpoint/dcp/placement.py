@@ -5,12 +5,14 @@ the staged bytes that DCP's final plan does not give this rank, ``place`` decide
 item's offset (an item ``stage`` already copied keeps its staged region; byte items and late
 tensors are appended), ``confirm_restaged`` checks PROCESS-mode tensors against the region
 they were staged in, ``copy_and_hash`` runs every copy and checksum on the copier's threads,
+``finish_device`` the copies of device tensors (checksummed on the device, ``device_staging``),
 and ``record`` writes the manifest entry and DCP's WriteResult.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import io
 import logging
 from dataclasses import dataclass
@@ -21,12 +23,13 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..integrity import copier
+from ..integrity import copier, digests
 from ..integrity.verify import digests_agree
 from ..store.layout import ItemLocation
 from ..store.local_store import ShardWriter, align
 from ..store.manifest import ManifestItem
-from . import serialized, staging
+from . import device_staging, serialized, staging
+from .device_staging import DeviceCopies, Digests
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +52,17 @@ class Placed:
     digest: int = 0
     twin: copier.Span | None = None  # the tensor whose bytes ``span`` should already hold
     raw: bool = True  # False: stored as DCP stores it (byte items; tensors not raw_copyable)
+    algorithm: str = digests.XXH3  # of ``digest`` (or of the span that takes it)
 
 
-def copy_and_hash(placed: list[Placed]) -> None:
-    """Run the copies and checksums ``place`` left to do, all at once on the copier."""
+def copy_and_hash(placed: list[Placed]) -> int:
+    """Run the copies and checksums ``place`` left to do, all at once on the copier; returns
+    the bytes the host copied or hashed."""
     todo = [(p, p.span) for p in placed if p.span is not None]
-    for (p, _), digest in zip(todo, copier.process([span for _, span in todo]), strict=True):
-        p.digest = digest
+    for (p, span), digest in zip(todo, copier.process([span for _, span in todo]), strict=True):
+        assert span.algorithm is not None  # (every span here is hashed)
+        p.digest, p.algorithm = digest, span.algorithm
+    return sum(span.nbytes for _, span in todo)
 
 
 def _append_tensor(shard: ShardWriter, t: torch.Tensor) -> tuple[int, int]:
@@ -68,17 +75,19 @@ class Placement:
 
     Args:
         shard: this rank's shard, staged or fresh.
-        staged_digests: offset -> (nbytes, checksum) that ``stage`` took while copying.
+        staged_digests: offset -> (nbytes, checksum, algorithm) that ``stage`` took while copying.
         restaged_bytes: the staged region's size when this runs in DCP's checkpoint process
             (PROCESS mode) on a buffer reopened by name; None otherwise.
     """
 
-    def __init__(self, shard: ShardWriter, staged_digests: dict[int, tuple[int, int]],
-                 restaged_bytes: int | None):
+    def __init__(self, shard: ShardWriter, staged_digests: Digests, restaged_bytes: int | None):
         self.shard = shard
         self._staged_digests = staged_digests
         self._restaged_bytes = restaged_bytes
         self._moved: dict[int, int] = {}  # staged offset -> offset after ``keep_planned``
+        self._device = DeviceCopies()  # device tensors placed here, copied by ``finish_device``
+        self._on_device: dict[int, Placed] = {}  # their offset -> what they are placed as
+        self.host_bytes = 0  # tensor and byte items' bytes the host copied, hashed or moved
 
     def keep_planned(self, resolved: list[tuple[WriteItem, Any]]) -> None:
         """Keep in the staged region only the tensors of this rank's final plan (``resolved``:
@@ -100,6 +109,7 @@ class Placement:
                 return
             if at != end:
                 ctypes.memmove(base + end, base + at, nbytes)
+                self.host_bytes += nbytes
                 moved[at] = end
             end = align(end + nbytes)
         self._moved = moved
@@ -123,6 +133,7 @@ class Placement:
             assert isinstance(data, io.BytesIO)
             raw = data.getvalue()
             offset, digest = shard.append_bytes(raw)
+            self.host_bytes += len(raw)
             return Placed(item, offset, len(raw), digest=digest, raw=False)
         assert isinstance(data, torch.Tensor)
         t = data.detach()
@@ -140,23 +151,43 @@ class Placement:
             staged_at = twin = None
         if staged_at is not None:  # hash the staged region unless staging did
             known = self._staged_checksum(staged_at, nbytes)
-            span = None if known is not None else copier.Span(src=base + staged_at, nbytes=nbytes)
-            return Placed(item, staged_at, nbytes, t, span, digest=known or 0, twin=twin)
+            if known is None:
+                span = copier.Span(src=base + staged_at, nbytes=nbytes)
+                return Placed(item, staged_at, nbytes, t, span, twin=twin)
+            if twin is not None:  # compared under the algorithm the staged bytes were hashed with
+                twin = dataclasses.replace(twin, algorithm=known[1])
+            return Placed(item, staged_at, nbytes, t, digest=known[0], twin=twin, algorithm=known[1])
         if shard.cursor + nbytes > shard.region:
             offset, digest = _append_tensor(shard, t)  # a tensor DCP produced after staging
+            self.host_bytes += nbytes
             return Placed(item, offset, nbytes, t, digest=digest)
         offset = shard.cursor
         shard.cursor = align(offset + nbytes)
+        dst = shard.buffer.tensor[offset:offset + nbytes]
+        if device_staging.on_device(t):  # straight into the page-locked buffer; hashed on the device
+            shard.buffer.register_for_device_copies()
+            placed = Placed(item, offset, nbytes, t, algorithm=digests.WSUM)  # (set again when it lands)
+            self._device.add(t, dst.view(t.dtype).view(t.shape), offset, nbytes)
+            self._on_device[offset] = placed
+            return placed
         if staging.plain_cpu(t):
             span = copier.Span(src=t.data_ptr(), nbytes=nbytes, dst=base + offset)
-        else:  # strided view or device tensor: torch copies it now; the hash comes with the rest
-            on_device = t.device.type != "cpu"
-            if on_device:  # device-to-host straight into the (page-locked) tmpfs buffer
-                shard.buffer.register_for_device_copies()
-            dst = shard.buffer.tensor[offset:offset + nbytes].view(t.dtype).view(t.shape)
-            dst.copy_(t, non_blocking=on_device)
+        else:  # a strided view: torch copies it now; the hash comes with the rest
+            dst.view(t.dtype).view(t.shape).copy_(t)
+            self.host_bytes += nbytes
             span = copier.Span(src=base + offset, nbytes=nbytes)
         return Placed(item, offset, nbytes, t, span)
+
+    def finish_device(self) -> None:
+        """Copy the device tensors ``place`` placed, on the current stream, with their
+        checksums computed on the device, and wait for both."""
+        if not self._device:
+            return
+        self._device.enqueue()
+        for offset, (_, digest, algorithm) in self._device.wait().items():
+            placed = self._on_device[offset]
+            placed.digest, placed.algorithm = digest, algorithm
+        self._device, self._on_device = DeviceCopies(), {}
 
     def _place_serialized(self, item: WriteItem, t: torch.Tensor) -> Placed:
         """A tensor without raw bytes (a subclass, a quantized tensor): appended as the bytes
@@ -174,33 +205,39 @@ class Placement:
         if not twins:
             return
         unhashed = [(p, p.span) for p, _ in twins if p.span is not None]  # staged by torch: no checksum yet
-        digests = copier.process([twin for _, twin in twins] + [span for _, span in unhashed])
-        for (p, _), digest in zip(unhashed, digests[len(twins):], strict=True):
-            p.digest = digest
-        for (p, _), sent in zip(twins, digests[:len(twins)], strict=True):
+        taken = copier.process([twin for _, twin in twins] + [span for _, span in unhashed])
+        self.host_bytes += sum(twin.nbytes for _, twin in twins)
+        for (p, span), digest in zip(unhashed, taken[len(twins):], strict=True):
+            assert span.algorithm is not None
+            p.digest, p.algorithm = digest, span.algorithm
+            self.host_bytes += span.nbytes
+        for (p, _), sent in zip(twins, taken[:len(twins)], strict=True):
             if not digests_agree(p.digest, sent):
                 log.warning("staged bytes of %s differ from the tensor DCP sent; writing it anew",
                             p.item.index.fqn)
                 assert p.tensor is not None  # twins are tensors
                 p.offset, p.digest = _append_tensor(self.shard, p.tensor)
+                p.algorithm = digests.XXH3
             p.span = p.twin = None
 
     def record(self, p: Placed, rank: int) -> WriteResult:
         """Add ``p`` to the shard's manifest; DCP's WriteResult carries its ItemLocation."""
         t = p.tensor if p.raw else None
+        algorithm = digests.recorded_as(p.algorithm)
         self.shard.add_item(ManifestItem(
             key=item_key(p.item.index), offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
             kind="tensor" if t is not None else "bytes",
             dtype=str(t.dtype).removeprefix("torch.") if t is not None else None,
-            shape=list(t.shape) if t is not None else None))
+            shape=list(t.shape) if t is not None else None, algorithm=algorithm))
         loc = ItemLocation(rank=rank, offset=p.offset, nbytes=p.nbytes, checksum=p.digest,
-                           is_tensor=t is not None)
+                           is_tensor=t is not None, algorithm=algorithm)
         return WriteResult(index=p.item.index, size_in_bytes=p.nbytes, storage_data=loc)
 
-    def _staged_checksum(self, offset: int, nbytes: int) -> int | None:
-        """The checksum ``stage`` took of the region at ``offset``, if it took one of this size."""
+    def _staged_checksum(self, offset: int, nbytes: int) -> tuple[int, str] | None:
+        """The checksum ``stage`` took of the region at ``offset`` and its algorithm, if it
+        took one of this size."""
         known = self._staged_digests.get(offset)
-        return known[1] if known is not None and known[0] == nbytes else None
+        return (known[1], known[2]) if known is not None and known[0] == nbytes else None
 
     def _restaged_offset(self, t: torch.Tensor, nbytes: int) -> int | None:
         """Where a tensor DCP handed to its checkpoint process (PROCESS mode) was staged.

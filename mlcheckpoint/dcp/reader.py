@@ -4,7 +4,8 @@ Recovery path end: DCP asks for items -> each is located through the global meta
 (rank, offset, checksum) -> the owner rank's shard is read here (or streamed from a node that
 holds it, through ``remote``; or, when no node holds it, one of the item's copies that data
 parallelism kept in another rank's shard) -> bytes are verified and copied into the state
-dict in one pass.
+dict in one pass. Items for device memory go through a small ring of page-locked buffers
+(``ring.py``), verified on the device where they were checksummed there.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ from torch.futures import Future
 
 from .._gc import pausing_gc
 from ..errors import CopyId, CorruptShardError, ShardNotFoundError
-from ..integrity import copier
+from ..integrity import copier, digests
 from ..integrity.checksum import as_byte_tensor
 from ..integrity.verify import digest_item, digests_agree, integrity_error
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardSource
-from . import serialized
+from . import ring, serialized
 from .remote import RemoteReads
 from .writer import parse_step
 
@@ -66,11 +67,12 @@ def _chunk_key(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
     return index.fqn, tuple(index.offset or ())
 
 
-def _fits_directly(target: torch.Tensor, req: ReadItem, metadata: Metadata | None) -> bool:
+def _fits_directly(target: torch.Tensor, req: ReadItem, metadata: Metadata | None,
+                   device: str = "cpu") -> bool:
     """Whether a whole stored item can be copied raw into ``target`` (same dtype and size,
-    dense, on the CPU)."""
+    dense, on ``device``'s type)."""
     dtype = _stored_dtype(metadata, req.storage_index.fqn)
-    return (copier.raw_copyable(target) and target.device.type == "cpu"
+    return (copier.raw_copyable(target) and target.device.type == device
             and target.is_contiguous() and not target.is_conj()
             and not target.is_neg() and target.dtype == dtype
             and target.numel() == math.prod(req.lengths))
@@ -223,39 +225,85 @@ class MemoryStorageReader(StorageReader):
         spans: list[copier.Span] = []
         checked: list[tuple[ReadItem, ItemLocation]] = []
         later: list[tuple[ReadItem, torch.Tensor, ItemLocation | None]] = []  # (req, target, loc)
+        to_device: list[tuple[ReadItem, torch.Tensor, ItemLocation]] = []
         seen: set[tuple[int, int]] = set()
         for req, loc in reads:
             self.bytes_read += loc.nbytes
             if req.type == LoadItemType.BYTE_IO or not loc.is_tensor:
                 raw = source.read(loc.offset, loc.nbytes)
-                if not digests_agree(loc.checksum, digest_item(raw)):
+                if not digests_agree(loc.checksum, digest_item(raw, digests.of(loc))):
                     self._corrupt(rank, req, self.node)
                 _load_stored_as_dcp(planner, req, raw)
                 continue
+            target = planner.resolve_tensor(req).detach()
+            if self._through_ring(target):  # device memory: through the ring, below
+                to_device.append((req, target, loc))
+                later.append((req, target, None))
+                continue
             first = (loc.offset, loc.nbytes) not in seen
             seen.add((loc.offset, loc.nbytes))
-            target = planner.resolve_tensor(req).detach()
             direct = first and self._whole_item(req) and _fits_directly(target, req, self._metadata)
             if first:
                 spans.append(source.span(loc.offset, loc.nbytes,
-                                         target.data_ptr() if direct else None))
+                                         target.data_ptr() if direct else None, digests.of(loc)))
                 checked.append((req, loc))
             later.append((req, target, None if direct else loc))
         for (req, loc), digest in zip(checked, copier.process(spans), strict=True):
             if not digests_agree(loc.checksum, digest):
                 self._corrupt(rank, req, self.node)
-        to_device = [s for _, t, s in later if s is not None and t.device.type != "cpu"]
-        if to_device:  # page-locked once: the copies below run at the DMA engine's rate
-            source.mapping(max(s.offset + s.nbytes for s in to_device)).register_for_device_copies()
         for req, target, stored in later:
-            if stored is not None:  # resharded, cast or on a device: torch copies from the mapping
+            if stored is not None:  # resharded or cast: torch copies from the mapping
                 end = stored.offset + stored.nbytes
-                src = source.mapping(end).array[stored.offset:end]
-                _copy_view(target, self._stored_view(req, src), non_blocking=target.device.type != "cpu")
+                _copy_view(target, self._stored_view(req, source.mapping(end).array[stored.offset:end]))
         if to_device:
-            torch.accelerator.synchronize()  # every device copy has landed before the commits
+            self._read_to_device(rank, to_device, source)
         for req, target, _ in later:
             planner.commit_tensor(req, target)
+
+    def _read_to_device(self, rank: int, reads: list[tuple[ReadItem, torch.Tensor, ItemLocation]],
+                        source: ShardSource) -> None:
+        """Bring the stored items that device targets ask for through the ring (``ring.py``),
+        each verified: a whole item straight into its target's bytes; one resharded or cast
+        into a device buffer of its own, then copied into each target asking for a part of it.
+        Every byte has landed when this returns."""
+        by_item: dict[tuple[int, int], list[tuple[ReadItem, torch.Tensor]]] = defaultdict(list)
+        stored: dict[tuple[int, int], ItemLocation] = {}
+        for req, target, loc in reads:
+            by_item[(loc.offset, loc.nbytes)].append((req, target))
+            stored[(loc.offset, loc.nbytes)] = loc
+        for device in {t.device for _, t, _ in reads}:
+            whole: list[tuple[ring.RingRead, ReadItem]] = []
+            parts: list[tuple[ring.RingRead, ReadItem, list[tuple[ReadItem, torch.Tensor]]]] = []
+            for key, wanting in by_item.items():
+                if wanting[0][1].device != device:
+                    continue
+                loc = stored[key]
+                req, target = wanting[0]
+                span = source.span(loc.offset, loc.nbytes, None)  # checks it lies in the shard
+                src = source.mapping(loc.offset + loc.nbytes).array[loc.offset:loc.offset + loc.nbytes]
+                assert span.nbytes == src.size
+                if len(wanting) == 1 and self._whole_item(req) and \
+                        _fits_directly(target, req, self._metadata, device.type):
+                    whole.append((ring.RingRead(src, as_byte_tensor(target), digests.of(loc),
+                                                loc.checksum), req))
+                else:
+                    buffer = torch.empty(loc.nbytes, dtype=torch.uint8, device=device)
+                    parts.append((ring.RingRead(src, buffer, digests.of(loc), loc.checksum), req, wanting))
+            loader = ring.Ring(ring.mover_for(device))
+            for bad in loader.load([r for r, _ in whole]):
+                self._corrupt(rank, whole[bad][1], self.node)
+            for read, req, wanting in parts:  # one at a time: a buffer each, dropped after
+                for bad in loader.load([read]):
+                    self._corrupt(rank, req, self.node)
+                for want, target in wanting:
+                    _copy_view(target, self._stored_view(want, read.target))
+        if any(t.device.type != "cpu" for _, t, _ in reads):
+            torch.accelerator.synchronize()  # every device copy has landed before the commits
+
+    def _through_ring(self, target: torch.Tensor) -> bool:
+        """Whether ``target`` is loaded through the ring: a target in CUDA memory. (Another
+        accelerator's targets take the host's path: verified there, then copied by torch.)"""
+        return target.device.type == "cuda"
 
     def _read_remote(self, remote: RemoteReads, rank: int, reads: list[tuple[ReadItem, ItemLocation]],
                      planner: LoadPlanner) -> None:
@@ -280,9 +328,12 @@ class MemoryStorageReader(StorageReader):
         # ones arrive; a retry from another holder refills the sinks and hashes them again.
         hashing: dict[tuple[int, int], ConcurrentFuture] = {}
 
+        algorithm = {(loc.offset, loc.nbytes): digests.of(loc) for _, loc in reads}
+
         def landed(i: int) -> None:
             sink = sinks[ranges[i]]
-            hashing[ranges[i]] = copier.hash_later(copier.Span(src=sink.ctypes.data, nbytes=sink.nbytes))
+            hashing[ranges[i]] = copier.hash_later(copier.Span(src=sink.ctypes.data, nbytes=sink.nbytes,
+                                                               algorithm=algorithm[ranges[i]]))
 
         nodes = remote.read_ranges(self.step, rank, ranges, [sinks[k] for k in ranges], landed)
         came_from = dict(zip(ranges, nodes, strict=True))  # ranges may come from several nodes
@@ -306,10 +357,12 @@ class MemoryStorageReader(StorageReader):
         return (not any(req.storage_offsets)
                 and tuple(req.lengths) == tuple(self._chunk_sizes[_chunk_key(req.storage_index)]))
 
-    def _stored_view(self, req: ReadItem, src: np.ndarray) -> torch.Tensor:
-        """The part of a stored item that ``req`` asks for, as a tensor view of ``src``."""
+    def _stored_view(self, req: ReadItem, src: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """The part of a stored item that ``req`` asks for, as a tensor view of ``src`` (its
+        bytes: a uint8 array, or a uint8 tensor on a device)."""
         dtype = _stored_dtype(self._metadata, req.storage_index.fqn)
-        view = torch.from_numpy(src).view(dtype).view(self._chunk_sizes[_chunk_key(req.storage_index)])
+        raw = src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
+        view = raw.view(dtype).view(self._chunk_sizes[_chunk_key(req.storage_index)])
         for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
             view = view.narrow(dim, off, length)
         return view

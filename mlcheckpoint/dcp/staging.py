@@ -5,7 +5,9 @@
 out in the buffer and copies it; given ``defer``, the tensors it names are only placed, and
 ``copy_deferred`` copies them later, on the staging thread (see dcp/snapshot.py for
 which tensors may wait). Which tensors are staged at all, and in what order, follows the
-prediction of DCP's plan (``dcp/plans.py``; ``lay_out``).
+prediction of DCP's plan (``dcp/plans.py``; ``lay_out``). Tensors in device memory take the
+CUDA branch (``dcp/device_staging.py``): copied straight into the page-locked buffer, their
+checksums computed on the device.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from torch.distributed.tensor import DTensor
 from ..errors import StagingError
 from ..integrity import copier
 from ..store.local_store import LocalStore, ShardWriter, align
-from . import serialized
+from . import device_staging, serialized
+from .device_staging import DeviceCopies, Digests, call_event, side_stream
 from .errors import entry_error
 from .plans import NO_PREDICTION, Prediction
 from .snapshot import Snapshotter, storage_ptr
 
 Leaf = torch.Tensor
-Digests = dict[int, tuple[int, int]]  # offset in the buffer -> (nbytes, checksum)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -103,6 +105,8 @@ class Staged:
     views: Any = None  # the state dict as views of the buffer: what DCP saves
     digests: Digests = field(default_factory=dict)  # checksums taken while copying
     overlapped_bytes: int = 0  # copied on the staging thread after the call returned
+    # Tensor bytes the host copied or hashed (device tensors: none; set once staged).
+    host_bytes: int = 0
     copying: Future[None] | None = None  # overlapped: the staging thread's copy
     failure: BaseException | None = None  # a stage that failed before it took a buffer
     staged_at: float = 0.0  # time.perf_counter() once every byte was in the buffer
@@ -159,7 +163,8 @@ def stage_now(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any
     shard, layout, nbytes = _take_buffer(store, step, rank, state_dict, None, prediction,
                                          skip=lambda _: False)
     return Staged(step, rank, nbytes, shard, layout.staged, layout.digests,
-                  staged_at=time.perf_counter(), plan_key=prediction.key)
+                  staged_at=time.perf_counter(), plan_key=prediction.key,
+                  host_bytes=layout.host_bytes)
 
 
 def stage_overlapped(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any],
@@ -190,6 +195,7 @@ def stage_overlapped(store: LocalStore, step: int, rank: int, state_dict: dict[s
 
     def copy_rest(copied: Callable[[], None]) -> None:  # on the staging thread
         copy_deferred(layout, copied)
+        staged.host_bytes = layout.host_bytes
         staged.staged_at = time.perf_counter()
 
     if layout.skipped_bytes:
@@ -206,7 +212,8 @@ def _take_buffer(store: LocalStore, step: int, rank: int, state_dict: dict[str, 
     offsets, nbytes = lay_out(leaves, prediction, skip)
     shard = store.begin_shard(step, rank, nbytes)
     try:
-        if any(_local(t).device.type != "cpu" for t in leaves):
+        if any(device_staging.on_device(_local(t)) for t in leaves):
+            store.expect_device_copies(rank)  # its next buffers: registered as they are prepared
             shard.buffer.register_for_device_copies()
         layout = stage_into(state_dict, shard.buffer.tensor, defer, offsets)
     except BaseException:
@@ -231,15 +238,18 @@ class _Copy:
 class Layout:
     """A state dict placed in a buffer: ``staged`` holds views of it. ``digests`` has the
     checksums taken so far; ``deferred`` the copies ``copy_deferred`` still runs; ``unhashed``
-    the regions torch copied (device or strided sources) that no checksum covers yet."""
+    the regions torch copied on the host (strided sources) that no checksum covers yet;
+    ``at_call`` the device copies of the call, whose checksums the device is computing."""
 
     staged: Any
     base: int
     digests: Digests = field(default_factory=dict)
     deferred: list[_Copy] = field(default_factory=list)
     unhashed: list[tuple[int, int]] = field(default_factory=list)  # (offset, nbytes)
+    at_call: DeviceCopies = field(default_factory=DeviceCopies)
     ready: Any = None  # CUDA event after the call-time device copies, on the caller's stream
     skipped_bytes: int = 0  # tensors left out of the buffer (``lay_out``)
+    host_bytes: int = 0  # tensor bytes the host copied or hashed
 
 
 def stage_into(obj: Any, buffer_tensor: torch.Tensor,
@@ -251,20 +261,21 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
     Tensors keep dtype, shape and DTensor sharding; other leaves are deep-copied now, so that
     training may mutate the originals once this returns. Every tensor is copied now unless
     ``defer(tensor)`` says it may wait for ``copy_deferred``. Contiguous CPU tensors go through
-    the copier (checksummed in the same pass). Others are copied by torch and hashed later:
-    device tensors with non_blocking=True into the (page-locked) buffer, in the order of the
-    caller's stream, so what runs on that stream afterwards cannot change what they read.
+    the copier (checksummed in the same pass); strided ones are copied by torch and hashed
+    later. Device tensors are copied into the (page-locked) buffer and checksummed on the
+    device, both on the caller's stream, so what runs on that stream afterwards cannot change
+    what they read (``device_staging.py``).
 
     ``offsets`` (from ``lay_out``, one per tensor leaf in walk order) places each tensor;
     a leaf whose offset is None stays out of the buffer: its view is the leaf itself. Without
     it, tensors are laid out one after the other.
     """
     layout = Layout(staged=None, base=buffer_tensor.data_ptr())
-    next_offset, on_device, spans = 0, False, []
+    next_offset, spans = 0, []
     places = iter(offsets) if offsets is not None else None
 
     def stage(t: torch.Tensor, key: str) -> torch.Tensor:
-        nonlocal next_offset, on_device
+        nonlocal next_offset
         local = _local(t).detach()
         offset = next(places) if places is not None else next_offset
         if not copier.raw_copyable(local):  # DCP's own route, taken now: never deferred
@@ -278,12 +289,14 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
         dst = dst.view(local.dtype).view(local.shape)
         if defer is not None and n and defer(local):
             layout.deferred.append(_Copy(local, dst, offset, n, local.data_ptr()))
+        elif device_staging.on_device(local):
+            layout.at_call.add(local, dst, offset, n)
         elif plain_cpu(local):
             spans.append(copier.Span(src=local.data_ptr(), nbytes=n, dst=layout.base + offset))
         else:
-            on_device |= local.device.type != "cpu"
-            dst.copy_(local, non_blocking=local.device.type != "cpu")
+            dst.copy_(local)
             layout.unhashed.append((offset, n))
+            layout.host_bytes += n
         return _like(t, dst)
 
     try:
@@ -292,12 +305,13 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
         key, value = _flat_entry(obj, e.path, e.value)
         raise entry_error(key, e.cause, value) from e.cause
     _add_digests(layout, spans, copier.process(spans))
-    if on_device or any(c.src.device.type != "cpu" for c in layout.deferred):
-        if defer is None:
-            torch.accelerator.synchronize()
-        else:  # the staging thread's copies start after what the caller's stream did so far
-            layout.ready = torch.cuda.Event()
-            layout.ready.record()
+    if layout.at_call:
+        layout.at_call.enqueue()
+    if defer is None:
+        layout.digests.update(layout.at_call.wait())
+        layout.at_call = DeviceCopies()
+    else:  # the staging thread's copies start after what the caller's stream did so far
+        layout.ready = call_event([c.src for c in layout.deferred] + layout.at_call.sources)
     return layout
 
 
@@ -307,25 +321,32 @@ def copy_deferred(layout: Layout, copied: Callable[[], None] = lambda: None) -> 
     what torch copied: from then on training may change the sources.
 
     Device tensors are copied on a stream of their own, ordered after the caller's stream at
-    the time of ``stage_into``, straight into the page-locked tmpfs buffer, and complete on an
-    event; the host hashes them afterwards. One copy, no bounce buffer.
+    the time of ``stage_into``, straight into the page-locked tmpfs buffer, and checksummed on
+    the device from their sources on the same stream; both complete on one event. One copy, no
+    bounce buffer, and the host reads none of their bytes (``device_staging.py``).
     """
-    spans, device_copies = [], []
+    spans, device_copies = [], DeviceCopies()
     for c in layout.deferred:
         if c.src.data_ptr() != c.ptr or c.src.numel() * c.src.element_size() != c.nbytes:
             raise StagingError(f"a tensor of {c.nbytes} bytes was resized or replaced before "
                                "its snapshot was taken; call ckpt.wait_staged() before changing "
                                "tensors outside optimizer.step()")
-        if plain_cpu(c.src):
+        if device_staging.on_device(c.src):
+            device_copies.add(c.src, c.dst, c.offset, c.nbytes)
+        elif plain_cpu(c.src):
             spans.append(copier.Span(src=c.ptr, nbytes=c.nbytes, dst=layout.base + c.offset))
-        elif c.src.device.type == "cpu":
+        else:
             c.dst.copy_(c.src)
             layout.unhashed.append((c.offset, c.nbytes))
-        else:
-            device_copies.append(c)
-    if device_copies or layout.ready is not None:
-        _copy_from_device(layout, device_copies)
+            layout.host_bytes += c.nbytes
+    if device_copies:
+        device_copies.enqueue(side_stream, after=layout.ready)
     _add_digests(layout, spans, copier.process(spans))
+    if layout.at_call:  # the call's device copies: enqueued before ``ready`` was recorded
+        layout.digests.update(layout.at_call.wait())
+        layout.at_call = DeviceCopies()
+    if device_copies:
+        layout.digests.update(device_copies.wait())
     layout.deferred = []  # drop the references to the sources
     copied()
     hashed = [copier.Span(src=layout.base + off, nbytes=n) for off, n in layout.unhashed]
@@ -333,35 +354,12 @@ def copy_deferred(layout: Layout, copied: Callable[[], None] = lambda: None) -> 
     layout.unhashed = []
 
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}  # one per device, made once
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The dedicated stream of the device-to-host snapshot copies on ``device``: made once and
-    reused, not created per checkpoint."""
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream
-
-
-def _copy_from_device(layout: Layout, copies: list[_Copy]) -> None:
-    device = copies[0].src.device if copies else torch.device("cuda", torch.cuda.current_device())
-    stream = _side_stream(device)
-    if layout.ready is not None:
-        stream.wait_event(layout.ready)
-    with torch.cuda.stream(stream):
-        for c in copies:
-            c.dst.copy_(c.src, non_blocking=True)
-            layout.unhashed.append((c.offset, c.nbytes))
-        done = torch.cuda.Event()
-        done.record(stream)
-    done.synchronize()
-
-
 def _add_digests(layout: Layout, spans: list[copier.Span], digests: list[int]) -> None:
     for s, d in zip(spans, digests, strict=True):
-        layout.digests[(s.dst if s.dst is not None else s.src) - layout.base] = (s.nbytes, d)
+        assert s.algorithm is not None  # (staging's spans are all hashed)
+        layout.digests[(s.dst if s.dst is not None else s.src) - layout.base] = (s.nbytes, d, s.algorithm)
+        if s.dst is not None:  # copied and hashed here (a region only hashed was counted as copied)
+            layout.host_bytes += s.nbytes
 
 
 class _Uncopyable(Exception):

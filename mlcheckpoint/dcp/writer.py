@@ -128,6 +128,9 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self.stage_seconds = 0.0  # how long ``stage`` held the caller (dcp.async_save)
         self.staged_bytes = 0  # tensor bytes ``stage`` copied (or left to the staging thread)
         self.overlapped_bytes = 0  # of them, those the staging thread copies after it returned
+        # Bytes of this save the host copied or hashed, staging's included (items copied from
+        # device memory: none); set by write_data.
+        self.host_bytes = 0
         self.committed: Manifest | None = None  # this rank's manifest once write_data committed
         self.metadata: Metadata | None = None  # the coordinator's, once finish committed it
 
@@ -294,13 +297,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             if staged is not None and not self.keep_staged:
                 placement.keep_planned(resolved + kept)  # only what the plan gives this rank stays
             placed = [placement.place(item, data) for item, data in resolved + kept]
-            if any(p.tensor is not None and p.tensor.device.type != "cpu" for p in placed):
-                torch.accelerator.synchronize()  # the device copies must land before hashing
+            placement.finish_device()  # device tensors: copied and checksummed on the device
             placement.confirm_restaged(placed)
             half = len(placed) // 2
-            copy_and_hash(placed[:half])
+            hashed = copy_and_hash(placed[:half])
             crash_point("mid_data", self.step, self.rank)
-            copy_and_hash(placed[half:])
+            hashed += copy_and_hash(placed[half:])
+            self.host_bytes = (staged.host_bytes if staged is not None else 0) + \
+                placement.host_bytes + hashed
             if staged is not None:  # tensors the stage left out are copied: training may go on
                 staged.release()
             results = [placement.record(p, self.rank) for p in placed]

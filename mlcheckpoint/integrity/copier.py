@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from ..settings import tuning
-from .checksum import CHUNK_BYTES, combine, hash_at, n_chunks, native_hash_copy
+from . import digests, wsum
+from .checksum import CHUNK_BYTES, hash_at, n_chunks, native_hash_copy
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,14 @@ def raw_copyable(t: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Span:
-    """One item: ``nbytes`` at address ``src``; with ``dst``, copied there."""
+    """One item: ``nbytes`` at address ``src``; with ``dst``, copied there. Its checksum is
+    taken with ``algorithm`` (``digests.py``); None: only copied (its checksum is taken
+    elsewhere, e.g. on the device it is copied to next), and reported as 0."""
 
     src: int
     nbytes: int
     dst: int | None = None
+    algorithm: str | None = digests.XXH3
 
 
 def default_threads() -> int:
@@ -99,17 +103,30 @@ os.register_at_fork(after_in_child=_forget_pool_after_fork)
 # hand-off for several chunks); without it, one chunk.
 PIECE_BYTES = 8 * CHUNK_BYTES
 
-_Piece = tuple[int, int, int, int]  # (first digest slot, src, dst or 0, nbytes)
+_Piece = tuple[int, int, int, int, str | None]  # (first digest slot, src, dst or 0, nbytes, algorithm)
 
 
-def _do_piece(piece: _Piece, digests: np.ndarray) -> None:
-    slot, src, dst, n = piece
-    if native_hash_copy is not None:
-        native_hash_copy(src, dst, n, CHUNK_BYTES, digests.ctypes.data + 8 * slot)
+def _do_piece(piece: _Piece, chunk_digests: np.ndarray) -> None:
+    slot, src, dst, n, algorithm = piece
+    if algorithm is None:
+        ctypes.memmove(dst, src, n)  # (ctypes drops the GIL for the call)
+    elif algorithm == digests.WSUM:
+        wsum.chunk_sums_into(src, dst, n, chunk_digests[slot:slot + n_chunks(n)])
+    elif native_hash_copy is not None:
+        native_hash_copy(src, dst, n, CHUNK_BYTES, chunk_digests.ctypes.data + 8 * slot)
     else:
-        digests[slot] = hash_at(src, n)  # brings the piece into cache for the copy
+        chunk_digests[slot] = hash_at(src, n)  # brings the piece into cache for the copy
         if dst:
             ctypes.memmove(dst, src, n)
+
+
+def _piece_bytes(algorithm: str | None) -> int:
+    """Whole chunks per piece where a C loop (or a plain copy) does several in one call; one
+    chunk otherwise."""
+    if algorithm is None:
+        return PIECE_BYTES
+    native = wsum.native_wsum_copy if algorithm == digests.WSUM else native_hash_copy
+    return PIECE_BYTES if native is not None else CHUNK_BYTES
 
 
 class _Batch:
@@ -121,16 +138,17 @@ class _Batch:
     """
 
     def __init__(self, spans: list[Span], workers: int) -> None:
+        self._spans = spans
         self._first: list[int] = []  # each span's first digest slot
         self._pieces: list[_Piece] = []
         slots = 0
-        step = PIECE_BYTES if native_hash_copy is not None else CHUNK_BYTES
         for s in spans:
             self._first.append(slots)
+            step = _piece_bytes(s.algorithm)
             for begin in range(0, max(s.nbytes, 1), step):
                 self._pieces.append((slots + begin // CHUNK_BYTES, s.src + begin,
                                      (s.dst + begin) if s.dst else 0,
-                                     min(step, s.nbytes - begin)))
+                                     min(step, s.nbytes - begin), s.algorithm))
             slots += n_chunks(s.nbytes)
         self._digests = np.zeros(slots, dtype=np.uint64)  # one per chunk
         self._next = itertools.count()  # next() on it is atomic under the GIL
@@ -165,7 +183,8 @@ class _Batch:
         if self._error is not None:
             raise self._error
         ends = self._first[1:] + [len(self._digests)]
-        return [combine(self._digests[a:b].tolist()) for a, b in zip(self._first, ends)]
+        return [0 if s.algorithm is None else digests.combine(s.algorithm, self._digests[a:b], s.nbytes)
+                for s, a, b in zip(self._spans, self._first, ends)]
 
 
 def hash_later(span: Span) -> Future:

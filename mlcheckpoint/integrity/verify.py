@@ -6,7 +6,10 @@ Three entry points:
   - ``StreamVerifier``: a stream of bytes verified as it lands, in order, while it is
     cache-hot (a replica arriving on one connection);
   - ``digest_item``: the checksum of one item's bytes (``verify_digests`` then compares
-    digests hashed elsewhere, e.g. by the copier while it copies into the model).
+    digests hashed elsewhere, e.g. by the copier while it copies into the model, or by the
+    device after a copy into device memory).
+Each record names the algorithm its checksum was taken with (``digests.of``: xxh3 when it
+names none, as every record before per-item algorithms); each entry point hashes with it.
 A failure is always ``integrity_error``'s CorruptShardError, worded the same wherever it
 happens, naming the bad copy (``errors.CopyId``) when the caller knows it.
 """
@@ -16,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
+import torch
+
 from ..errors import CopyId, CorruptShardError
-from . import copier
-from .checksum import StreamingChecksum, checksum
+from . import copier, digests
+from .checksum import byte_array
 
 
 class Recorded(Protocol):
@@ -33,6 +38,8 @@ class Recorded(Protocol):
 
     @property
     def checksum(self) -> int: ...
+
+    # and, optionally, ``algorithm``: str | None (``digests.of`` reads it)
 
 
 R = TypeVar("R", bound=Recorded)
@@ -49,17 +56,36 @@ def digests_agree(recorded: int, digest: int) -> bool:
     return digest == recorded
 
 
+def records_agree(a: Recorded, b: Recorded) -> bool:
+    """Whether two records of an item's bytes (e.g. a primary and a data-parallel copy) say
+    the same bytes: the same checksum under the same algorithm."""
+    return digests.of(a) == digests.of(b) and digests_agree(a.checksum, b.checksum)
+
+
 def same_layout(held: Iterable[Recorded], offered: Iterable[Recorded]) -> bool:
     """Whether two records of a shard (two manifests' items) name the same bytes: item by item,
-    the same place, size and checksum."""
-    def layout(items: Iterable[Recorded]) -> list[tuple[int, int, int]]:
-        return [(it.offset, it.nbytes, it.checksum) for it in items]
+    the same place, size, algorithm and checksum."""
+    def layout(items: Iterable[Recorded]) -> list[tuple[int, int, str, int]]:
+        return [(it.offset, it.nbytes, digests.of(it), it.checksum) for it in items]
     return layout(held) == layout(offered)
 
 
-def digest_item(data: Any) -> int:
-    """The checksum of one item's bytes (bytes, a uint8 array or a tensor)."""
-    return checksum(data)
+def digest_item(data: Any, algorithm: str = digests.DEFAULT) -> int:
+    """The checksum of one item's bytes (bytes, a uint8 array or a contiguous CPU tensor)
+    under ``algorithm``."""
+    arr = byte_array(data.reshape(-1).view(torch.uint8).numpy() if isinstance(data, torch.Tensor)
+                     else data)
+    return digests.digest_at(algorithm, arr.ctypes.data, arr.nbytes)
+
+
+def known_algorithm(record: Recorded, where: str, describe: str,
+                    copy: CopyId | None = None) -> str:
+    """The algorithm of ``record``, which this version can compute: a record naming another
+    (a damaged file, a newer writer) is a CorruptShardError, not a crash."""
+    try:
+        return digests.check(digests.of(record))
+    except ValueError as e:
+        raise CorruptShardError(f"{where}: {describe}: {e}", copy=copy) from None
 
 
 def verify_digests(items: Sequence[R], digests: Iterable[int], where: str,
@@ -73,21 +99,25 @@ def verify_digests(items: Sequence[R], digests: Iterable[int], where: str,
 
 
 def region_digests(array: Any, items: Sequence[Recorded]) -> list[int]:
-    """The checksums of ``items``' bytes in ``array`` (a uint8 array), hashed on the copier's
-    threads. The caller checks the items lie inside the array."""
+    """The checksums of ``items``' bytes in ``array`` (a uint8 array), each under its own
+    algorithm, hashed on the copier's threads. The caller checks the items lie inside the
+    array and their algorithms are known."""
     base = array.ctypes.data
-    return copier.process([copier.Span(src=base + it.offset, nbytes=it.nbytes) for it in items])
+    return copier.process([copier.Span(src=base + it.offset, nbytes=it.nbytes,
+                                       algorithm=digests.of(it)) for it in items])
 
 
 def verify_region(array: Any, items: Sequence[R], where: str,
                   describe: Callable[[R], str] = lambda it: repr(getattr(it, "key", it)),
                   copy: CopyId | None = None) -> None:
-    """Verify every item of a region in memory (``array``, uint8): an item lying past its end
-    and an item whose bytes fail their checksum both raise CorruptShardError."""
+    """Verify every item of a region in memory (``array``, uint8): an item lying past its end,
+    one recorded with an unknown algorithm and one whose bytes fail their checksum all raise
+    CorruptShardError."""
     for it in items:
         if it.offset + it.nbytes > array.size:
             raise CorruptShardError(f"{where}: {describe(it)} lies past the region's "
                                     f"{array.size} bytes", copy=copy)
+        known_algorithm(it, where, describe(it), copy)
     verify_digests(items, region_digests(array, items), where, describe, copy)
 
 
@@ -99,9 +129,16 @@ class StreamVerifier:
     def __init__(self, array: Any, items: Iterable[Recorded], total: int, where: str):
         self.array, self.total, self.where = array, total, where
         self.items = sorted(items, key=lambda it: it.offset)
+        for it in self.items:
+            known_algorithm(it, where, repr(getattr(it, "key", it)))
         self.digests: list[int] = []  # of items[:len(digests)], complete
         self.done = 0  # bytes hashed
-        self.h = StreamingChecksum()
+        self.h = self._next_hash()
+
+    def _next_hash(self):
+        """A streaming checksum for the next item to complete, under its algorithm."""
+        n = len(self.digests)
+        return digests.streaming(digests.of(self.items[n]) if n < len(self.items) else digests.DEFAULT)
 
     def feed(self, upto: int) -> None:
         """Bytes [0, upto) are in place: hash what is new."""
@@ -114,7 +151,7 @@ class StreamVerifier:
             if upto < it.offset + it.nbytes:
                 return
             self.digests.append(self.h.digest())
-            self.h = StreamingChecksum()
+            self.h = self._next_hash()
 
     def check(self) -> None:
         """All bytes are in: verify every item."""

@@ -31,6 +31,8 @@ _MADV_POPULATE_READ = 22  # Linux >= 5.14
 _MADV_POPULATE_WRITE = 23
 # A tmpfs file whose pages are huge reports their size as its st_blksize.
 HUGE_PAGE_BYTES = 2 << 20
+# cudaHostRegisterPortable: the pages count as page-locked for every device's context.
+_REGISTER_PORTABLE = 1
 # What the kernel says when a filesystem (or the memory behind it) has no room left.
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFAULT})
 
@@ -182,10 +184,12 @@ class MappedFile:
         return None
 
     def register_for_device_copies(self) -> None:
-        """Page-lock the mapping so device-to-host copies land directly (no bounce buffer)."""
+        """Page-lock the mapping so device-to-host copies land directly (no bounce buffer).
+        Once per mapping (``BufferPool.prewarm`` does it as it prepares a buffer); portable,
+        so any thread, whatever its current device, may register it for every device."""
         if self._cuda_registered or not torch.cuda.is_available() or self.size == 0:
             return
-        rc = torch.cuda.cudart().cudaHostRegister(self.base_ptr, self.size, 0)
+        rc = torch.cuda.cudart().cudaHostRegister(self.base_ptr, self.size, _REGISTER_PORTABLE)
         if int(rc) == 0:
             self._cuda_registered = True
         else:  # still correct, only slower

@@ -298,3 +298,6 @@ class ItemLocation:
     # data-parallel replica of the item (``store/coverage.py``); read when ``rank``'s shard is
     # on no surviving node.
     copies: tuple[tuple[int, int], ...] = ()
+    # The checksum's algorithm (``integrity/digests.py``); None: xxh3, as every location
+    # pickled before items named one (such a pickle reads this class default).
+    algorithm: str | None = None

@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ..errors import CorruptShardError
-from ..integrity.checksum import ALGORITHM
+from ..integrity import digests
 from ..integrity.verify import digest_item, digests_agree
 from . import coverage
 from .layout import ItemLocation
@@ -27,11 +27,15 @@ class ManifestItem:
     kind: str = "tensor"  # "tensor" or "bytes"
     dtype: str | None = None
     shape: list[int] | None = None
+    # The checksum's algorithm (integrity/digests.py) where it is not the manifest's: wsum64
+    # for an item saved from device memory. Written only then, so an xxh3 item reads as before.
+    algorithm: str | None = None
 
 
 @dataclass
 class Manifest:
-    """What one rank committed for one step: every item's place and checksum."""
+    """What one rank committed for one step: every item's place and checksum. ``algorithm``
+    is the checksums' unless an item names its own."""
 
     job_id: str
     step: int
@@ -40,7 +44,7 @@ class Manifest:
     items: list[ManifestItem] = field(default_factory=list)
     world_size: int = 1
     created: float = field(default_factory=time.time)
-    algorithm: str = ALGORITHM
+    algorithm: str = digests.DEFAULT
     format: int = FORMAT_VERSION
     save_id: str = ""  # the save (incarnation of ``step``) these bytes belong to
     run_id: str = ""  # the run of the job that made that save
@@ -50,7 +54,9 @@ class Manifest:
                                            "created", "algorithm", "format", "save_id", "run_id")}
         # Built by hand: dataclasses.asdict deep-copies every item and costs ~10 ms per 500 items.
         d["items"] = [{"key": i.key, "offset": i.offset, "nbytes": i.nbytes, "checksum": i.checksum,
-                       "kind": i.kind, "dtype": i.dtype, "shape": i.shape} for i in self.items]
+                       "kind": i.kind, "dtype": i.dtype, "shape": i.shape,
+                       **({} if i.algorithm is None else {"algorithm": i.algorithm})}
+                      for i in self.items]
         return d
 
     def to_bytes(self) -> bytes:
@@ -66,10 +72,15 @@ class Manifest:
         if not isinstance(d, dict):
             raise TypeError(f"manifest is a JSON {type(d).__name__}, not an object")
         d = dict(d)
-        if d.get("format") != FORMAT_VERSION or d.get("algorithm") != ALGORITHM:
+        if d.get("format") != FORMAT_VERSION or d.get("algorithm") not in digests.ALGORITHMS:
             raise ValueError(f"unsupported manifest format {d.get('format')}/{d.get('algorithm')}")
         d["items"] = [ManifestItem(**it) for it in d["items"]]
         m = cls(**d)
+        for it in m.items:
+            if it.algorithm is not None:
+                digests.check(it.algorithm)
+            elif m.algorithm != digests.DEFAULT:
+                it.algorithm = m.algorithm  # in memory, an item without one is xxh3's
         _check_layout(m)
         return m
 

@@ -168,6 +168,7 @@ class BufferPool:
 
     def __init__(self, paths: JobPaths, mappings: MappingCache, capacity: Capacity, lock: NodeLock):
         self.paths, self.mappings, self.capacity, self.lock = paths, mappings, capacity, lock
+        self.device_ranks: set[int] = set()  # ranks whose buffers take device copies
 
     def candidate(self, rank: int, nbytes: int) -> tuple[str, int] | None:
         """(path, size) of the buffer ``take`` would pick first, if any."""
@@ -237,7 +238,9 @@ class BufferPool:
                             buffers.reserve(fd, min(PREPARE_PIECE, nbytes - start), start)
                 finally:
                     os.close(fd)
-                self.mappings.map(tmp, nbytes)  # populated: the pages exist from now on
+                mapped = self.mappings.map(tmp, nbytes)  # populated: the pages exist from now on
+                if rank in self.device_ranks:  # page-locked now, not on a save's path
+                    mapped.register_for_device_copies()
             except (CapacityError, OSError) as e:
                 self.unlink(tmp)
                 if isinstance(e, OSError) and e.errno not in NO_ROOM:

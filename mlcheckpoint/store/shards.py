@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from .._faults import crash_point
 from ..errors import CorruptShardError, ShardNotFoundError
-from ..integrity import copier
+from ..integrity import copier, digests
 from ..integrity.verify import digest_item, verify_region
 from . import buffers
 from .buffers import NO_ROOM, MappedFile, MappingCache
@@ -276,13 +276,15 @@ class ShardSource:
         self.mapped = mappings.lookup(st)
         self._earlier: list = []  # arrays of mappings replaced while reading (see mapping())
 
-    def span(self, offset: int, nbytes: int, dst: int | None) -> copier.Span:
-        """The copier span that verifies (and, with ``dst``, copies) ``nbytes`` at ``offset``."""
+    def span(self, offset: int, nbytes: int, dst: int | None,
+             algorithm: str = digests.DEFAULT) -> copier.Span:
+        """The copier span that verifies under ``algorithm`` (and, with ``dst``, copies)
+        ``nbytes`` at ``offset``."""
         if not 0 <= offset <= offset + nbytes <= self.manifest.data_bytes:
             raise CorruptShardError(f"item at [{offset}, {offset + nbytes}) lies outside the "
                                     f"{self.manifest.data_bytes} bytes of {self.path}")
         return copier.Span(src=self.mapping(offset + nbytes).base_ptr + offset, nbytes=nbytes,
-                           dst=dst)
+                           dst=dst, algorithm=algorithm)
 
     def mapping(self, end: int) -> MappedFile:
         """A mapping of the shard that covers its first ``end`` bytes (kept in the cache: a

@@ -13,7 +13,10 @@ from cluster import Cluster
 
 from mlcheckpoint import CheckpointManager
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+def cuda(test):
+    """A test that needs a CUDA device (``-m gpu`` selects it; skipped without one)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 @cuda

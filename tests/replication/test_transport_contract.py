@@ -39,6 +39,7 @@ from mlcheckpoint import (
     ReplicationError,
     ShardNotFoundError,
 )
+from mlcheckpoint.integrity import digests
 from mlcheckpoint.replication import ReceiveSink, Rendezvous, Transport
 from mlcheckpoint.replication.core.budget import NodeSchedule
 from mlcheckpoint.replication.factory import (
@@ -233,6 +234,30 @@ def test_push_of_a_corrupt_copy_is_refused(pair, step):
     wait_for(lambda: debris(pair.peer_store) == [], "the refused buffer to be dropped",
              diag=pair.job.log)
     assert not pair.job.received(step, 0)
+
+
+# Items a save checksummed on the device (wsum64) are verified by the receiver's host engine
+# as they arrive, beside xxh3 items: over one stream in order, over several stripes at the end.
+DEVICE_ITEMS = (digests.WSUM, digests.XXH3)
+
+
+def test_push_of_device_checksummed_items_lands_verified(pair, step):
+    m = make_shard(pair.store, step, 0, NBYTES, seed=step, nitems=5, algorithms=DEVICE_ITEMS)
+    assert pair.local.push_shard(PEER, step, 0) == NBYTES
+    got = pair.peer_store.verify_shard(step, 0)
+    assert [(i.algorithm, i.checksum) for i in got.items] == [(i.algorithm, i.checksum) for i in m.items]
+    assert got.items[0].algorithm == digests.WSUM and got.items[1].algorithm is None
+
+
+def test_push_of_a_corrupt_device_checksummed_item_is_refused(pair, step):
+    make_shard(pair.store, step, 0, NBYTES, seed=step, nitems=5, algorithms=DEVICE_ITEMS)
+    assert damage_shard(pair.store, step, 0, item=2).algorithm == digests.WSUM
+    with pytest.raises(ReplicationError, match="checksum mismatch in 'item2'"):
+        pair.local.push_shard(PEER, step, 0)
+    with pytest.raises(ShardNotFoundError):
+        pair.peer_store.read_manifest(step, 0)
+    wait_for(lambda: debris(pair.peer_store) == [], "the refused buffer to be dropped",
+             diag=pair.job.log)
 
 
 # --------------------------------------------------------------------------- fetch

@@ -31,23 +31,28 @@ import sys
 
 import numpy as np
 
-from mlcheckpoint.integrity.checksum import checksum
+from mlcheckpoint.integrity import digests
+from mlcheckpoint.integrity.verify import digest_item
 from mlcheckpoint.store import LocalStore, Manifest, ManifestItem
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s r%(process)d %(name)s %(levelname)s %(message)s")
 
 
 def make_shard(store: LocalStore, step: int, owner: int, nbytes: int, seed: int = 0,
-               nitems: int = 4, run_id: str = "") -> Manifest:
+               nitems: int = 4, run_id: str = "", algorithms: tuple[str, ...] = (digests.XXH3,)
+               ) -> Manifest:
     """Commit a shard of ``nbytes`` deterministic bytes (a function of seed) in ``nitems`` items,
-    as a save of run ``run_id``."""
+    as a save of run ``run_id``; item k's checksum under ``algorithms[k % len(algorithms)]``
+    (wsum64: as a save from device memory records it)."""
     shard = store.begin_shard(step, owner, nbytes)
     data = np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8)
     shard.buffer.array[:] = data
     bounds = np.linspace(0, nbytes, nitems + 1).astype(int)
     for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+        algorithm = algorithms[k % len(algorithms)]
         shard.add_item(ManifestItem(key=f"item{k}", offset=int(a), nbytes=int(b - a),
-                                    checksum=checksum(shard.buffer.array[a:b]), kind="bytes"))
+                                    checksum=digest_item(shard.buffer.array[a:b], algorithm), kind="bytes",
+                                    algorithm=digests.recorded_as(algorithm)))
     return shard.commit(world_size=1, save_id=f"{run_id}-{step}-{seed}", run_id=run_id)
 
 

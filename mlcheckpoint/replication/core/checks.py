@@ -7,6 +7,7 @@ path; the request service (``service.py``) and the transports' clients call it.
 from __future__ import annotations
 
 from ...errors import MLCheckpointError, ProtocolError
+from ...integrity import digests
 from ...store import Manifest
 from ...store.manifest import MetadataHeader, decode_metadata
 
@@ -49,7 +50,8 @@ def want_str(obj: dict, key: str, max_len: int = 256) -> str:
 
 
 def manifest_from_wire(obj: object, job_id: str, step: int, owner: int) -> Manifest:
-    """Rebuild and check a manifest sent by a peer (any malformation is a ProtocolError)."""
+    """Rebuild and check a manifest sent by a peer (any malformation is a ProtocolError, an
+    unknown checksum algorithm, the manifest's or an item's, among them)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("items"), list):
         raise ProtocolError("malformed manifest")
     try:
@@ -62,6 +64,8 @@ def manifest_from_wire(obj: object, job_id: str, step: int, owner: int) -> Manif
             if not all(isinstance(v, str) for v in (it.key, it.kind)) or \
                     not isinstance(it.dtype, (str, type(None))):
                 raise ValueError(f"item key/kind/dtype {it.key!r}/{it.kind!r}/{it.dtype!r}")
+            if it.algorithm is not None:  # only a checksum algorithm this version computes
+                digests.check(it.algorithm)
             for name in ("offset", "nbytes", "checksum"):
                 _check_int(getattr(it, name), f"item {name}")
             if it.shape is not None:

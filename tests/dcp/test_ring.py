@@ -1,0 +1,196 @@
+"""The resume ring (dcp/ring.py) with CPU tensors standing in for device memory: items cut into
+pieces, copied in order, slots refilled only once their copy has read them, every item
+verified (wsum64 on the "device", xxh3 by the host as it fills), a bad byte named by item;
+and a whole ``dcp.load`` through the reader's ring branch."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import damage_shard
+from torch.distributed.checkpoint.api import CheckpointException
+
+from mlcheckpoint import CheckpointManager, CorruptShardError, MemoryStorageReader
+from mlcheckpoint.dcp import ring
+from mlcheckpoint.integrity import digests
+from mlcheckpoint.integrity.checksum import CHUNK_BYTES
+from mlcheckpoint.integrity.verify import digest_item
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+JOB = "ring"
+SLOT = 2 * CHUNK_BYTES
+SIZES = [0, 1, 7, CHUNK_BYTES - 1, CHUNK_BYTES, SLOT - 1, SLOT, SLOT + 1, 3 * SLOT + 4097]
+
+
+def make_reads(sizes: list[int], algorithms: list[str], seed: int = 0) -> list[ring.RingRead]:
+    rng = np.random.default_rng(seed)
+    reads = []
+    for k, n in enumerate(sizes):
+        source = rng.integers(0, 256, n, dtype=np.uint8)
+        algorithm = algorithms[k % len(algorithms)]
+        reads.append(ring.RingRead(source, torch.zeros(n, dtype=torch.uint8), algorithm,
+                                   digest_item(source, algorithm)))
+    return reads
+
+
+def pieces(sizes: list[int]) -> int:
+    return sum(-(-n // SLOT) for n in sizes)
+
+
+def fills(sizes: list[int]) -> int:
+    """Slot fills when consecutive pieces share a slot while they fit."""
+    count, at = 0, SLOT
+    for n in sizes:
+        for begin in range(0, n, SLOT):
+            size = min(SLOT, n - begin)
+            if at + size > SLOT:
+                count, at = count + 1, 0
+            at += -(-size // ring.PIECE_ALIGN) * ring.PIECE_ALIGN
+    return count
+
+
+@pytest.mark.parametrize("algorithms", [[digests.WSUM], [digests.XXH3], [digests.XXH3, digests.WSUM]])
+def test_every_item_lands_whole_and_verified(algorithms):
+    reads = make_reads(SIZES, algorithms)
+    loader = ring.Ring(ring.HostMover(), slots=2, slot_bytes=SLOT)
+    assert loader.load(reads) == []
+    for r in reads:
+        assert np.array_equal(r.target.numpy(), r.source)
+    assert loader.pieces_copied == pieces(SIZES)
+    assert loader.fills == fills(SIZES) < pieces(SIZES)  # small items shared slots
+
+
+def test_thousands_of_small_items_take_a_few_slot_fills():
+    sizes = [4 * (k % 50) + 1 for k in range(3000)]  # about 300 KiB in all
+    reads = make_reads(sizes, [digests.XXH3, digests.WSUM], seed=4)
+    loader = ring.Ring(ring.HostMover(), slots=2, slot_bytes=SLOT)
+    assert loader.load(reads) == []
+    assert loader.fills == 1 and loader.pieces_copied == 3000
+    reads[1234].source[0] ^= 1
+    assert ring.Ring(ring.HostMover(), slots=2, slot_bytes=SLOT).load(reads) == [1234]
+
+
+@pytest.mark.parametrize("algorithm", [digests.WSUM, digests.XXH3])
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_bad_byte_names_its_item(algorithm, where):
+    reads = make_reads(SIZES, [algorithm], seed=1)
+    bad = SIZES.index(3 * SLOT + 4097)
+    at = 5 if where == "first" else reads[bad].source.size - 2  # in its first or last piece
+    reads[bad].source[at] ^= 0x40
+    assert ring.Ring(ring.HostMover(), slots=2, slot_bytes=SLOT).load(reads) == [bad]
+    reads[2].source[0] ^= 1
+    assert ring.Ring(ring.HostMover(), slots=3, slot_bytes=SLOT).load(reads) == [2, bad]
+
+
+class LateMover(ring.HostMover):
+    """Copies that complete later, on another thread, as a DMA engine's would: each checks that
+    its slot still holds what it held when the copy was issued, and that copies run in the
+    order they were issued; a fence completes after the copies before it."""
+
+    def __init__(self, delay: float = 0.002):
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.delay = delay
+        self.errors: list[str] = []
+        self.order: list[int] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self._lock = threading.Lock()
+        self._issued = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        snapshot = src.clone()
+        with self._lock:
+            n = self._issued
+            self._issued += 1
+
+        def later() -> None:
+            time.sleep(self.delay)
+            if not torch.equal(src, snapshot):
+                self.errors.append(f"copy {n}: its slot was refilled before it ran")
+            dst.copy_(src)
+            self.order.append(n)
+        self.pool.submit(later)
+
+    def fence(self):
+        with self._lock:
+            self.in_flight += 1  # slot fills whose copies have not all run
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+        def passed() -> None:
+            with self._lock:
+                self.in_flight -= 1
+        return self.pool.submit(passed)  # runs after the copies submitted before it
+
+    def wait(self, token) -> None:
+        token.result()
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_a_slot_is_refilled_only_after_its_copy_has_read_it(slots):
+    mover = LateMover()
+    reads = make_reads(SIZES, [digests.WSUM, digests.XXH3], seed=2)
+    assert ring.Ring(mover, slots=slots, slot_bytes=SLOT).load(reads) == []
+    assert mover.errors == []
+    assert mover.order == list(range(pieces(SIZES)))
+    assert 1 < mover.most_in_flight <= slots  # copies overlapped the next fills, no more
+    for r in reads:
+        assert np.array_equal(r.target.numpy(), r.source)
+    mover.pool.shutdown()
+
+
+def test_a_ring_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="2 slots or more"):
+        ring.Ring(ring.HostMover(), slots=1, slot_bytes=SLOT)
+    with pytest.raises(ValueError, match="whole"):
+        ring.Ring(ring.HostMover(), slots=2, slot_bytes=SLOT + 1)
+    loader = ring.Ring(ring.HostMover(), slots=2, slot_bytes=SLOT)
+    read = make_reads([100], [digests.WSUM])[0]
+    with pytest.raises(ValueError, match="ring target of 99 bytes"):
+        loader.load([ring.RingRead(read.source, torch.zeros(99, dtype=torch.uint8), digests.WSUM, 0)])
+    with pytest.raises(ValueError, match="unknown checksum algorithm"):
+        loader.load([ring.RingRead(read.source, read.target, "crc7", 0)])
+
+
+class RingReader(MemoryStorageReader):
+    """The reader with CPU targets taking its device branch (the ring, ``HostMover``)."""
+
+    def _through_ring(self, target: torch.Tensor) -> bool:
+        return True
+
+
+def state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"big": torch.randn(3 * SLOT // 4 + 13, generator=g),             # several pieces
+            "bf16": torch.randn(1000, 1100, generator=g).bfloat16(),
+            "small": [torch.randn(7, generator=g) for _ in range(20)],
+            "empty": torch.zeros(0),
+            "step": seed}
+
+
+def test_a_resume_through_the_ring_loads_whole_cast_and_strided_targets(store_dir, monkeypatch):
+    monkeypatch.setattr(ring, "SLOT_BYTES", SLOT)
+    want = state(0)
+    with CheckpointManager(job_id=JOB, local_dir=store_dir, replication="none") as ckpt:
+        ckpt.save(want, 3)
+        target = state(1)
+        target["bf16"] = torch.zeros(1100, 1000, dtype=torch.float32).t()  # cast, strided
+        target["big"] = target["big"].double()  # cast: through a buffer of its own
+        store = ckpt.storage_reader(3).store
+        dcp.load(target, storage_reader=RingReader(3, store), no_dist=True)
+        assert torch.equal(target["bf16"], want["bf16"].float())
+        assert torch.equal(target["big"], want["big"].double())
+        assert all(torch.equal(a, b) for a, b in zip(target["small"], want["small"]))
+        assert target["step"] == 0
+        damage_shard(store, 3, 0, item="bf16")
+        with pytest.raises(CheckpointException) as e:
+            dcp.load(state(2), storage_reader=RingReader(3, store), no_dist=True)
+        errors = [f[0] if isinstance(f, tuple) else f for f in e.value.failures.values()]
+        assert isinstance(errors[0], CorruptShardError)
+        assert "checksum mismatch in item 'bf16'" in str(errors[0])

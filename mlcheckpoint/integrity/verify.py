@@ -57,6 +57,13 @@ def same_layout(held: Iterable[Recorded], offered: Iterable[Recorded]) -> bool:
     return layout(held) == layout(offered)
 
 
+def records_item(held: Recorded, offset: int, nbytes: int, checksum: int) -> bool:
+    """Whether a shard's record of an item (its manifest's) names the bytes recorded
+    elsewhere (the global metadata) as ``nbytes`` at ``offset`` with ``checksum``: whether
+    that shard holds this item, or this copy of it."""
+    return (held.offset, held.nbytes, held.checksum) == (offset, nbytes, checksum)
+
+
 def digest_item(data: Any) -> int:
     """The checksum of one item's bytes (bytes, a uint8 array or a tensor)."""
     return checksum(data)

@@ -220,9 +220,10 @@ class LocalStore:
         return self.capacity.usage_bytes()
 
     # ------------------------------------------------------------------ retention and gc
-    def retire_shard(self, step: int, rank: int) -> None:
-        """Uncommit a shard (manifest first) and recycle its buffer."""
-        self.shards.retire(step, rank)
+    def retire_shard(self, step: int, rank: int, *, keep_metadata: bool = False) -> None:
+        """Uncommit a shard (manifest first) and recycle its buffer; the step's metadata stays
+        with ``keep_metadata``, even when no shard of the step is left here."""
+        self.shards.retire(step, rank, keep_metadata=keep_metadata)
 
     def apply_retention(self, ranks: Iterable[int], keep: int, protected: Iterable[int] = ()) -> list[int]:
         """Keep the newest ``keep`` complete steps of each owner rank in ``ranks``

@@ -101,7 +101,7 @@ def test_items_of_a_shard_on_no_node_load_from_their_copies(store, caplog):
     with caplog.at_level("INFO", logger="mlcheckpoint.dcp.reader"):
         load_step(out, MemoryStorageReader(STEP, store, node=0), None)
     same(expected, out)
-    assert "rank 1's shard of step 4 is on no node" in caplog.text
+    assert "reading items of rank 1's shard from their copies in the shards of ranks [0]" in caplog.text
 
 
 def test_a_corrupt_copy_is_named(store):
@@ -117,7 +117,7 @@ def test_a_corrupt_copy_is_named(store):
 def test_a_copy_gone_too_is_a_clear_error(store):
     save_with_lost_shard(store)
     os.unlink(store.manifest_path(STEP, 0))  # rank 0's shard uncommitted: the copies are gone
-    with pytest.raises(ShardNotFoundError, match="nor is any copy"):
+    with pytest.raises(ShardNotFoundError, match="neither in rank 1's shard nor in any of its copies"):
         load_step(target(), MemoryStorageReader(STEP, store, node=0), None)
 
 
@@ -201,7 +201,7 @@ def test_copies_held_by_another_node_are_read_through_the_holders(store, store_d
         assert (plan.step, plan.through_copies, plan.sources) == (STEP, [1], {0: "local", 1: "copies"})
         transport = OtherNode(store)
         holders = Holders(transport, replacement, node(1), plan)
-        assert holders.has_holders(STEP, 0) and not holders.has_holders(STEP, 1)
+        assert holders.nodes_holding(STEP, 0, 0) == [0] and holders.nodes_holding(STEP, 1, 0) == []
         if corrupt:
             flip_byte(store.data_path(STEP, 0), copies["i64"].offset)
         reader = MemoryStorageReader(STEP, replacement, node=1, remote=holders, save_id=plan.save_id)

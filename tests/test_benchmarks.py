@@ -194,6 +194,8 @@ def test_bench_recovery_quick_resumes_every_way():
     for target in ("two nodes replaced <= 1.2x one node replaced",
                    "two nodes replaced, replicas=2 <= 1.2x one node replaced (replicas=1)"):
         assert figures["targets"][target] in (True, False), target
+    # a data-parallel job restarted with both nodes alive reads every item on its own node
+    assert _number(figures["dp_restart_s"]) and figures["dp_restart_bytes_fetched"] == 0
 
 
 def _number(x: object) -> bool:

@@ -59,6 +59,7 @@ class Holders:
         self.transport, self.store, self.topo, self.plan = transport, store, topology, plan
         self.step: int = plan.step
         self.bytes_served: dict[int, dict[int, int]] = {}  # owner -> node -> bytes
+        self._holder_nodes: dict[int, list[int]] = {}  # owner -> other nodes holding its shard
 
     @property
     def bytes_fetched(self) -> int:
@@ -70,11 +71,13 @@ class Holders:
         it lists; from an offset set by this rank's place on its node, so that the readers of
         one node begin on different holders."""
         self._check_step(step)
+        if owner not in self._holder_nodes:
+            nodes = sorted({self.topo.node_of(r) for r in self.plan.holders.get(owner, ())}
+                           - {self.topo.node_rank})
+            start = self.topo.local_rank % len(nodes) if nodes else 0
+            self._holder_nodes[owner] = nodes[start:] + nodes[:start]
         partial = self.plan.partial.get(owner, {})
-        here = self.topo.node_rank
-        nodes = sorted({self.topo.node_of(r) for r in self.plan.holders.get(owner, ())} - {here})
-        start = self.topo.local_rank % len(nodes) if nodes else 0
-        return [n for n in nodes[start:] + nodes[:start] if n not in partial or offset in partial[n]]
+        return [n for n in self._holder_nodes[owner] if n not in partial or offset in partial[n]]
 
     def read_runs(self, step: int, runs: list[RemoteRun],
                   on_range: Callable[[int, int], None]) -> list[BaseException | None]:

@@ -10,8 +10,8 @@ import dataclasses
 import numpy as np
 
 from mlcheckpoint import LocalStore
-from mlcheckpoint.errors import ShardNotFoundError
 from mlcheckpoint.dcp.remote import RemoteRun
+from mlcheckpoint.errors import ShardNotFoundError
 from mlcheckpoint.recovery.holders import Holders, holder_order
 from mlcheckpoint.recovery.planner import MEMORY, Decision, Fetch
 from mlcheckpoint.replication import Transport

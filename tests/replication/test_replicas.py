@@ -15,9 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlcheckpoint import CapacityError, LocalStore
+from mlcheckpoint.dcp.places import deal
 from mlcheckpoint.errors import ConfigError
 from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume
-from mlcheckpoint.dcp.places import deal
 from mlcheckpoint.recovery.holders import Holders
 from mlcheckpoint.recovery.planner import MEMORY
 from mlcheckpoint.replication.schedule.pairing import (

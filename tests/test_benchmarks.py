@@ -161,6 +161,7 @@ def test_bench_replication_quick_breaks_every_push_down():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a dozen launches of simulated clusters, on an emulated network where there is one
 def test_bench_recovery_quick_resumes_every_way():
     # On an emulated network where this machine has one (CI runs as root): the links count
     # what each survivor served.

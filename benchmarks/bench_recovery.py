@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Recovery benchmark: resume from local memory and from a peer, and the planner at scale.
 
-    python benchmarks/bench_recovery.py [--size-gb 1.0] [--rate 1gbit] [--json out.json] [--quick]
+    python benchmarks/bench_recovery.py [--size-gb 1.0] [--rate 1gbit] [--dp-restart-only]
+                                        [--json out.json] [--quick]
 
 Measured in one run on this machine:
   * baseline: DCP FileSystemReader loading the same state dict from /dev/shm (one process)
@@ -26,9 +27,13 @@ Measured in one run on this machine:
     shaped to the rate per node), where the links bound the fetches as on a real cluster, and
     each survivor's link also counts all it sent during the launch (the load's reads, then
     the rebuild of the replaced node's shard and the re-replication to it)
+  * a data-parallel restart: 2 simulated nodes x 2 ranks, every rank the same state (a DDP
+    job's: its saves keep a copy of every item on each node), restarted with both nodes alive
+    (``--dp-restart-only`` measures only this): seconds and bytes read from peers
   * plan_resume() on simulated inventories of 1k, 4k and 16k ranks
 Targets: local >= 10x FileSystemReader; peer >= 0.8x raw socket; two nodes replaced <= 1.2x
-one node replaced (replicas=1 and replicas=2); planner < 1 s at 16k ranks.
+one node replaced (replicas=1 and replicas=2); a data-parallel restart with every node alive
+reads 0 bytes from peers; planner < 1 s at 16k ranks.
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ def flat_state(size: int, prefix: str = "", fill: int = 0) -> dict[str, torch.Te
 
 
 def worker(mode: str, size: int, name: str) -> None:
-    """One rank of the simulated job (under torchrun): save step 1, or resume it and check it."""
+    """One rank of the simulated job (under torchrun): save step 1, or resume it and check it.
+    With BENCH_DATA_PARALLEL every rank holds the same state (a DDP job's), else its own."""
     import torch.distributed as dist
 
     from mlcheckpoint import CheckpointManager
@@ -86,12 +92,13 @@ def worker(mode: str, size: int, name: str) -> None:
     rank = dist.get_rank()
     if rank == 0 and os.environ.get("BENCH_LOPSIDED"):
         size //= 1024  # node 0 has (almost) nothing of its own to load
+    prefix, fill = ("", 0) if os.environ.get("BENCH_DATA_PARALLEL") else (f"r{rank}.", rank)
     ckpt = CheckpointManager(persistent_dir=os.environ.get("BENCH_PERSISTENT"))
     if mode == "save":
-        ckpt.save(flat_state(size, f"r{rank}.", rank), 1, persistent=bool(os.environ.get("BENCH_PERSISTENT")))
+        ckpt.save(flat_state(size, prefix, fill), 1, persistent=bool(os.environ.get("BENCH_PERSISTENT")))
         result: dict = {"protected": ckpt.wait_replicated(1, 600)}
     else:
-        sd = {k: torch.empty_like(v) for k, v in flat_items(size, f"r{rank}.")}
+        sd = {k: torch.empty_like(v) for k, v in flat_items(size, prefix)}
         for t in sd.values():
             t.fill_(-1)  # touch the destination, as a real model's parameters are
         dist.barrier()
@@ -100,7 +107,7 @@ def worker(mode: str, size: int, name: str) -> None:
                   "fetch_s": info.phases.get("fetch", 0.0), "bytes_fetched": info.bytes_fetched,
                   "served": {str(o): {str(n): b for n, b in by_node.items()}
                              for o, by_node in info.bytes_served.items()},
-                  "exact": all(torch.equal(sd[k], v) for k, v in flat_items(size, f"r{rank}.", rank))}
+                  "exact": all(torch.equal(sd[k], v) for k, v in flat_items(size, prefix, fill))}
     write_result(name, rank, result)
     ckpt.close()
     dist.destroy_process_group()
@@ -188,6 +195,25 @@ def bench_nodes_replaced(job: str, size: int, reps: int, rate: str | None) -> di
     return out
 
 
+def bench_dp_restart(job: str, size: int, reps: int) -> dict:
+    """A data-parallel job (every rank the same state, as DDP's) of 2 nodes x 2 ranks saves
+    step 1 (its saves keep a copy of every item on each node) and restarts ``reps`` times with
+    both nodes alive, the usual restart after a crash or a preemption: the slowest rank's
+    ResumeInfo.seconds (median) and the bytes read from peers, job-wide."""
+    env = {"BENCH_DATA_PARALLEL": "1"}
+    seconds, fetched = [], []
+    with Cluster(2, 2, job_id=job, prefix="mlckpt-bench-recovery-") as cluster:
+        saved = run_job(cluster, "save", size, env)
+        assert all(r["protected"] for r in saved.values()), saved
+        for i in range(reps):
+            progress(f"data-parallel restart, both nodes alive, rep {i + 1}/{reps}")
+            r = run_job(cluster, "resume", size, env)
+            assert all(x["exact"] and x["step"] == 1 for x in r.values()), r
+            seconds.append(max(x["seconds"] for x in r.values()))
+            fetched.append(r[0]["bytes_fetched"])
+    return {"dp_restart_s": median(seconds), "dp_restart_bytes_fetched": max(fetched)}
+
+
 def bench_filesystem_reader(root: str, size: int, reps: int) -> float:
     sd = flat_state(size)
     path = os.path.join(root, "fs-ckpt")
@@ -225,6 +251,7 @@ class Config:
     size: int  # checkpoint bytes per rank
     reps: int
     rate: str | None  # the nodes-replaced section's link rate (None: loopback)
+    dp_restart_only: bool = False  # only the data-parallel restart (bench_dp_restart)
 
 
 def parse_args(argv: list[str] | None) -> tuple[Config, str | None]:
@@ -233,19 +260,27 @@ def parse_args(argv: list[str] | None) -> tuple[Config, str | None]:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rate", help="run the nodes-replaced section on an emulated network with "
                     "links shaped to this rate (tc notation, e.g. 1gbit; needs root, ip and tc)")
+    ap.add_argument("--dp-restart-only", action="store_true",
+                    help="measure only the restart of a data-parallel job with every node alive")
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
         args.size_gb, args.reps = 0.05, 1
-    return Config(int(args.size_gb * (1 << 30)) // (1 << 20) * (1 << 20), args.reps, args.rate), args.json
+    return Config(int(args.size_gb * (1 << 30)) // (1 << 20) * (1 << 20), args.reps, args.rate,
+                  args.dp_restart_only), args.json
 
 
 def run(cfg: Config) -> dict:
     """Every figure (seconds, medians of ``cfg.reps``) and whether each target is met."""
     size = cfg.size
-    root = make_workspace("mlckpt-bench-recovery-")
     res: dict = {"bytes_per_rank": size, "cores": os.cpu_count(), "torch": torch.__version__}
+    if cfg.dp_restart_only:
+        res.update(bench_dp_restart(f"bench-{uuid.uuid4().hex[:6]}-dp", size, cfg.reps))
+        res["targets"] = {"data-parallel restart, every node alive: 0 bytes from peers":
+                          res["dp_restart_bytes_fetched"] == 0}
+        return res
+    root = make_workspace("mlckpt-bench-recovery-")
     try:
         res["filesystem_reader_s"] = bench_filesystem_reader(root, size, cfg.reps)
         res["raw_socket_s"] = bench_raw_socket(root, size, cfg.reps)
@@ -287,6 +322,7 @@ def run(cfg: Config) -> dict:
         res["replaced_rate"] = cfg.rate
         for name in ("two_replaced", "one_replaced_r2", "two_replaced_r2"):
             res[f"{name}_ratio"] = res[f"{name}_s"] / res["one_replaced_s"]
+        res.update(bench_dp_restart(job + "-dp", size, cfg.reps))
         res["planner_s"] = bench_planner()
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -301,6 +337,8 @@ def run(cfg: Config) -> dict:
                       "two nodes replaced, replicas=2 <= 1.2x one node replaced (replicas=1)":
                           res["two_replaced_r2_ratio"] <= 1.2,
                       **spread_target(res),
+                      "data-parallel restart, every node alive: 0 bytes from peers":
+                          res["dp_restart_bytes_fetched"] == 0,
                       "planner < 1 s at 16k ranks": res["planner_s"][16384] < 1.0}
     return res
 
@@ -317,7 +355,20 @@ def spread_target(res: dict) -> dict[str, bool]:
             min(by_node.get(0, 0), by_node.get(2, 0)) >= SPREAD_SHARE * fetched}
 
 
+def report_dp_restart(res: dict) -> None:
+    print(f"{'data-parallel restart, 2 nodes x 2 ranks, both alive':60s} {res['dp_restart_s']:8.3f} "
+          f"{'':>8s} {res['dp_restart_bytes_fetched'] / 1e6:10.1f}  (seconds: the slowest rank's "
+          "ResumeInfo; MB fetched from peers, job-wide)")
+
+
 def report(cfg: Config, res: dict) -> None:
+    if cfg.dp_restart_only:
+        print(f"recovery benchmark: {cfg.size / 2**30:.2f} GiB per rank (the same on every rank), "
+              f"{res['cores']} cores, torch {res['torch']}; medians of {cfg.reps}")
+        report_dp_restart(res)
+        for name, ok in res["targets"].items():
+            print(f"  {'PASS' if ok else 'FAIL'}  {name}")
+        return
     gb = cfg.size / 1e9
     fsr, raw = res["filesystem_reader_s"], res["raw_socket_s"]
     loc, peer_s = res["resume_local_s"], res["resume_peer_s"]
@@ -356,6 +407,7 @@ def report(cfg: Config, res: dict) -> None:
         link = "" if sent is None else " | link: " + ", ".join(f"node {n} {b / 1e6:.1f}" for n, b in sent.items())
         print(f"{label:60s} {t:8.3f} {res[f'{name}_fetch_s']:8.3f} "
               f"{res[f'{name}_bytes_fetched'] / 1e6:10.1f}  {ratio:28s} {served}{link}")
+    report_dp_restart(res)
     for world, t in res["planner_s"].items():
         print(f"{'plan_resume, ' + str(world) + ' ranks':60s} {t:8.4f}")
     print("targets:")

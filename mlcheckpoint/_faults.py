@@ -3,7 +3,8 @@
 Crash: set MLCHECKPOINT_CRASH_AT="<point>" or "<point>@<step>" (optionally "...#<rank>") in a
 test's environment. Points: before_data, mid_data, before_manifest, mid_commit,
 before_metadata, replica_mid_recv, replica_mid_send (a push, once one of its streams has sent
-half its bytes).
+half its bytes), serve_mid_read (a TCP holder serving a shard's bytes to a read or a fetch,
+once it has answered "ok" and before the bytes; the step and rank named are the shard's).
 
 Pause: MLCHECKPOINT_PAUSE_AT="<point>[@<step>][#<rank>]=<path>" holds the calling thread at
 the point until the file <path> exists (and creates <path>.reached when it gets there, so the

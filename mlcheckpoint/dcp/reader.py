@@ -1,11 +1,12 @@
 """MemoryStorageReader: a DCP StorageReader over the node's tmpfs store.
 
 Recovery path end: DCP asks for items -> each is located through the global metadata
-(rank, offset, checksum) -> the owner rank's shard is read here (or streamed from a node that
-holds it, through ``remote``; or, when no node holds it, one of the item's copies that data
-parallelism kept in another rank's shard) -> bytes are verified and copied into the state
-dict in one pass. Items for device memory go through a small ring of page-locked buffers
-(``ring.py``), verified on the device where they were checksummed there.
+(rank, offset, checksum, and the copies data parallelism kept of it in other ranks' shards)
+-> it is read from the nearest place that holds it: a shard on this node (its owner's, a
+replica, or another rank's shard holding a copy), else streamed from the other nodes that
+hold one, through ``remote``, spread over them -> bytes are verified and copied into the
+state dict in one pass. Items for device memory go through a small ring of page-locked
+buffers (``ring.py``), verified on the device where they were checksummed there.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pickle
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -38,14 +39,16 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .._gc import pausing_gc
-from ..errors import CopyId, CorruptShardError, ShardNotFoundError
+from ..errors import CopyId, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..integrity import copier, digests
 from ..integrity.checksum import as_byte_tensor
-from ..integrity.verify import digest_item, digests_agree, integrity_error
+from ..integrity.verify import digest_item, digests_agree, integrity_error, records_item
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardSource
+from ..store.manifest import ManifestItem
 from . import ring, serialized
-from .remote import RemoteReads
+from .places import Place, deal, places_of
+from .remote import RemoteReads, RemoteRun
 from .writer import parse_step
 
 if TYPE_CHECKING:
@@ -99,12 +102,13 @@ class MemoryStorageReader(StorageReader):
     """Loads one checkpoint step from the node's tmpfs store with ``dcp.load``.
 
     Every byte is checked against the checksum recorded at save time before it is used; a
-    mismatch raises CorruptShardError. A shard this node lacks is streamed from a node that
-    holds it through ``remote`` (recovery's ``Holders``, when replication is on), straight
-    into the destination tensors. An item whose shard is neither here nor held by another
-    node is read from one of its copies (``ItemLocation.copies``: one here first, else one
-    another node holds), checked against the same checksum; without either it is a
-    ShardNotFoundError.
+    mismatch raises CorruptShardError naming the copy. Each item is read from this node when
+    any shard here holds it (its owner's shard, a replica, or a copy data parallelism kept in
+    another rank's shard, ``ItemLocation.copies``, as that shard's manifest lists it);
+    otherwise it is streamed from another node that holds one of its places through
+    ``remote`` (recovery's ``Holders``, when replication is on), straight into the
+    destination tensors, the reads spread over the holders and, when a holder fails, read
+    from another. An item no node holds is a ShardNotFoundError.
     """
 
     def __init__(self, step: int, store: LocalStore | None = None, *, job_id: str | None = None,
@@ -135,8 +139,14 @@ class MemoryStorageReader(StorageReader):
 
     @pausing_gc
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        # Recovery fetched it first on a node that lacked it (Recovery._fetch).
-        _, payload = self.store.read_metadata(self.step, self.save_id)
+        """The step's global metadata, from this node's store (recovery fetches it first on a
+        node that lacks it, ``Recovery._fetch``). Without a usable one here, what is returned
+        raises the ShardNotFoundError or CorruptShardError that says so at its first use
+        (``_Unreadable``)."""
+        try:
+            _, payload = self.store.read_metadata(self.step, self.save_id)
+        except (ShardNotFoundError, CorruptShardError) as e:
+            return cast(Metadata, _Unreadable(e))
         metadata = pickle.loads(payload)
         if not isinstance(metadata, Metadata):
             raise CorruptShardError(f"metadata of step {self.step} is not a DCP Metadata")
@@ -145,6 +155,8 @@ class MemoryStorageReader(StorageReader):
     @pausing_gc
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
+        if isinstance(metadata, _Unreadable):
+            raise metadata.error
         self._metadata = metadata
         self._chunk_sizes = {}
         for fqn, md in metadata.state_dict_metadata.items():
@@ -167,48 +179,54 @@ class MemoryStorageReader(StorageReader):
 
     @pausing_gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with _Shards(self._open_local, self.remote, self.step) as shards:
-            for rank, reads in sorted(self._where_to_read(plan.items, shards).items()):
+        with _Shards(self._open_local) as shards:
+            here, elsewhere = self._where_to_read(plan.items, shards)
+            for rank, reads in sorted(here.items()):
                 source = shards.here(rank)
-                if source is not None:
-                    self._read_local(rank, reads, source, planner)
-                elif self.remote is None:
-                    raise shards.why_absent(rank)
-                else:
-                    self._read_remote(self.remote, rank, reads, planner)
+                assert source is not None  # _where_to_read found the item in it
+                self._read_local(rank, reads, source, planner)
+            if elsewhere:
+                if self.remote is None:
+                    req, loc = elsewhere[0]
+                    raise ShardNotFoundError(f"step {self.step}: {self._nowhere(req, loc)} on this "
+                                             "node, and no other node is asked (replication is off)")
+                self._read_elsewhere(self.remote, elsewhere, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
     def _where_to_read(self, items: list[ReadItem], shards: _Shards
-                       ) -> dict[int, list[tuple[ReadItem, ItemLocation]]]:
-        """Per shard to read, the requests it serves and where in it each one lies: the item's
-        own location, or, when its shard is neither here nor held by another node, one of its
-        copies (one here first, else one another node holds)."""
-        reads: dict[int, list[tuple[ReadItem, ItemLocation]]] = defaultdict(list)
+                       ) -> tuple[dict[int, list[tuple[ReadItem, ItemLocation]]],
+                                  list[tuple[ReadItem, ItemLocation]]]:
+        """Which requests a shard of this node serves (per shard: each request and where in
+        the shard its bytes lie), and which must come from other nodes (with the item's
+        location). An item is read here when any of its places is here, its primary first:
+        its owner's shard, or a copy data parallelism kept in another rank's shard, as that
+        shard's manifest lists it (a partial replica lists only some of its owner's items)."""
+        here: dict[int, list[tuple[ReadItem, ItemLocation]]] = defaultdict(list)
+        elsewhere: list[tuple[ReadItem, ItemLocation]] = []
         from_copies: dict[int, set[int]] = defaultdict(set)  # owner -> ranks its copies are read from
         for req in items:
             loc = self._location(req.storage_index)
-            if loc.copies and shards.here(loc.rank) is None and not shards.elsewhere(loc.rank):
-                owner, loc = loc.rank, self._copy_to_read(req, loc, shards)
-                from_copies[owner].add(loc.rank)
-            reads[loc.rank].append((req, loc))
+            place = next((p for p in places_of(loc) if shards.holds(p, loc)), None)
+            if place is None:
+                elsewhere.append((req, loc))
+                continue
+            if place != (loc.rank, loc.offset):
+                from_copies[loc.rank].add(place[0])
+                loc = dataclasses.replace(loc, rank=place[0], offset=place[1], copies=())
+            here[loc.rank].append((req, loc))
         for owner, ranks in sorted(from_copies.items()):
-            log.info("mlcheckpoint: rank %d's shard of step %d is on no node: reading its items "
-                     "from their copies in the shards of ranks %s", owner, self.step, sorted(ranks))
-        return reads
+            log.info("mlcheckpoint: step %d: reading items of rank %d's shard from their copies "
+                     "in the shards of ranks %s on this node", self.step, owner, sorted(ranks))
+        return here, elsewhere
 
-    def _copy_to_read(self, req: ReadItem, loc: ItemLocation, shards: _Shards) -> ItemLocation:
-        """The location of a copy of the item at ``loc`` to read instead: same bytes, same
-        checksum, in another rank's shard (one here first)."""
-        local = [c for c in loc.copies if shards.here(c[0]) is not None]
-        held = [c for c in loc.copies if shards.elsewhere(c[0])]
-        if not local and not held:
-            raise ShardNotFoundError(
-                f"step {self.step}: rank {loc.rank}'s shard is on no node, nor is any copy of item "
-                f"{req.storage_index.fqn!r} (kept in the shards of ranks {[r for r, _ in loc.copies]})")
-        rank, offset = (local or held)[0]
-        return dataclasses.replace(loc, rank=rank, offset=offset, copies=())
+    def _nowhere(self, req: ReadItem, loc: ItemLocation) -> str:
+        """Which item is missing, and where it was looked for (for an error)."""
+        if loc.copies:
+            return (f"item {req.storage_index.fqn!r} is neither in rank {loc.rank}'s shard nor in "
+                    f"any of its copies (kept in the shards of ranks {[r for r, _ in loc.copies]})")
+        return f"item {req.storage_index.fqn!r} is not in rank {loc.rank}'s shard"
 
     def _open_local(self, rank: int) -> ShardSource:
         """This node's copy of ``rank``'s shard; a damaged copy is named, so recovery can
@@ -305,44 +323,32 @@ class MemoryStorageReader(StorageReader):
         accelerator's targets take the host's path: verified there, then copied by torch.)"""
         return target.device.type == "cuda"
 
-    def _read_remote(self, remote: RemoteReads, rank: int, reads: list[tuple[ReadItem, ItemLocation]],
-                     planner: LoadPlanner) -> None:
-        """Stream the items of a shard held elsewhere, into the targets where possible."""
-        uses = Counter((loc.offset, loc.nbytes) for _, loc in reads)
-        sinks: dict[tuple[int, int], np.ndarray] = {}
+    def _read_elsewhere(self, remote: RemoteReads, reads: list[tuple[ReadItem, ItemLocation]],
+                        planner: LoadPlanner) -> None:
+        """Stream the items this node holds no place of from other nodes, into the targets
+        where possible, verify them, and hand them to the planner."""
+        item_of = [(loc.rank, loc.offset) for _, loc in reads]  # a stored item, by its primary place
+        uses = Counter(item_of)
+        wanted = dict(zip(item_of, reads, strict=True))  # item -> (a request of it, its location)
+        sinks: dict[Place, np.ndarray] = {}
         targets: dict[int, torch.Tensor] = {}
         direct: set[int] = set()
         for i, (req, loc) in enumerate(reads):
-            key = (loc.offset, loc.nbytes)
             if req.type == LoadItemType.BYTE_IO or not loc.is_tensor:
                 continue
             target = planner.resolve_tensor(req).detach()
             targets[i] = target
-            if uses[key] == 1 and self._whole_item(req) and _fits_directly(target, req, self._metadata):
-                sinks[key] = as_byte_tensor(target).numpy()  # bytes land in the model directly
+            if uses[item_of[i]] == 1 and self._whole_item(req) and _fits_directly(target, req, self._metadata):
+                sinks[item_of[i]] = as_byte_tensor(target).numpy()  # bytes land in the model directly
                 direct.add(i)
-        for _, loc in reads:
-            sinks.setdefault((loc.offset, loc.nbytes), np.empty(loc.nbytes, dtype=np.uint8))
-        ranges = sorted(sinks)
-        # Each range is hashed on the copier's threads as soon as it lands, while the next
-        # ones arrive; a retry from another holder refills the sinks and hashes them again.
-        hashing: dict[tuple[int, int], ConcurrentFuture] = {}
-
-        algorithm = {(loc.offset, loc.nbytes): digests.of(loc) for _, loc in reads}
-
-        def landed(i: int) -> None:
-            sink = sinks[ranges[i]]
-            hashing[ranges[i]] = copier.hash_later(copier.Span(src=sink.ctypes.data, nbytes=sink.nbytes,
-                                                               algorithm=algorithm[ranges[i]]))
-
-        nodes = remote.read_ranges(self.step, rank, ranges, [sinks[k] for k in ranges], landed)
-        came_from = dict(zip(ranges, nodes, strict=True))  # ranges may come from several nodes
-        checks = {loc.offset: (req, loc) for req, loc in reads}
-        for req, loc in checks.values():
-            if not digests_agree(loc.checksum, hashing[(loc.offset, loc.nbytes)].result()[0]):
-                self._corrupt(rank, req, came_from[(loc.offset, loc.nbytes)])
+        for item, (_, loc) in wanted.items():
+            sinks.setdefault(item, np.empty(loc.nbytes, dtype=np.uint8))
+        for item, (rank, node, digest) in self._fetch(remote, wanted, sinks).items():
+            req, loc = wanted[item]
+            if not digests_agree(loc.checksum, digest.result()[0]):
+                self._corrupt(rank, req, node)
         for i, (req, loc) in enumerate(reads):
-            sink = sinks[(loc.offset, loc.nbytes)]
+            sink = sinks[item_of[i]]
             if req.type == LoadItemType.BYTE_IO or not loc.is_tensor:
                 _load_stored_as_dcp(planner, req, sink.tobytes())
             elif i in direct:
@@ -351,6 +357,66 @@ class MemoryStorageReader(StorageReader):
                 _copy_view(targets[i], self._stored_view(req, sink))
                 planner.commit_tensor(req, targets[i])
             self.bytes_read += loc.nbytes
+
+    def _fetch(self, remote: RemoteReads, wanted: dict[Place, tuple[ReadItem, ItemLocation]],
+               sinks: dict[Place, np.ndarray]) -> dict[Place, tuple[int, int, ConcurrentFuture]]:
+        """Fill each wanted item's sink from a node that holds one of its places; per item,
+        the rank whose shard it came from, that node, and its digest (each item is hashed on
+        the copier's threads as soon as it lands, while the next ones arrive).
+
+        Items are dealt over the holders (``places.deal``: the nodes with the fewest bytes to
+        serve first, so a replaced node's reads spread over all of them) and read from every
+        node at once. The items of a run that fails (its node died, hung past the timeout, or
+        answered that it lacks the shard) are dealt again over the places left, their copies
+        included, until none is left: only then is the item lost."""
+        came_from: dict[Place, tuple[int, int, ConcurrentFuture]] = {}
+        lacking: set[tuple[int, int]] = set()  # (rank, node): that node lacks rank's shard
+        down: set[int] = set()  # nodes that failed otherwise: asked nothing more
+        failures: list[str] = []
+        pending = list(wanted)
+        while pending:
+            options = [(wanted[item][1].nbytes,
+                        [(place, [n for n in remote.nodes_holding(self.step, *place)
+                                  if n not in down and (place[0], n) not in lacking])
+                         for place in places_of(wanted[item][1])]) for item in pending]
+            runs: dict[tuple[int, int], tuple[RemoteRun, list[Place]]] = {}  # (rank, node) -> run
+            for item, choice in zip(pending, deal(options), strict=True):
+                req, loc = wanted[item]
+                if choice is None:
+                    tried = f"; failed: {'; '.join(failures)}" if failures else ""
+                    raise ShardNotFoundError(f"step {self.step}: {self._nowhere(req, loc)} on any "
+                                             f"node{tried}")
+                (rank, offset), node = choice
+                run, items = runs.setdefault((rank, node), (RemoteRun(rank, node, [], []), []))
+                run.ranges.append((offset, loc.nbytes))
+                run.sinks.append(sinks[item])
+                items.append(item)
+            batch = list(runs.values())
+
+            def landed(r: int, j: int, batch: list[tuple[RemoteRun, list[Place]]] = batch) -> None:
+                run, items = batch[r]
+                sink = sinks[items[j]]
+                came_from[items[j]] = (run.owner, run.node, copier.hash_later(
+                    copier.Span(src=sink.ctypes.data, nbytes=sink.nbytes,
+                                algorithm=digests.of(wanted[items[j]][1]))))
+
+            pending = []
+            for (run, items), error in zip(batch, remote.read_runs(self.step, [r for r, _ in batch], landed),
+                                           strict=True):
+                if error is None:
+                    continue
+                if isinstance(error, ShardNotFoundError):
+                    lacking.add((run.owner, run.node))
+                else:
+                    down.add(run.node)
+                failures.append(f"node {run.node} (rank {run.owner}'s shard): {error}")
+                log.warning("mlcheckpoint: reading %d items of rank %d's shard of step %d from node "
+                            "%d failed (%s): reading them from another place", len(items), run.owner,
+                            self.step, run.node, error)
+                for item in items:
+                    came_from.pop(item, None)  # some may have landed before the failure
+                pending += items
+        return came_from
 
     def _whole_item(self, req: ReadItem) -> bool:
         """Whether ``req`` asks for all of the stored item (no resharding)."""
@@ -377,43 +443,61 @@ class MemoryStorageReader(StorageReader):
         item = f"item {req.storage_index.fqn!r}"
         owner = self._location(req.storage_index).rank
         if owner != rank:
-            item += f" (its copy: rank {owner}'s shard is on no node)"
+            item += f" (its copy; its primary is in rank {owner}'s shard)"
         error = integrity_error(f"step {self.step} rank {rank}'s shard on {where}", item,
                                 CopyId(self.step, rank, node))
         log.error("%s", error)
         raise error
 
 
+class _Unreadable:
+    """What ``read_metadata`` returns when this node has no usable metadata of the step.
+
+    DCP's load catches whatever ``read_metadata`` raises and fails with an AssertionError of
+    its own ("metadata is None"), which hides ours. So the error travels in this object to
+    ``set_up_storage_reader``, DCP's next call in the same collective step, which raises it:
+    every rank sees the error that names what is missing. Any other use raises it too."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: MLCheckpointError):
+        self.error = error
+
+    def __getattr__(self, name: str) -> Any:
+        raise self.error
+
+
 class _Shards:
-    """Where the shards one ``read_data`` reads are: here (each opened at most once, closed
-    together at the end), or held by another node (asked of ``remote`` once per shard)."""
+    """The shards of this node one ``read_data`` reads: each opened at most once, closed
+    together at the end, with the items its manifest lists."""
 
-    def __init__(self, open_local: Callable[[int], ShardSource], remote: RemoteReads | None,
-                 step: int):
-        self._open_local, self._remote, self._step = open_local, remote, step
+    def __init__(self, open_local: Callable[[int], ShardSource]):
+        self._open_local = open_local
         self._opened: dict[int, ShardSource | None] = {}
-        self._absent: dict[int, ShardNotFoundError] = {}
-        self._elsewhere: dict[int, bool] = {}
+        self._listed: dict[int, dict[int, ManifestItem]] = {}  # rank -> offset -> item
         self._stack = contextlib.ExitStack()
-
-    def elsewhere(self, rank: int) -> bool:
-        """Whether another node holds ``rank``'s shard."""
-        if rank not in self._elsewhere:
-            self._elsewhere[rank] = (self._remote is not None
-                                     and self._remote.has_holders(self._step, rank))
-        return self._elsewhere[rank]
 
     def here(self, rank: int) -> ShardSource | None:
         """This node's copy of ``rank``'s shard, open (None: not here)."""
         if rank not in self._opened:
             try:
                 self._opened[rank] = self._stack.enter_context(self._open_local(rank))
-            except ShardNotFoundError as e:
-                self._opened[rank], self._absent[rank] = None, e
+            except ShardNotFoundError:
+                self._opened[rank] = None
         return self._opened[rank]
 
-    def why_absent(self, rank: int) -> ShardNotFoundError:
-        return self._absent[rank]
+    def holds(self, place: Place, loc: ItemLocation) -> bool:
+        """Whether this node's copy of the shard of ``place``'s rank lists the item ``loc``
+        describes at ``place``'s offset (same size, same checksum)."""
+        rank, offset = place
+        source = self.here(rank)
+        if source is None:
+            return False
+        if rank not in self._listed:
+            self._listed[rank] = {it.offset: it for it in source.manifest.items}
+        held = self._listed[rank].get(offset)
+        return held is not None and records_item(held, offset, loc.nbytes, loc.checksum,
+                                                    digests.of(loc))
 
     def __enter__(self) -> Self:
         return self

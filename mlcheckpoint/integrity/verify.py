@@ -70,6 +70,15 @@ def same_layout(held: Iterable[Recorded], offered: Iterable[Recorded]) -> bool:
     return layout(held) == layout(offered)
 
 
+def records_item(held: Recorded, offset: int, nbytes: int, checksum: int,
+                 algorithm: str = digests.DEFAULT) -> bool:
+    """Whether a shard's record of an item (its manifest's) names the bytes recorded
+    elsewhere (the global metadata) as ``nbytes`` at ``offset`` with ``checksum`` under
+    ``algorithm``: whether that shard holds this item, or this copy of it."""
+    return ((held.offset, held.nbytes, held.checksum, digests.of(held))
+            == (offset, nbytes, checksum, algorithm))
+
+
 def digest_item(data: Any, algorithm: str = digests.DEFAULT) -> int:
     """The checksum of one item's bytes (bytes, a uint8 array or a contiguous CPU tensor)
     under ``algorithm``."""

@@ -1,12 +1,11 @@
 """Reads from other nodes during one resume attempt, and the rebuild of a replaced node's shard.
 
 Every read of bytes this node lacks goes through ``Holders``: the byte ranges the reader
-streams into the model (``read_ranges``, the ``dcp.remote.RemoteReads`` protocol), the step's
-metadata for a node without it (``fetch_metadata``), and, after the load, the whole shard of a
-replaced node's own rank (``rebuild``). Which holder to ask, and in what order, is decided in
-one place: ``holder_order``. When a shard is on several other nodes (``replicas`` > 1, or
-a node that kept its own copy), ``read_ranges`` deals its ranges (whole stored items) over
-all of them (``stripe_over_holders``), so that no single survivor serves everything.
+streams into the model (``nodes_holding`` and ``read_runs``, the ``dcp.remote.RemoteReads``
+protocol: the reader deals each item to one of the nodes that hold any of its places,
+``dcp/places.py``), the step's metadata for a node without it (``fetch_metadata``), and, after
+the load, the whole shard of a replaced node's own rank (``rebuild``). Which rank of a holder
+node to ask, and in what order, is decided in one place: ``holder_order``.
 
 The resume waits for the first two, so the holder sends them at the link's full speed; the
 rebuild runs in the background and is paced by the holder's bandwidth budget (``paced``).
@@ -14,14 +13,14 @@ rebuild runs in the background and is paced by the holder's bandwidth budget (``
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-import numpy as np
-
 from .._words import plural
+from ..dcp.remote import RemoteRun
 from ..errors import MLCheckpointError, ShardNotFoundError
 from ..replication.core.streams import run_streams
 from ..replication.core.transport import Transport
@@ -47,30 +46,6 @@ def holder_order(plan: Decision, topology: Topology, owner: int | None) -> list[
     return list(dict.fromkeys(planned + others[start:] + others[:start]))
 
 
-def stripe_over_holders(order: list[int], ranges: list[tuple[int, int]], local_world_size: int
-                        ) -> list[tuple[list[int], list[int]]]:
-    """Deal ``ranges`` (by index) over the holder nodes in ``order``, so that each serves
-    about the same bytes: [(a run's range indices, ranks to ask for it, in order)]. Each run
-    asks one node's first rank in ``order`` first, then the other holders in ``order``
-    (``holder_order``'s fallback). Whole ranges are dealt, largest first to the node with the
-    fewest bytes so far: a range is one stored item, checked as a whole, so a checksum
-    mismatch names the one node it came from. A pure function."""
-    first_per_node: dict[int, int] = {}  # node -> the first of its ranks in ``order``
-    for rank in order:
-        first_per_node.setdefault(rank // local_world_size, rank)
-    sources = list(first_per_node.values())
-    if len(sources) < 2 or len(ranges) < 2:
-        return [(list(range(len(ranges))), order)]
-    dealt: list[list[int]] = [[] for _ in sources]
-    load = [0] * len(sources)
-    for i in sorted(range(len(ranges)), key=lambda i: -ranges[i][1]):
-        j = min(range(len(sources)), key=lambda j: (load[j], len(dealt[j]), j))
-        dealt[j].append(i)
-        load[j] += ranges[i][1]
-    return [(sorted(indices), [src] + [r for r in order if r != src])
-            for indices, src in zip(dealt, sources, strict=True) if indices]
-
-
 class Holders:
     """The nodes that hold the step ``plan`` loads, seen from this rank.
 
@@ -84,48 +59,85 @@ class Holders:
         self.transport, self.store, self.topo, self.plan = transport, store, topology, plan
         self.step: int = plan.step
         self.bytes_served: dict[int, dict[int, int]] = {}  # owner -> node -> bytes
+        self._holder_nodes: dict[int, list[int]] = {}  # owner -> other nodes holding its shard
 
     @property
     def bytes_fetched(self) -> int:
         return sum(n for by_node in self.bytes_served.values() for n in by_node.values())
 
-    def read_ranges(self, step: int, owner: int, ranges: list[tuple[int, int]],
-                    sinks: list[np.ndarray], on_range: Callable[[int], None]) -> list[int]:
-        """Stream byte ranges of ``owner``'s shard straight into ``sinks``, spread over the
-        nodes that hold it (read at once, each its own run of ranges); return the node each
-        range came from. Nothing lands in this node's store (see ``rebuild``)."""
+    def nodes_holding(self, step: int, owner: int, offset: int) -> list[int]:
+        """The other nodes whose copy of ``owner``'s shard holds the item at ``offset``
+        (``RemoteReads``): every node holding the shard, a partial replica only for the items
+        it lists; from an offset set by this rank's place on its node, so that the readers of
+        one node begin on different holders."""
         self._check_step(step)
-        came_from = [-1] * len(ranges)
+        if owner not in self._holder_nodes:
+            nodes = sorted({self.topo.node_of(r) for r in self.plan.holders.get(owner, ())}
+                           - {self.topo.node_rank})
+            start = self.topo.local_rank % len(nodes) if nodes else 0
+            self._holder_nodes[owner] = nodes[start:] + nodes[:start]
+        partial = self.plan.partial.get(owner, {})
+        return [n for n in self._holder_nodes[owner] if n not in partial or offset in partial[n]]
+
+    def read_runs(self, step: int, runs: list[RemoteRun],
+                  on_range: Callable[[int, int], None]) -> list[BaseException | None]:
+        """Read each run from the ranks of its node that hold its shard, one after the other
+        until one serves it; the nodes at once, each node's runs in turn (``RemoteReads``).
+        Nothing lands in this node's store (see ``rebuild``). A node that failed otherwise
+        than by lacking a shard (dead, unreachable) is asked nothing more: its other runs
+        fail with the same error."""
+        self._check_step(step)
+        errors: list[BaseException | None] = [None] * len(runs)
+        by_node: dict[int, list[int]] = {}
+        for i, run in enumerate(runs):
+            by_node.setdefault(run.node, []).append(i)
         lock = threading.Lock()
 
-        def read_run(run: tuple[list[int], list[int]]) -> None:
-            indices, order = run
-            nbytes, src = self._from_first_that_serves(
-                owner, lambda src: self.transport.read_items(
-                    src, step, owner, [ranges[i] for i in indices], [sinks[i] for i in indices],
-                    lambda j: on_range(indices[j]), paced=False), order=order)
-            node = self.topo.node_of(src)
-            with lock:
-                by_node = self.bytes_served.setdefault(owner, {})
-                by_node[node] = by_node.get(node, 0) + nbytes
-                for i in indices:
-                    came_from[i] = node
+        def read_node(indices: list[int]) -> None:
+            down: BaseException | None = None
+            for i in indices:
+                run = runs[i]
+                if down is not None:
+                    errors[i] = down
+                    continue
+                try:
+                    nbytes = self._read_run(step, run, functools.partial(on_range, i))
+                except ShardNotFoundError as e:
+                    errors[i] = e
+                    continue
+                except (MLCheckpointError, OSError) as e:
+                    errors[i] = down = e
+                    continue
+                with lock:
+                    served = self.bytes_served.setdefault(run.owner, {})
+                    served[run.node] = served.get(run.node, 0) + nbytes
 
-        runs = stripe_over_holders(holder_order(self.plan, self.topo, owner), ranges,
-                                   self.topo.local_world_size)
-        errors = run_streams(read_run, runs)  # returns once no run writes into the sinks
-        if errors:
-            raise errors[0]
-        nodes = sorted(set(came_from))
-        log.info("mlcheckpoint: read %s of rank %d's shard of step %d from %s %s",
-                 plural(len(ranges), "range"), owner, step, "node" if len(nodes) == 1 else "nodes", nodes)
-        return came_from
+        failed = run_streams(read_node, list(by_node.values()))  # returns once no read writes
+        if failed:
+            raise failed[0]  # not a read's failure (those are in ``errors``): a bug
+        nodes = sorted({run.node for run, error in zip(runs, errors, strict=True) if error is None})
+        log.info("mlcheckpoint: read %s of step %d from %s %s",
+                 plural(sum(len(run.ranges) for run in runs), "item"), step,
+                 "node" if len(nodes) == 1 else "nodes", nodes)
+        return errors
 
-    def has_holders(self, step: int, owner: int) -> bool:
-        """Whether another node holds ``owner``'s shard of the step (``RemoteReads``): when
-        none does, the reader reads the shard's items from their copies."""
-        self._check_step(step)
-        return bool(holder_order(self.plan, self.topo, owner))
+    def _read_run(self, step: int, run: RemoteRun, on_range: Callable[[int], None]) -> int:
+        """``run`` from the first rank of its node that serves it; returns its bytes. Raises
+        ShardNotFoundError when every one answered that it lacks the shard, else the error
+        of the last that failed otherwise."""
+        ranks = [r for r in holder_order(self.plan, self.topo, run.owner) if self.topo.node_of(r) == run.node]
+        lacking: BaseException = ShardNotFoundError(
+            f"node {run.node} holds no copy of rank {run.owner}'s shard of step {step}")
+        failed: BaseException | None = None
+        for src in ranks:
+            try:
+                return self.transport.read_items(src, step, run.owner, run.ranges, run.sinks,
+                                                 on_range, paced=False)
+            except ShardNotFoundError as e:
+                lacking = e
+            except (MLCheckpointError, OSError) as e:
+                failed = e
+        raise failed if failed is not None else lacking
 
     def fetch_metadata(self) -> None:
         """Pull the step's global metadata into this node's store."""

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from ..errors import CorruptShardError, ShardNotFoundError
 from ..store import LocalStore
 from ..store.identity import Lineage
 
@@ -28,6 +29,9 @@ class StepCopy:
     damaged: tuple[tuple[int, str], ...] = ()  # (owner, why) for unusable shard copies here
     # owner -> the sets of ranks whose shards hold copies of its items (``store/coverage.py``)
     copy_groups: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...] = ()
+    # (owner, offsets of the items it lists) for each shard here that holds only some of its
+    # owner's items (a partial replica: its manifest says so); a shard not named is whole
+    partial: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def copies(self) -> dict[int, list[list[int]]]:
         """The copy groups, keyed by owner rank."""
@@ -65,7 +69,8 @@ def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInvent
             required=tuple(st.required_ranks) if st.required_ranks is not None else None,
             world_size=st.world_size, shard_bytes=tuple(sizes),
             shard_saves=tuple((o, st.shard_saves[o]) for o, _ in sizes),
-            damaged=tuple(sorted(st.damaged.items())))
+            damaged=tuple(sorted(st.damaged.items())),
+            partial=tuple(_partial_shards(store, step, [o for o, _ in sizes])))
         h = st.header
         if h is not None:  # the metadata here names its save, its run and the runs before it
             copy = dataclasses.replace(copy, save_id=h.save_id, run_id=h.run_id, created=h.created,
@@ -74,3 +79,17 @@ def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInvent
                                                          for owner, gs in sorted(st.copy_groups.items())))
         inv.steps[step] = copy
     return inv
+
+
+def _partial_shards(store: LocalStore, step: int, owners: list[int]) -> list[tuple[int, tuple[int, ...]]]:
+    """(owner, offsets of its items listed here) for the shards here whose manifest marks
+    them partial (a replica that holds only the items that lacked their places)."""
+    out = []
+    for owner in owners:
+        try:
+            m = store.read_manifest(step, owner)
+        except (ShardNotFoundError, CorruptShardError):
+            continue  # retired or damaged since the listing: the next inventory says so
+        if getattr(m, "partial", False):  # a manifest without the field is whole
+            out.append((owner, tuple(sorted(it.offset for it in m.items))))
+    return out

@@ -65,6 +65,9 @@ class Decision:
     sources: dict[int, str] = field(default_factory=dict)
     # Owners whose shard is on no surviving node: the reader reads their items from copies.
     through_copies: list[int] = field(default_factory=list)
+    # owner -> node -> offsets of the items its partial copy of the owner's shard holds (a
+    # replica that holds only some items); a holder node not named holds the whole shard
+    partial: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
     resharded: bool = False  # saved with another world size: DCP reshards, reads fetch lazily
     newest_protected: int | None = None  # newest step with every shard on ``copies`` nodes
     reason: str = ""
@@ -185,6 +188,7 @@ class _StepView:
     meta_nodes: list[int] = field(default_factory=list)
     owner_nodes: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     owner_bytes: dict[int, int] = field(default_factory=dict)
+    partial: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)  # Decision.partial
     refused: set[int] = field(default_factory=set)  # owners with a copy that failed verification
     damage: list[str] = field(default_factory=list)  # what the inventories found wrong
 
@@ -249,6 +253,7 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
             for owner, why in copy.damaged:  # listed by its node, unusable: a refused copy
                 v.refused.add(owner)
                 v.damage.append(f"node {inv.node}: {why}")
+            partial = dict(copy.partial)
             for owner, nbytes in copy.shard_bytes:
                 if copy.save_of(owner) != v.save_id:
                     continue  # a shard of another save of this step: never part of this one
@@ -257,6 +262,8 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
                 else:
                     v.owner_nodes[owner].append(inv.node)
                     v.owner_bytes[owner] = nbytes
+                    if owner in partial:
+                        v.partial.setdefault(owner, {})[inv.node] = frozenset(partial[owner])
     return view
 
 
@@ -328,7 +335,7 @@ def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size:
         return ranks[turn[node] % len(ranks)]
 
     d = Decision(MEMORY, step, resharded=v.world_size != world_size, save_id=v.save_id,
-                 lineage=v.lineage)
+                 lineage=v.lineage, partial={o: dict(by_node) for o, by_node in v.partial.items()})
     d.holders = {o: [r for n in sorted(set(ns)) for r in node_ranks[n]] for o, ns in v.owner_nodes.items()}
     d.metadata_holders = [r for n in sorted(set(v.meta_nodes)) for r in node_ranks[n]]
     for node, ranks in sorted(node_ranks.items()):

@@ -121,7 +121,15 @@ class Recovery:
         bad_steps: set[int] = set()
         notes: list[str] = []
         holders: Holders | None = None  # reads from other nodes, for the step being tried
-        for _ in range(MAX_ROUNDS):
+        for attempt in range(MAX_ROUNDS):
+            if attempt:
+                # A copy was refused (and retired where it lay) or a read failed: plan again
+                # from what every node holds now, not from what it held before the loop (a
+                # node whose last shard of a step was retired may need that step's metadata
+                # fetched, or hold nothing of it any more).
+                t = time.perf_counter()
+                nodes, _ = self._gather_inventory(persistent=False)
+                self._lap("inventory", t)
             t = time.perf_counter()
             d = plan_resume(nodes, persistent_step, self.topo.world_size, bad_copies=bad,
                             bad_steps=bad_steps, can_fetch=self.transport is not None,
@@ -153,7 +161,7 @@ class Recovery:
             notes.append(failure)
             if bad_copy is not None:  # one copy was bad: refuse it, try the others first
                 bad.add(bad_copy)
-                self._quarantine(bad_copy)
+                self._quarantine(bad_copy, d)
             else:
                 bad_steps.add(d.step)
         else:  # every round refused another copy: memory cannot serve, persistent still may
@@ -191,13 +199,14 @@ class Recovery:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
     # ------------------------------------------------------------------ inventory
-    def _gather_inventory(self) -> tuple[list[NodeInventory], PersistentStep | None]:
-        """Each node's inventory (taken by its local rank 0), and the newest persistent step
-        with what is known of its origin (listed by rank 0): one all_gather."""
+    def _gather_inventory(self, persistent: bool = True) -> tuple[list[NodeInventory], PersistentStep | None]:
+        """Each node's inventory (taken by its local rank 0), and (with ``persistent``) the
+        newest persistent step with what is known of its origin (listed by rank 0): one
+        all_gather."""
         mine = (take_inventory(self.store, self.topo.node_rank, self.topo.ranks_of_node(self.topo.node_rank))
                 if self.topo.local_rank == 0 else None)
         newest: PersistentStep | None = None
-        if self.topo.rank == 0 and self.persistent is not None:
+        if persistent and self.topo.rank == 0 and self.persistent is not None:
             steps = self.persistent.steps()
             if steps:
                 origin = self.persistent.origin(steps[-1])
@@ -242,7 +251,7 @@ class Recovery:
         """Fetch the metadata this node lacks (the plan names one rank per node for it).
 
         Shards are not fetched here: the reader streams them straight into the model
-        (``Holders.read_ranges``), and a replaced node's own shard is rebuilt after the load
+        (``Holders.read_runs``), and a replaced node's own shard is rebuilt after the load
         (``_heal``), off the resume's critical path."""
         mine = [f for f in d.fetches if f.owner is None and f.dst_rank == self.topo.rank]
         if not mine or holders is None:
@@ -266,13 +275,13 @@ class Recovery:
         """
         if self.topo.local_rank != 0:
             return []
+        node = self.topo.node_rank
         try:
             self.store.read_metadata(step, save_id)
-        except CorruptShardError as e:
-            node = self.topo.node_rank
+        except (CorruptShardError, ShardNotFoundError) as e:
+            # Missing: gone since the inventory (every rank of the node would fail in dcp.load);
+            # the next plan fetches it from a node that holds it.
             return [(CopyId(step, None, node), f"node {node}: {e}")]
-        except ShardNotFoundError:
-            pass
         return []
 
     # ------------------------------------------------------------------ load
@@ -294,12 +303,16 @@ class Recovery:
             return f"step {d.step} failed to load: {e}", None
         return None, None
 
-    def _quarantine(self, copy: CopyId) -> None:
-        """Uncommit a copy found corrupt, on the node that holds it, so nobody reads it again."""
+    def _quarantine(self, copy: CopyId, d: Decision) -> None:
+        """Uncommit a copy found corrupt, on the node that holds it, so nobody reads it again.
+        The step's metadata stays there while another node holds the step (``d``'s holders):
+        this node may still load it from them."""
         if copy.node == self.topo.node_rank and self.topo.local_rank == 0 and copy.owner is not None:
             log.warning("mlcheckpoint: refusing corrupt copy of rank %d's shard of step %d on node %d",
                         copy.owner, copy.step, copy.node)
-            self.store.retire_shard(copy.step, copy.owner)
+            held = [*d.metadata_holders, *(r for ranks in d.holders.values() for r in ranks)]
+            elsewhere = any(self.topo.node_of(r) != copy.node for r in held)
+            self.store.retire_shard(copy.step, copy.owner, keep_metadata=elsewhere)
 
     # ------------------------------------------------------------------ finish and heal
     def _finish(self, d: Decision, reasons: list[str], t0: float, fetched: int,

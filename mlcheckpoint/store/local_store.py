@@ -227,10 +227,11 @@ class LocalStore:
         return self.capacity.usage_bytes()
 
     # ------------------------------------------------------------------ retirement and gc
-    def retire_shard(self, step: int, rank: int) -> None:
+    def retire_shard(self, step: int, rank: int, *, keep_metadata: bool = False) -> None:
         """Uncommit a shard (manifest first) and recycle its buffer (what retention,
-        ``mlcheckpoint/retention.py``, and a quarantine call)."""
-        self.shards.retire(step, rank)
+        ``mlcheckpoint/retention.py``, and a quarantine call); the step's metadata stays with
+        ``keep_metadata``, even when no shard of the step is left here."""
+        self.shards.retire(step, rank, keep_metadata=keep_metadata)
 
     def gc(self, ranks: Iterable[int] | None = None, min_age_s: float = 0.0) -> list[str]:
         """Remove what crashes left behind (see ``cleanup.gc``); returns the removed paths."""

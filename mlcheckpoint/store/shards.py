@@ -161,12 +161,15 @@ class ShardFiles:
             return source.manifest, self.mappings.map(source.path, source.manifest.data_bytes)
 
     # ------------------------------------------------------------------ retire
-    def retire(self, step: int, rank: int) -> None:
-        """Uncommit a shard (manifest first) and recycle its buffer."""
+    def retire(self, step: int, rank: int, *, keep_metadata: bool = False) -> None:
+        """Uncommit a shard (manifest first) and recycle its buffer. The step's folder goes
+        with its last shard, metadata included, unless ``keep_metadata`` (a shard refused as
+        damaged while other nodes still hold the step: this node needs the metadata to load
+        it from them)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.paths.manifest(step, rank))
         self.pool.recycle(self.paths.data(step, rank), rank)
-        self.remove_step_if_empty(step)
+        self.remove_step_if_empty(step, keep_metadata=keep_metadata)
 
     def remove_step_if_empty(self, step: int, keep_metadata: bool = False) -> None:
         """Remove a step folder that holds nothing but (unless ``keep_metadata``) metadata."""

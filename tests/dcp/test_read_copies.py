@@ -31,10 +31,12 @@ from mlcheckpoint.errors import CopyId, ShardNotFoundError
 from mlcheckpoint.recovery import plan_resume, take_inventory
 from mlcheckpoint.recovery.holders import Holders
 from mlcheckpoint.recovery.load import load_step
+from mlcheckpoint.recovery.planner import MEMORY, Decision
 from mlcheckpoint.replication import Transport
 from mlcheckpoint.store import coverage
 from mlcheckpoint.store.identity import Lineage
 from mlcheckpoint.store.layout import ItemLocation
+from mlcheckpoint.store.manifest import ManifestItem
 from mlcheckpoint.testing import internals
 from mlcheckpoint.topology import Topology
 
@@ -101,7 +103,7 @@ def test_items_of_a_shard_on_no_node_load_from_their_copies(store, caplog):
     with caplog.at_level("INFO", logger="mlcheckpoint.dcp.reader"):
         load_step(out, MemoryStorageReader(STEP, store, node=0), None)
     same(expected, out)
-    assert "rank 1's shard of step 4 is on no node" in caplog.text
+    assert "reading items of rank 1's shard from their copies in the shards of ranks [0]" in caplog.text
 
 
 def test_a_corrupt_copy_is_named(store):
@@ -117,7 +119,7 @@ def test_a_corrupt_copy_is_named(store):
 def test_a_copy_gone_too_is_a_clear_error(store):
     save_with_lost_shard(store)
     os.unlink(store.manifest_path(STEP, 0))  # rank 0's shard uncommitted: the copies are gone
-    with pytest.raises(ShardNotFoundError, match="nor is any copy"):
+    with pytest.raises(ShardNotFoundError, match="neither in rank 1's shard nor in any of its copies"):
         load_step(target(), MemoryStorageReader(STEP, store, node=0), None)
 
 
@@ -201,7 +203,7 @@ def test_copies_held_by_another_node_are_read_through_the_holders(store, store_d
         assert (plan.step, plan.through_copies, plan.sources) == (STEP, [1], {0: "local", 1: "copies"})
         transport = OtherNode(store)
         holders = Holders(transport, replacement, node(1), plan)
-        assert holders.has_holders(STEP, 0) and not holders.has_holders(STEP, 1)
+        assert holders.nodes_holding(STEP, 0, 0) == [0] and holders.nodes_holding(STEP, 1, 0) == []
         if corrupt:
             flip_byte(store.data_path(STEP, 0), copies["i64"].offset)
         reader = MemoryStorageReader(STEP, replacement, node=1, remote=holders, save_id=plan.save_id)
@@ -217,3 +219,121 @@ def test_copies_held_by_another_node_are_read_through_the_holders(store, store_d
         assert not holders.rebuild(1)  # rank 1's shard is on no node: nothing to rebuild
     finally:
         replacement.close()
+
+
+# ---------------------------------------------------------------- nearest first (issue 38)
+
+class NoReads(OtherNode):
+    """A node the reader must not need: any read from it fails the test."""
+
+    def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
+        raise AssertionError(f"read rank {owner}'s shard from rank {peer}, though node 0 holds copies")
+
+
+class DiesFor(OtherNode):
+    """Serves ``store``'s shards, but the ranks in ``dead`` fail as a holder killed mid-read
+    does (the connection reset after the request)."""
+
+    def __init__(self, store: LocalStore, dead: set[int]) -> None:
+        super().__init__(store)
+        self.dead = dead
+        self.asked: list[int] = []
+
+    def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
+        self.asked.append(peer)
+        if peer in self.dead:
+            raise ConnectionResetError(f"rank {peer}: connection reset by peer")
+        return super().read_items(peer, step, owner, ranges, sinks, on_range, paced=paced)
+
+
+def rank_on(rank: int, world: int = 3) -> Topology:
+    return Topology(rank=rank, world_size=world, local_rank=0, local_world_size=1, node_rank=rank,
+                    num_nodes=world)
+
+
+def plan_with_holders(save_id: str, holders: dict[int, list[int]]) -> Decision:
+    return Decision(MEMORY, STEP, holders=holders, metadata_holders=[0], save_id=save_id)
+
+
+def test_an_item_with_a_copy_here_is_read_here_though_its_shard_is_elsewhere(store):
+    """Node 0 holds copies of rank 1's items; rank 1's shard is on node 1. Every item is read
+    on node 0: nothing from node 1."""
+    expected, _ = save_with_lost_shard(store)
+    header, _ = store.read_metadata(STEP)
+    plan = plan_with_holders(header.save_id, {0: [0], 1: [1]})
+    holders = Holders(NoReads(store), store, rank_on(0, 2), plan)
+    out = target()
+    load_step(out, MemoryStorageReader(STEP, store, node=0, remote=holders, save_id=plan.save_id), None)
+    same(expected, out)
+    assert holders.bytes_fetched == 0
+
+
+def test_items_whose_holder_dies_mid_read_come_from_their_copies(store, store_dir):
+    """Node 2 (a replacement) holds only the metadata. Rank 1's items are primaries on node 1,
+    which dies as it is asked; their copies on node 0 serve them."""
+    expected, _ = save_with_lost_shard(store)
+    header, _ = store.read_metadata(STEP)
+    replacement = LocalStore(os.path.join(store_dir, "node2"), JOB)
+    try:
+        replacement.write_metadata_file(STEP, store.read_metadata_file(STEP))
+        plan = plan_with_holders(header.save_id, {0: [0], 1: [1]})
+        transport = DiesFor(store, dead={1})
+        holders = Holders(transport, replacement, rank_on(2), plan)
+        out = target()
+        load_step(out, MemoryStorageReader(STEP, replacement, node=2, remote=holders,
+                                           save_id=plan.save_id), None)
+        same(expected, out)
+        assert 1 in transport.asked  # the dead holder was dealt items first
+        assert set(holders.bytes_served) == {0} and set(holders.bytes_served[0]) == {0}
+    finally:
+        replacement.close()
+
+
+def test_when_every_place_of_an_item_fails_the_error_names_them(store, store_dir):
+    save_with_lost_shard(store)
+    header, _ = store.read_metadata(STEP)
+    replacement = LocalStore(os.path.join(store_dir, "node2"), JOB)
+    try:
+        replacement.write_metadata_file(STEP, store.read_metadata_file(STEP))
+        plan = plan_with_holders(header.save_id, {0: [0], 1: [1]})
+        holders = Holders(DiesFor(store, dead={0, 1}), replacement, rank_on(2), plan)
+        with pytest.raises(ShardNotFoundError, match="on any node; failed: node") as ei:
+            load_step(target(), MemoryStorageReader(STEP, replacement, node=2, remote=holders,
+                                                    save_id=plan.save_id), None)
+        assert "connection reset" in str(ei.value)
+    finally:
+        replacement.close()
+
+
+def test_a_shard_here_serves_only_the_items_its_manifest_lists(store):
+    """A partial copy of rank 1's shard on node 0 lists two of its items (the rest of its bytes
+    are holes): those two are read from it, the others from their copies in rank 0's shard."""
+    expected, copies = save_with_lost_shard(store)
+    header, payload = store.read_metadata(STEP)
+    md = pickle.loads(payload)
+    moved = sorted(((i.fqn, loc) for i, loc in md.storage_data.items() if i.fqn != KEPT),
+                   key=lambda kv: kv[1].offset)
+    listed = set(sorted(fqn for fqn, loc in moved if loc.is_tensor and loc.nbytes)[:2])
+    end = max(loc.offset + loc.nbytes for _, loc in moved)
+    shard = store.begin_shard(STEP, 1, end)
+    shard.buffer.array[:] = 0
+    with store.open_shard(STEP, 0) as source:
+        for fqn, loc in moved:
+            if fqn in listed:
+                shard.buffer.array[loc.offset:loc.offset + loc.nbytes] = np.frombuffer(
+                    source.read(copies[fqn].offset, loc.nbytes), np.uint8)
+                shard.add_item(ManifestItem(key=fqn, offset=loc.offset, nbytes=loc.nbytes,
+                                            checksum=loc.checksum))
+    shard.commit(2, save_id=header.save_id, run_id=header.run_id)
+    for fqn in listed:  # rank 0's copies of the listed items are damaged: they must not be read
+        flip_byte(store.data_path(STEP, 0), copies[fqn].offset)
+    out = target()
+    load_step(out, MemoryStorageReader(STEP, store, node=0), None)
+    same(expected, out)
+
+
+def test_a_missing_metadata_is_named_not_an_assertion(store):
+    save_with_lost_shard(store)
+    os.unlink(store.metadata_path(STEP))
+    with pytest.raises(ShardNotFoundError, match="step 4 has no global metadata on this node"):
+        load_step(target(), MemoryStorageReader(STEP, store, node=0), None)

@@ -58,9 +58,12 @@ def test_two_partners_survive_two_lost_nodes_and_reads_spread_over_both():
     for rank, r in after_one.items():
         assert r["step"] == 5 and r["match"] and not r["mismatch"], (rank, r)
     # Every rank says the same, job-wide: rank 0's shard came from both its holders (1 and 3),
-    # in shares of whole items (4 layers dealt to 2 holders), and from no other node.
+    # in whole items (4 layers dealt to 2 holders), and from no other node. The deal evens out
+    # the bytes each node serves the reader over every shard it reads (dcp/places.py), so a
+    # holder that also serves it another shard's item (the replicated values, saved once in
+    # rank 3's shard) sends less of this one: the shares of one shard need not be even.
     served = after_one[0]["served"]
     assert all(r["served"] == served for r in after_one.values()), after_one
     own = served["0"]
-    assert set(own) == {"1", "3"} and min(own.values()) >= sum(own.values()) // 4, served
+    assert set(own) == {"1", "3"} and min(own.values()) > 0, served
     assert sum(b for by_node in served.values() for b in by_node.values()) == after_one[0]["bytes_fetched"]

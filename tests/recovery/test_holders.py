@@ -1,14 +1,18 @@
 """Reads from other nodes during a resume (recovery/holders.py), without processes: which
-holder each rank asks first and which reads are paced. That layer 2 (dcp) reaches them only
-through its Protocol is one of the layer rules in tests/test_layers.py."""
+holder each rank asks first, which nodes hold an item, how a run falls back on the ranks of
+its node, and which reads are paced. That layer 2 (dcp) reaches them only through its
+Protocol is one of the layer rules in tests/test_layers.py."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from mlcheckpoint import LocalStore
+from mlcheckpoint.dcp.remote import RemoteRun
 from mlcheckpoint.errors import ShardNotFoundError
-from mlcheckpoint.recovery.holders import Holders, holder_order, stripe_over_holders
+from mlcheckpoint.recovery.holders import Holders, holder_order
 from mlcheckpoint.recovery.planner import MEMORY, Decision, Fetch
 from mlcheckpoint.replication import Transport
 from mlcheckpoint.topology import Topology
@@ -83,7 +87,8 @@ def test_a_resumes_reads_are_unpaced_and_the_heal_is_paced(store_dir):
     transport, store = RecordingTransport(), LocalStore(store_dir, "holders-paced")
     try:
         holders = Holders(transport, store, rank_on(2, 0), PLAN)
-        holders.read_ranges(7, 4, [(0, 1)], [np.zeros(1, np.uint8)], lambda i: None)
+        assert holders.read_runs(7, [RemoteRun(4, 1, [(0, 1)], [np.zeros(1, np.uint8)])],
+                                 lambda r, i: None) == [None]
         holders.fetch_metadata()
         assert holders.rebuild(4)
     finally:
@@ -92,28 +97,24 @@ def test_a_resumes_reads_are_unpaced_and_the_heal_is_paced(store_dir):
                                ("fetch_shard", True)]
 
 
-# Spread reads (issue 23, part 3): a shard held by several other nodes is read from all of them.
+# Which nodes hold an item (issue 38): every holder of the shard, a partial replica only for
+# the items it lists; a node's ranks start on different holders.
 
-def test_ranges_are_dealt_over_every_holder_node_in_about_equal_bytes():
-    order = holder_order(PLAN, rank_on(2, 0), 4)  # rank 3 (node 1) planned, then node 0
-    ranges = [(i * 100, 100) for i in range(10)]
-    runs = stripe_over_holders(order, ranges, 2)
-    assert sorted(i for indices, _ in runs for i in indices) == list(range(10))  # each once
-    firsts = [asks[0] // 2 for _, asks in runs]
-    assert firsts == [1, 0], runs  # the planned node first, then every other holder node
-    assert [len(indices) for indices, _ in runs] == [5, 5]
-    for _, asks in runs:  # a run falls back on every other holder
-        assert sorted(asks) == sorted(order)
-
-
-def test_one_large_range_goes_to_one_node_and_the_rest_to_the_other():
-    runs = stripe_over_holders([3, 0], [(0, 10), (10, 10), (20, 1000), (1020, 5)], 2)
-    assert runs == [([2], [3, 0]), ([0, 1, 3], [0, 3])]
+def test_every_other_node_holding_the_shard_holds_its_items():
+    for local_rank in (0, 1):
+        nodes = Holders(RecordingTransport(), None, rank_on(2, local_rank), PLAN).nodes_holding(7, 4, 0)
+        assert sorted(nodes) == [0, 1]
+    firsts = {Holders(RecordingTransport(), None, rank_on(2, lr), PLAN).nodes_holding(7, 4, 0)[0]
+              for lr in (0, 1)}
+    assert firsts == {0, 1}  # the two readers of node 2 begin on different holders
+    assert Holders(RecordingTransport(), None, rank_on(1, 0), PLAN).nodes_holding(7, 4, 0) == [0]
 
 
-def test_one_holder_node_or_one_range_is_one_run():
-    assert stripe_over_holders([0, 1], [(0, 10), (10, 10)], 2) == [([0, 1], [0, 1])]
-    assert stripe_over_holders([0, 2], [(0, 10)], 2) == [([0], [0, 2])]
+def test_a_partial_replica_holds_only_the_items_it_lists():
+    plan = dataclasses.replace(PLAN, partial={4: {1: frozenset({100})}})
+    holders = Holders(RecordingTransport(), None, rank_on(2, 0), plan)
+    assert sorted(holders.nodes_holding(7, 4, 100)) == [0, 1]
+    assert holders.nodes_holding(7, 4, 0) == [0]  # node 1's copy of rank 4's shard lacks it
 
 
 class ServingTransport(RecordingTransport):
@@ -134,40 +135,66 @@ class ServingTransport(RecordingTransport):
         return sum(n for _, n in ranges)
 
 
-def _read_all(holders: Holders, shard: bytes, nranges: int) -> tuple[list[int], list[int]]:
+class DeadTransport(ServingTransport):
+    """Ranks in ``down`` fail as a dead node's do (the connection refused), not as "missing"."""
+
+    def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
+        if peer in self.down:
+            raise ConnectionRefusedError(f"rank {peer}: connection refused")
+        return super().read_items(peer, step, owner, ranges, sinks, on_range, paced=paced)
+
+
+def _run(node: int, shard: bytes, nranges: int) -> RemoteRun:
     size = len(shard) // nranges
-    ranges = [(i * size, size) for i in range(nranges)]
-    sinks = [np.zeros(size, np.uint8) for _ in ranges]
-    landed: list[int] = []
-    nodes = holders.read_ranges(7, 4, ranges, sinks, landed.append)
-    assert b"".join(s.tobytes() for s in sinks) == shard
-    return nodes, sorted(landed)
+    return RemoteRun(4, node, [(i * size, size) for i in range(nranges)],
+                     [np.zeros(size, np.uint8) for _ in range(nranges)])
 
 
-def test_a_shard_on_two_nodes_is_read_from_both(store_dir):
+def test_runs_on_two_nodes_are_read_from_both_and_counted(store_dir):
     shard = bytes(range(256)) * 40
     transport, store = ServingTransport(shard), LocalStore(store_dir, "holders-spread")
     try:
         holders = Holders(transport, store, rank_on(2, 0), PLAN)
-        nodes, landed = _read_all(holders, shard, 8)
+        runs = [_run(0, shard, 4), _run(1, shard, 4)]
+        landed: list[tuple[int, int]] = []
+        assert holders.read_runs(7, runs, lambda r, i: landed.append((r, i))) == [None, None]
     finally:
         store.close()
-    assert landed == list(range(8))
-    assert sorted(set(nodes)) == [0, 1], nodes
+    assert sorted(landed) == [(r, i) for r in range(2) for i in range(4)]
+    for run in runs:
+        assert b"".join(s.tobytes() for s in run.sinks) == shard
     assert sorted({rank // 2 for rank in transport.served}) == [0, 1]
-    assert holders.bytes_fetched == len(shard)
-    assert holders.bytes_served == {4: {0: len(shard) // 2, 1: len(shard) // 2}}
+    assert holders.bytes_served == {4: {0: len(shard), 1: len(shard)}}
+    assert holders.bytes_fetched == 2 * len(shard)
 
 
-def test_a_holder_that_fails_leaves_its_ranges_to_the_others(store_dir):
+def test_a_run_falls_back_on_the_other_ranks_of_its_node(store_dir):
     shard = bytes(range(256)) * 40
-    transport = ServingTransport(shard, down={3})  # the planned source, on node 1
+    transport = ServingTransport(shard, down={3})  # node 1's first rank for this reader
     store = LocalStore(store_dir, "holders-fallback")
     try:
-        holders = Holders(transport, store, rank_on(2, 0), PLAN)
-        nodes, landed = _read_all(holders, shard, 8)
+        holders = Holders(transport, store, rank_on(2, 1), PLAN)
+        run = _run(1, shard, 2)
+        assert holders.read_runs(7, [run], lambda r, i: None) == [None]
     finally:
         store.close()
-    assert landed == list(range(8))
-    assert set(nodes) <= {0, 1} and 3 not in transport.served
-    assert holders.bytes_fetched == len(shard)
+    assert b"".join(s.tobytes() for s in run.sinks) == shard
+    assert set(transport.served) == {2}
+
+
+def test_a_node_that_fails_fails_its_runs_and_says_how(store_dir):
+    shard = bytes(range(256)) * 40
+    store = LocalStore(store_dir, "holders-down")
+    try:
+        missing = Holders(ServingTransport(shard, down={2, 3}), store, rank_on(2, 0), PLAN)
+        errors = missing.read_runs(7, [_run(1, shard, 2), _run(0, shard, 2)], lambda r, i: None)
+        assert isinstance(errors[0], ShardNotFoundError) and errors[1] is None, errors
+        dead = DeadTransport(shard, down={2, 3})
+        holders = Holders(dead, store, rank_on(2, 0), PLAN)
+        errors = holders.read_runs(7, [_run(1, shard, 2), _run(1, shard, 2), _run(0, shard, 2)],
+                                   lambda r, i: None)
+    finally:
+        store.close()
+    # a dead node: both its ranks refused the first run; its second run is not tried again
+    assert [type(e) for e in errors] == [ConnectionRefusedError, ConnectionRefusedError, type(None)]
+    assert holders.bytes_served == {4: {0: len(shard)}}

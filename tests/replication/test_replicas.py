@@ -15,9 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlcheckpoint import CapacityError, LocalStore
+from mlcheckpoint.dcp.places import deal
 from mlcheckpoint.errors import ConfigError
 from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume
-from mlcheckpoint.recovery.holders import holder_order, stripe_over_holders
+from mlcheckpoint.recovery.holders import Holders
 from mlcheckpoint.recovery.planner import MEMORY
 from mlcheckpoint.replication.schedule.pairing import (
     DomainPairing,
@@ -157,15 +158,16 @@ def test_protected_counts_the_configured_copies():
 
 def test_a_replaced_nodes_reads_spread_over_both_holders():
     # 4 nodes, k = 2, node 0 replaced: its shard is on its two partners, and its reads are
-    # dealt over both, each run falling back on the other.
+    # dealt over both.
     partners = sorted(replica_targets([""] * 4, 2)[0])
     d = plan_resume(replicated(4, 1, 2, lost={0}), None, 4, copies=3)
     here = Topology(rank=0, world_size=4, local_rank=0, local_world_size=1, node_rank=0,
                     num_nodes=4)
-    order = holder_order(d, here, 0)
-    runs = stripe_over_holders(order, [(i * 10, 10) for i in range(6)], 1)
-    assert sorted(asks[0] for _, asks in runs) == partners, runs
-    assert all(sorted(asks) == partners for _, asks in runs)
+    holders = Holders(None, None, here, d)  # type: ignore[arg-type]  # asked, never reads
+    nodes = holders.nodes_holding(d.step, 0, 0)
+    assert sorted(nodes) == partners
+    dealt = deal([(10, [((0, i * 10), nodes)]) for i in range(6)])
+    assert Counter(node for _, node in dealt) == dict.fromkeys(partners, 3), dealt
 
 
 # ---------------------------------------------------------------------------- capacity

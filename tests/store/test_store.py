@@ -341,6 +341,19 @@ def test_pool_prefers_own_rank(store):
     sw.abort()
 
 
+def test_retiring_a_steps_last_shard_keeps_its_metadata_when_asked(store):
+    """A shard refused as damaged while other nodes hold its step: the node keeps the metadata
+    to load the step from them (issue 38). Retention's retire takes the step with it."""
+    put_step(store, 1)
+    put_step(store, 2)
+    store.retire_shard(1, 0, keep_metadata=True)
+    st = store.step_state(1)
+    assert st.has_metadata and not st.committed_ranks
+    store.read_metadata(1)  # whole and verified
+    store.retire_shard(2, 0)
+    assert 2 not in store.steps()
+
+
 # ---------------------------------------------------------------- jobs and permissions
 
 def test_two_jobs_in_one_local_dir_are_isolated(store_dir):

@@ -57,7 +57,7 @@ def main() -> None:
         info = ckpt.resume(sd)
         want = layout_state(layout, rank, local_rank, info.step or 0)
         report("resumed", {"step": info.step, "source": info.source, "reason": info.reason,
-                           "sources": info.sources,
+                           "sources": info.sources, "bytes_served": info.bytes_served,
                            "mismatch": differences(want, sd), "bytes_fetched": info.bytes_fetched})
         ckpt.close()
         dist.destroy_process_group()

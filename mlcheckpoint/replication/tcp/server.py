@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 
+from ..._faults import crash_point
 from ..._ratelimit import RateLimitedLog
 from ..._words import plural
 from ...settings import MAX_STREAMS
@@ -220,6 +221,7 @@ class Connection:
         node's budget when the requester asked for it (a heal), at the link's speed when not
         (a resume waits for these bytes)."""
         p.send_frame(self.conn, reply)
+        crash_point("serve_mid_read", source.manifest.step, source.manifest.rank)
         for offset, nbytes in ranges:
             if not nbytes:
                 continue

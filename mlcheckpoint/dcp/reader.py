@@ -40,7 +40,8 @@ from .._gc import pausing_gc
 from ..errors import CopyId, CorruptShardError, ShardNotFoundError
 from ..integrity import copier
 from ..integrity.checksum import as_byte_tensor
-from ..integrity.verify import digest_item, digests_agree, integrity_error
+from ..integrity.verify import Listing, digest_item, digests_agree, integrity_error
+from ..store.coverage import group_of
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardSource
 from . import serialized
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 log = logging.getLogger(__name__)
+HERE = "here"  # a read from this node's shard (the other reads name a copy group, or None)
 
 
 def _stored_dtype(metadata: Metadata | None, fqn: str) -> torch.dtype:
@@ -166,31 +168,41 @@ class MemoryStorageReader(StorageReader):
     @pausing_gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         with _Shards(self._open_local, self.remote, self.step) as shards:
-            for rank, reads in sorted(self._where_to_read(plan.items, shards).items()):
-                source = shards.here(rank)
+            reads_by_source = self._where_to_read(plan.items, shards)
+            for (rank, group), reads in sorted(reads_by_source.items(), key=lambda kv: (kv[0][0], repr(kv[0][1]))):
+                source = shards.here(rank) if group == HERE else None
                 if source is not None:
                     self._read_local(rank, reads, source, planner)
                 elif self.remote is None:
                     raise shards.why_absent(rank)
                 else:
-                    self._read_remote(self.remote, rank, reads, planner)
+                    self._read_remote(self.remote, rank, reads, planner,
+                                      None if group == HERE else group)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
     def _where_to_read(self, items: list[ReadItem], shards: _Shards
-                       ) -> dict[int, list[tuple[ReadItem, ItemLocation]]]:
-        """Per shard to read, the requests it serves and where in it each one lies: the item's
-        own location, or, when its shard is neither here nor held by another node, one of its
-        copies (one here first, else one another node holds)."""
-        reads: dict[int, list[tuple[ReadItem, ItemLocation]]] = defaultdict(list)
+                       ) -> dict[tuple[int, Any], list[tuple[ReadItem, ItemLocation]]]:
+        """Per shard to read and where (``HERE``, or another node holding the shard whole, or,
+        with a copy group, a partial replica holding it), the requests it serves and where in
+        it each one lies: the item's own location, or, when neither this node's shard of its
+        owner nor another node's holds it, one of its copies (one here first, else one another
+        node holds). A partial replica holds only the items its manifest lists."""
+        reads: dict[tuple[int, Any], list[tuple[ReadItem, ItemLocation]]] = defaultdict(list)
         from_copies: dict[int, set[int]] = defaultdict(set)  # owner -> ranks its copies are read from
         for req in items:
             loc = self._location(req.storage_index)
-            if loc.copies and shards.here(loc.rank) is None and not shards.elsewhere(loc.rank):
+            group = group_of(loc)
+            if shards.holds_here(loc):
+                reads[(loc.rank, HERE)].append((req, loc))
+            elif shards.elsewhere(loc.rank, group) or not loc.copies:
+                # (held nowhere: the read fails, naming the shard no node holds)
+                reads[(loc.rank, group)].append((req, loc))
+            else:
                 owner, loc = loc.rank, self._copy_to_read(req, loc, shards)
                 from_copies[owner].add(loc.rank)
-            reads[loc.rank].append((req, loc))
+                reads[(loc.rank, HERE if shards.holds_here(loc) else None)].append((req, loc))
         for owner, ranks in sorted(from_copies.items()):
             log.info("mlcheckpoint: rank %d's shard of step %d is on no node: reading its items "
                      "from their copies in the shards of ranks %s", owner, self.step, sorted(ranks))
@@ -199,14 +211,16 @@ class MemoryStorageReader(StorageReader):
     def _copy_to_read(self, req: ReadItem, loc: ItemLocation, shards: _Shards) -> ItemLocation:
         """The location of a copy of the item at ``loc`` to read instead: same bytes, same
         checksum, in another rank's shard (one here first)."""
-        local = [c for c in loc.copies if shards.here(c[0]) is not None]
+        def at(copy: tuple[int, int]) -> ItemLocation:
+            return dataclasses.replace(loc, rank=copy[0], offset=copy[1], copies=())
+
+        local = [c for c in loc.copies if shards.holds_here(at(c))]
         held = [c for c in loc.copies if shards.elsewhere(c[0])]
         if not local and not held:
             raise ShardNotFoundError(
                 f"step {self.step}: rank {loc.rank}'s shard is on no node, nor is any copy of item "
                 f"{req.storage_index.fqn!r} (kept in the shards of ranks {[r for r, _ in loc.copies]})")
-        rank, offset = (local or held)[0]
-        return dataclasses.replace(loc, rank=rank, offset=offset, copies=())
+        return at((local or held)[0])
 
     def _open_local(self, rank: int) -> ShardSource:
         """This node's copy of ``rank``'s shard; a damaged copy is named, so recovery can
@@ -258,7 +272,7 @@ class MemoryStorageReader(StorageReader):
             planner.commit_tensor(req, target)
 
     def _read_remote(self, remote: RemoteReads, rank: int, reads: list[tuple[ReadItem, ItemLocation]],
-                     planner: LoadPlanner) -> None:
+                     planner: LoadPlanner, group: tuple[int, ...] | None = None) -> None:
         """Stream the items of a shard held elsewhere, into the targets where possible."""
         uses = Counter((loc.offset, loc.nbytes) for _, loc in reads)
         sinks: dict[tuple[int, int], np.ndarray] = {}
@@ -284,7 +298,8 @@ class MemoryStorageReader(StorageReader):
             sink = sinks[ranges[i]]
             hashing[ranges[i]] = copier.hash_later(copier.Span(src=sink.ctypes.data, nbytes=sink.nbytes))
 
-        nodes = remote.read_ranges(self.step, rank, ranges, [sinks[k] for k in ranges], landed)
+        nodes = remote.read_ranges(self.step, rank, ranges, [sinks[k] for k in ranges], landed,
+                                   group)
         came_from = dict(zip(ranges, nodes, strict=True))  # ranges may come from several nodes
         checks = {loc.offset: (req, loc) for req, loc in reads}
         for req, loc in checks.values():
@@ -340,15 +355,29 @@ class _Shards:
         self._open_local, self._remote, self._step = open_local, remote, step
         self._opened: dict[int, ShardSource | None] = {}
         self._absent: dict[int, ShardNotFoundError] = {}
-        self._elsewhere: dict[int, bool] = {}
+        self._elsewhere: dict[tuple[int, Any], bool] = {}
+        self._listings: dict[int, Listing] = {}
         self._stack = contextlib.ExitStack()
 
-    def elsewhere(self, rank: int) -> bool:
-        """Whether another node holds ``rank``'s shard."""
-        if rank not in self._elsewhere:
-            self._elsewhere[rank] = (self._remote is not None
-                                     and self._remote.has_holders(self._step, rank))
-        return self._elsewhere[rank]
+    def elsewhere(self, rank: int, group: tuple[int, ...] | None = None) -> bool:
+        """Whether another node holds ``rank``'s shard whole, or, with ``group``, a partial
+        replica of it holding that copy group."""
+        if (rank, group) not in self._elsewhere:
+            self._elsewhere[(rank, group)] = (self._remote is not None
+                                              and self._remote.has_holders(self._step, rank, group))
+        return self._elsewhere[(rank, group)]
+
+    def holds_here(self, loc: ItemLocation) -> bool:
+        """Whether this node's shard of ``loc.rank`` holds the item at ``loc``: a whole shard
+        does; a partial replica, when its manifest lists it (same offset, size, checksum)."""
+        source = self.here(loc.rank)
+        if source is None:
+            return False
+        if not source.manifest.partial:
+            return True
+        if loc.rank not in self._listings:
+            self._listings[loc.rank] = Listing(source.manifest.items)
+        return self._listings[loc.rank].holds(loc)
 
     def here(self, rank: int) -> ShardSource | None:
         """This node's copy of ``rank``'s shard, open (None: not here)."""
@@ -360,7 +389,9 @@ class _Shards:
         return self._opened[rank]
 
     def why_absent(self, rank: int) -> ShardNotFoundError:
-        return self._absent[rank]
+        return self._absent.get(rank) or ShardNotFoundError(
+            f"step {self._step}: the shard of rank {rank} here is a partial replica without "
+            "the items asked for, and no other node is asked")
 
     def __enter__(self) -> Self:
         return self

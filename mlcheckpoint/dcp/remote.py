@@ -17,14 +17,18 @@ class RemoteReads(Protocol):
     """Reads of shards held by other nodes, for one step being loaded."""
 
     def read_ranges(self, step: int, owner: int, ranges: list[tuple[int, int]],
-                    sinks: list[np.ndarray], on_range: Callable[[int], None]) -> list[int]:
+                    sinks: list[np.ndarray], on_range: Callable[[int], None],
+                    group: tuple[int, ...] | None = None) -> list[int]:
         """Read the byte ranges ``(offset, nbytes)`` of ``owner``'s shard of ``step`` from the
         nodes that hold it, straight into ``sinks`` (one writable uint8 array per range),
         calling ``on_range(i)`` as range ``i`` lands (from any thread). Returns the node each
         range came from (so a checksum mismatch names that copy). The caller verifies the checksums.
+        ``group``: the ranges are items of that copy group (``store/coverage.py``), which a
+        partial replica holding the group may serve too (None: whole shards only).
         Raises ShardNotFoundError when no holder can serve it."""
         ...
 
-    def has_holders(self, step: int, owner: int) -> bool:
-        """Whether another node holds ``owner``'s shard of ``step`` (the one being loaded)."""
+    def has_holders(self, step: int, owner: int, group: tuple[int, ...] | None = None) -> bool:
+        """Whether another node holds ``owner``'s shard of ``step`` (the one being loaded)
+        whole, or, with ``group``, a partial replica of it holding that copy group."""
         ...

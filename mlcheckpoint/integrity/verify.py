@@ -57,6 +57,21 @@ def same_layout(held: Iterable[Recorded], offered: Iterable[Recorded]) -> bool:
     return layout(held) == layout(offered)
 
 
+class Listing:
+    """The items a record of a shard lists (a manifest's), by place, size and checksum:
+    whether another record's item (an ItemLocation of the step's metadata, an item a peer
+    offers) names the same bytes. A partial replica serves only the items its manifest lists."""
+
+    def __init__(self, items: Iterable[Recorded]):
+        self._keys = {(it.offset, it.nbytes, it.checksum) for it in items}
+
+    def holds(self, item: Recorded) -> bool:
+        return (item.offset, item.nbytes, item.checksum) in self._keys
+
+    def holds_all(self, items: Iterable[Recorded]) -> bool:
+        return all(self.holds(it) for it in items)
+
+
 def digest_item(data: Any) -> int:
     """The checksum of one item's bytes (bytes, a uint8 array or a tensor)."""
     return checksum(data)

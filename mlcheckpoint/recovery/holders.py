@@ -26,6 +26,7 @@ from ..errors import MLCheckpointError, ShardNotFoundError
 from ..replication.core.streams import run_streams
 from ..replication.core.transport import Transport
 from ..store import LocalStore
+from ..store.coverage import Group
 from ..topology import Topology
 from .planner import Decision
 
@@ -33,15 +34,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def holder_order(plan: Decision, topology: Topology, owner: int | None) -> list[int]:
+def holder_order(plan: Decision, topology: Topology, owner: int | None,
+                 group: Group | None = None) -> list[int]:
     """Ranks on other nodes to ask for ``owner``'s shard (None: the metadata), in order: the
     source the plan chose for this node first (it balanced the bytes each holder serves),
     then every other holder, starting at an offset set by this rank so that the readers of
-    one node spread over the holders. A pure function of the plan and who asks."""
+    one node spread over the holders. With ``group`` (items of that copy group are wanted),
+    the ranks of nodes whose partial replica of the shard holds the group are holders too.
+    A pure function of the plan and who asks."""
     node_of = topology.node_of
     here = topology.node_rank
     planned = [f.src_rank for f in plan.fetches if f.owner == owner and node_of(f.dst_rank) == here]
     held = plan.metadata_holders if owner is None else plan.holders.get(owner, [])
+    if owner is not None and group is not None:
+        held = held + [r for r, groups in plan.partial_holders.get(owner, []) if group in groups]
     others = [r for r in held if node_of(r) != here]
     start = topology.rank % len(others) if others else 0
     return list(dict.fromkeys(planned + others[start:] + others[:start]))
@@ -90,7 +96,8 @@ class Holders:
         return sum(n for by_node in self.bytes_served.values() for n in by_node.values())
 
     def read_ranges(self, step: int, owner: int, ranges: list[tuple[int, int]],
-                    sinks: list[np.ndarray], on_range: Callable[[int], None]) -> list[int]:
+                    sinks: list[np.ndarray], on_range: Callable[[int], None],
+                    group: Group | None = None) -> list[int]:
         """Stream byte ranges of ``owner``'s shard straight into ``sinks``, spread over the
         nodes that hold it (read at once, each its own run of ranges); return the node each
         range came from. Nothing lands in this node's store (see ``rebuild``)."""
@@ -111,7 +118,7 @@ class Holders:
                 for i in indices:
                     came_from[i] = node
 
-        runs = stripe_over_holders(holder_order(self.plan, self.topo, owner), ranges,
+        runs = stripe_over_holders(holder_order(self.plan, self.topo, owner, group), ranges,
                                    self.topo.local_world_size)
         errors = run_streams(read_run, runs)  # returns once no run writes into the sinks
         if errors:
@@ -121,11 +128,12 @@ class Holders:
                  plural(len(ranges), "range"), owner, step, "node" if len(nodes) == 1 else "nodes", nodes)
         return came_from
 
-    def has_holders(self, step: int, owner: int) -> bool:
-        """Whether another node holds ``owner``'s shard of the step (``RemoteReads``): when
-        none does, the reader reads the shard's items from their copies."""
+    def has_holders(self, step: int, owner: int, group: Group | None = None) -> bool:
+        """Whether another node holds ``owner``'s shard of the step whole, or, with ``group``,
+        a partial replica of it holding that group (``RemoteReads``): when none does, the
+        reader reads the items from their copies."""
         self._check_step(step)
-        return bool(holder_order(self.plan, self.topo, owner))
+        return bool(holder_order(self.plan, self.topo, owner, group))
 
     def fetch_metadata(self) -> None:
         """Pull the step's global metadata into this node's store."""

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..store import LocalStore
+from ..store.coverage import WHOLE, Held
 from ..store.identity import Lineage
 
 
@@ -28,10 +29,19 @@ class StepCopy:
     damaged: tuple[tuple[int, str], ...] = ()  # (owner, why) for unusable shard copies here
     # owner -> the sets of ranks whose shards hold copies of its items (``store/coverage.py``)
     copy_groups: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...] = ()
+    # (owner, the copy groups it holds) for each owner whose shard here is a partial replica
+    # (only the items that lacked places were sent): it serves those groups' items alone
+    partial: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...] = ()
 
     def copies(self) -> dict[int, list[list[int]]]:
         """The copy groups, keyed by owner rank."""
         return {owner: [list(g) for g in gs] for owner, gs in self.copy_groups}
+
+    def held(self, owner: int) -> Held:
+        """What this node holds of ``owner``'s shard (``coverage.Held``): all of it, or the
+        groups a partial replica holds."""
+        groups = dict(self.partial).get(owner)
+        return WHOLE if groups is None else Held(frozenset(groups))
 
     def save_of(self, owner: int) -> str:
         """The save id of ``owner``'s shard here ("" when unrecorded)."""
@@ -65,7 +75,8 @@ def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInvent
             required=tuple(st.required_ranks) if st.required_ranks is not None else None,
             world_size=st.world_size, shard_bytes=tuple(sizes),
             shard_saves=tuple((o, st.shard_saves[o]) for o, _ in sizes),
-            damaged=tuple(sorted(st.damaged.items())))
+            damaged=tuple(sorted(st.damaged.items())),
+            partial=tuple((o, tuple(sorted(st.partial[o]))) for o, _ in sizes if o in st.partial))
         h = st.header
         if h is not None:  # the metadata here names its save, its run and the runs before it
             copy = dataclasses.replace(copy, save_id=h.save_id, run_id=h.run_id, created=h.created,

@@ -189,8 +189,12 @@ class BufferPool:
     def recycle(self, path: str, rank: int) -> None:
         """Move a shard's data file into the pool (keeping at most ``POOL_PER_RANK`` per rank)."""
         with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_size == 0:  # an empty shard's file: nothing to recycle, and
-                self.unlink(path)           # pooling it would evict a warm buffer of this rank
+            st = os.stat(path)
+            # An empty shard's file: nothing to recycle, and pooling it would evict a warm
+            # buffer of this rank. A file with holes (a partial replica's): few warm pages,
+            # and a save taking it would first have to fill the holes.
+            if st.st_size == 0 or st.st_blocks * 512 < st.st_size:
+                self.unlink(path)
                 return
         dest = self.paths.pool_buffer(rank, secrets.token_hex(8))
         try:

@@ -90,7 +90,8 @@ class Saver:
 
     def __init__(self, store: LocalStore, topology: Topology, *, group: dist.ProcessGroup | None,
                  snapshots: Snapshotter, retention: Retention, warmer: BufferWarmer,
-                 replicator: Replicator | None, all_gather: Callable[[Any], list[Any]]):
+                 replicator: Replicator | None, all_gather: Callable[[Any], list[Any]],
+                 keep_copies: bool = True):
         self.store = store
         self.topology = topology
         self.group = group
@@ -99,8 +100,9 @@ class Saver:
         self.warmer = warmer
         self.replicator = replicator
         self._all_gather = all_gather
-        # Replicating: keep data parallelism's copies (dcp/copies.py), which it need not send.
-        self.copy_policy = None if replicator is None else CopyPolicy(
+        # Replicating: keep data parallelism's copies (dcp/copies.py), which it need not send
+        # (unless ReplicationOptions.copies is "off").
+        self.copy_policy = None if replicator is None or not keep_copies else CopyPolicy(
             tuple(map(topology.node_of, range(topology.world_size))),
             functools.partial(step_room, store.local_dir, store.memory_limit_bytes,
                               retention.policy.keep), replicator.copies - 1)
@@ -158,6 +160,8 @@ class Saver:
         another process and tells nobody; the replicator, started now, finds the save at its
         next poll."""
         writer = self._writer(step, lineage)
+        if self.copy_policy is not None:  # (a writer pickled into DCP's checkpoint process
+            self.copy_policy.modes.seen(self.copy_modes())  # logs only a change of modes)
         replicator = self.replicator
         if replicator is not None:
             replicator.activate()
@@ -166,8 +170,17 @@ class Saver:
         return writer
 
     def copy_modes(self) -> tuple[str, ...]:
-        """Each node's mode at the last save (``dcp/copies.py``); () without copies."""
-        return self.copy_policy.modes.modes if self.copy_policy is not None else ()
+        """Each node's mode at the newest save whose metadata is here (``dcp/copies.py``), as
+        its header records it: in DCP's PROCESS mode the writer that learnt them ran in
+        another process. () without copies."""
+        if self.copy_policy is None:
+            return ()
+        inventory = self.store.inventory()
+        for step in sorted(inventory, reverse=True):
+            header = inventory[step].header
+            if header is not None and header.copy_modes:
+                return tuple(header.copy_modes)
+        return self.copy_policy.modes.modes
 
     # ------------------------------------------------------------------ a run's first save
     def settled(self) -> None:
@@ -299,7 +312,8 @@ class Saver:
                 self.store.read_metadata(step, writer.save_id)
             except MLCheckpointError:  # none yet, or an earlier save's of this step number
                 commit_metadata(self.store, step, metadata, self.topology.world_size,
-                                save_id=writer.save_id, lineage=writer.lineage)
+                                save_id=writer.save_id, lineage=writer.lineage,
+                                copy_modes=writer.copy_modes())
         if self.replicator is not None:
             self.replicator.notify(step, writer.save_id)
         self.retention.apply()

@@ -144,9 +144,10 @@ class StepItems:
     locations): which manifest items a group is, and how many bytes."""
 
     def __init__(self, locations: Iterable[ItemLocation]):
-        self.by_owner: dict[int, dict[Group, list[ItemLocation]]] = defaultdict(lambda: defaultdict(list))
+        # (plain dicts: a store, caches included, is pickled into DCP's checkpoint process)
+        self.by_owner: dict[int, dict[Group, list[ItemLocation]]] = {}
         for loc in locations:
-            self.by_owner[loc.rank][group_of(loc)].append(loc)
+            self.by_owner.setdefault(loc.rank, {}).setdefault(group_of(loc), []).append(loc)
 
     def of(self, owner: int, group: Group) -> list[ItemLocation]:
         """``owner``'s primary items in copy group ``group``."""

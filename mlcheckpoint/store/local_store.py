@@ -130,11 +130,12 @@ class LocalStore:
 
     def write_metadata(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
                        total_bytes: int, save_id: str = "", lineage: Lineage | None = None,
-                       copy_groups: CopyGroups | None = None) -> None:
+                       copy_groups: CopyGroups | None = None,
+                       copy_modes: Iterable[str] = ()) -> None:
         """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
         self.metadata.write(step, payload, world_size=world_size, ranks=ranks,
                             total_bytes=total_bytes, save_id=save_id, lineage=lineage,
-                            copy_groups=copy_groups)
+                            copy_groups=copy_groups, copy_modes=copy_modes)
 
     def write_metadata_file(self, step: int, raw: bytes) -> None:
         """Install an encoded metadata file (e.g. received from a peer) after verifying it."""

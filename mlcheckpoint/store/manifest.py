@@ -145,6 +145,10 @@ class MetadataHeader:
     # owner rank (a string: JSON) -> the sets of ranks whose shards hold agreeing copies of
     # some of its items (``store/coverage.py``); empty: every item only in its owner's shard.
     copy_groups: dict[str, list[list[int]]] = field(default_factory=dict)
+    # Each node's copies mode at this save (``dcp/copies.py``: "dp-copies", "dedup", "unique"),
+    # as the coordinator chose; empty without copies. ``stats()`` reads it from here, which
+    # holds also when DCP committed the save in another process.
+    copy_modes: list[str] = field(default_factory=list)
 
     def copies(self) -> dict[int, list[list[int]]]:
         """The copy groups, keyed by owner rank."""
@@ -168,6 +172,13 @@ def check_lineage(lineage: object) -> None:
         check_identity(entry[0], "")
 
 
+def check_modes(modes: object) -> None:
+    """Copies modes are short words, one per node (they travel in headers a peer sends)."""
+    if not isinstance(modes, list) or len(modes) > coverage.MAX_OWNERS or not all(
+            isinstance(m, str) and len(m) <= 16 for m in modes):
+        raise ValueError("malformed copy modes")
+
+
 # Ancestor runs remembered in a header; older ones no longer matter to a resume.
 MAX_LINEAGE = 32
 
@@ -189,6 +200,7 @@ def decode_metadata(raw: bytes) -> tuple[MetadataHeader, bytes]:
     check_identity(header.run_id, header.save_id)
     check_lineage(header.lineage)
     coverage.from_header(header.copy_groups)
+    check_modes(header.copy_modes)
     payload = raw[nl + 1:]
     if header.format != FORMAT_VERSION:
         raise ValueError(f"unsupported metadata format {header.format}")

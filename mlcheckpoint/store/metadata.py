@@ -27,12 +27,13 @@ class MetadataFiles:
 
     def write(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
               total_bytes: int, save_id: str = "", lineage: Lineage | None = None,
-              copy_groups: CopyGroups | None = None) -> None:
+              copy_groups: CopyGroups | None = None, copy_modes: Iterable[str] = ()) -> None:
         """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
         header = MetadataHeader(job_id=self.job_id, step=step, world_size=world_size,
                                 ranks=sorted(set(ranks)), total_bytes=total_bytes,
                                 payload_bytes=len(payload), checksum=digest_item(payload),
                                 save_id=save_id, copy_groups=to_header(copy_groups or {}),
+                                copy_modes=list(copy_modes),
                                 **(lineage or Lineage()).header_fields())
         self.install(step, encode_metadata(header, payload))
 

@@ -3,7 +3,11 @@ that lack their places, from the save's metadata here."""
 
 from __future__ import annotations
 
-from mlcheckpoint.replication.schedule.covered import arriving_bytes, plan_push, pushed_bytes
+from mlcheckpoint.replication.schedule.covered import (
+    arriving_bytes,
+    plan_push,
+    pushed_bytes,
+)
 from mlcheckpoint.store import coverage
 from mlcheckpoint.store.coverage import StepItems
 from mlcheckpoint.store.inventory import StepState

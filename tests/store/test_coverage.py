@@ -154,7 +154,7 @@ def model_nodes(item: ItemLocation, holdings) -> set[int]:
 @settings(max_examples=300, deadline=None)
 @given(steps(), st.integers(1, 3))
 def test_the_rules_agree_with_counting_each_item(step, copies):
-    nodes, ranks, locs, groups, holdings = step
+    nodes, _ranks, locs, groups, holdings = step
     required = sorted({item.rank for item in locs})
     per_item = {id(item): model_nodes(item, holdings) for item in locs}
     for owner in required:

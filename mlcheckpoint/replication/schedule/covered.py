@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...store import coverage
+from ...errors import MLCheckpointError
+from ...store import LocalStore, coverage
 from ...store.coverage import StepItems
 from ...store.inventory import StepState
 from ...store.manifest import Manifest, ManifestItem
@@ -69,6 +70,33 @@ def arriving_bytes(st: StepState, items: StepItems, topology: Topology, copies: 
                                 topology.place_of_node)
         total += sum(align(loc.nbytes) for g in need for loc in items.of(owner, g))
     return total
+
+
+class Arrivals:
+    """What the replicas of ``sources``' shards will bring to this rank's node with its next
+    save, predicted from the newest save whose metadata is here (a job's saves keep their
+    structure) by ``arriving_bytes``; None before any (the store then assumes whole shards).
+    The store's room check asks it (``Capacity.expect_replicas``) when a save needs new room."""
+
+    def __init__(self, store: LocalStore, topology: Topology, copies: int, sources: Sequence[int]):
+        self.store, self.topology, self.copies, self.sources = store, topology, copies, list(sources)
+        self._known: tuple[str, int] | None = None  # (save id, bytes) of the last prediction
+
+    def __call__(self) -> int | None:
+        for step in sorted(self.store.steps(), reverse=True):
+            st = self.store.step_state(step)
+            if st.save_id is None:
+                continue
+            if self._known is not None and self._known[0] == st.save_id:
+                return self._known[1]
+            try:
+                items = self.store.step_items(step)
+            except MLCheckpointError:
+                return None
+            nbytes = arriving_bytes(st, items, self.topology, self.copies, self.sources)
+            self._known = (st.save_id, nbytes)
+            return nbytes
+        return None
 
 
 def _as_saved(owner: int, groups: coverage.CopyGroups, topology: Topology) -> dict:

@@ -233,3 +233,18 @@ def test_stats_name_the_copies_in_dcp_process_mode():
             assert rep["stats"]["mlcheckpoint/dp_copies_nodes"] == 2.0, rep["stats"]
             assert rep["stats"]["mlcheckpoint/dedup_nodes"] == 0.0, rep["stats"]
             assert rep["stats"]["mlcheckpoint/replication_skipped_bytes"] > 0, rep["stats"]
+
+
+def test_room_is_kept_for_what_replicas_bring_not_for_whole_shards():
+    """An unguarded async_save stages the whole state (4 MiB per rank here) and used to keep
+    as much again for the partner's replica; with copies only the partner's own entries
+    arrive, so 2 x 2 ranks save, keep copies and are protected under a 28 MiB limit (where
+    every save after the first was refused with CapacityError)."""
+    with Cluster(2, 2) as c:
+        res = run(c, "ddp_rng", "async", env={"TEST_MEMORY_LIMIT": str(28 << 20), "TEST_SCALE": "8"})
+        for rep in res.values():
+            assert rep["stats"]["mlcheckpoint/dp_copies_nodes"] == 2.0, rep["stats"]
+        md = metadata(c, 0, LAST)
+        sent = sent_bytes(c, LAST)
+        assert all(sent[r] == sum(loc.nbytes for loc in entries(md, r, ("rng.", "loader.")))
+                   for r in range(4)), sent

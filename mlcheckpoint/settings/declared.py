@@ -256,7 +256,7 @@ SETTINGS: tuple[Setting, ...] = (
             "groups) holds an item on several nodes, each of them keeps one copy of it from the "
             "save, and replication sends only the items that lack their places (per-rank state "
             'such as an RNG state); `"off"`: no copies, every shard is replicated whole. Off '
-            "on any rank, off for the job; see operations.md, Data-parallel copies", "auto",
+            "on any rank, off for the job; see integration.md, Data parallelism's copies", "auto",
             env="MLCHECKPOINT_DP_COPIES", check=_copies, flat=False,
             env_doc="`auto` or `off`"),
     # Process-wide tuning (Tuning).

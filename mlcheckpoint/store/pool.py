@@ -46,14 +46,14 @@ class Capacity:
         self.memory_limit_bytes = memory_limit_bytes
         self.replicas = 0
         self.replicating: frozenset[int] = frozenset()
-        self.arriving: Callable[[], int | None] = lambda: None
+        self.arriving: Callable[[], int | None] | None = None  # (picklable: PROCESS mode)
 
     def expect_replicas(self, ranks: list[int], replicas: int,
                         arriving: Callable[[], int | None] | None = None) -> None:
         """Each save of ``ranks`` brings ``replicas`` partners' replicas: ``arriving()``
         bytes of them (None: unknown yet, then as many shards of the save's size)."""
         self.replicating, self.replicas = frozenset(ranks), replicas
-        self.arriving = arriving or (lambda: None)
+        self.arriving = arriving
 
     def preflight(self, nbytes: int, reusable: int, *, rank: int | None = None) -> None:
         """Raise CapacityError unless ``nbytes`` fit (``reusable`` of them already held by a
@@ -63,7 +63,7 @@ class Capacity:
         if needed <= 0:
             return
         replicas = self.replicas if rank in self.replicating else 0
-        predicted = self.arriving() if replicas else None
+        predicted = self.arriving() if replicas and self.arriving is not None else None
         arriving = replicas * nbytes if predicted is None else predicted
         what = (f"checkpoint shard needs {needed / 2**20:.1f} MiB more"
                 + (f" and what its step's {plural(replicas, 'replica')} from partner nodes "

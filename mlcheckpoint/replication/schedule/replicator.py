@@ -1,15 +1,16 @@
 """The replication manager of one rank: off the training thread, newest work first.
 
 The job replicates in rounds (``rounds.py``): rank 0 names one save, the newest it holds, every
-rank pushes its shard of that save to its partner rank(s) (``replicas`` of them; rank 0 also
-the global metadata, to one rank of every other node), and the next round starts once every
-rank is done. Saves made meanwhile are skipped (*superseded*) by every rank alike, so the steps
-that do get replicated are whole job-wide. Each rank records per step: committed -> replicated
-(partner verified the checksums), failed, or superseded.
+rank pushes its partner rank(s) (``replicas`` of them) what they lack of its shard of that save
+(the whole shard, or, where data parallelism keeps copies, only the items that lack their
+places: ``covered.py``; rank 0 also the global metadata, to one rank of every other node), and
+the next round starts once every rank is done. Saves made meanwhile are skipped (*superseded*)
+by every rank alike, so the steps that do get replicated are whole job-wide. Each rank records
+per step: committed -> replicated (partner verified the checksums), failed, or superseded.
 Job-wide progress is counted in the c10d store, per save (a step saved twice is two saves): a
-step is *protected* when every shard and the metadata of the save this node holds are on
-1 + ``replicas`` nodes (a shard counts once every partner has it, or where data parallelism's
-copies cover it: ``covered.py``). Only a node's leader talks to the store; what it learns (the
+step is *protected* when every item and the metadata of the save this node holds are on
+1 + ``replicas`` nodes (``store/coverage.py``'s rule: a rank counts its shard once every
+partner acknowledged what it lacked). Only a node's leader talks to the store; what it learns (the
 rounds, which closed round left its save protected) reaches the node's other ranks through a
 file (``rounds.py``): saves, ``protection()`` and ``wait_replicated`` cost it nothing per rank.
 """

@@ -178,8 +178,9 @@ class CheckpointManager:
         self._lifecycle.retention.protect_replicas(self._replicator, owners)
         # Room for what the partners' replicas bring: with data parallelism's copies, only
         # the items that lack places (covered.py), not shards of this rank's size.
-        self._store.capacity.expect_replicas([self.rank], len(owners), covered.Arrivals(
-            self._store, self._topology, self._replicator.copies, owners))
+        arrivals = covered.Arrivals(self._store, self._topology, self._replicator.copies, owners)
+        self._store.capacity.expect_replicas([self.rank], len(owners), arrivals)
+        self._room.arriving = arrivals
         transport.accept_from(self._lineage)
 
     # ------------------------------------------------------------------ DCP-native

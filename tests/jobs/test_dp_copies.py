@@ -86,8 +86,8 @@ def test_replicas_that_differ_are_no_copies():
         others = [loc for index, loc in md.storage_data.items() if index.fqn != "model.w"]
         assert others and all(len(loc.copies) == 1 for loc in others), others
         sent = sent_bytes(c, LAST)
-        owner = w.rank  # its shard is sent whole; the other rank's is covered
-        assert sent[owner] == shard_bytes(c, owner, LAST, owner) > 0, sent
+        owner = w.rank  # that item alone is sent; the other rank's shard is covered
+        assert sent[owner] == w.nbytes > 0, sent
         assert sent[1 - owner] == 0, sent
         assert "differ between data-parallel replicas" in c.nodes[0].log(), c.logs()
 
@@ -116,19 +116,20 @@ def test_hsdp_sends_nothing_across_replica_groups():
 
 
 def test_too_little_room_falls_back_to_replication():
-    # A step is ~512 KiB: each node ~256 KiB of its own items, as much again of its
-    # partner's replicas or of copies. With keep=1 a node's room per step is a third of the
-    # limit (kept, protected and in-flight steps: room.step_room); copies are only kept where
-    # the node's own items, its partner's replicas and the copies fit (768 KiB, not in
-    # 2 MiB / 3); replication as before (~1.7 MiB at its peak) does fit.
-    limit = 2048 * 1024
-    with Cluster(2, 1) as c:
-        res = run(c, "ddp", env={"TEST_MEMORY_LIMIT": str(limit), "TEST_KEEP": "1"})
+    # DDP over 4 nodes: a step is ~1 MiB (TEST_SCALE=2). With copies a node holds all of it
+    # (a quarter its own, the rest copies); with replication a quarter of its own and its
+    # partner's quarter. With keep=1 a node's room per step is a third of the limit (kept,
+    # protected and in-flight steps: tmpfs.step_room): 2.5 MiB / 3 has no room for the
+    # copies, and replication as before does fit.
+    limit = 2560 * 1024
+    with Cluster(4, 1) as c:
+        res = run(c, "ddp", env={"TEST_MEMORY_LIMIT": str(limit), "TEST_KEEP": "1",
+                                 "TEST_SCALE": "2"})
         for rep in res.values():
-            assert rep["stats"]["mlcheckpoint/dedup_nodes"] == 2.0, rep["stats"]
+            assert rep["stats"]["mlcheckpoint/dedup_nodes"] == 4.0, rep["stats"]
             assert rep["reason"] is None, rep
         sent = sent_bytes(c, LAST)
-        assert all(sent[r] == shard_bytes(c, r, LAST, r) > 0 for r in range(2)), sent
+        assert all(sent[r] == shard_bytes(c, r, LAST, r) > 0 for r in range(4)), sent
         assert "too little room for its copies" in c.nodes[0].log(), c.logs()
         assert all(not loc.copies for loc in metadata(c, 0, LAST).storage_data.values())
 

@@ -168,8 +168,9 @@ class MemoryStorageReader(StorageReader):
     @pausing_gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         with _Shards(self._open_local, self.remote, self.step) as shards:
-            reads_by_source = self._where_to_read(plan.items, shards)
-            for (rank, group), reads in sorted(reads_by_source.items(), key=lambda kv: (kv[0][0], repr(kv[0][1]))):
+            by_source = self._where_to_read(plan.items, shards)
+            for rank, group in sorted(by_source, key=lambda key: (key[0], repr(key[1]))):
+                reads = by_source[(rank, group)]
                 source = shards.here(rank) if group == HERE else None
                 if source is not None:
                     self._read_local(rank, reads, source, planner)
@@ -196,31 +197,41 @@ class MemoryStorageReader(StorageReader):
             group = group_of(loc)
             if shards.holds_here(loc):
                 reads[(loc.rank, HERE)].append((req, loc))
-            elif shards.elsewhere(loc.rank, group) or not loc.copies:
-                # (held nowhere: the read fails, naming the shard no node holds)
-                reads[(loc.rank, group)].append((req, loc))
-            else:
+            elif loc.copies and (self._local_copy(loc, shards) is not None
+                                 or not shards.elsewhere(loc.rank, group)):
+                # a copy here is nearer than the owner's shard on another node
                 owner, loc = loc.rank, self._copy_to_read(req, loc, shards)
                 from_copies[owner].add(loc.rank)
                 reads[(loc.rank, HERE if shards.holds_here(loc) else None)].append((req, loc))
+            else:  # (held nowhere: the read fails, naming the shard no node holds)
+                reads[(loc.rank, group)].append((req, loc))
         for owner, ranks in sorted(from_copies.items()):
             log.info("mlcheckpoint: rank %d's shard of step %d is on no node: reading its items "
                      "from their copies in the shards of ranks %s", owner, self.step, sorted(ranks))
         return reads
 
+    @staticmethod
+    def _local_copy(loc: ItemLocation, shards: _Shards) -> ItemLocation | None:
+        """Where a shard on this node holds a copy of the item at ``loc`` (None: none does)."""
+        for rank, offset in loc.copies:
+            copy = dataclasses.replace(loc, rank=rank, offset=offset, copies=())
+            if shards.holds_here(copy):
+                return copy
+        return None
+
     def _copy_to_read(self, req: ReadItem, loc: ItemLocation, shards: _Shards) -> ItemLocation:
         """The location of a copy of the item at ``loc`` to read instead: same bytes, same
         checksum, in another rank's shard (one here first)."""
-        def at(copy: tuple[int, int]) -> ItemLocation:
-            return dataclasses.replace(loc, rank=copy[0], offset=copy[1], copies=())
-
-        local = [c for c in loc.copies if shards.holds_here(at(c))]
+        local = self._local_copy(loc, shards)
+        if local is not None:
+            return local
         held = [c for c in loc.copies if shards.elsewhere(c[0])]
-        if not local and not held:
+        if not held:
             raise ShardNotFoundError(
                 f"step {self.step}: rank {loc.rank}'s shard is on no node, nor is any copy of item "
                 f"{req.storage_index.fqn!r} (kept in the shards of ranks {[r for r, _ in loc.copies]})")
-        return at((local or held)[0])
+        rank, offset = held[0]
+        return dataclasses.replace(loc, rank=rank, offset=offset, copies=())
 
     def _open_local(self, rank: int) -> ShardSource:
         """This node's copy of ``rank``'s shard; a damaged copy is named, so recovery can

@@ -177,7 +177,7 @@ def test_ddp_with_per_rank_entries_sends_only_those_entries():
             assert len(own) == 3 and sent[r] == sum(loc.nbytes for loc in own) > 5000, (r, sent, own)
             rep = res[r]
             assert rep["sent"] == sent[r], rep
-            assert rep["reason"] == "sent only the items data-parallel copies do not cover", rep
+            assert rep["state"] == "replicated" and rep["reason"] is None, rep
             assert rep["stats"]["mlcheckpoint/dp_copies_nodes"] == 2.0, rep["stats"]
             partner = 1 - r // 2
             replica = LocalStore(c.nodes[partner].local_dir, c.job_id, create=False).read_manifest(LAST, r)
@@ -185,6 +185,14 @@ def test_ddp_with_per_rank_entries_sends_only_those_entries():
                 sorted(loc.offset for loc in own), replica
             # a node stores an item once: the model's items are there as copies, not again
             assert allocated(c, partner, LAST, r) <= 2 * 4096 + sent[r], allocated(c, partner, LAST, r)
+        # every node alive: each rank reads its items where its node holds them (its shard, a
+        # copy in its neighbour's), never from the partial replica's holes, nor from a peer
+        c.run("dp_copies.py", "ddp_rng", str(LAST), "sync", "resume", timeout=LAUNCH_TIMEOUT)
+        intact = c.results("resumed")
+        for r, rep in intact.items():
+            assert rep["step"] == LAST and rep["mismatch"] == [], (r, rep, c.logs())
+            assert rep["bytes_fetched"] == 0, (r, rep)
+        c.clear_results()
         c.nodes[1].kill()
         c.nodes[1].wipe()
         c.run("dp_copies.py", "ddp_rng", str(LAST), "sync", "resume", timeout=LAUNCH_TIMEOUT)

@@ -104,10 +104,11 @@ class Config:
     keep: int
     quick: bool
     json_path: str | None
+    rank_state: int = 0  # bytes of per-rank state (an RNG state, a loader's position) per rank
 
     def worker_args(self) -> list[str]:
         return ["--params-mb", str(self.params_mb), "--seq-len", str(self.seq_len),
-                "--parallel", self.parallel]
+                "--parallel", self.parallel, "--rank-state", str(self.rank_state)]
 
     def train_args(self) -> list[str]:
         return [*self.worker_args(), "--steps", str(self.steps), "--warmup", str(self.warmup),
@@ -164,6 +165,10 @@ def parse_args(argv: list[str]) -> Config:
     p.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 64; 32 with --quick)")
     p.add_argument("--keep", type=int, default=2, help="CheckpointManager keep= (default 2)")
+    p.add_argument("--rank-state", type=int, default=0, metavar="BYTES",
+                   help="per-rank state beside the model, as real jobs keep: each rank saves an "
+                        "RNG state of BYTES under its own key and a data loader's position "
+                        "(default 0: none; 5056 is torch.get_rng_state()'s size)")
     p.add_argument("--json", metavar="PATH", help="also write every figure to PATH as JSON")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run")
     a = p.parse_args(argv)
@@ -186,7 +191,7 @@ def parse_args(argv: list[str]) -> Config:
                   steps=steps, warmup=warmup,
                   params_mb=a.params_mb if a.params_mb is not None else (2.0 if a.quick else 134.0),
                   batch=a.batch, seq_len=a.seq_len or (32 if a.quick else 64), keep=a.keep,
-                  quick=a.quick, json_path=a.json)
+                  quick=a.quick, json_path=a.json, rank_state=a.rank_state)
 
 
 # ---------------------------------------------------------------------------------- measuring

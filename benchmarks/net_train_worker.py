@@ -2,7 +2,9 @@
 
     net_train_worker.py MODE NAME [--steps N --warmup W --params-mb P --batch B --seq-len L]
                                   [--keep K] [--hold] [--parallel ddp|fsdp|hsdp]
-    net_train_worker.py resume NAME [--params-mb P --seq-len L --parallel ddp|fsdp|hsdp]
+                                  [--rank-state BYTES]
+    net_train_worker.py resume NAME [--params-mb P --seq-len L --parallel ddp|fsdp|hsdp
+                                     --rank-state BYTES]
 
 MODE is one of bench_network's modes:
   none        DDP training, no CheckpointManager at all
@@ -81,6 +83,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--hold", action="store_true")
     p.add_argument("--parallel", choices=PARALLEL, default="ddp")
+    p.add_argument("--rank-state", type=int, default=0,
+                   help="bytes of per-rank state beside the model (an RNG state under this "
+                        "rank's key, and a data loader's position), as real jobs keep")
     return p.parse_args()
 
 
@@ -155,6 +160,9 @@ class Trainer:
             self.model = model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.gen = torch.Generator().manual_seed(1 + (dist.get_rank() if train else 0))
+        # Per-rank state (``--rank-state``): each rank's own bytes, under its own key (DCP
+        # would keep one rank's value of a key all ranks share).
+        self.rank_state = torch.zeros(args.rank_state, dtype=torch.uint8)
 
     def forward_backward(self) -> None:
         a = self.args
@@ -167,7 +175,18 @@ class Trainer:
     def state_dict(self, step: int) -> dict[str, Any]:
         """The live tensors (the optimizer updates them in place): one dict serves every save."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd, "step": step}
+        sd = {"model": model_sd, "optim": optim_sd, "step": step}
+        if self.rank_state.numel():
+            rank = dist.get_rank()
+            sd[f"rng.rank{rank}"] = self.rank_state
+            sd[f"loader.rank{rank}"] = {"position": 0}
+        return sd
+
+    def advance_rank_state(self, sd: dict[str, Any], step: int) -> None:
+        """The per-rank state moves on with each step, as an RNG and a data loader do."""
+        if self.rank_state.numel():
+            self.rank_state.random_(0, 256, generator=self.gen)
+            sd[f"loader.rank{dist.get_rank()}"]["position"] = step * self.args.batch
 
 
 def resolved_budget(ckpt: CheckpointManager | None) -> Any:
@@ -227,6 +246,7 @@ def train(args: argparse.Namespace) -> None:
         trainer.optimizer.step()  # the guard waits here for the previous snapshot
         t2 = time.perf_counter()
         sd["step"] = step
+        trainer.advance_rank_state(sd, step)
         future = ckpt.async_save(sd, step) if ckpt is not None else None
         t3 = time.perf_counter()
         # Untimed from here: what the step left behind.

@@ -39,6 +39,7 @@ from .replication.factory import (
     TransportSettings,
     make_transport,
 )
+from .replication.schedule import covered
 from .replication.schedule.pairing import pairing_for, sources
 from .replication.schedule.status import ProtectionStatus, save_times
 from .replication.schedule.status import status as protection_status
@@ -151,7 +152,7 @@ class CheckpointManager:
         self._saver = Saver(self._store, self._topology, group=self._save_pg,
                             snapshots=self._snapshots, retention=self._lifecycle.retention,
                             warmer=self._lifecycle.warmer, replicator=self._replicator,
-                            all_gather=self._all_gather)
+                            all_gather=self._all_gather, keep_copies=repl.copies != "off")
         log.debug("CheckpointManager job=%s dir=%s rank=%d/%d node=%d/%d", self.job_id,
                   self._store.job_dir, self.rank, self._topology.world_size,
                   self._topology.node_rank, self._topology.num_nodes)
@@ -187,7 +188,11 @@ class CheckpointManager:
         held = [topo.node_rank, *sources(strategy, topo.node_rank, topo.num_nodes)]
         self._lifecycle.retention.protect_replicas(
             self._replicator, owners, node_owners=[r for n in held for r in topo.ranks_of_node(n)])
-        self._store.capacity.expect_replicas([self.rank], len(owners))
+        # Room for what the partners' replicas bring: with data parallelism's copies, only
+        # the items that lack places (covered.py), not shards of this rank's size.
+        arrivals = covered.Arrivals(self._store, self._topology, self._replicator.copies, owners)
+        self._store.capacity.expect_replicas([self.rank], len(owners), arrivals)
+        self._room.arriving = arrivals
         transport.accept_from(self._lineage)
 
     # ------------------------------------------------------------------ DCP-native

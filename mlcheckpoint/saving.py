@@ -98,6 +98,7 @@ class Committed:
     # Every rank holds the metadata (``dcp.save`` returned it to each): no node needs it
     # sent. False for a DCP-native save, whose metadata only the coordinator's writer saw.
     metadata_everywhere: bool
+    copy_modes: tuple[str, ...] = ()  # each node's copies mode, as the metadata header records
 
 
 @dataclass
@@ -124,7 +125,8 @@ class Saver:
 
     def __init__(self, store: LocalStore, topology: Topology, *, group: dist.ProcessGroup | None,
                  snapshots: Snapshotter, retention: Retention, warmer: BufferWarmer,
-                 replicator: Replicator | None, all_gather: Callable[[Any], list[Any]]):
+                 replicator: Replicator | None, all_gather: Callable[[Any], list[Any]],
+                 keep_copies: bool = True):
         self.store = store
         self.topology = topology
         self.group = group
@@ -133,8 +135,9 @@ class Saver:
         self.warmer = warmer
         self.replicator = replicator
         self._all_gather = all_gather
-        # Replicating: keep data parallelism's copies (dcp/copies.py), which it need not send.
-        self.copy_policy = None if replicator is None else CopyPolicy(
+        # Replicating: keep data parallelism's copies (dcp/copies.py), which it need not send
+        # (unless ReplicationOptions.copies is "off").
+        self.copy_policy = None if replicator is None or not keep_copies else CopyPolicy(
             tuple(map(topology.node_of, range(topology.world_size))),
             functools.partial(step_room, store.local_dir, store.memory_limit_bytes,
                               retention.policy.keep), replicator.copies - 1)
@@ -159,7 +162,8 @@ class Saver:
                             phases={"stage": writer.copy_seconds,
                                     "commit": seconds - writer.copy_seconds},
                             host_bytes=writer.host_bytes)
-        self._publish(Committed(result, writer.save_id, writer.lineage, metadata, True))
+        self._publish(Committed(result, writer.save_id, writer.lineage, metadata, True,
+                                writer.copy_modes()))
         if persist is not None:
             persist.write(state_dict, step, lineage)
         return result
@@ -195,14 +199,25 @@ class Saver:
         aside (collective)."""
         self._before_save(step, lineage)
         writer = self._writer(step, lineage, refuse_default_group=True)
+        if self.copy_policy is not None:  # (a writer pickled into DCP's checkpoint process
+            self.copy_policy.modes.seen(self.copy_modes())  # logs only a change of modes)
         self._native.append(_NativeSave(writer, time.time(), self._shard_save_here(step)))
         if self.replicator is not None:
             self.replicator.activate()
         return writer
 
     def copy_modes(self) -> tuple[str, ...]:
-        """Each node's mode at the last save (``dcp/copies.py``); () without copies."""
-        return self.copy_policy.modes.modes if self.copy_policy is not None else ()
+        """Each node's mode at the newest save whose metadata is here (``dcp/copies.py``), as
+        its header records it: in DCP's PROCESS mode the writer that learnt them ran in
+        another process. () without copies."""
+        if self.copy_policy is None:
+            return ()
+        inventory = self.store.inventory()
+        for step in sorted(inventory, reverse=True):
+            header = inventory[step].header
+            if header is not None and header.copy_modes:
+                return tuple(header.copy_modes)
+        return self.copy_policy.modes.modes
 
     # ------------------------------------------------------------------ a run's first save
     def settled(self) -> None:
@@ -293,7 +308,8 @@ class Saver:
                             persist is not None, staged.overlapped_bytes,
                             phases={"stage": stage_s, "commit": seconds - stage_s},
                             staged_bytes=staged.nbytes, host_bytes=writer.host_bytes)
-        self._publish(Committed(result, writer.save_id, writer.lineage, metadata, True))
+        self._publish(Committed(result, writer.save_id, writer.lineage, metadata, True,
+                                writer.copy_modes()))
         if persist is not None:
             persist.submit(views, writer.step, writer.lineage)  # reads the staged views: pins the step
         return result
@@ -352,7 +368,8 @@ class Saver:
             self.store.read_metadata(step, saved.save_id)
         except MLCheckpointError:  # none yet, or an earlier save's of this step number
             commit_metadata(self.store, step, saved.metadata, self.topology.world_size,
-                            save_id=saved.save_id, lineage=saved.lineage)
+                            save_id=saved.save_id, lineage=saved.lineage,
+                            copy_modes=saved.copy_modes)
 
     # ------------------------------------------------------------------ DCP-native saves
     def _publish_native(self) -> None:
@@ -390,7 +407,8 @@ class Saver:
                             overlapped_bytes=writer.overlapped_bytes,
                             phases={"stage": stage, "commit": max(0.0, seconds - stage)},
                             staged_bytes=writer.staged_bytes, host_bytes=writer.host_bytes)
-        return Committed(result, manifest.save_id, writer.lineage, writer.metadata, False)
+        return Committed(result, manifest.save_id, writer.lineage, writer.metadata, False,
+                         writer.copy_modes())
 
     def _shard_save_here(self, step: int) -> str | None:
         """The save id of this rank's committed shard of ``step`` here, if any."""

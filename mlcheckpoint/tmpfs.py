@@ -21,7 +21,7 @@ import ctypes
 import errno
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ._words import plural
@@ -114,11 +114,15 @@ def step_room(local_dir: str, memory_limit: int | None, keep: int) -> int:
 
 
 def needed_bytes(shard_bytes: int, *, keep: int, ranks_per_node: int, replicating: bool,
-                 replica_sets: int = 1) -> int:
-    """tmpfs a node needs: ``keep`` steps of its ranks' shards, and as much again for each of
-    the ``replica_sets`` partners' replicas it keeps when ``replicating`` (assumed the same
-    size: FSDP shards evenly)."""
-    return keep * ranks_per_node * shard_bytes * (1 + (replica_sets if replicating else 0))
+                 replica_sets: int = 1, arriving: int | None = None) -> int:
+    """tmpfs a node needs: ``keep`` steps of its ranks' shards and, when ``replicating``, of
+    what its partners' replicas bring per rank: ``arriving`` bytes where known (with data
+    parallelism's copies only the items that lack places cross), else as much again as a shard
+    for each of the ``replica_sets`` partners (FSDP shards evenly)."""
+    if not replicating:
+        return keep * ranks_per_node * shard_bytes
+    brought = replica_sets * shard_bytes if arriving is None else arriving
+    return keep * ranks_per_node * (shard_bytes + brought)
 
 
 class RoomCheck:
@@ -130,6 +134,9 @@ class RoomCheck:
         self.keep, self.replica_sets = keep, replica_sets  # 0: not replicating
         self.size = filesystem_bytes(local_dir)
         self._first_save_checked = False
+        # What the partners' replicas bring per rank and step, where the replication layer can
+        # tell (None, or it says None: shards of this rank's size)
+        self.arriving: Callable[[], int | None] | None = None
 
     def _holds(self) -> str:
         partner = (" and its partner nodes' replicas" if self.replica_sets > 1
@@ -140,7 +147,8 @@ class RoomCheck:
     def _needed(self, shard_bytes: int) -> int:
         return needed_bytes(shard_bytes, keep=self.keep,
                             ranks_per_node=self.topology.local_world_size,
-                            replicating=self.replica_sets > 0, replica_sets=self.replica_sets)
+                            replicating=self.replica_sets > 0, replica_sets=self.replica_sets,
+                            arriving=self.arriving() if self.arriving is not None else None)
 
     def _warn(self, message: str) -> None:
         if self.topology.local_rank == 0:  # the ranks of a node share the tmpfs: one line

@@ -54,7 +54,11 @@ class Topology:
     def place_of_rank(self, rank: int) -> str | int:
         """Where ``rank``'s shard counts as one place: its node's failure domain where the
         node named one, else its node."""
-        node = self.node_of(rank)
+        return self.place_of_node(self.node_of(rank))
+
+    def place_of_node(self, node: int) -> str | int:
+        """Where what ``node`` holds counts as one place: its failure domain where it named
+        one, else the node itself."""
         return self.domains[node] if node < len(self.domains) and self.domains[node] else node
 
     def with_domains(self, per_rank: Sequence[str | None]) -> Topology:

@@ -50,6 +50,18 @@ def fast_tests_start_no_processes(request, monkeypatch):
                         lambda self: refuse("a multiprocessing process"))
 
 
+@pytest.fixture(scope="module")
+def whole_replicas():
+    """Jobs of the module keep data parallelism's copies off (``MLCHECKPOINT_DP_COPIES=off``),
+    so every replica is a whole shard. Their workers save tensors equal on every rank beside
+    per-rank ones (``make_state(step, rank)``); what the modules test is whole shards moving
+    between nodes (pushed, cut mid-transfer, fetched to heal a replaced node). With copies,
+    only the per-rank items would cross: ``tests/jobs/test_dp_copies.py`` tests that."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLCHECKPOINT_DP_COPIES", "off")
+        yield
+
+
 @pytest.fixture
 def store_dir():
     """A fresh directory on tmpfs (/dev/shm), removed after the test, pass or fail."""

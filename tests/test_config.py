@@ -495,7 +495,7 @@ def test_documented_defaults_are_the_defaults(monkeypatch):
     assert settings.tuning().min_stripe_bytes == 64 << 20
     options = Options(job_id="j", local_dir="/dev/shm/x").resolved()
     assert options == Options(job_id="j", local_dir="/dev/shm/x", replication=ReplicationOptions(
-        streams=4, bandwidth="auto", replicas=1))
+        streams=4, bandwidth="auto", replicas=1, copies="auto"))
     assert (options.replication.bandwidth, options.replication.streams) == ("auto", 4)
     assert Launcher.from_env() == Launcher()
     assert Topology.detect(Launcher()) == Topology()
@@ -569,7 +569,7 @@ def test_framework_configs_take_replication_options_and_the_flat_fields_still_wo
     ("MLCHECKPOINT_JOB_ID", "a/b"), ("RANK", "first"), ("LOCAL_RANK", "-1"),
     ("LOCAL_WORLD_SIZE", "2.5"), ("MLCHECKPOINT_REPLICATION_BANDWIDTH", "fast"),
     ("MLCHECKPOINT_REPLICATION_BANDWIDTH", "-5MB/s"), ("MLCHECKPOINT_REPLICATION_IFNAME", "nosuch0"),
-    ("MLCHECKPOINT_REPLICATION_IFNAME", "../eth0")])
+    ("MLCHECKPOINT_REPLICATION_IFNAME", "../eth0"), ("MLCHECKPOINT_DP_COPIES", "sometimes")])
 def test_bad_variable_is_a_config_error_at_construction(store_dir, monkeypatch, var, value):
     """Every variable is parsed when the manager is built, also those read later (copy threads,
     streams, the gc pause): a bad value is a ConfigError naming it, before anything is written."""
@@ -586,7 +586,8 @@ def test_bad_variable_is_a_config_error_at_construction(store_dir, monkeypatch, 
     ("mode", "udp"), ("timeout", 0), ("timeout", float("nan")), ("timeout", "60"),
     ("streams", 0), ("streams", 17), ("streams", True), ("host", ""),
     ("bandwidth", "fast"), ("bandwidth", -1), ("bandwidth", True), ("bandwidth", "1 furlong/s"),
-    ("interface", ""), ("replicas", 0), ("failure_domain", "")])
+    ("interface", ""), ("replicas", 0), ("failure_domain", ""), ("copies", "on"),
+    ("copies", False)])
 def test_bad_replication_option_is_a_config_error_naming_it(store_dir, setting, value):
     """Checked when the ReplicationOptions is made, before any manager exists."""
     with pytest.raises(ConfigError) as ei:
@@ -624,7 +625,7 @@ def test_arguments_win_over_variables_and_are_kept_on_the_manager(store_dir, mon
         assert ckpt.options == Options(
             job_id="job-config", local_dir=store_dir, keep=3, memory_limit_bytes=1 << 30,
             replication=ReplicationOptions(mode="none", host="10.0.0.7", streams=8,
-                                           bandwidth="auto", replicas=1))
+                                           bandwidth="auto", replicas=1, copies="auto"))
         assert internals(ckpt).store.memory_limit_bytes == 1 << 30
 
 

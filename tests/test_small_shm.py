@@ -71,3 +71,12 @@ def test_a_larger_tmpfs_says_nothing(store_dir, clean_env, caplog):
 def test_replicas_of_the_partner_count_as_much_as_the_node_own_shards():
     assert needed_bytes(10 * MiB, keep=2, ranks_per_node=4, replicating=False) == 80 * MiB
     assert needed_bytes(10 * MiB, keep=2, ranks_per_node=4, replicating=True) == 160 * MiB
+
+
+def test_what_replicas_bring_counts_where_it_is_known():
+    """With data parallelism's copies a partner's replica holds only its per-rank state: the
+    node needs room for that, not for a second shard of its own size."""
+    assert needed_bytes(10 * MiB, keep=2, ranks_per_node=4, replicating=True,
+                        arriving=MiB // 2) == 84 * MiB
+    assert needed_bytes(10 * MiB, keep=2, ranks_per_node=4, replicating=True, replica_sets=2,
+                        arriving=None) == 240 * MiB

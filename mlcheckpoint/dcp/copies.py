@@ -13,8 +13,10 @@ de-duplicated it), the de-duplicated plans, the node of each rank and each node'
 
 - a node keeps each item it holds but whose primary is elsewhere once (one rank: the one with
   the fewest bytes so far, lowest rank on a tie), never per rank;
-- a node whose copies would not fit its room keeps none (``dedup`` mode): its items reach
-  other nodes by replication, as without copies.
+- a node whose own items, copies and what its partners' replicas then bring (only the items
+  no other node holds: about its own per-rank state, ``replicas`` times) would not fit its
+  room keeps none (``dedup`` mode): its items reach other nodes by replication, as without
+  copies.
 
 The records that travel in DCP's plans (``LocalItems`` up, ``PlanData`` down) and in its write
 results (``KeptCopy``) live here too.
@@ -55,8 +57,8 @@ class CopyPolicy:
     Args:
         node_of_rank: the node of each rank of the save's process group, in rank order.
         room: the bytes one step of this node's shards may take (asked at each save).
-        replicas: how many partner nodes keep replicas of each node's shards: a node's room
-            is first kept for its own shards and those replicas, copies take what is left.
+        replicas: how many partner nodes keep replicas of each node's shards (what they bring
+            counts against a node's room beside its own items and its copies).
     """
 
     node_of_rank: tuple[int, ...]
@@ -136,10 +138,14 @@ def choose(held: Mapping[int, Sequence[tuple[MetadataIndex, int]]],
         del primary[k]
     num_nodes = max(node_of_rank, default=-1) + 1
     own = [0] * num_nodes  # bytes of the primaries on each node
+    unique = [0] * num_nodes  # of them, bytes of items no other node holds (per-rank state)
     load: dict[int, int] = defaultdict(int)  # bytes each rank's shard holds so far
     for k, rank in primary.items():
-        own[node_of_rank[rank]] += nbytes.get(k, 0)
+        node = node_of_rank[rank]
+        own[node] += nbytes.get(k, 0)
         load[rank] += nbytes.get(k, 0)
+        if all(node_of_rank[r] == node for r in holders[k]):
+            unique[node] += nbytes.get(k, 0)
     # Per node, the items to keep: held by one of its ranks, primary on another node.
     wanted: dict[int, list[Key]] = defaultdict(list)
     for k, ranks in holders.items():
@@ -155,7 +161,10 @@ def choose(held: Mapping[int, Sequence[tuple[MetadataIndex, int]]],
         if not keys:
             continue
         extra = sum(nbytes[k] for k in keys)
-        if extra > room.get(node, 0) - own[node] * (1 + replicas):
+        # With copies, what its partners' replicas bring is what they hold alone (their
+        # per-rank state), about what this node holds alone: replication sends only the
+        # items that lack places (replication/schedule/covered.py).
+        if own[node] + extra + replicas * unique[node] > room.get(node, 0):
             modes[node] = DEDUP
             continue
         modes[node], copy_bytes[node] = DP_COPIES, extra

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 log = logging.getLogger(__name__)
+HERE = "here"  # a read from this node's shard (the other reads name a copy group, or None)
 
 
 def _stored_dtype(metadata: Metadata | None, fqn: str) -> torch.dtype:

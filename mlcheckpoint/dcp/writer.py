@@ -337,6 +337,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
                 self.staged = None
                 raise
 
+    def copy_modes(self) -> tuple[str, ...]:
+        """Each node's copies mode at this save, as the coordinator's plan said (() without
+        copies)."""
+        return self.copy_policy.modes.modes if self.copy_policy is not None else ()
+
     def _kept_copies(self, plan: SavePlan) -> list[WriteItem]:
         """This rank's own WriteItems of the copies the coordinator gave it to keep."""
         data = plan.storage_data
@@ -368,7 +373,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         metadata.storage_data = copies.attach(primaries, kept)
         crash_point("before_metadata", self.step, self.rank)
         commit_metadata(self.store, self.step, metadata, world_size=len(results),
-                        save_id=self.save_id, lineage=self.lineage)
+                        save_id=self.save_id, lineage=self.lineage, copy_modes=self.copy_modes())
         self.metadata = metadata
 
 
@@ -416,13 +421,14 @@ def _plan_save_id(plan: SavePlan) -> str:
 
 
 def commit_metadata(store: LocalStore, step: int, metadata: Metadata, world_size: int, *,
-                    save_id: str, lineage: Lineage) -> None:
-    """Commit DCP's global metadata (with our ItemLocations as storage_data) into ``store``."""
+                    save_id: str, lineage: Lineage, copy_modes: tuple[str, ...] = ()) -> None:
+    """Commit DCP's global metadata (with our ItemLocations as storage_data) into ``store``;
+    ``copy_modes``: each node's copies mode at this save (recorded in its header)."""
     locations = list(metadata.storage_data.values())
     payload = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
     store.write_metadata(step, payload, world_size=world_size,
                          ranks={loc.rank for loc in locations},
                          total_bytes=sum(loc.nbytes for loc in locations),
                          save_id=save_id, lineage=lineage,
-                         copy_groups=coverage.copy_groups(locations))
+                         copy_groups=coverage.copy_groups(locations), copy_modes=copy_modes)
     log.debug("committed metadata of step %d (%d items)", step, len(locations))

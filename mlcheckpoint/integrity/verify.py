@@ -70,6 +70,22 @@ def same_layout(held: Iterable[Recorded], offered: Iterable[Recorded]) -> bool:
     return layout(held) == layout(offered)
 
 
+class Listing:
+    """The items a record of a shard lists (a manifest's), by place, size, checksum and its
+    algorithm: whether another record's item (an ItemLocation of the step's metadata, an item
+    a peer offers) names the same bytes. A partial replica serves only the items its manifest
+    lists."""
+
+    def __init__(self, items: Iterable[Recorded]):
+        self._keys = {(it.offset, it.nbytes, it.checksum, digests.of(it)) for it in items}
+
+    def holds(self, item: Recorded) -> bool:
+        return (item.offset, item.nbytes, item.checksum, digests.of(item)) in self._keys
+
+    def holds_all(self, items: Iterable[Recorded]) -> bool:
+        return all(self.holds(it) for it in items)
+
+
 def records_item(held: Recorded, offset: int, nbytes: int, checksum: int,
                  algorithm: str = digests.DEFAULT) -> bool:
     """Whether a shard's record of an item (its manifest's) names the bytes recorded

@@ -25,6 +25,7 @@ from ..errors import MLCheckpointError, ShardNotFoundError
 from ..replication.core.streams import run_streams
 from ..replication.core.transport import Transport
 from ..store import LocalStore
+from ..store.coverage import Group
 from ..topology import Topology
 from .planner import Decision
 
@@ -32,15 +33,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def holder_order(plan: Decision, topology: Topology, owner: int | None) -> list[int]:
+def holder_order(plan: Decision, topology: Topology, owner: int | None,
+                 group: Group | None = None) -> list[int]:
     """Ranks on other nodes to ask for ``owner``'s shard (None: the metadata), in order: the
     source the plan chose for this node first (it balanced the bytes each holder serves),
     then every other holder, starting at an offset set by this rank so that the readers of
-    one node spread over the holders. A pure function of the plan and who asks."""
+    one node spread over the holders. With ``group`` (items of that copy group are wanted),
+    the ranks of nodes whose partial replica of the shard holds the group are holders too.
+    A pure function of the plan and who asks."""
     node_of = topology.node_of
     here = topology.node_rank
     planned = [f.src_rank for f in plan.fetches if f.owner == owner and node_of(f.dst_rank) == here]
     held = plan.metadata_holders if owner is None else plan.holders.get(owner, [])
+    if owner is not None and group is not None:
+        held = held + [r for r, groups in plan.partial_holders.get(owner, []) if group in groups]
     others = [r for r in held if node_of(r) != here]
     start = topology.rank % len(others) if others else 0
     return list(dict.fromkeys(planned + others[start:] + others[:start]))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CopyId
 from ..store import coverage
+from ..store.coverage import Group, Held
 from ..store.identity import Lineage
 from .inventory import NodeInventory, StepCopy
 
@@ -57,13 +58,17 @@ class Decision:
     step: int | None
     fetches: list[Fetch] = field(default_factory=list)
     holders: dict[int, list[int]] = field(default_factory=dict)  # owner -> ranks that serve it
+    # owner -> (rank, the copy groups it serves) for ranks of nodes whose shard of the owner is
+    # a partial replica (only the items that lacked places were sent): they serve those alone
+    partial_holders: dict[int, list[tuple[int, frozenset[Group]]]] = field(default_factory=dict)
     metadata_holders: list[int] = field(default_factory=list)
     # rank -> "peer" when the rank's own shard is on no node of its own (a replaced node:
     # recovery rebuilds it there after the load), COPIES when it is on no surviving node at
     # all (its items are read from the copies data parallelism kept in other ranks' shards),
     # else "local" (also when resharded).
     sources: dict[int, str] = field(default_factory=dict)
-    # Owners whose shard is on no surviving node: the reader reads their items from copies.
+    # Owners whose shard is whole on no surviving node: the reader reads their items from
+    # copies and partial replicas.
     through_copies: list[int] = field(default_factory=list)
     # owner -> node -> offsets of the items its partial copy of the owner's shard holds (a
     # replica that holds only some items); a holder node not named holds the whole shard
@@ -87,13 +92,13 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     step after the persistent one was written). ``persistent`` describes the step
     ``persistent_step`` names (None: nothing is known of its origin).
 
-    A step is complete when its metadata is on some node and every required rank's items
-    are: its shard, or, where data parallelism kept copies of its items in other ranks' shards
-    (the metadata's copy groups, ``store/coverage.py``), shards holding a copy of each item
-    (not counting copies in ``bad_copies``; never a step in ``bad_steps``). Without a transport
-    (``can_fetch`` False) every node must hold what its own ranks need. A step counts as
-    protected (``newest_protected``) when its metadata and every item are on ``copies`` nodes
-    (1 + the job's ``replicas``).
+    A step is complete when its metadata is on some node and every item of every required
+    rank is (``store/coverage.py``): in its owner's shard, a partial replica listing it, or,
+    where data parallelism kept copies of it in other ranks' shards (the metadata's copy
+    groups), a shard holding a copy (not counting copies in ``bad_copies``; never a step in
+    ``bad_steps``). Without a transport (``can_fetch`` False) every node must hold what its
+    own ranks need. A step counts as protected (``newest_protected``) when its metadata and
+    every item are on ``copies`` nodes (1 + the job's ``replicas``).
     """
     bad = set(bad_copies)
     excluded_steps = set(bad_steps)
@@ -186,7 +191,9 @@ class _StepView:
     world_size: int | None = None
     copy_groups: dict[int, list[list[int]]] = field(default_factory=dict)  # store/coverage.py
     meta_nodes: list[int] = field(default_factory=list)
-    owner_nodes: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+    owner_nodes: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # whole
+    # owner -> node -> what the node holds of its shard (whole or a partial replica's groups)
+    holdings: dict[int, dict[int, Held]] = field(default_factory=lambda: defaultdict(dict))
     owner_bytes: dict[int, int] = field(default_factory=dict)
     partial: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)  # Decision.partial
     refused: set[int] = field(default_factory=set)  # owners with a copy that failed verification
@@ -253,13 +260,16 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
             for owner, why in copy.damaged:  # listed by its node, unusable: a refused copy
                 v.refused.add(owner)
                 v.damage.append(f"node {inv.node}: {why}")
-            partial = dict(copy.partial)
+            partial = dict(copy.partial_items)
             for owner, nbytes in copy.shard_bytes:
                 if copy.save_of(owner) != v.save_id:
                     continue  # a shard of another save of this step: never part of this one
                 if CopyId(step, owner, inv.node) in bad:
                     v.refused.add(owner)
-                else:
+                    continue
+                held = copy.held(owner)
+                v.holdings[owner][inv.node] = held
+                if held.whole:
                     v.owner_nodes[owner].append(inv.node)
                     v.owner_bytes[owner] = nbytes
                     if owner in partial:
@@ -270,7 +280,7 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
 def _incomplete(v: _StepView) -> str | None:
     if not v.meta_nodes or v.required is None:
         return "no surviving node has its metadata"
-    missing = coverage.unreadable(v.required, v.copy_groups, _surviving(v))
+    missing = coverage.unreadable(v.required, v.copy_groups, v.holdings)
     if missing:
         corrupt = [r for r in missing if r in v.refused]
         lost = [r for r in missing if r not in v.refused]
@@ -281,8 +291,8 @@ def _incomplete(v: _StepView) -> str | None:
                        f"verification{damage}")
         if lost:
             why.append(f"shards of ranks {_few(lost)} are on no surviving node")
-        copied = [r for r in missing if v.copy_groups.get(r)]
-        if copied:  # data parallelism kept copies of their items, but not enough survive
+        copied = [r for r in missing if v.copy_groups.get(r) or r in v.holdings]
+        if copied:  # copies or partial replicas hold some of their items, not all
             why.append("nor do copies of all their items: lost are "
                        + "; ".join(_lost_copies(v, r) for r in copied[:4]))
         return "; ".join(why)
@@ -290,16 +300,16 @@ def _incomplete(v: _StepView) -> str | None:
 
 
 def _surviving(v: _StepView) -> set[int]:
-    """Owners whose shard (of the step's save, not refused) is on some surviving node."""
+    """Owners whose whole shard (of the step's save, not refused) is on some surviving node."""
     return {r for r, nodes in v.owner_nodes.items() if nodes}
 
 
 def _lost_copies(v: _StepView, owner: int) -> str:
-    """Which of ``owner``'s items no surviving shard holds, by copy group (for a reason)."""
-    available = _surviving(v)
-    lost = [g for g in v.copy_groups.get(owner, ()) if not any(r in available for r in g)]
+    """Which of ``owner``'s items no surviving node holds, by copy group (for a reason)."""
+    lost = [g for g in coverage.groups_of(owner, v.copy_groups)
+            if not coverage.holders(owner, g, v.holdings)]
     return ", ".join(f"rank {owner}'s items with no copy" if not g else
-                     f"rank {owner}'s items copied only to ranks {g}" for g in lost[:3])
+                     f"rank {owner}'s items copied only to ranks {list(g)}" for g in lost[:3])
 
 
 def _few(ranks: list[int]) -> list:
@@ -309,13 +319,8 @@ def _few(ranks: list[int]) -> list:
 def _newest_protected(view: dict[int, _StepView], copies: int) -> int | None:
     for step in sorted(view, reverse=True):
         v = view[step]
-
-        def places_of(rank: int, v: _StepView = v) -> set[int]:
-            return set(v.owner_nodes.get(rank, ()))
-
-        if (v.required is not None and len(set(v.meta_nodes)) >= copies
-                and all(coverage.fewest_places(r, v.copy_groups, places_of) >= copies
-                        for r in v.required)):
+        if v.required is not None and coverage.protected(v.required, v.copy_groups, v.holdings,
+                                                         copies, v.meta_nodes):
             return step
     return None
 
@@ -337,12 +342,16 @@ def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size:
     d = Decision(MEMORY, step, resharded=v.world_size != world_size, save_id=v.save_id,
                  lineage=v.lineage, partial={o: dict(by_node) for o, by_node in v.partial.items()})
     d.holders = {o: [r for n in sorted(set(ns)) for r in node_ranks[n]] for o, ns in v.owner_nodes.items()}
+    d.partial_holders = {o: [(r, held.groups) for n, held in sorted(by_node.items())
+                             if held.groups is not None for r in node_ranks[n]]
+                         for o, by_node in v.holdings.items()
+                         if any(not held.whole for held in by_node.values())}
     d.metadata_holders = [r for n in sorted(set(v.meta_nodes)) for r in node_ranks[n]]
     for node, ranks in sorted(node_ranks.items()):
         if node not in v.meta_nodes:
             d.fetches.append(Fetch(ranks[0], pick_src(v.meta_nodes, 1), step, None))  # 1: spread them too
     required = set(v.required or ())
-    d.through_copies = sorted(required - _surviving(v))  # complete: their copies survive
+    d.through_copies = sorted(required - _surviving(v))  # complete: their items survive
     for rank in sorted(rank_node):
         node = rank_node[rank]
         if d.resharded or rank not in required:
@@ -352,7 +361,7 @@ def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size:
             d.sources[rank] = "local"
         elif rank in d.through_copies:  # no node to fetch its shard from: the reader reads copies
             d.sources[rank] = COPIES
-            here = {o for o, ns in v.owner_nodes.items() if node in ns}
+            here = {o: {node: by_node[node]} for o, by_node in v.holdings.items() if node in by_node}
             if not can_fetch and coverage.unreadable([rank], v.copy_groups, here):
                 return None  # some copies it needs are on other nodes only
         else:

@@ -25,6 +25,7 @@ DEFAULT_LOCAL_DIR = "/dev/shm/mlcheckpoint"
 REPLICATION_MODES = ("tcp", "pg", "nccl", "none")  # replication/factory.py's TRANSPORTS + "none"
 MAX_STREAMS = 16
 MAX_REPLICAS = 8  # partners per node: each costs one more copy of every shard in memory
+COPIES_MODES = ("auto", "off")  # ReplicationOptions.copies: data parallelism's copies kept or not
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}
@@ -92,6 +93,12 @@ def _failure_domain(value: Any, source: str) -> str | None:
     return value
 
 
+def _copies(value: Any, source: str) -> str:
+    if value not in COPIES_MODES:
+        raise ConfigError(f"{source}={value!r}: expected one of {', '.join(map(repr, COPIES_MODES))}")
+    return value
+
+
 def _memory_limit(value: Any, source: str) -> int | None:
     return None if value is None else parse_bytes(value, source)
 
@@ -131,6 +138,9 @@ class Setting:
     shown: str | None = None  # the default as the docs show it, where it is worked out
     field: str | None = None  # its ReplicationOptions field, where not ``name``
     env_doc: str = ""  # what the variable's text may say, beyond the value's own doc
+    # A replication field that was a flat CheckpointManager keyword in earlier releases (still
+    # accepted, with a DeprecationWarning); False for fields added since.
+    flat: bool = True
 
     @property
     def attribute(self) -> str:
@@ -248,6 +258,13 @@ SETTINGS: tuple[Setting, ...] = (
             "(`SLURM_TOPOLOGY_ADDR`), else none; see operations.md",
             env="MLCHECKPOINT_FAILURE_DOMAIN", field="failure_domain", check=_failure_domain,
             env_doc="this node's failure domain (e.g. `rack-12`)"),
+    Setting("copies", "replication", '`"auto"`: where data parallelism (DDP, HSDP\'s replica '
+            "groups) holds an item on several nodes, each of them keeps one copy of it from the "
+            "save, and replication sends only the items that lack their places (per-rank state "
+            'such as an RNG state); `"off"`: no copies, every shard is replicated whole. Off '
+            "on any rank, off for the job; see integration.md, Data parallelism's copies", "auto",
+            env="MLCHECKPOINT_DP_COPIES", check=_copies, flat=False,
+            env_doc="`auto` or `off`"),
     # Process-wide tuning (Tuning).
     Setting("min_stripe_bytes", "tuning", "bytes (64 MiB): the least one TCP stream carries; a "
             "shard gets min(streams, size / this) streams", 64 << 20,

@@ -36,7 +36,7 @@ _REPLICATION = [s for s in SETTINGS if s.group == "replication"]
 # The flat keywords of earlier releases (replication_streams=...), each a ReplicationOptions
 # field now: accepted for one more release, with a DeprecationWarning naming the new spelling.
 DEPRECATED_KEYWORDS: dict[str, str] = {s.name: s.attribute for s in _REPLICATION
-                                       if s.name != "replication"}
+                                       if s.name != "replication" and s.flat}
 
 
 # ---------------------------------------------------------------- a manager's options
@@ -72,6 +72,9 @@ class ReplicationOptions:
         failure_domain: what fails together with this node: a rack, a switch, a power feed
             (``$MLCHECKPOINT_FAILURE_DOMAIN``, else the leaf switch SLURM's topology plugin
             names). Partners are then chosen in other domains (docs/operations.md).
+        copies: "auto" (``$MLCHECKPOINT_DP_COPIES`` or the default): where data parallelism
+            holds an item on several nodes, each keeps a copy of it and replication sends only
+            the items that lack their places; "off": every shard is replicated whole.
     """
 
     mode: Literal["tcp", "pg", "nccl", "none"] = default("replication")
@@ -82,6 +85,7 @@ class ReplicationOptions:
     bandwidth: int | str | None = None
     replicas: int | None = None
     failure_domain: str | None = None
+    copies: Literal["auto", "off"] | None = None
 
     def __post_init__(self) -> None:
         for s in _REPLICATION:

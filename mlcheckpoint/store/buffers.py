@@ -113,20 +113,27 @@ class MappedFile:
     ``populate=False`` (a shard about to be read once, by a process that had no mapping of
     it): small pages are left to be faulted in by whoever reads them first; huge ones are
     populated for reading, which is cheap.
+
+    ``holes=True`` (a partial replica: only its items' ranges have pages, reserved by whoever
+    made the file): nothing is reserved or populated, so the holes between the items take no
+    memory; only the items' ranges may be touched.
     """
 
-    def __init__(self, path: str, size: int, populate: bool = True):
+    def __init__(self, path: str, size: int, populate: bool = True, holes: bool = False):
         fd = os.open(path, os.O_RDWR)
         try:
             st = os.fstat(fd)
             if st.st_size < size:
                 os.ftruncate(fd, size)
-            reserve(fd, size)  # its pages exist before anything touches them: no SIGBUS
+            if not holes:
+                reserve(fd, size)  # its pages exist before anything touches them: no SIGBUS
             self.key = (st.st_dev, st.st_ino)
             self.size = size
             self._mm, self.array = _map(fd, size, _MAP_FLAGS)
             self.populated_by = ""  # how the pages were faulted in (tests check it is madvise)
-            if size and not populate:
+            if size and holes:
+                self.populated_by = "on demand"
+            elif size and not populate:
                 self.populated_by = self._prepare_for_reading(on_huge_pages(st))
             elif size and self._populated():
                 self.populated_by = "madvise"
@@ -224,9 +231,9 @@ class MappingCache:
     def __setstate__(self, state: dict) -> None:
         self.__init__()  # type: ignore[misc]
 
-    def map(self, path: str, size: int, populate: bool = True) -> MappedFile:
+    def map(self, path: str, size: int, populate: bool = True, holes: bool = False) -> MappedFile:
         """This process's mapping of the file at ``path`` (its first ``size`` bytes), mapped
-        now if need be; ``populate``: see MappedFile."""
+        now if need be; ``populate``, ``holes``: see MappedFile."""
         st = os.stat(path)
         key = (st.st_dev, st.st_ino)
         with self._lock:
@@ -235,7 +242,7 @@ class MappingCache:
                 return mf if mf.size == size else _SubMapping(mf, size)
         # Map outside the lock: populating a fresh file's pages can take seconds, and another
         # thread's save must not wait behind a buffer being prepared in the background.
-        new = MappedFile(path, size, populate)
+        new = MappedFile(path, size, populate, holes)
         with self._lock:
             old = self._by_key.get(key)
             self._by_key[key] = new

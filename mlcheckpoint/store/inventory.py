@@ -10,7 +10,7 @@ from .._ratelimit import RateLimitedLog
 from ..errors import CorruptShardError, ShardNotFoundError
 from . import coverage
 from .layout import JobPaths, Kind, classify
-from .manifest import MetadataHeader
+from .manifest import ManifestItem, MetadataHeader
 from .metadata import MetadataFiles
 from .shards import ShardFiles
 
@@ -33,6 +33,9 @@ class StepState:
     header: MetadataHeader | None = None  # the metadata's verified header, when present
     shard_saves: dict[int, str] = field(default_factory=dict)  # owner -> save id of its shard
     damaged: dict[int, str] = field(default_factory=dict)  # owner -> why its copy is unusable
+    # owner -> the copy groups its partial replica here holds (``coverage.Held``); an owner
+    # whose committed shard here is whole is not listed
+    partial: dict[int, frozenset[coverage.Group]] = field(default_factory=dict)
 
     @property
     def save_id(self) -> str | None:
@@ -48,14 +51,19 @@ class StepState:
         """Which other ranks' shards hold copies of each owner's items (``coverage.py``)."""
         return self.header.copies() if self.header is not None else {}
 
+    def holdings(self, place: object = "here") -> dict[int, dict[object, coverage.Held]]:
+        """What this node (as ``place``) holds of each owner's shard of the save the metadata
+        here describes (``coverage.Holdings``): whole, or a partial replica's groups."""
+        return {r: {place: coverage.Held(self.partial[r]) if r in self.partial else coverage.WHOLE}
+                for r in self.ranks_of(self.save_id)}
+
     @property
     def complete(self) -> bool:
-        """Metadata and every item of that same save are committed here: every needed
-        rank's shard, or, for its items kept by data-parallel replicas, shards holding their
-        copies."""
+        """Metadata and every item of that same save are committed here: in its owner's
+        shard, a partial replica listing it, or a shard holding a data-parallel copy of it."""
         return (self.has_metadata and self.required_ranks is not None
                 and not coverage.unreadable(self.required_ranks, self.copy_groups,
-                                            self.ranks_of(self.save_id)))
+                                            self.holdings()))
 
 
 class Inventory:
@@ -63,7 +71,8 @@ class Inventory:
 
     def __init__(self, paths: JobPaths, shards: ShardFiles, metadata: MetadataFiles):
         self.paths, self.shards, self.metadata = paths, shards, metadata
-        self._manifest_ids: dict[str, tuple[tuple, str, int]] = {}
+        # manifest path -> (its version, save id, data bytes, a partial replica's items or None)
+        self._manifest_ids: dict[str, tuple[tuple, str, int, tuple[ManifestItem, ...] | None]] = {}
 
     def steps(self) -> list[int]:
         return self.paths.step_numbers()
@@ -74,11 +83,12 @@ class Inventory:
             entries = [classify(n) for n in os.listdir(self.paths.step_dir(step))]
         except FileNotFoundError:
             return st
+        partial_items: dict[int, tuple[ManifestItem, ...]] = {}
         for entry in entries:
             r = entry.rank
             if entry.kind is Kind.MANIFEST and r is not None:
                 try:
-                    st.shard_saves[r] = self._manifest_identity(step, r)
+                    st.shard_saves[r], listed = self._manifest_identity(step, r)
                 except ShardNotFoundError:
                     continue  # retired between the listing and the read
                 except CorruptShardError as e:
@@ -87,6 +97,8 @@ class Inventory:
                                         "here: %s", step, r, e)
                     continue
                 st.committed_ranks.add(r)
+                if listed is not None:
+                    partial_items[r] = listed
         if any(entry.kind is Kind.METADATA for entry in entries):
             try:
                 header = self.metadata.header(step)
@@ -100,10 +112,26 @@ class Inventory:
                 st.required_ranks = header.ranks
                 st.world_size = header.world_size
                 st.total_bytes = header.total_bytes
+        for r, listed in partial_items.items():
+            st.partial[r] = self._held_groups(step, r, listed, st)
         return st
 
-    def _manifest_identity(self, step: int, rank: int) -> str:
-        """The save id a committed shard's manifest names, once its data file is checked whole.
+    def _held_groups(self, step: int, owner: int, listed: tuple[ManifestItem, ...],
+                     st: StepState) -> frozenset[coverage.Group]:
+        """The copy groups a partial replica of ``owner`` here holds whole, by the step's
+        metadata here (none without it, or when it names another save: nothing is counted
+        that cannot be checked)."""
+        if st.header is None or st.shard_saves.get(owner) != st.header.save_id:
+            return frozenset()
+        try:
+            items = self.metadata.items(step)
+        except (ShardNotFoundError, CorruptShardError):
+            return frozenset()
+        return items.held_groups(owner, listed)
+
+    def _manifest_identity(self, step: int, rank: int) -> tuple[str, tuple[ManifestItem, ...] | None]:
+        """The save id a committed shard's manifest names, once its data file is checked whole,
+        and, for a partial replica, the items its manifest lists (None: a whole shard).
 
         Cached per manifest version like metadata headers: the replicator lists often. A
         shard whose manifest is unreadable or whose data file is missing or short raises
@@ -122,10 +150,11 @@ class Inventory:
         cached = self._manifest_ids.get(path)
         if cached is None or cached[0] != version:
             m = self.shards.read_manifest(step, rank)
-            cached = self._manifest_ids[path] = (version, m.save_id, m.data_bytes)
+            cached = self._manifest_ids[path] = (version, m.save_id, m.data_bytes,
+                                                 tuple(m.items) if m.partial else None)
         if data_size < cached[2]:
             raise CorruptShardError(f"{data} is truncated: {data_size} of {cached[2]} bytes")
-        return cached[1]
+        return cached[1], cached[3]
 
     def all(self) -> dict[int, StepState]:
         return {s: self.step_state(s) for s in self.steps()}

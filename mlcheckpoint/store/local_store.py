@@ -27,7 +27,7 @@ from ..settings import resolve_job_id, resolve_local_dir, resolve_memory_limit
 from ..tmpfs import local_dir_errors, warn_if_not_memory
 from . import cleanup
 from .buffers import MappedFile, MappingCache
-from .coverage import CopyGroups
+from .coverage import CopyGroups, StepItems
 from .identity import Lineage
 from .inventory import Inventory, StepState
 from .layout import ItemLocation, JobPaths
@@ -115,12 +115,15 @@ class LocalStore:
             yield
 
     # ------------------------------------------------------------------ write path
-    def begin_shard(self, step: int, rank: int, nbytes: int) -> ShardWriter:
-        """Get a mapped buffer of ``nbytes`` for (step, rank), recycled when possible.
+    def begin_shard(self, step: int, rank: int, nbytes: int,
+                    held: list[tuple[int, int]] | None = None) -> ShardWriter:
+        """Get a mapped buffer of ``nbytes`` for (step, rank), recycled when possible; with
+        ``held`` (a partial replica's item ranges), a sparse one in which only those ranges
+        take memory (and only they may be written).
 
         Raises CapacityError before writing anything if tmpfs or the memory limit has no room.
         """
-        return self.shards.begin(step, rank, nbytes)
+        return self.shards.begin(step, rank, nbytes, held)
 
     def reopen_shard(self, step: int, rank: int, nbytes: int) -> ShardWriter:
         """Continue an uncommitted shard that was staged earlier (possibly by another process)."""
@@ -128,11 +131,12 @@ class LocalStore:
 
     def write_metadata(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
                        total_bytes: int, save_id: str = "", lineage: Lineage | None = None,
-                       copy_groups: CopyGroups | None = None) -> None:
+                       copy_groups: CopyGroups | None = None,
+                       copy_modes: Iterable[str] = ()) -> None:
         """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
         self.metadata.write(step, payload, world_size=world_size, ranks=ranks,
                             total_bytes=total_bytes, save_id=save_id, lineage=lineage,
-                            copy_groups=copy_groups)
+                            copy_groups=copy_groups, copy_modes=copy_modes)
 
     def write_metadata_file(self, step: int, raw: bytes) -> None:
         """Install an encoded metadata file (e.g. received from a peer) after verifying it."""
@@ -173,7 +177,8 @@ class LocalStore:
         damaged bytes does not pass). A shard of another save than the metadata here fails.
         """
         m, buf = self.map_shard(step, rank)
-        recorded = list(recorded)
+        listed = {it.offset for it in m.items}  # a partial replica: only its items are here
+        recorded = [loc for loc in recorded if not m.partial or loc.offset in listed]
         with contextlib.suppress(ShardNotFoundError):
             header, _ = self.read_metadata(step)
             if header.save_id != m.save_id:
@@ -190,6 +195,11 @@ class LocalStore:
 
     def read_metadata_file(self, step: int) -> bytes:
         return self.metadata.read_file(step)
+
+    def step_items(self, step: int) -> StepItems:
+        """Each owner's primary items of the save the step's metadata here describes, by copy
+        group (``coverage.StepItems``); ShardNotFoundError without metadata."""
+        return self.metadata.items(step)
 
     # ------------------------------------------------------------------ inventory
     def steps(self) -> list[int]:

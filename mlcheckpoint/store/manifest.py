@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import time
@@ -9,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import CorruptShardError
 from ..integrity import digests
-from ..integrity.verify import digest_item, digests_agree
+from ..integrity.verify import Listing, Recorded, digest_item, digests_agree
 from . import coverage
 from .layout import ItemLocation
 
@@ -48,16 +49,53 @@ class Manifest:
     format: int = FORMAT_VERSION
     save_id: str = ""  # the save (incarnation of ``step``) these bytes belong to
     run_id: str = ""  # the run of the job that made that save
+    # A partial replica: only the items listed are here, at the owner's offsets; the bytes
+    # between them are holes (sparse in tmpfs) and are never read. Absent (False): whole.
+    partial: bool = False
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("job_id", "step", "rank", "data_bytes", "world_size",
                                            "created", "algorithm", "format", "save_id", "run_id")}
+        if self.partial:  # (a whole shard's manifest reads as it did before partial replicas)
+            d["partial"] = True
         # Built by hand: dataclasses.asdict deep-copies every item and costs ~10 ms per 500 items.
         d["items"] = [{"key": i.key, "offset": i.offset, "nbytes": i.nbytes, "checksum": i.checksum,
                        "kind": i.kind, "dtype": i.dtype, "shape": i.shape,
                        **({} if i.algorithm is None else {"algorithm": i.algorithm})}
                       for i in self.items]
         return d
+
+    def only(self, items: list[ManifestItem]) -> Manifest:
+        """The manifest of a partial replica of this shard holding ``items`` (some of this
+        manifest's), at the same offsets."""
+        return dataclasses.replace(self, items=sorted(items, key=lambda it: it.offset),
+                                   partial=True)
+
+    def held_ranges(self) -> list[tuple[int, int]]:
+        """(offset, nbytes) of the bytes this shard holds, in order: the whole data, or, for a
+        partial replica, its items' ranges (adjacent and overlapping ones merged)."""
+        if not self.partial:
+            return [(0, self.data_bytes)] if self.data_bytes else []
+        out: list[list[int]] = []
+        for it in sorted(self.items, key=lambda it: it.offset):
+            if not it.nbytes:
+                continue
+            if out and it.offset <= out[-1][0] + out[-1][1]:
+                out[-1][1] = max(out[-1][1], it.offset + it.nbytes - out[-1][0])
+            else:
+                out.append([it.offset, it.nbytes])
+        return [(o, n) for o, n in out]
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes this shard holds (a partial replica: its items')."""
+        return sum(n for _, n in self.held_ranges())
+
+    def holds(self, item: Recorded) -> bool:
+        """Whether this shard holds ``item`` (an ItemLocation of the step's metadata for its
+        owner): any item of a whole shard; for a partial replica, an item its manifest lists
+        with the same offset, size and checksum."""
+        return not self.partial or Listing(self.items).holds(item)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()
@@ -89,6 +127,8 @@ def _check_layout(m: Manifest) -> None:
     """Reject manifests whose items fall outside the data (corrupt or hostile)."""
     if m.data_bytes < 0 or m.step < 0 or m.rank < 0:
         raise ValueError("negative size, step or rank in manifest")
+    if not isinstance(m.partial, bool):
+        raise TypeError(f"partial={str(m.partial)[:100]!r} is not true or false")
     check_identity(m.run_id, m.save_id)
     for it in m.items:
         if it.offset < 0 or it.nbytes < 0 or it.offset + it.nbytes > m.data_bytes:
@@ -116,6 +156,10 @@ class MetadataHeader:
     # owner rank (a string: JSON) -> the sets of ranks whose shards hold agreeing copies of
     # some of its items (``store/coverage.py``); empty: every item only in its owner's shard.
     copy_groups: dict[str, list[list[int]]] = field(default_factory=dict)
+    # Each node's copies mode at this save (``dcp/copies.py``: "dp-copies", "dedup", "unique"),
+    # as the coordinator chose; empty without copies. ``stats()`` reads it from here, which
+    # holds also when DCP committed the save in another process.
+    copy_modes: list[str] = field(default_factory=list)
 
     def copies(self) -> dict[int, list[list[int]]]:
         """The copy groups, keyed by owner rank."""
@@ -139,6 +183,13 @@ def check_lineage(lineage: object) -> None:
         check_identity(entry[0], "")
 
 
+def check_modes(modes: object) -> None:
+    """Copies modes are short words, one per node (they travel in headers a peer sends)."""
+    if not isinstance(modes, list) or len(modes) > coverage.MAX_OWNERS or not all(
+            isinstance(m, str) and len(m) <= 16 for m in modes):
+        raise ValueError("malformed copy modes")
+
+
 # Ancestor runs remembered in a header; older ones no longer matter to a resume.
 MAX_LINEAGE = 32
 
@@ -160,6 +211,7 @@ def decode_metadata(raw: bytes) -> tuple[MetadataHeader, bytes]:
     check_identity(header.run_id, header.save_id)
     check_lineage(header.lineage)
     coverage.from_header(header.copy_groups)
+    check_modes(header.copy_modes)
     payload = raw[nl + 1:]
     if header.format != FORMAT_VERSION:
         raise ValueError(f"unsupported metadata format {header.format}")

@@ -8,11 +8,13 @@ from collections.abc import Iterable
 
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity.verify import digest_item
-from .coverage import CopyGroups, to_header
+from .coverage import CopyGroups, StepItems, to_header
 from .identity import Lineage
 from .layout import JobPaths
 from .locks import CommitLock
-from .manifest import MetadataHeader, decode_metadata, encode_metadata
+from .manifest import MetadataHeader, decode_metadata, encode_metadata, item_locations
+
+KEPT_ITEMS = 8  # steps whose items ``MetadataFiles.items`` keeps unpickled (keep is a few)
 
 
 class MetadataFiles:
@@ -21,15 +23,17 @@ class MetadataFiles:
     def __init__(self, paths: JobPaths, job_id: str, commits: CommitLock):
         self.paths, self.job_id, self.commits = paths, job_id, commits
         self._verified_headers: dict[str, tuple[tuple, MetadataHeader]] = {}
+        self._items: dict[str, tuple[tuple, StepItems]] = {}
 
     def write(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
               total_bytes: int, save_id: str = "", lineage: Lineage | None = None,
-              copy_groups: CopyGroups | None = None) -> None:
+              copy_groups: CopyGroups | None = None, copy_modes: Iterable[str] = ()) -> None:
         """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
         header = MetadataHeader(job_id=self.job_id, step=step, world_size=world_size,
                                 ranks=sorted(set(ranks)), total_bytes=total_bytes,
                                 payload_bytes=len(payload), checksum=digest_item(payload),
                                 save_id=save_id, copy_groups=to_header(copy_groups or {}),
+                                copy_modes=list(copy_modes),
                                 **(lineage or Lineage()).header_fields())
         self.install(step, encode_metadata(header, payload))
 
@@ -81,6 +85,27 @@ class MetadataFiles:
         header, _ = self.read(step)
         self._verified_headers[path] = (version, header)
         return header
+
+
+    def items(self, step: int) -> StepItems:
+        """Each owner's primary items of the step's save, by copy group (which items a
+        partial replica must list to hold a group, and their bytes). Unpickled once per
+        version of the file, as ``header`` checks it once."""
+        path = self.paths.metadata(step)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise ShardNotFoundError(f"step {step} has no global metadata on this node") from None
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._items.get(path)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        _, payload = self.read(step)
+        items = StepItems(item_locations(payload))
+        self._items[path] = (version, items)
+        while len(self._items) > KEPT_ITEMS:  # the oldest first (a dict keeps insertion order)
+            del self._items[next(iter(self._items))]
+        return items
 
 
 def _decode(step: int, raw: bytes) -> tuple[MetadataHeader, bytes]:

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import secrets
+from collections.abc import Callable
 
 from .._words import plural
 from ..errors import CapacityError
@@ -31,10 +32,13 @@ class Capacity:
     """What the job may still put in tmpfs: the filesystem's free space and, when set, the
     job's memory limit.
 
-    With replication, a node keeps other nodes' shards beside its own: ``replicas`` of them
-    per shard of each rank in ``replicating`` (``expect_replicas``). A save of such a rank
-    that needs new room checks room for those replicas too, as they arrive with the step:
-    better a CapacityError at the save than a step that can never be protected.
+    With replication, a node keeps other nodes' shards beside its own: ``replicas`` partners'
+    replicas for each rank in ``replicating`` (``expect_replicas``). A save of such a rank
+    that needs new room checks room for what those replicas bring too, as they arrive with
+    the step: better a CapacityError at the save than a step that can never be protected.
+    What they bring is ``arriving()`` (the replication layer's prediction: with data
+    parallelism's copies, only the items that lack places cross, often a few KB), else, when
+    it cannot tell yet, ``replicas`` shards of the saving rank's size.
     """
 
     def __init__(self, local_dir: str, paths: JobPaths, job_id: str, memory_limit_bytes: int | None):
@@ -42,10 +46,14 @@ class Capacity:
         self.memory_limit_bytes = memory_limit_bytes
         self.replicas = 0
         self.replicating: frozenset[int] = frozenset()
+        self.arriving: Callable[[], int | None] | None = None  # (picklable: PROCESS mode)
 
-    def expect_replicas(self, ranks: list[int], replicas: int) -> None:
-        """Each save of ``ranks`` brings ``replicas`` partners' shards of about its size."""
+    def expect_replicas(self, ranks: list[int], replicas: int,
+                        arriving: Callable[[], int | None] | None = None) -> None:
+        """Each save of ``ranks`` brings ``replicas`` partners' replicas: ``arriving()``
+        bytes of them (None: unknown yet, then as many shards of the save's size)."""
         self.replicating, self.replicas = frozenset(ranks), replicas
+        self.arriving = arriving
 
     def preflight(self, nbytes: int, reusable: int, *, rank: int | None = None,
                   step: int | None = None) -> None:
@@ -57,10 +65,11 @@ class Capacity:
         if needed <= 0:
             return
         replicas = self.replicas if rank in self.replicating else 0
-        arriving = replicas * nbytes
+        predicted = self.arriving() if replicas and self.arriving is not None else None
+        arriving = replicas * nbytes if predicted is None else predicted
         what = (f"checkpoint shard needs {needed / 2**20:.1f} MiB more"
-                + (f" and its step's {plural(replicas, 'replica')} from partner nodes "
-                   f"{arriving / 2**20:.1f} MiB (replicas={replicas})" if arriving else ""))
+                + (f" and what its step's {plural(replicas, 'replica')} from partner nodes "
+                   f"bring {arriving / 2**20:.1f} MiB (replicas={replicas})" if arriving else ""))
         total = needed + arriving
         free = self.free_bytes()
         if total > free:
@@ -256,8 +265,12 @@ class BufferPool:
     def recycle(self, path: str, rank: int) -> None:
         """Move a shard's data file into the pool (keeping at most ``POOL_PER_RANK`` per rank)."""
         with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_size == 0:  # an empty shard's file: nothing to recycle, and
-                self.unlink(path)           # pooling it would evict a warm buffer of this rank
+            st = os.stat(path)
+            # An empty shard's file: nothing to recycle, and pooling it would evict a warm
+            # buffer of this rank. A file with holes (a partial replica's): few warm pages,
+            # and a save taking it would first have to fill the holes.
+            if st.st_size == 0 or st.st_blocks * 512 < st.st_size:
+                self.unlink(path)
                 return
         dest = self.paths.pool_buffer(rank, secrets.token_hex(8))
         try:

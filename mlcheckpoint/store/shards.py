@@ -45,8 +45,11 @@ class ShardFiles:
         self.pool, self.capacity, self.lock, self.commits = pool, capacity, lock, commits
 
     # ------------------------------------------------------------------ write
-    def begin(self, step: int, rank: int, nbytes: int) -> ShardWriter:
-        """Get a mapped buffer of ``nbytes`` for (step, rank), recycled when possible.
+    def begin(self, step: int, rank: int, nbytes: int,
+              held: list[tuple[int, int]] | None = None) -> ShardWriter:
+        """Get a mapped buffer of ``nbytes`` for (step, rank), recycled when possible; with
+        ``held`` (a partial replica's item ranges), a fresh sparse file in which only those
+        ranges take memory.
 
         Raises CapacityError before writing anything if tmpfs or the memory limit has no room.
         """
@@ -56,8 +59,11 @@ class ShardFiles:
             # The ranks of a node share one tmpfs: its space is checked and reserved in one
             # step, so two ranks cannot both pass the check and then both write into it.
             with self.lock.held():
-                self._claim(step, rank, nbytes, partial)
-            buffer = self.mappings.map(partial, nbytes)
+                if held is None:
+                    self._claim(step, rank, nbytes, partial)
+                else:
+                    self._claim_sparse(step, rank, nbytes, held, partial)
+            buffer = self.mappings.map(partial, nbytes, holes=held is not None)
         except BaseException as e:  # leave nothing behind, as a refused shard does
             no_room = isinstance(e, OSError) and e.errno in NO_ROOM
             if no_room:  # a buffer whose pages could not be had is no buffer to recycle
@@ -86,6 +92,21 @@ class ShardFiles:
             if recycled is None:
                 os.ftruncate(fd, nbytes)
             buffers.reserve(fd, nbytes)  # never SIGBUS when the pages are first touched
+        finally:
+            os.close(fd)
+
+    def _claim_sparse(self, step: int, rank: int, nbytes: int, held: list[tuple[int, int]],
+                      partial: str) -> None:
+        """Put at ``partial`` a file of ``nbytes`` whose pages exist only in the ``held``
+        ranges (a partial replica's items; never a pooled buffer, whose pages are all there).
+        Runs under the node's lock."""
+        self.capacity.preflight(sum(n for _, n in held), reusable=0, rank=rank)
+        os.makedirs(self.paths.step_dir(step), mode=0o700, exist_ok=True)
+        fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            for offset, n in held:
+                buffers.reserve(fd, n, offset)
         finally:
             os.close(fd)
 
@@ -158,7 +179,8 @@ class ShardFiles:
     def map(self, step: int, rank: int) -> tuple[Manifest, MappedFile]:
         """Map a committed shard (not verified)."""
         with self.open(step, rank) as source:  # checks the data file is whole
-            return source.manifest, self.mappings.map(source.path, source.manifest.data_bytes)
+            m = source.manifest
+            return m, self.mappings.map(source.path, m.data_bytes, holes=m.partial)
 
     # ------------------------------------------------------------------ retire
     def retire(self, step: int, rank: int, *, keep_metadata: bool = False) -> None:
@@ -298,7 +320,8 @@ class ShardSource:
                 # which ends before the items write_data appended) still point into it: an
                 # export of it keeps it mapped until this source is done (see release()).
                 self._earlier.append(self.mapped.array)
-            self.mapped = self.mappings.map(self.path, self.manifest.data_bytes, populate=False)
+            self.mapped = self.mappings.map(self.path, self.manifest.data_bytes, populate=False,
+                                            holes=self.manifest.partial)
         return self.mapped
 
     def read(self, offset: int, nbytes: int) -> bytes:

@@ -59,11 +59,23 @@ def test_replicas_within_one_node_keep_no_copy():
 def test_a_node_without_room_keeps_none():
     held = ddp(2, {"a": 100, "b": 100})
     planned = {0: [idx("a")], 1: [idx("b")]}
-    # node 1 holds 100 of its own, as much again of replicas: 250 leaves 50, under 100
-    choice = copies.choose(held, planned, [0, 1], {0: BIG, 1: 250})
+    # node 1 would hold 100 of its own and 100 of copies: 150 has no room for them
+    choice = copies.choose(held, planned, [0, 1], {0: BIG, 1: 150})
     assert choice.modes == (copies.DP_COPIES, copies.DEDUP)
     assert choice.copies == {0: [idx("b")]}
-    assert copies.choose(held, planned, [0, 1], {0: BIG, 1: 300}).modes[1] == copies.DP_COPIES
+    assert copies.choose(held, planned, [0, 1], {0: BIG, 1: 200}).modes[1] == copies.DP_COPIES
+
+
+def test_the_room_counts_what_replicas_bring_beside_the_copies():
+    """What arrives with copies is what the partner holds alone (its per-rank state), as much
+    as this node holds alone, once per replica: not a shard of the node's own size."""
+    held = {r: [(idx("a"), 100), (idx(f"rng{r}"), 10)] for r in range(2)}
+    planned = {0: [idx("a"), idx("rng0")], 1: [idx("rng1")]}
+    # node 1: 10 of its own, 100 of copies, 10 of rank 0's RNG state arriving: 120
+    assert copies.choose(held, planned, [0, 1], {0: BIG, 1: 120}).modes[1] == copies.DP_COPIES
+    assert copies.choose(held, planned, [0, 1], {0: BIG, 1: 119}).modes[1] == copies.DEDUP
+    two = copies.choose(held, planned, [0, 1], {0: BIG, 1: 129}, replicas=2)  # 10 twice
+    assert two.modes[1] == copies.DEDUP
 
 
 def test_chunks_of_one_tensor_are_items_of_their_own():

@@ -170,7 +170,7 @@ class OtherNode(Transport):
                     on_range(i)
         return sum(n for _, n in ranges)
 
-    def push_shard(self, peer: int, step: int, owner: int) -> int:
+    def push_shard(self, peer: int, step: int, owner: int, items=None) -> int:
         raise AssertionError("a load never pushes")
 
     def push_metadata(self, peer: int, step: int) -> None:

@@ -10,6 +10,7 @@ replication. The test process reads each node's history (what replication sent) 
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -85,8 +86,8 @@ def test_replicas_that_differ_are_no_copies():
         others = [loc for index, loc in md.storage_data.items() if index.fqn != "model.w"]
         assert others and all(len(loc.copies) == 1 for loc in others), others
         sent = sent_bytes(c, LAST)
-        owner = w.rank  # its shard is sent whole; the other rank's is covered
-        assert sent[owner] == shard_bytes(c, owner, LAST, owner) > 0, sent
+        owner = w.rank  # that item alone is sent; the other rank's shard is covered
+        assert sent[owner] == w.nbytes > 0, sent
         assert sent[1 - owner] == 0, sent
         assert "differ between data-parallel replicas" in c.nodes[0].log(), c.logs()
 
@@ -115,19 +116,20 @@ def test_hsdp_sends_nothing_across_replica_groups():
 
 
 def test_too_little_room_falls_back_to_replication():
-    # A step is ~512 KiB: each node ~256 KiB of its own items, as much again of its
-    # partner's replicas or of copies. With keep=1 a node's room per step is a third of the
-    # limit (kept, protected and in-flight steps: room.step_room); copies are only kept where
-    # the node's own items, its partner's replicas and the copies fit (768 KiB, not in
-    # 2 MiB / 3); replication as before (~1.7 MiB at its peak) does fit.
-    limit = 2048 * 1024
-    with Cluster(2, 1) as c:
-        res = run(c, "ddp", env={"TEST_MEMORY_LIMIT": str(limit), "TEST_KEEP": "1"})
+    # DDP over 4 nodes: a step is ~1 MiB (TEST_SCALE=2). With copies a node holds all of it
+    # (a quarter its own, the rest copies); with replication a quarter of its own and its
+    # partner's quarter. With keep=1 a node's room per step is a third of the limit (kept,
+    # protected and in-flight steps: tmpfs.step_room): 2.5 MiB / 3 has no room for the
+    # copies, and replication as before does fit.
+    limit = 2560 * 1024
+    with Cluster(4, 1) as c:
+        res = run(c, "ddp", env={"TEST_MEMORY_LIMIT": str(limit), "TEST_KEEP": "1",
+                                 "TEST_SCALE": "2"})
         for rep in res.values():
-            assert rep["stats"]["mlcheckpoint/dedup_nodes"] == 2.0, rep["stats"]
+            assert rep["stats"]["mlcheckpoint/dedup_nodes"] == 4.0, rep["stats"]
             assert rep["reason"] is None, rep
         sent = sent_bytes(c, LAST)
-        assert all(sent[r] == shard_bytes(c, r, LAST, r) > 0 for r in range(2)), sent
+        assert all(sent[r] == shard_bytes(c, r, LAST, r) > 0 for r in range(4)), sent
         assert "too little room for its copies" in c.nodes[0].log(), c.logs()
         assert all(not loc.copies for loc in metadata(c, 0, LAST).storage_data.values())
 
@@ -146,3 +148,112 @@ def test_lost_node_resumes_from_the_copies_on_the_other():
             assert rep["step"] == LAST and rep["mismatch"] == [], (r, rep, c.logs())
         # rank 1's shard was on no node: its items came from the copies in rank 0's
         assert res[0]["sources"]["1"] == "copies", res[0]
+
+
+# ---------------------------------------------------------------------------- per item (issue 38)
+def entries(md, rank: int, prefix: tuple[str, ...]) -> list:
+    """``rank``'s primary items of the metadata whose key starts with ``prefix``."""
+    return [loc for index, loc in md.storage_data.items()
+            if loc.rank == rank and index.fqn.startswith(prefix)]
+
+
+def allocated(c: Cluster, node: int, step: int, rank: int) -> int:
+    """The memory (pages) the data file of rank's shard takes on ``node``."""
+    store = LocalStore(c.nodes[node].local_dir, c.job_id, create=False)
+    return os.stat(store.data_path(step, rank)).st_blocks * 512
+
+
+def test_ddp_with_per_rank_entries_sends_only_those_entries():
+    """DDP on 2 nodes x 2 ranks, each rank with its own RNG state and data loader position
+    beside the identical model: each rank sends exactly its own entries' bytes, the partner
+    stores them alone (at their offsets, the rest holes), the step is protected; node 1 lost
+    and wiped, every rank resumes the step bit for bit."""
+    with Cluster(2, 2) as c:
+        res = run(c, "ddp_rng", "async")
+        md = metadata(c, 0, LAST)
+        sent = sent_bytes(c, LAST)
+        for r in range(4):
+            own = entries(md, r, ("rng.", "loader."))  # (the loader's dict: an item per entry)
+            assert len(own) == 3 and sent[r] == sum(loc.nbytes for loc in own) > 5000, (r, sent, own)
+            rep = res[r]
+            assert rep["sent"] == sent[r], rep
+            assert rep["state"] == "replicated" and rep["reason"] is None, rep
+            assert rep["stats"]["mlcheckpoint/dp_copies_nodes"] == 2.0, rep["stats"]
+            partner = 1 - r // 2
+            replica = LocalStore(c.nodes[partner].local_dir, c.job_id, create=False).read_manifest(LAST, r)
+            assert replica.partial and sorted(it.offset for it in replica.items) == \
+                sorted(loc.offset for loc in own), replica
+            # a node stores an item once: the model's items are there as copies, not again
+            assert allocated(c, partner, LAST, r) <= 2 * 4096 + sent[r], allocated(c, partner, LAST, r)
+        # every node alive: each rank reads its items where its node holds them (its shard, a
+        # copy in its neighbour's), never from the partial replica's holes, nor from a peer
+        c.run("dp_copies.py", "ddp_rng", str(LAST), "sync", "resume", timeout=LAUNCH_TIMEOUT)
+        intact = c.results("resumed")
+        for r, rep in intact.items():
+            assert rep["step"] == LAST and rep["mismatch"] == [], (r, rep, c.logs())
+            assert rep["bytes_fetched"] == 0, (r, rep)
+        c.clear_results()
+        c.nodes[1].kill()
+        c.nodes[1].wipe()
+        c.run("dp_copies.py", "ddp_rng", str(LAST), "sync", "resume", timeout=LAUNCH_TIMEOUT)
+        resumed = c.results("resumed")
+        assert sorted(resumed) == [0, 1, 2, 3], c.logs()
+        for r, rep in resumed.items():
+            assert rep["step"] == LAST and rep["mismatch"] == [], (r, rep, c.logs())
+        # ranks 2 and 3's shards are whole on no node: their items came from the copies in
+        # ranks 0 and 1's shards and from the partial replicas of their own entries
+        assert resumed[0]["sources"]["2"] == "copies", resumed[0]
+
+
+def test_fsdp_with_one_uncovered_item_sends_that_item_only():
+    """FSDP with replicated parameters, 2 nodes: the replicated ones have copies on the other
+    node; each rank's own shard of the sharded weight is the one item that lacks a place, and
+    the only one sent."""
+    with Cluster(2, 1) as c:
+        run(c, "mixed")
+        md = metadata(c, 0, LAST)
+        sent = sent_bytes(c, LAST)
+        for r in range(2):
+            (w,) = entries(md, r, (f"rank{r}.",))
+            assert sent[r] == w.nbytes, (r, sent, w)
+            assert shard_bytes(c, r, LAST, r) > w.nbytes  # the shard holds more than what was sent
+
+
+def test_copies_off_replicates_whole_shards():
+    """``MLCHECKPOINT_DP_COPIES=off``: no copies are kept, every shard goes whole, as before
+    copies existed; the step is protected all the same."""
+    with Cluster(2, 1) as c:
+        res = run(c, "ddp_rng", env={"MLCHECKPOINT_DP_COPIES": "off"})
+        sent = sent_bytes(c, LAST)
+        assert all(sent[r] == shard_bytes(c, r, LAST, r) > 0 for r in range(2)), sent
+        assert all(not loc.copies for loc in metadata(c, 0, LAST).storage_data.values())
+        for rep in res.values():
+            assert rep["reason"] is None, rep
+            assert "mlcheckpoint/dp_copies_nodes" not in rep["stats"], rep["stats"]
+
+
+def test_stats_name_the_copies_in_dcp_process_mode():
+    """dcp.async_save in DCP's PROCESS mode: the writer chooses the copies in DCP's checkpoint
+    process, yet stats() in the trainer says which nodes keep them."""
+    with Cluster(2, 1) as c:
+        res = run(c, "ddp", "process")
+        assert sent_bytes(c, LAST) == {0: 0, 1: 0}
+        for rep in res.values():
+            assert rep["stats"]["mlcheckpoint/dp_copies_nodes"] == 2.0, rep["stats"]
+            assert rep["stats"]["mlcheckpoint/dedup_nodes"] == 0.0, rep["stats"]
+            assert rep["stats"]["mlcheckpoint/replication_skipped_bytes"] > 0, rep["stats"]
+
+
+def test_room_is_kept_for_what_replicas_bring_not_for_whole_shards():
+    """An unguarded async_save stages the whole state (4 MiB per rank here) and used to keep
+    as much again for the partner's replica; with copies only the partner's own entries
+    arrive, so 2 x 2 ranks save, keep copies and are protected under a 28 MiB limit (where
+    every save after the first was refused with CapacityError)."""
+    with Cluster(2, 2) as c:
+        res = run(c, "ddp_rng", "async", env={"TEST_MEMORY_LIMIT": str(28 << 20), "TEST_SCALE": "8"})
+        for rep in res.values():
+            assert rep["stats"]["mlcheckpoint/dp_copies_nodes"] == 2.0, rep["stats"]
+        md = metadata(c, 0, LAST)
+        sent = sent_bytes(c, LAST)
+        assert all(sent[r] == sum(loc.nbytes for loc in entries(md, r, ("rng.", "loader.")))
+                   for r in range(4)), sent

@@ -51,7 +51,8 @@ JOB = "job-scenarios"
 MiB = 1 << 20
 
 # DCP warns that it assumes a single process when no process group is initialised.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.usefixtures("whole_replicas")]
 
 
 # ============================================================================ persistent fallback

@@ -60,7 +60,7 @@ class RecordingTransport(Transport):
     def __init__(self) -> None:
         self.calls: list[tuple[str, bool]] = []
 
-    def push_shard(self, peer: int, step: int, owner: int) -> int:
+    def push_shard(self, peer: int, step: int, owner: int, items=None) -> int:
         raise AssertionError("holders never push")
 
     def push_metadata(self, peer: int, step: int) -> None:

@@ -20,7 +20,7 @@ import shutil
 import pytest
 from cluster import Cluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("whole_replicas")]
 
 def launch(c: Cluster, table: dict[str, dict]) -> None:
     for fn in os.listdir(c.out_dir):

@@ -33,7 +33,7 @@ from helpers import damage_shard, flip_byte
 from mlcheckpoint import LocalStore
 from mlcheckpoint.store import layout
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("whole_replicas")]
 
 LAUNCH_TIMEOUT = 150
 

@@ -23,7 +23,7 @@ from mlcheckpoint.store import layout
 sys.path.insert(0, WORKERS)
 from states import make_state
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("whole_replicas")]
 
 LAUNCH_TIMEOUT = 150
 LAST = 2  # steps 0..LAST are saved; with keep=2 retention runs on both nodes of every pair

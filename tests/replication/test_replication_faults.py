@@ -379,9 +379,9 @@ class RecordingTcp(TcpTransport):
         self.metadata_pushed: list[tuple[int, int]] = []
         super().__init__(*a, **kw)
 
-    def push_shard(self, peer: int, step: int, owner: int) -> int:
+    def push_shard(self, peer: int, step: int, owner: int, items=None) -> int:
         self.pushed.append((peer, step, owner))
-        return super().push_shard(peer, step, owner)
+        return super().push_shard(peer, step, owner, items)
 
     def push_metadata(self, peer: int, step: int) -> None:
         self.metadata_pushed.append((peer, step))

@@ -43,9 +43,9 @@ class GatedTcp(TcpTransport):
         self.gate.set()
         super().__init__(*a, **kw)
 
-    def push_shard(self, peer: int, step: int, owner: int) -> int:
+    def push_shard(self, peer: int, step: int, owner: int, items=None) -> int:
         self.gate.wait(WAIT)
-        return super().push_shard(peer, step, owner)
+        return super().push_shard(peer, step, owner, items)
 
 
 class Job:

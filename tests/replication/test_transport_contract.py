@@ -260,6 +260,84 @@ def test_push_of_a_corrupt_device_checksummed_item_is_refused(pair, step):
              diag=pair.job.log)
 
 
+# --------------------------------------------------------------------------- partial push
+PARTIAL = (1, 3, 6)  # the items of a 7-item shard a partial push sends
+
+
+def allocated(store: LocalStore, step: int, owner: int) -> int:
+    """Bytes of memory the data file of (step, owner) takes (its pages, not its size)."""
+    return os.stat(store.data_path(step, owner)).st_blocks * 512
+
+
+def test_a_partial_push_lands_only_its_items_at_their_offsets(pair, step):
+    """Only the items named cross (over several stripes on tcp-4-streams); the replica holds
+    them at the owner's offsets, verified, under a manifest marked partial that lists them
+    alone; the bytes between them are holes that take no memory. Offered again, nothing is
+    sent; the whole shard then replaces it."""
+    m = make_shard(pair.store, step, 0, NBYTES, seed=step, nitems=7)
+    items = [m.items[i] for i in PARTIAL]
+    held = sum(it.nbytes for it in items)
+    assert held > 2 * MiB  # (striped on tcp-4-streams)
+    sent = pair.local.budget.bytes_sent
+    assert pair.local.push_shard(PEER, step, 0, items) == held
+    assert pair.local.budget.bytes_sent - sent == held  # no byte of the other items crossed
+    got = pair.peer_store.verify_shard(step, 0)
+    assert got.partial and got.data_bytes == m.data_bytes and got.save_id == m.save_id
+    assert [(i.offset, i.nbytes, i.checksum) for i in got.items] == \
+        [(i.offset, i.nbytes, i.checksum) for i in items]
+    mine, theirs = data_of(pair.store, step, 0), data_of(pair.peer_store, step, 0)
+    for it in items:
+        assert theirs[it.offset:it.offset + it.nbytes] == mine[it.offset:it.offset + it.nbytes]
+    assert allocated(pair.peer_store, step, 0) < held + 4 * 4096 * len(items)
+    wait_for(lambda: pair.job.received(step, 0), "the peer's sink to report the replica",
+             diag=pair.job.log)
+    assert pair.local.push_shard(PEER, step, 0, items[:2]) == 0  # held already
+    assert pair.local.push_shard(PEER, step, 0) == NBYTES  # the whole shard is more
+    assert not pair.peer_store.verify_shard(step, 0).partial
+
+
+def test_a_corrupt_item_in_a_partial_push_is_refused(pair, step):
+    """A flipped byte in an item the partial push carries: refused on arrival, nothing
+    committed, no debris. One in an item it does not carry is none of its business."""
+    m = make_shard(pair.store, step, 0, NBYTES, seed=step, nitems=7)
+    damage_shard(pair.store, step, 0, item=PARTIAL[1])
+    with pytest.raises(ReplicationError, match="checksum mismatch"):
+        pair.local.push_shard(PEER, step, 0, [m.items[i] for i in PARTIAL])
+    with pytest.raises(ShardNotFoundError):
+        pair.peer_store.read_manifest(step, 0)
+    wait_for(lambda: debris(pair.peer_store) == [], "the refused buffer to be dropped",
+             diag=pair.job.log)
+    assert not pair.job.received(step, 0)
+    others = [m.items[i] for i in (0, 2)]
+    assert pair.local.push_shard(PEER, step, 0, others) == sum(it.nbytes for it in others)
+    assert pair.peer_store.verify_shard(step, 0).partial
+
+
+def test_a_partial_replica_serves_only_its_items(pair, step):
+    """Read from a partial replica: its items come, a range in a hole is "missing" (never
+    zeros); fetched, it lands here partial too, with only its items."""
+    m = make_shard(pair.peer_store, step, PEER, NBYTES, seed=step, nitems=7)
+    items = [m.items[i] for i in PARTIAL]
+    whole = data_of(pair.peer_store, step, PEER)
+    pair.peer_store.retire_shard(step, PEER)
+    part = pair.peer_store.begin_shard(step, PEER, m.data_bytes,
+                                       m.only(items).held_ranges())
+    for it in items:
+        part.buffer.array[it.offset:it.offset + it.nbytes] = np.frombuffer(
+            whole[it.offset:it.offset + it.nbytes], np.uint8)
+    part.commit_manifest(m.only(items))
+    it = items[1]
+    sink = np.zeros(it.nbytes, np.uint8)
+    assert pair.local.read_items(PEER, step, PEER, [(it.offset, it.nbytes)], [sink]) == it.nbytes
+    assert sink.tobytes() == whole[it.offset:it.offset + it.nbytes]
+    hole = m.items[2]
+    with pytest.raises(ShardNotFoundError):
+        pair.local.read_items(PEER, step, PEER, [(hole.offset, 64)], [np.zeros(64, np.uint8)])
+    assert pair.local.fetch_shard(PEER, step, PEER) == sum(i.nbytes for i in items)
+    got = pair.store.verify_shard(step, PEER)
+    assert got.partial and [i.offset for i in got.items] == [i.offset for i in items]
+
+
 # --------------------------------------------------------------------------- fetch
 def test_fetch_lands_verified(pair, step):
     m = make_shard(pair.peer_store, step, PEER, NBYTES, seed=step, nitems=5)

@@ -319,6 +319,7 @@ def _manifests(job_id: str, step: int, owner: int) -> dict[str, object]:
         "data_bytes": [DELETE, None, "64", -1, [], 10**30, 32], "format": [DELETE, None, "1", 2],
         "algorithm": [DELETE, None, 5, "md5"], "created": [None, "5", [], {}],
         "world_size": [None, "1", []], "save_id": [None, 5, "x" * 100], "run_id": [None, 5, []],
+        "partial": [None, "yes", 1, []],  # a partial replica's mark: true or false, nothing else
     }
     for field, values in bad_fields.items():
         for v in values:
@@ -334,6 +335,9 @@ def _manifests(job_id: str, step: int, owner: int) -> dict[str, object]:
     for items in item_cases:
         cases[f"manifest.items={items!r}"[:60]] = {**base, "items": items}
     cases["manifest.extra_field"] = {**base, "evil": 1}
+    cases["manifest.partial_of_nothing"] = {**base, "partial": True, "items": []}
+    cases["manifest.partial_item_past_the_shard"] = {**base, "partial": True, "items": [
+        _item(offset=base["data_bytes"] - 8, nbytes=64)]}
     cases["manifest_over_max_shard"] = manifest_dict(job_id, step, owner, 1 << 50,
                                                      [ManifestItem("w", 0, 64, 0)])
     return cases
@@ -359,6 +363,8 @@ def _metadata_blobs(job_id: str, step: int) -> dict[str, bytes]:
     for field in ("job_id", "step", "world_size", "ranks", "total_bytes", "payload_bytes", "checksum"):
         for v in (DELETE, None, "5", {"a": 1}, 1.5, ["a"]):
             cases[f"{field}={'missing' if v is DELETE else repr(v)}"] = blob(**{field: v})
+    for v in (None, "dp-copies", [5], ["x" * 100]):  # each node's copies mode: short words
+        cases[f"copy_modes={v!r}"[:60]] = blob(copy_modes=v)
     return cases
 
 

@@ -2,8 +2,11 @@
 replication sent and what the job calls protected. With ``resume``: resume first and report
 whether the loaded state is bit-exact, then save nothing.
 
-argv: layout last mode [resume] ; layout = ddp | differ | fsdp | hsdp ; mode = sync | async | dcp
-Environment: TEST_MEMORY_LIMIT (bytes) and TEST_KEEP, passed to the manager when set.
+argv: layout last mode [resume]
+  layout = ddp | differ | fsdp | hsdp | ddp_rng | mixed
+  mode = sync | async | dcp | process (dcp.async_save in DCP's PROCESS mode)
+Environment: TEST_MEMORY_LIMIT (bytes), TEST_KEEP and TEST_SCALE (the ddp layouts' tensors
+are this many times larger), passed on when set.
 """
 
 import os
@@ -14,25 +17,40 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import init, report
 from states import differences, zeros_like_state
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from mlcheckpoint import CheckpointManager
+
+RNG_BYTES = 5056  # what torch.get_rng_state() holds
 
 
 def layout_state(layout: str, rank: int, local_rank: int, step: int) -> dict:
     """A deterministic state dict. ddp: every rank alike; differ: ddp, but rank 1's
-    ``model.w`` differs (a replica that is not bit-identical); fsdp: every rank its own
-    keys; hsdp: local rank k of every node holds shard k (sharded within the node,
-    replicated across nodes)."""
+    ``model.w`` differs (a replica that is not bit-identical); ddp_rng: ddp with each rank's
+    own entries, as real jobs keep (an RNG state of ``RNG_BYTES`` and a data loader's
+    position, under keys of their rank); fsdp: every rank its own keys; mixed: FSDP with
+    replicated parameters (``model.emb``, ``model.b`` alike everywhere) beside each rank's own
+    shard (``rank<r>.w``, the one item no other node holds); hsdp: local rank k of every node
+    holds shard k (sharded within the node, replicated across nodes)."""
     g = torch.Generator().manual_seed(1000 * step)
-    if layout in ("ddp", "differ"):
+    if layout in ("ddp", "differ", "ddp_rng"):
         # four tensors of 128 KiB (DCP gives two to each of two ranks) and small items
-        sd = {"model": {"w": torch.randn(128, 256, generator=g), "b": torch.randn(128, generator=g),
-                        "emb": torch.randn(128, 256, generator=g)},
-              "optim": {"m": torch.randn(128, 256, generator=g),
-                        "v": torch.randn(128, 256, generator=g), "step": step, "lr": [0.1]}}
+        n = 128 * int(os.environ.get("TEST_SCALE", "1"))
+        sd = {"model": {"w": torch.randn(n, 256, generator=g), "b": torch.randn(128, generator=g),
+                        "emb": torch.randn(n, 256, generator=g)},
+              "optim": {"m": torch.randn(n, 256, generator=g),
+                        "v": torch.randn(n, 256, generator=g), "step": step, "lr": [0.1]}}
         if layout == "differ" and rank == 1:
             sd["model"]["w"][0, 0] += 1.0
+        if layout == "ddp_rng":
+            r = torch.Generator().manual_seed(1000 * step + rank + 7)
+            sd[f"rng.rank{rank}"] = torch.randint(0, 256, (RNG_BYTES,), dtype=torch.uint8, generator=r)
+            sd[f"loader.rank{rank}"] = {"epoch": step // 10, "position": 1000 * step + rank}
         return sd
+    if layout == "mixed":
+        r = torch.Generator().manual_seed(1000 * step + rank + 1)
+        return {"model": {"emb": torch.randn(256, 128, generator=g), "b": torch.randn(64, generator=g)},
+                f"rank{rank}": {"w": torch.randn(96, 64, generator=r)}}
     if layout == "fsdp":
         r = torch.Generator().manual_seed(1000 * step + rank + 1)
         return {f"rank{rank}": {"w": torch.randn(128, 64, generator=r)}}
@@ -68,6 +86,9 @@ def main() -> None:
             ckpt.save(sd, step)
         elif mode == "async":
             ckpt.async_save(sd, step)
+        elif mode == "process":
+            dcp.async_save(sd, storage_writer=ckpt.storage_writer(step),
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
         else:
             dcp.save(sd, storage_writer=ckpt.storage_writer(step))
     ckpt.wait()

@@ -6,14 +6,28 @@ path; the request service (``service.py``) and the transports' clients call it.
 
 from __future__ import annotations
 
+import bisect
+
 from ...errors import MLCheckpointError, ProtocolError
 from ...integrity import digests
 from ...store import Manifest
 from ...store.manifest import MetadataHeader, decode_metadata
 
-__all__ = ["MALFORMED", "MAX_METADATA_BYTES", "MAX_RANGES", "MAX_STEP", "ProtocolError",
-           "check_offer", "checked_ranges", "manifest_from_wire", "metadata_from_wire",
-           "want_bool", "want_int", "want_str"]
+__all__ = [
+    "MALFORMED",
+    "MAX_METADATA_BYTES",
+    "MAX_RANGES",
+    "MAX_STEP",
+    "ProtocolError",
+    "check_offer",
+    "checked_ranges",
+    "manifest_from_wire",
+    "metadata_from_wire",
+    "want_bool",
+    "want_int",
+    "want_str",
+    "within",
+]
 
 # Bounds on what a peer's request may name (every transport).
 MAX_STEP = 10**12
@@ -77,6 +91,8 @@ def manifest_from_wire(obj: object, job_id: str, step: int, owner: int) -> Manif
         raise ProtocolError(f"malformed manifest: {e}") from None
     if (m.job_id, m.step, m.rank) != (job_id, step, owner):
         raise ProtocolError(f"manifest names {m.job_id}/{m.step}/{m.rank}, expected {job_id}/{step}/{owner}")
+    if m.partial and not m.items:  # (its items lie inside the shard: Manifest.from_dict)
+        raise ProtocolError(f"partial replica of step {step} rank {owner} lists no item")
     return m
 
 
@@ -115,6 +131,17 @@ def checked_ranges(obj: object, data_bytes: int) -> list[tuple[int, int]]:
             raise ProtocolError(f"range {str(r)[:100]} outside the shard")
         out.append((r[0], r[1]))
     return out
+
+
+def within(ranges: list[tuple[int, int]], held: list[tuple[int, int]]) -> bool:
+    """Whether every (offset, nbytes) of ``ranges`` lies inside one of the ``held`` ranges
+    (sorted, disjoint: ``Manifest.held_ranges``)."""
+    starts = [o for o, _ in held]
+    for offset, nbytes in ranges:
+        i = bisect.bisect_right(starts, offset) - 1
+        if nbytes and (i < 0 or offset + nbytes > held[i][0] + held[i][1]):
+            return False
+    return True
 
 
 def check_offer(m: Manifest, max_shard_bytes: int) -> None:

@@ -11,9 +11,14 @@ event). The channel only carries the answers and moves the bytes, each in its ow
 
     op            fields            answers
     put_shard     owner, manifest   have | ready, the bytes, ok (verified and committed)
-    get_shard     owner, paced      missing | ok (with the manifest), the whole shard
+    get_shard     owner, paced      missing | ok (with the manifest), the bytes it holds
     read_items    owner, ranges,    missing | ok, the ranges in order
                   paced
+
+The bytes of a shard are its whole data, or, for a partial replica (a manifest marked
+``partial``: only the items that lacked places were sent), its items' ranges in order
+(``Manifest.held_ranges``), each landing at its own offset. A partial replica serves only
+what it holds: a read naming bytes outside its items is answered "missing", never with holes.
     put_metadata  checksum          have | ready, the file, ok (checked and installed)
     get_metadata  paced             missing | ok, the file
 
@@ -37,6 +42,7 @@ from .checks import (
     manifest_from_wire,
     want_bool,
     want_int,
+    within,
 )
 from .sink import Receipt, ReceiveSink
 
@@ -140,7 +146,7 @@ class RequestService:
             if source is not None:
                 m = source.manifest
                 channel.send_shard({"status": "ok", "manifest": m.to_dict()}, source,
-                                   [(0, m.data_bytes)], paced)
+                                   m.held_ranges(), paced)
 
     def _read_items(self, req: dict, step: int, channel: Channel) -> None:
         paced = want_bool(req, "paced")
@@ -149,7 +155,11 @@ class RequestService:
             raise ProtocolError("malformed ranges")
         with self._serving(req, step, channel) as source:
             if source is not None:
-                checked = checked_ranges(ranges, source.manifest.data_bytes)
+                m = source.manifest
+                checked = checked_ranges(ranges, m.data_bytes)
+                if m.partial and not within(checked, m.held_ranges()):
+                    channel.answer({"status": "missing"})  # holes are never served
+                    return
                 channel.send_shard({"status": "ok"}, source, checked, paced)
 
     def _get_metadata(self, req: dict, step: int, channel: Channel) -> None:

@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING
 
 from ..._faults import crash_point
 from ...errors import MLCheckpointError, ReplicationError
-from ...integrity.verify import StreamVerifier, digest_item, digests_agree, same_layout
+from ...integrity.verify import (
+    Listing,
+    StreamVerifier,
+    digest_item,
+    digests_agree,
+    same_layout,
+)
 from ...store import LocalStore, Manifest
 from ...store.identity import Lineage
 from ...store.pins import Pins
@@ -72,7 +78,9 @@ class ReplicaReceived:
 
     step: int
     owner: int  # the rank whose shard it is
-    nbytes: int  # the shard's data bytes
+    # The shard's data bytes: the size of the buffers the owner's next replicas land in. 0 for
+    # a partial replica, which lands in a sparse file of its own, never in a pooled buffer.
+    nbytes: int
 
 
 # Subscribers run on the listener thread that received the replica, one after another.
@@ -119,13 +127,17 @@ class ReceiveSink:
 
     def holds(self, m: Manifest) -> bool:
         """Whether the offered replica is committed here already: the same save (a step saved
-        again is a new save, even with equal bytes) and the same bytes."""
+        again is a new save, even with equal bytes) and the same bytes, or, for a partial
+        replica, a shard of that save here that holds every item it offers."""
         try:
             held = self.store.read_manifest(m.step, m.rank)
         except MLCheckpointError:
             return False
-        return held.save_id == m.save_id and held.data_bytes == m.data_bytes and \
-            same_layout(held.items, m.items)
+        if held.save_id != m.save_id or held.data_bytes != m.data_bytes:
+            return False
+        if not m.partial:
+            return not held.partial and same_layout(held.items, m.items)
+        return Listing(held.items).holds_all(m.items)
 
     def holds_metadata(self, step: int, digest: object) -> bool:
         """Whether the step's metadata here has this checksum (a push of it is a no-op)."""
@@ -136,10 +148,12 @@ class ReceiveSink:
 
     # ------------------------------------------------------------------ receiving
     def begin(self, m: Manifest) -> Receipt:
-        """A fresh buffer for the replica ``m`` describes (its size checked first)."""
+        """A fresh buffer for the replica ``m`` describes (its size checked first); for a
+        partial replica, a sparse one in which only its items take memory."""
         checks.check_offer(m, self.max_shard_bytes)
         cpu0, t0 = time.process_time(), time.monotonic()
-        shard = self.store.begin_shard(m.step, m.rank, m.data_bytes)
+        shard = self.store.begin_shard(m.step, m.rank, m.data_bytes,
+                                       m.held_ranges() if m.partial else None)
         t1 = time.monotonic()
         times = ReceiptTimes(buffer_s=t1 - t0, buffer_ready_at=t1, cpu_at_begin=cpu0)
         with self._times_lock:
@@ -151,7 +165,7 @@ class ReceiveSink:
 
     def received(self, m: Manifest) -> None:
         """A replica a peer pushed is committed and acknowledged: tell the subscribers."""
-        event = ReplicaReceived(m.step, m.rank, m.data_bytes)
+        event = ReplicaReceived(m.step, m.rank, 0 if m.partial else m.data_bytes)
         for subscriber in self.subscribers:
             subscriber(event)
 
@@ -173,18 +187,39 @@ class Receipt:
         now = time.monotonic()
         self.times = times or ReceiptTimes(0.0, now, time.process_time())
         self.array = shard.buffer.array  # where the transport puts the bytes
+        # What arrives, in this order: the whole data, or a partial replica's item ranges
+        # (the holes between them are never written: they take no memory).
+        self.ranges = m.held_ranges()
+        self.nbytes = sum(n for _, n in self.ranges)  # the bytes that cross the wire
         self._verifier = StreamVerifier(self.array, m.items, m.data_bytes,
                                         f"replica of step {m.step} rank {m.rank} on arrival")
         self._streamed = False
+        self._passed = (0, 0)  # (ranges wholly landed, their bytes), for ``landed``
 
     def landed(self, upto: int) -> None:
-        """Bytes [0, upto) are in place (one stream, in order): hash what is new while it is
-        cache-hot, so no checksum pass trails the transfer."""
+        """Bytes of the ranges up to offset ``upto`` are in place (one stream, in order): hash
+        what is new while it is cache-hot, so no checksum pass trails the transfer."""
         self._streamed = True
         t0 = time.monotonic()
         self._verifier.feed(upto)
         self.times.checksum_s += time.monotonic() - t0
-        self.arriving(upto, self.m.data_bytes)
+        i, before = self._passed
+        while i < len(self.ranges) and upto >= sum(self.ranges[i]):
+            before += self.ranges[i][1]
+            i += 1
+        self._passed = (i, before)
+        self.arriving(before + (max(0, upto - self.ranges[i][0]) if i < len(self.ranges) else 0),
+                      self.nbytes)
+
+    def landed_from(self, offset: int) -> Callable[[int], None]:
+        """``landed`` for a range that starts at ``offset``, called with its bytes in so far."""
+        def landed(got: int) -> None:
+            self.landed(offset + got)
+        return landed
+
+    def views(self) -> list[tuple[int, memoryview]]:
+        """(offset, writable view) of each range the bytes arrive in, in order."""
+        return [(o, self.array[o:o + n].data) for o, n in self.ranges]
 
     def arriving(self, got: int, total: int) -> None:
         """``got`` of the ``total`` bytes one stream carries are in: from half way on, a test

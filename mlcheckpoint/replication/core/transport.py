@@ -13,10 +13,11 @@ transport."""
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ...errors import ReplicationError
 from ...store.identity import Lineage
+from ...store.manifest import ManifestItem
 from .budget import Budget
 from .sink import ReceiveSink
 
@@ -39,12 +40,16 @@ class Transport(abc.ABC):
         return f"{self.name}, {self.budget.describe()}"
 
     @abc.abstractmethod
-    def push_shard(self, peer: int, step: int, owner: int) -> int:
+    def push_shard(self, peer: int, step: int, owner: int,
+                   items: Sequence[ManifestItem] | None = None) -> int:
         """Send our committed shard (step, owner) to rank ``peer``; return the bytes sent.
+        With ``items`` (some of the shard's manifest items), send a partial replica: only
+        those items' bytes, landing at their offsets under a manifest that lists them alone
+        (``Manifest.only``).
 
         Paced by our budget. Returns when the peer has verified the checksums and committed
-        the replica (0 bytes if it already held an identical one). Raises ReplicationError
-        otherwise.
+        the replica (0 bytes if it already held one with these items). Raises
+        ReplicationError otherwise.
         """
 
     @abc.abstractmethod
@@ -59,7 +64,8 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
         """Pull shard (step, owner) from rank ``peer`` into our store, verified and committed;
-        return its bytes. ShardNotFoundError if the peer does not hold it."""
+        return the bytes that came (a partial replica there arrives as one here, with only
+        its items). ShardNotFoundError if the peer does not hold it."""
 
     @abc.abstractmethod
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],

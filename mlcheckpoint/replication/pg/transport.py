@@ -22,7 +22,7 @@ import contextlib
 import logging
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -34,6 +34,7 @@ from ...errors import ProtocolError, ReplicationError, ShardNotFoundError
 from ...settings import default
 from ...store import LocalStore
 from ...store.local_store import ShardSource
+from ...store.manifest import ManifestItem
 from ..core.budget import node_budget
 from ..core.checks import MALFORMED, manifest_from_wire, want_int, want_str
 from ..core.network import choose_endpoint
@@ -214,10 +215,11 @@ class PgTransport(Transport):
             raise ReplicationError(f"receiving from rank {peer} failed: {e}") from None
 
     def _fill(self, receipt: Receipt, peer: int, tag: int, piece: int) -> None:
-        """Fill a receipt with the shard ``peer`` sends under ``tag`` (the caller commits)."""
-        if receipt.m.data_bytes:
-            self._recv_bytes(receipt.array, peer, tag, piece)
-        receipt.arriving(receipt.m.data_bytes, receipt.m.data_bytes)
+        """Fill a receipt with the shard ``peer`` sends under ``tag`` (the caller commits):
+        its ranges in order (a partial replica: its items'), each cut by ``piece``."""
+        for offset, nbytes in receipt.ranges:
+            self._recv_bytes(receipt.array[offset:offset + nbytes], peer, tag, piece)
+        receipt.arriving(receipt.nbytes, receipt.nbytes)
 
     # ------------------------------------------------------------------ server
     def _relay_loop(self) -> None:
@@ -266,18 +268,22 @@ class PgTransport(Transport):
             req.reply({"status": "error", "error": str(e)[:2000]})
 
     # ------------------------------------------------------------------ client
-    def push_shard(self, peer: int, step: int, owner: int) -> int:
+    def push_shard(self, peer: int, step: int, owner: int,
+                   items: Sequence[ManifestItem] | None = None) -> int:
         piece = self._piece(paced=True)
         with self._client_lock, self.sink.pins.pinned(step):
             m, buf = self.store.map_shard(step, owner)
+            if items is not None:
+                m = m.only(list(items))
+            ranges = m.held_ranges()
             tag, nonce = self.mailbox.post(peer, {"op": "put_shard", "step": step, "owner": owner,
                                            "manifest": m.to_dict(), "piece": piece})
             if self.mailbox.await_reply(tag, nonce).get("status") == "have":
                 return 0
-            if m.data_bytes:
-                self._send_bytes(buf.array, peer, tag, piece)
+            for offset, nbytes in ranges:  # (a partial replica: its items' ranges, in order)
+                self._send_bytes(buf.array[offset:offset + nbytes], peer, tag, piece)
             self.mailbox.await_reply(tag, nonce, phase="done")
-        return m.data_bytes
+        return sum(n for _, n in ranges)
 
     def push_metadata(self, peer: int, step: int) -> None:
         raw = self.store.read_metadata_file(step)
@@ -301,7 +307,7 @@ class PgTransport(Transport):
             with self.sink.begin(m) as receipt:
                 self._fill(receipt, peer, tag, piece)
                 receipt.commit()
-        return m.data_bytes
+        return receipt.nbytes
 
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
                    sinks: list, on_range: Callable[[int], None] | None = None, *,

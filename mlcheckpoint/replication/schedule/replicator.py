@@ -1,15 +1,16 @@
 """The replication manager of one rank: off the training thread, newest work first.
 
 The job replicates in rounds (``rounds.py``): rank 0 names one save, the newest it holds, every
-rank pushes its shard of that save to its partner rank(s) (``replicas`` of them; rank 0 also
-the global metadata, to one rank of every other node), and the next round starts once every
-rank is done. Saves made meanwhile are skipped (*superseded*) by every rank alike, so the steps
-that do get replicated are whole job-wide. Each rank records per step: committed -> replicated
-(partner verified the checksums), failed, or superseded.
+rank pushes its partner rank(s) (``replicas`` of them) what they lack of its shard of that save
+(the whole shard, or, where data parallelism keeps copies, only the items that lack their
+places: ``covered.py``; rank 0 also the global metadata, to one rank of every other node), and
+the next round starts once every rank is done. Saves made meanwhile are skipped (*superseded*)
+by every rank alike, so the steps that do get replicated are whole job-wide. Each rank records
+per step: committed -> replicated (partner verified the checksums), failed, or superseded.
 Job-wide progress is counted in the c10d store, per save (a step saved twice is two saves): a
-step is *protected* when every shard and the metadata of the save this node holds are on
-1 + ``replicas`` nodes (a shard counts once every partner has it, or where data parallelism's
-copies cover it: ``covered.py``). Only a node's leader talks to the store; what it learns (the
+step is *protected* when every item and the metadata of the save this node holds are on
+1 + ``replicas`` nodes (``store/coverage.py``'s rule: a rank counts its shard once every
+partner acknowledged what it lacked). Only a node's leader talks to the store; what it learns (the
 rounds, which closed round left its save protected) reaches the node's other ranks through a
 file (``rounds.py``): saves, ``protection()`` and ``wait_replicated`` cost it nothing per rank.
 """
@@ -24,9 +25,11 @@ from dataclasses import dataclass, field
 
 from ... import history
 from ..._ratelimit import RateLimitedLog
-from ...errors import MLCheckpointError
+from ...errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ...settings import default
 from ...store import LocalStore
+from ...store.coverage import StepItems
+from ...store.inventory import StepState
 from ...topology import Topology
 from ...waiting import deadline_in, wait_until
 from ..core.rendezvous import Rendezvous
@@ -54,6 +57,13 @@ class StepReplication:
     bytes: int = 0
     seconds: float = 0.0  # pushing (0 when copies covered it: no push for the rate)
     metadata_pushed: str | None = None  # the save whose metadata reached the other nodes
+
+
+def _covered_reason(plan: dict[int, covered.Push]) -> str | None:
+    """Why a push sent nothing (None: it sent the shard, or the items that lacked places)."""
+    if all(push == [] for push in plan.values()):
+        return "covered by data-parallel copies"
+    return None
 
 
 class Replicator:
@@ -365,8 +375,7 @@ class Replicator:
             self._mark_superseded(older, r.step)
             st = self.store.step_state(r.step)
             if st.shard_saves.get(self.topology.rank) == r.save_id:
-                counted = self._push_shard(r.step, r.save_id, covered.shard_covered(
-                    st, r.save_id, self.topology, self.copies))
+                counted = self._push_shard(r.step, r.save_id, st)
             else:
                 with self._lock:
                     rep = self._state_for(r.step, r.save_id)
@@ -391,41 +400,57 @@ class Replicator:
             st = self._states.get(step)
             return st is not None and st.metadata_pushed == save_id
 
-    def _push_shard(self, step: int, save_id: str, by_copies: bool = False) -> bool:
-        """Push this rank's shard of the save to every partner (to none if covered ``by_copies``);
-        True when it newly reached all of them (its node's leader counts it, ``Rounds.finish``)."""
+    def _push_shard(self, step: int, save_id: str, st: StepState) -> bool:
+        """Push to every partner what it lacks of this rank's shard of the save (``st``: the
+        step here): the whole shard, only the items data parallelism's copies do not cover
+        (a partial replica), or nothing (``covered.plan_push``). True when every partner now
+        has what it needs (its node's leader counts the shard, ``Rounds.finish``)."""
         with self._lock:
-            st = self._state_for(step, save_id)
-            if st.state == "replicated":  # the round was named again for another rank's sake
+            rep = self._state_for(step, save_id)
+            if rep.state == "replicated":  # the round was named again for another rank's sake
                 return False
-            st.attempts += 1
+            rep.attempts += 1
         t0 = time.perf_counter()
-        sent = 0
+        sent = skipped = 0
         try:
-            skipped = self.store.read_manifest(step, self.topology.rank).data_bytes if by_copies else 0
-            for peer in [] if by_copies else self.targets:
-                if peer in st.acked_by:
+            m = self.store.read_manifest(step, self.topology.rank)
+            plan = covered.plan_push(m, st, self._step_items(step, st, save_id), save_id,
+                                     self.topology, self.copies, self.targets)
+            for peer in self.targets:
+                skipped += m.data_bytes - covered.pushed_bytes(m, plan[peer])
+                if peer in rep.acked_by or plan[peer] == []:
                     continue
-                sent += self.transport.push_shard(peer, step, self.topology.rank)
-                st.acked_by.append(peer)
+                sent += self.transport.push_shard(peer, step, self.topology.rank, plan[peer])
+                rep.acked_by.append(peer)
         except (MLCheckpointError, OSError) as e:
             with self._lock:
-                st.state, st.reason = "failed", str(e)
+                rep.state, rep.reason = "failed", str(e)
             self._logs.warning(f"push {step}", "mlcheckpoint: replicating step %d of rank %d "
-                               "failed (attempt %d): %s", step, self.topology.rank, st.attempts, e)
+                               "failed (attempt %d): %s", step, self.topology.rank, rep.attempts, e)
             return False
+        pushed = any(push != [] for push in plan.values())
         with self._lock:
-            st.state, st.reason = "replicated", "covered by data-parallel copies" if by_copies else None
-            st.bytes, st.seconds = sent, 0.0 if by_copies else time.perf_counter() - t0
+            rep.state, rep.reason = "replicated", _covered_reason(plan)
+            rep.bytes, rep.seconds = sent, time.perf_counter() - t0 if pushed else 0.0
             self.skipped_bytes += skipped
         history.record(self.store.job_dir, "replicate", step=step, rank=self.topology.rank,
-                       targets=self.targets, bytes=sent, seconds=round(st.seconds, 6),
+                       targets=self.targets, bytes=sent, seconds=round(rep.seconds, 6),
                        transport=self.transport.name, skipped_bytes=skipped)
-        log.debug("replicated step %d rank %d to %s: %d bytes in %.3fs", step,
-                  self.topology.rank, self.targets, sent, st.seconds)
+        log.debug("replicated step %d rank %d to %s: %d bytes in %.3fs (%d bytes covered by "
+                  "copies)", step, self.topology.rank, self.targets, sent, rep.seconds, skipped)
         # Counted for the save the partners acknowledged: they compared save ids, so an ack
         # for an earlier save of this step cannot count here.
         return True
+
+    def _step_items(self, step: int, st: StepState, save_id: str) -> StepItems | None:
+        """The items of the save's owners by copy group, from its metadata here (None
+        without it: then every shard goes whole)."""
+        if st.save_id != save_id:
+            return None
+        try:
+            return self.store.step_items(step)
+        except (ShardNotFoundError, CorruptShardError):
+            return None
 
     def _push_metadata(self, step: int, save_id: str) -> None:
         if self._metadata_done(step, save_id) or not self.metadata_targets:

@@ -70,6 +70,19 @@ def recv_into_exact(sock: socket.socket, view: memoryview,
             on_progress(got)
 
 
+def recv_pieces(sock: socket.socket, array, pieces: list[tuple[int, int]],
+                on_progress: Callable[[int], None] | None = None) -> None:
+    """Fill the ``pieces`` (offset, nbytes) of ``array`` (uint8) from the socket, in order;
+    ``on_progress(got)`` with the bytes of all the pieces landed so far."""
+    before = 0
+    for offset, nbytes in pieces:
+        if not nbytes:
+            continue
+        progress = None if on_progress is None else (lambda got, b=before: on_progress(b + got))
+        recv_into_exact(sock, array[offset:offset + nbytes].data, progress)
+        before += nbytes
+
+
 def greeting() -> tuple[bytes, bytes]:
     """What a server sends first, and the nonce it must remember to check the reply."""
     nonce_s = os.urandom(NONCE)

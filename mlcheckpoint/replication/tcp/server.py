@@ -147,10 +147,9 @@ class TcpServer:
         with self.stripes.opened(rx):
             try:
                 p.send_frame(conn, {"status": "ready", "token": rx.token})
-                offset, nbytes = rx.stripes[0]
-                if nbytes:
-                    p.recv_into_exact(conn, rx.array[offset:offset + nbytes].data,
-                                      lambda got: receipt.arriving(got, nbytes))
+                pieces = rx.stripes[0]
+                nbytes = sum(n for _, n in pieces)
+                p.recv_pieces(conn, rx.array, pieces, lambda got: receipt.arriving(got, nbytes))
                 rx.wait(self.timeout)
             except BaseException:
                 rx.cancel()  # no stripe may still write once the buffer goes back to the pool
@@ -160,12 +159,11 @@ class TcpServer:
     def _on_put_part(self, conn: socket.socket, req: dict, step: int) -> None:
         index = want_int(req, "index", 1, MAX_STREAMS)
         rx = self.stripes.find(req.get("token"), step, req.get("owner"))
-        offset, nbytes = rx.claim(index, conn)
+        pieces = rx.claim(index, conn)
+        nbytes = sum(n for _, n in pieces)
         try:
             p.send_frame(conn, {"status": "ready"})
-            if nbytes:
-                p.recv_into_exact(conn, rx.array[offset:offset + nbytes].data,
-                                  lambda got: rx.receipt.arriving(got, nbytes))
+            p.recv_pieces(conn, rx.array, pieces, lambda got: rx.receipt.arriving(got, nbytes))
         except BaseException as e:
             rx.errors[index] = e
             raise
@@ -212,8 +210,8 @@ class Connection:
             self.server._receive_striped(self.conn, receipt, self.streams)
             return
         p.send_frame(self.conn, {"status": "ready"})
-        if receipt.m.data_bytes:
-            p.recv_into_exact(self.conn, receipt.array.data, receipt.landed)
+        for offset, view in receipt.views():  # (a partial replica: its items' ranges)
+            p.recv_into_exact(self.conn, view, receipt.landed_from(offset))
 
     def send_shard(self, reply: dict, source: ShardSource, ranges: list[tuple[int, int]],
                    paced: bool) -> None:

@@ -37,6 +37,28 @@ def stripes(nbytes: int, streams: int) -> list[tuple[int, int]]:
     return [(a, b - a) for a, b in itertools.pairwise(cuts)]
 
 
+def packed_slices(ranges: list[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
+    """The (offset, nbytes) pieces of the shard that bytes [start, start + length) of the
+    stream of ``ranges`` (its held ranges, one after the other) are: a stripe of a partial
+    replica covers parts of several items' ranges."""
+    out, pos, end = [], 0, start + length
+    for offset, nbytes in ranges:
+        lo, hi = max(start, pos), min(end, pos + nbytes)
+        if hi > lo:
+            out.append((offset + lo - pos, hi - lo))
+        pos += nbytes
+        if pos >= end:
+            break
+    return out
+
+
+def stream_parts(ranges: list[tuple[int, int]], streams: int) -> list[list[tuple[int, int]]]:
+    """What each of ``streams`` streams carries of a shard whose held ``ranges`` are sent:
+    the pieces of each one's stripe of the ranges laid end to end (see ``stripes``)."""
+    total = sum(n for _, n in ranges)
+    return [packed_slices(ranges, start, n) for start, n in stripes(total, streams)]
+
+
 class StripedReceive:
     """A shard arriving over several connections: stripe 0 on the offering connection, the
     others on connections that present ``token``."""
@@ -45,7 +67,7 @@ class StripedReceive:
         # Every stripe reports its progress to the receipt (a test may stop the receiver at
         # half of any stream: whichever stripe the sender gets furthest on first).
         self.receipt, self.array, self.m = receipt, receipt.array, receipt.m
-        self.stripes = stripes(receipt.m.data_bytes, streams)
+        self.stripes = stream_parts(receipt.ranges, streams)  # each stream's pieces
         self.token = secrets.token_hex(16)
         self.lock = threading.Lock()
         self.cancelled = False
@@ -53,7 +75,7 @@ class StripedReceive:
         self.done = [threading.Event() for _ in self.stripes]
         self.errors: list[BaseException | None] = [None] * len(self.stripes)
 
-    def claim(self, index: int, conn: socket.socket) -> tuple[int, int]:
+    def claim(self, index: int, conn: socket.socket) -> list[tuple[int, int]]:
         with self.lock:
             if self.cancelled or index in self.conns or not 0 < index < len(self.stripes):
                 raise p.ProtocolError(f"stripe {index} of transfer is not open")

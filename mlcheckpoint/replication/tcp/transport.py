@@ -25,7 +25,7 @@ import logging
 import socket
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from ...errors import ConfigError, ReplicationError, ShardNotFoundError
 from ...integrity.checksum import checksum
 from ...settings import MAX_STREAMS, default, tuning
 from ...store import LocalStore, Manifest
+from ...store.manifest import ManifestItem
 from ..core.budget import Budget, node_budget
 from ..core.checks import MAX_METADATA_BYTES, manifest_from_wire, want_int
 from ..core.network import check_advertisable, choose_endpoint
@@ -43,7 +44,7 @@ from ..core.streams import run_streams
 from ..core.transport import Transport
 from . import protocol as p
 from .server import TcpServer
-from .striping import split_evenly, stripes
+from .striping import split_evenly, stream_parts
 
 # One logger for the TCP transport, server and client alike.
 log = logging.getLogger(__package__)
@@ -185,10 +186,15 @@ class TcpTransport(Transport):
         return resp
 
     # ------------------------------------------------------------------ push
-    def push_shard(self, peer: int, step: int, owner: int) -> int:
+    def push_shard(self, peer: int, step: int, owner: int,
+                   items: Sequence[ManifestItem] | None = None) -> int:
         with self.sink.pins.pinned(step):
             m = self.store.read_manifest(step, owner)
-            streams = max(1, min(self.streams, m.data_bytes // self.min_stripe_bytes))
+            if items is not None:
+                m = m.only(list(items))
+            ranges = m.held_ranges()
+            total = sum(n for _, n in ranges)
+            streams = max(1, min(self.streams, total // self.min_stripe_bytes))
             offer: dict[str, Any] = {"op": "put_shard", "step": step, "owner": owner,
                                      "manifest": m.to_dict()}
             if streams > 1:
@@ -198,36 +204,41 @@ class TcpTransport(Transport):
                 if resp.get("status") == "have":
                     return 0
                 if streams == 1:
-                    self._send_whole(sock, m)
+                    self._send_whole(sock, m, ranges)
                 else:
-                    self._send_striped(sock, peer, m, streams, resp.get("token"))
+                    self._send_striped(sock, peer, m, ranges, streams, resp.get("token"))
                 resp = p.recv_frame(sock)
                 if resp.get("status") != "ok":
                     raise ReplicationError(f"rank {peer} rejected step {step} rank {owner}: "
                                            f"{resp.get('error')}")
-        return m.data_bytes
+        return total
 
-    def _send_whole(self, sock: socket.socket, m: Manifest) -> None:
+    def _send_whole(self, sock: socket.socket, m: Manifest, ranges: list[tuple[int, int]]) -> None:
         with open(self.store.data_path(m.step, m.rank), "rb") as f:
-            send_range(sock, f.fileno(), 0, m.data_bytes, m, self.budget)
+            for offset, nbytes in ranges:  # (a partial replica: its items' ranges, in order)
+                send_range(sock, f.fileno(), offset, nbytes, m, self.budget)
 
-    def _send_striped(self, sock: socket.socket, peer: int, m: Manifest, streams: int,
-                      token: object) -> None:
+    def _send_striped(self, sock: socket.socket, peer: int, m: Manifest,
+                      ranges: list[tuple[int, int]], streams: int, token: object) -> None:
         if not isinstance(token, str):
             raise p.ProtocolError("receiver gave no token for a striped transfer")
-        parts = stripes(m.data_bytes, streams)
+        parts = stream_parts(ranges, streams)
         with open(self.store.data_path(m.step, m.rank), "rb") as f:
+
+            def send_pieces(conn: socket.socket, index: int) -> None:
+                for offset, nbytes in parts[index]:
+                    send_range(conn, f.fileno(), offset, nbytes, m, self.budget)
 
             def send_part(index: int) -> None:
                 if index == 0:  # stripe 0 goes on the offering connection
-                    send_range(sock, f.fileno(), *parts[0], m, self.budget)
+                    send_pieces(sock, 0)
                     return
                 with self._connect(peer) as part:
                     resp = self._request(part, {"op": "put_part", "step": m.step, "owner": m.rank,
                                                 "token": token, "index": index})
                     if resp.get("status") != "ready":
                         raise ReplicationError(f"rank {peer} refused stripe {index}: {resp}")
-                    send_range(part, f.fileno(), *parts[index], m, self.budget)
+                    send_pieces(part, index)
 
             errors = run_streams(send_part, list(range(streams)))
         if errors:
@@ -256,10 +267,10 @@ class TcpTransport(Transport):
                 raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
             m = manifest_from_wire(resp.get("manifest"), self.store.job_id, step, owner)
             with self.sink.begin(m) as receipt:
-                if m.data_bytes:
-                    p.recv_into_exact(sock, receipt.array.data, receipt.landed)
+                for offset, view in receipt.views():  # (a partial replica: its items' ranges)
+                    p.recv_into_exact(sock, view, receipt.landed_from(offset))
                 receipt.commit()
-        return m.data_bytes
+        return receipt.nbytes
 
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
                    sinks: list, on_range: Callable[[int], None] | None = None, *,

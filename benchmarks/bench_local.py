@@ -408,9 +408,11 @@ def bench_ours(sd: StateDict, target: StateDict, root: str, cfg: Config,
         run_loads(ckpt, sd, target, cfg.saves - 1, cfg.loads, memcpy, out)
         run_async_saves(ckpt, sd, range(cfg.saves, 2 * cfg.saves), cfg, memcpy, out)
         ckpt.wait()
-        run_fresh_resumes(job_id, local_dir, root, cfg, memcpy, out)
     finally:
         ckpt.close()  # the caller removes the directory itself
+    # A restart is a fresh process after this one has gone: the run's claim on the job
+    # directory is released first, as a real job's exit releases it.
+    run_fresh_resumes(job_id, local_dir, root, cfg, memcpy, out)
     return out
 
 

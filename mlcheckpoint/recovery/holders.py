@@ -25,7 +25,6 @@ from ..errors import MLCheckpointError, ShardNotFoundError
 from ..replication.core.streams import run_streams
 from ..replication.core.transport import Transport
 from ..store import LocalStore
-from ..store.coverage import Group
 from ..topology import Topology
 from .planner import Decision
 
@@ -33,20 +32,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def holder_order(plan: Decision, topology: Topology, owner: int | None,
-                 group: Group | None = None) -> list[int]:
+def holder_order(plan: Decision, topology: Topology, owner: int | None, *,
+                 whole: bool = False) -> list[int]:
     """Ranks on other nodes to ask for ``owner``'s shard (None: the metadata), in order: the
     source the plan chose for this node first (it balanced the bytes each holder serves),
     then every other holder, starting at an offset set by this rank so that the readers of
-    one node spread over the holders. With ``group`` (items of that copy group are wanted),
-    the ranks of nodes whose partial replica of the shard holds the group are holders too.
-    A pure function of the plan and who asks."""
+    one node spread over the holders. ``whole``: only nodes holding the whole shard (a
+    partial replica serves the items it lists, never the shard). A pure function of the
+    plan and who asks."""
     node_of = topology.node_of
     here = topology.node_rank
     planned = [f.src_rank for f in plan.fetches if f.owner == owner and node_of(f.dst_rank) == here]
     held = plan.metadata_holders if owner is None else plan.holders.get(owner, [])
-    if owner is not None and group is not None:
-        held = held + [r for r, groups in plan.partial_holders.get(owner, []) if group in groups]
+    if owner is not None and whole:
+        held = [r for r in held if node_of(r) not in plan.partial.get(owner, {})]
     others = [r for r in held if node_of(r) != here]
     start = topology.rank % len(others) if others else 0
     return list(dict.fromkeys(planned + others[start:] + others[:start]))
@@ -165,7 +164,8 @@ class Holders:
             if owner in self.store.step_state(self.step).ranks_of(self.plan.save_id):
                 return False
             _, src = self._from_first_that_serves(
-                owner, lambda src: self.transport.fetch_shard(src, self.step, owner, paced=True))
+                owner, lambda src: self.transport.fetch_shard(src, self.step, owner, paced=True),
+                order=holder_order(self.plan, self.topo, owner, whole=True))
         log.info("mlcheckpoint: rebuilt rank %d's shard of step %d from rank %d", owner, self.step, src)
         return True
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CopyId
 from ..store import coverage
-from ..store.coverage import Group, Held
+from ..store.coverage import Held
 from ..store.identity import Lineage
 from .inventory import NodeInventory, StepCopy
 
@@ -57,10 +57,8 @@ class Decision:
     kind: str  # MEMORY, PERSISTENT or FRESH
     step: int | None
     fetches: list[Fetch] = field(default_factory=list)
-    holders: dict[int, list[int]] = field(default_factory=dict)  # owner -> ranks that serve it
-    # owner -> (rank, the copy groups it serves) for ranks of nodes whose shard of the owner is
-    # a partial replica (only the items that lacked places were sent): they serve those alone
-    partial_holders: dict[int, list[tuple[int, frozenset[Group]]]] = field(default_factory=dict)
+    # owner -> ranks of the nodes holding its shard, whole or a partial replica (``partial``)
+    holders: dict[int, list[int]] = field(default_factory=dict)
     metadata_holders: list[int] = field(default_factory=list)
     # rank -> "peer" when the rank's own shard is on no node of its own (a replaced node:
     # recovery rebuilds it there after the load), COPIES when it is on no surviving node at
@@ -70,8 +68,8 @@ class Decision:
     # Owners whose shard is whole on no surviving node: the reader reads their items from
     # copies and partial replicas.
     through_copies: list[int] = field(default_factory=list)
-    # owner -> node -> offsets of the items its partial copy of the owner's shard holds (a
-    # replica that holds only some items); a holder node not named holds the whole shard
+    # owner -> node -> offsets of the items its partial replica of the owner's shard holds
+    # (only the items that lacked places were sent); a holder node not named holds it whole
     partial: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
     resharded: bool = False  # saved with another world size: DCP reshards, reads fetch lazily
     newest_protected: int | None = None  # newest step with every shard on ``copies`` nodes
@@ -272,8 +270,8 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
                 if held.whole:
                     v.owner_nodes[owner].append(inv.node)
                     v.owner_bytes[owner] = nbytes
-                    if owner in partial:
-                        v.partial.setdefault(owner, {})[inv.node] = frozenset(partial[owner])
+                else:  # a partial replica: it serves the items its manifest lists
+                    v.partial.setdefault(owner, {})[inv.node] = frozenset(partial.get(owner, ()))
     return view
 
 
@@ -341,11 +339,7 @@ def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size:
 
     d = Decision(MEMORY, step, resharded=v.world_size != world_size, save_id=v.save_id,
                  lineage=v.lineage, partial={o: dict(by_node) for o, by_node in v.partial.items()})
-    d.holders = {o: [r for n in sorted(set(ns)) for r in node_ranks[n]] for o, ns in v.owner_nodes.items()}
-    d.partial_holders = {o: [(r, held.groups) for n, held in sorted(by_node.items())
-                             if held.groups is not None for r in node_ranks[n]]
-                         for o, by_node in v.holdings.items()
-                         if any(not held.whole for held in by_node.values())}
+    d.holders = {o: [r for n in sorted(by_node) for r in node_ranks[n]] for o, by_node in v.holdings.items()}
     d.metadata_holders = [r for n in sorted(set(v.meta_nodes)) for r in node_ranks[n]]
     for node, ranks in sorted(node_ranks.items()):
         if node not in v.meta_nodes:

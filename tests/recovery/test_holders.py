@@ -13,6 +13,7 @@ from mlcheckpoint import LocalStore
 from mlcheckpoint.dcp.remote import RemoteRun
 from mlcheckpoint.errors import ShardNotFoundError
 from mlcheckpoint.recovery.holders import Holders, holder_order
+from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume
 from mlcheckpoint.recovery.planner import MEMORY, Decision, Fetch
 from mlcheckpoint.replication import Transport
 from mlcheckpoint.topology import Topology
@@ -198,3 +199,29 @@ def test_a_node_that_fails_fails_its_runs_and_says_how(store_dir):
     # a dead node: both its ranks refused the first run; its second run is not tried again
     assert [type(e) for e in errors] == [ConnectionRefusedError, ConnectionRefusedError, type(None)]
     assert holders.bytes_served == {4: {0: len(shard)}}
+
+
+def test_a_planned_partial_replica_serves_the_items_it_lists_and_never_the_whole_shard():
+    # From the inventories up: 2 nodes x 2 ranks, node 0 lost its copy of rank 0's shard. Node
+    # 1 holds a partial replica of it (per-rank items at offsets 0 and 64 were pushed; the
+    # item at 128 has a copy in rank 2's shard). The merged planner once counted the partial
+    # replica for completeness but left its node out of the holders: every read of rank 0's
+    # per-rank items then failed on "no node holds it", and the step was dropped.
+    required = (0, 1, 2, 3)
+    partial_copy = StepCopy(owners=frozenset({0, 1, 2, 3}), has_metadata=True, required=required,
+                            world_size=4, shard_bytes=((0, 192), (1, 100), (2, 100), (3, 100)),
+                            copy_groups=((0, ((), (2,))),), partial=((0, ((),)),),
+                            partial_items=((0, (0, 64)),))
+    lost_own = StepCopy(owners=frozenset({1}), has_metadata=True, required=required, world_size=4,
+                        shard_bytes=((1, 100),), copy_groups=((0, ((), (2,))),))
+    nodes = [NodeInventory(0, [0, 1], {5: lost_own}), NodeInventory(1, [2, 3], {5: partial_copy})]
+    plan = plan_resume(nodes, None, 4)
+    assert plan.kind == MEMORY and plan.step == 5, plan.reason
+    assert plan.partial == {0: {1: frozenset({0, 64})}}
+    reader = Holders(RecordingTransport(), None, rank_on(0, 0, nodes=2), plan)
+    assert reader.nodes_holding(5, 0, 0) == [1] and reader.nodes_holding(5, 0, 64) == [1]
+    assert reader.nodes_holding(5, 0, 128) == []  # not listed: read from its copy in rank 2's shard
+    assert reader.nodes_holding(5, 2, 40) == [1]
+    # a whole-shard fetch (the rebuild) never asks the partial replica
+    assert holder_order(plan, rank_on(0, 0, nodes=2), 0, whole=True) == []
+    assert sorted(holder_order(plan, rank_on(0, 0, nodes=2), 0)) == [2, 3]

@@ -53,7 +53,19 @@ class Job:
     def wait(self, timeout: float = 600) -> None:
         for k, code in enumerate(self.cluster.wait(timeout)):
             if code != 0:
-                raise SystemExit(f"node {k} failed; see {self.cluster.nodes[k].log_path}")
+                raise SystemExit(f"node {k} of {self.job_id} failed (exit code {code})")
+
+    def log_tails(self, lines: int = 40) -> str:
+        """The end of every node's log (what a failed run printed last)."""
+        out = []
+        for k, node in enumerate(self.cluster.nodes):
+            try:
+                with open(node.log_path, errors="replace") as f:
+                    tail = f.read().splitlines()[-lines:]
+            except FileNotFoundError:
+                tail = ["(no log)"]
+            out.append(f"--- node {k}: {node.log_path}\n" + "\n".join(tail))
+        return "\n".join(out)
 
     def holdings(self) -> str:
         parts = []
@@ -115,7 +127,7 @@ def main() -> int:
         job.start(run_out_path, progress, step_delay=0.3)
         while read_progress(progress) < args.kill_at:
             if len(job.cluster.running()) < n:
-                raise SystemExit(f"job ended early; logs in {job.root}")
+                raise SystemExit(f"job ended early at step {read_progress(progress)}")
             time.sleep(0.05)
         step = read_progress(progress)
         say(f"step {step} trained; holdings:\n           {job.holdings()}")
@@ -153,6 +165,10 @@ def main() -> int:
         if not ok:
             args.keep = True
         return 0 if ok else 1
+    except SystemExit as e:  # a run failed: say why, and keep its files to look at
+        args.keep = True
+        print(f"{e}\n{ref.log_tails()}\n{job.log_tails()}", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         for j in (ref, job):
             j.close(keep=args.keep)

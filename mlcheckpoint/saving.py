@@ -237,7 +237,7 @@ class Saver:
         topo = self.topology
         mine: list[int] = []
         error = None
-        if topo.local_rank == 0:
+        if topo.is_node_leader:
             try:
                 mine = self.store.set_aside_runs(lineage)
             except (OSError, MLCheckpointError) as e:
@@ -360,7 +360,7 @@ class Saver:
     def _metadata_here(self, saved: Committed) -> None:
         """Each node's leader stores the metadata it holds, at once, without waiting for the
         coordinator's push. The coordinator's node (node 0) has it from ``finish``."""
-        if (saved.metadata is None or self.topology.local_rank != 0
+        if (saved.metadata is None or not self.topology.is_node_leader
                 or self.topology.node_rank == 0):
             return
         step = saved.result.step

@@ -151,7 +151,7 @@ class RoomCheck:
                             arriving=self.arriving() if self.arriving is not None else None)
 
     def _warn(self, message: str) -> None:
-        if self.topology.local_rank == 0:  # the ranks of a node share the tmpfs: one line
+        if self.topology.is_node_leader:  # the ranks of a node share the tmpfs: one line
             log.warning("mlcheckpoint: %s; %s", message, HOW_TO_RAISE)
 
     def at_start(self) -> None:

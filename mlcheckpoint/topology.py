@@ -43,6 +43,12 @@ class Topology:
         return cls(rank, world, local_rank, local_world, node_rank, num_nodes,
                    launcher.master_addr, launcher.master_port)
 
+    @property
+    def is_node_leader(self) -> bool:
+        """Whether this rank speaks for its node (its first rank): it writes the node-wide
+        records, says the node-wide lines once, and answers for the node's store."""
+        return self.local_rank == 0
+
     def ranks_of_node(self, node: int) -> list[int]:
         """Ranks on ``node`` (torchrun numbers ranks node by node)."""
         return list(range(node * self.local_world_size, (node + 1) * self.local_world_size))

@@ -336,3 +336,17 @@ def test_the_import_reader_sees_relative_and_absolute_imports():
               "def f():\n    from mlcheckpoint.lifecycle import Pins\n")
     assert sorted(m for _, m in imports_in(source, ("store",))) == [
         "lifecycle", "manager", "replication", "store.layout", "store.shards"]
+
+
+def test_a_ranks_node_and_its_leader_come_from_topology_only():
+    """Which node a rank is on and which rank speaks for a node are ``Topology``'s answers
+    (``node_of``, ``ranks_of_node``, ``is_node_leader``): nobody else divides ranks or tests
+    ``local_rank`` against 0."""
+    by_hand = ("local_rank == 0", "local_rank != 0", "// self.local_world_size",
+               "// topology.local_world_size", "// self.topology.local_world_size",
+               "// t.local_world_size", "// self.topo.local_world_size")
+    bad = [f"{path.relative_to(PACKAGE)}:{i}" for path in sorted(PACKAGE.rglob("*.py"))
+           if path != PACKAGE / "topology.py"
+           for i, line in enumerate(path.read_text().splitlines(), 1)
+           if any(pattern in line for pattern in by_hand)]
+    assert bad == []

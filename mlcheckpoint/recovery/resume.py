@@ -204,7 +204,7 @@ class Recovery:
         newest persistent step with what is known of its origin (listed by rank 0): one
         all_gather."""
         mine = (take_inventory(self.store, self.topo.node_rank, self.topo.ranks_of_node(self.topo.node_rank))
-                if self.topo.local_rank == 0 else None)
+                if self.topo.is_node_leader else None)
         newest: PersistentStep | None = None
         if persistent and self.topo.rank == 0 and self.persistent is not None:
             steps = self.persistent.steps()
@@ -221,7 +221,7 @@ class Recovery:
         steps, this run may have resolved the wrong job id (a restart that forgot
         MLCHECKPOINT_JOB_ID and derived one): say so once, from rank 0, at WARNING (shown even
         with no logging set up), and in the reason on every rank. One all_gather."""
-        mine = self.store.other_jobs() if self.topo.local_rank == 0 else {}
+        mine = self.store.other_jobs() if self.topo.is_node_leader else {}
         found: dict[str, dict[int, int]] = {}  # job -> node -> newest step there
         for node, jobs in self.comm.all_gather((self.topo.node_rank, mine)):
             for job, step in jobs.items():
@@ -273,7 +273,7 @@ class Recovery:
         load retried from another copy (see ``run``). Hashing up front would read every byte
         twice.
         """
-        if self.topo.local_rank != 0:
+        if not self.topo.is_node_leader:
             return []
         node = self.topo.node_rank
         try:
@@ -307,7 +307,7 @@ class Recovery:
         """Uncommit a copy found corrupt, on the node that holds it, so nobody reads it again.
         The step's metadata stays there while another node holds the step (``d``'s holders):
         this node may still load it from them."""
-        if copy.node == self.topo.node_rank and self.topo.local_rank == 0 and copy.owner is not None:
+        if copy.node == self.topo.node_rank and self.topo.is_node_leader and copy.owner is not None:
             log.warning("mlcheckpoint: refusing corrupt copy of rank %d's shard of step %d on node %d",
                         copy.owner, copy.step, copy.node)
             held = [*d.metadata_holders, *(r for ranks in d.holders.values() for r in ranks)]
@@ -360,7 +360,7 @@ class Recovery:
     def _settle(self, step: int | None, set_aside: Iterable[int] = ()) -> None:
         """On each node's local rank 0: drop what does not belong to the job's history up to
         ``step`` (LocalStore.settle)."""
-        if self.topo.local_rank != 0:
+        if not self.topo.is_node_leader:
             return
         dropped = self.store.settle(self.lineage, step, set_aside=set_aside)
         if dropped:

@@ -65,7 +65,7 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
     """
     settings = settings or TransportSettings()
     topology = topology or Topology()
-    announce = topology.num_nodes > 1 and topology.local_rank == 0
+    announce = topology.num_nodes > 1 and topology.is_node_leader
     transport: Transport
     if kind == "tcp":  # TcpSettings' fields are TcpTransport's arguments of the same names
         transport = TcpTransport(store, rdzv, sink=sink, interface=settings.interface,
@@ -80,7 +80,7 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
         if kind == "nccl":
             _check_one_device_per_rank(rdzv)
         if (settings.interface is not None or settings.tcp.host is not None) \
-                and topology.local_rank == 0:
+                and topology.is_node_leader:
             log.warning("mlcheckpoint: replication_interface and replication_host choose the "
                         "TCP transport's listener; replication=%r sends over its own %s group, "
                         "which picks its interface itself (GLOO_SOCKET_IFNAME, "

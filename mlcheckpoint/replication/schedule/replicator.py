@@ -110,7 +110,7 @@ class Replicator:
         log.info("mlcheckpoint: rank %d replicates to %s %s over %s, keeps replicas of %s",
                  t.rank, "rank" if len(self.targets) == 1 else "ranks", self.targets,
                  transport.name, self.sources)
-        if t.local_rank == 0:
+        if t.is_node_leader:
             self._announce_partners(strategy)
 
     def _announce_partners(self, strategy: PairingStrategy) -> None:
@@ -279,7 +279,7 @@ class Replicator:
         if r is None or r.number != closed:
             return
         self.seed_protected(r.step)
-        if self.topology.local_rank != 0:
+        if not self.topology.is_node_leader:
             return
         saves = save_times(self.store.inventory())
         state = self.state(r.step)
@@ -295,7 +295,7 @@ class Replicator:
         saves = save_times(self.store.inventory()) if saves is None else saves
         now = protection_status(step, saves, None, 0)
         with self._lock:  # the replicator thread and protection()'s caller both come here
-            if self.topology.local_rank != 0 or step == self._recorded_protected:
+            if not self.topology.is_node_leader or step == self._recorded_protected:
                 return now
             self._recorded_protected = step
         state = self.state(step)

@@ -87,7 +87,7 @@ class Rounds:
 
     def __init__(self, rdzv: Rendezvous, topology: Topology, paths: JobPaths):
         self.rdzv, self.topology, self.paths = rdzv, topology, paths
-        self.leader = topology.local_rank == 0
+        self.leader = topology.is_node_leader
         self._seal = Seal(rdzv.secret(), rdzv.session, rdzv.prefix)
         self.finished = 0  # the last round this rank finished
         self.latest: Round | None = None

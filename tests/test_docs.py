@@ -173,3 +173,22 @@ def test_every_job_directory_path_in_the_docs_is_one_layout_makes():
     wrong = [f"{doc}:{line}: {path}: {why}" for doc, line, path in paths
              if (why := layout_error(path)) is not None]
     assert not wrong, "\n".join(wrong)
+
+
+# ---------------------------------------------------------------- tests/README.md
+
+def test_the_tests_readme_names_every_top_level_test_file_and_what_it_mirrors():
+    """tests/README.md's table lists exactly the test files at the top of tests/, and every
+    module or package of mlcheckpoint a row names exists."""
+    table = [line for line in _read(os.path.join(REPO, "tests", "README.md")).splitlines()
+             if line.startswith("| `test_")]
+    listed = {re.match(r"\| `(test_\w+\.py)`", line).group(1) for line in table}
+    on_disk = {name for name in os.listdir(os.path.join(REPO, "tests"))
+               if name.startswith("test_") and name.endswith(".py")}
+    assert listed == on_disk
+    package = os.path.join(REPO, "mlcheckpoint")
+    for line in table:
+        why = line.split("|")[2]
+        for name in re.findall(r"`([\w/]+(?:\.py|/))`", why):
+            assert any(os.path.exists(os.path.join(root, name.rstrip("/")))
+                       for root in (package, os.path.join(REPO, "tests"), REPO)), (name, line)

@@ -804,10 +804,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 fig["d2h"] = d2h
                 report(args, {"machine": fig["machine"], "d2h": d2h})
             del tensors
+            ckpt.close()  # the run has ended: a restart is a fresh process (it claims the directory)
             if "h2d" in sections:
                 fig["h2d"] = run_h2d(args, os.path.join(root, "d2h"), specs, d2h["last_step"])
                 report(args, {"machine": fig["machine"], "h2d": fig["h2d"]})
-            ckpt.close()
         if "train" in sections:
             fig["train"] = run_train(args, os.path.join(root, "train"))
             report(args, {"machine": fig["machine"], "train": fig["train"]})

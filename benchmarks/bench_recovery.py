@@ -301,7 +301,7 @@ def run(cfg: Config) -> dict:
                 from_fs.append(max(x["seconds"] for x in r.values()))
             for _ in range(cfg.reps):
                 cluster.nodes[1].wipe()
-                r = run_job(cluster, "resume", size)
+                r = run_job(cluster, "resume", size, persistent)  # the same job: its persistent_dir
                 assert r[1]["source"] == "peer" and all(x["exact"] for x in r.values()), r
                 peer.append(r[1]["seconds"])
                 res["peer_bytes_fetched"] = r[1]["bytes_fetched"]

@@ -41,6 +41,20 @@ WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
 if WORKERS not in sys.path:
     sys.path.insert(0, WORKERS)
 
+# Where a replaced node's rank reads its step from: another node's whole replica of its shard
+# ("peer"), or, where the job keeps data parallelism's copies, the partial replica of its
+# per-rank items plus the copies other ranks' shards keep ("copies"; a node short of room keeps
+# none and gets whole replicas). Either way the bytes come from another node.
+FROM_ANOTHER_NODE = ("peer", "copies")
+
+
+def from_another_node(sources: dict, replaced: range | list[int]) -> bool:
+    """Whether every rank in ``replaced`` read from another node and every other rank from
+    its own (``sources``: rank, as str or int -> source, as the resume reports them)."""
+    by_rank = {int(k): v for k, v in sources.items()}
+    return all((v in FROM_ANOTHER_NODE) if r in replaced else v == "local" for r, v in by_rank.items())
+
+
 WAIT = 120  # generous bound on waiting for another process/thread (never asserted on)
 
 T = TypeVar("T")

@@ -76,7 +76,8 @@ def test_bench_local_resumes_in_a_fresh_process(store_dir):
     with quiet_dcp(), CheckpointManager(job_id="bench-fresh", local_dir=local_dir, keep=2,
                                         replication="none") as ckpt:
         ckpt.save(sd, 7)
-        bench_local.run_fresh_resumes("bench-fresh", local_dir, store_dir, cfg, lambda: 1.0, out)
+    # (after this run has ended: a live run's directory is refused to another)
+    bench_local.run_fresh_resumes("bench-fresh", local_dir, store_dir, cfg, lambda: 1.0, out)
     assert len(out.fresh_resumes.seconds) == 1 and out.fresh_resumes.seconds[0] > 0
     # ResumeInfo.phases, as the child reported them: every phase named, the load measured
     phases = out.fresh_phases[0]

@@ -132,9 +132,11 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
             decision = _fetch_plan(step, view[step], nodes, world_size, can_fetch)
             if decision is not None:
                 if decision.through_copies:
-                    reasons.append(f"the shards of ranks {_few(decision.through_copies)} are on no "
-                                   "surviving node: their items are read from the copies other "
-                                   "ranks' shards keep")
+                    partly = any(o in decision.partial for o in decision.through_copies)
+                    reasons.append(f"the shards of ranks {_few(decision.through_copies)} are whole "
+                                   "on no surviving node: their items are read from "
+                                   + ("their partial replicas and " if partly else "")
+                                   + "the copies other ranks' shards keep")
                 decision.reason = "; ".join(reasons)
                 decision.newest_protected = newest_protected
                 decision.history, decision.stranded = history, stranded

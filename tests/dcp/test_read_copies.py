@@ -138,7 +138,7 @@ def test_a_resume_reads_them_and_refuses_a_corrupt_copy(store_dir):
         out = target()
         info = ckpt.resume(out)
         assert info.step == STEP, info
-        assert "shards of ranks [1] are on no surviving node" in info.reason and "copies" in info.reason
+        assert "shards of ranks [1] are whole on no surviving node" in info.reason and "copies" in info.reason
         same(expected, out)
         flip_byte(internals(ckpt).store.data_path(STEP, 0), copies["model.f16"].offset + 1)
     with CheckpointManager(None, job_id=JOB, local_dir=local, replication="none") as ckpt:

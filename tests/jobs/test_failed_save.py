@@ -70,17 +70,17 @@ def test_a_shard_that_does_not_fit_fails_the_step_on_every_rank(mode):
 
 def test_two_nodes_every_rank_hears_which_rank_and_node_failed():
     """2 nodes x 2 ranks, replicating, a 60 MiB tmpfs each, 16 MiB of node 1's held by another
-    program: from step 1 on, rank 3 (node 1) finds no room for its second 16 MiB shard and the
-    replica its partner sends with it; all four ranks' overlapped saves fail alike, naming it,
-    until the other program's file goes."""
+    program: from step 2 on, rank 3 (node 1) finds no room for its third 16 MiB shard and the
+    1 MiB replica its partner (rank 1) sends with it; all four ranks' overlapped saves fail
+    alike, naming it, until the other program's file goes."""
     res, log = run(2, "guarded", "60m")
     assert sorted(res) == [0, 1, 2, 3]
     assert_heard_alike(res, log)
     saves = res[0]["saves"]
-    assert saves[0] == "ok", saves
-    for step in range(1, FREE_AT):
+    assert saves[:FIRST_FULL] == ["ok"] * FIRST_FULL, saves
+    for step in range(FIRST_FULL, FREE_AT):
         assert saves[step].startswith(
             f"CapacityError: async save of step {step} failed on rank 3 (node 1): checkpoint "
             "shard needs "), saves
-        assert "and its step's 1 replica from partner nodes 16.0 MiB (replicas=1)" in saves[step]
-    assert saves[FREE_AT] == "ok", saves
+        assert "what its step's 1 replica from partner nodes bring 1.0 MiB (replicas=1)" in saves[step]
+    assert saves[FREE_AT:] == ["ok"] * (STEPS - FREE_AT), saves  # room again: saving goes on

@@ -20,7 +20,10 @@ import sys
 import pytest
 import torch
 from cluster import Cluster
-from helpers import TORCHTITAN_0_3_0  # put on the workers' PYTHONPATH
+from helpers import (  # put on the workers' PYTHONPATH
+    TORCHTITAN_0_3_0,
+    from_another_node,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +91,7 @@ def node_loss_then_folder_fallback(torchtitan_dir: str) -> None:
                     env={"TITAN_TAG": "peer", "TITAN_SEED": "1", "PYTHONPATH": path})
         _assert_same_run(cluster, "peer", ref, 6, "peer")
         peer = cluster.results("titan_peer")[0]
-        assert peer["resume"]["sources"] == {"0": "local", "1": "peer"}
+        assert from_another_node(peer["resume"]["sources"], [1]), peer["resume"]
         # Our figures reach torchtitan's metric loggers: the resume at the step it loaded, and
         # each in-memory save (the last one published, by then) at the step that saved.
         logged = peer["metrics"]

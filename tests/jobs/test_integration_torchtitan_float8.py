@@ -16,6 +16,7 @@ import sys
 
 import pytest
 from cluster import Cluster
+from helpers import from_another_node
 from test_integration_torchtitan import (
     SAVED_UNTIL,
     STEPS,
@@ -41,4 +42,5 @@ def test_float8_fsdp_weights_resume_from_the_partner_bit_exact():
         cluster.nodes[1].wipe()
         cluster.run("titan_train.py", dump, STEPS, env={**env, "TITAN_TAG": "peer", "TITAN_SEED": "1"})
         _assert_same_run(cluster, "peer", ref, 6, "peer")
-        assert cluster.results("titan_peer")[0]["resume"]["sources"] == {"0": "local", "1": "peer"}
+        resume = cluster.results("titan_peer")[0]["resume"]
+        assert from_another_node(resume["sources"], [1]), resume

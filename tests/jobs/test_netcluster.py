@@ -22,7 +22,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import wait_for
+from helpers import from_another_node, wait_for
 
 from mlcheckpoint.testing import netcluster
 from mlcheckpoint.testing.cluster import Cluster, is_dead, process_tree
@@ -252,7 +252,7 @@ def test_lost_node_resumes_from_its_partner_over_a_shaped_link():
             assert r["step"] == 3, r  # the newest step replicated before the loss
             # Where each rank's bytes came from (the same job-wide view on every rank).
             assert r["source"] == "peer"
-            assert r["sources"] == {"0": "local", "1": "local", "2": "peer", "3": "peer"}, r
+            assert from_another_node(r["sources"], [2, 3]) and len(r["sources"]) == 4, r
             assert r["bytes_fetched"] >= 2 * (4 << 20)  # node 1's two 4 MiB shards, at least
             assert r["match"], r["mismatch"]
             # Bit-exact against what this rank saved before its node was lost.

@@ -42,11 +42,8 @@ from mlcheckpoint import (
 from mlcheckpoint.integrity import digests
 from mlcheckpoint.replication import ReceiveSink, Rendezvous, Transport
 from mlcheckpoint.replication.core.budget import NodeSchedule
-from mlcheckpoint.replication.factory import (
-    TcpSettings,
-    TransportSettings,
-    make_transport,
-)
+from mlcheckpoint.replication.factory import make_transport
+from mlcheckpoint.settings import ReplicationOptions
 
 sys.path.insert(0, WORKERS)
 from repl_peer import make_shard  # a worker module, found through WORKERS
@@ -115,16 +112,15 @@ class Job:
                                 world_size=2)
         self.store = LocalStore(self.node_dir(0), self.job_id)
         self.peer_store = LocalStore(self.node_dir(PEER), self.job_id)
-        rdzv = Rendezvous.from_default_group(self.job_id, timeout=60)
+        self.rdzv = rdzv = Rendezvous.from_default_group(self.job_id, timeout=60)
         sink = ReceiveSink(self.store)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("MLCHECKPOINT_TCP_MIN_STRIPE", str(MiB))  # so a few MiB take 4 streams
             for s in SETUPS:
                 if _runnable(s):  # (the TCP ones both listen; the peer calls neither)
-                    settings = TransportSettings(
-                        timeout=TIMEOUT, bandwidth=BANDWIDTH,
-                        tcp=TcpSettings(host="127.0.0.1", streams=s.streams))
-                    self.locals[s.name] = make_transport(s.kind, self.store, rdzv, sink, settings)
+                    options = ReplicationOptions(mode=s.kind, host="127.0.0.1", timeout=TIMEOUT,
+                                                 bandwidth=BANDWIDTH, streams=s.streams)
+                    self.locals[s.name] = make_transport(self.store, rdzv, sink, options)
         dist.barrier()
 
     def log(self) -> str:
@@ -481,8 +477,10 @@ def test_factory_refuses_unknown_kinds(tmp_path):
     rdzv = Rendezvous(c10d, store.job_id, 0, 1, secret=os.urandom(32))
     sink = ReceiveSink(store)
     with pytest.raises(ConfigError, match="'tcp', 'pg', 'nccl'"):
-        make_transport("udp", store, rdzv, sink)
+        ReplicationOptions(mode="udp")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'tcp', 'pg', 'nccl'"):
+        make_transport(store, rdzv, sink, ReplicationOptions(mode="none"))
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="nccl"):
-            make_transport("nccl", store, rdzv, sink)
+            make_transport(store, rdzv, sink, ReplicationOptions(mode="nccl"))
     store.close()

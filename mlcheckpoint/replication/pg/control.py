@@ -28,7 +28,7 @@ import os
 import secrets
 from datetime import timedelta
 
-from ...errors import ProtocolError, ReplicationError
+from ...errors import ProtocolError
 from ..core import keys
 from ..core.keys import Seal
 from ..core.rendezvous import Rendezvous
@@ -129,22 +129,20 @@ class Mailbox:
         self.rdzv.store.set(key, self.seal.seal(key, msg, answers=nonce))
 
     def await_reply(self, tag: int, nonce: str, phase: str = "r") -> dict:
-        """The reply to our request (tag, nonce); ReplicationError if none comes in time, if it
-        is not sealed for this request, or if it says the peer refused."""
+        """The reply to our request (tag, nonce), whatever its status says (the client reads
+        it: ``core/client.py``); ProtocolError if none comes in time or if it is not sealed
+        for this request."""
         key = f"pg/reply/{self.rdzv.rank}/{tag}/{phase}"
         try:
             self.rdzv.store.wait([key], timedelta(seconds=self.timeout))
         except RuntimeError as e:  # c10d raises on timeout
-            raise ReplicationError(f"no reply within {self.timeout}s: {e}") from None
+            raise ProtocolError(f"no reply within {self.timeout}s: {e}") from None
         raw = self.rdzv.store.get(key)
         self.rdzv.store.delete_key(key)
         try:
-            msg = self.seal.open(key, raw, answers=nonce)
+            return self.seal.open(key, raw, answers=nonce)
         except ProtocolError as e:
-            raise ReplicationError(f"refused a reply: {e}") from None
-        if msg.get("status") == "error":
-            raise ReplicationError(f"peer refused: {str(msg.get('error'))[:2000]}")
-        return msg
+            raise ProtocolError(f"refused a reply: {e}") from None
 
     def put_blob(self, owner: int, nonce: str, raw: bytes) -> str:
         """Leave ``raw`` in the store for the other side of request ``nonce``; its digest."""

@@ -553,7 +553,8 @@ def test_every_transport_refuses_a_strangers_reply_in_the_same_words(job, step, 
             del c10d
     for name, (kind, text) in texts.items():
         assert kind == "ReplicationError", name
-        assert text.startswith(f"transfer with rank {PEER} failed: "), text
+        assert text.startswith(f"transfer with rank {PEER} failed (the fetch of the metadata of "
+                               f"step {step}): "), text
     assert "not an mlcheckpoint replication endpoint" in texts["tcp"][1]
     assert "refused a reply" in texts["pg-gloo"][1]
 

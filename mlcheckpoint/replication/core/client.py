@@ -112,14 +112,14 @@ class PeerClient:
 
     # ------------------------------------------------------------------ replies
     @contextlib.contextmanager
-    def _call(self, peer: int) -> Iterator[Call]:
-        """A call to ``peer``; a broken transfer or protocol, on any wire, is one
-        ReplicationError that names the peer."""
+    def _call(self, peer: int, what: str) -> Iterator[Call]:
+        """A call to ``peer`` for ``what``; a broken transfer or protocol, on any wire, is one
+        ReplicationError that names the peer and what was asked."""
         try:
             with self.wire.call(peer) as call:
                 yield call
         except (OSError, ProtocolError) as e:
-            raise ReplicationError(f"transfer with rank {peer} failed: {e}") from None
+            raise ReplicationError(f"transfer with rank {peer} failed ({what}): {e}") from None
 
     @staticmethod
     def _status(reply: dict, peer: int, what: str, *expected: str) -> str:
@@ -146,7 +146,7 @@ class PeerClient:
             if items is not None:
                 m = m.only(list(items))
             ranges = m.held_ranges()  # (a partial replica: its items' ranges, in order)
-            with self._call(peer) as call:
+            with self._call(peer, what) as call:
                 ready = call.offer_shard({"op": "put_shard", "step": step, "owner": owner,
                                           "manifest": m.to_dict()}, ranges)
                 if self._status(ready, peer, what, "have", "ready") == "have":
@@ -156,9 +156,9 @@ class PeerClient:
         return sum(n for _, n in ranges)
 
     def push_metadata(self, peer: int, step: int) -> None:
-        what = f"the metadata of step {step}"
+        what = f"the push of the metadata of step {step}"
         raw = self.store.read_metadata_file(step)
-        with self._call(peer) as call:
+        with self._call(peer, what) as call:
             first = call.offer_metadata({"op": "put_metadata", "step": step}, raw)
             if self._status(first, peer, what, "have", "ready", "ok") == "ready":
                 call.send_metadata(raw)
@@ -166,9 +166,9 @@ class PeerClient:
 
     # ------------------------------------------------------------------ pull
     def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
-        with self._call(peer) as call:
+        what = f"the fetch of step {step} rank {owner}"
+        with self._call(peer, what) as call:
             reply = call.ask({"op": "get_shard", "step": step, "owner": owner, "paced": paced})
-            what = f"the fetch of step {step} rank {owner}"
             if self._status(reply, peer, what, "missing", "ok") == "missing":
                 raise self._shard_missing(peer, step, owner)
             m = manifest_from_wire(reply.get("manifest"), self.store.job_id, step, owner)
@@ -194,12 +194,13 @@ class PeerClient:
             if last and on_range is not None:
                 on_range(i)
 
+        what = f"the read of step {step} rank {owner}"
+
         def read_group(group: list[_Piece]) -> None:
-            with self._call(peer) as call:
+            with self._call(peer, what) as call:
                 reply = call.ask({"op": "read_items", "step": step, "owner": owner,
                                   "ranges": [[offset, n] for _, offset, n, _ in group],
                                   "paced": paced})
-                what = f"the read of step {step} rank {owner}"
                 if self._status(reply, peer, what, "missing", "ok") == "missing":
                     raise self._shard_missing(peer, step, owner)
                 for i, _, n, sink in group:
@@ -217,9 +218,9 @@ class PeerClient:
         return total
 
     def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
-        with self._call(peer) as call:
+        what = f"the fetch of the metadata of step {step}"
+        with self._call(peer, what) as call:
             reply = call.ask({"op": "get_metadata", "step": step, "paced": paced})
-            what = f"the fetch of the metadata of step {step}"
             if self._status(reply, peer, what, "missing", "ok") == "missing":
                 raise ShardNotFoundError(f"rank {peer} has no metadata of step {step}")
             self.sink.commit_metadata(step, call.receive_metadata(reply), offered=False)

@@ -76,12 +76,9 @@ from benchmarks.harness.workloads import (
 from benchmarks.replication_report import report, summarize
 from mlcheckpoint import LocalStore, MemoryStorageWriter
 from mlcheckpoint.replication import ReceiveSink, Rendezvous, ReplicaReceived, Transport
-from mlcheckpoint.replication.factory import (
-    TcpSettings,
-    TransportSettings,
-    make_transport,
-)
+from mlcheckpoint.replication.factory import make_transport
 from mlcheckpoint.retention import apply_retention
+from mlcheckpoint.settings import ReplicationOptions
 from mlcheckpoint.waiting import deadline_in, wait_until
 
 THIS_FILE = os.path.abspath(__file__)
@@ -234,8 +231,8 @@ def peer_main(cfg: dict) -> None:
                     report_store.set(f"peer/{kind}/rx/{event.step}", json.dumps(stats))
 
             sink.subscribers.append(on_received)
-            transport = make_transport(kind, lstore, rdzv, sink, TransportSettings(
-                timeout=cfg["timeout"], tcp=TcpSettings(host="127.0.0.1")))
+            transport = make_transport(lstore, rdzv, sink, ReplicationOptions(
+                mode=kind, host="127.0.0.1", timeout=cfg["timeout"], bandwidth=0))
             store.set(f"peer/{kind}/ready", "1")
             try:
                 store.wait([f"peer/{kind}/done"], timedelta(seconds=cfg["timeout"]))
@@ -453,8 +450,8 @@ class Bench:
         store_s = LocalStore(os.path.join(self.root, "sender-tcp"), job)
         rdzv = Rendezvous(self.store, job, 0, 2, secret=self.secret)
         self.store.set("peer/tcp/go", "true")
-        transport = make_transport("tcp", store_s, rdzv, ReceiveSink(store_s), TransportSettings(
-            timeout=cfg.timeout_s, tcp=TcpSettings(host="127.0.0.1", streams=cfg.streams)))
+        transport = make_transport(store_s, rdzv, ReceiveSink(store_s), ReplicationOptions(
+            mode="tcp", host="127.0.0.1", timeout=cfg.timeout_s, streams=cfg.streams, bandwidth=0))
         tcp_rows: list[dict] = []
         try:
             self.wait_key("peer/tcp/ready")
@@ -502,8 +499,9 @@ class Bench:
                                     world_size=2, timeout=timedelta(seconds=cfg.timeout_s))
             store_s = LocalStore(os.path.join(self.root, "sender-pg"), job)
             rdzv = Rendezvous(self.store, job, 0, 2, secret=self.secret)
-            transport = make_transport("pg", store_s, rdzv, ReceiveSink(store_s),
-                                       TransportSettings(timeout=cfg.timeout_s))
+            transport = make_transport(store_s, rdzv, ReceiveSink(store_s),
+                                       ReplicationOptions(mode="pg", timeout=cfg.timeout_s,
+                                                          bandwidth=0))
             try:
                 self.wait_key("peer/pg/ready")
                 for r in range(cfg.pg_rounds):

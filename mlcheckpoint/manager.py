@@ -33,18 +33,13 @@ from .recovery import Recovery, ResumeInfo
 from .recovery.resume import Comm
 from .replication import ReceiveSink, Rendezvous, Replicator, StepReplication
 from .replication.core import network
-from .replication.factory import (
-    PgSettings,
-    TcpSettings,
-    TransportSettings,
-    make_transport,
-)
+from .replication.factory import make_transport
 from .replication.schedule import covered
 from .replication.schedule.pairing import pairing_for, sources
 from .replication.schedule.status import ProtectionStatus, save_times
 from .replication.schedule.status import status as protection_status
 from .saving import Saver, SaveResult
-from .settings import Launcher, Options, ReplicationOptions, Timeouts, default, tuning
+from .settings import Launcher, Options, ReplicationOptions, Timeouts, default
 from .store import LocalStore
 from .store.identity import Lineage, new_id
 from .tmpfs import RoomCheck
@@ -148,7 +143,7 @@ class CheckpointManager:
                                opts.keep, replica_sets=self._replicas if mode != "none" else 0)
         self._room.at_start()  # a container's small /dev/shm: say so now, not at a failed save
         if mode != "none":
-            self._start_replication(mode, repl)
+            self._start_replication(repl)
         self._saver = Saver(self._store, self._topology, group=self._save_pg,
                             snapshots=self._snapshots, retention=self._lifecycle.retention,
                             warmer=self._lifecycle.warmer, replicator=self._replicator,
@@ -163,22 +158,15 @@ class CheckpointManager:
         or because there is no other node or no process group."""
         return self._mode
 
-    def _start_replication(self, mode: str, repl: ReplicationOptions) -> None:
+    def _start_replication(self, repl: ReplicationOptions) -> None:
         # The replication secret is agreed over our own gloo group, never the c10d store.
         rdzv = Rendezvous.from_default_group(self.job_id, self._timeouts.rendezvous,
                                              group=self._save_pg,
                                              generation=self._launcher.restart_count)
         sink = ReceiveSink(self._store, pins=self._lifecycle.pins,
                            subscribers=[self._lifecycle.replica_received])
-        # Resolved, the budget is never None ("auto", 0 or bytes/s).
-        bandwidth = repl.bandwidth if repl.bandwidth is not None else "auto"
-        settings = TransportSettings(
-            timeout=self._timeouts.replication, bandwidth=bandwidth, interface=repl.interface,
-            tcp=TcpSettings(host=repl.host, streams=repl.streams,
-                            handshake_timeout=self._timeouts.handshake,
-                            min_stripe_bytes=tuning().min_stripe_bytes),
-            pg=PgSettings(poll_interval=self._timeouts.mailbox_poll))
-        transport = make_transport(mode, self._store, rdzv, sink, settings, topology=self._topology)
+        transport = make_transport(self._store, rdzv, sink, repl, self._timeouts,
+                                   topology=self._topology)
         strategy = pairing_for(self._topology.domains, self._replicas)
         self._replicator = Replicator(self._store, transport, rdzv, self._topology,
                                       poll_interval=self._timeouts.replicator_poll,

@@ -29,6 +29,7 @@ from mlcheckpoint.replication import Rendezvous, Replicator
 from mlcheckpoint.replication.schedule.rounds import Rounds
 from mlcheckpoint.replication.tcp import protocol as p
 from mlcheckpoint.replication.tcp.transport import TcpTransport
+from mlcheckpoint.settings import ReplicationOptions, tuned
 from mlcheckpoint.store import LocalStore, Manifest, ManifestItem, layout
 from mlcheckpoint.topology import Topology
 
@@ -77,9 +78,16 @@ class Job:
     def rdzv(self, rank: int) -> Rendezvous:
         return Rendezvous(self.c10d, self.job_id, rank, self.world, timeout=WAIT, secret=self.secret)
 
-    def endpoint(self, rank: int, timeout: float = 60, cls=TcpTransport, **kw) -> TcpTransport:
-        """An in-process endpoint."""
-        t = cls(self.store(rank), self.rdzv(rank), host="127.0.0.1", timeout=timeout, **kw)
+    def endpoint(self, rank: int, timeout: float = 60, cls=TcpTransport, *,
+                 streams: int | None = None, bandwidth: int = 0,
+                 min_stripe_bytes: int | None = None, **kw) -> TcpTransport:
+        """An in-process endpoint on loopback (no budget unless ``bandwidth``); ``kw`` goes to
+        the transport (e.g. ``max_connections``)."""
+        options = ReplicationOptions(host="127.0.0.1", timeout=timeout, streams=streams,
+                                     bandwidth=bandwidth)
+        stripe = {} if min_stripe_bytes is None else {"min_stripe_bytes": min_stripe_bytes}
+        with tuned(**stripe):
+            t = cls(self.store(rank), self.rdzv(rank), options, **kw)
         self.transports.append(t)
         return t
 

@@ -1,25 +1,25 @@
-"""Building a transport by name: what ``CheckpointManager(replication=...)`` accepts, with the
-settings of each wire format kept apart (``TransportSettings``)."""
+"""Building a transport by name: what ``CheckpointManager(replication=...)`` accepts, built
+from the resolved ``ReplicationOptions`` and the manager's ``Timeouts`` (each transport takes
+from them what it uses)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..settings import default
+from ..settings import ReplicationOptions, Timeouts
 from ..store import LocalStore
 from ..topology import Topology
 from .core.rendezvous import Rendezvous
 from .core.sink import ReceiveSink
 from .core.transport import Transport
-from .pg.transport import PgSettings, PgTransport
-from .tcp.transport import TcpSettings, TcpTransport
+from .pg.transport import PgTransport
+from .tcp.transport import TcpTransport
 
-__all__ = ["TRANSPORTS", "PgSettings", "TcpSettings", "TransportSettings", "make_transport"]
+__all__ = ["TRANSPORTS", "make_transport"]
 
 log = logging.getLogger(__name__)
 
@@ -29,32 +29,11 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("tcp", "pg", "nccl")
 
 
-@dataclass(frozen=True)
-class TransportSettings:
-    """How a transport is built: what every kind takes, then each wire format's own.
-
-    Attributes:
-        timeout: seconds any single wait of the transport may take.
-        bandwidth: the node's replication budget in bytes/s (0: no cap; "auto": the default
-            for the interface, see ``core/budget.py``).
-        interface: the network interface replication uses: the TCP listener's address, and
-            the link whose speed sets an "auto" budget (every kind).
-        tcp: for "tcp" alone (``tcp.transport.TcpSettings``).
-        pg: for "pg" and "nccl" alone (``pg.transport.PgSettings``).
-    """
-
-    timeout: float = default("replication_timeout")
-    bandwidth: int | str = 0
-    interface: str | None = None
-    tcp: TcpSettings = field(default_factory=TcpSettings)
-    pg: PgSettings = field(default_factory=PgSettings)
-
-
-def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: ReceiveSink,
-                   settings: TransportSettings | None = None, *,
+def make_transport(store: LocalStore, rdzv: Rendezvous, sink: ReceiveSink,
+                   options: ReplicationOptions, timeouts: Timeouts | None = None, *,
                    topology: Topology | None = None) -> Transport:
-    """The transport ``kind`` (one of ``TRANSPORTS``) for this rank, built with ``settings``
-    (default: ``TransportSettings()``).
+    """The transport ``options.mode`` names (one of ``TRANSPORTS``) for this rank, built from
+    ``options`` (resolved) and ``timeouts`` (default: the defaults, with ``options.timeout``).
 
     Collective for "pg" and "nccl" (each creates a process group: every rank calls it at the
     same point). For "nccl" each rank must have selected its CUDA device first
@@ -63,33 +42,25 @@ def make_transport(kind: str, store: LocalStore, rdzv: Rendezvous, sink: Receive
     node's local rank 0 logs where replication listens and at what budget it sends, and its
     MASTER_ADDR is where the listener's route is looked up.
     """
-    settings = settings or TransportSettings()
+    kind = options.mode
     topology = topology or Topology()
     announce = topology.num_nodes > 1 and topology.is_node_leader
     transport: Transport
-    if kind == "tcp":  # TcpSettings' fields are TcpTransport's arguments of the same names
-        transport = TcpTransport(store, rdzv, sink=sink, interface=settings.interface,
-                                 timeout=settings.timeout, bandwidth=settings.bandwidth,
-                                 num_nodes=topology.num_nodes, log_peers=announce,
-                                 master_addr=topology.master_addr, master_port=topology.master_port,
-                                 **asdict(settings.tcp))
-    elif kind in ("pg", "nccl"):  # and PgSettings' are PgTransport's
+    if kind == "tcp":
+        transport = TcpTransport(store, rdzv, options, timeouts, sink=sink, topology=topology)
+    elif kind in ("pg", "nccl"):
         if kind == "nccl" and (not torch.cuda.is_available() or not dist.is_nccl_available()):
             raise ConfigError("replication='nccl' needs CUDA and a torch built with NCCL; use "
                               "'tcp' or 'pg' on this machine")
         if kind == "nccl":
             _check_one_device_per_rank(rdzv)
-        if (settings.interface is not None or settings.tcp.host is not None) \
+        if (options.interface is not None or options.host is not None) \
                 and topology.is_node_leader:
             log.warning("mlcheckpoint: replication_interface and replication_host choose the "
                         "TCP transport's listener; replication=%r sends over its own %s group, "
                         "which picks its interface itself (GLOO_SOCKET_IFNAME, "
                         "NCCL_SOCKET_IFNAME)", kind, "gloo" if kind == "pg" else "NCCL")
-        transport = PgTransport(store, rdzv, sink=sink, backend="gloo" if kind == "pg" else "nccl",
-                                timeout=settings.timeout, bandwidth=settings.bandwidth,
-                                interface=settings.interface,
-                                master_addr=topology.master_addr, master_port=topology.master_port,
-                                ranks_per_node=topology.local_world_size, **asdict(settings.pg))
+        transport = PgTransport(store, rdzv, options, timeouts, sink=sink, topology=topology)
     else:
         raise ConfigError(f"replication transport {kind!r}: expected one of "
                           f"{', '.join(map(repr, TRANSPORTS))}")

@@ -26,6 +26,7 @@ from mlcheckpoint.replication import Rendezvous
 from mlcheckpoint.replication.core.keys import Seal
 from mlcheckpoint.replication.pg.control import Doorbell, Mailbox
 from mlcheckpoint.store.layout import JobPaths
+from mlcheckpoint.topology import Topology
 
 pytestmark = pytest.mark.timeout(300)
 NODES, PER_NODE = 2, 4
@@ -153,16 +154,20 @@ def test_a_ring_wakes_its_nodes_ranks_through_the_leader_alone(store_dir, c10d):
     def rdzv(rank: int) -> Rendezvous:
         return Rendezvous(c10d, "bell", rank, 4, timeout=60, secret=secret, session=b"this run")
 
+    def place(rank: int) -> Topology:  # 2 nodes x 2 ranks, numbered node by node
+        return Topology(rank=rank, world_size=4, local_rank=rank % 2, local_world_size=2,
+                        node_rank=rank // 2, num_nodes=2)
+
     path = JobPaths(os.path.join(store_dir, "node0", "bell")).pg_bell
     leader_rdzv, other_rdzv = rdzv(0), rdzv(1)
-    leader = Doorbell(leader_rdzv, Mailbox(leader_rdzv, "bell", 60, 2).seal, path, 2)
-    other = Doorbell(other_rdzv, Mailbox(other_rdzv, "bell", 60, 2).seal, path, 2)
+    leader = Doorbell(leader_rdzv, Mailbox(leader_rdzv, "bell", 60, place(0)).seal, path, place(0))
+    other = Doorbell(other_rdzv, Mailbox(other_rdzv, "bell", 60, place(1)).seal, path, place(1))
     assert leader.leader and not other.leader
     assert not other.rang()  # no file yet
     leader.relay()  # its first look: the count so far
     assert other.rang() and not other.rang()  # once per change
 
-    poster = Mailbox(rdzv(2), "bell", 60, 2)  # a rank of node 1
+    poster = Mailbox(rdzv(2), "bell", 60, place(2))  # a rank of node 1
     poster.post(3, {"op": "get_metadata", "step": 1})  # for node 1: node 0 stays quiet
     leader.relay()
     assert not other.rang()

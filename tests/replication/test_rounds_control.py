@@ -21,6 +21,7 @@ from mlcheckpoint.replication import Rendezvous, Replicator
 from mlcheckpoint.replication.core.keys import Seal
 from mlcheckpoint.replication.schedule.rounds import Rounds
 from mlcheckpoint.replication.tcp.transport import TcpTransport
+from mlcheckpoint.settings import ReplicationOptions
 from mlcheckpoint.store import LocalStore
 from mlcheckpoint.testing.control import CountingStore, OpCounts
 from mlcheckpoint.topology import Topology
@@ -64,7 +65,8 @@ class Job:
                               WORLD, timeout=WAIT, secret=secret, session=b"this run")
             store = LocalStore(self.node_dir(rank // PER_NODE), self.job_id)
             self.stores.append(store)
-            self.transports.append(GatedTcp(store, rdzv, host="127.0.0.1", timeout=WAIT))
+            self.transports.append(GatedTcp(store, rdzv, ReplicationOptions(
+                host="127.0.0.1", timeout=WAIT, bandwidth=0)))
         for rank in range(WORLD):
             self.replicators.append(Replicator(self.stores[rank], self.transports[rank],
                                                self.transports[rank].rdzv, topology(rank),
@@ -183,7 +185,8 @@ def test_a_leader_killed_mid_round_holds_no_other_rank_of_its_node(make_job):
     in_process = {0: dirs[0], 1: dirs[0], 3: dirs[1]}
     reps: dict[int, Replicator] = {}
     for rank, d in in_process.items():
-        t = TcpTransport(LocalStore(d, job.job_id), job.rdzv(rank), host="127.0.0.1", timeout=WAIT)
+        t = TcpTransport(LocalStore(d, job.job_id), job.rdzv(rank),
+                         ReplicationOptions(host="127.0.0.1", timeout=WAIT, bandwidth=0))
         job.transports.append(t)
         reps[rank] = Replicator(t.store, t, t.rdzv, topology(rank, nodes=2, per_node=2),
                                 poll_interval=0.05)

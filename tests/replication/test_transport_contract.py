@@ -17,11 +17,13 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,14 +41,14 @@ from mlcheckpoint import (
     ReplicationError,
     ShardNotFoundError,
 )
+from mlcheckpoint.errors import MLCheckpointError
 from mlcheckpoint.integrity import digests
 from mlcheckpoint.replication import ReceiveSink, Rendezvous, Transport
 from mlcheckpoint.replication.core.budget import NodeSchedule
-from mlcheckpoint.replication.factory import (
-    TcpSettings,
-    TransportSettings,
-    make_transport,
-)
+from mlcheckpoint.replication.factory import make_transport
+from mlcheckpoint.replication.pg.control import MAX_TAG
+from mlcheckpoint.replication.tcp.transport import TcpTransport
+from mlcheckpoint.settings import ReplicationOptions
 
 sys.path.insert(0, WORKERS)
 from repl_peer import make_shard  # a worker module, found through WORKERS
@@ -115,16 +117,15 @@ class Job:
                                 world_size=2)
         self.store = LocalStore(self.node_dir(0), self.job_id)
         self.peer_store = LocalStore(self.node_dir(PEER), self.job_id)
-        rdzv = Rendezvous.from_default_group(self.job_id, timeout=60)
+        self.rdzv = rdzv = Rendezvous.from_default_group(self.job_id, timeout=60)
         sink = ReceiveSink(self.store)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("MLCHECKPOINT_TCP_MIN_STRIPE", str(MiB))  # so a few MiB take 4 streams
             for s in SETUPS:
                 if _runnable(s):  # (the TCP ones both listen; the peer calls neither)
-                    settings = TransportSettings(
-                        timeout=TIMEOUT, bandwidth=BANDWIDTH,
-                        tcp=TcpSettings(host="127.0.0.1", streams=s.streams))
-                    self.locals[s.name] = make_transport(s.kind, self.store, rdzv, sink, settings)
+                    options = ReplicationOptions(mode=s.kind, host="127.0.0.1", timeout=TIMEOUT,
+                                                 bandwidth=BANDWIDTH, streams=s.streams)
+                    self.locals[s.name] = make_transport(self.store, rdzv, sink, options)
         dist.barrier()
 
     def log(self) -> str:
@@ -474,6 +475,90 @@ def test_a_frozen_peer_times_out_and_the_pair_recovers(pair, step):
     pair.peer_store.verify_shard(step, 0)
 
 
+# --------------------------------------------------------------------------- one client
+def failure(call: Callable[[], object]) -> tuple[str, str]:
+    """(the class, the text) of the error ``call`` raises."""
+    with pytest.raises(MLCheckpointError) as e:
+        call()
+    return type(e.value).__name__, str(e.value)
+
+
+def test_every_transport_reports_a_failure_in_the_same_words(job, step):
+    """Every transport asks through the one client (``core/client.py``): the same failure
+    raises the same error with the same text over each of them (TCP with one stream and
+    several, gloo, NCCL). A transport that read a reply itself again would differ here."""
+    failures: dict[str, dict[str, tuple[str, str]]] = {}
+    make_shard(job.peer_store, step, PEER, 4096, seed=step)
+    make_shard(job.store, step, 0, NBYTES, seed=step, nitems=5)
+    damage_shard(job.store, step, 0, item=2)
+    absent = step + 500_000  # a step the peer holds nothing of
+    for name, local in job.locals.items():
+        failures[name] = {
+            "a shard the peer lacks": failure(lambda t=local: t.fetch_shard(PEER, absent, PEER)),
+            "a read of it": failure(lambda t=local: t.read_items(
+                PEER, absent, PEER, [(0, 16)], [np.zeros(16, np.uint8)])),
+            "metadata the peer lacks": failure(lambda t=local: t.fetch_metadata(PEER, absent)),
+            "a read the peer refuses": failure(lambda t=local: t.read_items(
+                PEER, step, PEER, [(4000, 200)], [np.zeros(200, np.uint8)])),
+            "a corrupt push the peer refuses": failure(lambda t=local: t.push_shard(PEER, step, 0)),
+        }
+    first = next(iter(failures.values()))
+    assert first["a shard the peer lacks"] == (
+        "ShardNotFoundError", f"rank {PEER} does not hold step {absent} rank {PEER}")
+    assert first["a read of it"] == first["a shard the peer lacks"]
+    assert first["metadata the peer lacks"] == (
+        "ShardNotFoundError", f"rank {PEER} has no metadata of step {absent}")
+    kind, text = first["a read the peer refuses"]
+    assert (kind, text.split(":")[0]) == (
+        "ReplicationError", f"rank {PEER} refused the read of step {step} rank {PEER}")
+    kind, text = first["a corrupt push the peer refuses"]
+    assert kind == "ReplicationError" and "checksum mismatch in 'item2'" in text
+    for name, words in failures.items():
+        assert words == first, f"{name} words a failure its own way"
+
+
+def test_every_transport_refuses_a_strangers_reply_in_the_same_words(job, step, tmp_path):
+    """A reply that is not a peer's (bytes from someone without the job's secret, in place of
+    it) fails the call with the client's words on every wire, which then say what they saw:
+    TCP a listener that is no replication endpoint, pg a reply not sealed for the request."""
+    texts = {}
+    # pg: the stranger writes its reply under the key our next request's reply will have
+    pg = job.locals["pg-gloo"]
+    tag = (job.rdzv.add("pg/tag", 0) + 1) % MAX_TAG
+    job.rdzv.store.set(f"pg/reply/0/{tag}/r", b"not a sealed reply")
+    texts["pg-gloo"] = failure(lambda: pg.fetch_metadata(PEER, step))
+    # TCP: the stranger's listener is where rank 1 said it listens (a rendezvous of its own)
+    with socket.create_server(("127.0.0.1", 0)) as stranger:
+        host, port = stranger.getsockname()[:2]
+        c10d = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        rdzv = Rendezvous(c10d, job.job_id, 0, 2, timeout=TIMEOUT, secret=os.urandom(32))
+        rdzv.store.set(f"tcp/{PEER}", f"{host}:{port}")
+        store = LocalStore(str(tmp_path), job.job_id)
+        tcp = TcpTransport(store, rdzv, ReplicationOptions(host="127.0.0.1", timeout=TIMEOUT,
+                                                           bandwidth=0))
+
+        def answer() -> None:
+            conn, _ = stranger.accept()
+            with conn:
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" * 2)
+
+        answered = threading.Thread(target=answer, daemon=True)
+        answered.start()
+        try:
+            texts["tcp"] = failure(lambda: tcp.fetch_metadata(PEER, step))
+        finally:
+            answered.join(TIMEOUT)
+            tcp.close()
+            store.close()
+            del c10d
+    for name, (kind, text) in texts.items():
+        assert kind == "ReplicationError", name
+        assert text.startswith(f"transfer with rank {PEER} failed (the fetch of the metadata of "
+                               f"step {step}): "), text
+    assert "not an mlcheckpoint replication endpoint" in texts["tcp"][1]
+    assert "refused a reply" in texts["pg-gloo"][1]
+
+
 # --------------------------------------------------------------------------- the factory
 def test_factory_refuses_unknown_kinds(tmp_path):
     c10d = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
@@ -481,8 +566,10 @@ def test_factory_refuses_unknown_kinds(tmp_path):
     rdzv = Rendezvous(c10d, store.job_id, 0, 1, secret=os.urandom(32))
     sink = ReceiveSink(store)
     with pytest.raises(ConfigError, match="'tcp', 'pg', 'nccl'"):
-        make_transport("udp", store, rdzv, sink)
+        ReplicationOptions(mode="udp")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'tcp', 'pg', 'nccl'"):
+        make_transport(store, rdzv, sink, ReplicationOptions(mode="none"))
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="nccl"):
-            make_transport("nccl", store, rdzv, sink)
+            make_transport(store, rdzv, sink, ReplicationOptions(mode="nccl"))
     store.close()

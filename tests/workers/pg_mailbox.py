@@ -28,6 +28,7 @@ def main() -> None:
 
     from mlcheckpoint.replication import Rendezvous
     from mlcheckpoint.replication.pg.transport import PgTransport
+    from mlcheckpoint.settings import ReplicationOptions
     from mlcheckpoint.store import LocalStore
 
     c10d = dist.TCPStore(cfg["host"], cfg["port"], is_master=False)
@@ -35,7 +36,7 @@ def main() -> None:
     store = LocalStore(cfg["dir"], cfg["job"])
     make_shard(store, 5, 0, 4096)
     rdzv = Rendezvous.from_default_group(cfg["job"], timeout=60)
-    transport = PgTransport(store, rdzv, timeout=30)
+    transport = PgTransport(store, rdzv, ReplicationOptions(mode="pg", timeout=30))
     write_status(cfg["status_dir"], "ready", {"session": rdzv.session.hex(), "prefix": rdzv.prefix})
     sys.stdin.read()  # the test closes our stdin to end us
     transport.close()

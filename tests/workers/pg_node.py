@@ -53,8 +53,10 @@ def main() -> None:
 
     from mlcheckpoint.replication import Rendezvous
     from mlcheckpoint.replication.pg.transport import PgTransport
+    from mlcheckpoint.settings import ReplicationOptions
     from mlcheckpoint.store import LocalStore
     from mlcheckpoint.testing.control import OpCounts
+    from mlcheckpoint.topology import Topology
 
     class CountingRendezvous(Rendezvous):
         @property
@@ -73,7 +75,12 @@ def main() -> None:
     counts = OpCounts()
     rdzv = CountingRendezvous(c10d, cfg["job"], rank, cfg["world"], timeout=60,
                               secret=bytes.fromhex(cfg["secret"]), session=b"this run")
-    transport = PgTransport(store, rdzv, timeout=30, ranks_per_node=cfg["per_node"])
+    per_node = cfg["per_node"]
+    topology = Topology(rank=rank, world_size=cfg["world"], local_rank=rank % per_node,
+                        local_world_size=per_node, node_rank=rank // per_node,
+                        num_nodes=cfg["world"] // per_node)
+    transport = PgTransport(store, rdzv, ReplicationOptions(mode="pg", timeout=30),
+                            topology=topology)
     write_status(status, f"ready-{rank}", {})
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -69,16 +69,17 @@ def main() -> None:
 
     from mlcheckpoint.replication import Rendezvous, ReplicationError
     from mlcheckpoint.replication.tcp.transport import TcpTransport
+    from mlcheckpoint.settings import ReplicationOptions, tuned
 
     store = LocalStore(cfg["dir"], cfg["job"])
     if cfg["cmd"] == "push":
         make_shard(store, cfg["step"], cfg["rank"], cfg["nbytes"], cfg.get("seed", 0))
     c10d = dist.TCPStore(cfg["host"], cfg["port"], is_master=False)
     rdzv = Rendezvous(c10d, cfg["job"], cfg["rank"], cfg["world"], timeout=120)
-    transport = TcpTransport(store, rdzv, host="127.0.0.1", timeout=cfg.get("timeout", 60),
-                             streams=cfg.get("streams", 1),
-                             min_stripe_bytes=cfg.get("min_stripe_bytes", 64 << 20),
-                             bandwidth=cfg.get("bandwidth", 0))
+    options = ReplicationOptions(host="127.0.0.1", timeout=cfg.get("timeout", 60),
+                                 streams=cfg.get("streams", 1), bandwidth=cfg.get("bandwidth", 0))
+    with tuned(min_stripe_bytes=cfg.get("min_stripe_bytes", 64 << 20)):
+        transport = TcpTransport(store, rdzv, options)
     write_status(cfg["status_dir"], f"{cfg['rank']}.ready", {"address": transport.address,
                                                               "pid": os.getpid()})
     if cfg["cmd"] == "serve":

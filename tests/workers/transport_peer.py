@@ -32,11 +32,8 @@ def main() -> None:
     import torch.distributed as dist
 
     from mlcheckpoint.replication import ReceiveSink, Rendezvous, ReplicaReceived
-    from mlcheckpoint.replication.factory import (
-        TcpSettings,
-        TransportSettings,
-        make_transport,
-    )
+    from mlcheckpoint.replication.factory import make_transport
+    from mlcheckpoint.settings import ReplicationOptions
     from mlcheckpoint.store import LocalStore
 
     if cfg.get("device") is not None:
@@ -50,9 +47,9 @@ def main() -> None:
         write_status(cfg["status_dir"], f"received-{event.step}-{event.owner}", {})
 
     sink = ReceiveSink(store, subscribers=[on_received])
-    settings = TransportSettings(timeout=cfg["timeout"], bandwidth=cfg.get("bandwidth", 0),
-                                 tcp=TcpSettings(host="127.0.0.1"))
-    transports = [make_transport(kind, store, rdzv, sink, settings) for kind in cfg["kinds"]]
+    transports = [make_transport(store, rdzv, sink, ReplicationOptions(
+        mode=kind, host="127.0.0.1", timeout=cfg["timeout"], bandwidth=cfg.get("bandwidth", 0)))
+        for kind in cfg["kinds"]]
     dist.barrier()  # every transport exists on both ranks: the test may start
     sys.stdin.read()  # the test closes our stdin to end us
     for t in transports:

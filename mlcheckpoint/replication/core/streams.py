@@ -1,5 +1,6 @@
-"""Running one transfer's streams side by side: the TCP transport's striped pushes and reads,
-and recovery's reads of several holders at once, share it (no wire format of its own)."""
+"""Running one transfer's streams side by side: the TCP transport's striped pushes, a read over
+several calls (``client.py``) and recovery's reads of several holders at once share it (no wire
+format of its own)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,13 @@ def run_streams(work: Callable[[T], None], jobs: list[T]) -> list[BaseException]
     for t in threads:
         t.join()
     return errors
+
+
+def split_evenly(pieces: list[T], size: Callable[[T], int], parts: int) -> list[list[T]]:
+    """Deal ``pieces`` (in order) into ``parts`` contiguous runs of about equal total size."""
+    groups: list[list[T]] = [[] for _ in range(parts)]
+    share, done = max(sum(map(size, pieces)), 1) / parts, 0
+    for piece in pieces:
+        groups[min(parts - 1, int(done // share))].append(piece)
+        done += size(piece)
+    return groups

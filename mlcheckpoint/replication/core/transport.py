@@ -1,7 +1,8 @@
 """The one small interface every transport implements.
 
 A transport only moves bytes: committed shards and step metadata between ranks, each call
-bounded by a timeout. What it sends in the background (pushes, and shards it serves to a
+bounded by a timeout. What it asks of a peer is asked by the one client (``client.py``), over
+the transport's own wire; the operations below hand over to it. What it sends in the background (pushes, and shards it serves to a
 fetch that asks to be paced) goes through the node's bandwidth budget (``budget.py``); what
 a resume waits for takes the full link. What a peer asks of it is answered by the request
 service (``service.py``), the same for every transport; what it receives lands through a
@@ -19,6 +20,7 @@ from ...errors import ReplicationError
 from ...store.identity import Lineage
 from ...store.manifest import ManifestItem
 from .budget import Budget
+from .client import PeerClient
 from .sink import ReceiveSink
 
 __all__ = ["ReplicationError", "Transport"]
@@ -30,6 +32,7 @@ class Transport(abc.ABC):
     name: str = "?"
     sink: ReceiveSink  # where what this transport receives lands
     budget: Budget  # paces what it sends in the background; its counters say how much
+    client: PeerClient  # asks peers, over this transport's wire
 
     def accept_from(self, history: Lineage) -> None:
         """Receive replicas only of saves in ``history`` (see ``ReceiveSink.accept_from``)."""
@@ -39,7 +42,6 @@ class Transport(abc.ABC):
         """One line for the log: how this transport sends, and within what budget."""
         return f"{self.name}, {self.budget.describe()}"
 
-    @abc.abstractmethod
     def push_shard(self, peer: int, step: int, owner: int,
                    items: Sequence[ManifestItem] | None = None) -> int:
         """Send our committed shard (step, owner) to rank ``peer``; return the bytes sent.
@@ -51,23 +53,23 @@ class Transport(abc.ABC):
         the replica (0 bytes if it already held one with these items). Raises
         ReplicationError otherwise.
         """
+        return self.client.push_shard(peer, step, owner, items)
 
-    @abc.abstractmethod
     def push_metadata(self, peer: int, step: int) -> None:
         """Send the step's global metadata to rank ``peer`` (acknowledged after verification),
         paced by our budget."""
+        self.client.push_metadata(peer, step)
 
     # The fetches below are sent by the peer, so the request carries ``paced``: True makes
     # the peer send within its node's budget (background work, e.g. healing after a resume),
     # False at the full speed of the link (a resume waiting for the bytes).
 
-    @abc.abstractmethod
     def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
         """Pull shard (step, owner) from rank ``peer`` into our store, verified and committed;
         return the bytes that came (a partial replica there arrives as one here, with only
         its items). ShardNotFoundError if the peer does not hold it."""
+        return self.client.fetch_shard(peer, step, owner, paced=paced)
 
-    @abc.abstractmethod
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
                    sinks: list, on_range: Callable[[int], None] | None = None, *,
                    paced: bool = False) -> int:
@@ -79,11 +81,12 @@ class Transport(abc.ABC):
         the model's tensors. The caller verifies checksums (while later ranges arrive).
         ShardNotFoundError if the peer does not hold the shard.
         """
+        return self.client.read_items(peer, step, owner, ranges, sinks, on_range, paced=paced)
 
-    @abc.abstractmethod
     def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
         """Pull the step's global metadata from rank ``peer`` (checked, then installed);
         ShardNotFoundError if the peer has none."""
+        self.client.fetch_metadata(peer, step, paced=paced)
 
     @abc.abstractmethod
     def close(self) -> bool:

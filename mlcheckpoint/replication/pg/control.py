@@ -28,7 +28,8 @@ import os
 import secrets
 from datetime import timedelta
 
-from ...errors import ProtocolError, ReplicationError
+from ...errors import ProtocolError
+from ...topology import Topology
 from ..core import keys
 from ..core.keys import Seal
 from ..core.rendezvous import Rendezvous
@@ -45,12 +46,12 @@ def bell_key(rdzv: Rendezvous, node: int) -> str:
 
 class Doorbell:
     """When this rank should look in its mailbox: once the count its node's leader read from
-    the node's doorbell changed (see the module docstring). ``ranks_per_node``: ranks are
-    numbered node by node, as torchrun does."""
+    the node's doorbell changed (see the module docstring). ``topology``: this rank's place
+    (its node, and whether it is the node's leader)."""
 
-    def __init__(self, rdzv: Rendezvous, seal: Seal, path: str, ranks_per_node: int):
-        self.node, local = divmod(rdzv.rank, ranks_per_node)
-        self.leader = local == 0
+    def __init__(self, rdzv: Rendezvous, seal: Seal, path: str, topology: Topology):
+        self.node = topology.node_of(rdzv.rank)
+        self.leader = topology.is_node_leader
         self.path, self._rdzv, self._seal = path, rdzv, seal
         self._key = bell_key(rdzv, self.node)
         self._file_key = f"node/{self.node}/pg-bell"
@@ -93,9 +94,9 @@ class Mailbox:
     its node's doorbell), replies to them, and metadata blobs, all sealed; every wait bounded
     by ``timeout`` seconds."""
 
-    def __init__(self, rdzv: Rendezvous, job_id: str, timeout: float, ranks_per_node: int = 1):
+    def __init__(self, rdzv: Rendezvous, job_id: str, timeout: float, topology: Topology):
         self.rdzv, self.job_id, self.timeout = rdzv, job_id, timeout
-        self.ranks_per_node = ranks_per_node
+        self.topology = topology  # whose node's doorbell a request to a peer rings
         self.seal = Seal(rdzv.secret(), rdzv.session, rdzv.prefix)
 
     def post(self, peer: int, msg: dict, nonce: str | None = None) -> tuple[int, str]:
@@ -107,7 +108,7 @@ class Mailbox:
         msg = {**msg, "from": self.rdzv.rank, "tag": tag, "nonce": nonce, "job_id": self.job_id}
         key = f"pg/mbox/{peer}/{seq}"
         self.rdzv.store.set(key, self.seal.seal(key, msg))
-        self.rdzv.add(bell_key(self.rdzv, peer // self.ranks_per_node), 1)  # after the set: see above
+        self.rdzv.add(bell_key(self.rdzv, self.topology.node_of(peer)), 1)  # after the set: see above
         return tag, nonce
 
     def take_request(self, seq: int) -> bytes | None:
@@ -129,22 +130,20 @@ class Mailbox:
         self.rdzv.store.set(key, self.seal.seal(key, msg, answers=nonce))
 
     def await_reply(self, tag: int, nonce: str, phase: str = "r") -> dict:
-        """The reply to our request (tag, nonce); ReplicationError if none comes in time, if it
-        is not sealed for this request, or if it says the peer refused."""
+        """The reply to our request (tag, nonce), whatever its status says (the client reads
+        it: ``core/client.py``); ProtocolError if none comes in time or if it is not sealed
+        for this request."""
         key = f"pg/reply/{self.rdzv.rank}/{tag}/{phase}"
         try:
             self.rdzv.store.wait([key], timedelta(seconds=self.timeout))
         except RuntimeError as e:  # c10d raises on timeout
-            raise ReplicationError(f"no reply within {self.timeout}s: {e}") from None
+            raise ProtocolError(f"no reply within {self.timeout}s: {e}") from None
         raw = self.rdzv.store.get(key)
         self.rdzv.store.delete_key(key)
         try:
-            msg = self.seal.open(key, raw, answers=nonce)
+            return self.seal.open(key, raw, answers=nonce)
         except ProtocolError as e:
-            raise ReplicationError(f"refused a reply: {e}") from None
-        if msg.get("status") == "error":
-            raise ReplicationError(f"peer refused: {str(msg.get('error'))[:2000]}")
-        return msg
+            raise ProtocolError(f"refused a reply: {e}") from None
 
     def put_blob(self, owner: int, nonce: str, raw: bytes) -> str:
         """Leave ``raw`` in the store for the other side of request ``nonce``; its digest."""

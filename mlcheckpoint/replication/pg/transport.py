@@ -14,6 +14,10 @@ Paced transfers (pushes, and fetches that ask for it) go in pieces of the bandwi
 chunk, each booked on the node's budget (``core/budget.py``) before it is sent; the side that
 sends names the piece size in its offer or reply, so the receiver posts matching recvs.
 Unpaced ones go in one message (NCCL: one per bounce buffer), as before.
+
+What this rank asks of its peers, the one client asks (``core/client.py``), over ``PgWire``: a
+request posted to the peer's mailbox, its replies awaited there, the bytes by the group under
+the request's tag.
 """
 
 from __future__ import annotations
@@ -22,21 +26,22 @@ import contextlib
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..._ratelimit import RateLimitedLog
-from ...errors import ProtocolError, ReplicationError, ShardNotFoundError
-from ...settings import default
-from ...store import LocalStore
+from ...errors import ProtocolError, ReplicationError
+from ...settings import ReplicationOptions, Timeouts
+from ...store import LocalStore, Manifest
 from ...store.local_store import ShardSource
-from ...store.manifest import ManifestItem
+from ...topology import Topology
 from ..core.budget import node_budget
-from ..core.checks import MALFORMED, manifest_from_wire, want_int, want_str
+from ..core.checks import MALFORMED, want_int, want_str
+from ..core.client import PeerClient
 from ..core.network import choose_endpoint
 from ..core.rendezvous import Rendezvous
 from ..core.service import RequestService
@@ -50,14 +55,6 @@ _BOUNCE_BYTES = 256 << 20  # GPU staging chunk for NCCL
 # larger than a bounce buffer.
 MIN_PIECE_BYTES = 64 << 10
 MAX_PIECE_BYTES = _BOUNCE_BYTES
-
-
-@dataclass(frozen=True)
-class PgSettings:
-    """What the process-group transport alone is given: each field is the ``PgTransport``
-    argument of the same name (``make_transport`` passes them as they are)."""
-
-    poll_interval: float = default("mailbox_poll")
 
 
 def want_piece(msg: dict) -> int:
@@ -119,41 +116,45 @@ class PgTransport(Transport):
     Args:
         store: this node's store (what we send is read from it).
         rdzv: the job's rendezvous (secret, session and control messages).
+        options: resolved (``ReplicationOptions.resolved``). What this transport takes:
+            ``mode`` ("nccl": an NCCL group, through a GPU bounce buffer, each rank having
+            selected its CUDA device; else gloo, CPU buffers), ``bandwidth`` (the node's
+            budget for what we send in the background, bytes/s; None or 0: no cap; "auto":
+            the default for ``interface``, else for the one routing to MASTER_ADDR) and
+            ``interface`` (the NIC whose speed sets the "auto" budget: the group itself picks
+            its interface, GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME).
+        timeouts: ``replication`` (seconds any single wait may take) and ``mailbox_poll``
+            (seconds between looks at the node's doorbell, its leader's in the store, and at
+            the node's file of it, every rank's); default: the defaults, with
+            ``options.timeout``.
         sink: where what we receive lands (default: one of its own over ``store``).
-        backend: "gloo" (CPU buffers) or "nccl" (through a GPU bounce buffer; each rank must
-            have selected its CUDA device).
-        timeout: seconds any single wait may take.
-        poll_interval: seconds between looks at the node's doorbell (its leader, in the store)
-            and at the node's file of it (every rank).
-        ranks_per_node: ranks on each node, numbered node by node (1: every rank watches its
-            own doorbell).
-        bandwidth: the node's budget for what we send in the background, bytes/s (0: no cap;
-            "auto": the default for ``interface``, else for the one routing to MASTER_ADDR).
-        interface: the NIC whose speed sets the "auto" budget (the group itself picks its
-            interface: GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME).
+        topology: the job's shape (default: one node): its ranks on each node, numbered node
+            by node, share a doorbell; MASTER_ADDR and MASTER_PORT find the "auto" link.
     """
 
-    def __init__(self, store: LocalStore, rdzv: Rendezvous, *, sink: ReceiveSink | None = None,
-                 backend: str = "gloo", timeout: float = default("replication_timeout"),
-                 poll_interval: float = default("mailbox_poll"), bandwidth: int | str = 0,
-                 interface: str | None = None, master_addr: str = default("master_addr"),
-                 master_port: int = default("master_port"), ranks_per_node: int = 1):
-        self.store, self.rdzv, self.timeout = store, rdzv, timeout
+    def __init__(self, store: LocalStore, rdzv: Rendezvous, options: ReplicationOptions,
+                 timeouts: Timeouts | None = None, *, sink: ReceiveSink | None = None,
+                 topology: Topology | None = None):
+        timeouts = timeouts or Timeouts(replication=options.timeout)
+        topology = topology or Topology()
+        self.store, self.rdzv, self.timeout = store, rdzv, timeouts.replication
         self.sink = sink if sink is not None else ReceiveSink(store)
-        link = (choose_endpoint(interface=interface, master_addr=master_addr,
-                                master_port=master_port).interface
+        bandwidth = options.bandwidth or 0
+        link = (choose_endpoint(interface=options.interface, master_addr=topology.master_addr,
+                                master_port=topology.master_port).interface
                 if bandwidth == "auto" else None)
         self.budget = node_budget(bandwidth, link, store.paths.bandwidth)
-        self.backend = backend
-        self.name = f"pg/{backend}"
-        self.mailbox = Mailbox(rdzv, store.job_id, timeout, ranks_per_node)
-        self.bell = Doorbell(rdzv, self.mailbox.seal, store.paths.pg_bell, ranks_per_node)
+        self.backend = "nccl" if options.mode == "nccl" else "gloo"
+        self.name = f"pg/{self.backend}"
+        self.mailbox = Mailbox(rdzv, store.job_id, self.timeout, topology)
+        self.bell = Doorbell(rdzv, self.mailbox.seal, store.paths.pg_bell, topology)
         self.logs = RateLimitedLog(log)
-        self.group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-        self._poll = poll_interval
+        self.group = dist.new_group(backend=self.backend, timeout=timedelta(seconds=self.timeout))
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if self.backend == "nccl" else None)
+        self._poll = timeouts.mailbox_poll
         self._closed = threading.Event()
-        self._client_lock = threading.Lock()  # one outgoing transfer at a time per rank
+        self.client = PeerClient(store, self.sink, PgWire(self))
         self.service = RequestService(store, self.sink, rdzv.world_size)
         self._thread = threading.Thread(target=self._serve_loop, name="mlckpt-pg-serve", daemon=True)
         self._thread.start()
@@ -267,76 +268,6 @@ class PgTransport(Transport):
                         req.op, req.peer, e)  # a sealed request: a rank of this job, worth every line
             req.reply({"status": "error", "error": str(e)[:2000]})
 
-    # ------------------------------------------------------------------ client
-    def push_shard(self, peer: int, step: int, owner: int,
-                   items: Sequence[ManifestItem] | None = None) -> int:
-        piece = self._piece(paced=True)
-        with self._client_lock, self.sink.pins.pinned(step):
-            m, buf = self.store.map_shard(step, owner)
-            if items is not None:
-                m = m.only(list(items))
-            ranges = m.held_ranges()
-            tag, nonce = self.mailbox.post(peer, {"op": "put_shard", "step": step, "owner": owner,
-                                           "manifest": m.to_dict(), "piece": piece})
-            if self.mailbox.await_reply(tag, nonce).get("status") == "have":
-                return 0
-            for offset, nbytes in ranges:  # (a partial replica: its items' ranges, in order)
-                self._send_bytes(buf.array[offset:offset + nbytes], peer, tag, piece)
-            self.mailbox.await_reply(tag, nonce, phase="done")
-        return sum(n for _, n in ranges)
-
-    def push_metadata(self, peer: int, step: int) -> None:
-        raw = self.store.read_metadata_file(step)
-        with self._client_lock:
-            self.budget.take(len(raw))  # it crosses the network to the c10d store's host
-            nonce = secrets.token_hex(16)
-            digest = self.mailbox.put_blob(self.rdzv.rank, nonce, raw)
-            tag, _ = self.mailbox.post(peer, {"op": "put_metadata", "step": step, "sha256": digest},
-                                nonce=nonce)
-            self.mailbox.await_reply(tag, nonce)
-
-    def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
-        with self._client_lock:
-            tag, nonce = self.mailbox.post(peer, {"op": "get_shard", "step": step, "owner": owner,
-                                                  "paced": paced})
-            resp = self.mailbox.await_reply(tag, nonce)
-            if resp.get("status") == "missing":
-                raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
-            m = manifest_from_wire(resp.get("manifest"), self.store.job_id, step, owner)
-            piece = want_piece(resp)
-            with self.sink.begin(m) as receipt:
-                self._fill(receipt, peer, tag, piece)
-                receipt.commit()
-        return receipt.nbytes
-
-    def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
-                   sinks: list, on_range: Callable[[int], None] | None = None, *,
-                   paced: bool = False) -> int:
-        with self._client_lock:
-            tag, nonce = self.mailbox.post(peer, {"op": "read_items", "step": step, "owner": owner,
-                                           "ranges": [list(r) for r in ranges], "paced": paced})
-            resp = self.mailbox.await_reply(tag, nonce)
-            if resp.get("status") == "missing":
-                raise ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
-            piece = want_piece(resp)
-            for i, ((_, n), sink) in enumerate(zip(ranges, sinks, strict=True)):
-                if n:
-                    self._recv_bytes(sink, peer, tag, piece)
-                if on_range is not None:
-                    on_range(i)
-        return sum(n for _, n in ranges)
-
-    def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
-        # The (small) metadata travels through the c10d store, and the peer serves it unpaced
-        # whatever ``paced`` says: only resumes fetch metadata, and they are never paced.
-        with self._client_lock:
-            tag, nonce = self.mailbox.post(peer, {"op": "get_metadata", "step": step})
-            resp = self.mailbox.await_reply(tag, nonce)
-            if resp.get("status") == "missing":
-                raise ShardNotFoundError(f"rank {peer} has no metadata of step {step}")
-            raw = self.mailbox.take_blob(peer, nonce, resp.get("sha256"))
-            self.sink.commit_metadata(step, raw, offered=False)
-
     def close(self) -> bool:
         self._closed.set()
         threads = [t for t in (self._thread, self._relay) if t is not None]
@@ -347,3 +278,76 @@ class PgTransport(Transport):
         self.budget.close()
         return not any(t.is_alive() for t in threads)
 
+
+
+class PgWire:
+    """The client's way to a peer over the process group (``core/client.Wire``): one call at
+    a time per rank, each a request in the peer's mailbox."""
+
+    def __init__(self, transport: PgTransport):
+        self.transport = transport
+        self._lock = threading.Lock()  # one outgoing transfer at a time per rank
+
+    def read_streams(self, nbytes: int) -> int:
+        return 1  # one group, one tag: a read goes as one request
+
+    @contextlib.contextmanager
+    def call(self, peer: int) -> Iterator[PgCall]:
+        with self._lock:
+            yield PgCall(self.transport, peer)
+
+
+class PgCall:
+    """One request (``core/client.Call``): posted, sealed, into the peer's mailbox; its first
+    reply comes in phase "r", any later one in phase "done"; bytes go by the group under the
+    request's tag, cut in the pieces the sending side named."""
+
+    def __init__(self, transport: PgTransport, peer: int):
+        self.transport, self.peer = transport, peer
+        self.mailbox = transport.mailbox
+        self.tag, self.nonce = 0, ""
+        self.phase = "r"
+        self.piece = 0  # of a push: what our offer named
+
+    def ask(self, request: dict, nonce: str | None = None) -> dict:
+        self.tag, self.nonce = self.mailbox.post(self.peer, request, nonce=nonce)
+        return self.reply()
+
+    def reply(self) -> dict:
+        msg = self.mailbox.await_reply(self.tag, self.nonce, phase=self.phase)
+        self.phase = "done"
+        return msg
+
+    # ------------------------------------------------------------------ shards
+    def offer_shard(self, request: dict, ranges: list[tuple[int, int]]) -> dict:
+        self.piece = self.transport._piece(paced=True)
+        return self.ask({**request, "piece": self.piece})
+
+    def send_shard(self, m: Manifest, ranges: list[tuple[int, int]], ready: dict) -> None:
+        _, buf = self.transport.store.map_shard(m.step, m.rank)
+        for offset, nbytes in ranges:
+            self.transport._send_bytes(buf.array[offset:offset + nbytes], self.peer, self.tag,
+                                       self.piece)
+
+    def receive_shard(self, receipt: Receipt, reply: dict) -> None:
+        self.transport._fill(receipt, self.peer, self.tag, want_piece(reply))
+
+    def receive_range(self, sink: Any, reply: dict) -> None:
+        self.transport._recv_bytes(sink, self.peer, self.tag, want_piece(reply))
+
+    # ------------------------------------------------------------------ metadata
+    def offer_metadata(self, request: dict, raw: bytes) -> dict:
+        """The file goes first, as a blob in the store the sealed request names; the peer
+        answers "ok" once it took it."""
+        self.transport.budget.take(len(raw))  # it crosses the network to the c10d store's host
+        nonce = secrets.token_hex(16)
+        digest = self.mailbox.put_blob(self.transport.rdzv.rank, nonce, raw)
+        return self.ask({**request, "sha256": digest}, nonce=nonce)
+
+    def send_metadata(self, raw: bytes) -> None:
+        raise ProtocolError("the peer asked again for metadata sent with the offer")
+
+    def receive_metadata(self, reply: dict) -> bytes:
+        # The (small) metadata travels through the c10d store, and the peer serves it unpaced
+        # whatever the request says: only resumes fetch metadata, and they are never paced.
+        return self.mailbox.take_blob(self.peer, self.nonce, reply.get("sha256"))

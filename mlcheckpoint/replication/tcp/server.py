@@ -24,7 +24,7 @@ import time
 from ..._faults import crash_point
 from ..._ratelimit import RateLimitedLog
 from ..._words import plural
-from ...settings import MAX_STREAMS
+from ...settings import MAX_STREAMS, Timeouts
 from ...store import LocalStore
 from ...store.local_store import ShardSource
 from ..core.budget import Budget, sendfile_all
@@ -42,6 +42,10 @@ log = logging.getLogger(__package__)
 # Cut sessions end at once (their sockets are shut down); a thread still running after this
 # is stuck elsewhere, and close stops waiting for it (the manager then keeps the store open).
 SESSIONS_JOIN_S = 5.0
+# Authenticated connections served at once: a striped push or read takes ``streams`` of them,
+# and after a resharding many ranks may read from one. (Connections still in the handshake
+# have budgets of their own, in the login gate: ``gate.py``.)
+MAX_CONNECTIONS = 128
 
 
 class TcpServer:
@@ -49,9 +53,10 @@ class TcpServer:
     address to listen on, ``budget``: paces what a request asks to be paced)."""
 
     def __init__(self, store: LocalStore, sink: ReceiveSink, rdzv: Rendezvous, *,
-                 host: str, timeout: float, budget: Budget, max_connections: int,
-                 max_handshakes: int, max_handshakes_per_address: int, handshake_timeout: float):
-        self.store, self.sink, self.rdzv, self.timeout = store, sink, rdzv, timeout
+                 host: str, timeouts: Timeouts, budget: Budget,
+                 max_connections: int = MAX_CONNECTIONS):
+        self.store, self.sink, self.rdzv = store, sink, rdzv
+        self.timeout = timeout = timeouts.replication
         self.budget = budget
         self.stripes = OpenStripes()  # striped receives awaiting their other stripes
         self.service = RequestService(store, sink, rdzv.world_size)
@@ -69,8 +74,7 @@ class TcpServer:
         # Unauthenticated connections never take a session slot or a thread: one gate thread
         # serves their handshakes, with its own budgets and a short deadline.
         self._gate = LoginGate(self._listener, rdzv.secret(), self._start_session, logs=self.logs,
-                               timeout=min(handshake_timeout, timeout), max_pending=max_handshakes,
-                               per_address=max_handshakes_per_address)
+                               timeout=min(timeouts.handshake, timeout))
 
     # ------------------------------------------------------------------ sessions
     def _start_session(self, conn: socket.socket, addr: tuple, proof: bytes) -> None:

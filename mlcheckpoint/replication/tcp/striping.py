@@ -12,23 +12,10 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 from ..core.sink import Receipt
 from . import protocol as p
-
-T = TypeVar("T")
-
-
-def split_evenly(pieces: list[tuple], size: Callable[[tuple], int], parts: int) -> list[list[tuple]]:
-    """Deal ``pieces`` (in order) into ``parts`` contiguous runs of about equal total size."""
-    groups: list[list[tuple]] = [[] for _ in range(parts)]
-    share, done = max(sum(map(size, pieces)), 1) / parts, 0
-    for piece in pieces:
-        groups[min(parts - 1, int(done // share))].append(piece)
-        done += size(piece)
-    return groups
 
 
 def stripes(nbytes: int, streams: int) -> list[tuple[int, int]]:

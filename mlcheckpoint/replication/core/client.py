@@ -1,0 +1,247 @@
+"""What a rank asks of its peers, whatever transport carries it: the other half of the request
+service (``service.py``), written once.
+
+``PeerClient`` holds the five operations of ``Transport``: the request each one makes, what
+every reply status means ("error": the peer refused; "missing": ShardNotFoundError; "have":
+nothing to send), the manifest a fetched shard comes with, landing what arrives through the
+receive sink (``sink.py``), and the words of every error a caller sees. A wire format gives it
+a ``Wire``: how one request, its replies and its bytes move on that medium (a TCP connection;
+the sealed mailbox and a process group), as a ``Call``. The client never sees a socket or a
+tag, and a wire never decides what a reply means.
+
+Each operation's exchange, as the service answers it (a wire may add fields of its own to a
+request, e.g. a stream count or a piece size):
+
+    push_shard      put_shard     -> have | ready, the bytes -> ok
+    push_metadata   put_metadata  -> have | ready, the file -> ok   (or ok at once, when the
+                                                                     wire sent the file along)
+    fetch_shard     get_shard     -> missing | ok with the manifest, its held ranges' bytes
+    read_items      read_items    -> missing | ok, the ranges' bytes in order
+    fetch_metadata  get_metadata  -> missing | ok, the file
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+from ...errors import ProtocolError, ReplicationError, ShardNotFoundError
+from ...store import LocalStore, Manifest
+from ...store.manifest import ManifestItem
+from .checks import manifest_from_wire
+from .sink import Receipt, ReceiveSink
+from .streams import run_streams, split_evenly
+
+log = logging.getLogger(__name__)
+
+# The longest text of a peer's error a message repeats (the peer bounds it too).
+MAX_PEER_ERROR = 2000
+
+
+class Call(Protocol):
+    """One request to a peer and everything that follows it, as one wire carries them. Any
+    method may raise OSError or ProtocolError: the transfer broke, or the peer (or a stranger in
+    its place) broke the protocol; the client words both for the caller."""
+
+    def ask(self, request: dict) -> dict:
+        """Send ``request`` (with the fields the wire adds); the peer's first reply."""
+
+    def reply(self) -> dict:
+        """The peer's next reply, once the bytes of the request moved."""
+
+    def offer_shard(self, request: dict, ranges: list[tuple[int, int]]) -> dict:
+        """``ask`` a put_shard ``request`` whose bytes are ``ranges`` of the shard, naming
+        what the wire needs to send them (a stream count, a piece size)."""
+
+    def send_shard(self, m: Manifest, ranges: list[tuple[int, int]], ready: dict) -> None:
+        """Send these byte ranges of our committed shard ``m``, in order, within the node's
+        budget; ``ready``: the peer's answer to the offer."""
+
+    def receive_shard(self, receipt: Receipt, reply: dict) -> None:
+        """Fill ``receipt`` with the bytes the peer sends after ``reply`` (its ranges, in
+        order); the client commits it."""
+
+    def receive_range(self, sink: Any, reply: dict) -> None:
+        """Fill ``sink`` (a writable uint8 array) with the next bytes the peer sends after
+        ``reply``."""
+
+    def offer_metadata(self, request: dict, raw: bytes) -> dict:
+        """``ask`` a put_metadata ``request`` for the file ``raw``. A wire may send the file
+        along (the peer then answers "ok" at once) or after the peer's "ready"."""
+
+    def send_metadata(self, raw: bytes) -> None:
+        """Send the file after the peer's "ready", within the node's budget."""
+
+    def receive_metadata(self, reply: dict) -> bytes:
+        """The metadata file the peer sends after ``reply``."""
+
+
+class Wire(Protocol):
+    """How a wire format reaches a peer: what ``PeerClient`` is given."""
+
+    def call(self, peer: int) -> contextlib.AbstractContextManager[Call]:
+        """A call to rank ``peer``, open while the block runs."""
+
+    def read_streams(self, nbytes: int) -> int:
+        """How many calls side by side a read of ``nbytes`` goes over (1: one call)."""
+
+
+class PeerClient:
+    """Asks this rank's peers, over ``wire``, for what ``Transport`` promises (see there for
+    what each operation does).
+
+    Args:
+        store: this node's store (what we push is read from it).
+        sink: where what we fetch lands (its pins guard what we push).
+        wire: the wire format's way to a peer.
+    """
+
+    def __init__(self, store: LocalStore, sink: ReceiveSink, wire: Wire):
+        self.store, self.sink, self.wire = store, sink, wire
+        self._reads_lock = threading.Lock()  # a resume reads from several holders at once
+        self._reads: Counter[int] = Counter()  # calls side by side -> reads done over that many
+
+    def reads_by_streams(self) -> dict[int, int]:
+        """How many ``read_items`` calls completed over each number of streams."""
+        with self._reads_lock:
+            return dict(self._reads)
+
+    # ------------------------------------------------------------------ replies
+    @contextlib.contextmanager
+    def _call(self, peer: int, what: str) -> Iterator[Call]:
+        """A call to ``peer`` for ``what``; a broken transfer or protocol, on any wire, is one
+        ReplicationError that names the peer and what was asked."""
+        try:
+            with self.wire.call(peer) as call:
+                yield call
+        except (OSError, ProtocolError) as e:
+            raise ReplicationError(f"transfer with rank {peer} failed ({what}): {e}") from None
+
+    @staticmethod
+    def _status(reply: dict, peer: int, what: str, *expected: str) -> str:
+        """The status of a peer's reply to ``what`` (one of ``expected``); ReplicationError if
+        the peer refused, ProtocolError for a status the exchange does not have."""
+        status = reply.get("status")
+        if status == "error":
+            raise ReplicationError(f"rank {peer} refused {what}: "
+                                   f"{str(reply.get('error'))[:MAX_PEER_ERROR]}")
+        if status not in expected:
+            raise ProtocolError(f"unexpected reply {str(status)[:100]!r} to {what}")
+        return str(status)
+
+    @staticmethod
+    def _shard_missing(peer: int, step: int, owner: int) -> ShardNotFoundError:
+        return ShardNotFoundError(f"rank {peer} does not hold step {step} rank {owner}")
+
+    # ------------------------------------------------------------------ push
+    def push_shard(self, peer: int, step: int, owner: int,
+                   items: Sequence[ManifestItem] | None = None) -> int:
+        what = f"the push of step {step} rank {owner}"
+        with self.sink.pins.pinned(step):
+            m = self.store.read_manifest(step, owner)
+            if items is not None:
+                m = m.only(list(items))
+            ranges = m.held_ranges()  # (a partial replica: its items' ranges, in order)
+            with self._call(peer, what) as call:
+                ready = call.offer_shard({"op": "put_shard", "step": step, "owner": owner,
+                                          "manifest": m.to_dict()}, ranges)
+                if self._status(ready, peer, what, "have", "ready") == "have":
+                    return 0
+                call.send_shard(m, ranges, ready)
+                self._status(call.reply(), peer, what, "ok")
+        return sum(n for _, n in ranges)
+
+    def push_metadata(self, peer: int, step: int) -> None:
+        what = f"the push of the metadata of step {step}"
+        raw = self.store.read_metadata_file(step)
+        with self._call(peer, what) as call:
+            first = call.offer_metadata({"op": "put_metadata", "step": step}, raw)
+            if self._status(first, peer, what, "have", "ready", "ok") == "ready":
+                call.send_metadata(raw)
+                self._status(call.reply(), peer, what, "ok")
+
+    # ------------------------------------------------------------------ pull
+    def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
+        what = f"the fetch of step {step} rank {owner}"
+        with self._call(peer, what) as call:
+            reply = call.ask({"op": "get_shard", "step": step, "owner": owner, "paced": paced})
+            if self._status(reply, peer, what, "missing", "ok") == "missing":
+                raise self._shard_missing(peer, step, owner)
+            m = manifest_from_wire(reply.get("manifest"), self.store.job_id, step, owner)
+            with self.sink.begin(m) as receipt:
+                call.receive_shard(receipt, reply)
+                receipt.commit()
+        return receipt.nbytes
+
+    def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
+                   sinks: list, on_range: Callable[[int], None] | None = None, *,
+                   paced: bool = False) -> int:
+        total = sum(n for _, n in ranges)
+        groups = _deal(ranges, sinks, self.wire.read_streams(total))
+        left = Counter(i for group in groups for i, _, _, _ in group)  # pieces of each range
+        lock = threading.Lock()
+
+        def landed(i: int) -> None:
+            """A piece of range ``i`` landed: report the range once its last one did,
+            whichever call carried it."""
+            with lock:
+                left[i] -= 1
+                last = left[i] == 0
+            if last and on_range is not None:
+                on_range(i)
+
+        what = f"the read of step {step} rank {owner}"
+
+        def read_group(group: list[_Piece]) -> None:
+            with self._call(peer, what) as call:
+                reply = call.ask({"op": "read_items", "step": step, "owner": owner,
+                                  "ranges": [[offset, n] for _, offset, n, _ in group],
+                                  "paced": paced})
+                if self._status(reply, peer, what, "missing", "ok") == "missing":
+                    raise self._shard_missing(peer, step, owner)
+                for i, _, n, sink in group:
+                    if n:
+                        call.receive_range(sink, reply)
+                    landed(i)
+
+        errors = run_streams(read_group, groups)  # returns once no call writes into the sinks
+        if errors:
+            raise next((e for e in errors if isinstance(e, ShardNotFoundError)), errors[0])
+        with self._reads_lock:
+            self._reads[len(groups)] += 1
+        log.debug("read %d bytes of step %d rank %d from rank %d over %d streams", total, step,
+                  owner, peer, len(groups))
+        return total
+
+    def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
+        what = f"the fetch of the metadata of step {step}"
+        with self._call(peer, what) as call:
+            reply = call.ask({"op": "get_metadata", "step": step, "paced": paced})
+            if self._status(reply, peer, what, "missing", "ok") == "missing":
+                raise ShardNotFoundError(f"rank {peer} has no metadata of step {step}")
+            self.sink.commit_metadata(step, call.receive_metadata(reply), offered=False)
+
+
+# One piece of a read: (index of its range, offset in the shard, bytes, where they land).
+_Piece = tuple[int, int, int, Any]
+
+
+def _deal(ranges: list[tuple[int, int]], sinks: list, streams: int) -> list[list[_Piece]]:
+    """The pieces of a read, dealt to ``streams`` calls in about equal byte counts, each call's
+    in order. Over one call each range is one piece; over several, ranges are cut so that a
+    large one is shared out too."""
+    if streams == 1:
+        return [[(i, offset, n, sink)
+                 for i, ((offset, n), sink) in enumerate(zip(ranges, sinks, strict=True))]]
+    total = sum(n for _, n in ranges)
+    piece_bytes = max(1, -(-total // (streams * 4)))
+    pieces: list[_Piece] = []
+    for i, ((offset, nbytes), sink) in enumerate(zip(ranges, sinks, strict=True)):
+        for start in range(0, max(nbytes, 1), piece_bytes):  # (an empty range: one piece)
+            n = min(piece_bytes, nbytes - start)
+            pieces.append((i, offset + start, n, sink[start:start + n]))
+    return [g for g in split_evenly(pieces, lambda piece: piece[2], streams) if g]

@@ -74,11 +74,12 @@ from benchmarks.harness.workloads import (
     state_dict_bytes,
 )
 from benchmarks.replication_report import report, summarize
-from mlcheckpoint import LocalStore, MemoryStorageWriter
+from mlcheckpoint import MemoryStorageWriter
+from mlcheckpoint.manager.retention import apply_retention
 from mlcheckpoint.replication import ReceiveSink, Rendezvous, ReplicaReceived, Transport
 from mlcheckpoint.replication.factory import make_transport
-from mlcheckpoint.retention import apply_retention
 from mlcheckpoint.settings import ReplicationOptions
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.waiting import deadline_in, wait_until
 
 THIS_FILE = os.path.abspath(__file__)

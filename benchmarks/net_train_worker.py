@@ -60,8 +60,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.bench_training import model_for
 from benchmarks.harness.workloads import tensors_of
-from mlcheckpoint import CheckpointManager, LocalStore, history
+from mlcheckpoint import CheckpointManager, history
 from mlcheckpoint.replication.core.budget import NodeSchedule
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.testing import internals
 from mlcheckpoint.testing.cluster import write_result
 

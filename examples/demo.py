@@ -22,7 +22,7 @@ import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from mlcheckpoint import LocalStore
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.testing.cluster import Cluster, signal_tree
 
 T0 = time.monotonic()

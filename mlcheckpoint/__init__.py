@@ -13,20 +13,15 @@ from .errors import (
     StagingError,
     StateDictError,
 )
-from .manager import (
-    CheckpointEntry,
-    CheckpointManager,
-    ProtectionStatus,
-    ResumeInfo,
-    SaveResult,
-)
+from .manager import CheckpointEntry, CheckpointManager, SaveResult
 from .persistent import PersistentStorage
+from .recovery import ResumeInfo
+from .replication.schedule.status import ProtectionStatus
 from .settings import Options, ReplicationOptions
-from .store import LocalStore
 
 __all__ = [
     "CapacityError", "CheckpointEntry", "CheckpointManager", "ConfigError", "CorruptShardError",
-    "JobDirInUseError", "LocalStore", "MLCheckpointError", "MemoryStorageReader",
+    "JobDirInUseError", "MLCheckpointError", "MemoryStorageReader",
     "MemoryStorageWriter", "Options", "PersistentStorage", "ProtectionStatus", "ProtocolError",
     "ReplicationError", "ReplicationOptions", "ResumeInfo", "SaveResult", "ShardNotFoundError",
     "StagingError", "StateDictError",

@@ -28,9 +28,9 @@ from typing import Any
 from . import history
 from ._words import plural
 from .errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
-from .listing import step_labels
+from .manager.listing import step_labels
+from .manager.retention import apply_retention
 from .persistent import PersistentStorage
-from .retention import apply_retention
 from .settings import BY_NAME, resolve_local_dir, validate_job_id
 from .store import LocalStore
 from .store.claim import Claimant

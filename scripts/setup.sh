@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 for_tests=0
 if [ "${1:-}" = "--test" ]; then for_tests=1; fi
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
+if [ ! -x .venv/bin/python ] || [ ! -f .venv/bin/activate ]; then
+    rm -rf .venv  # (absent, or left half made by an interrupted run)
     "$PY" -m venv .venv
 fi
 . .venv/bin/activate

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 from tcp_job import TCP_LOGGER, Job
 
-from mlcheckpoint import LocalStore
+from mlcheckpoint.store import LocalStore
 
 # Settings read from the environment; tests that depend on their absence use ``clean_env``.
 MLCHECKPOINT_ENV_VARS = ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",

@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from mlcheckpoint import LocalStore
 from mlcheckpoint.integrity.checksum import checksum
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 from mlcheckpoint.waiting import deadline_in, wait_until
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import begin, damage_shard, payload, put_shard, put_step
 
-from mlcheckpoint import CheckpointManager, LocalStore, history
+from mlcheckpoint import CheckpointManager, history
 from mlcheckpoint._words import plural
 from mlcheckpoint.cli import (
     EXIT_CLOSED_PIPE,
@@ -22,7 +22,8 @@ from mlcheckpoint.cli import (
     _protection_line,
     main,
 )
-from mlcheckpoint.listing import step_label
+from mlcheckpoint.manager.listing import step_label
+from mlcheckpoint.store import LocalStore
 
 
 @pytest.fixture

@@ -25,7 +25,6 @@ from mlcheckpoint import (
     CapacityError,
     CheckpointManager,
     ConfigError,
-    LocalStore,
     _gc,
     settings,
 )
@@ -52,6 +51,7 @@ from mlcheckpoint.settings import (
     validate_keep,
     variable_text,
 )
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.testing import internals
 from mlcheckpoint.tmpfs import _MEMORY_FS, filesystem_type
 from mlcheckpoint.topology import Topology

@@ -13,7 +13,10 @@ with ``ast`` (no module is imported to check it).
   factory or the other wire format; the schedule imports only the core.
 - ``dcp/`` reads other nodes through its own Protocol (``dcp/remote.py``), never through
   ``replication/`` or ``recovery/``;
-- every comparison of checksums is ``integrity/verify.py``'s.
+- every comparison of checksums is ``integrity/verify.py``'s;
+- the orchestrators (``manager/``: the manager, the save path, retention, ...) sit above every
+  layer and no layer imports them; the top level holds only leaves, ``history.py``, the
+  command line and the packages, so the tree shows the layers.
 
 Every layer rule of the project is here, in this one file.
 """
@@ -178,10 +181,10 @@ def test_no_store_module_imports_the_store_facade_back():
 
 def test_retention_and_the_lifecycle_import_nothing_of_replication_at_run_time():
     """The manager subscribes the lifecycle to the receive sink, and hands retention the
-    replicator as a ``Protection``: neither ``lifecycle.py`` nor ``retention.py`` imports
+    replicator as a ``Protection``: neither ``manager/lifecycle.py`` nor ``manager/retention.py`` imports
     ``replication/`` but for annotations, so neither calls into the sink that calls them."""
     bad = [f"{name}:{line} imports mlcheckpoint.{module}" for name in ("lifecycle.py", "retention.py")
-           for line, module in imported_modules(PACKAGE / name, typing_only=False)
+           for line, module in imported_modules(PACKAGE / "manager" / name, typing_only=False)
            if top(module) == "replication"]
     assert bad == []
 
@@ -333,9 +336,9 @@ def test_the_import_reader_sees_relative_and_absolute_imports():
     too."""
     source = ("from ..replication import sink\nfrom . import layout\nfrom .shards import ALIGN\n"
               "import mlcheckpoint.manager\nimport numpy\n"
-              "def f():\n    from mlcheckpoint.lifecycle import Pins\n")
+              "def f():\n    from mlcheckpoint.manager.lifecycle import Pins\n")
     assert sorted(m for _, m in imports_in(source, ("store",))) == [
-        "lifecycle", "manager", "replication", "store.layout", "store.shards"]
+        "manager", "manager.lifecycle", "replication", "store.layout", "store.shards"]
 
 
 def test_a_ranks_node_and_its_leader_come_from_topology_only():
@@ -350,3 +353,21 @@ def test_a_ranks_node_and_its_leader_come_from_topology_only():
            for i, line in enumerate(path.read_text().splitlines(), 1)
            if any(pattern in line for pattern in by_hand)]
     assert bad == []
+
+
+def test_no_layer_imports_the_orchestrators():
+    """``manager/`` builds the layers and passes them in; nothing below calls up into it (the
+    framework integrations sit above it: they wrap ``CheckpointManager``)."""
+    bad = [f"{path.relative_to(PACKAGE)}:{line} imports mlcheckpoint.{module}"
+           for layer in LAYERS
+           for path in sorted((PACKAGE / layer).rglob("*.py"))
+           for line, module in imported_modules(path, typing_only=False) if top(module) == "manager"]
+    bad += [f"{leaf}:{line} imports mlcheckpoint.{module}" for leaf in sorted(LEAVES)
+            for path in leaf_files(leaf) for line, module in imported_modules(path) if top(module) == "manager"]
+    assert bad == []
+
+
+def test_the_top_level_holds_leaves_history_the_command_line_and_packages():
+    """An orchestrator added at the top level would hide the layers again: it goes in ``manager/``."""
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert modules - LEAVES - {"history", "cli"} == set()

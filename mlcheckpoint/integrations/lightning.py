@@ -47,8 +47,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import ConfigError
-from ..manager import CheckpointManager, ResumeInfo
+from ..manager import CheckpointManager
 from ..persistent import PersistentStorage
+from ..recovery import ResumeInfo
 from ..settings import DEPRECATED_KEYWORDS, Options, ReplicationOptions, default
 
 SCHEME = "mlcheckpoint://"

@@ -9,7 +9,7 @@ made of:
   - ``inventory.Inventory``: what is here, for which owner, committed or not;
   - ``cleanup``: what crashes or resumes leave behind.
 Other layers call the methods below; the parts are for the store itself, except that a
-retention pass (``mlcheckpoint/retention.py``, which decides what to keep) holds ``commits``
+retention pass (``mlcheckpoint/manager/retention.py``, which decides what to keep) holds ``commits``
 and calls ``shards.remove_step_if_empty`` and the ``pool``'s ``owners``/``drop``.
 """
 
@@ -239,7 +239,7 @@ class LocalStore:
     # ------------------------------------------------------------------ retirement and gc
     def retire_shard(self, step: int, rank: int, *, keep_metadata: bool = False) -> None:
         """Uncommit a shard (manifest first) and recycle its buffer (what retention,
-        ``mlcheckpoint/retention.py``, and a quarantine call); the step's metadata stays with
+        ``mlcheckpoint/manager/retention.py``, and a quarantine call); the step's metadata stays with
         ``keep_metadata``, even when no shard of the step is left here."""
         self.shards.retire(step, rank, keep_metadata=keep_metadata)
 

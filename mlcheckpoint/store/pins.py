@@ -1,5 +1,5 @@
 """Steps whose buffers a reader in this process holds: a transfer serving or fetching a shard,
-a persistent write reading the staged views. Retention (``mlcheckpoint/retention.py``) skips a
+a persistent write reading the staged views. Retention (``mlcheckpoint/manager/retention.py``) skips a
 pinned step, so a buffer is never recycled under its reader.
 
 Pins live beside the buffers they guard, below everything that takes or honours one: the

@@ -332,7 +332,7 @@ class SimulatedCluster:
 
     def sub_job_store(self, node: int, name: str) -> Any:
         """That job's LocalStore on ``node`` (the caller closes it)."""
-        from mlcheckpoint import LocalStore
+        from mlcheckpoint.store import LocalStore
         return LocalStore(self.nodes[node].local_dir, self.sub_job(name), create=False)
 
     def sub_job_results(self, kind: str, name: str) -> dict[int, dict]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dcp.snapshot import Snapshotter
-from ..lifecycle import BufferWarmer
 from ..manager import CheckpointManager
+from ..manager.lifecycle import BufferWarmer
+from ..manager.persistent_writer import PersistentWriter
+from ..manager.saving import Saver
 from ..persistent import PersistentStorage
-from ..persistent_writer import PersistentWriter
 from ..replication import Replicator
-from ..saving import Saver
 from ..store import LocalStore
 from ..store.pins import Pins
 

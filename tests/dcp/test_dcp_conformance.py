@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from mlcheckpoint import (
     CheckpointManager,
-    LocalStore,
     MemoryStorageReader,
     MemoryStorageWriter,
 )
+from mlcheckpoint.store import LocalStore
 
 JOB = "job-conformance"
 BACKENDS = ["filesystem", "memory"]

@@ -16,12 +16,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mlcheckpoint import (
     CheckpointManager,
     CorruptShardError,
-    LocalStore,
     MemoryStorageReader,
     MemoryStorageWriter,
     MLCheckpointError,
     ResumeInfo,
 )
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.testing import internals
 
 JOB = "job-dcp"

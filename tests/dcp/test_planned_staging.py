@@ -18,12 +18,12 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from mlcheckpoint import (
     CheckpointManager,
-    LocalStore,
     MemoryStorageReader,
     MemoryStorageWriter,
 )
 from mlcheckpoint.dcp.plans import PlanCache
 from mlcheckpoint.dcp.snapshot import Snapshotter
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.store.shards import align
 from mlcheckpoint.testing import internals
 

@@ -23,7 +23,6 @@ from states import assert_same, clone_state, make_state, zeros_like_state
 from mlcheckpoint import (
     CheckpointManager,
     CorruptShardError,
-    LocalStore,
     MemoryStorageReader,
     MemoryStorageWriter,
 )
@@ -33,7 +32,7 @@ from mlcheckpoint.recovery.holders import Holders
 from mlcheckpoint.recovery.load import load_step
 from mlcheckpoint.recovery.planner import MEMORY, Decision
 from mlcheckpoint.replication import Transport
-from mlcheckpoint.store import coverage
+from mlcheckpoint.store import LocalStore, coverage
 from mlcheckpoint.store.identity import Lineage
 from mlcheckpoint.store.layout import ItemLocation
 from mlcheckpoint.store.manifest import ManifestItem

@@ -23,13 +23,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mlcheckpoint import (
     CorruptShardError,
-    LocalStore,
     MemoryStorageReader,
     MemoryStorageWriter,
 )
 from mlcheckpoint.integrity import checksum as cs
 from mlcheckpoint.integrity import copier
-from mlcheckpoint.store import buffers
+from mlcheckpoint.store import LocalStore, buffers
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -181,7 +180,7 @@ def test_c_loop_can_be_switched_off():
     Python loop, and a save still works with it."""
     code = ("import torch, torch.distributed.checkpoint as dcp, sys, tempfile\n"
             "from mlcheckpoint.integrity import checksum, copier\n"
-            "from mlcheckpoint import LocalStore, MemoryStorageWriter\n"
+            "from mlcheckpoint import MemoryStorageWriter\nfrom mlcheckpoint.store import LocalStore\n"
             "assert checksum.native_hash_copy is None and copier.native_hash_copy is None\n"
             "store = LocalStore(sys.argv[1], 'job-nat')\n"
             "dcp.save({'w': torch.arange(3 << 20)}, storage_writer=MemoryStorageWriter(1, store))\n"

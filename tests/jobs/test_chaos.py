@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import pytest
 from cluster import Cluster, _dead, kill_strays, lose_node
 
-from mlcheckpoint import LocalStore
+from mlcheckpoint.store import LocalStore
 
 SEED = int(os.environ.get("MLCHECKPOINT_CHAOS_SEED", "373"))
 ROUNDS = int(os.environ.get("MLCHECKPOINT_CHAOS_ROUNDS", "6"))

@@ -16,7 +16,8 @@ import pickle
 import pytest
 from cluster import Cluster
 
-from mlcheckpoint import LocalStore, history
+from mlcheckpoint import history
+from mlcheckpoint.store import LocalStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

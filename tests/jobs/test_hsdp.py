@@ -14,7 +14,8 @@ import pytest
 import torch
 from cluster import Cluster
 
-from mlcheckpoint import LocalStore, history
+from mlcheckpoint import history
+from mlcheckpoint.store import LocalStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

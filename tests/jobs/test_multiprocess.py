@@ -10,7 +10,7 @@ import pytest
 import torch
 from cluster import Cluster
 
-from mlcheckpoint import LocalStore
+from mlcheckpoint.store import LocalStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -10,7 +10,8 @@ import pytest
 from cluster import Cluster
 from helpers import from_another_node, wait_for
 
-from mlcheckpoint import LocalStore, history
+from mlcheckpoint import history
+from mlcheckpoint.store import LocalStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -21,7 +21,7 @@ import pytest
 from cluster import Cluster
 from helpers import flip_byte
 
-from mlcheckpoint import LocalStore
+from mlcheckpoint.store import LocalStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

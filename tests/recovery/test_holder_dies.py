@@ -19,11 +19,11 @@ import torch.distributed.checkpoint as dcp
 from helpers import WAIT
 from states import assert_same, clone_state, make_state, zeros_like_state
 
-from mlcheckpoint import LocalStore, MemoryStorageReader, MemoryStorageWriter
+from mlcheckpoint import MemoryStorageReader, MemoryStorageWriter
 from mlcheckpoint.recovery.holders import Holders
 from mlcheckpoint.recovery.load import load_step
 from mlcheckpoint.recovery.planner import MEMORY, Decision
-from mlcheckpoint.store import coverage
+from mlcheckpoint.store import LocalStore, coverage
 from mlcheckpoint.store.identity import Lineage
 from mlcheckpoint.store.layout import ItemLocation
 from mlcheckpoint.topology import Topology

@@ -9,13 +9,13 @@ import dataclasses
 
 import numpy as np
 
-from mlcheckpoint import LocalStore
 from mlcheckpoint.dcp.remote import RemoteRun
 from mlcheckpoint.errors import ShardNotFoundError
 from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume
 from mlcheckpoint.recovery.holders import Holders, holder_order
 from mlcheckpoint.recovery.planner import MEMORY, Decision, Fetch
 from mlcheckpoint.replication import Transport
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.topology import Topology
 
 

@@ -30,8 +30,7 @@ import pytest
 from cluster import Cluster, kill_strays, lose_node
 from helpers import damage_shard, flip_byte
 
-from mlcheckpoint import LocalStore
-from mlcheckpoint.store import layout
+from mlcheckpoint.store import LocalStore, layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("whole_replicas")]
 

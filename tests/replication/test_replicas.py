@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlcheckpoint import CapacityError, LocalStore
+from mlcheckpoint import CapacityError
 from mlcheckpoint.dcp.places import deal
 from mlcheckpoint.errors import ConfigError
 from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume
@@ -30,6 +30,7 @@ from mlcheckpoint.replication.schedule.pairing import (
     replica_targets,
 )
 from mlcheckpoint.settings import ReplicationOptions
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.topology import Topology
 
 JOB = "job-replicas"

@@ -15,10 +15,9 @@ import pytest
 import torch
 from cluster import WORKERS, Cluster
 
-from mlcheckpoint import LocalStore
 from mlcheckpoint.replication import PairwiseRing
 from mlcheckpoint.replication.schedule.pairing import rank_sources, rank_targets
-from mlcheckpoint.store import layout
+from mlcheckpoint.store import LocalStore, layout
 
 sys.path.insert(0, WORKERS)
 from states import make_state

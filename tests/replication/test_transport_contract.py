@@ -37,7 +37,6 @@ from tcp_job import debris
 from mlcheckpoint import (
     ConfigError,
     CorruptShardError,
-    LocalStore,
     ReplicationError,
     ShardNotFoundError,
 )
@@ -49,6 +48,7 @@ from mlcheckpoint.replication.factory import make_transport
 from mlcheckpoint.replication.pg.control import MAX_TAG
 from mlcheckpoint.replication.tcp.transport import TcpTransport
 from mlcheckpoint.settings import ReplicationOptions
+from mlcheckpoint.store import LocalStore
 
 sys.path.insert(0, WORKERS)
 from repl_peer import make_shard  # a worker module, found through WORKERS

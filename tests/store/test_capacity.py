@@ -8,7 +8,8 @@ import pytest
 import torch
 from helpers import mounted_tmpfs
 
-from mlcheckpoint import CapacityError, CheckpointManager, LocalStore
+from mlcheckpoint import CapacityError, CheckpointManager
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.testing import internals
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from mlcheckpoint import CapacityError, LocalStore
+from mlcheckpoint import CapacityError
 from mlcheckpoint.integrity.checksum import checksum
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.store.layout import ItemLocation
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import payload, pool_files, put_metadata, put_shard, put_step
 
-from mlcheckpoint import CheckpointManager, LocalStore
-from mlcheckpoint.store import buffers, layout
+from mlcheckpoint import CheckpointManager
+from mlcheckpoint.store import LocalStore, buffers, layout
 from mlcheckpoint.testing import internals
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -19,10 +19,10 @@ from helpers import (
     put_step,
 )
 
-from mlcheckpoint import CorruptShardError, LocalStore, ShardNotFoundError
+from mlcheckpoint import CorruptShardError, ShardNotFoundError
 from mlcheckpoint.integrity.checksum import checksum
-from mlcheckpoint.retention import apply_retention
-from mlcheckpoint.store import layout
+from mlcheckpoint.manager.retention import apply_retention
+from mlcheckpoint.store import LocalStore, layout
 from mlcheckpoint.store.identity import Lineage
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 

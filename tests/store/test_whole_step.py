@@ -27,13 +27,13 @@ from helpers import put_metadata, put_shard, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from mlcheckpoint import LocalStore
-from mlcheckpoint.retention import (
+from mlcheckpoint.manager.retention import (
     Retention,
     RetentionPlan,
     apply_retention,
     plan_retention,
 )
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.store.manifest import MetadataHeader
 from mlcheckpoint.store.pins import Pins

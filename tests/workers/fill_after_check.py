@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from mlcheckpoint import CapacityError, LocalStore
+from mlcheckpoint import CapacityError
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.replication.core.sink import ReceiveSink
 from mlcheckpoint.replication.tcp import protocol as p
-from mlcheckpoint.store import layout
+from mlcheckpoint.store import LocalStore, layout
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 
 MiB = 1 << 20

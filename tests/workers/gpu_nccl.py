@@ -7,7 +7,8 @@ import torch.distributed as dist
 from common import report
 from states import make_state
 
-from mlcheckpoint import CheckpointManager, LocalStore
+from mlcheckpoint import CheckpointManager
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.testing import internals
 
 

@@ -10,7 +10,8 @@ import torch.distributed.checkpoint as dcp
 from common import init, report
 from states import make_state
 
-from mlcheckpoint import CheckpointManager, LocalStore
+from mlcheckpoint import CheckpointManager
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.testing import internals
 
 

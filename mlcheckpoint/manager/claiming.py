@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._words import plural
-from .errors import ConfigError, JobDirInUseError
-from .persistent import PersistentStorage
-from .settings import BY_NAME, Launcher
-from .store.claim import Claimant, JobClaim, Refusal
-from .store.layout import JobPaths
+from .._words import plural
+from ..errors import ConfigError, JobDirInUseError
+from ..persistent import PersistentStorage
+from ..settings import BY_NAME, Launcher
+from ..store.claim import Claimant, JobClaim, Refusal
+from ..store.layout import JobPaths
 
 log = logging.getLogger(__name__)
 

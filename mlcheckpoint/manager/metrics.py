@@ -7,9 +7,9 @@ rather than given as None, which most loggers refuse.
 
 from __future__ import annotations
 
-from .dcp.copies import DEDUP, DP_COPIES
-from .recovery import ResumeInfo
-from .replication.schedule.status import ProtectionStatus
+from ..dcp.copies import DEDUP, DP_COPIES
+from ..recovery import ResumeInfo
+from ..replication.schedule.status import ProtectionStatus
 from .saving import SaveResult
 
 PREFIX = "mlcheckpoint/"

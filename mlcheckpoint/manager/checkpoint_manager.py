@@ -1,8 +1,8 @@
 """CheckpointManager: what a training loop calls. Ties the store, DCP adapters, replication,
 recovery and the persistent fallback together; each public method is a few lines that hand
-over to a collaborator built in ``__init__``: ``Saver`` (saving.py, the save path),
-``PersistentWriter`` (persistent_writer.py), ``Recovery`` (recovery/), ``Lifecycle``
-(lifecycle.py: pins, retention, buffer warming), ``Replicator`` (replication/). A training
+over to a collaborator built in ``__init__``: ``Saver`` (manager/saving.py, the save path),
+``PersistentWriter`` (manager/persistent_writer.py), ``Recovery`` (recovery/), ``Lifecycle``
+(manager/lifecycle.py: pins, retention, buffer warming), ``Replicator`` (replication/). A training
 loop that uses it: ``examples/quickstart.py``.
 """
 
@@ -20,30 +20,31 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-from . import history, metrics
+from .. import history
+from ..dcp import MemoryStorageReader, MemoryStorageWriter
+from ..dcp.snapshot import GuardHandle, Snapshotter
+from ..errors import ConfigError, MLCheckpointError
+from ..persistent import PersistentStorage, open_persistent
+from ..recovery import Recovery, ResumeInfo
+from ..recovery.resume import Comm
+from ..replication import ReceiveSink, Rendezvous, Replicator, StepReplication
+from ..replication.core import network
+from ..replication.factory import make_transport
+from ..replication.schedule import covered
+from ..replication.schedule.pairing import pairing_for, sources
+from ..replication.schedule.status import ProtectionStatus, save_times
+from ..replication.schedule.status import status as protection_status
+from ..settings import Launcher, Options, ReplicationOptions, Timeouts, default
+from ..store import LocalStore
+from ..store.identity import Lineage, new_id
+from ..tmpfs import RoomCheck
+from ..topology import Topology
+from . import metrics
 from .claiming import claim_job_dir, claimant
-from .dcp import MemoryStorageReader, MemoryStorageWriter
-from .dcp.snapshot import GuardHandle, Snapshotter
-from .errors import ConfigError, MLCheckpointError
 from .lifecycle import Lifecycle
 from .listing import CheckpointEntry, list_checkpoints
-from .persistent import PersistentStorage, open_persistent
 from .persistent_writer import PersistentWriter
-from .recovery import Recovery, ResumeInfo
-from .recovery.resume import Comm
-from .replication import ReceiveSink, Rendezvous, Replicator, StepReplication
-from .replication.core import network
-from .replication.factory import make_transport
-from .replication.schedule import covered
-from .replication.schedule.pairing import pairing_for, sources
-from .replication.schedule.status import ProtectionStatus, save_times
-from .replication.schedule.status import status as protection_status
 from .saving import Saver, SaveResult
-from .settings import Launcher, Options, ReplicationOptions, Timeouts, default
-from .store import LocalStore
-from .store.identity import Lineage, new_id
-from .tmpfs import RoomCheck
-from .topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class CheckpointManager:
         self._replicas: int = agreed[0][2]
         self._topology = self._topology.with_domains([domain for _, domain, _ in agreed])
         # One live run per job directory on a node: claimed before anything here reads or
-        # changes a file of it; a refusal on any node raises on every rank (claiming.py).
+        # changes a file of it; a refusal on any node raises on every rank (manager/claiming.py).
         me = claimant(self._lineage.run_id, self._persistent, self._launcher)
         self._claim = claim_job_dir(self._store.paths, me, self._topology.node_rank, self._all_gather)
         self._snapshots = Snapshotter(predict_plans=self._topology.world_size > 1)  # staging thread, guards

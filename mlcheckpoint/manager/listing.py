@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .persistent import PersistentStorage
-from .replication import Replicator
-from .store import LocalStore
-from .store.inventory import StepState
+from ..persistent import PersistentStorage
+from ..replication import Replicator
+from ..store import LocalStore
+from ..store.inventory import StepState
 
 
 @dataclass

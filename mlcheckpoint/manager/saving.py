@@ -44,22 +44,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 
-from . import history
-from ._gc import gc_paused
-from .dcp import MemoryStorageWriter, staging
-from .dcp.copies import CopyPolicy
-from .dcp.errors import save_failure
-from .dcp.snapshot import Snapshotter
-from .dcp.staging import Staged
-from .dcp.writer import commit_metadata
-from .errors import MLCheckpointError
+from .. import history
+from .._gc import gc_paused
+from ..dcp import MemoryStorageWriter, staging
+from ..dcp.copies import CopyPolicy
+from ..dcp.errors import save_failure
+from ..dcp.snapshot import Snapshotter
+from ..dcp.staging import Staged
+from ..dcp.writer import commit_metadata
+from ..errors import MLCheckpointError
+from ..replication import Replicator
+from ..store import LocalStore
+from ..store.identity import Lineage
+from ..tmpfs import step_room
+from ..topology import Topology
 from .lifecycle import BufferWarmer, Retention
 from .persistent_writer import PersistentWriter
-from .replication import Replicator
-from .store import LocalStore
-from .store.identity import Lineage
-from .tmpfs import step_room
-from .topology import Topology
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ policy above the passive store.
 
 - ``Pins`` (``store/pins.py``): steps whose buffers someone is reading (a transfer, a
   persistent write).
-- ``Retention`` (``retention.py``: its policy, plan and pass in one module): which steps to
+- ``Retention`` (``manager/retention.py``: its policy, plan and pass in one module): which steps to
   keep.
 - ``BufferWarmer``: makes the buffers of an owner's next checkpoints ahead of time.
 - ``Lifecycle``: the three together for one rank. The manager subscribes its
@@ -20,13 +20,13 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .errors import MLCheckpointError
+from ..errors import MLCheckpointError
+from ..store import LocalStore
+from ..store.pins import Pins
 from .retention import Retention
-from .store import LocalStore
-from .store.pins import Pins
 
 if TYPE_CHECKING:
-    from .replication.core.sink import ReplicaReceived
+    from ..replication.core.sink import ReplicaReceived
 
 log = logging.getLogger(__name__)
 

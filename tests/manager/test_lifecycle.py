@@ -1,11 +1,11 @@
-"""lifecycle.py: a received replica is an event the lifecycle subscribes to (not a call into
+"""manager/lifecycle.py: a received replica is an event the lifecycle subscribes to (not a call into
 the manager); pins keep a step from retention."""
 
 from __future__ import annotations
 
 from helpers import put_metadata, put_shard, put_step, wait_for
 
-from mlcheckpoint.lifecycle import Lifecycle
+from mlcheckpoint.manager.lifecycle import Lifecycle
 from mlcheckpoint.replication import ReceiveSink, ReplicaReceived
 
 JOB = "job-lifecycle"

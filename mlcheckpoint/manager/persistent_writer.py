@@ -21,13 +21,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import history
-from ._faults import pause_point
-from .dcp.errors import unwrap_checkpoint_exception
-from .persistent import PersistentOrigin, PersistentStorage
+from .. import history
+from .._faults import pause_point
+from ..dcp.errors import unwrap_checkpoint_exception
+from ..persistent import PersistentOrigin, PersistentStorage
+from ..store.identity import Lineage
+from ..store.pins import Pins
 from .retention import Retention
-from .store.identity import Lineage
-from .store.pins import Pins
 
 log = logging.getLogger(__name__)
 

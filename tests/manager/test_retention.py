@@ -1,4 +1,4 @@
-"""retention.py: the pure plan (which shards of which owners go), the pass that carries it out
+"""manager/retention.py: the pure plan (which shards of which owners go), the pass that carries it out
 on a real store, the policy a manager holds, and what a node keeps after its world size
 changed: the shards of ranks no rank of the node keeps go with their step, and so do their
 recycled buffers. (The whole-step invariant has its own spec: tests/store/test_whole_step.py.)"""
@@ -12,7 +12,7 @@ from helpers import begin, payload, pool_files, put_shard, put_step
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from mlcheckpoint.retention import (
+from mlcheckpoint.manager.retention import (
     Retention,
     RetentionPolicy,
     apply_retention,

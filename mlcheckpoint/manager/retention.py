@@ -31,12 +31,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._faults import pause_point
-from .store import LocalStore, StepState
-from .store.pins import Pins
+from .._faults import pause_point
+from ..store import LocalStore, StepState
+from ..store.pins import Pins
 
 if TYPE_CHECKING:
-    from .replication.schedule.status import Protection
+    from ..replication.schedule.status import Protection
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""One live run per job directory, as a CheckpointManager takes it (claiming.py), in one
+"""One live run per job directory, as a CheckpointManager takes it (manager/claiming.py), in one
 process with no process group: a second manager on the directory of a live one is refused
 naming it and changes nothing; a restart with another persistent folder is refused naming both
 unless MLCHECKPOINT_PERSISTENT_DIR_MOVED=1. Every rank of real jobs: tests/jobs/test_job_claim.py;

@@ -179,7 +179,7 @@ class CheckpointManager:
             self._replicator, owners, node_owners=[r for n in held for r in topo.ranks_of_node(n)])
         # Room for what the partners' replicas bring: with data parallelism's copies, only
         # the items that lack places (covered.py), not shards of this rank's size.
-        arrivals = covered.Arrivals(self._store, self._topology, self._replicator.copies, owners)
+        arrivals = covered.Arrivals(self._store, self._topology, self._replicator.places, owners)
         self._store.capacity.expect_replicas([self.rank], len(owners), arrivals)
         self._room.arriving = arrivals
         transport.accept_from(self._lineage)

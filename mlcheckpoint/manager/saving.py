@@ -140,7 +140,7 @@ class Saver:
         self.copy_policy = None if replicator is None or not keep_copies else CopyPolicy(
             tuple(map(topology.node_of, range(topology.world_size))),
             functools.partial(step_room, store.local_dir, store.memory_limit_bytes,
-                              retention.policy.keep), replicator.copies - 1)
+                              retention.policy.keep), replicator.places - 1)
         self._settled = False  # resumed, or the earlier runs' steps set aside: see settled()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-save")
         self._lock = threading.Lock()

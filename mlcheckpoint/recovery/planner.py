@@ -82,7 +82,7 @@ class Decision:
 
 def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_size: int, *,
                 bad_copies: Iterable[CopyId] = (), bad_steps: Iterable[int] = (),
-                can_fetch: bool = True, copies: int = 2,
+                can_fetch: bool = True, places: int = 2,
                 persistent: PersistentStep | None = None) -> Decision:
     """Pick the newest step complete among the surviving nodes; a newer persistent step wins,
     unless it belongs to an earlier history than the memory step (``earlier_history``: a run
@@ -96,7 +96,7 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     groups), a shard holding a copy (not counting copies in ``bad_copies``; never a step in
     ``bad_steps``). Without a transport (``can_fetch`` False) every node must hold what its
     own ranks need. A step counts as protected (``newest_protected``) when its metadata and
-    every item are on ``copies`` nodes (1 + the job's ``replicas``).
+    every item are on ``places`` nodes (1 + the job's ``replicas``).
     """
     bad = set(bad_copies)
     excluded_steps = set(bad_steps)
@@ -104,7 +104,7 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     foreign = _foreign_steps(nodes, history)
     view = _holdings(nodes, bad, history, set(foreign))
     reasons: list[str] = []
-    newest_protected = _newest_protected(view, copies)
+    newest_protected = _newest_protected(view, places)
     stranded: list[int] = []
     persistent_newer = False
     if foreign:
@@ -316,11 +316,11 @@ def _few(ranks: list[int]) -> list:
     return ranks[:8] + (["..."] if len(ranks) > 8 else [])
 
 
-def _newest_protected(view: dict[int, _StepView], copies: int) -> int | None:
+def _newest_protected(view: dict[int, _StepView], places: int) -> int | None:
     for step in sorted(view, reverse=True):
         v = view[step]
         if v.required is not None and coverage.protected(v.required, v.copy_groups, v.holdings,
-                                                         copies, v.meta_nodes):
+                                                         places, v.meta_nodes):
             return step
     return None
 

@@ -133,7 +133,7 @@ class Recovery:
             t = time.perf_counter()
             d = plan_resume(nodes, persistent_step, self.topo.world_size, bad_copies=bad,
                             bad_steps=bad_steps, can_fetch=self.transport is not None,
-                            copies=2 if self.replicator is None else self.replicator.copies,
+                            places=2 if self.replicator is None else self.replicator.places,
                             persistent=newest_persistent)
             self._lap("plan", t)
             holders = None

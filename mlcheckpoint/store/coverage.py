@@ -112,24 +112,24 @@ def fewest_places(owner: int, groups: CopyGroups, holdings: Holdings,
                for g in groups_of(owner, groups))
 
 
-def protected(required: Iterable[int], groups: CopyGroups, holdings: Holdings, copies: int,
+def protected(required: Iterable[int], groups: CopyGroups, holdings: Holdings, places: int,
               metadata_nodes: Iterable[Hashable], place_of: PlaceOf = _itself) -> bool:
-    """Whether the metadata and every item of the required owners are on ``copies`` places:
+    """Whether the metadata and every item of the required owners are on ``places`` places:
     the rule of a *protected* step."""
-    return (len({place_of(n) for n in metadata_nodes}) >= copies
-            and all(fewest_places(owner, groups, holdings, place_of) >= copies
+    return (len({place_of(n) for n in metadata_nodes}) >= places
+            and all(fewest_places(owner, groups, holdings, place_of) >= places
                     for owner in required))
 
 
-def to_send(owner: int, groups: CopyGroups, holdings: Holdings, copies: int, target: Hashable,
+def to_send(owner: int, groups: CopyGroups, holdings: Holdings, places: int, target: Hashable,
             place_of: PlaceOf = _itself) -> list[Group]:
-    """The copy groups of ``owner`` that lack places (on fewer than ``copies``) and that the
+    """The copy groups of ``owner`` that lack places (on fewer than ``places``) and that the
     node ``target`` does not hold yet: what a replica there must carry. A node stores an item
     once: what it holds as a copy is never sent to it again."""
     out = []
     for g in groups_of(owner, groups):
         nodes = holders(owner, g, holdings)
-        if len({place_of(n) for n in nodes}) < copies and target not in nodes:
+        if len({place_of(n) for n in nodes}) < places and target not in nodes:
             out.append(g)
     return out
 

@@ -946,7 +946,7 @@ def test_protection_counts_the_nodes_each_item_is_on():
     d = plan_resume(nodes, None, 2)
     assert (d.step, d.fetches, d.through_copies) == (7, [], [])
     assert d.newest_protected == 7
-    assert plan_resume(nodes, None, 2, copies=3).newest_protected is None
+    assert plan_resume(nodes, None, 2, places=3).newest_protected is None
     # An item with no copy (group []) of rank 1 is on node 1 only.
     partly = {0: [[1]], 1: [[], [0]]}
     nodes = inventories(2, 1, {n: {7: with_copies(copy({n}, required=(0, 1), world_size=2), partly)}

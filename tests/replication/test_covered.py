@@ -52,12 +52,12 @@ DDP = [item(0, 0, 4096, 1, 2, 3), item(0, 4096, 64), item(1, 0, 64), item(2, 0, 
 def test_a_ddp_rank_sends_only_its_own_entries():
     st, items = save(DDP)
     m = shard(0, DDP)
-    plan = plan_push(m, st, items, "s1", topo(0), copies=2, targets=[1])
+    plan = plan_push(m, st, items, "s1", topo(0), places=2, targets=[1])
     assert [it.offset for it in plan[1]] == [4096]  # its RNG entry; the model is on node 1
     assert pushed_bytes(m, plan[1]) == 64
     copy = ManifestItem("copy of 0@0", 64, 4096, 0)  # rank 1 keeps a copy of rank 0's model
     m1 = shard(1, DDP, [copy])
-    plan = plan_push(m1, st, items, "s1", topo(1), copies=2, targets=[2])
+    plan = plan_push(m1, st, items, "s1", topo(1), places=2, targets=[2])
     assert [it.offset for it in plan[2]] == [0]  # its RNG only: never the copy it keeps
 
 

@@ -137,7 +137,7 @@ def replicated(nnodes: int, rpn: int, replicas: int, *, lost=()) -> list[NodeInv
 @given(st.integers(3, 7), st.integers(1, 2), st.data())
 def test_with_two_replicas_losing_any_two_nodes_resumes_from_memory(nnodes, rpn, data):
     lost = data.draw(st.sets(st.integers(0, nnodes - 1), min_size=2, max_size=2))
-    d = plan_resume(replicated(nnodes, rpn, 2, lost=lost), None, nnodes * rpn, copies=3)
+    d = plan_resume(replicated(nnodes, rpn, 2, lost=lost), None, nnodes * rpn, places=3)
     assert d.kind == MEMORY and d.step == 5, (lost, d.reason)
     assert sorted(r for r, s in d.sources.items() if s == "peer") == sorted(
         r for n in lost for r in range(n * rpn, (n + 1) * rpn))
@@ -150,18 +150,18 @@ def test_with_one_replica_losing_a_node_and_its_partner_does_not():
 
 def test_protected_counts_the_configured_copies():
     nodes = replicated(4, 1, 2)
-    assert plan_resume(nodes, None, 4, copies=3).newest_protected == 5
-    assert plan_resume(nodes, None, 4, copies=4).newest_protected is None
+    assert plan_resume(nodes, None, 4, places=3).newest_protected == 5
+    assert plan_resume(nodes, None, 4, places=4).newest_protected is None
     one = replicated(4, 1, 1)
-    assert plan_resume(one, None, 4, copies=2).newest_protected == 5
-    assert plan_resume(one, None, 4, copies=3).newest_protected is None
+    assert plan_resume(one, None, 4, places=2).newest_protected == 5
+    assert plan_resume(one, None, 4, places=3).newest_protected is None
 
 
 def test_a_replaced_nodes_reads_spread_over_both_holders():
     # 4 nodes, k = 2, node 0 replaced: its shard is on its two partners, and its reads are
     # dealt over both.
     partners = sorted(replica_targets([""] * 4, 2)[0])
-    d = plan_resume(replicated(4, 1, 2, lost={0}), None, 4, copies=3)
+    d = plan_resume(replicated(4, 1, 2, lost={0}), None, 4, places=3)
     here = Topology(rank=0, world_size=4, local_rank=0, local_world_size=1, node_rank=0,
                     num_nodes=4)
     holders = Holders(None, None, here, d)  # type: ignore[arg-type]  # asked, never reads

@@ -4,7 +4,7 @@ their places.
 A data-parallel job holds each replicated item on several nodes, and a save can keep a copy of
 it there (``dcp/copies.py``); the save's metadata records which ranks' shards hold agreeing
 copies of each owner's items. ``store/coverage.py`` says, copy group by copy group, which of an
-owner's items are on fewer than ``copies`` places and which partner does not hold them yet;
+owner's items are on fewer than ``places`` places and which partner does not hold them yet;
 those items alone go to that partner, as a partial replica at their own offsets
 (``Manifest.only``). A shard whose every item lacks its places goes whole, as before copies
 existed; one whose items all have them sends nothing. So a DDP job sends only its per-rank
@@ -29,7 +29,7 @@ Push = list[ManifestItem] | None
 
 
 def plan_push(m: Manifest, st: StepState, items: StepItems | None, save_id: str,
-              topology: Topology, copies: int, targets: Sequence[int]) -> dict[int, Push]:
+              topology: Topology, places: int, targets: Sequence[int]) -> dict[int, Push]:
     """Per partner rank in ``targets``, what to send of this rank's shard ``m`` of save
     ``save_id``, from the metadata of that save here (``st``, ``items``). Without it (rank 0
     sends it to every node before naming a round, ``Replicator._propose_next``), the whole
@@ -42,7 +42,7 @@ def plan_push(m: Manifest, st: StepState, items: StepItems | None, save_id: str,
     listed = {it.offset: it for it in m.items}
     out: dict[int, Push] = {}
     for peer in targets:
-        need = coverage.to_send(owner, groups, holdings, copies, topology.node_of(peer),
+        need = coverage.to_send(owner, groups, holdings, places, topology.node_of(peer),
                                 topology.place_of_node)
         offsets = {loc.offset for g in need for loc in items.of(owner, g)}
         if not offsets.issubset(listed):
@@ -58,7 +58,7 @@ def pushed_bytes(m: Manifest, push: Push) -> int:
     return m.data_bytes if push is None else sum(it.nbytes for it in push)
 
 
-def arriving_bytes(st: StepState, items: StepItems, topology: Topology, copies: int,
+def arriving_bytes(st: StepState, items: StepItems, topology: Topology, places: int,
                    sources: Sequence[int]) -> int:
     """The bytes the replicas of ``sources``' shards of the save ``st`` describes bring to
     this rank's node (the same rule their senders follow, ``plan_push``): what a node keeps
@@ -66,7 +66,7 @@ def arriving_bytes(st: StepState, items: StepItems, topology: Topology, copies: 
     total = 0
     for owner in sources:
         holdings = _as_saved(owner, st.copy_groups, topology)
-        need = coverage.to_send(owner, st.copy_groups, holdings, copies, topology.node_rank,
+        need = coverage.to_send(owner, st.copy_groups, holdings, places, topology.node_rank,
                                 topology.place_of_node)
         total += sum(align(loc.nbytes) for g in need for loc in items.of(owner, g))
     return total
@@ -78,8 +78,8 @@ class Arrivals:
     structure) by ``arriving_bytes``; None before any (the store then assumes whole shards).
     The store's room check asks it (``Capacity.expect_replicas``) when a save needs new room."""
 
-    def __init__(self, store: LocalStore, topology: Topology, copies: int, sources: Sequence[int]):
-        self.store, self.topology, self.copies, self.sources = store, topology, copies, list(sources)
+    def __init__(self, store: LocalStore, topology: Topology, places: int, sources: Sequence[int]):
+        self.store, self.topology, self.places, self.sources = store, topology, places, list(sources)
         self._known: tuple[str, int] | None = None  # (save id, bytes) of the last prediction
 
     def __call__(self) -> int | None:
@@ -93,7 +93,7 @@ class Arrivals:
                 items = self.store.step_items(step)
             except MLCheckpointError:
                 return None
-            nbytes = arriving_bytes(st, items, self.topology, self.copies, self.sources)
+            nbytes = arriving_bytes(st, items, self.topology, self.places, self.sources)
             self._known = (st.save_id, nbytes)
             return nbytes
         return None

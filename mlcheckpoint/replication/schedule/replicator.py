@@ -80,7 +80,8 @@ class Replicator:
         self.sources = rank_sources(strategy, t.rank, t.local_world_size, t.num_nodes)
         # Nodes a protected step is on: this one and every partner (at least two: a step is
         # never called protected while it is on one node only).
-        self.copies = max(2, 1 + len(self.targets))
+        # how many nodes each item should be on: this one and every partner (at least 2)
+        self.places = max(2, 1 + len(self.targets))
         self.metadata_targets = ([n * t.local_world_size for n in range(t.num_nodes) if n != t.node_rank]
                                  if t.rank == 0 else [])
         self.poll_interval = poll_interval  # the worker's look for a new round
@@ -170,7 +171,7 @@ class Replicator:
 
     def is_protected(self, step: int) -> bool:
         """Every rank's shard and the metadata of the save of ``step`` held here are on
-        ``copies`` nodes (job-wide): asks the c10d store (two operations), for ``ls``."""
+        ``places`` nodes (job-wide): asks the c10d store (two operations), for ``ls``."""
         save = self._save_here(step)
         return save is not None and protected_in_store(self.rdzv, step, save,
                                                        self.topology.world_size)
@@ -210,7 +211,7 @@ class Replicator:
         return protection_status(newest, save_times(inv), rate, superseded)
 
     def seed_protected(self, step: int | None) -> None:
-        """After a restart the counters are new: take the newest step found on ``copies``
+        """After a restart the counters are new: take the newest step found on ``places``
         nodes."""
         if step is not None and (self._newest_protected is None or step > self._newest_protected):
             self._newest_protected = step
@@ -300,7 +301,7 @@ class Replicator:
             self._recorded_protected = step
         state = self.state(step)
         history.record(self.store.job_dir, "protected", step=step, rank=self.topology.rank,
-                       lag_steps=now.lag_steps, age_seconds=now.age_seconds, copies=self.copies,
+                       lag_steps=now.lag_steps, age_seconds=now.age_seconds, copies=self.places,
                        push_seconds=None if state is None else round(state.seconds, 6))
         return now
 
@@ -415,7 +416,7 @@ class Replicator:
         try:
             m = self.store.read_manifest(step, self.topology.rank)
             plan = covered.plan_push(m, st, self._step_items(step, st, save_id), save_id,
-                                     self.topology, self.copies, self.targets)
+                                     self.topology, self.places, self.targets)
             for peer in self.targets:
                 skipped += m.data_bytes - covered.pushed_bytes(m, plan[peer])
                 if peer in rep.acked_by or plan[peer] == []:

@@ -218,16 +218,18 @@ class Replicator:
 
     def wait_replicated(self, step: int, timeout: float) -> bool:
         """Wait until the save of ``step`` held here is protected (True) or will never be (a
-        round named a newer step first), or ``timeout`` passes (False). Watches what the node
+        round named a newer step first, or the step is no longer held here: retention retired
+        it once newer steps were saved), or ``timeout`` passes (False). Watches what the node
         knows of the rounds; asks the store once, when a newer round settled the step's fate."""
         def settled() -> str | None:
             save = self._save_here(step)
-            if save is None:
-                return None
             p, latest = self.rounds.protected, self.rounds.taken()
+            newer = (latest is not None and latest.step > step) or (p is not None and p.step > step)
+            if save is None:  # not saved here yet; or, once a newer step was named, retired
+                return "retired" if newer else None
             if p is not None and (p.step, p.save_id) == (step, save):
                 return "protected"
-            if (latest is not None and latest.step > step) or (p is not None and p.step > step):
+            if newer:
                 return "protected" if self.is_protected(step) else "superseded"
             return None
 
@@ -237,6 +239,9 @@ class Replicator:
         if outcome == "superseded":
             log.warning("mlcheckpoint: step %d will not be protected: a newer step was named "
                         "for replication first", step)
+        elif outcome == "retired":
+            log.warning("mlcheckpoint: step %d is no longer held here (retention kept the newer "
+                        "steps): it will not be protected", step)
         return outcome == "protected"
 
     # ------------------------------------------------------------------ worker

@@ -86,6 +86,10 @@ def test_a_flipped_primary_with_a_copy_on_the_other_node_resumes_the_newest_step
         finally:
             store.close()
         assert state.has_metadata and not state.committed_ranks, state  # kept, and refused
+        # close() drained at once: rank 0's newest own shard (an older step) was superseded,
+        # and a superseded step's metadata is never sent (it once waited out the 60 s drain)
+        closed = c.results("closed")
+        assert sorted(closed) == [0, 1] and all(r["close_s"] < 30 for r in closed.values()), closed
 
 
 def test_a_flipped_copy_with_a_lost_node_resumes_from_the_copy_left():

@@ -11,6 +11,7 @@ are this many times larger), passed on when set.
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,9 @@ def main() -> None:
         report("resumed", {"step": info.step, "source": info.source, "reason": info.reason,
                            "sources": info.sources, "bytes_served": info.bytes_served,
                            "mismatch": differences(want, sd), "bytes_fetched": info.bytes_fetched})
+        t0 = time.monotonic()
         ckpt.close()
+        report("closed", {"close_s": time.monotonic() - t0})
         dist.destroy_process_group()
         return
     for step in range(last + 1):

@@ -491,9 +491,11 @@ class Replicator:
         if newest is None:
             return True
         st = self.state(newest)
+        if st is None:
+            return False
+        if st.state in ("superseded", "failed"):  # (nothing more will be sent of it)
+            return True
         meta_ok = (not self.metadata_targets or not inv[newest].has_metadata
                    or self._metadata_done(newest, inv[newest].save_id))
-        if st is not None and st.state in ("replicated", "superseded") and meta_ok:
-            return True
-        return st is not None and st.state == "failed"
+        return st.state == "replicated" and meta_ok
 

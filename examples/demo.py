@@ -55,18 +55,6 @@ class Job:
             if code != 0:
                 raise SystemExit(f"node {k} of {self.job_id} failed (exit code {code})")
 
-    def log_tails(self, lines: int = 40) -> str:
-        """The end of every node's log (what a failed run printed last)."""
-        out = []
-        for k, node in enumerate(self.cluster.nodes):
-            try:
-                with open(node.log_path, errors="replace") as f:
-                    tail = f.read().splitlines()[-lines:]
-            except FileNotFoundError:
-                tail = ["(no log)"]
-            out.append(f"--- node {k}: {node.log_path}\n" + "\n".join(tail))
-        return "\n".join(out)
-
     def holdings(self) -> str:
         parts = []
         for k, node in enumerate(self.cluster.nodes):
@@ -167,7 +155,8 @@ def main() -> int:
         return 0 if ok else 1
     except SystemExit as e:  # a run failed: say why, and keep its files to look at
         args.keep = True
-        print(f"{e}\n{ref.log_tails()}\n{job.log_tails()}", file=sys.stderr)
+        print(f"{e}; files kept in {job.root}\n{ref.cluster.logs()}\n{job.cluster.logs()}",
+              file=sys.stderr)
         raise SystemExit(1) from None
     finally:
         for j in (ref, job):

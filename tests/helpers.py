@@ -7,6 +7,8 @@
 - shards written straight into a LocalStore: ``payload``, ``begin``, ``put_shard``,
   ``put_metadata``, ``put_step``, ``pool_files``
 - what a directory holds, to show a run changed nothing there: ``snapshot``
+- the most memory torch's CPU allocator held for a call beyond what it held before:
+  ``peak_cpu_allocation``
 - state dicts are tests/workers/states.py's (``make_state``, ``zeros_like_state``,
   ``differences``, ...: one home for tests and workers, on the path through ``WORKERS``)
 
@@ -215,3 +217,26 @@ def snapshot(root: str) -> dict[str, tuple[int, int, str]]:
                 out[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns,
                                                   hashlib.sha256(f.read()).hexdigest())
     return out
+
+
+def peak_cpu_allocation(fn: Callable[[], Any]) -> int:
+    """The most bytes torch's CPU allocator held at once while ``fn`` ran, beyond what it held
+    before: every allocation and free torch's profiler records (``profile_memory``), with its
+    running total; tensors made before the call count as 0."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    totals: list[tuple[int, int]] = []
+
+    def walk(node: Any) -> None:
+        if node.tag == _EventType.Allocation:
+            totals.append((node.start_time_ns, node.extra_fields.total_allocated))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    assert totals, "the profiler recorded no allocation: its memory events changed shape"
+    return max(total for _, total in sorted(totals))

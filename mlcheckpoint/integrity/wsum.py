@@ -260,42 +260,183 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return tables
 
 
-# Items below this many bytes are packed together (one copy kernel for all of them), larger
-# ones are read in place; the rows are summed this many bytes of source at a time.
+# Items below this many bytes are packed together (one copy kernel for many of them), larger
+# contiguous ones are read in place; the rows are summed this many bytes of source at a time,
+# and the packing buffer holds as many.
 PACK_BELOW = 1 << 20
 BLOCK_BYTES = 16 << 20
+# A strided (or conjugated, negated, misaligned) item is copied into the packing buffer in pieces
+# of at most this many bytes: never as a whole copy of the item.
+PIECE_BYTES = 4 << 20
+# Items are digested in groups of about this many bytes: the bookkeeping of a group's rows
+# (8 bytes per 4 KiB row, a few times over) is freed before the next group's is made.
+GROUP_BYTES = 1 << 30
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as stored (contiguous, conjugation and negation resolved), flat uint8."""
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.contiguous().reshape(-1).view(torch.uint8)
+def scratch_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """A bound on the extra device memory ``tensor_digests(tensors)`` takes while it runs: the
+    row products of one block (``2 * BLOCK_BYTES``), the packing buffer (``BLOCK_BYTES``), one
+    piece of a strided item, and the row bookkeeping of the largest group (under 64 bytes per
+    4 KiB row of it, about 1.6% of its bytes, so at most ~16 MiB for a 1 GiB group), plus
+    4 MiB of allocator rounding: 72 MiB for any state whose items are at most 1 GiB each. It does not grow with the number of items, nor with the state's size
+    beyond its largest group (see docs/performance.md)."""
+    largest_group = max((sum(_nbytes(t) for t in g) for g in _groups(tensors)), default=0)
+    return 3 * BLOCK_BYTES + PIECE_BYTES + 64 * -(-largest_group // ROW_BYTES) + (4 << 20)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _in_place(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes as stored are its memory as it lies (read without a copy)."""
+    return (t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and t.data_ptr() % 4 == 0)
+
+
+def _pieces(t: torch.Tensor, limit: int):
+    """``t`` as sub-tensors in row-major order, each of at most ``limit`` bytes (one element
+    at least), so that a strided item is copied a piece at a time."""
+    size = _nbytes(t)
+    if size <= limit or t.dim() == 0:
+        yield t
+        return
+    inner = size // t.shape[0]  # the bytes of t[i]
+    if inner <= limit:
+        step = limit // inner
+        for i in range(0, t.shape[0], step):
+            yield t[i:i + step]
+    else:
+        for i in range(t.shape[0]):
+            yield from _pieces(t[i], limit)
+
+
+def _groups(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive runs of items of about ``GROUP_BYTES`` (an item larger: a group alone)."""
+    groups: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        n = _nbytes(t)
+        if groups[-1] and size + n > GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += n
+    return groups
 
 
 class _Rows:
-    """The row sums of a batch of items, and which item and row of it each one is."""
+    """The row sums of a group of items, and which item and row of it each one is."""
 
     def __init__(self, device: torch.device, total_rows: int):
         self.sums = torch.empty(total_rows, dtype=torch.int64, device=device)
         self.filled = 0
         self.segments: list[tuple[int, int, int]] = []  # (item, its first row here, rows)
 
-    def add(self, words: torch.Tensor, item: int, first_row: int, weights: torch.Tensor,
-            scratch: torch.Tensor) -> None:
-        """Sum the rows of ``words`` (int32, [rows, ROW_WORDS]) weighted by column."""
-        rows = words.shape[0]
-        block = max(1, BLOCK_BYTES // ROW_BYTES)
-        for r in range(0, rows, block):
-            part = words[r:r + block]
-            product = scratch[:part.shape[0]]
-            torch.mul(part, weights, out=product)
-            torch.sum(product, dim=1, out=self.sums[self.filled + r:self.filled + r + part.shape[0]])
-        self.segments.append((item, first_row, rows))
-        self.filled += rows
+
+class _Engine:
+    """The fixed scratch of one ``tensor_digests`` call, made on first use and reused by every
+    group: the row products of a block and the packing buffer."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.weights, self.row_weights = _tables(device)
+        self.block_rows = max(1, BLOCK_BYTES // ROW_BYTES)
+        self._scratch: torch.Tensor | None = None
+        self._pack: torch.Tensor | None = None
+        self.fill = 0  # bytes in the packing buffer
+
+    def _sum_rows(self, words: torch.Tensor, rows: _Rows) -> None:
+        """Sum the rows of ``words`` (int32, [n, ROW_WORDS]) weighted by column, into the next
+        ``n`` row sums, ``block_rows`` at a time through the fixed scratch."""
+        if self._scratch is None:
+            self._scratch = torch.empty(self.block_rows, ROW_WORDS, dtype=torch.int64, device=self.device)
+        n = words.shape[0]
+        for r in range(0, n, self.block_rows):
+            part = words[r:r + self.block_rows]
+            product = self._scratch[:part.shape[0]]
+            # Widened into the scratch, then weighted in place: ``torch.mul(part, weights,
+            # out=product)`` would first make a widened copy of ``part`` (as large again).
+            product.copy_(part)
+            product.mul_(self.weights)
+            torch.sum(product, dim=1, out=rows.sums[rows.filled + r:rows.filled + r + part.shape[0]])
+        rows.filled += n
+
+    def in_place(self, item: int, words: torch.Tensor, rows: _Rows) -> None:
+        rows.segments.append((item, 0, words.shape[0]))
+        self._sum_rows(words, rows)
+
+    def pack(self, item: int, first_row: int, src: torch.Tensor, rows: _Rows) -> None:
+        """Append an item's bytes from row ``first_row`` on (``src``: a flat uint8 view, or a
+        tensor of any layout whose values are the bytes as stored) to the packing buffer, its
+        last row zero-padded; full buffers are summed as they fill."""
+        if self._pack is None:
+            self._pack = torch.empty(BLOCK_BYTES, dtype=torch.uint8, device=self.device)
+        buf = self._pack
+        n = _nbytes(src)
+        rows.segments.append((item, first_row, -(-n // ROW_BYTES)))
+        if src.dtype == torch.uint8 and src.dim() == 1 and src.is_contiguous():
+            done = 0
+            while done < n:  # bytes: cut anywhere
+                k = min(n - done, BLOCK_BYTES - self.fill)
+                buf[self.fill:self.fill + k].copy_(src[done:done + k])
+                self.fill += k
+                done += k
+                if self.fill == BLOCK_BYTES:
+                    self.flush(rows)
+        else:
+            for piece in _pieces(src, PIECE_BYTES):
+                m = _nbytes(piece)
+                if self.fill + m > BLOCK_BYTES:
+                    self.flush(rows)
+                # Copied as its own dtype: strides, conjugation and negation resolved by torch
+                # (the offset is a multiple of the element size: rows are, and so is each piece).
+                buf[self.fill:self.fill + m].view(piece.dtype).view(piece.shape).copy_(piece)
+                self.fill += m
+        pad = -self.fill % ROW_BYTES
+        if pad:
+            buf[self.fill:self.fill + pad].zero_()
+            self.fill += pad
+
+    def flush(self, rows: _Rows) -> None:
+        """Sum the packing buffer's whole rows; a partial last row (an item in the middle of
+        its bytes) moves to the buffer's start."""
+        if self._pack is None:  # nothing was packed
+            return
+        whole = self.fill // ROW_BYTES
+        if whole:
+            self._sum_rows(self._pack[:whole * ROW_BYTES].view(torch.int32).view(whole, ROW_WORDS), rows)
+        rest = self.fill - whole * ROW_BYTES
+        if rest and whole:  # (the stream orders this after the sums that read those bytes)
+            self._pack[:rest].copy_(self._pack[whole * ROW_BYTES:self.fill])
+        self.fill = rest
+
+    def digests(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """wsum64 of one group of items."""
+        sizes = [_nbytes(t) for t in tensors]
+        direct: list[tuple[int, torch.Tensor]] = []
+        packed: list[tuple[int, int, torch.Tensor]] = []  # (item, first row, its bytes or values)
+        for i, (t, n) in enumerate(zip(tensors, sizes, strict=True)):
+            if n == 0:
+                continue
+            if not _in_place(t):
+                packed.append((i, 0, t))
+                continue
+            flat = t.reshape(-1).view(torch.uint8)
+            whole = n // ROW_BYTES if n >= PACK_BELOW else 0
+            if whole:
+                direct.append((i, flat[:whole * ROW_BYTES].view(torch.int32).view(whole, ROW_WORDS)))
+            if n > whole * ROW_BYTES:
+                packed.append((i, whole, flat[whole * ROW_BYTES:]))
+        total_rows = sum(d.shape[0] for _, d in direct) + sum(-(-_nbytes(p) // ROW_BYTES) for *_, p in packed)
+        rows = _Rows(self.device, total_rows)
+        for i, words in direct:  # rows read in place first, then the packed ones, in order
+            self.in_place(i, words, rows)
+        for i, first, src in packed:
+            self.pack(i, first, src, rows)
+        self.flush(rows)
+        assert rows.filled == total_rows and self.fill == 0
+        return _combine_on_device(rows, sizes, self.row_weights, self.device)
 
 
 def tensor_digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -303,74 +444,19 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     their device (two's complement of the uint64 digests), computed there with tensor ops.
 
     Runs on the current stream, which must see the tensors' final values. The work does not
-    grow with the number of items: small items are packed into one buffer with one copy, and
-    the sums of every item are combined with a few index operations; a large item is read in
-    place, ``BLOCK_BYTES`` at a time. Extra device memory: about 2 * ``BLOCK_BYTES`` plus the
-    small items' bytes, in pieces of at most ``PACK_LIMIT``. The reference engine on the CPU
-    too: CI checks it against the host's C engine.
+    grow with the number of items: small items are packed into one buffer, many per copy, and
+    the sums of every item are combined with a few index operations; a large contiguous item
+    is read in place, ``BLOCK_BYTES`` at a time; a strided one is copied into the packing
+    buffer a piece at a time, never whole. Extra device memory: a fixed scratch and the rows'
+    bookkeeping of one group of items, at most ``scratch_bytes(tensors)``. The reference
+    engine on the CPU too: CI checks it against the host's C engine.
     """
     if not tensors:
         return torch.empty(0, dtype=torch.int64)
-    device = tensors[0].device
-    weights, row_weights = _tables(device)
-    views = [_byte_view(t) for t in tensors]
-    sizes = [v.numel() for v in views]
-    # Rows read in place (a large item's whole rows) and rows to pack (small items, and the
-    # partial last row of a large one).
-    direct: list[tuple[int, torch.Tensor]] = []
-    packed: list[tuple[int, int, torch.Tensor]] = []  # (item, first row, bytes)
-    for i, (v, n) in enumerate(zip(views, sizes)):
-        if n == 0:
-            continue
-        whole = n // ROW_BYTES if n >= PACK_BELOW else 0
-        if whole:
-            body = v[:whole * ROW_BYTES]
-            if body.data_ptr() % 4:  # an odd offset into its storage: an aligned copy
-                body = body.clone()
-            direct.append((i, body.view(torch.int32).view(whole, ROW_WORDS)))
-        if n > whole * ROW_BYTES:
-            packed.append((i, whole, v[whole * ROW_BYTES:]))
-    packed_rows = sum(-(-p[2].numel() // ROW_BYTES) for p in packed)
-    rows = _Rows(device, sum(d[1].shape[0] for d in direct) + packed_rows)
-    block_rows = max(1, BLOCK_BYTES // ROW_BYTES)
-    scratch = torch.empty(min(block_rows, max(rows.sums.numel(), 1)), ROW_WORDS, dtype=torch.int64,
-                          device=device)
-    for i, words in direct:
-        rows.add(words, i, 0, weights, scratch)
-    zeros = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)  # the rows' padding
-    for batch in _pack_batches(packed):
-        pieces: list[torch.Tensor] = []
-        for i, first, b in batch:
-            pad = -b.numel() % ROW_BYTES
-            pieces += [b, zeros[:pad]] if pad else [b]
-            rows.segments.append((i, first, -(-b.numel() // ROW_BYTES)))
-        # One copy for the batch: torch.cat copies many inputs per kernel.
-        block = torch.cat(pieces).view(torch.int32).view(-1, ROW_WORDS)
-        start = rows.filled
-        for r in range(0, block.shape[0], block_rows):
-            part = block[r:r + block_rows]
-            product = scratch[:part.shape[0]]
-            torch.mul(part, weights, out=product)
-            torch.sum(product, dim=1, out=rows.sums[start + r:start + r + part.shape[0]])
-        rows.filled += block.shape[0]
-    return _combine_on_device(rows, sizes, row_weights, device)
-
-
-def _pack_batches(packed: list[tuple[int, int, torch.Tensor]]) -> list[list[tuple[int, int, torch.Tensor]]]:
-    """The items to pack, in batches of at most ``PACK_LIMIT`` padded bytes."""
-    batches: list[list[tuple[int, int, torch.Tensor]]] = [[]]
-    size = 0
-    for p in packed:
-        padded = -(-p[2].numel() // ROW_BYTES) * ROW_BYTES
-        if batches[-1] and size + padded > PACK_LIMIT:
-            batches.append([])
-            size = 0
-        batches[-1].append(p)
-        size += padded
-    return [b for b in batches if b]
-
-
-PACK_LIMIT = 64 << 20
+    tensors = [t.detach() for t in tensors]
+    engine = _Engine(tensors[0].device)
+    out = [engine.digests(group) for group in _groups(tensors)]
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def _combine_on_device(rows: _Rows, sizes: list[int], row_weights: torch.Tensor,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import peak_cpu_allocation
 
 from mlcheckpoint.integrity import digests, wsum
 
@@ -139,6 +140,49 @@ def test_non_contiguous_and_lazily_transformed_tensors_digest_as_stored():
     assert device(*views.values()) == want
     for t, w in zip(views.values(), want):
         assert device(t) == [w]
+
+
+def test_strided_items_in_pieces_across_packing_buffers_and_groups(monkeypatch):
+    """A strided item is copied into the packing buffer a piece at a time and its rows can
+    straddle two fills of the buffer; items are digested in groups: none of it shows."""
+    monkeypatch.setattr(wsum, "BLOCK_BYTES", 4 * ROW)
+    monkeypatch.setattr(wsum, "PIECE_BYTES", ROW + 12)
+    monkeypatch.setattr(wsum, "GROUP_BYTES", 3 * ROW)
+    g = torch.Generator().manual_seed(2)
+    items = [torch.randn(33, 301, generator=g).t(),  # rows of 132 bytes: pieces cut rows
+             torch.from_numpy(random_bytes(5 * ROW + 3, 7)),
+             torch.randn(4, 7, 250, dtype=torch.complex64, generator=g).transpose(0, 2).conj(),
+             torch.randn(3, generator=g)[::2],
+             torch.from_numpy(random_bytes(3 * ROW, 8))[1:],  # misaligned: packed
+             torch.randn(2 * wsum.PACK_BELOW // 4 + 5, generator=g)]  # read in place, then its tail
+    want = [host(stored_bytes(t)) for t in items]
+    assert device(*items) == want
+    assert [device(t)[0] for t in items] == want
+
+
+MiB = 1 << 20
+# What docs/performance.md states: a state of items of at most 1 GiB each.
+DIGEST_SCRATCH_BOUND = 72 * MiB
+
+
+@pytest.mark.parametrize("case", ["one large", "many small", "transposed", "conjugated",
+                                  "many small strided"])
+def test_the_digest_adds_at_most_a_fixed_scratch_whatever_the_layout(case):
+    """The extra memory the device checksum takes beside a state it digests (measured on the
+    CPU, with torch's allocator's own accounting): a fixed scratch, not a copy of the state,
+    nor two packing blocks at once (a job runs at 95% of its GPU's memory)."""
+    g = torch.Generator().manual_seed(3)
+    items = {
+        "one large": lambda: [torch.randn(24 * MiB, generator=g)],
+        "many small": lambda: [torch.randn(MiB // 4 - 1000, generator=g) for _ in range(150)],
+        "transposed": lambda: [torch.randn(3072, 8192, generator=g).t()],
+        "conjugated": lambda: [torch.randn(6 * MiB, dtype=torch.complex64, generator=g).conj()],
+        "many small strided": lambda: [torch.randn(250, 1000, generator=g).t() for _ in range(100)],
+    }[case]()
+    extra = peak_cpu_allocation(lambda: wsum.tensor_digests(items))
+    state = sum(t.numel() * t.element_size() for t in items)
+    assert extra <= DIGEST_SCRATCH_BOUND, f"{case}: {extra / MiB:.1f} MiB beside {state / MiB:.0f} MiB"
+    assert extra <= wsum.scratch_bytes(items) <= DIGEST_SCRATCH_BOUND
 
 
 def test_streaming_in_any_pieces_equals_one_shot(host_engine):

@@ -283,16 +283,22 @@ class MemoryStorageReader(StorageReader):
                         source: ShardSource) -> None:
         """Bring the stored items that device targets ask for through the ring (``ring.py``),
         each verified: a whole item straight into its target's bytes; one resharded or cast
-        into a device buffer of its own, then copied into each target asking for a part of it.
-        Every byte has landed when this returns."""
+        into a device buffer of its own, then copied into each target asking for a part of it,
+        one such item at a time (its buffer freed before the next one's is made: at most one
+        stored item's bytes of device memory beside the ring's). Every byte has landed, on
+        every device the targets are on, when this returns.
+
+        A target's bytes are replaced before their checksum is known: a bad item raises
+        CorruptShardError and recovery reruns the whole load from another copy."""
         by_item: dict[tuple[int, int], list[tuple[ReadItem, torch.Tensor]]] = defaultdict(list)
         stored: dict[tuple[int, int], ItemLocation] = {}
         for req, target, loc in reads:
             by_item[(loc.offset, loc.nbytes)].append((req, target))
             stored[(loc.offset, loc.nbytes)] = loc
-        for device in {t.device for _, t, _ in reads}:
+        devices = {t.device for _, t, _ in reads}
+        for device in devices:
             whole: list[tuple[ring.RingRead, ReadItem]] = []
-            parts: list[tuple[ring.RingRead, ReadItem, list[tuple[ReadItem, torch.Tensor]]]] = []
+            parts: list[tuple[np.ndarray, ItemLocation, ReadItem, list[tuple[ReadItem, torch.Tensor]]]] = []
             for key, wanting in by_item.items():
                 if wanting[0][1].device != device:
                     continue
@@ -306,18 +312,20 @@ class MemoryStorageReader(StorageReader):
                     whole.append((ring.RingRead(src, as_byte_tensor(target), digests.of(loc),
                                                 loc.checksum), req))
                 else:
-                    buffer = torch.empty(loc.nbytes, dtype=torch.uint8, device=device)
-                    parts.append((ring.RingRead(src, buffer, digests.of(loc), loc.checksum), req, wanting))
+                    parts.append((src, loc, req, wanting))
             loader = ring.Ring(ring.mover_for(device))
             for bad in loader.load([r for r, _ in whole]):
                 self._corrupt(rank, whole[bad][1], self.node)
-            for read, req, wanting in parts:  # one at a time: a buffer each, dropped after
-                for bad in loader.load([read]):
+            for src, loc, req, wanting in parts:  # one at a time: a buffer each, made here
+                buffer = torch.empty(loc.nbytes, dtype=torch.uint8, device=device)
+                for bad in loader.load([ring.RingRead(src, buffer, digests.of(loc), loc.checksum)]):
                     self._corrupt(rank, req, self.node)
-                for want, target in wanting:
-                    _copy_view(target, self._stored_view(want, read.target))
-        if any(t.device.type != "cpu" for _, t, _ in reads):
-            torch.accelerator.synchronize()  # every device copy has landed before the commits
+                for want, target in wanting:  # on the current stream, after the ring's copies
+                    _copy_view(target, self._stored_view(want, buffer))
+                del buffer  # freed (stream-ordered) before the next one is made
+        for device in devices:
+            if device.type == "cuda":  # each device the targets are on, not the current one only
+                torch.cuda.synchronize(device)  # every copy has landed before the commits
 
     def _through_ring(self, target: torch.Tensor) -> bool:
         """Whether ``target`` is loaded through the ring: a target in CUDA memory. (Another

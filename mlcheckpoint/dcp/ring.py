@@ -16,6 +16,7 @@ order, slot reuse, verification per item) runs in CI.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,6 +27,8 @@ import torch
 from ..integrity import copier, digests, wsum
 from ..integrity.checksum import CHUNK_BYTES
 from ..integrity.verify import digests_agree
+
+log = logging.getLogger(__name__)
 
 SLOTS = 3
 SLOT_BYTES = 16 * CHUNK_BYTES  # 32 MiB: whole chunks, so a piece's chunk digests are an item's
@@ -50,6 +53,11 @@ class Mover(Protocol):
         """``slots`` host buffers of ``slot_bytes`` (page-locked for the device: made once)."""
         ...
 
+    def start(self, targets: list[torch.Tensor]) -> None:
+        """Before the first copy of a load: order the copies after everything the caller
+        enqueued so far (the kernels that initialised ``targets`` among them)."""
+        ...
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Start copying ``src`` (bytes of a slot) into ``dst`` (device bytes), after the
         copies started before it."""
@@ -66,31 +74,51 @@ class Mover(Protocol):
         """wsum64 of each target, computed on the device after every copy started so far."""
         ...
 
+    def finish(self) -> None:
+        """After a load: what the caller enqueues from now on runs after the ring's work."""
+        ...
 
-# The page-locked slots of this process, by (slots, bytes each): made once, kept for later resumes.
+
+# The page-locked slots of this process, by (slots, bytes each): made once, kept for later
+# resumes. One load uses them at a time (resumes run on the training thread), and a load
+# that fails waits for its copies before it returns (``Ring.load``), so a retry reuses them.
 _cuda_slots: dict[tuple[int, int], list[torch.Tensor]] = {}
 
 
 class CudaMover:
-    """Host-to-device copies on a stream of their own; slots page-locked once per process."""
+    """Host-to-device copies on a stream of their own; slots page-locked once per process.
+
+    Every CUDA call runs with ``device`` current (``torch.cuda.device``), whatever the calling
+    thread's current device: page-locking and events then use that device's context, never a
+    new one on device 0."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device):
+            self.stream = torch.cuda.Stream(device)
 
     def buffers(self, slots: int, slot_bytes: int) -> list[torch.Tensor]:
         key = (slots, slot_bytes)
         if key not in _cuda_slots:
-            _cuda_slots[key] = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True)
-                                for _ in range(slots)]
+            with torch.cuda.device(self.device):
+                _cuda_slots[key] = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True)
+                                    for _ in range(slots)]
         return _cuda_slots[key]
+
+    def start(self, targets: list[torch.Tensor]) -> None:
+        # The caller's stream may still hold kernels writing the targets (``init_weights()``
+        # after ``to_empty``): the copies, and the checksums after them, wait for those.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in targets:  # allocated on the caller's stream, written on this one
+            t.record_stream(self.stream)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
 
     def fence(self) -> Any:
-        done = torch.cuda.Event()
+        # A blocking event: the host thread sleeps in ``wait`` instead of spinning a core.
+        done = torch.cuda.Event(blocking=True)
         done.record(self.stream)
         return done
 
@@ -101,6 +129,9 @@ class CudaMover:
         with torch.cuda.stream(self.stream):
             return wsum.to_unsigned(wsum.tensor_digests(targets).cpu())
 
+    def finish(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
 
 class HostMover:
     """The ring's device side with CPU tensors standing in for device memory (tests): copies
@@ -108,6 +139,9 @@ class HostMover:
 
     def buffers(self, slots: int, slot_bytes: int) -> list[torch.Tensor]:
         return [torch.empty(slot_bytes, dtype=torch.uint8) for _ in range(slots)]
+
+    def start(self, targets: list[torch.Tensor]) -> None:
+        pass  # one stream of work: the host's
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
@@ -120,6 +154,9 @@ class HostMover:
 
     def digests(self, targets: list[torch.Tensor]) -> list[int]:
         return wsum.to_unsigned(wsum.tensor_digests(targets))
+
+    def finish(self) -> None:
+        pass
 
 
 def mover_for(device: torch.device) -> Mover:
@@ -157,7 +194,19 @@ class Ring:
     def load(self, reads: Sequence[RingRead]) -> list[int]:
         """Copy every read into its target and verify it; returns the indices of the reads
         whose bytes fail their checksum (empty: all good). The targets hold the bytes once
-        this returns; a failed read's target holds the bad bytes."""
+        this returns; a failed read's target holds the bad bytes.
+
+        The copies run after what the caller's current stream enqueued before the call, and
+        what it enqueues after the call runs after them (``Mover.start``, ``finish``): the
+        checksums see the bytes no earlier kernel will overwrite. Kernels of the targets on
+        other streams are not waited for (the caller's producers are on its current stream).
+
+        A bad item is found once its bytes are in the target: the caller refuses the copy
+        and reruns the whole load from another (recovery does), so a target never keeps bad
+        bytes; should every copy be bad, the targets are left partly overwritten.
+
+        When it raises, every copy it started has completed first: the slots (shared by the
+        process's loads) and the targets are no longer written by the device."""
         for r in reads:
             if r.target.numel() != r.source.size or r.target.dtype != torch.uint8:
                 raise ValueError(f"a ring target of {r.target.numel()} bytes for {r.source.size}")
@@ -166,20 +215,28 @@ class Ring:
         chunk_digests = {i: np.zeros(-(-r.source.size // CHUNK_BYTES), dtype=np.uint64)
                          for i, r in enumerate(reads) if r.algorithm != digests.WSUM}
         fences: list[Any] = [None] * len(self.slots)
-        for batch in self._slot_batches(reads):
-            k = self.fills % len(self.slots)
-            if fences[k] is not None:
-                self.mover.wait(fences[k])  # its copies have read it: it may be refilled
-            slot = self.slots[k]
-            self._fill(slot, reads, batch, chunk_digests)
-            for i, begin, size, at in batch:
-                self.mover.copy(reads[i].target[begin:begin + size], slot[at:at + size])
-                self.pieces_copied += 1
-            fences[k] = self.mover.fence()
-            self.fills += 1
-        for fence in fences:
-            if fence is not None:
-                self.mover.wait(fence)
+        self.mover.start([r.target for r in reads])
+        try:
+            for batch in self._slot_batches(reads):
+                k = self.fills % len(self.slots)
+                if fences[k] is not None:
+                    self.mover.wait(fences[k])  # its copies have read it: it may be refilled
+                slot = self.slots[k]
+                self._fill(slot, reads, batch, chunk_digests)
+                for i, begin, size, at in batch:
+                    self.mover.copy(reads[i].target[begin:begin + size], slot[at:at + size])
+                    self.pieces_copied += 1
+                fences[k] = self.mover.fence()
+                self.fills += 1
+            for fence in fences:
+                if fence is not None:
+                    self.mover.wait(fence)
+            on_device = [i for i, r in enumerate(reads) if r.algorithm == digests.WSUM]
+            got = self.mover.digests([reads[i].target for i in on_device]) if on_device else []
+        except BaseException:
+            self._settle()
+            raise
+        self.mover.finish()
         bad = []
         for i, chunks in chunk_digests.items():
             r = reads[i]
@@ -187,12 +244,18 @@ class Ring:
                       else digests.digest_at(r.algorithm, r.source.ctypes.data, 0))
             if not digests_agree(r.checksum, digest):
                 bad.append(i)
-        on_device = [i for i, r in enumerate(reads) if r.algorithm == digests.WSUM]
-        if on_device:
-            got = self.mover.digests([reads[i].target for i in on_device])
-            bad += [i for i, d in zip(on_device, got, strict=True)
-                    if not digests_agree(reads[i].checksum, d)]
+        bad += [i for i, d in zip(on_device, got, strict=True)
+                if not digests_agree(reads[i].checksum, d)]
         return sorted(bad)
+
+    def _settle(self) -> None:
+        """After a failure: wait until every copy started so far has completed (a failure of
+        the device itself, which that wait would raise again, is left to the caller's error)."""
+        try:
+            self.mover.wait(self.mover.fence())
+            self.mover.finish()
+        except Exception as e:  # noqa: BLE001 - the load's own error is the one to raise
+            log.debug("mlcheckpoint: waiting for the ring's copies after a failure: %s", e)
 
     def _slot_batches(self, reads: Sequence[RingRead]) -> list[list[tuple[int, int, int, int]]]:
         """The pieces, in order, grouped by slot fill: (read, begin, size, offset in the slot)."""

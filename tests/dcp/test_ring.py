@@ -145,6 +145,32 @@ def test_a_slot_is_refilled_only_after_its_copy_has_read_it(slots):
     mover.pool.shutdown()
 
 
+class FailingMover(LateMover):
+    """A LateMover whose ``fail_at``-th copy raises, as a device error surfacing there would,
+    while the copies before it are still in flight."""
+
+    def __init__(self, fail_at: int):
+        super().__init__(delay=0.05)
+        self.fail_at = fail_at
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._issued == self.fail_at:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        super().copy(dst, src)
+
+
+def test_a_failed_load_returns_only_once_its_copies_have_completed():
+    """A load that fails leaves no copy running: the slots are the process's, and a retry
+    would refill them while a late copy still reads them (into a target the retry writes)."""
+    mover = FailingMover(fail_at=3)
+    reads = make_reads([SLOT] * 5, [digests.WSUM], seed=6)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        ring.Ring(mover, slots=3, slot_bytes=SLOT).load(reads)
+    assert len(mover.order) == 3, "the load raised while copies it started were still running"
+    assert mover.errors == []
+    mover.pool.shutdown()
+
+
 def test_a_ring_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="2 slots or more"):
         ring.Ring(ring.HostMover(), slots=1, slot_bytes=SLOT)
@@ -194,3 +220,26 @@ def test_a_resume_through_the_ring_loads_whole_cast_and_strided_targets(store_di
         errors = [f[0] if isinstance(f, tuple) else f for f in e.value.failures.values()]
         assert isinstance(errors[0], CorruptShardError)
         assert "checksum mismatch in item 'bf16'" in str(errors[0])
+
+
+def test_a_resume_casts_one_item_at_a_time_through_a_buffer_of_its_own(store_dir, monkeypatch):
+    """Resharded or cast items each take a device buffer of the stored item's size: they are
+    loaded one after the other, each buffer freed before the next is made, so the resume adds
+    one item's bytes beside the ring's slots, not every such item's at once (measured with
+    torch's allocator's own accounting, CPU tensors standing in for device memory)."""
+    from helpers import peak_cpu_allocation
+
+    monkeypatch.setattr(ring, "SLOT_BYTES", SLOT)
+    item = 8 << 20
+    g = torch.Generator().manual_seed(4)
+    want = {f"w{i}": torch.randn(item // 4, generator=g) for i in range(6)}
+    with CheckpointManager(job_id=JOB, local_dir=store_dir, replication="none") as ckpt:
+        ckpt.save(want, 5)
+        target = {k: torch.zeros(item // 4, dtype=torch.float64) for k in want}  # cast
+        reader = RingReader(5, ckpt.storage_reader(5).store)
+        extra = peak_cpu_allocation(lambda: dcp.load(target, storage_reader=reader, no_dist=True))
+        assert all(torch.equal(target[k], v.double()) for k, v in want.items())
+    slots = ring.SLOTS * SLOT
+    assert extra <= slots + item + (2 << 20), \
+        f"{extra / 2**20:.1f} MiB for {len(want)} cast items of {item >> 20} MiB (one at a time: " \
+        f"{(slots + item) / 2**20:.0f} MiB)"

@@ -131,10 +131,10 @@ class RegistrationCounter:
         self._orig = buffers.MappedFile.register_for_device_copies
         counter = self
 
-        def counting(mapped: buffers.MappedFile) -> None:
+        def counting(mapped: buffers.MappedFile, device: int | None = None) -> None:
             before = mapped._cuda_registered
             t0 = time.perf_counter()
-            counter._orig(mapped)
+            counter._orig(mapped, device)
             if not before and mapped._cuda_registered:
                 counter.seconds.append(time.perf_counter() - t0)
 

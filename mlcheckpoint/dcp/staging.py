@@ -212,9 +212,11 @@ def _take_buffer(store: LocalStore, step: int, rank: int, state_dict: dict[str, 
     offsets, nbytes = lay_out(leaves, prediction, skip)
     shard = store.begin_shard(step, rank, nbytes)
     try:
-        if any(device_staging.on_device(_local(t)) for t in leaves):
-            store.expect_device_copies(rank)  # its next buffers: registered as they are prepared
-            shard.buffer.register_for_device_copies()
+        on_device = [_local(t) for t in leaves if device_staging.on_device(_local(t))]
+        if on_device:
+            device = on_device[0].device.index  # the rank's: registered under its context
+            store.expect_device_copies(rank, device)  # its next buffers: registered as prepared
+            shard.buffer.register_for_device_copies(device)
         layout = stage_into(state_dict, shard.buffer.tensor, defer, offsets)
     except BaseException:
         shard.abort()

@@ -147,6 +147,7 @@ class MappedFile:
             os.close(fd)
         self._tensor: torch.Tensor | None = None
         self._cuda_registered = False
+        self._cuda_device = 0  # the device whose context registered it
 
     def _prepare_for_reading(self, huge: bool) -> str:
         """Populate huge pages now (one call, no faults while copying); leave small ones to
@@ -190,21 +191,39 @@ class MappedFile:
             return ptr - self.base_ptr
         return None
 
-    def register_for_device_copies(self) -> None:
+    def register_for_device_copies(self, device: int | None = None) -> None:
         """Page-lock the mapping so device-to-host copies land directly (no bounce buffer).
         Once per mapping (``BufferPool.prewarm`` does it as it prepares a buffer); portable,
-        so any thread, whatever its current device, may register it for every device."""
+        so every device's copies use it. It runs under ``device``'s context (default: the
+        calling thread's current device; a library thread passes the rank's, so no context is
+        made on device 0), and so does its unregistering, whichever thread releases it.
+
+        A failed registration is no error (copies go through a bounce buffer), but the CUDA
+        runtime keeps it as the thread's last error, which the next kernel launch on the
+        thread would raise: it is cleared here."""
+        global registrations
         if self._cuda_registered or not torch.cuda.is_available() or self.size == 0:
             return
-        rc = torch.cuda.cudart().cudaHostRegister(self.base_ptr, self.size, _REGISTER_PORTABLE)
-        if int(rc) == 0:
+        device = torch.cuda.current_device() if device is None else device
+        with torch.cuda.device(device):
+            rc = int(torch.cuda.cudart().cudaHostRegister(self.base_ptr, self.size, _REGISTER_PORTABLE))
+            if rc != 0:
+                _clear_cuda_error(rc)
+        if rc == 0:
             self._cuda_registered = True
+            self._cuda_device = device
+            registrations += 1
         else:  # still correct, only slower
-            log.warning("cudaHostRegister failed (%s); GPU copies go through a bounce buffer", rc)
+            _warn_once(f"cudaHostRegister of a {self.size}-byte shard buffer failed ({_cuda_error(rc)}); "
+                       "its GPU copies go through a bounce buffer")
 
     def release(self) -> None:
         if self._cuda_registered:
-            torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
+            with torch.cuda.device(self._cuda_device):
+                rc = int(torch.cuda.cudart().cudaHostUnregister(self.base_ptr))
+                if rc != 0:
+                    _clear_cuda_error(rc)
+                    log.debug("cudaHostUnregister failed (%s)", _cuda_error(rc))
             self._cuda_registered = False
         self._tensor = None
         self.array = None  # type: ignore[assignment]
@@ -216,12 +235,81 @@ class MappedFile:
             pass  # tensors handed out still view it; the mapping goes when they do
 
 
+# cudaHostRegister calls that succeeded in this process (tests and benchmarks: a save that
+# registers a buffer again shows here).
+registrations = 0
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """One warning line per distinct failure, not one per buffer."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("mlcheckpoint: %s", message)
+
+
+def _cuda_error(rc: int) -> str:
+    try:
+        return f"{torch.cuda.cudart().cudaGetErrorString(rc)} ({rc})"
+    except (AttributeError, RuntimeError, TypeError):
+        return str(rc)
+
+
+def _bind_cuda_get_last_error():
+    """``cudaGetLastError`` of the CUDA runtime library torch loaded, found in this process's
+    maps (the same library instance, so the same per-thread error); None where torch's runtime
+    is not a shared library of its own (linked in statically)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            fn = ctypes.CDLL(path).cudaGetLastError
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
+        return fn
+    return None
+
+
+_cuda_get_last_error: list = []  # [the bound function or None], bound on first use
+
+
+def _clear_cuda_error(rc: int) -> None:
+    """Reset the calling thread's CUDA error left by a failed runtime call (``rc``), so that
+    torch's next launch check does not raise it (the device is current). Through the runtime
+    library's ``cudaGetLastError``; where that library cannot be found, a one-element launch,
+    whose check reads (and so resets) the error, raising it, caught here."""
+    if not _cuda_get_last_error:
+        _cuda_get_last_error.append(_bind_cuda_get_last_error())
+    get_last_error = _cuda_get_last_error[0]
+    if get_last_error is not None:
+        get_last_error()
+        return
+    try:
+        torch.empty(1, dtype=torch.uint8, device="cuda").fill_(0)
+    except RuntimeError as e:
+        log.debug("cleared the CUDA error of a failed call (%s): %s", _cuda_error(rc), e)
+
+
 class MappingCache:
-    """Per-process cache of MappedFile by inode, so recycled files are mapped once."""
+    """Per-process cache of MappedFile by inode, so recycled files are mapped once.
+
+    A file has at most two: the first one made (the writer's, page-locked for device copies
+    when the rank saves from device memory) and, when a reader needs more of the file than it
+    covers (a whole-file reader of a committed shard, whose byte items were appended past the
+    staged region), a wider one beside it. The wider one never replaces the first: replacing
+    it would unregister it, and the next save of the recycled buffer would page-lock it again
+    on the training thread (with replication, whose sender reads every shard whole: each save).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_key: dict[tuple[int, int], MappedFile] = {}
+        self._wider: dict[tuple[int, int], MappedFile] = {}
 
     # Mappings belong to one process: a pickled cache (DCP's PROCESS mode sends the store, with
     # its parts that share this cache, to another process) arrives empty, still shared.
@@ -237,15 +325,20 @@ class MappingCache:
         st = os.stat(path)
         key = (st.st_dev, st.st_ino)
         with self._lock:
-            mf = self._by_key.get(key)
-            if mf is not None and mf.size >= size and st.st_size >= size:
-                return mf if mf.size == size else _SubMapping(mf, size)
+            for mf in (self._by_key.get(key), self._wider.get(key)):
+                if mf is not None and mf.size >= size and st.st_size >= size:
+                    return mf if mf.size == size else _SubMapping(mf, size)
         # Map outside the lock: populating a fresh file's pages can take seconds, and another
         # thread's save must not wait behind a buffer being prepared in the background.
         new = MappedFile(path, size, populate, holes)
         with self._lock:
-            old = self._by_key.get(key)
-            self._by_key[key] = new
+            first = self._by_key.get(key)
+            if first is not None and first.size < size:  # kept: a wider one beside it
+                old = self._wider.get(key)
+                self._wider[key] = new
+            else:
+                old = first
+                self._by_key[key] = new
         if old is not None:
             old.release()
         return new
@@ -257,20 +350,41 @@ class MappingCache:
             mf = self._by_key.get((st.st_dev, st.st_ino))
         return mf if mf is not None and mf.size <= st.st_size else None
 
-    def forget(self, path: str) -> None:
-        """Drop the mapping of a file about to be deleted, so its pages can be freed."""
+    def unpin_beyond(self, path: str, end: int) -> None:
+        """Before ``path`` is truncated to ``end`` bytes: drop (unregistering) its page-locked
+        mappings that reach past ``end``. Pages the device registration holds stay allocated
+        past the end of a truncated file, where no room check sees them."""
         try:
             st = os.stat(path)
         except FileNotFoundError:
             return
+        key = (st.st_dev, st.st_ino)
+        dropped = []
         with self._lock:
-            mf = self._by_key.pop((st.st_dev, st.st_ino), None)
-        if mf is not None:
+            for cache in (self._by_key, self._wider):
+                mf = cache.get(key)
+                if mf is not None and mf.size > end and mf._cuda_registered:
+                    dropped.append(cache.pop(key))
+        for mf in dropped:
             mf.release()
+
+    def forget(self, path: str) -> None:
+        """Drop the mappings of a file about to be deleted, so its pages can be freed."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            dropped = [cache.pop(key, None) for cache in (self._by_key, self._wider)]
+        for mf in dropped:
+            if mf is not None:
+                mf.release()
 
     def clear(self) -> None:
         with self._lock:
-            mapped, self._by_key = list(self._by_key.values()), {}
+            mapped = [*self._by_key.values(), *self._wider.values()]
+            self._by_key, self._wider = {}, {}
         for mf in mapped:
             mf.release()
 
@@ -293,8 +407,8 @@ class _SubMapping(MappedFile):
     def _cuda_registered(self) -> bool:  # type: ignore[override]
         return self._parent._cuda_registered
 
-    def register_for_device_copies(self) -> None:
-        self._parent.register_for_device_copies()
+    def register_for_device_copies(self, device: int | None = None) -> None:
+        self._parent.register_for_device_copies(device)
 
     def release(self) -> None:
         pass

@@ -177,7 +177,9 @@ class BufferPool:
 
     def __init__(self, paths: JobPaths, mappings: MappingCache, capacity: Capacity, lock: NodeLock):
         self.paths, self.mappings, self.capacity, self.lock = paths, mappings, capacity, lock
-        self.device_ranks: set[int] = set()  # ranks whose buffers take device copies
+        # Ranks whose buffers take device copies -> the CUDA device each registers under
+        # (the warmer's thread registers them: with the rank's device, not device 0, current).
+        self.device_ranks: dict[int, int | None] = {}
 
     def candidate(self, rank: int, nbytes: int) -> tuple[str, int] | None:
         """(path, size) of the buffer ``take`` would pick first, if any."""
@@ -249,7 +251,7 @@ class BufferPool:
                     os.close(fd)
                 mapped = self.mappings.map(tmp, nbytes)  # populated: the pages exist from now on
                 if rank in self.device_ranks:  # page-locked now, not on a save's path
-                    mapped.register_for_device_copies()
+                    mapped.register_for_device_copies(self.device_ranks[rank])
             except (CapacityError, OSError) as e:
                 self.unlink(tmp)
                 if isinstance(e, OSError) and e.errno not in NO_ROOM:

@@ -128,6 +128,7 @@ class ShardFiles:
         # Nothing past the data stays in tmpfs (a stage trimmed to its plan, a recycled buffer
         # with slack): the file holds what replication sends and recovery reads, no more.
         if os.stat(partial).st_size > manifest.data_bytes:
+            self.mappings.unpin_beyond(partial, manifest.data_bytes)
             os.truncate(partial, manifest.data_bytes)
         with open(tmp, "wb", opener=_private) as f:
             f.write(manifest.to_bytes())

@@ -122,3 +122,29 @@ def test_manager_prepares_buffers_after_the_first_save(store_dir):
         out = {"w": torch.zeros(256, 256), "b": torch.zeros(300)}
         assert ckpt.resume(out).step == 3
         assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
+
+
+def test_a_whole_file_reader_keeps_the_writers_mapping_of_a_recycled_buffer(store):
+    """A committed shard whose byte items were appended past the staged region is read whole
+    (the replication sender, ``verify_shard``): its wider mapping goes beside the writer's,
+    which stays cached (page-locked, where the rank saves from device memory), so the next
+    save of the recycled buffer finds that one, not a mapping it must page-lock again."""
+    sw = store.begin_shard(1, 0, N)
+    writer_mapping = sw.buffer
+    sw.buffer.array[:] = 3
+    offset, _ = sw.append_bytes(b"x" * 1000)  # past the staged region, as DCP's byte items
+    assert offset >= N
+    sw.commit()
+    put_metadata(store, 1)
+    m, whole = store.map_shard(1, 0)  # a whole-file reader
+    assert whole.size == m.data_bytes > writer_mapping.size
+    data = store.shards.paths.data(1, 0)
+    st = os.stat(data)
+    assert store.mappings.lookup(st) is writer_mapping, "the reader replaced the writer's mapping"
+    assert writer_mapping.array is not None  # still mapped: never released
+    assert store.map_shard(1, 0)[1] is whole  # the wider one is kept too: read again, not remapped
+    store.shards.retire(1, 0)  # recycled: the next save of rank 0 takes it back
+    sw = store.begin_shard(2, 0, N)
+    assert os.stat(sw.partial_path).st_ino == st.st_ino
+    assert sw.buffer is writer_mapping
+    sw.abort()

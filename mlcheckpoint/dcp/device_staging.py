@@ -19,12 +19,15 @@ stream, no event: the copies and checksums run at once), so the bookkeeping of a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..integrity import digests, wsum
+
+log = logging.getLogger(__name__)
 
 Digests = dict[int, tuple[int, int, str]]  # offset in the buffer -> (nbytes, checksum, algorithm)
 
@@ -52,14 +55,23 @@ def on_device(t: torch.Tensor) -> bool:
     return digests.algorithm_for(t) == digests.WSUM
 
 
-def call_event(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
-    """An event on the caller's stream, after what it enqueued so far, where some of
-    ``tensors`` are in CUDA memory (None otherwise): copies on another stream wait for it."""
-    if not any(t.device.type == "cuda" for t in tensors):
+def call_event(tensors: list[torch.Tensor]) -> dict[torch.device, torch.cuda.Event] | None:
+    """Per CUDA device some of ``tensors`` are on, an event on the caller's stream of that
+    device, after what it enqueued so far (None where none is in CUDA memory): copies on
+    another stream wait for the event of their device. (An event of the current device only
+    would leave another device's copies unordered after their producers: a torn snapshot.)
+
+    The producers are assumed on the caller's current streams; work on other streams, or a
+    CUDA graph replayed without the guard's hooks, is not waited for."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    if not devices:
         return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
+    events = {}
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))  # recorded on that device's stream
+        events[device] = event
+    return events
 
 
 @dataclass
@@ -72,6 +84,7 @@ class _Batch:
     sizes: list[int] = field(default_factory=list)
     host_digests: torch.Tensor | None = None  # page-locked; valid once ``done`` completes
     done: torch.cuda.Event | None = None
+    stream: torch.cuda.Stream | None = None  # where the copies were enqueued (``settle``)
 
 
 class DeviceCopies:
@@ -99,37 +112,55 @@ class DeviceCopies:
         batch.sizes.append(nbytes)
 
     def enqueue(self, stream_of: Callable[[torch.device], torch.cuda.Stream] = current_stream,
-                after: torch.cuda.Event | None = None) -> None:
+                after: dict[torch.device, torch.cuda.Event] | None = None) -> None:
         """Enqueue every copy, then the checksums of the sources, on ``stream_of(device)``
-        (after ``after``, an event of the caller's stream); returns without waiting."""
+        (after ``after``'s event of that device, recorded on the caller's stream); returns
+        without waiting. Each device's work runs with that device current (``torch.cuda.
+        device``), whichever thread enqueues it."""
         for device, batch in self._batches.items():
             if device.type == "cpu":  # a test's stand-in for device memory: at once
                 for src, dst in zip(batch.sources, batch.targets):
                     dst.copy_(src)
                 batch.host_digests = wsum.tensor_digests(batch.sources)
                 continue
-            stream = stream_of(device)
-            if after is not None:
-                stream.wait_event(after)
-            with torch.cuda.stream(stream):
-                for src, dst in zip(batch.sources, batch.targets):
-                    dst.copy_(src, non_blocking=True)
-                computed = wsum.tensor_digests(batch.sources)
-                batch.host_digests = torch.empty(computed.shape, dtype=torch.int64, pin_memory=True)
-                batch.host_digests.copy_(computed, non_blocking=True)
-                batch.done = torch.cuda.Event()
-                batch.done.record(stream)
+            with torch.cuda.device(device):
+                stream = batch.stream = stream_of(device)
+                if after is not None and device in after:
+                    stream.wait_event(after[device])
+                with torch.cuda.stream(stream):
+                    for src, dst in zip(batch.sources, batch.targets):
+                        dst.copy_(src, non_blocking=True)
+                    computed = wsum.tensor_digests(batch.sources)
+                    batch.host_digests = torch.empty(computed.shape, dtype=torch.int64, pin_memory=True)
+                    batch.host_digests.copy_(computed, non_blocking=True)
+                    # Blocking: the waiting thread sleeps rather than spin a core.
+                    batch.done = torch.cuda.Event(blocking=True)
+                    batch.done.record(stream)
 
     def wait(self) -> Digests:
         """Block until every copy and checksum has landed; each item's region -> (nbytes,
         checksum, algorithm). The sources are no longer read after this."""
         out: Digests = {}
-        for batch in self._batches.values():
+        for device, batch in self._batches.items():
             assert batch.host_digests is not None, "enqueue() first"
             if batch.done is not None:
-                batch.done.synchronize()
+                with torch.cuda.device(device):
+                    batch.done.synchronize()
             values = wsum.to_unsigned(batch.host_digests)
             for offset, nbytes, digest in zip(batch.offsets, batch.sizes, values, strict=True):
                 out[offset] = (nbytes, digest, wsum.NAME)  # what this branch's engine computes
             batch.sources, batch.targets = [], []  # let the sources go
         return out
+
+    def settle(self) -> None:
+        """After a failure, before the buffer is given back: wait until the device no longer
+        writes into it (every copy enqueued so far has completed), without raising (the
+        failure is the error to report). Nothing to do for batches never enqueued."""
+        for device, batch in self._batches.items():
+            if batch.stream is None:
+                continue
+            try:
+                with torch.cuda.device(device):
+                    batch.stream.synchronize()
+            except Exception as e:  # noqa: BLE001 - a broken device: the caller's error says more
+                log.debug("mlcheckpoint: waiting for the device copies after a failure: %s", e)

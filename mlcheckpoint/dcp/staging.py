@@ -202,6 +202,9 @@ def stage_overlapped(store: LocalStore, step: int, rank: int, state_dict: dict[s
         staged.copying, staged.hold = snapshots.submit_held(copy_rest, label=step)
     else:
         staged.copying = snapshots.submit(copy_rest, label=step)
+    # A copy cancelled before it ran (a close that does not wait) never waits for the call's
+    # device copies: done here, before the buffer is given back.
+    staged.copying.add_done_callback(lambda f: layout.at_call.settle() if f.cancelled() else None)
     return staged
 
 
@@ -307,13 +310,17 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
         key, value = _flat_entry(obj, e.path, e.value)
         raise entry_error(key, e.cause, value) from e.cause
     _add_digests(layout, spans, copier.process(spans))
-    if layout.at_call:
-        layout.at_call.enqueue()
-    if defer is None:
-        layout.digests.update(layout.at_call.wait())
-        layout.at_call = DeviceCopies()
-    else:  # the staging thread's copies start after what the caller's stream did so far
-        layout.ready = call_event([c.src for c in layout.deferred] + layout.at_call.sources)
+    try:
+        if layout.at_call:
+            layout.at_call.enqueue()
+        if defer is None:
+            layout.digests.update(layout.at_call.wait())
+            layout.at_call = DeviceCopies()
+        else:  # the staging thread's copies start after what the caller's streams did so far
+            layout.ready = call_event([c.src for c in layout.deferred] + layout.at_call.sources)
+    except BaseException:
+        layout.at_call.settle()  # the caller gives the buffer back: no copy may still write it
+        raise
     return layout
 
 
@@ -327,7 +334,19 @@ def copy_deferred(layout: Layout, copied: Callable[[], None] = lambda: None) -> 
     the device from their sources on the same stream; both complete on one event. One copy, no
     bounce buffer, and the host reads none of their bytes (``device_staging.py``).
     """
-    spans, device_copies = [], DeviceCopies()
+    device_copies = DeviceCopies()
+    try:
+        _copy_deferred(layout, device_copies, copied)
+    except BaseException:
+        # The buffer goes back to the pool with the failed step: first, every device copy
+        # into it (the call's and these) must be over, or the next save's bytes get overwritten.
+        layout.at_call.settle()
+        device_copies.settle()
+        raise
+
+
+def _copy_deferred(layout: Layout, device_copies: DeviceCopies, copied: Callable[[], None]) -> None:
+    spans = []
     for c in layout.deferred:
         if c.src.data_ptr() != c.ptr or c.src.numel() * c.src.element_size() != c.nbytes:
             raise StagingError(f"a tensor of {c.nbytes} bytes was resized or replaced before "

@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import threading
+from collections import Counter
 
 import numpy as np
 import torch
@@ -201,7 +202,6 @@ class MappedFile:
         A failed registration is no error (copies go through a bounce buffer), but the CUDA
         runtime keeps it as the thread's last error, which the next kernel launch on the
         thread would raise: it is cleared here."""
-        global registrations
         if self._cuda_registered or not torch.cuda.is_available() or self.size == 0:
             return
         device = torch.cuda.current_device() if device is None else device
@@ -212,7 +212,7 @@ class MappedFile:
         if rc == 0:
             self._cuda_registered = True
             self._cuda_device = device
-            registrations += 1
+            registrations[threading.current_thread().name] += 1
         else:  # still correct, only slower
             _warn_once(f"cudaHostRegister of a {self.size}-byte shard buffer failed ({_cuda_error(rc)}); "
                        "its GPU copies go through a bounce buffer")
@@ -235,9 +235,9 @@ class MappedFile:
             pass  # tensors handed out still view it; the mapping goes when they do
 
 
-# cudaHostRegister calls that succeeded in this process (tests and benchmarks: a save that
-# registers a buffer again shows here).
-registrations = 0
+# The cudaHostRegister calls that succeeded in this process, by the name of the thread that
+# made them (tests and benchmarks: a save that registers a buffer again shows here).
+registrations: Counter[str] = Counter()
 _warned: set[str] = set()
 
 

@@ -119,3 +119,181 @@ def test_cuda_adamw_round_trip_through_guard_and_dcp_thread_async_save_is_bit_ex
                                        v.reshape(-1).view(torch.uint8)), (job, k)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ----------------------------------------------------------------- the GPU path by construction
+# (issue 46: stream order, sticky errors, memory, devices of threads, registrations, events of
+# every device, error paths). Each fails on the code before it; run at once by device_check.sh.
+
+def _sleep_kernel(seconds: float) -> None:
+    """Enqueue a kernel that spins about ``seconds`` on the current stream."""
+    rate = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 0)  # kHz
+    torch.cuda._sleep(int(seconds * (rate or 2_000_000) * 1000))
+
+
+def _shm_root() -> str:
+    return tempfile.mkdtemp(prefix="mlckpt-gpu-", dir="/dev/shm")
+
+
+@cuda
+def test_a_resume_lands_after_the_kernels_queued_before_it():
+    """``to_empty`` -> ``init_weights()`` -> ``dcp.load``: the initialisation still queued on
+    the caller's stream must not land after the ring's copies (and after the device checksum,
+    which would then have passed for bytes about to be overwritten). No collective syncs the
+    stream here (``no_dist``)."""
+    root = _shm_root()
+    try:
+        with CheckpointManager(job_id="order", local_dir=root, replication="none") as ckpt:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            saved = {"whole": torch.randn(16 << 20, device="cuda", generator=g),
+                     "cast": torch.randn(2048, 1024, device="cuda", generator=g)}
+            ckpt.save(saved, 1)
+            target = {"whole": torch.empty_like(saved["whole"]),
+                      "cast": torch.empty(1024, 2048, dtype=torch.float64, device="cuda").t()}
+            torch.cuda.synchronize()
+            _sleep_kernel(1.0)
+            for t in target.values():
+                t.fill_(7)  # the model's initialisation, still queued behind the sleep
+            dcp.load(target, storage_reader=ckpt.storage_reader(1), no_dist=True)
+            torch.cuda.synchronize()
+            assert torch.equal(target["whole"], saved["whole"])
+            assert torch.equal(target["cast"], saved["cast"].double())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@cuda
+def test_a_failed_registration_leaves_no_cuda_error_for_the_next_launch():
+    """cudaHostRegister of a range already registered fails; the buffer falls back to a
+    bounce buffer, and the thread's next kernel launch must not raise that error."""
+    from mlcheckpoint.store import buffers
+
+    root = _shm_root()
+    try:
+        path = f"{root}/buf"
+        with open(path, "wb") as f:
+            f.truncate(4 << 20)
+        mapped = buffers.MappedFile(path, 4 << 20)
+        cudart = torch.cuda.cudart()
+        assert int(cudart.cudaHostRegister(mapped.base_ptr, mapped.size, 0)) == 0  # someone else's
+        try:
+            mapped.register_for_device_copies()  # already registered: refused
+            assert not mapped._cuda_registered
+            x = torch.ones(1024, device="cuda") + 1  # a launch, and its check
+            torch.cuda.synchronize()
+            assert x.sum().item() == 2048
+        finally:
+            cudart.cudaHostUnregister(mapped.base_ptr)
+            mapped.release()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@cuda
+@pytest.mark.parametrize("case", ["512 MiB contiguous", "2048 items of 256 KiB", "512 MiB transposed"])
+def test_the_device_digest_adds_at_most_its_stated_scratch(case):
+    """``max_memory_allocated`` while the device checksums a state: a fixed scratch (the bound
+    docs/performance.md states), not a copy of a strided tensor nor two packing blocks."""
+    from mlcheckpoint.integrity import wsum
+
+    items = {"512 MiB contiguous": lambda: [torch.randn(128 << 20, device="cuda")],
+             "2048 items of 256 KiB": lambda: [torch.randn(64 << 10, device="cuda") for _ in range(2048)],
+             "512 MiB transposed": lambda: [torch.randn(8192, 16384, device="cuda").t()]}[case]()
+    wsum.tensor_digests(items[:1])  # the weight tables: made once per device
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    wsum.tensor_digests(items)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra <= wsum.scratch_bytes(items), f"{case}: {extra / 2**20:.1f} MiB"
+
+
+@cuda
+def test_a_resharded_resume_takes_one_items_buffer_at_a_time():
+    """Cast items come through a device buffer each, loaded one after the other: the resume
+    adds one stored item's bytes (and the checksum's scratch), not every such item's."""
+    from mlcheckpoint.integrity import wsum
+
+    root = _shm_root()
+    item = 128 << 20
+    try:
+        with CheckpointManager(job_id="cast", local_dir=root, replication="none") as ckpt:
+            saved = {f"w{i}": torch.randn(item // 4, device="cuda") for i in range(4)}
+            ckpt.save(saved, 1)
+            target = {k: torch.zeros(item // 4, dtype=torch.float64, device="cuda") for k in saved}
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            dcp.load(target, storage_reader=ckpt.storage_reader(1), no_dist=True)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - before
+            assert all(torch.equal(target[k], v.double()) for k, v in saved.items())
+        bound = item + wsum.scratch_bytes([torch.empty(item, dtype=torch.uint8)])
+        assert extra <= bound, f"{extra / 2**20:.0f} MiB for 4 cast items of {item >> 20} MiB"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@cuda
+def test_whole_file_reads_leave_saves_nothing_to_page_lock_again():
+    """Each committed shard is read whole after its save (as the pg replication sender and
+    ``verify_shard`` do): once the buffers are made, a save registers none again."""
+    from mlcheckpoint.store import buffers
+
+    root = _shm_root()
+    try:
+        with CheckpointManager(job_id="pinned", local_dir=root, replication="none", keep=2) as ckpt:
+            store = ckpt.storage_reader(0).store
+            state = {"w": torch.randn(8 << 20, device="cuda"), "meta": {"lr": 0.1, "note": "x" * 5000}}
+            per_save = []
+            for step in range(8):
+                state["w"].add_(1)
+                before = sum(buffers.registrations.values()) - buffers.registrations["mlckpt-prepare"]
+                ckpt.save(state, step)
+                store.verify_shard(step, 0)  # maps the whole file: byte items lie past the region
+                per_save.append(sum(buffers.registrations.values()) - buffers.registrations["mlckpt-prepare"] - before)
+            assert sum(per_save[4:]) == 0, per_save
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_an_overlapped_snapshot_waits_for_the_producers_on_every_device():
+    """A tensor on cuda:1 while cuda:0 is current: its copy on cuda:1's side stream waits for
+    the kernels queued on cuda:1's stream at the call, not only for cuda:0's."""
+    from mlcheckpoint.dcp import staging
+
+    torch.cuda.set_device(0)
+    x = torch.zeros(4 << 20, device="cuda:1")
+    torch.cuda.synchronize(1)
+    with torch.cuda.device(1):
+        _sleep_kernel(1.0)
+        x.fill_(5)  # queued behind the sleep on cuda:1
+    buffer = torch.empty(x.numel() * 4, dtype=torch.uint8, pin_memory=True)
+    layout = staging.stage_into({"x": x}, buffer, defer=lambda t: True)
+    staging.copy_deferred(layout)
+    assert torch.equal(layout.staged["x"], torch.full((x.numel(),), 5.0))
+
+
+@cuda
+def test_a_failed_snapshot_waits_for_its_device_copies_before_the_buffer_goes_back(monkeypatch):
+    """The staging thread's copy fails after its device copies were enqueued: before the error
+    reaches the commit (which gives the buffer back for the next save) the device has stopped
+    writing into the buffer."""
+    from mlcheckpoint.dcp import device_staging, staging
+
+    x = torch.randn(64 << 20, device="cuda")
+    buffer = torch.empty(x.numel() * 4 + 4096, dtype=torch.uint8, pin_memory=True)
+    torch.cuda.synchronize()
+    _sleep_kernel(1.0)  # the call's stream: the side stream's copies wait for it
+    layout = staging.stage_into({"x": x, "host": torch.ones(1024)}, buffer, defer=lambda t: True)
+
+    def fails(spans):
+        raise RuntimeError("the copier failed")
+
+    monkeypatch.setattr(staging.copier, "process", fails)
+    with pytest.raises(RuntimeError, match="the copier failed"):
+        staging.copy_deferred(layout)
+    assert device_staging.side_stream(x.device).query(), "device copies still write the buffer"

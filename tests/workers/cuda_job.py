@@ -9,6 +9,13 @@ argv: phase
                  over TCP; reports "ready" once step STOP is replicated, then waits to be killed.
   resume       - the same job resumes straight into CUDA tensors and trains on to TOTAL;
                  reports "resumed".
+  registrations - 2 simulated nodes x 1 rank replicating over a gloo group ("pg", whose
+                 sender maps each committed shard whole): SAVES blocking saves, each waited
+                 replicated; reports ("registrations") the cudaHostRegister calls each save's
+                 thread made (the buffer warmer's apart).
+  contexts     - 1 rank on cuda:1 (two GPUs or more): overlapped saves (staging thread,
+                 buffer warmer, retention releasing buffers) and a resume; reports ("contexts")
+                 whether device 0 has a primary context (the driver's own answer).
 
 Each rank trains its own model (bf16 and fp32 parameters, AdamW) under keys of its own, so
 every rank's shard holds its own bytes; the loss is averaged over ranks on the CPU (gloo).
@@ -129,11 +136,62 @@ def resume(rank: int) -> None:
     ckpt.close()
 
 
+SAVES = 8
+
+
+def registrations(rank: int) -> None:
+    from mlcheckpoint.store import buffers
+
+    ckpt = CheckpointManager(replication="pg")
+    model, optim = build()
+    per_save, warmer = [], 0
+    for step in range(SAVES):
+        train_step(model, optim, step, rank)
+        before = dict(buffers.registrations)
+        ckpt.save(state(model, optim, rank), step)
+        if not ckpt.wait_replicated(step, timeout=60):  # the sender has read the shard whole
+            raise RuntimeError(f"step {step} was not replicated")
+        made = {k: v - before.get(k, 0) for k, v in buffers.registrations.items()}
+        warmer += made.pop("mlckpt-prepare", 0)
+        per_save.append(sum(made.values()))
+    report("registrations", {"per_save": per_save, "warmer": warmer})
+    ckpt.close()
+
+
+def primary_context_active(device: int) -> bool:
+    """Whether the driver holds a primary context of ``device`` in this process."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    assert cuda.cuDeviceGet(ctypes.byref(dev), device) == 0
+    assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+    return bool(active.value)
+
+
+def contexts(rank: int) -> None:
+    torch.cuda.set_device(1)  # the rank's device: nothing of the library may touch device 0
+    with CheckpointManager(replication="none", keep=2) as ckpt:
+        model, optim = build()
+        ckpt.guard(optim)
+        for step in range(6):  # enough for retention to retire (release) buffers
+            train_step(model, optim, step, rank)
+            ckpt.async_save(state(model, optim, rank), step)
+        ckpt.wait()
+        model, optim = build()
+        train_step(model, optim, 0, rank)
+        ckpt.resume(state(model, optim, rank))
+        torch.cuda.synchronize()
+        time.sleep(1)  # the warmer's last buffer
+    report("contexts", {"device0": primary_context_active(0), "device1": primary_context_active(1)})
+
+
 def main() -> None:
     phase = sys.argv[1]
     torch.use_deterministic_algorithms(True)
     rank, _ = init()
-    {"nccl_one_gpu": nccl_one_gpu, "train": train, "resume": resume}[phase](rank)
+    {"nccl_one_gpu": nccl_one_gpu, "train": train, "resume": resume,
+     "registrations": registrations, "contexts": contexts}[phase](rank)
     dist.destroy_process_group()
 
 

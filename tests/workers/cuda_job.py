@@ -140,21 +140,32 @@ SAVES = 8
 
 
 def registrations(rank: int) -> None:
+    import threading
+    from collections import Counter
+
     from mlcheckpoint.store import buffers
 
+    made: Counter[str] = Counter()  # buffers page-locked, by thread (counted for any revision)
+    original = buffers.MappedFile.register_for_device_copies
+
+    def counting(mapped, *args, **kwargs):
+        before = mapped._cuda_registered
+        original(mapped, *args, **kwargs)
+        if not before and mapped._cuda_registered:
+            made[threading.current_thread().name] += 1
+
+    buffers.MappedFile.register_for_device_copies = counting
     ckpt = CheckpointManager(replication="pg")
     model, optim = build()
-    per_save, warmer = [], 0
+    per_save = []
     for step in range(SAVES):
         train_step(model, optim, step, rank)
-        before = dict(buffers.registrations)
+        before = sum(made.values()) - made["mlckpt-prepare"]
         ckpt.save(state(model, optim, rank), step)
         if not ckpt.wait_replicated(step, timeout=60):  # the sender has read the shard whole
             raise RuntimeError(f"step {step} was not replicated")
-        made = {k: v - before.get(k, 0) for k, v in buffers.registrations.items()}
-        warmer += made.pop("mlckpt-prepare", 0)
-        per_save.append(sum(made.values()))
-    report("registrations", {"per_save": per_save, "warmer": warmer})
+        per_save.append(sum(made.values()) - made["mlckpt-prepare"] - before)
+    report("registrations", {"per_save": per_save, "warmer": made["mlckpt-prepare"]})
     ckpt.close()
 
 

@@ -128,6 +128,9 @@ class DeviceCopies:
                 if after is not None and device in after:
                     stream.wait_event(after[device])
                 with torch.cuda.stream(stream):
+                    # The sources are allocated on the caller's streams and read here; they stay
+                    # referenced until ``wait`` (or ``settle``) has seen the copies complete, so
+                    # no ``record_stream`` is needed to keep their memory from being reused.
                     for src, dst in zip(batch.sources, batch.targets):
                         dst.copy_(src, non_blocking=True)
                     computed = wsum.tensor_digests(batch.sources)

@@ -311,6 +311,16 @@ def _pieces(t: torch.Tensor, limit: int):
             yield from _pieces(t[i], limit)
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element's size (same strides), so a copy moves its bits
+    as stored; itself where conjugation or negation must be resolved (or no such integer)."""
+    bits = _BITS.get(t.element_size())
+    return t if bits is None or t.is_conj() or t.is_neg() else t.view(bits)
+
+
 def _groups(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Consecutive runs of items of about ``GROUP_BYTES`` (an item larger: a group alone)."""
     groups: list[list[torch.Tensor]] = [[]]
@@ -389,9 +399,12 @@ class _Engine:
                 m = _nbytes(piece)
                 if self.fill + m > BLOCK_BYTES:
                     self.flush(rows)
-                # Copied as its own dtype: strides, conjugation and negation resolved by torch
-                # (the offset is a multiple of the element size: rows are, and so is each piece).
-                buf[self.fill:self.fill + m].view(piece.dtype).view(piece.shape).copy_(piece)
+                # Copied as bits (an integer of the element's size: no dtype's own kernel is
+                # needed, fp4 has none), or as its dtype where torch must resolve conjugation
+                # or negation; the offset is a multiple of the element size (rows are, and so
+                # is each piece).
+                bits = _as_bits(piece)
+                buf[self.fill:self.fill + m].view(bits.dtype).view(bits.shape).copy_(bits)
                 self.fill += m
         pad = -self.fill % ROW_BYTES
         if pad:

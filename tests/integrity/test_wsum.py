@@ -160,6 +160,15 @@ def test_strided_items_in_pieces_across_packing_buffers_and_groups(monkeypatch):
     assert [device(t)[0] for t in items] == want
 
 
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="no fp4 in this torch")
+def test_a_strided_tensor_of_a_dtype_torch_cannot_copy_digests_as_stored():
+    """fp4 (two values a byte) has no copy kernel: a strided one is copied as its bits."""
+    raw = torch.from_numpy(random_bytes(40 * 3333, 9)).view(40, 3333)
+    for pick in (lambda x: x.t(), lambda x: x[::3, 1::2]):
+        want = pick(raw).contiguous().reshape(-1).numpy()
+        assert device(pick(raw.view(torch.float4_e2m1fn_x2))) == [host(want)]
+
+
 MiB = 1 << 20
 # What docs/performance.md states: a state of items of at most 1 GiB each.
 DIGEST_SCRATCH_BOUND = 72 * MiB

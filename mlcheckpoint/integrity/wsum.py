@@ -355,6 +355,9 @@ class _Engine:
         self._scratch: torch.Tensor | None = None
         self._pack: torch.Tensor | None = None
         self.fill = 0  # bytes in the packing buffer
+        self._zeros: torch.Tensor | None = None  # a row of zeros: the pads of queued items
+        self._queued: list[torch.Tensor] = []  # small items (and pads) not yet copied in
+        self._queued_at = 0  # where the first of them goes
 
     def _sum_rows(self, words: torch.Tensor, rows: _Rows) -> None:
         """Sum the rows of ``words`` (int32, [n, ROW_WORDS]) weighted by column, into the next
@@ -379,13 +382,25 @@ class _Engine:
     def pack(self, item: int, first_row: int, src: torch.Tensor, rows: _Rows) -> None:
         """Append an item's bytes from row ``first_row`` on (``src``: a flat uint8 view, or a
         tensor of any layout whose values are the bytes as stored) to the packing buffer, its
-        last row zero-padded; full buffers are summed as they fill."""
+        last row zero-padded; full buffers are summed as they fill. Small contiguous items are
+        queued and copied together, many per kernel (``torch.cat`` into the buffer)."""
         if self._pack is None:
             self._pack = torch.empty(BLOCK_BYTES, dtype=torch.uint8, device=self.device)
+            self._zeros = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=self.device)
         buf = self._pack
         n = _nbytes(src)
         rows.segments.append((item, first_row, -(-n // ROW_BYTES)))
-        if src.dtype == torch.uint8 and src.dim() == 1 and src.is_contiguous():
+        pad = -n % ROW_BYTES
+        contiguous = src.dtype == torch.uint8 and src.dim() == 1 and src.is_contiguous()
+        if contiguous and self.fill + n + pad <= BLOCK_BYTES:
+            if not self._queued:
+                self._queued_at = self.fill
+            assert self._zeros is not None
+            self._queued += [src, self._zeros[:pad]] if pad else [src]
+            self.fill += n + pad
+            return
+        self._copy_queued()
+        if contiguous:
             done = 0
             while done < n:  # bytes: cut anywhere
                 k = min(n - done, BLOCK_BYTES - self.fill)
@@ -411,11 +426,20 @@ class _Engine:
             buf[self.fill:self.fill + pad].zero_()
             self.fill += pad
 
+    def _copy_queued(self) -> None:
+        """Copy the queued small items into their place in the buffer: one ``torch.cat``."""
+        if self._queued:
+            assert self._pack is not None
+            torch.cat(self._queued, out=self._pack[self._queued_at:self._queued_at
+                                                   + sum(t.numel() for t in self._queued)])
+            self._queued = []
+
     def flush(self, rows: _Rows) -> None:
         """Sum the packing buffer's whole rows; a partial last row (an item in the middle of
         its bytes) moves to the buffer's start."""
         if self._pack is None:  # nothing was packed
             return
+        self._copy_queued()
         whole = self.fill // ROW_BYTES
         if whole:
             self._sum_rows(self._pack[:whole * ROW_BYTES].view(torch.int32).view(whole, ROW_WORDS), rows)

@@ -154,7 +154,8 @@ def test_strided_items_in_pieces_across_packing_buffers_and_groups(monkeypatch):
              torch.randn(4, 7, 250, dtype=torch.complex64, generator=g).transpose(0, 2).conj(),
              torch.randn(3, generator=g)[::2],
              torch.from_numpy(random_bytes(3 * ROW, 8))[1:],  # misaligned: packed
-             torch.randn(2 * wsum.PACK_BELOW // 4 + 5, generator=g)]  # read in place, then its tail
+             torch.randn(2 * wsum.PACK_BELOW // 4 + 5, generator=g),  # read in place, then its tail
+             *(torch.from_numpy(random_bytes(100 + k, k)) for k in range(9))]  # queued, copied together
     want = [host(stored_bytes(t)) for t in items]
     assert device(*items) == want
     assert [device(t)[0] for t in items] == want

@@ -214,8 +214,8 @@ class MappedFile:
             self._cuda_device = device
             registrations[threading.current_thread().name] += 1
         else:  # still correct, only slower
-            _warn_once(f"cudaHostRegister of a {self.size}-byte shard buffer failed ({_cuda_error(rc)}); "
-                       "its GPU copies go through a bounce buffer")
+            _warn_once(f"cudaHostRegister of a shard buffer failed ({_cuda_error(rc)}); the GPU "
+                       "copies of such buffers go through a bounce buffer")
 
     def release(self) -> None:
         if self._cuda_registered:

@@ -1,6 +1,11 @@
-"""GPU paths: staging from device memory straight into tmpfs, and replication over NCCL.
+"""GPU paths: staging from device memory straight into tmpfs, and replication over NCCL; and
+the GPU path correct by construction (issue 46): a resume ordered after the kernels queued
+before it, a failed page-locking that leaves no CUDA error behind, the device memory the
+checksum and a cast resume add, no page-locking again at each save, snapshots ordered after
+the producers on every device, a failed snapshot that waits for its device copies.
 
-Skipped without CUDA (CI has no GPU); run on a machine with one (two for NCCL).
+Skipped without CUDA (CI has no GPU); run on a machine with one (two for NCCL and for the
+tests of a second device). benchmarks/device_check.sh runs them first.
 """
 
 import shutil

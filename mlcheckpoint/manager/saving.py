@@ -323,7 +323,7 @@ class Saver:
                 note = (f"its persistent checkpoint was not written: the snapshot of step "
                         f"{writer.step} failed on some rank")
                 log.error("mlcheckpoint: %s", note)
-                error.add_note(note)
+                _add_note(error, note)
                 return
             self._persist_after_failure(error, persist, views, writer.step, writer.lineage)
 
@@ -332,7 +332,7 @@ class Saver:
                                     None if persist is None else persist_instead)
         except Exception as e:
             if persisted:
-                e.add_note(persisted)
+                _add_note(e, persisted)
             self.failures.failed(writer.step, e)
             raise
         finally:
@@ -380,8 +380,8 @@ class Saver:
         raises; a failed write is also logged (``PersistentWriter.write``) and raised again
         by ``wait``."""
         failed = persist.write_now(state_dict, step, lineage)
-        error.add_note(f"step {step}: persistent checkpoint written instead" if failed is None
-                       else f"step {step}: its persistent checkpoint failed too: {failed}")
+        _add_note(error, f"step {step}: persistent checkpoint written instead" if failed is None
+                  else f"step {step}: its persistent checkpoint failed too: {failed}")
 
     def _drop_failed_shard(self, writer: MemoryStorageWriter) -> None:
         """A step that failed on some rank is no checkpoint: give back the space this rank's
@@ -522,7 +522,7 @@ class SaveFailures:
                 self._first = step
             kind, self._kind = self._kind, type(error).__name__
             heard = self.streak > 1 and kind == self._kind
-        text = "; ".join([str(error), *getattr(error, "__notes__", ())])
+        text = str(error)
         if heard or self.rank != 0:
             log.debug("mlcheckpoint: %s", text)
             return
@@ -536,6 +536,14 @@ class SaveFailures:
         if streak and self.rank == 0:
             log.warning("mlcheckpoint: RAM saves succeed again after %s (failing since step "
                         "%s; step %d saved)", plural(streak, "failure"), first, step)
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """``note`` after ``error``'s message (the error every rank raises alike)."""
+    if error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}; {note}", *error.args[1:])
+    else:
+        error.args = (*error.args, note)
 
 
 def _steps_text(steps: list[int]) -> str:

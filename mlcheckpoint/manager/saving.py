@@ -12,7 +12,10 @@ and the publish path after every commit, DCP-native saves' included.
              (once, of this save), retention, the next buffers, ``last_result``.
 
 ``async_save`` stages on the calling thread, then commits and publishes on the save thread.
-At most one in-memory save is in flight. The persistent write, if asked, follows publish.
+At most one in-memory save is in flight. The persistent write, if asked, follows publish, and
+is made also when the in-memory save fails (every rank alike: ``_failed_anywhere`` at the call
+for a stage that failed, ``_commit``'s ``on_failure`` for a commit that did): the tiers never
+fail together. ``SaveFailures`` logs the first failure of a run of them and counts the rest.
 
 A DCP-native save (``storage_writer``: the user's ``dcp.save``/``dcp.async_save`` drives the
 writer) stages and commits in DCP's hands, on DCP's thread or, in PROCESS mode, in DCP's

@@ -67,32 +67,43 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
 
 
 def lay_out(leaves: list[torch.Tensor], prediction: Prediction,
-            skip: Callable[[torch.Tensor], bool], private: bool = False
+            skip: Callable[[torch.Tensor], bool],
+            private: Callable[[torch.Tensor], bool] | None = None
             ) -> tuple[list[int | None], int]:
     """Each leaf's offset in the shard buffer, and the bytes staged: the leaves predicted
     planned first, in order, then the others (which the commit cuts off, without moving a
     byte, if the plan leaves them out); None for a leaf that ``skip`` leaves out of the
     buffer altogether (its source is copied at the commit if the plan does want it).
 
-    With ``private``, the others are ``PRIVATE`` instead: snapshotted in process memory, so
-    that the buffer, and the room tmpfs must have, holds only what this rank is predicted to
-    write after DCP's de-duplication (without a prediction, every raw leaf is private)."""
+    Those others for which ``private`` (given their local tensor) says so are ``PRIVATE``
+    instead: snapshotted in process memory, so that the buffer, and the room tmpfs must have,
+    holds only what this rank is predicted to write after DCP's de-duplication. With
+    ``private`` and no prediction, every raw leaf counts as one of the others."""
     offsets: list[int | None] = [None] * len(leaves)
     end = 0
     # Only raw tensors take room in the buffer: the others are snapshotted DCP's way.
     raw = [copier.raw_copyable(_local(t)) for t in leaves]
     wanted = [r and prediction.wanted(t) for r, t in zip(raw, leaves)]
-    if private and prediction.planned is None:
+    if private is not None and prediction.planned is None:
         wanted = [False] * len(leaves)
     head = [i for i, w in enumerate(wanted) if w]
     tail = [i for i, w in enumerate(wanted) if raw[i] and not w and not skip(leaves[i])]
-    for i in head + ([] if private else tail):
+    for i in tail:
+        if private is not None and private(_local(leaves[i])):
+            offsets[i] = PRIVATE
+    for i in head + [i for i in tail if offsets[i] is None]:
         offsets[i] = end
         local = _local(leaves[i])
         end += align(local.numel() * local.element_size())
-    for i in tail if private else []:
-        offsets[i] = PRIVATE
     return offsets, end
+
+
+def _host(t: torch.Tensor) -> bool:
+    return not device_staging.on_device(t)
+
+
+def _everything(_: torch.Tensor) -> bool:
+    return True
 
 
 def staged_bytes(tensors: list[torch.Tensor]) -> int:
@@ -228,21 +239,33 @@ def _take_buffer(store: LocalStore, step: int, rank: int, state_dict: dict[str, 
 
     The room asked of tmpfs is what this rank will write after DCP's de-duplication: the
     tensors predicted planned (``plans.py``); the others, which the plan gives another rank,
-    are snapshotted in process memory (``PRIVATE``), never in tmpfs. Without a prediction (a
+    are snapshotted in process memory (``PRIVATE``), not in tmpfs (those in device memory only
+    when tmpfs has no room for them: they reach the buffer by DMA). Without a prediction (a
     first save, a new structure) every tensor goes in the buffer, for the commit to cut what
     the plan leaves out; when tmpfs has no room for them all, none does: every tensor is
     snapshotted in process memory, and the commit reserves what the plan gives this rank
     (None is returned for the buffer)."""
     leaves = leaves_of(state_dict)
-    predicted = prediction.planned is not None
-    offsets, nbytes = lay_out(leaves, prediction, skip, private=predicted)
-    try:
-        shard: ShardWriter | None = store.begin_shard(step, rank, nbytes)
-    except CapacityError:
-        if predicted:
-            raise  # the tensors this rank is to write do not fit
-        offsets, nbytes = lay_out(leaves, prediction, skip, private=True)
-        shard = None
+    shard: ShardWriter | None
+    if prediction.planned is not None:
+        # Device tensors' bytes reach the buffer by DMA into page-locked memory: they stay in
+        # it, to be cut off, unless that is what leaves too little room.
+        offsets, nbytes = lay_out(leaves, prediction, skip, private=_host)
+        try:
+            shard = store.begin_shard(step, rank, nbytes)
+        except CapacityError:
+            offsets, fewer = lay_out(leaves, prediction, skip, private=_everything)
+            if fewer == nbytes:
+                raise  # the tensors this rank is to write do not fit
+            nbytes = fewer
+            shard = store.begin_shard(step, rank, nbytes)
+    else:
+        offsets, nbytes = lay_out(leaves, prediction, skip)
+        try:
+            shard = store.begin_shard(step, rank, nbytes)
+        except CapacityError:
+            offsets, nbytes = lay_out(leaves, prediction, skip, private=_everything)
+            shard = None
     try:
         if shard is not None and any(device_staging.on_device(_local(t)) for t in leaves):
             store.expect_device_copies(rank)  # its next buffers: registered as they are prepared
@@ -307,6 +330,7 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
     """
     layout = Layout(staged=None, base=buffer_tensor.data_ptr())
     next_offset, spans = 0, []
+    copies: list[copier.Span] = []  # into process memory (``PRIVATE``): copied, not hashed
     places = iter(offsets) if offsets is not None else None
 
     def stage(t: torch.Tensor, key: str) -> torch.Tensor:
@@ -321,7 +345,11 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
             return t
         if offset == PRIVATE:  # snapshotted in process memory (``lay_out``), copied now
             private = torch.empty(local.shape, dtype=local.dtype)
-            private.copy_(local)
+            if plain_cpu(local):  # on the copier's threads, with the others; not hashed
+                copies.append(copier.Span(src=local.data_ptr(), nbytes=n,
+                                          dst=private.data_ptr(), algorithm=None))
+            else:
+                private.copy_(local)
             layout.host_bytes += n
             return _like(t, private)
         next_offset = offset + align(n)
@@ -344,7 +372,7 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
     except _Uncopyable as e:
         key, value = _flat_entry(obj, e.path, e.value)
         raise entry_error(key, e.cause, value) from e.cause
-    _add_digests(layout, spans, copier.process(spans))
+    _add_digests(layout, spans, copier.process(spans + copies)[:len(spans)])
     if layout.at_call:
         layout.at_call.enqueue()
     if defer is None:

@@ -12,6 +12,11 @@ returns the worst it found:
     1  incomplete  what is here is intact, but shards or the metadata live on other nodes
     2  not found   no such job or step on this node (also a bad argument or setting)
     3  corrupt     bytes here fail their checksum: a resume refuses this copy
+
+``gc`` never deletes anything of a job directory that a live run holds (the run's claim,
+``store/claim.py``): it names that run and exits with
+
+    4  in use      a live run holds a job directory: it was left as it is
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ from .manager.retention import apply_retention
 from .persistent import PersistentStorage
 from .settings import BY_NAME, resolve_local_dir, validate_job_id
 from .store import LocalStore
-from .store.claim import Claimant
+from .store.claim import Claimant, unclaimed
 from .store.claim import holder as claim_holder
 from .store.layout import STEPS, ItemLocation
 from .store.manifest import item_locations
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_NOT_FOUND, EXIT_CORRUPT = 0, 1, 2, 3  # by severity
+EXIT_IN_USE = 4  # gc: a live run holds a job directory, which was left as it is
 VERDICTS = {EXIT_OK: "ok", EXIT_INCOMPLETE: "incomplete", EXIT_NOT_FOUND: "not found",
             EXIT_CORRUPT: "corrupt"}
 EXIT_CODES_HELP = ("exit status, by severity: 0 ok, 1 incomplete on this node (the rest "
@@ -208,26 +214,39 @@ def cmd_verify(args) -> int:
 
 
 def cmd_gc(args) -> int:
+    """Each job's directory is cleared only while no live run holds it (``store/claim.py``:
+    the run's claim, looked at as a run's own start does); meanwhile no run can take it. A
+    job a live run holds is left as it is, named with that run, and the exit status says so
+    (``EXIT_IN_USE``)."""
     report: list[dict[str, Any]] = []
     for job in _jobs(args.local_dir, args.job):
         store = _store(args, job)
-        if args.remove:
-            store.destroy()
-            report.append({"job": job, "removed": "all"})
-            continue
-        removed = store.gc(min_age_s=args.min_age)
-        retired = [] if args.keep is None else _retire_beyond(store, args.keep)
-        report.append({"job": job, "debris_removed": len(removed), "steps_retired": retired})
+        with unclaimed(store.paths) as live:
+            if live is not None:
+                report.append({"job": job, "refused": "in use by a live run", "dir": store.job_dir,
+                               "run": None if live.holder is None else live.holder.to_json()})
+            elif args.remove:
+                store.destroy()
+                report.append({"job": job, "removed": "all"})
+            else:
+                removed = store.gc(min_age_s=args.min_age)
+                retired = [] if args.keep is None else _retire_beyond(store, args.keep)
+                report.append({"job": job, "debris_removed": len(removed), "steps_retired": retired})
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         for r in report:
-            if r.get("removed"):
+            if r.get("refused"):
+                run = Claimant.from_json(r["run"]) if r["run"] is not None else None
+                who = run.describe() if run is not None else "a run whose record cannot be read"
+                print(f"job {r['job']}: not touched: {r['dir']} is in use by {who}; stop that "
+                      "run first (a live run's files are never removed)", file=sys.stderr)
+            elif r.get("removed"):
                 print(f"job {r['job']}: removed")
             else:
                 print(f"job {r['job']}: removed {plural(r['debris_removed'], 'uncommitted file')}; "
                       f"retired steps {r['steps_retired'] or 'none'}")
-    return EXIT_OK
+    return EXIT_IN_USE if any(r.get("refused") for r in report) else EXIT_OK
 
 
 def _retire_beyond(store: LocalStore, keep: int) -> list[int]:
@@ -305,14 +324,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="default: the newest step")
     p.add_argument("--json", action="store_true")
 
-    p = command("gc", help="remove debris and old steps, or whole finished jobs")
+    p = command("gc", help="remove debris and old steps, or whole finished jobs; a job a live "
+                "run holds is left as it is (exit status 4)",
+                description="Remove what crashes left, old steps, or whole finished jobs. A job "
+                "directory that a live run holds is never touched: gc names the run (host, "
+                "pids) and exits with status 4; once that run has ended it proceeds.",
+                epilog="exit status: 0 done, 2 job not found, 4 a live run holds a job (left as it is)")
     p.add_argument("--job", default=default_job, help="default: every job under --local-dir")
     p.add_argument("--keep", type=_at_least_one, help="also retire every shard (any rank's) of all but the newest "
                    "KEEP complete steps; a step still being written, the newest step held whole "
                    "here and the newest protected step stay")
     p.add_argument("--min-age", type=float, default=600.0,
                    help="spare uncommitted files younger than this many seconds (a save in flight)")
-    p.add_argument("--remove", action="store_true", help="delete the job's files entirely (finished jobs)")
+    p.add_argument("--remove", action="store_true", help="delete the job's files entirely (finished "
+                   "jobs; refused while a live run holds it)")
     p.add_argument("--json", action="store_true")
 
     p = command("history", help="every save, replication, persistent write and resume")

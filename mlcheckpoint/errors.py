@@ -30,6 +30,13 @@ class JobDirInUseError(ConfigError):
     when it started, its persistent_dir) and the settings that keep two jobs apart."""
 
 
+class JobDirGoneError(MLCheckpointError):
+    """The job's directory on this node was removed while a run used it (an operator's
+    ``rm -r``, a cleanup of ``local_dir``, a restarted container): in-memory saves fail on
+    every rank with this error until the job restarts; the persistent checkpoints asked for
+    are still written."""
+
+
 class CapacityError(MLCheckpointError):
     """A save does not fit into tmpfs or into ``memory_limit_bytes``.
 

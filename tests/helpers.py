@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +33,7 @@ import numpy as np
 import pytest
 
 from mlcheckpoint.integrity.checksum import checksum
+from mlcheckpoint.integrity.verify import digest_item
 from mlcheckpoint.store import LocalStore
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 from mlcheckpoint.waiting import deadline_in, wait_until
@@ -125,7 +127,10 @@ def damage_shard(store: LocalStore, step: int, owner: int, how: str = "flipped",
       adds need not be given), its index in the manifest, or (None) the largest. Returns that item.
     - "truncated": the data file cut to half the shard's data bytes;
     - "deleted": the data file removed;
-    - "bad_manifest": the manifest overwritten with bytes that are not JSON.
+    - "bad_manifest": the manifest overwritten with bytes that are not JSON;
+    - "rewritten" (not in ``SHARD_DAMAGES``): "flipped", and the shard's manifest rewritten to
+      record the damaged bytes' checksum (the shard agrees with itself, not with the step's
+      metadata).
 
     A byte at a position of the file rather than of an item: ``flip_byte(store.data_path(...))``.
     """
@@ -141,7 +146,7 @@ def damage_shard(store: LocalStore, step: int, owner: int, how: str = "flipped",
     if how == "truncated":
         os.truncate(data, m.data_bytes // 2)
         return None
-    assert how == "flipped", how
+    assert how in ("flipped", "rewritten"), how
     if item is None:
         chosen = max(m.items, key=lambda it: it.nbytes)
     elif isinstance(item, int):
@@ -151,6 +156,18 @@ def damage_shard(store: LocalStore, step: int, owner: int, how: str = "flipped",
     offset = chosen.nbytes // 2 if at is None else at
     assert 0 <= offset < chosen.nbytes, (chosen, offset)
     flip_byte(data, chosen.offset + offset)
+    if how == "rewritten":
+        with open(data, "rb") as f:
+            f.seek(chosen.offset)
+            damaged = f.read(chosen.nbytes)
+        path = store.manifest_path(step, owner)
+        with open(path) as f:
+            record = json.load(f)
+        for it in record["items"]:
+            if it["key"] == chosen.key:
+                it["checksum"] = digest_item(damaged, it.get("algorithm") or record["algorithm"])
+        with open(path, "w") as f:
+            json.dump(record, f)
     return chosen
 
 

@@ -17,6 +17,7 @@ import io
 import logging
 import math
 import pickle
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
@@ -42,7 +43,12 @@ from .._gc import pausing_gc
 from ..errors import CopyId, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..integrity import copier, digests
 from ..integrity.checksum import as_byte_tensor
-from ..integrity.verify import digest_item, digests_agree, integrity_error, records_item
+from ..integrity.verify import (
+    digest_item,
+    digests_agree,
+    integrity_error,
+    record_disagreement,
+)
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardSource
 from ..store.manifest import ManifestItem
@@ -114,9 +120,12 @@ class MemoryStorageReader(StorageReader):
 
     def __init__(self, step: int, store: LocalStore | None = None, *, job_id: str | None = None,
                  local_dir: str | None = None, remote: RemoteReads | None = None,
-                 node: int | None = None, save_id: str | None = None):
+                 node: int | None = None, save_id: str | None = None,
+                 refusals: Refusals | None = None):
         super().__init__()
         self.step = parse_step(step)
+        # Every copy this load refuses is heard once (a resume passes one for all its loads).
+        self.refusals = Refusals() if refusals is None else refusals
         self.save_id = save_id  # recovery's choice: copies of any other save count as absent
         self.store = store if store is not None else LocalStore(local_dir, job_id)
         self.remote = remote
@@ -180,7 +189,7 @@ class MemoryStorageReader(StorageReader):
 
     @pausing_gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with _Shards(self._open_local) as shards:
+        with _Shards(self._open_local, self._refuse_listed) as shards:
             here, elsewhere = self._where_to_read(plan.items, shards)
             for rank, reads in sorted(here.items()):
                 source = shards.here(rank)
@@ -228,6 +237,13 @@ class MemoryStorageReader(StorageReader):
             return (f"item {req.storage_index.fqn!r} is neither in rank {loc.rank}'s shard nor in "
                     f"any of its copies (kept in the shards of ranks {[r for r, _ in loc.copies]})")
         return f"item {req.storage_index.fqn!r} is not in rank {loc.rank}'s shard"
+
+    def _refuse_listed(self, rank: int, item: str, why: str) -> None:
+        """This node's copy of ``rank``'s shard lists ``item`` otherwise than the step's
+        metadata records it (its manifest was rewritten, or belongs to other bytes): it is
+        not read, and that is said (``Refusals``)."""
+        self.refusals.note(self.step, rank, self.node, f"item {item!r}", f"its manifest disagrees "
+                           f"with the step's metadata: {why}")
 
     def _open_local(self, rank: int) -> ShardSource:
         """This node's copy of ``rank``'s shard; a damaged copy is named, so recovery can
@@ -455,8 +471,41 @@ class MemoryStorageReader(StorageReader):
             item += f" (its copy; its primary is in rank {owner}'s shard)"
         error = integrity_error(f"step {self.step} rank {rank}'s shard on {where}", item,
                                 CopyId(self.step, rank, node))
-        log.error("%s", error)
+        self.refusals.note(self.step, rank, node, item, str(error), read_elsewhere=False,
+                           level=logging.ERROR)
         raise error
+
+
+class Refusals:
+    """The copies a load refused, each heard once, on the rank that refused it: one line
+    naming the step, the shard's rank, the node, the item and why (not one per item or per
+    retry of the load), and their count (``ResumeInfo.refused_copies``). One resume shares
+    one among its readers."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[int, int, int | None]] = set()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __getstate__(self) -> dict[str, Any]:  # a reader pickles (a lock does not)
+        return {"_seen": set(self._seen)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._seen, self._lock = state["_seen"], threading.Lock()
+
+    def note(self, step: int, rank: int, node: int | None, item: str, why: str, *,
+             read_elsewhere: bool = True, level: int = logging.WARNING) -> None:
+        """``rank``'s shard of ``step`` on ``node`` is refused for ``item`` ("item 'fqn'"),
+        because ``why``."""
+        with self._lock:
+            if (step, rank, node) in self._seen:
+                return
+            self._seen.add((step, rank, node))
+        then = "; reading its items from another place" if read_elsewhere else ""
+        log.log(level, "mlcheckpoint: refused the copy of rank %d's shard of step %d on node %s "
+                "(%s): %s%s", rank, step, node, item, why, then)
 
 
 class _Unreadable:
@@ -480,8 +529,10 @@ class _Shards:
     """The shards of this node one ``read_data`` reads: each opened at most once, closed
     together at the end, with the items its manifest lists."""
 
-    def __init__(self, open_local: Callable[[int], ShardSource]):
+    def __init__(self, open_local: Callable[[int], ShardSource],
+                 refused: Callable[[int, str, str], None]):
         self._open_local = open_local
+        self._refused = refused  # (rank, item, why): a listed item whose record disagrees
         self._opened: dict[int, ShardSource | None] = {}
         self._listed: dict[int, dict[int, ManifestItem]] = {}  # rank -> offset -> item
         self._stack = contextlib.ExitStack()
@@ -505,8 +556,12 @@ class _Shards:
         if rank not in self._listed:
             self._listed[rank] = {it.offset: it for it in source.manifest.items}
         held = self._listed[rank].get(offset)
-        return held is not None and records_item(held, offset, loc.nbytes, loc.checksum,
-                                                    digests.of(loc))
+        if held is None:
+            return False
+        why = record_disagreement(held, offset, loc.nbytes, loc.checksum, digests.of(loc))
+        if why is not None:
+            self._refused(rank, held.key, why)
+        return why is None
 
     def __enter__(self) -> Self:
         return self

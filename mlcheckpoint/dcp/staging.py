@@ -25,7 +25,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..errors import StagingError
+from ..errors import CapacityError, StagingError
 from ..integrity import copier
 from ..store.local_store import LocalStore, ShardWriter, align
 from . import device_staging, serialized
@@ -35,6 +35,8 @@ from .plans import NO_PREDICTION, Prediction
 from .snapshot import Snapshotter, storage_ptr
 
 Leaf = torch.Tensor
+# ``lay_out``'s offset of a leaf snapshotted in process memory instead of the shard buffer.
+PRIVATE = -1
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -65,23 +67,43 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
 
 
 def lay_out(leaves: list[torch.Tensor], prediction: Prediction,
-            skip: Callable[[torch.Tensor], bool]) -> tuple[list[int | None], int]:
+            skip: Callable[[torch.Tensor], bool],
+            private: Callable[[torch.Tensor], bool] | None = None
+            ) -> tuple[list[int | None], int]:
     """Each leaf's offset in the shard buffer, and the bytes staged: the leaves predicted
     planned first, in order, then the others (which the commit cuts off, without moving a
     byte, if the plan leaves them out); None for a leaf that ``skip`` leaves out of the
-    buffer altogether (its source is copied at the commit if the plan does want it)."""
+    buffer altogether (its source is copied at the commit if the plan does want it).
+
+    Those others for which ``private`` (given their local tensor) says so are ``PRIVATE``
+    instead: snapshotted in process memory, so that the buffer, and the room tmpfs must have,
+    holds only what this rank is predicted to write after DCP's de-duplication. With
+    ``private`` and no prediction, every raw leaf counts as one of the others."""
     offsets: list[int | None] = [None] * len(leaves)
     end = 0
     # Only raw tensors take room in the buffer: the others are snapshotted DCP's way.
     raw = [copier.raw_copyable(_local(t)) for t in leaves]
     wanted = [r and prediction.wanted(t) for r, t in zip(raw, leaves)]
+    if private is not None and prediction.planned is None:
+        wanted = [False] * len(leaves)
     head = [i for i, w in enumerate(wanted) if w]
     tail = [i for i, w in enumerate(wanted) if raw[i] and not w and not skip(leaves[i])]
-    for i in head + tail:
+    for i in tail:
+        if private is not None and private(_local(leaves[i])):
+            offsets[i] = PRIVATE
+    for i in head + [i for i in tail if offsets[i] is None]:
         offsets[i] = end
         local = _local(leaves[i])
         end += align(local.numel() * local.element_size())
     return offsets, end
+
+
+def _host(t: torch.Tensor) -> bool:
+    return not device_staging.on_device(t)
+
+
+def _everything(_: torch.Tensor) -> bool:
+    return True
 
 
 def staged_bytes(tensors: list[torch.Tensor]) -> int:
@@ -112,6 +134,10 @@ class Staged:
     staged_at: float = 0.0  # time.perf_counter() once every byte was in the buffer
     plan_key: Hashable = None  # the state dict's structure (``plans.Prediction.key``)
     skipped_bytes: int = 0  # tensor bytes left out: predicted to be another rank's to write
+    # No buffer: tmpfs had no room for the whole state and no plan was known, so every
+    # tensor was snapshotted in process memory; the commit puts in tmpfs what DCP's plan
+    # gives this rank (and checks the room for that alone).
+    private: bool = False
     # Lets the guards go (``Snapshotter.submit_held``): a stage that left tensors out holds
     # them until the commit has copied those the plan wants after all.
     hold: Callable[[], None] | None = None
@@ -164,7 +190,7 @@ def stage_now(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any
                                          skip=lambda _: False)
     return Staged(step, rank, nbytes, shard, layout.staged, layout.digests,
                   staged_at=time.perf_counter(), plan_key=prediction.key,
-                  host_bytes=layout.host_bytes)
+                  host_bytes=layout.host_bytes, private=shard is None)
 
 
 def stage_overlapped(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any],
@@ -191,7 +217,8 @@ def stage_overlapped(store: LocalStore, step: int, rank: int, state_dict: dict[s
     shard, layout, nbytes = _take_buffer(store, step, rank, state_dict, defer, prediction, skip)
     staged = Staged(step, rank, nbytes, shard, layout.staged, layout.digests,
                     overlapped_bytes=sum(c.nbytes for c in layout.deferred),
-                    plan_key=prediction.key, skipped_bytes=layout.skipped_bytes)
+                    plan_key=prediction.key, skipped_bytes=layout.skipped_bytes,
+                    private=shard is None)
 
     def copy_rest(copied: Callable[[], None]) -> None:  # on the staging thread
         copy_deferred(layout, copied)
@@ -210,21 +237,52 @@ def stage_overlapped(store: LocalStore, step: int, rank: int, state_dict: dict[s
 
 def _take_buffer(store: LocalStore, step: int, rank: int, state_dict: dict[str, Any],
                  defer: Callable[[torch.Tensor], bool] | None, prediction: Prediction,
-                 skip: Callable[[torch.Tensor], bool]) -> tuple[ShardWriter, Layout, int]:
+                 skip: Callable[[torch.Tensor], bool]) -> tuple[ShardWriter | None, Layout, int]:
+    """The shard buffer of the stage, and the state dict laid out and copied into it.
+
+    The room asked of tmpfs is what this rank will write after DCP's de-duplication: the
+    tensors predicted planned (``plans.py``); the others, which the plan gives another rank,
+    are snapshotted in process memory (``PRIVATE``), not in tmpfs (those in device memory only
+    when tmpfs has no room for them: they reach the buffer by DMA). Without a prediction (a
+    first save, a new structure) every tensor goes in the buffer, for the commit to cut what
+    the plan leaves out; when tmpfs has no room for them all, none does: every tensor is
+    snapshotted in process memory, and the commit reserves what the plan gives this rank
+    (None is returned for the buffer)."""
     leaves = leaves_of(state_dict)
-    offsets, nbytes = lay_out(leaves, prediction, skip)
-    shard = store.begin_shard(step, rank, nbytes)
+    shard: ShardWriter | None
+    if prediction.planned is not None:
+        # Device tensors' bytes reach the buffer by DMA into page-locked memory: they stay in
+        # it, to be cut off, unless that is what leaves too little room.
+        offsets, nbytes = lay_out(leaves, prediction, skip, private=_host)
+        try:
+            shard = store.begin_shard(step, rank, nbytes)
+        except CapacityError:
+            offsets, fewer = lay_out(leaves, prediction, skip, private=_everything)
+            if fewer == nbytes:
+                raise  # the tensors this rank is to write do not fit
+            nbytes = fewer
+            shard = store.begin_shard(step, rank, nbytes)
+    else:
+        offsets, nbytes = lay_out(leaves, prediction, skip)
+        try:
+            shard = store.begin_shard(step, rank, nbytes)
+        except CapacityError:
+            offsets, nbytes = lay_out(leaves, prediction, skip, private=_everything)
+            shard = None
     try:
         on_device = [_local(t) for t in leaves if device_staging.on_device(_local(t))]
-        if on_device:
+        if shard is not None and on_device:
             device = on_device[0].device.index  # the rank's: registered under its context
             store.expect_device_copies(rank, device)  # its next buffers: registered as prepared
             shard.buffer.register_for_device_copies(device)
-        layout = stage_into(state_dict, shard.buffer.tensor, defer, offsets)
+        buffer = shard.buffer.tensor if shard is not None else torch.empty(0, dtype=torch.uint8)
+        layout = stage_into(state_dict, buffer, defer, offsets)
     except BaseException:
-        shard.abort()
+        if shard is not None:
+            shard.abort()
         raise
-    shard.cursor = nbytes  # the staged region is taken
+    if shard is not None:
+        shard.cursor = nbytes  # the staged region is taken
     return shard, layout, nbytes
 
 
@@ -277,6 +335,7 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
     """
     layout = Layout(staged=None, base=buffer_tensor.data_ptr())
     next_offset, spans = 0, []
+    copies: list[copier.Span] = []  # into process memory (``PRIVATE``): copied, not hashed
     places = iter(offsets) if offsets is not None else None
 
     def stage(t: torch.Tensor, key: str) -> torch.Tensor:
@@ -289,6 +348,15 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
         if offset is None:  # another rank's to write, as predicted: see Staged.hold
             layout.skipped_bytes += n
             return t
+        if offset == PRIVATE:  # snapshotted in process memory (``lay_out``), copied now
+            private = torch.empty(local.shape, dtype=local.dtype)
+            if plain_cpu(local):  # on the copier's threads, with the others; not hashed
+                copies.append(copier.Span(src=local.data_ptr(), nbytes=n,
+                                          dst=private.data_ptr(), algorithm=None))
+            else:
+                private.copy_(local)
+            layout.host_bytes += n
+            return _like(t, private)
         next_offset = offset + align(n)
         dst = _region(buffer_tensor, offset, n, own_storage=isinstance(t, DTensor))
         dst = dst.view(local.dtype).view(local.shape)
@@ -309,7 +377,7 @@ def stage_into(obj: Any, buffer_tensor: torch.Tensor,
     except _Uncopyable as e:
         key, value = _flat_entry(obj, e.path, e.value)
         raise entry_error(key, e.cause, value) from e.cause
-    _add_digests(layout, spans, copier.process(spans))
+    _add_digests(layout, spans, copier.process(spans + copies)[:len(spans)])
     try:
         if layout.at_call:
             layout.at_call.enqueue()

@@ -294,7 +294,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             crash_point("before_data", self.step, self.rank)
             placement = Placement(shard, staged.digests if staged is not None else {},
                                   restaged_bytes=_restaged_bytes(staged))
-            if staged is not None and not self.keep_staged:
+            if staged is not None and not staged.private and not self.keep_staged:
                 placement.keep_planned(resolved + kept)  # only what the plan gives this rank stays
             placed = [placement.place(item, data) for item, data in resolved + kept]
             placement.finish_device()  # device tensors: copied and checksummed on the device
@@ -349,8 +349,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             return []
         return [self._held[k] for k in map(copies.key_of, data.copies) if k in self._held]
 
-    def _open_staged(self, staged: staging.Staged) -> ShardWriter:
-        """The staged shard (reopened by name in DCP's checkpoint process)."""
+    def _open_staged(self, staged: staging.Staged) -> ShardWriter | None:
+        """The staged shard (reopened by name in DCP's checkpoint process); None for a stage
+        that took no buffer (``Staged.private``): the commit begins one for the plan."""
+        if staged.private:
+            return None
         shard = staged.shard
         if shard is None:  # PROCESS mode: stage() ran in the trainer; reopen its buffer by name
             shard = self.store.reopen_shard(self.step, staged.rank, staged.nbytes)
@@ -407,7 +410,8 @@ def _raise_if_failed(staged: staging.Staged) -> None:
 def _restaged_bytes(staged: staging.Staged | None) -> int | None:
     """The staged region's size when ``stage`` ran in another process (PROCESS mode: the
     buffer is reopened by name, and DCP hands copies of the staged views); else None."""
-    return staged.nbytes if staged is not None and staged.shard is None else None
+    return (staged.nbytes if staged is not None and staged.shard is None and not staged.private
+            else None)
 
 
 def _plan_save_id(plan: SavePlan) -> str:

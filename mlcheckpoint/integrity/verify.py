@@ -91,8 +91,24 @@ def records_item(held: Recorded, offset: int, nbytes: int, checksum: int,
     """Whether a shard's record of an item (its manifest's) names the bytes recorded
     elsewhere (the global metadata) as ``nbytes`` at ``offset`` with ``checksum`` under
     ``algorithm``: whether that shard holds this item, or this copy of it."""
-    return ((held.offset, held.nbytes, held.checksum, digests.of(held))
-            == (offset, nbytes, checksum, algorithm))
+    return record_disagreement(held, offset, nbytes, checksum, algorithm) is None
+
+
+def record_disagreement(held: Recorded, offset: int, nbytes: int, checksum: int,
+                        algorithm: str = digests.DEFAULT) -> str | None:
+    """Why a shard's record of an item at ``offset`` does not name the bytes the step
+    recorded (``nbytes``, ``checksum`` under ``algorithm``), in words; None when it does
+    (``records_item``)."""
+    if held.offset != offset:
+        return f"it records the item at offset {held.offset}, the step at {offset}"
+    if held.nbytes != nbytes:
+        return f"it records {held.nbytes} bytes, the step {nbytes}"
+    if digests.of(held) != algorithm:
+        return f"it records a {digests.of(held)} checksum, the step a {algorithm} one"
+    if held.checksum != checksum:
+        return (f"its checksum {held.checksum:#018x} is not the {checksum:#018x} the step "
+                "recorded (the bytes or the manifest were changed after the save)")
+    return None
 
 
 def digest_item(data: Any, algorithm: str = digests.DEFAULT) -> int:

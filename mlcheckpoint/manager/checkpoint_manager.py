@@ -221,7 +221,8 @@ class CheckpointManager:
     def save(self, state_dict: dict[str, Any], step: int, *, persistent: bool = False) -> SaveResult:
         """Save ``step`` and return once it is committed in tmpfs on every rank. A save that
         fails on any rank raises the same error on every rank, naming the rank and node that
-        hit it (docs/operations.md, "What a failed save does"). The first save of a run that
+        hit it (docs/operations.md, "What a failed save does"); with ``persistent=True`` the
+        persistent step is written all the same, and the error says so. The first save of a run that
         did not ``resume`` sets an earlier run's steps aside in ``orphans/``, with one warning
         (docs/operations.md, "Saving before resume")."""
         self._check_open()
@@ -264,7 +265,10 @@ class CheckpointManager:
         CapacityError while copying here, or a failed overlapped copy) fails every rank's
         future with the same error, naming the rank and node that hit it; no rank waits for
         another, the previous step stays resumable and the next save is an ordinary one. A
-        failed overlapped copy is also raised at this rank's next guard point. A run's first
+        failed overlapped copy is also raised at this rank's next guard point. With
+        ``persistent=True`` the persistent step is written even when the in-memory save fails
+        (when a stage failed on any rank, before this returns: one all_gather decides it on
+        every rank); the future's error says whether it was. A run's first
         save, without ``resume`` before it, sets an earlier run's steps aside (``save``).
         """
         self._check_open()
@@ -340,14 +344,18 @@ class CheckpointManager:
         save's seconds, phases (``stage``, ``commit``, ``publish``), the training thread's
         wait and bytes; the longest a guard held ``optimizer.step()``; the newest protected
         step, its lag in steps and age in seconds; how many nodes keep data parallelism's
-        copies and the shard bytes they spared replication; the last resume's seconds and phases. Keys
+        copies and the shard bytes they spared replication; the in-memory saves that failed
+        (``failed_saves``, ``failed_saves_in_a_row``); the last resume's seconds, phases and
+        the copies it refused (``resume_refused_copies``). Keys
         start with ``mlcheckpoint/``; a figure not known yet is left out. Reads this node's
         step list and asks the c10d store nothing: fine to call on the training thread."""
         return metrics.stats(
             self._saver.last_result, self._protection(ask=False), self._last_resume,
             guard_longest_wait=self._snapshots.longest_wait_s,
             copy_modes=self._saver.copy_modes(),
-            skipped_bytes=None if self._replicator is None else self._replicator.skipped_bytes)
+            skipped_bytes=None if self._replicator is None else self._replicator.skipped_bytes,
+            save_failures=self._saver.failures.total,
+            save_failures_in_a_row=self._saver.failures.streak)
 
     def replication_state(self, step: int) -> StepReplication | None:
         """What this rank knows of its push of ``step`` to its partners: its ``state``

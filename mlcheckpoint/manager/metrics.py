@@ -17,13 +17,17 @@ PREFIX = "mlcheckpoint/"
 
 def stats(save: SaveResult | None, protection: ProtectionStatus,
           resume: ResumeInfo | None, *, guard_longest_wait: float = 0.0,
-          copy_modes: tuple[str, ...] = (), skipped_bytes: int | None = None) -> dict[str, float]:
+          copy_modes: tuple[str, ...] = (), skipped_bytes: int | None = None,
+          save_failures: int = 0, save_failures_in_a_row: int = 0) -> dict[str, float]:
     """The last published save, the replication lag and the last resume, as numbers;
     ``guard_longest_wait``: the longest a guard held the training thread (seconds); with data
     parallelism's copies (``dcp/copies.py``), how many nodes keep them (``dp_copies_nodes``)
     or had too little room (``dedup_nodes``), and the shard bytes replication did not send
-    because they were covered (``replication_skipped_bytes``, None: replication off)."""
-    out: dict[str, float | int | None] = {}
+    because they were covered (``replication_skipped_bytes``, None: replication off); the
+    in-memory saves of this run that failed (``failed_saves``) and how many of them since
+    the last that succeeded (``failed_saves_in_a_row``: 0 while saves succeed)."""
+    out: dict[str, float | int | None] = {"failed_saves": save_failures,
+                                          "failed_saves_in_a_row": save_failures_in_a_row}
     if copy_modes:
         out.update(dp_copies_nodes=copy_modes.count(DP_COPIES),
                    dedup_nodes=copy_modes.count(DEDUP))
@@ -43,6 +47,7 @@ def stats(save: SaveResult | None, protection: ProtectionStatus,
                superseded_saves=protection.superseded)
     if resume is not None:
         out.update(resume_step=resume.step, resume_seconds=resume.seconds,
-                   resume_bytes_fetched=resume.bytes_fetched)
+                   resume_bytes_fetched=resume.bytes_fetched,
+                   resume_refused_copies=resume.refused_copies)
         out.update({f"resume_{phase}_seconds": s for phase, s in resume.phases.items()})
     return {PREFIX + k: float(v) for k, v in out.items() if v is not None}

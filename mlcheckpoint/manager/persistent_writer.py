@@ -133,6 +133,18 @@ class PersistentWriter:
             self._futures = {f: s for f, s in self._futures.items() if not f.done() or f.exception()}
             self._futures[future] = step
 
+    def write_now(self, state_dict: dict[str, Any], step: int, lineage: Lineage
+                  ) -> BaseException | None:
+        """Write ``step`` from ``state_dict`` and return once written: the in-memory save of
+        ``step`` failed on every rank, and the persistent step asked for is written anyway.
+        On the writer's thread, after the writes queued there (one thread runs this group's
+        collectives). Returns the failure (already logged on every rank), which ``wait`` also
+        raises; None once written."""
+        future = self._executor.submit(self.write, state_dict, step, lineage)
+        with self._lock:
+            self._futures[future] = step
+        return future.exception()
+
     def _write_pinned(self, staged: dict[str, Any], step: int, lineage: Lineage) -> None:
         try:
             pause_point("persistent_write", step, self.rank)

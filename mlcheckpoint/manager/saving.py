@@ -12,7 +12,10 @@ and the publish path after every commit, DCP-native saves' included.
              (once, of this save), retention, the next buffers, ``last_result``.
 
 ``async_save`` stages on the calling thread, then commits and publishes on the save thread.
-At most one in-memory save is in flight. The persistent write, if asked, follows publish.
+At most one in-memory save is in flight. The persistent write, if asked, follows publish, and
+is made also when the in-memory save fails (every rank alike: ``_failed_anywhere`` at the call
+for a stage that failed, ``_commit``'s ``on_failure`` for a commit that did): the tiers never
+fail together. ``SaveFailures`` logs the first failure of a run of them and counts the rest.
 
 A DCP-native save (``storage_writer``: the user's ``dcp.save``/``dcp.async_save`` drives the
 writer) stages and commits in DCP's hands, on DCP's thread or, in PROCESS mode, in DCP's
@@ -46,6 +49,7 @@ from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dic
 
 from .. import history
 from .._gc import gc_paused
+from .._words import plural
 from ..dcp import MemoryStorageWriter, staging
 from ..dcp.copies import CopyPolicy
 from ..dcp.errors import save_failure
@@ -147,6 +151,7 @@ class Saver:
         self._in_flight: Future[SaveResult] | None = None
         self._native: list[_NativeSave] = []  # DCP-native saves not published yet, oldest first
         self.last_result: SaveResult | None = None  # the newest save published (for stats())
+        self.failures = SaveFailures(topology.rank)  # failed in-memory saves (for stats())
 
     # ------------------------------------------------------------------ the two saves
     def save(self, state_dict: dict[str, Any], step: int, lineage: Lineage,
@@ -156,7 +161,17 @@ class Saver:
         self._before_save(step, lineage)
         writer = self._writer(step, lineage)
         t0 = time.perf_counter()
-        metadata = self._commit(writer, state_dict, "save")  # stages inside write_data
+
+        def persist_instead(error: BaseException) -> None:  # the caller's state is still as saved
+            assert persist is not None
+            self._persist_after_failure(error, persist, state_dict, step, lineage)
+
+        try:  # (stages inside write_data)
+            metadata = self._commit(writer, state_dict, "save",
+                                    None if persist is None else persist_instead)
+        except Exception as e:
+            self.failures.failed(step, e)
+            raise
         seconds = time.perf_counter() - t0
         result = SaveResult(step, _committed_bytes(writer), seconds, seconds, persist is not None,
                             phases={"stage": writer.copy_seconds,
@@ -178,6 +193,14 @@ class Saver:
         # A persistent write reads the staged views after the commit: stage every tensor
         # then, and commit the staged region whole.
         staged = self._stage(state_dict, step, overlapped, overlap, leave_out=persist is None)
+        persisted = None  # what became of the persistent step, when the save fails at the stage
+        if persist is not None and self._failed_anywhere(staged.failure is not None):
+            # The commit will fail on every rank (a rank's stage failed): the persistent step
+            # asked for is written now, from the state dict, before the caller changes it.
+            error = persist.write_now(state_dict, step, lineage)
+            persisted = (f"step {step}: persistent checkpoint written instead" if error is None
+                         else f"step {step}: its persistent checkpoint failed too: {error}")
+            persist = None
         blocking = time.perf_counter() - t0
         # A stage that failed here still goes to the commit, which fails the step on every
         # rank with this rank's error: every rank's future says so, and no rank waits for this
@@ -185,7 +208,7 @@ class Saver:
         writer = self._writer(step, lineage, staged)
         writer.keep_staged = persist is not None
         fut = self._executor.submit(self._commit_and_publish, writer, staged, persist, t0,
-                                    blocking)
+                                    blocking, persisted)
         with self._lock:
             self._in_flight = fut
         return fut
@@ -291,14 +314,29 @@ class Saver:
             return Staged.failed(step, rank, e)
 
     def _commit_and_publish(self, writer: MemoryStorageWriter, staged: Staged,
-                            persist: PersistentWriter | None, t0: float, blocking: float
-                            ) -> SaveResult:
-        """The save thread's part of ``async_save``."""
+                            persist: PersistentWriter | None, t0: float, blocking: float,
+                            persisted: str | None = None) -> SaveResult:
+        """The save thread's part of ``async_save``. ``persisted``: what became of the
+        persistent step, already written because the stage failed on some rank."""
         views = staged.result()  # an overlapped stage: every byte in place (or its error)
+
+        def persist_instead(error: BaseException) -> None:  # before the staged buffer goes back
+            assert persist is not None
+            if self._failed_anywhere(staged.error() is not None):  # a snapshot is not exact
+                note = (f"its persistent checkpoint was not written: the snapshot of step "
+                        f"{writer.step} failed on some rank")
+                log.error("mlcheckpoint: %s", note)
+                _add_note(error, note)
+                return
+            self._persist_after_failure(error, persist, views, writer.step, writer.lineage)
+
         try:
-            metadata = self._commit(writer, views, "async save")
+            metadata = self._commit(writer, views, "async save",
+                                    None if persist is None else persist_instead)
         except Exception as e:
-            log.error("mlcheckpoint: %s", e)
+            if persisted:
+                _add_note(e, persisted)
+            self.failures.failed(writer.step, e)
             raise
         finally:
             staged.release()  # in case write_data never ran here (it releases the guards)
@@ -314,20 +352,39 @@ class Saver:
             persist.submit(views, writer.step, writer.lineage)  # reads the staged views: pins the step
         return result
 
-    def _commit(self, writer: MemoryStorageWriter, state_dict: dict[str, Any],
-                what: str) -> Metadata:
+    def _commit(self, writer: MemoryStorageWriter, state_dict: dict[str, Any], what: str,
+                on_failure: Callable[[BaseException], None] | None = None) -> Metadata:
         """``dcp.save``: every rank commits its shard, the coordinator the metadata. A failure
         on any rank (a stage that failed fails DCP's planning) fails it on every rank with
-        one error, naming the rank and node that hit it."""
+        one error, naming the rank and node that hit it. ``on_failure(error)`` runs on every
+        rank alike before the staged buffer goes back (the persistent step written instead)."""
         try:
             with gc_paused():
                 return dcp.save(state_dict, storage_writer=writer, process_group=self.group)
         except CheckpointException as e:
+            error = save_failure(e, f"{what} of step {writer.step}", self.topology.node_of)
+            if on_failure is not None:
+                on_failure(error)
             self._drop_failed_shard(writer)
-            raise save_failure(e, f"{what} of step {writer.step}",
-                               self.topology.node_of) from None
+            raise error from None
         finally:
             writer.close()  # a stage the commit never took (its planning failed): its buffer back
+
+    def _failed_anywhere(self, failed_here: bool) -> bool:
+        """Whether any rank says it failed (collective on the checkpoint group, which no save
+        uses at this point: the one in flight was waited for, or this is its own thread)."""
+        return any(self._all_gather(failed_here))
+
+    def _persist_after_failure(self, error: BaseException, persist: PersistentWriter,
+                               state_dict: dict[str, Any], step: int, lineage: Lineage) -> None:
+        """The in-memory save of ``step`` failed on every rank (``error``): write the
+        persistent step asked for from ``state_dict`` (the caller's, or the staged views),
+        every rank alike. Whether it was written is added to ``error``, which every rank
+        raises; a failed write is also logged (``PersistentWriter.write``) and raised again
+        by ``wait``."""
+        failed = persist.write_now(state_dict, step, lineage)
+        _add_note(error, f"step {step}: persistent checkpoint written instead" if failed is None
+                  else f"step {step}: its persistent checkpoint failed too: {failed}")
 
     def _drop_failed_shard(self, writer: MemoryStorageWriter) -> None:
         """A step that failed on some rank is no checkpoint: give back the space this rank's
@@ -356,6 +413,7 @@ class Saver:
         self.warmer.prepare(rank, result.bytes)
         result.phases["publish"] = time.perf_counter() - t0
         self.last_result = result
+        self.failures.succeeded(result.step)
 
     def _metadata_here(self, saved: Committed) -> None:
         """Each node's leader stores the metadata it holds, at once, without waiting for the
@@ -442,6 +500,53 @@ class Saver:
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
         with self._lock:
             return self._in_flight is None or self._in_flight.done()
+
+
+class SaveFailures:
+    """The in-memory saves of this run that failed, for one log line per streak: the first
+    failure of a streak (and a failure of another kind within it) is logged with its cause,
+    once for the job (rank 0: every rank raises the same error, ``save_failure``); the rest
+    are counted (``stats()``: ``failed_saves``, ``failed_saves_in_a_row``); the first save
+    that succeeds after them says so in one line."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.total = 0  # failed saves of this run
+        self.streak = 0  # failed since the last save that succeeded
+        self._first: int | None = None  # the streak's first failed step
+        self._kind = ""  # the type of the error last logged
+        self._lock = threading.Lock()
+
+    def failed(self, step: int, error: BaseException) -> None:
+        with self._lock:
+            self.total += 1
+            self.streak += 1
+            if self.streak == 1:
+                self._first = step
+            kind, self._kind = self._kind, type(error).__name__
+            heard = self.streak > 1 and kind == self._kind
+        text = str(error)
+        if heard or self.rank != 0:
+            log.debug("mlcheckpoint: %s", text)
+            return
+        log.error("mlcheckpoint: %s (failed saves like it are counted in stats(), "
+                  "failed_saves, not logged again until saves succeed)", text)
+
+    def succeeded(self, step: int) -> None:
+        with self._lock:
+            streak, first, self.streak = self.streak, self._first, 0
+            self._kind = ""
+        if streak and self.rank == 0:
+            log.warning("mlcheckpoint: RAM saves succeed again after %s (failing since step "
+                        "%s; step %d saved)", plural(streak, "failure"), first, step)
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """``note`` after ``error``'s message (the error every rank raises alike)."""
+    if error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}; {note}", *error.args[1:])
+    else:
+        error.args = (*error.args, note)
 
 
 def _steps_text(steps: list[int]) -> str:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .._faults import pause_point
 from ..dcp import MemoryStorageReader
+from ..dcp.reader import Refusals
 from ..errors import CopyId, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..persistent import PersistentStorage
 from ..replication import Replicator
@@ -75,6 +76,9 @@ class ResumeInfo:
     # load (a persistent restore included) and heal (starting the re-protection; the rebuild
     # of a replaced node's shard goes on in the background). A phase that did not run is 0.
     phases: dict[str, float] = field(default_factory=dict)
+    # Copies this rank's loads refused (bytes or a manifest that disagree with the step's
+    # metadata), each also logged once where it was refused.
+    refused_copies: int = 0
 
 
 @dataclass
@@ -109,6 +113,7 @@ class Recovery:
         self.replicator, self.persistent = replicator, persistent
         self.transport = replicator.transport if replicator is not None else None
         self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # ResumeInfo.phases
+        self.refusals = Refusals()  # the copies this rank's loads refused, each said once
 
     def run(self, state_dict: dict) -> Resumed:
         """Load the newest usable checkpoint into ``state_dict``; every rank calls it."""
@@ -291,7 +296,7 @@ class Recovery:
         ``holders``. Returns (why it failed, the bad copy if one copy is to blame)."""
         assert d.step is not None
         reader = MemoryStorageReader(d.step, self.store, node=self.topo.node_rank, remote=holders,
-                                     save_id=d.save_id)
+                                     save_id=d.save_id, refusals=self.refusals)
         try:
             load_step(state_dict, reader, self.group)
         except MLCheckpointError as e:
@@ -347,7 +352,7 @@ class Recovery:
                           sources=sources, bytes_fetched=sum(b for _, b, _ in gathered),
                           bytes_served={o: dict(sorted(n.items())) for o, n in sorted(bytes_served.items())},
                           reason=reason,
-                          resharded=resharded)
+                          resharded=resharded, refused_copies=len(self.refusals))
         if d.step is None:
             log.info("mlcheckpoint: no usable checkpoint, starting fresh (%s)", reason)
         else:

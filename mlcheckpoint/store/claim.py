@@ -251,19 +251,38 @@ class JobClaim:
                 os.close(probe)
 
 
+@contextlib.contextmanager
+def _looked(paths: JobPaths) -> Iterator[tuple[Claimant | None, bool]]:
+    """(the run the record names, whether a run holds the directory now): the one look at
+    the lock that tells a live run, made under the node's claim mutex, so no run's take sees
+    the look as a holder. When no run is live, the block runs with the lock held
+    exclusively: no run can take the directory until it ends. Creates nothing."""
+    with contextlib.ExitStack() as stack:
+        try:
+            record = stack.enter_context(_record(paths, read_only=True))
+        except FileNotFoundError:  # no record: never claimed
+            yield None, False
+            return
+        claimant, _ = record.read()
+        try:
+            probe = os.open(paths.claim_lock, os.O_RDONLY)
+        except FileNotFoundError:
+            yield claimant, False
+            return
+        stack.callback(os.close, probe)
+        yield claimant, not _try_exclusive(probe)
+
+
 def holder(paths: JobPaths) -> tuple[Claimant | None, bool]:
-    """(the run the record names, whether it is live now), for listings; creates nothing.
-    The look at the lock is made under the mutex, so no run's take sees it as a holder."""
-    try:
-        with _record(paths, read_only=True) as record:
-            claimant, _ = record.read()
-            try:
-                probe = os.open(paths.claim_lock, os.O_RDONLY)
-            except FileNotFoundError:
-                return claimant, False
-            try:
-                return claimant, not _try_exclusive(probe)
-            finally:
-                os.close(probe)
-    except FileNotFoundError:
-        return None, False
+    """(the run the record names, whether it is live now), for listings; creates nothing."""
+    with _looked(paths) as (claimant, live):
+        return claimant, live
+
+
+@contextlib.contextmanager
+def unclaimed(paths: JobPaths) -> Iterator[Refusal | None]:
+    """For a command that deletes files of the job directory (``mlcheckpoint gc``): yields
+    the refusal naming the live run that holds the directory, or None, and then no run can
+    take the directory until the block ends (the same look as ``holder``)."""
+    with _looked(paths) as (claimant, live):
+        yield Refusal("live", paths.job_dir, claimant) if live else None

@@ -21,7 +21,7 @@ import os
 import shutil
 from collections.abc import Iterable, Iterator
 
-from ..errors import CorruptShardError, ShardNotFoundError
+from ..errors import CorruptShardError, JobDirGoneError, ShardNotFoundError
 from ..integrity.verify import verify_region
 from ..settings import resolve_job_id, resolve_local_dir, resolve_memory_limit
 from ..tmpfs import local_dir_errors, warn_if_not_memory
@@ -121,9 +121,19 @@ class LocalStore:
         ``held`` (a partial replica's item ranges), a sparse one in which only those ranges
         take memory (and only they may be written).
 
-        Raises CapacityError before writing anything if tmpfs or the memory limit has no room.
+        Raises CapacityError before writing anything if tmpfs or the memory limit has no room,
+        JobDirGoneError when the job directory was removed under this run.
         """
-        return self.shards.begin(step, rank, nbytes, held)
+        try:
+            return self.shards.begin(step, rank, nbytes, held)
+        except FileNotFoundError as e:
+            if os.path.isdir(self.job_dir):
+                raise
+            raise JobDirGoneError(
+                f"the job directory {self.job_dir} is gone: something removed it while this "
+                "run used it (rm, a cleanup of the tmpfs, a restarted container; `mlcheckpoint "
+                "gc` refuses a directory a live run holds). In-memory saves fail until the job "
+                "restarts; the persistent checkpoints asked for are still written") from e
 
     def reopen_shard(self, step: int, rank: int, nbytes: int) -> ShardWriter:
         """Continue an uncommitted shard that was staged earlier (possibly by another process)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
+import sys
 
 import pytest
 from cluster import Cluster
@@ -107,3 +109,28 @@ def test_a_restart_with_another_persistent_folder_is_refused_on_every_rank_unles
                   if "MLCHECKPOINT_PERSISTENT_DIR_MOVED=1)" in line]
         # Once per node: from the rank that took the claim over from the earlier run.
         assert len(warned) == 1 and moved in warned[0] and c.persistent_dir in warned[0], warned
+
+
+def test_gc_remove_refuses_a_live_runs_directory_naming_it_and_proceeds_once_it_died():
+    """Issue 42: ``gc --remove`` under a live run printed "removed" and deleted its files.
+    Now it exits 4 naming the run (its pids, from the claim's record) and leaves every file;
+    once the run is SIGKILLed, the same command removes the directory."""
+    with Cluster(1, 2) as c:
+        c.start("claim_job.py", "train", "gc", "9", "2")  # steps 0-2, then holds
+        a, b = (r["pid"] for r in held(c, "gc", 2).values())
+        local = c.nodes[0].local_dir
+        job_dir = os.path.join(local, c.job_id)
+        before = snapshot(job_dir)
+        argv = [sys.executable, "-m", "mlcheckpoint.cli", "--local-dir", local, "gc", "--job",
+                c.job_id, "--remove"]
+        refused = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        assert refused.returncode == 4, (refused.stdout, refused.stderr)
+        assert "removed" not in refused.stdout, refused.stdout
+        said = refused.stderr
+        assert f"job {c.job_id}: not touched: {job_dir} is in use by run " in said, said
+        assert re.search(rf"pids ({a}, {b}|{b}, {a})", said), said
+        assert snapshot(job_dir) == before  # nothing of the live run's was touched
+        c.nodes[0].kill()  # SIGKILL: the agent and both ranks; their flocks go with them
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        assert (done.returncode, done.stdout.strip()) == (0, f"job {c.job_id}: removed"), done
+        assert not os.path.exists(job_dir)

@@ -3,10 +3,12 @@ what the library itself reports (SaveResult, protection(), ResumeInfo), in one p
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
 import torch
+from helpers import mounted_tmpfs
 
 from mlcheckpoint import CheckpointManager
 
@@ -48,3 +50,33 @@ def test_stats_give_the_last_save_and_the_last_resume_as_numbers(store_dir, clea
     for phase, seconds in info.phases.items():
         assert stats[f"mlcheckpoint/resume_{phase}_seconds"] == seconds
     assert not any(k.startswith("mlcheckpoint/save_") for k in stats)
+
+
+def test_failed_saves_are_logged_once_counted_and_their_persistent_step_still_written(
+        store_dir, clean_env, caplog):
+    """Issue 42, in one process on an 8 MiB tmpfs another program fills: three RAM saves fail
+    (one ERROR line, then counted), the persistent step asked for among them is written all
+    the same, and one line says when saves succeed again."""
+    caplog.set_level(logging.INFO, logger="mlcheckpoint.manager")
+    folder = os.path.join(store_dir, "persistent")
+    state = {"w": torch.arange(2**20, dtype=torch.float32)}  # 4 MiB
+    with mounted_tmpfs(os.path.join(store_dir, "shm"), "size=8m,mode=0700") as shm:
+        filler = os.path.join(shm, "other-program")
+        with open(filler, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, 6 * 2**20)
+        with CheckpointManager(folder, job_id=JOB, local_dir=shm, keep=1,
+                               replication="none") as ckpt:
+            errors = [ckpt.async_save(state, step, persistent=step == 1).exception()
+                      for step in range(3)]
+            os.unlink(filler)
+            assert ckpt.async_save(state, 3).exception() is None
+            stats = ckpt.stats()
+    assert [type(e).__name__ for e in errors] == ["CapacityError"] * 3
+    assert str(errors[1]).endswith("; step 1: persistent checkpoint written instead")
+    assert os.path.exists(os.path.join(folder, "step-000000000001", ".metadata"))
+    assert (stats["mlcheckpoint/failed_saves"], stats["mlcheckpoint/failed_saves_in_a_row"]) == (3, 0)
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.endswith("saving")]
+    assert [level for level, _ in said] == ["ERROR", "WARNING"], said
+    assert "async save of step 0 failed" in said[0][1] and "counted in stats()" in said[0][1]
+    assert said[1][1] == ("mlcheckpoint: RAM saves succeed again after 3 failures (failing since "
+                          "step 0; step 3 saved)")

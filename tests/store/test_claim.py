@@ -16,7 +16,7 @@ import time
 import pytest
 from helpers import put_step, snapshot
 
-from mlcheckpoint.store.claim import Claimant, JobClaim, Refusal, holder
+from mlcheckpoint.store.claim import Claimant, JobClaim, Refusal, holder, unclaimed
 
 JOB = "job-claim"
 
@@ -179,3 +179,19 @@ def test_a_sigkilled_holder_never_blocks_the_next_run(store, fork):
                 except ProcessLookupError:
                     break
                 time.sleep(0.05)
+
+
+def test_what_deletes_looks_at_the_claim_first_a_live_run_is_named_a_dead_one_is_not(store):
+    """``unclaimed``, what ``mlcheckpoint gc`` asks before it deletes (issue 42): the refusal
+    naming the live run, through the same look as ``holder``; nothing once it released."""
+    with unclaimed(store.paths) as nobody:  # never claimed
+        assert nobody is None
+    a = take(store, "run-a", pid=11)
+    assert isinstance(a, JobClaim)
+    with unclaimed(store.paths) as live:
+        assert isinstance(live, Refusal) and live.reason == "live" and live.job_dir == store.job_dir
+        assert live.holder is not None and (live.holder.run_id, live.holder.pids) == ("run-a", (11,))
+    a.release()
+    with unclaimed(store.paths) as gone:
+        assert gone is None
+    assert holder(store.paths)[1] is False

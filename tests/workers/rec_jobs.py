@@ -19,7 +19,7 @@ argv[1]: a JSON list of job specs, each a dict:
              from a peer (Transport.read_items or fetch_shard) has returned during the resume
 
 Reports per job: "resume-<job>" {step, source, match, mismatch, reason, sources,
-bytes_fetched, world}, "healed-<job>" {protected} and "listing-<job>" {entries}.
+bytes_fetched, world, refused_copies}, "healed-<job>" {protected} and "listing-<job>" {entries}.
 """
 
 import os
@@ -102,7 +102,7 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
     report(f"resume-{job}", {"step": info.step, "source": info.source, "match": not mismatch,
                              "mismatch": mismatch, "reason": info.reason,
                              "sources": info.sources, "bytes_fetched": info.bytes_fetched,
-                             "world": world})
+                             "world": world, "refused_copies": info.refused_copies})
     if spec.get("await_own") and info.step is not None:
         wait_until(lambda: rank in internals(ckpt).store.step_state(info.step).committed_ranks,
                    deadline_in(60), 0.05)

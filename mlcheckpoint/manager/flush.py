@@ -35,6 +35,7 @@ it committed, newest first, so whichever step some node holds whole gets every p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -56,6 +58,7 @@ from ..integrity.verify import verify_region
 from ..persistent import PersistentOrigin, PersistentStorage
 from ..store import LocalStore
 from ..store.layout import ItemLocation
+from ..store.local_store import ShardSource
 from ..store.manifest import ManifestItem, decode_metadata
 from ..store.pins import Pins
 
@@ -202,19 +205,11 @@ class Flusher:
         locations = self._own_locations(c)
         if locations is not None and not locations:
             return 0  # this rank owns nothing of the step: its metadata was all it had
-        with self.pins.pinned(c.step):
-            manifest, buf = self.store.map_shard(c.step, self.rank)
-            if manifest.save_id != c.save_id:
-                raise ShardNotFoundError(f"rank {self.rank}'s shard of step {c.step} here "
-                                         f"belongs to save {manifest.save_id!r}, not {c.save_id!r}")
-            items = _items_to_write(manifest.items, locations)
+        with self.pins.pinned(c.step), self.store.open_shard(c.step, self.rank, c.save_id) as shard:
+            items = _items_to_write(shard.manifest.items, locations)
             name = f"__{self.rank}_flush-{c.save_id}.distcp"
-            entries, nbytes = _write_items(os.path.join(folder, name), name, buf.array, items,
+            entries, nbytes = _write_items(os.path.join(folder, name), name, shard, items,
                                            deadline, c.step)
-            # Read after the write: bytes that changed under it (or were damaged before) fail
-            # here, and the part is never marked whole.
-            verify_region(buf.array, items, f"step {c.step} rank {self.rank}",
-                          lambda it: f"item {it.key!r}")
         pause_point("flush_part", c.step, self.rank)
         marker = {"step": c.step, "rank": self.rank, "save_id": c.save_id, "items": entries}
         _write_atomic(os.path.join(staging, f"rank-{self.rank:05d}.json"),
@@ -312,12 +307,20 @@ def _tensor_of(array: Any, it: ManifestItem) -> torch.Tensor:
     return raw.view(dtype).reshape(it.shape)
 
 
-def _write_items(path: str, name: str, array: Any, items: list[ManifestItem], deadline: float,
-                 step: int) -> tuple[list[list], int]:
-    """Write ``items`` into ``path`` as FileSystemWriter writes a rank's file; returns the
-    marker's entries (key, shard offset, nbytes, checksum, file, file offset, length) and
-    bytes."""
+def _write_items(path: str, name: str, shard: ShardSource, items: list[ManifestItem],
+                 deadline: float, step: int) -> tuple[list[list], int]:
+    """Write ``items`` of ``shard`` into ``path`` as FileSystemWriter writes a rank's file,
+    each verified against its checksum; returns the marker's entries (key, shard offset,
+    nbytes, checksum, file, file offset, length) and the bytes written.
+
+    Tensors are read through the mapping the save left in this process where it covers them
+    (its page tables are built: a fresh mapping's page faults cost more than the write to a
+    fast folder); byte items, which a save appends past that mapping, with ``pread``."""
+    tensors = [it for it in items if it.kind == "tensor"]
+    end = max((it.offset + it.nbytes for it in tensors), default=0)
+    array = shard.mapping(end).array if end else None
     entries = []
+    where = f"step {step} rank {shard.manifest.rank}"
     with open(path, "wb") as f:
         for it in items:
             if time.monotonic() >= deadline:
@@ -326,12 +329,19 @@ def _write_items(path: str, name: str, array: Any, items: list[ManifestItem], de
             if it.kind == "tensor":
                 torch.save(_tensor_of(array, it), f)
             else:  # a byte item, or a tensor DCP's own route serialized: its bytes as they are
-                f.write(memoryview(array[it.offset:it.offset + it.nbytes]))
+                raw = shard.read(it.offset, it.nbytes)
+                verify_region(np.frombuffer(raw, dtype=np.uint8), [dataclasses.replace(it, offset=0)],
+                              where, lambda it: f"item {it.key!r}")
+                f.write(raw)
             entries.append([it.key, it.offset, it.nbytes, it.checksum, name, start,
                             f.tell() - start])
         f.flush()
         os.fsync(f.fileno())
         written = f.tell()
+    if array is not None:
+        # Checked after the write: bytes that changed under it (or were damaged before) fail
+        # here, and the part is never marked whole.
+        verify_region(array, tensors, where, lambda it: f"item {it.key!r}")
     return entries, written
 
 

@@ -140,6 +140,8 @@ def parse_args(argv: list[str] | None) -> Config:
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
+    # Measured, not cut off: a slow disk may take longer than a real grace period.
+    os.environ.setdefault("MLCHECKPOINT_FLUSH_DEADLINE", "3600")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP: no process group, one process
         return run_and_report(cfg, run, report, cfg.json)

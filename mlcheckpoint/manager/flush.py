@@ -11,7 +11,7 @@ folder instead of in a collective:
     step-<S>/__<rank>_flush-<save>.distcp           the rank's items, as FileSystemWriter
                                                       writes them (torch.save per tensor,
                                                       byte items as they are)
-    step-<S>/.mlcheckpoint-flush/<save>/rank-<r>.json  the rank's part is whole: where each of
+    step-<S>/.mlcheckpoint-flush/<save>/part-<r>.json  the rank's part is whole: where each of
                                                       its items lies in its file
     step-<S>/.mlcheckpoint-flush/<save>/metadata     the step's metadata as memory holds it
                                                       (header and checksum included), from
@@ -54,7 +54,7 @@ from .. import history
 from .._faults import pause_point
 from ..dcp.placement import item_key
 from ..errors import CorruptShardError, ShardNotFoundError
-from ..integrity.verify import verify_region
+from ..integrity.verify import same_layout, verify_region
 from ..persistent import PersistentOrigin, PersistentStorage
 from ..store import LocalStore
 from ..store.layout import ItemLocation
@@ -91,6 +91,16 @@ class FlushResult:
     bytes: int = 0
     seconds: float = 0.0
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class _Written:
+    """An item as a rank's marker records it (a ``Recorded``)."""
+
+    offset: int
+    nbytes: int
+    checksum: int
+    algorithm: str | None
 
 
 @dataclass(frozen=True)
@@ -212,7 +222,7 @@ class Flusher:
                                            deadline, c.step)
         pause_point("flush_part", c.step, self.rank)
         marker = {"step": c.step, "rank": self.rank, "save_id": c.save_id, "items": entries}
-        _write_atomic(os.path.join(staging, f"rank-{self.rank:05d}.json"),
+        _write_atomic(os.path.join(staging, f"part-{self.rank:05d}.json"),
                       json.dumps(marker, separators=(",", ":")).encode(), self.rank)
         return nbytes
 
@@ -243,7 +253,7 @@ class Flusher:
         markers: dict[int, dict[str, list]] = {}
         for r in header.ranks:
             try:
-                with open(os.path.join(staging, f"rank-{r:05d}.json"), "rb") as f:
+                with open(os.path.join(staging, f"part-{r:05d}.json"), "rb") as f:
                     marker = json.loads(f.read())
             except FileNotFoundError:
                 return False  # that rank's part is not whole (yet)
@@ -254,10 +264,10 @@ class Flusher:
         storage_data: dict[Any, _StorageInfo] = {}
         for index, loc in metadata.storage_data.items():
             entry = markers[loc.rank].get(item_key(index))
-            if entry is None or entry[1:4] != [loc.offset, loc.nbytes, loc.checksum]:
+            if entry is None or not same_layout([_Written(*entry[1:5])], [loc]):
                 raise CorruptShardError(f"{staging}: rank {loc.rank}'s part lacks item "
                                         f"{index.fqn!r} as the step's metadata records it")
-            storage_data[index] = _StorageInfo(entry[4], entry[5], entry[6])
+            storage_data[index] = _StorageInfo(entry[5], entry[6], entry[7])
         metadata.storage_data = storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=folder, save_id=save_id)
         if _DCP_VERSION is not None:
@@ -288,7 +298,7 @@ def _items_to_write(items: list[ManifestItem],
     chosen = []
     for key, loc in locations.items():
         it = by_key.get(key)
-        if it is None or (it.offset, it.nbytes, it.checksum) != (loc.offset, loc.nbytes, loc.checksum):
+        if it is None or not same_layout([it], [loc]):
             raise CorruptShardError(f"the shard here lacks item {key!r} as the step's metadata "
                                     "records it")
         chosen.append(it)
@@ -311,7 +321,7 @@ def _write_items(path: str, name: str, shard: ShardSource, items: list[ManifestI
                  deadline: float, step: int) -> tuple[list[list], int]:
     """Write ``items`` of ``shard`` into ``path`` as FileSystemWriter writes a rank's file,
     each verified against its checksum; returns the marker's entries (key, shard offset,
-    nbytes, checksum, file, file offset, length) and the bytes written.
+    nbytes, checksum, algorithm, file, file offset, length) and the bytes written.
 
     Tensors are read through the mapping the save left in this process where it covers them
     (its page tables are built: a fresh mapping's page faults cost more than the write to a
@@ -333,7 +343,7 @@ def _write_items(path: str, name: str, shard: ShardSource, items: list[ManifestI
                 verify_region(np.frombuffer(raw, dtype=np.uint8), [dataclasses.replace(it, offset=0)],
                               where, lambda it: f"item {it.key!r}")
                 f.write(raw)
-            entries.append([it.key, it.offset, it.nbytes, it.checksum, name, start,
+            entries.append([it.key, it.offset, it.nbytes, it.checksum, it.algorithm, name, start,
                             f.tell() - start])
         f.flush()
         os.fsync(f.fileno())

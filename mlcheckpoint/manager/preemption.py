@@ -83,6 +83,7 @@ class Preemption:
         self._served = 0  # notices the flushes finished so far cover
         self._pending_deadline: float | None = None  # of the notices no flush has taken yet
         self._running = False  # a flush thread runs and will look for notices again
+        self._sigterm_deadline: float | None = None  # the flush a SIGTERM asked for must end by
         self.last: FlushResult | None = None
         self._thread: threading.Thread | None = None
         self._previous: Any = None  # SIGTERM's handler before ours
@@ -186,14 +187,23 @@ class Preemption:
         did before us."""
         self._in_handler.set()
         if not self._closed.is_set():
-            deadline = deadline_in(self.deadline_s)
-            self.notice("SIGTERM")
-            self.wait(deadline)
+            self.wait(self._sigterm())
         previous = self._previous
         if callable(previous):
             previous(signum, frame)
         elif previous != signal.SIG_IGN:  # SIG_DFL, or a handler not set from Python
             end_by_signal(signal.SIGTERM)
+
+    def _sigterm(self) -> float:
+        """A SIGTERM's notice, once: the notice thread and the handler both see the same
+        signal, and a scheduler and torchrun may each send one; SIGTERMs within one deadline
+        ask for one flush. Returns that flush's deadline."""
+        with self._lock:
+            if self._sigterm_deadline is not None and time.monotonic() < self._sigterm_deadline:
+                return self._sigterm_deadline
+            deadline = self._sigterm_deadline = deadline_in(self.deadline_s)
+        self.notice("SIGTERM")
+        return deadline
 
     def _watch(self) -> None:
         """Wake on the signal's byte (at once, whatever the main thread is doing) or the
@@ -217,8 +227,7 @@ class Preemption:
                     return
                 self._forward(got)
                 if signal.SIGTERM in got and not self._closed.is_set():
-                    deadline = deadline_in(self.deadline_s)
-                    self.notice("SIGTERM")
+                    deadline = self._sigterm()
                     threading.Thread(target=self._end_if_main_is_stuck, args=(deadline,),
                                      daemon=True, name="mlckpt-notice-end").start()
             if self.notice_file:

@@ -310,7 +310,7 @@ SETTINGS: tuple[Setting, ...] = (
             env="MLCHECKPOINT_CRASH_AT"),
     Setting("MLCHECKPOINT_PAUSE_AT", "test hooks", "tests only: `point@step#rank=path` holds "
             "the calling thread at a point until the file `path` exists, so a test makes ranks "
-            "meet in the order that exposes a race (`resume_agreed`)",
+            "meet in the order that exposes a race (`resume_agreed`, `flush_part`, ...)",
             env="MLCHECKPOINT_PAUSE_AT"),
     # The replication secret (replication/core/rendezvous.py reads and checks it).
     Setting("secret", "secret", "the replication secret in hex, see "

@@ -155,12 +155,12 @@ def test_a_flush_cut_off_by_sigkill_leaves_the_older_persistent_step_chosen():
             assert time.monotonic() < deadline, c.logs()
             time.sleep(0.05)
         storage = PersistentStorage(c.persistent_dir)
-        markers = glob.glob(f"{c.persistent_dir}/step-*/.mlcheckpoint-flush/*/rank-00000.json")
+        markers = glob.glob(f"{c.persistent_dir}/step-*/.mlcheckpoint-flush/*/part-00000.json")
         deadline = time.monotonic() + 30
         while not markers:  # rank 0's part is whole
             assert time.monotonic() < deadline, c.logs()
             time.sleep(0.05)
-            markers = glob.glob(f"{c.persistent_dir}/step-*/.mlcheckpoint-flush/*/rank-00000.json")
+            markers = glob.glob(f"{c.persistent_dir}/step-*/.mlcheckpoint-flush/*/part-00000.json")
         c.kill_all()  # SIGKILL, mid-flush
         assert storage.complete_steps()[-1] == 10, os.listdir(c.persistent_dir)
         assert max(int(n.removeprefix("step-")) for n in os.listdir(c.persistent_dir)) > 10

@@ -237,8 +237,10 @@ class Preemption:
                 seen_file = present
 
     def _forward(self, got: bytes) -> None:
-        """Hand the signals' bytes to the wakeup fd ours replaced (e.g. an event loop's)."""
-        if self._old_wakeup_fd >= 0:
+        """Hand the signals' bytes to the wakeup fd ours replaced (e.g. an event loop's), unless
+        it is an earlier manager's (one not closed): that one hears of SIGTERM through the
+        handlers' chain, if at all, not a second time through its notice thread."""
+        if self._old_wakeup_fd >= 0 and all(p._wake_w != self._old_wakeup_fd for p in list(_live)):
             with contextlib.suppress(OSError):
                 os.write(self._old_wakeup_fd, got)
 

@@ -138,6 +138,8 @@ def test_sigterm_flushes_on_a_thread_then_runs_the_handler_that_was_there(store_
         calls.append(("user", threading.current_thread().name))
 
     before = signal.signal(signal.SIGTERM, user)
+    wakeup = signal.set_wakeup_fd(-1)  # another test's manager may have left one
+    signal.set_wakeup_fd(wakeup)
     try:
         p = Preemption(flush, deadline_s=10, on_sigterm=True, notice_file=None)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -146,7 +148,7 @@ def test_sigterm_flushes_on_a_thread_then_runs_the_handler_that_was_there(store_
         assert p.last is not None and p.last.step == 7
         p.close()
         assert signal.getsignal(signal.SIGTERM) is user
-        assert signal.set_wakeup_fd(-1) == -1  # ours was taken back out
+        assert signal.set_wakeup_fd(wakeup) == wakeup  # ours was taken back out
     finally:
         signal.signal(signal.SIGTERM, before)
 

@@ -12,7 +12,8 @@ test knows), so a test makes two ranks meet in the one order that
 exposes a race, every run. Points: resume_agreed (right after resume's last collective),
 retention_planned (a retention pass between its plan and carrying it out), persistent_write
 (a background persistent write, before it starts), write_data (a shard's commit, once DCP
-planned the save, before any item is placed).
+planned the save, before any item is placed), flush_part (a preemption flush, once this
+rank's part of a step is written and before its marker says so).
 
 Unset, each check costs one dict lookup. These two variables are read at each check, not
 resolved once like the other settings (mlcheckpoint/settings.py): they are test hooks, and a

@@ -131,6 +131,18 @@ class PersistentStorage:
         ``load`` is ``dcp.load`` on the checkpoint group (recovery/load.py ``load_step``)."""
         load(state_dict, self.reader(step))
 
+    def flush_refused(self) -> str | None:
+        """Why a preemption flush (``manager/flush.py``) cannot write steps here, or None: it
+        writes a plain DCP checkpoint into ``path(step)`` on a file system, which only a folder
+        whose steps are plain DCP checkpoints found by ``complete_steps`` counts and loads."""
+        if self.is_url:
+            return f"the persistent folder {self.location} is an fsspec URL"
+        ours = PersistentStorage
+        if any(getattr(type(self), name) is not getattr(ours, name)
+               for name in ("complete_steps", "steps", "path", "restore")):
+            return f"{type(self).__name__} keeps a framework's own folder layout"
+        return None
+
     def record_origin(self, step: int, origin: PersistentOrigin) -> None:
         """Write ``origin`` into ``step``'s folder (after DCP finished writing it)."""
         self._write_text(f"{self.path(step)}/{ORIGIN_FILE}", origin.to_json())

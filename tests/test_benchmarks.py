@@ -28,6 +28,7 @@ if REPO_ROOT not in sys.path:
 from benchmarks import (
     bench_control,
     bench_first_saves,
+    bench_flush,
     bench_gc,
     bench_gpu,
     bench_local,
@@ -145,6 +146,18 @@ def test_bench_first_saves_and_gc_report_their_figures(capsys):
     assert all(len(r["t"]) == 2 and len(r["commit"]) == 2 for r in gc_figures["async"].values())
     out = capsys.readouterr().out
     assert "async_save blocking time of saves 1..2" in out and "until committed" in out
+
+
+def test_bench_flush_times_both_ways_into_each_folder(capsys, store_dir):
+    """bench_flush's rounds: a complete flush and FileSystemWriter's save of the same bytes,
+    each timed, into every folder named."""
+    figures = bench_flush.main(["--size-gb", "0.005", "--rounds", "2", "--targets", store_dir])
+    rows = figures["targets"][store_dir]
+    assert len(rows["flush"]) == len(rows["fs_writer"]) == 2
+    assert rows["flush_bytes"][0] >= figures["bytes"] and rows["fs_bytes"][0] >= figures["bytes"]
+    out = capsys.readouterr().out
+    assert "FileSystemWriter time / flush time" in out and "grace period" in out
+    assert os.listdir(store_dir) == []  # the folders written are gone
 
 
 @pytest.mark.slow

@@ -34,16 +34,19 @@ from ..replication.schedule import covered
 from ..replication.schedule.pairing import pairing_for, sources
 from ..replication.schedule.status import ProtectionStatus, save_times
 from ..replication.schedule.status import status as protection_status
-from ..settings import Launcher, Options, ReplicationOptions, Timeouts, default
+from ..settings import BY_NAME, Launcher, Options, ReplicationOptions, Timeouts, default
 from ..store import LocalStore
 from ..store.identity import Lineage, new_id
 from ..tmpfs import RoomCheck
 from ..topology import Topology
+from ..waiting import deadline_in, wait_until
 from . import metrics
 from .claiming import claim_job_dir, claimant
+from .flush import Flusher, FlushResult
 from .lifecycle import Lifecycle
 from .listing import CheckpointEntry, list_checkpoints
 from .persistent_writer import PersistentWriter
+from .preemption import Preemption
 from .saving import Saver, SaveResult
 
 log = logging.getLogger(__name__)
@@ -149,9 +152,51 @@ class CheckpointManager:
                             snapshots=self._snapshots, retention=self._lifecycle.retention,
                             warmer=self._lifecycle.warmer, replicator=self._replicator,
                             all_gather=self._all_gather, keep_copies=repl.copies != "off")
+        self._preemption = self._preemption_flush()  # last: nothing after it can fail
         log.debug("CheckpointManager job=%s dir=%s rank=%d/%d node=%d/%d", self.job_id,
                   self._store.job_dir, self.rank, self._topology.world_size,
                   self._topology.node_rank, self._topology.num_nodes)
+
+    def _preemption_flush(self) -> Preemption | None:
+        """The preemption flush (docs/operations.md, Preemption): on SIGTERM or the notice
+        file, unless ``MLCHECKPOINT_PREEMPTION_FLUSH=0``; ``flush_to_persistent`` either way.
+        None without a persistent folder the flush can write."""
+        if self._persistent is None:
+            return None
+        refused = self._persistent.flush_refused()
+        if refused is not None:
+            log.info("mlcheckpoint: no preemption flush: %s", refused)
+            return None
+        on = bool(BY_NAME["preemption_flush"].resolve())
+        flusher = Flusher(self._store, self._persistent, self.rank, self._lifecycle.pins)
+        self._flusher = flusher
+        return Preemption(flusher.flush, deadline_s=BY_NAME["flush_deadline"].resolve(),
+                          on_sigterm=on,
+                          notice_file=BY_NAME["flush_notice_file"].resolve() if on else None)
+
+    def flush_to_persistent(self, timeout: float | None = None) -> FlushResult:
+        """Write this rank's part of the newest step memory holds whole to the persistent
+        folder now, as a preemption notice does (for a scheduler that announces preemption
+        its own way; SIGTERM does it by itself). Every rank calls it; no collective: the step
+        is complete once every rank's part is there. Waits for this rank's part (at most
+        ``MLCHECKPOINT_FLUSH_DEADLINE``), then up to ``timeout`` seconds (default: that
+        deadline) for the other ranks' parts; ``FlushResult.complete`` says whether they
+        came. ConfigError without a persistent folder the flush can write (a URL, a
+        framework's own layout)."""
+        self._check_open()
+        if self._preemption is None:
+            refused = None if self._persistent is None else self._persistent.flush_refused()
+            raise ConfigError(f"flush_to_persistent() needs a persistent folder: {refused}"
+                              if refused else "flush_to_persistent() needs "
+                              "CheckpointManager(persistent_dir=...)")
+        result = self._preemption.flush_now("flush_to_persistent()") or FlushResult(
+            reason="the flush did not finish within the deadline")
+        if result.step is not None and not result.complete:
+            wait = self._preemption.deadline_s if timeout is None else timeout
+            step = result.step
+            result.complete = bool(wait_until(lambda: self._flusher.complete(step),
+                                              deadline_in(wait), poll=0.05))
+        return result
 
     @property
     def replication_mode(self) -> str:
@@ -432,6 +477,8 @@ class CheckpointManager:
 
     def _release(self, wait: bool) -> None:
         self._closed = True
+        if self._preemption is not None:  # SIGTERM's handling as it was before the manager
+            self._preemption.close()
         self._lifecycle.warmer.stop()  # a save finishing now prepares no more buffers
         # Not waiting: a snapshot in flight fails rather than commits what training changes.
         self._snapshots.close(wait=wait)

@@ -65,6 +65,13 @@ def _seconds(value: Any, source: str) -> float:
     return value
 
 
+def _text_seconds(text: str, source: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text  # not a number: the check names it
+
+
 def _replication_mode(value: Any, source: str) -> str:
     if value not in REPLICATION_MODES:
         raise ConfigError(f"{source}={value!r}: expected one of "
@@ -128,7 +135,7 @@ class Setting:
 
     name: str
     group: str  # "manager", "replication", "tuning", "timeouts", "launcher", "job", "secret",
-    # "test hooks"
+    # "persistent", "pacing", "preemption", "test hooks"
     doc: str
     default: Any = None  # when neither the argument nor the variable gives a value
     env: str | None = None
@@ -207,6 +214,20 @@ SETTINGS: tuple[Setting, ...] = (
             "without it the manager refuses to start there, naming both folders (see "
             "operations.md, One live run per job directory)", False,
             env="MLCHECKPOINT_PERSISTENT_DIR_MOVED", from_text=_text_flag, shown="`0`"),
+    # The preemption flush (manager/preemption.py, flush.py); read when the manager is built.
+    Setting("preemption_flush", "preemption", "`0` turns the preemption flush off: on SIGTERM "
+            "(or the notice file), each rank no longer writes its part of the newest step in "
+            "memory to `persistent_dir` before the process ends (see operations.md, Preemption). "
+            "`flush_to_persistent()` still works", True, env="MLCHECKPOINT_PREEMPTION_FLUSH",
+            from_text=_text_flag, shown="`1`"),
+    Setting("flush_deadline", "preemption", "seconds a preemption flush may hold the process "
+            "after the notice; keep it below the launcher's grace period (torchrun's "
+            "`--shutdown-timeout`, 30 s by default)", 25.0, env="MLCHECKPOINT_FLUSH_DEADLINE",
+            check=_seconds, from_text=_text_seconds, shown="`25`"),
+    Setting("flush_notice_file", "preemption", "a path whose appearance is a preemption notice, "
+            "for schedulers that announce one otherwise than by SIGTERM (looked for every "
+            "0.5 s; the flush runs once per appearance, training goes on)",
+            env="MLCHECKPOINT_FLUSH_NOTICE_FILE"),
     # ReplicationOptions(...) fields, in its order: ``name`` is the flat spelling (the
     # keyword of earlier releases, still accepted with a DeprecationWarning), ``field`` the
     # field's own name.
@@ -289,7 +310,7 @@ SETTINGS: tuple[Setting, ...] = (
             env="MLCHECKPOINT_CRASH_AT"),
     Setting("MLCHECKPOINT_PAUSE_AT", "test hooks", "tests only: `point@step#rank=path` holds "
             "the calling thread at a point until the file `path` exists, so a test makes ranks "
-            "meet in the order that exposes a race (`resume_agreed`)",
+            "meet in the order that exposes a race (`resume_agreed`, `flush_part`, ...)",
             env="MLCHECKPOINT_PAUSE_AT"),
     # The replication secret (replication/core/rendezvous.py reads and checks it).
     Setting("secret", "secret", "the replication secret in hex, see "

@@ -1,0 +1,365 @@
+"""The preemption flush: this rank's part of the newest step memory holds, from tmpfs to the
+persistent folder, in DCP's FileSystemWriter format, with no GPU and no collective.
+
+A whole-job preemption (spot reclaim, maintenance, rack power) takes every node at once, so
+memory cannot serve the restart; what it held since the last persistent step is lost unless
+it reaches the persistent tier in the notice's grace period (``preemption.py`` turns the
+notice into a call of ``Flusher.flush``). Each rank writes only what it owns and reads only
+its own node's tmpfs, so a dead or hung peer cannot hold it; the ranks meet in the step's
+folder instead of in a collective:
+
+    step-<S>/__<rank>_flush-<save>.distcp           the rank's items, as FileSystemWriter
+                                                      writes them (torch.save per tensor,
+                                                      byte items as they are)
+    step-<S>/.mlcheckpoint-flush/<save>/part-<r>.json  the rank's part is whole: where each of
+                                                      its items lies in its file
+    step-<S>/.mlcheckpoint-flush/<save>/metadata     the step's metadata as memory holds it
+                                                      (header and checksum included), from
+                                                      every rank whose node holds it
+    step-<S>/.metadata                               DCP's metadata, written last
+
+Whichever rank finds the staged metadata and every part's marker there (the last to finish,
+or any after it) writes DCP's ``.metadata``, with ``storage_data`` pointing into the ranks'
+files: only then is the step complete (``PersistentStorage.complete_steps``), so an
+unfinished flush leaves the older persistent step the newest, and plain ``dcp.load`` with
+``FileSystemReader`` loads a finished one. Markers and files are named by the save, so two
+incarnations of a step number never combine. The data files' names differ from DCP's own
+(``__<rank>_0.distcp``), so a persistent write of the same step still in flight on another
+thread never shares a file with the flush.
+
+Ranks need not agree on the step: one whose node lacks the newest step's metadata (it was on
+its way from the coordinator's node) also writes its part of each newer step whose own shard
+it committed, newest first, so whichever step some node holds whole gets every part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from .. import history
+from .._faults import pause_point
+from ..dcp.placement import item_key
+from ..errors import CorruptShardError, ShardNotFoundError
+from ..integrity.verify import same_layout, verify_region
+from ..persistent import PersistentOrigin, PersistentStorage
+from ..store import LocalStore
+from ..store.layout import ItemLocation
+from ..store.local_store import ShardSource
+from ..store.manifest import ManifestItem, decode_metadata
+from ..store.pins import Pins
+
+log = logging.getLogger(__name__)
+
+FLUSH_DIR = ".mlcheckpoint-flush"
+# The version FileSystemWriter stamps on what it writes (None in a torch without it: the
+# field is left as the save set it).
+_DCP_VERSION: str | None = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", None)
+
+
+class FlushCutShort(Exception):
+    """The flush's deadline passed before this rank's part was whole."""
+
+
+@dataclass
+class FlushResult:
+    """What one rank's flush did.
+
+    ``step``: the newest step whose part this rank wrote (None: nothing to write, ``reason``
+    says why); ``complete``: that step is complete in the persistent folder (every rank's part
+    there and DCP's ``.metadata`` written), as far as this rank has seen; ``parts``: the steps
+    whose part it wrote, newest first; ``bytes``: the bytes it wrote; ``seconds``: how long
+    it took; ``reason``: why nothing was written or the flush stopped short ("" otherwise).
+    """
+
+    step: int | None = None
+    complete: bool = False
+    parts: list[int] = field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class _Written:
+    """An item as a rank's marker records it (a ``Recorded``)."""
+
+    offset: int
+    nbytes: int
+    checksum: int
+    algorithm: str | None
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    step: int
+    save_id: str
+    metadata: bytes | None  # the encoded metadata file, where this node holds this save's
+
+
+class Flusher:
+    """Writes this rank's parts of in-memory steps into a persistent folder.
+
+    Args:
+        store: this node's store.
+        storage: the persistent folder; a plain DCP one on a file system
+            (``PersistentStorage.flush_refused`` says why another is refused).
+        rank: this rank (the owner of the shards it writes).
+        pins: this rank's pins: a step being flushed is never retired under it.
+    """
+
+    def __init__(self, store: LocalStore, storage: PersistentStorage, rank: int, pins: Pins):
+        self.store, self.storage, self.rank, self.pins = store, storage, rank, pins
+
+    # ------------------------------------------------------------------ what to flush
+    def candidates(self) -> list[_Candidate]:
+        """The steps this rank writes a part of, newest first: each step newer than the
+        persistent folder's newest whose own shard is committed here, down to the newest one
+        whose metadata (of the same save) is here too. A rank that owns nothing of that step
+        still stages its metadata (its node may be the only one holding it)."""
+        persisted = self.storage.complete_steps()
+        newest_persistent = persisted[-1] if persisted else -1
+        out: list[_Candidate] = []
+        for step in sorted(self.store.steps(), reverse=True):
+            if step <= newest_persistent:
+                break
+            st = self.store.step_state(step)
+            own = st.shard_saves.get(self.rank) if self.rank in st.committed_ranks else None
+            needed = self.rank in (st.required_ranks or ())
+            if st.has_metadata and st.save_id and (own == st.save_id or not needed):
+                with contextlib.suppress(ShardNotFoundError):  # (retired since the listing)
+                    out.append(_Candidate(step, st.save_id, self.store.read_metadata_file(step)))
+                    break
+            if own is not None and self.rank not in st.partial:
+                out.append(_Candidate(step, own, None))  # whole on another node, maybe
+        return out
+
+    # ------------------------------------------------------------------ the flush
+    def flush(self, deadline: float) -> FlushResult:
+        """Write this rank's part of each candidate step, newest first, and finish any step
+        whose every part is there; stop at ``deadline`` (``time.monotonic()``)."""
+        t0 = time.perf_counter()
+        result = FlushResult()
+        try:
+            candidates = self.candidates()
+        except OSError as e:
+            result.reason = f"listing the steps failed: {e}"
+            log.error("mlcheckpoint: preemption flush on rank %d: %s", self.rank, result.reason)
+            return result
+        if not candidates:
+            result.reason = "no step newer than the persistent folder's newest is whole in memory"
+            log.info("mlcheckpoint: preemption flush on rank %d: nothing to write (%s)",
+                     self.rank, result.reason)
+            return result
+        for c in candidates:
+            if any(self.complete(s) for s in result.parts):
+                break  # a newer step was finished by another rank meanwhile
+            if time.monotonic() >= deadline:
+                result.reason = f"the deadline passed before step {c.step}"
+                break
+            try:
+                nbytes = self._write_part(c, deadline)
+            except FlushCutShort as e:
+                result.reason = str(e)
+                log.error("mlcheckpoint: preemption flush of step %d on rank %d stopped: %s",
+                          c.step, self.rank, e)
+                break
+            except (OSError, CorruptShardError, ShardNotFoundError, ValueError) as e:
+                log.error("mlcheckpoint: preemption flush of step %d on rank %d failed: %s",
+                          c.step, self.rank, e)
+                result.reason = f"step {c.step}: {e}"
+                continue
+            result.parts.append(c.step)
+            result.bytes += nbytes
+            try:
+                if self.finish(c.step, c.save_id):
+                    break  # older steps are not needed: this one is complete
+            except (OSError, CorruptShardError, ValueError) as e:
+                log.error("mlcheckpoint: finishing the flushed step %d on rank %d failed: %s",
+                          c.step, self.rank, e)
+        complete = [s for s in result.parts if self.complete(s)]
+        result.step = complete[0] if complete else (result.parts[0] if result.parts else None)
+        result.complete = bool(complete)
+        result.seconds = time.perf_counter() - t0
+        if result.step is not None:
+            log.warning("mlcheckpoint: preemption flush on rank %d wrote step %d to %s (%d "
+                        "bytes, %.2fs); step %s", self.rank, result.step,
+                        self.storage.path(result.step), result.bytes, result.seconds,
+                        "complete" if result.complete else "waits for the other ranks' parts")
+            history.record(self.store.job_dir, "flush", step=result.step, rank=self.rank,
+                           bytes=result.bytes, seconds=round(result.seconds, 6),
+                           complete=result.complete, location=self.storage.path(result.step))
+        return result
+
+    def _write_part(self, c: _Candidate, deadline: float) -> int:
+        """This rank's items of ``c`` into its file, verified, then its marker and (where
+        held) the staged metadata; returns the bytes written."""
+        folder = self.storage.path(c.step)
+        staging = os.path.join(folder, FLUSH_DIR, c.save_id)
+        os.makedirs(staging, exist_ok=True)
+        if c.metadata is not None:
+            _write_atomic(os.path.join(staging, "metadata"), c.metadata, self.rank)
+        locations = self._own_locations(c)
+        if locations is not None and not locations:
+            return 0  # this rank owns nothing of the step: its metadata was all it had
+        with self.pins.pinned(c.step), self.store.open_shard(c.step, self.rank, c.save_id) as shard:
+            items = _items_to_write(shard.manifest.items, locations)
+            name = f"__{self.rank}_flush-{c.save_id}.distcp"
+            entries, nbytes = _write_items(os.path.join(folder, name), name, shard, items,
+                                           deadline, c.step)
+        pause_point("flush_part", c.step, self.rank)
+        marker = {"step": c.step, "rank": self.rank, "save_id": c.save_id, "items": entries}
+        _write_atomic(os.path.join(staging, f"part-{self.rank:05d}.json"),
+                      json.dumps(marker, separators=(",", ":")).encode(), self.rank)
+        return nbytes
+
+    def _own_locations(self, c: _Candidate) -> dict[str, ItemLocation] | None:
+        """This rank's primary items of the step by their key, from its metadata (None
+        without it: then every item of its shard is written, and the finisher picks the
+        primaries)."""
+        if c.metadata is None:
+            return None
+        _, payload = decode_metadata(c.metadata)
+        return {item_key(index): loc for index, loc in _storage_data(payload).items()
+                if loc.rank == self.rank}
+
+    # ------------------------------------------------------------------ finishing
+    def finish(self, step: int, save_id: str) -> bool:
+        """Write DCP's ``.metadata`` of ``step`` if the staged metadata of ``save_id`` and every
+        part it needs are in the folder; whether the step is complete now."""
+        folder = self.storage.path(step)
+        staging = os.path.join(folder, FLUSH_DIR, save_id)
+        try:
+            with open(os.path.join(staging, "metadata"), "rb") as f:
+                header, payload = decode_metadata(f.read())
+        except FileNotFoundError:
+            return False  # a rank whose node holds the metadata has not staged it yet
+        if header.save_id != save_id or header.step != step:
+            raise CorruptShardError(f"{staging}/metadata names step {header.step} save "
+                                    f"{header.save_id!r}")
+        markers: dict[int, dict[str, list]] = {}
+        for r in header.ranks:
+            try:
+                with open(os.path.join(staging, f"part-{r:05d}.json"), "rb") as f:
+                    marker = json.loads(f.read())
+            except FileNotFoundError:
+                return False  # that rank's part is not whole (yet)
+            if marker.get("save_id") != save_id or marker.get("rank") != r:
+                raise CorruptShardError(f"{staging}: rank {r}'s marker names another save")
+            markers[r] = {str(e[0]): e for e in marker["items"]}
+        metadata = pickle.loads(payload)  # our own file, verified by its checksum
+        storage_data: dict[Any, _StorageInfo] = {}
+        for index, loc in metadata.storage_data.items():
+            entry = markers[loc.rank].get(item_key(index))
+            if entry is None or not same_layout([_Written(*entry[1:5])], [loc]):
+                raise CorruptShardError(f"{staging}: rank {loc.rank}'s part lacks item "
+                                        f"{index.fqn!r} as the step's metadata records it")
+            storage_data[index] = _StorageInfo(entry[5], entry[6], entry[7])
+        metadata.storage_data = storage_data
+        metadata.storage_meta = StorageMeta(checkpoint_id=folder, save_id=save_id)
+        if _DCP_VERSION is not None:
+            metadata.version = _DCP_VERSION
+        with contextlib.suppress(OSError):  # without it the step still loads (persistent.py)
+            self.storage.record_origin(step, PersistentOrigin(
+                header.run_id, tuple((str(r), int(s)) for r, s in header.lineage), time.time()))
+        _write_atomic(os.path.join(folder, ".metadata"),
+                      pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), self.rank)
+        return True
+
+    def complete(self, step: int) -> bool:
+        """Whether ``step`` is complete in the persistent folder."""
+        return os.path.exists(os.path.join(self.storage.path(step), ".metadata"))
+
+
+def _storage_data(payload: bytes) -> dict[Any, ItemLocation]:
+    metadata = pickle.loads(payload)  # our own file, verified by its checksum
+    return metadata.storage_data
+
+
+def _items_to_write(items: list[ManifestItem],
+                    locations: dict[str, ItemLocation] | None) -> list[ManifestItem]:
+    """The manifest's items that ``locations`` name (all of them without), in file order."""
+    if locations is None:
+        return sorted(items, key=lambda it: it.offset)
+    by_key = {it.key: it for it in items}
+    chosen = []
+    for key, loc in locations.items():
+        it = by_key.get(key)
+        if it is None or not same_layout([it], [loc]):
+            raise CorruptShardError(f"the shard here lacks item {key!r} as the step's metadata "
+                                    "records it")
+        chosen.append(it)
+    return sorted(chosen, key=lambda it: it.offset)
+
+
+def _tensor_of(array: Any, it: ManifestItem) -> torch.Tensor:
+    """The raw bytes of item ``it`` as the tensor they hold, without a copy: its storage is
+    exactly those bytes, so ``torch.save`` writes them and nothing more."""
+    dtype = getattr(torch, it.dtype or "", None)
+    if not isinstance(dtype, torch.dtype) or it.shape is None:
+        raise CorruptShardError(f"item {it.key!r} records dtype {it.dtype!r}, shape {it.shape!r}")
+    if it.nbytes == 0:
+        return torch.empty(it.shape, dtype=dtype)
+    raw = torch.from_numpy(array[it.offset:it.offset + it.nbytes])
+    return raw.view(dtype).reshape(it.shape)
+
+
+def _write_items(path: str, name: str, shard: ShardSource, items: list[ManifestItem],
+                 deadline: float, step: int) -> tuple[list[list], int]:
+    """Write ``items`` of ``shard`` into ``path`` as FileSystemWriter writes a rank's file,
+    each verified against its checksum; returns the marker's entries (key, shard offset,
+    nbytes, checksum, algorithm, file, file offset, length) and the bytes written.
+
+    Tensors are read through the mapping the save left in this process where it covers them
+    (its page tables are built: a fresh mapping's page faults cost more than the write to a
+    fast folder); byte items, which a save appends past that mapping, with ``pread``."""
+    tensors = [it for it in items if it.kind == "tensor"]
+    end = max((it.offset + it.nbytes for it in tensors), default=0)
+    array = shard.mapping(end).array if end else None
+    entries = []
+    where = f"step {step} rank {shard.manifest.rank}"
+    with open(path, "wb") as f:
+        for it in items:
+            if time.monotonic() >= deadline:
+                raise FlushCutShort(f"the deadline passed while writing step {step}")
+            start = f.tell()
+            if it.kind == "tensor":
+                torch.save(_tensor_of(array, it), f)
+            else:  # a byte item, or a tensor DCP's own route serialized: its bytes as they are
+                raw = shard.read(it.offset, it.nbytes)
+                verify_region(np.frombuffer(raw, dtype=np.uint8), [dataclasses.replace(it, offset=0)],
+                              where, lambda it: f"item {it.key!r}")
+                f.write(raw)
+            entries.append([it.key, it.offset, it.nbytes, it.checksum, it.algorithm, name, start,
+                            f.tell() - start])
+        f.flush()
+        os.fsync(f.fileno())
+        written = f.tell()
+    if array is not None:
+        # Checked after the write: bytes that changed under it (or were damaged before) fail
+        # here, and the part is never marked whole.
+        verify_region(array, tensors, where, lambda it: f"item {it.key!r}")
+    return entries, written
+
+
+def _write_atomic(path: str, data: bytes, rank: int) -> None:
+    """``data`` into ``path`` whole or not at all (a temporary file per rank, synced, renamed)."""
+    tmp = f"{path}.tmp{rank}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,185 @@
+"""A whole-job preemption keeps what memory held (issue 42, item 5): real torchrun agents,
+SIGTERM to every node's agent mid-training (torchrun forwards it to its ranks and SIGKILLs
+them 30 s later), memory wiped, a restart on "new machines" (tests/workers/preempt_job.py).
+
+Before the flush: the ranks died at once and the restart resumed persistent step 10, losing
+every step saved since.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+import warnings
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from cluster import Cluster
+from states import differences, make_state, zeros_like_state
+from torch.distributed.checkpoint import FileSystemReader
+
+from mlcheckpoint import PersistentStorage
+
+pytestmark = pytest.mark.slow
+
+SIGKILLED = "forcefully exiting via"  # torchrun's words when the grace period ran out
+
+
+def train_until(c: Cluster, step: int, timeout: float = 180) -> dict[int, dict]:
+    """Wait until every rank saved ``step`` and persistent step 10 is complete; the ranks'
+    last progress reports."""
+    deadline = time.monotonic() + timeout
+    storage = PersistentStorage(c.persistent_dir)
+    while time.monotonic() < deadline:
+        progress = c.results("progress")
+        if (len(progress) == c.nnodes * c.nproc and min(p["step"] for p in progress.values()) >= step
+                and 10 in storage.complete_steps()):
+            return progress
+        assert c.running() == list(range(c.nnodes)), c.logs()
+        time.sleep(0.1)
+    raise AssertionError(f"the job did not reach step {step}:\n{c.logs()}")
+
+
+def preempt(c: Cluster, timeout: float = 60) -> float:
+    """SIGTERM to every node's torchrun agent, as a scheduler's notice; the seconds until
+    every agent had ended."""
+    t0 = time.monotonic()
+    for node in c.nodes:
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGTERM)
+    c.wait(timeout)
+    return time.monotonic() - t0
+
+
+def expected_state(step: int, ranks: int) -> dict:
+    """Every rank's state of ``step`` in one dict (the shared entries are equal on all)."""
+    sd: dict = {}
+    for r in range(ranks):
+        sd.update(make_state(step, r))
+    return sd
+
+
+def load_plain(path: str, step: int, ranks: int) -> list[str]:
+    """Load a persistent step as any DCP user would (no process group, no mlcheckpoint):
+    where it differs from what the ranks saved."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        assert b"mlcheckpoint" not in f.read()  # nothing of ours needed to read it
+    want = expected_state(step, ranks)
+    got = zeros_like_state(want)
+    with warnings.catch_warnings():  # DCP says it loads in one process: it does
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(got, storage_reader=FileSystemReader(path), no_dist=True)
+    return differences(want, got)
+
+
+def test_sigterm_to_every_agent_flushes_the_newest_step_and_a_restart_resumes_it():
+    """2 nodes x 2 ranks, a RAM save every step and a persistent one every 10. SIGTERM to both
+    agents past step 14: every rank writes its part of the newest step memory held whole, the
+    step is complete (at least the newest protected one at the notice), loads with plain
+    ``dcp.load``, and a restart with every node's memory wiped resumes it exactly. Rank 1's own
+    SIGTERM handler ran after the flush; the others died of SIGTERM's default action; all
+    within torchrun's grace period."""
+    with Cluster(nnodes=2, nproc=2) as c:
+        c.start("preempt_job.py", "train", env={"TEST_USER_HANDLER": "1"})
+        progress = train_until(c, 14)
+        protected = min((p["protected"] for p in progress.values() if p["protected"] is not None),
+                        default=-1)
+        seconds = preempt(c)
+        log = "".join(n.log() for n in c.nodes)
+        assert SIGKILLED not in log, log[-6000:]  # every rank ended within the grace period
+        steps = PersistentStorage(c.persistent_dir).complete_steps()
+        flushed = steps[-1]
+        assert flushed > 10 and flushed >= max(protected, 14), (steps, protected, c.logs())
+        assert c.results("user_handler") == {1: {"rank": 1, "signal": signal.SIGTERM}}
+        assert seconds < 25, seconds
+        path = PersistentStorage(c.persistent_dir).path(flushed)
+        assert sorted(glob.glob(f"{path}/__*_flush-*.distcp")), os.listdir(path)
+        assert load_plain(path, flushed, 4) == []
+
+        for node in c.nodes:  # new machines: nothing in memory
+            node.wipe()
+        c.clear_results()
+        c.run("preempt_job.py", "resume", timeout=180)
+        res = c.results("resume")
+        assert sorted(res) == [0, 1, 2, 3], c.logs()
+        for r in res.values():
+            assert (r["step"], r["source"], r["mismatch"]) == (flushed, "persistent", []), r
+
+
+def test_ranks_stuck_in_a_collective_flush_and_end_as_sigterm_would():
+    """2 nodes x 1 rank; rank 1 goes quiet, so rank 0's main thread waits in the training
+    ``all_reduce`` (in C++, where Python runs no signal handler). SIGTERM: rank 0's flush starts
+    from the wakeup fd on a thread of its own, and once it is written that thread ends the
+    process as SIGTERM would have (rank 1's own handler takes 8 s, so the collective does not
+    fail before); the step is complete and loads."""
+    with Cluster(nnodes=2, nproc=1) as c:
+        stall = os.path.join(c.root, "stall")
+        c.start("preempt_job.py", "train", env={"TEST_STALL_FILE": stall, "TEST_USER_HANDLER": "1",
+                                                "TEST_HANDLER_SECONDS": "8"})
+        train_until(c, 12)
+        open(stall, "w").close()
+        time.sleep(1.0)  # rank 1 is quiet, rank 0 inside all_reduce
+        last = max(p["step"] for p in c.results("progress").values())
+        t0 = time.monotonic()
+        for node in c.nodes:
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGTERM)
+        assert c.wait(60, nodes=[0]) is not None
+        assert time.monotonic() - t0 < 6, c.logs()  # rank 0 ended well before rank 1's handler did
+        c.wait(60)
+        log = c.nodes[0].log()
+        assert "the main thread did not take SIGTERM" in log, log[-6000:]
+        assert SIGKILLED not in log + c.nodes[1].log(), c.logs()
+        assert c.results("user_handler") == {1: {"rank": 1, "signal": signal.SIGTERM}}
+        flushed = PersistentStorage(c.persistent_dir).complete_steps()[-1]
+        assert flushed >= last - 1 and flushed > 10, (flushed, last)
+        assert load_plain(PersistentStorage(c.persistent_dir).path(flushed), flushed, 2) == []
+
+
+def test_a_flush_cut_off_by_sigkill_leaves_the_older_persistent_step_chosen():
+    """2 nodes x 1 rank. Rank 1's flush is held before its part is marked whole, rank 0's
+    finishes; then SIGKILL (the grace period ran out). The new step's folder is there but not
+    complete: the restart, with memory wiped, resumes persistent step 10, which plain
+    ``dcp.load`` still reads."""
+    with Cluster(nnodes=2, nproc=1) as c:
+        hold = os.path.join(c.root, "hold")
+        c.start("preempt_job.py", "train", env={"MLCHECKPOINT_PAUSE_AT": f"flush_part#1={hold}"})
+        train_until(c, 12)
+        for node in c.nodes:
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{hold}.reached"):
+            assert time.monotonic() < deadline, c.logs()
+            time.sleep(0.05)
+        storage = PersistentStorage(c.persistent_dir)
+        markers = glob.glob(f"{c.persistent_dir}/step-*/.mlcheckpoint-flush/*/part-00000.json")
+        deadline = time.monotonic() + 30
+        while not markers:  # rank 0's part is whole
+            assert time.monotonic() < deadline, c.logs()
+            time.sleep(0.05)
+            markers = glob.glob(f"{c.persistent_dir}/step-*/.mlcheckpoint-flush/*/part-00000.json")
+        c.kill_all()  # SIGKILL, mid-flush
+        assert storage.complete_steps()[-1] == 10, os.listdir(c.persistent_dir)
+        assert max(int(n.removeprefix("step-")) for n in os.listdir(c.persistent_dir)) > 10
+
+        for node in c.nodes:
+            node.wipe()
+        c.run("preempt_job.py", "resume", timeout=180)
+        res = c.results("resume")
+        for r in res.values():
+            assert (r["step"], r["source"], r["mismatch"]) == (10, "persistent", []), r
+        assert load_plain(storage.path(10), 10, 2) == []
+
+
+def test_opted_out_no_flush():
+    """``MLCHECKPOINT_PREEMPTION_FLUSH=0``: SIGTERM ends the ranks as it always did; nothing
+    newer than persistent step 10 is written."""
+    with Cluster(nnodes=1, nproc=1) as c:
+        c.start("preempt_job.py", "train", env={"MLCHECKPOINT_PREEMPTION_FLUSH": "0"})
+        train_until(c, 12)
+        preempt(c)
+        assert sorted(os.listdir(c.persistent_dir)) == ["step-000000000000", "step-000000000010"]
+        assert "preemption notice" not in c.nodes[0].log()

@@ -1,0 +1,170 @@
+"""The preemption flush's parts in one process (issue 42, item 5): what a rank writes from
+tmpfs, how ranks with no collective between them finish a step in the persistent folder, and
+how a SIGTERM becomes a flush followed by the handler that was there before. Whole jobs
+(torchrun, SIGTERM to every agent, a restart on wiped nodes): tests/jobs/test_preemption.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from helpers import damage_shard
+from states import differences, make_state, zeros_like_state
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from mlcheckpoint import CheckpointManager, MemoryStorageWriter
+from mlcheckpoint.history import read as read_history
+from mlcheckpoint.manager.flush import Flusher, FlushResult
+from mlcheckpoint.manager.preemption import Preemption
+from mlcheckpoint.persistent import PersistentStorage
+from mlcheckpoint.store import LocalStore
+from mlcheckpoint.store.pins import Pins
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+JOB = "job-flush"
+
+
+def load_plain(path: str, want: dict) -> list[str]:
+    """Where a plain ``dcp.load`` of ``path`` differs from ``want``."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        assert b"mlcheckpoint" not in f.read()  # loadable without mlcheckpoint
+    got = zeros_like_state(want)
+    dcp.load(got, storage_reader=FileSystemReader(path), no_dist=True)
+    return differences(want, got)
+
+
+def test_flush_to_persistent_writes_the_newest_step_as_a_plain_dcp_checkpoint(store_dir):
+    """Every kind of entry (dtypes, empty and strided tensors, non-tensors) comes back from a
+    plain FileSystemReader; the step is complete; a second flush has nothing newer to write."""
+    folder = os.path.join(store_dir, "persistent")
+    with CheckpointManager(folder, job_id=JOB, local_dir=os.path.join(store_dir, "shm"),
+                           replication="none") as ckpt:
+        for step in range(4):
+            ckpt.save(make_state(step), step, persistent=step == 0)
+        result = ckpt.flush_to_persistent()
+        assert (result.step, result.complete, result.parts) == (3, True, [3]), result
+        assert result.bytes > 0
+        storage = PersistentStorage(folder)
+        assert storage.complete_steps() == [0, 3]
+        assert load_plain(storage.path(3), make_state(3)) == []
+        again = ckpt.flush_to_persistent()
+        assert again.step is None and "no step newer" in again.reason
+        events = [e for e in read_history(os.path.join(store_dir, "shm", JOB)) if e["event"] == "flush"]
+        assert [(e["step"], e["complete"]) for e in events] == [(3, True)]
+
+
+def save_two_ranks(step: int, stores: list[LocalStore]) -> None:
+    """DCP's save protocol for ranks 0 and 1 (rank r on ``stores[r]``), run by hand in one
+    process: plans, the coordinator's global plan, each rank's write, the coordinator's
+    finish. The metadata lands on rank 0's node only, as before the publish sends it on."""
+    planners, writers, plans = [], [], []
+    for r, store in enumerate(stores):
+        planner, writer = DefaultSavePlanner(), MemoryStorageWriter(step, store, rank=r, world_size=2)
+        planner.set_up_planner(make_state(step, r), writer.storage_meta(), is_coordinator=r == 0)
+        writer.set_up_storage_writer(r == 0, rank=r)
+        plans.append(writer.prepare_local_plan(planner.create_local_plan()))
+        planners.append(planner)
+        writers.append(writer)
+    global_plans, metadata = planners[0].create_global_plan(plans)
+    global_plans = writers[0].prepare_global_plan(global_plans)
+    results = [writers[r].write_data(planners[r].finish_plan(global_plans[r]), planners[r]).wait()
+               for r in range(2)]
+    writers[0].finish(metadata, results)
+
+
+def both_ranks(step: int) -> dict:
+    return {**make_state(step, 0), **make_state(step, 1)}
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_ranks_finish_a_step_in_the_folder_whichever_comes_last(store_dir, first):
+    """Two nodes, one rank each; node 1 has not received step 2's metadata. Each rank writes
+    its part alone (rank 1 also its part of step 2 without knowing it is whole, and of step 1,
+    the newest it holds whole); the step is complete only once both parts are there, and then
+    plain DCP loads it. Until then the older persistent step stays the newest."""
+    stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
+    for step in (1, 2):
+        save_two_ranks(step, stores)
+    stores[1].write_metadata_file(1, stores[0].read_metadata_file(1))  # step 1 published
+    storage = PersistentStorage(os.path.join(store_dir, "persistent"))
+    os.makedirs(storage.path(0))
+    with open(os.path.join(storage.path(0), ".metadata"), "wb"):
+        pass  # an older persistent step (complete, as far as listing goes)
+    flushers = [Flusher(stores[r], storage, r, Pins()) for r in range(2)]
+    assert [c.step for c in flushers[1].candidates()] == [2, 1]
+    assert [c.step for c in flushers[0].candidates()] == [2]
+
+    one = flushers[first].flush(time.monotonic() + 60)
+    assert not one.complete and one.step == 2, one
+    assert storage.complete_steps() == [0]  # unfinished: the older step is still the newest
+    other = flushers[1 - first].flush(time.monotonic() + 60)
+    assert (other.step, other.complete) == (2, True), other
+    assert storage.complete_steps() == [0, 2]
+    assert load_plain(storage.path(2), both_ranks(2)) == []
+
+
+def test_a_damaged_item_is_never_marked_whole(store_dir):
+    """A byte flipped in memory after the save: the flush writes the file but its check fails,
+    so no marker, no ``.metadata``, and the failure is in the result."""
+    stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
+    save_two_ranks(1, stores)
+    damage_shard(stores[0], 1, 0)
+    storage = PersistentStorage(os.path.join(store_dir, "persistent"))
+    result = Flusher(stores[0], storage, 0, Pins()).flush(time.monotonic() + 60)
+    assert result.step is None and "checksum mismatch" in result.reason, result
+    assert Flusher(stores[1], storage, 1, Pins()).flush(time.monotonic() + 60).complete is False
+    assert storage.complete_steps() == []
+    assert not any(n.startswith("part-00000") for _, _, files in os.walk(storage.path(1))
+                   for n in files)
+
+
+def test_sigterm_flushes_on_a_thread_then_runs_the_handler_that_was_there(store_dir):
+    """SIGTERM to this process: the flush runs on ``mlckpt-flush`` and the previous handler
+    (a user's) runs after it, on the main thread; ``close`` puts that handler back and the
+    wakeup fd as it was."""
+    calls: list[tuple[str, str]] = []
+
+    def flush(deadline: float) -> FlushResult:
+        time.sleep(0.2)
+        calls.append(("flush", threading.current_thread().name))
+        return FlushResult(step=7, complete=True)
+
+    def user(signum, frame):
+        calls.append(("user", threading.current_thread().name))
+
+    before = signal.signal(signal.SIGTERM, user)
+    wakeup = signal.set_wakeup_fd(-1)  # another test's manager may have left one
+    signal.set_wakeup_fd(wakeup)
+    try:
+        p = Preemption(flush, deadline_s=10, on_sigterm=True, notice_file=None)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs at the next bytecode
+        assert calls == [("flush", "mlckpt-flush"), ("user", "MainThread")], calls
+        assert p.last is not None and p.last.step == 7
+        p.close()
+        assert signal.getsignal(signal.SIGTERM) is user
+        assert signal.set_wakeup_fd(wakeup) == wakeup  # ours was taken back out
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_notice_file_starts_a_flush_and_training_goes_on(store_dir):
+    notice = os.path.join(store_dir, "notice")
+    ran = threading.Event()
+
+    def flush(deadline: float) -> FlushResult:
+        ran.set()
+        return FlushResult()
+
+    p = Preemption(flush, deadline_s=10, on_sigterm=False, notice_file=notice)
+    try:
+        assert not ran.wait(0.7)
+        open(notice, "w").close()
+        assert ran.wait(5)
+    finally:
+        p.close()

@@ -274,7 +274,7 @@ class CheckpointManager:
         return future
 
     # ------------------------------------------------------------------ resume
-    def resume(self, state_dict: dict[str, Any]) -> ResumeInfo:
+    def resume(self, state_dict: dict[str, Any], *, announce: bool = True) -> ResumeInfo:
         """Load the newest usable checkpoint into ``state_dict`` (in place); all ranks call it.
 
         ``state_dict`` is the dict ``async_save`` takes. Its top-level values may be DCP
@@ -290,6 +290,11 @@ class CheckpointManager:
         node lacks from its partner), unless the persistent checkpoint is newer. Copies whose
         checksums fail are refused by all ranks together and the next candidate is tried:
         another copy, an older step, the persistent step, then a fresh start (step None).
+
+        Rank 0 logs what was restored in one line (``ResumeInfo.summary``): at INFO, or at
+        WARNING (shown with no logging configured) when the job fell back further than a
+        save in flight (``ResumeInfo.fell_back``). ``announce=False`` leaves that line to the
+        caller (the Lightning strategy prints it through Lightning's own output).
         """
         self._check_open()
         self._saver.wait()
@@ -298,6 +303,8 @@ class CheckpointManager:
         self._saver.settled()
         self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
         info = self._last_resume = resumed.info
+        if announce and self.rank == 0:
+            log.log(logging.WARNING if info.fell_back else logging.INFO, "mlcheckpoint: %s", info.summary)
         history.record(self._store.job_dir, "resume", step=info.step, rank=self.rank,
                        source=info.sources.get(self.rank, info.source), seconds=round(info.seconds, 6),
                        bytes=resumed.bytes_fetched, reason=info.reason)

@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--persistent", help="also list persistent steps in this directory/URL")
     p.add_argument("--json", action="store_true")
 
-    p = command("verify", help="check every checksum of a step; " + EXIT_CODES_HELP,
+    p = command("verify", help="check every checksum of a step (exit status: see verify --help)",
                        description="Check every checksum of a step on this node against the "
                        "step's metadata, as a resume does.", epilog=EXIT_CODES_HELP)
     p.add_argument("--job", default=default_job, required=default_job is None)

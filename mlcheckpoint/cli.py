@@ -321,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "here and the newest protected step stay")
     p.add_argument("--min-age", type=float, default=600.0,
                    help="spare uncommitted files younger than this many seconds (a save in flight)")
-    p.add_argument("--remove", action="store_true", help="delete the job's files entirely (finished jobs)")
+    p.add_argument("--remove", action="store_true",
+                   help="delete the job's files entirely: for a finished job (its last run "
+                   "closed cleanly and left finished.json; docs/operations.md)")
     p.add_argument("--json", action="store_true")
 
     p = command("history", help="every save, replication, persistent write and resume")

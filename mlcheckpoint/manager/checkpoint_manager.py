@@ -36,6 +36,7 @@ from ..replication.schedule.status import ProtectionStatus, save_times
 from ..replication.schedule.status import status as protection_status
 from ..settings import Launcher, Options, ReplicationOptions, Timeouts, default
 from ..store import LocalStore
+from ..store.claim import mark_finished
 from ..store.identity import Lineage, new_id
 from ..tmpfs import RoomCheck
 from ..topology import Topology
@@ -141,7 +142,8 @@ class CheckpointManager:
             mode = "none"
         self._mode = mode
         self._room = RoomCheck(self._store.local_dir, self._store.paths, self._topology,
-                               opts.keep, replica_sets=self._replicas if mode != "none" else 0)
+                               opts.keep, replica_sets=self._replicas if mode != "none" else 0,
+                               reclaimable=self._store.finished_jobs)
         self._room.at_start()  # a container's small /dev/shm: say so now, not at a failed save
         if mode != "none":
             self._start_replication(repl)
@@ -417,8 +419,18 @@ class CheckpointManager:
                 if self._replicator is not None:  # the last round has no next one to close it:
                     with contextlib.suppress(Exception):  # history learns of it here
                         self._replicator.newest_protected(self._store.steps())
+                self._mark_finished()
         finally:
             self._release(wait=not failed)
+
+    def _mark_finished(self) -> None:
+        """A clean close: this node's memory of the job becomes a finished job's (what ``gc``
+        and a new job's room check name first; docs/operations.md, "A finished job's memory")
+        until a run claims the directory again."""
+        if self._topology.is_node_leader:
+            with contextlib.suppress(OSError):
+                mark_finished(self._store.paths, self._lineage.run_id,
+                              max(self._store.complete_steps(), default=None))
 
     def _barrier(self, timeout: float) -> None:
         """A barrier on the checkpoint group that gives up after ``timeout`` seconds: a rank

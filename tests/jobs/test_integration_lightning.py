@@ -6,6 +6,8 @@ resume of step 6 does: the same loop position, losses, parameters and optimizer 
 
 import os
 import re
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 pytest.importorskip("mlcheckpoint.integrations.lightning",
                     reason="needs the [lightning] extra (scripts/setup.sh installs it)")
 
-from cluster import Cluster
+from cluster import Cluster, free_port
 
 from mlcheckpoint.integrations.lightning import LATEST
 
@@ -89,7 +91,7 @@ def test_a_fresh_start_trains_as_lightning_alone_and_claims_no_restore():
                          "checkpoint of this job and there is no persistent checkpoint")], printed
         # No line per save: not Lightning's "`weights_only` was not set", nor any of ours.
         assert "weights_only" not in printed, printed
-        repeated = {line: n for line, n in Counter(printed.splitlines()).items() if n > 2}
+        repeated = {line: n for line, n in Counter(printed.splitlines()).items() if n > 2 and line.strip()}
         assert not repeated, repeated
 
         fresh, plain = cluster.results("lightning_fresh"), cluster.results("lightning_plain")
@@ -133,3 +135,77 @@ def test_each_resume_says_in_one_line_what_it_restored_and_from_where():
         resumed = cluster.results("lightning_fallback")
         assert [resumed[r]["start"] for r in (0, 1)] == [[6, 0], [6, 0]]
         assert [resumed[r]["counter"] for r in (0, 1)] == [6, 6]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(REPO, "examples", "lightning_fsdp2.py")
+
+
+def _documented_snippet() -> list[str]:
+    """The code lines of docs/integration.md's Lightning snippet."""
+    with open(os.path.join(REPO, "docs", "integration.md")) as f:
+        text = f.read().split("## PyTorch Lightning", 1)[1]
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_documented_snippet_is_the_example():
+    """Issue 44: the snippet a user copies is what examples/lightning_fsdp2.py runs, line for line
+    (its imports at the top of the file, the rest in order in main())."""
+    with open(EXAMPLE) as f:
+        example = [line.strip() for line in f.read().splitlines()]
+    snippet = _documented_snippet()
+    imports = [line for line in snippet if line.startswith(("import ", "from "))]
+    text = " ".join(example)  # its imports may be wrapped over lines
+    for line in imports:
+        module, _, names = line.partition(" import ")
+        assert (line in example if not names else
+                f"{module} import" in text and all(n.strip() in text for n in names.split(","))), line
+    code = snippet[len(imports):]
+    start = example.index(code[0])
+    assert example[start:start + len(code)] == code, (code, example[start:start + len(code)])
+
+
+def test_the_example_runs_as_written_and_resumes(store_dir):
+    """examples/lightning_fsdp2.py (the documented snippet) under torchrun, 2 CPU processes, as
+    its docstring says: one job over both ranks (no "trains alone" warning at setup), 10 steps
+    saved every 5 to memory; launched again for 20 steps it restores step 10 from memory and
+    says so in one line. No per-save line in either launch."""
+    env = dict(os.environ, MLCHECKPOINT_JOB_ID="lightning-example", OMP_NUM_THREADS="1",
+               MLCHECKPOINT_LOCAL_DIR=os.path.join(store_dir, "shm"), CUDA_VISIBLE_DEVICES="")
+    printed = []
+    for steps in (10, 20):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", EXAMPLE,
+               "--steps", str(steps)]
+        done = subprocess.run(cmd, cwd=store_dir, env=env, capture_output=True, text=True,
+                              timeout=240, check=False)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out[-6000:]
+        printed.append(out)
+    first, second = printed
+    for out in printed:
+        assert "trains alone" not in out and "weights_only" not in out, out[-6000:]
+        assert not {line: n for line, n in Counter(out.splitlines()).items() if n > 2 and line.strip()}, \
+            out[-6000:]
+    ours = [line for line in first.splitlines() if line.startswith("mlcheckpoint:")]
+    assert ours == [("mlcheckpoint: nothing restored, starting fresh: memory holds no checkpoint "
+                     "of this job and there is no persistent checkpoint")], first[-6000:]
+    ours = [line for line in second.splitlines() if line.startswith("mlcheckpoint:")]
+    assert len(ours) == 1 and re.fullmatch(r"mlcheckpoint: restored step 10 from local memory in "
+                                           r"[0-9.]+s", ours[0]), second[-6000:]
+
+
+def test_a_mesh_on_which_every_rank_trains_alone_is_reported_at_setup():
+    """MLCheckpointStrategy() with Lightning's defaults on one node of 2 processes: data-parallel
+    size 1, tensor-parallel size 2; the module shards over device_mesh["data_parallel"] (size 1),
+    so no parameter spans two ranks. The strategy says so once, at setup, with the fix."""
+    with Cluster(1, nproc=2) as cluster:
+        folder = os.path.join(cluster.root, "ckpts")
+        assert _run(cluster, "fresh", folder, LIGHTNING_DEFAULT_MESH="1", LIGHTNING_STEPS="2") == 0, \
+            cluster.logs()
+        printed = _printed(cluster)
+        assert printed.count("trains alone") == 1, printed
+        assert ("the device mesh is data_parallel=1 x tensor_parallel=2 and no parameter of the "
+                "model is sharded or replicated over more than one rank") in printed, printed
+        assert "MLCheckpointStrategy(data_parallel_size=2, tensor_parallel_size=1)" in printed

@@ -13,7 +13,8 @@ argv: phase folder
               without mlcheckpoint.
 Nodes and processes: what torchrun started. env LIGHTNING_STEPS: the steps to train (10);
 LIGHTNING_EVERY: MemoryCheckpoint's interval (2); LIGHTNING_KILL: any phase dies after step 7
-as save does (after waiting for step 6 to reach the partner node, on several nodes).
+as save does (after waiting for step 6 to reach the partner node, on several nodes);
+LIGHTNING_DEFAULT_MESH: MLCheckpointStrategy without data_parallel_size/tensor_parallel_size.
 The module's on_save_checkpoint/on_load_checkpoint write and read a key of their own.
 Every phase but save trains to LIGHTNING_STEPS and reports "lightning_<tag>" (env LIGHTNING_TAG,
 default the phase): losses per step, the global step and epoch it started at, the resume
@@ -132,7 +133,9 @@ def main() -> None:
     if phase in ("lightning", "plain"):
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     else:
-        strategy = MLCheckpointStrategy(data_parallel_size=world, tensor_parallel_size=1, folder=folder)
+        mesh = ({} if os.environ.get("LIGHTNING_DEFAULT_MESH")  # Lightning's: dp = nodes
+                else {"data_parallel_size": world, "tensor_parallel_size": 1})
+        strategy = MLCheckpointStrategy(folder=folder, **mesh)
     record = Record(kill=phase == "save" or bool(os.environ.get("LIGHTNING_KILL")))
     memory = [] if phase in ("lightning", "plain") else [MemoryCheckpoint(every_n_train_steps=EVERY)]
     own = ModelCheckpoint(dirpath=folder if phase in ("save", "fresh") else f"{folder}-{tag}",

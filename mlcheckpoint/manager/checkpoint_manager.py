@@ -293,20 +293,19 @@ class CheckpointManager:
         checksums fail are refused by all ranks together and the next candidate is tried:
         another copy, an older step, the persistent step, then a fresh start (step None).
 
-        Rank 0 logs what was restored in one line (``ResumeInfo.summary``): at INFO, or at
-        WARNING (shown with no logging configured) when the job fell back further than a
-        save in flight (``ResumeInfo.fell_back``). ``announce=False`` leaves that line to the
-        caller (the Lightning strategy prints it through Lightning's own output).
+        Rank 0 logs what was restored in one line (``ResumeInfo.summary``, logger
+        ``mlcheckpoint.recovery.resume``): at INFO, or at WARNING (shown with no logging
+        configured) when the job fell back further than a save in flight
+        (``ResumeInfo.fell_back``). ``announce=False`` leaves that line to the caller (the
+        Lightning strategy prints it through Lightning's own output).
         """
         self._check_open()
         self._saver.wait()
-        resumed = self._recovery().run(state_dict)
+        resumed = self._recovery(announce=announce).run(state_dict)
         self._lineage = resumed.lineage  # later saves descend from what was loaded
         self._saver.settled()
         self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
         info = self._last_resume = resumed.info
-        if announce and self.rank == 0:
-            log.log(logging.WARNING if info.fell_back else logging.INFO, "mlcheckpoint: %s", info.summary)
         history.record(self._store.job_dir, "resume", step=info.step, rank=self.rank,
                        source=info.sources.get(self.rank, info.source), seconds=round(info.seconds, 6),
                        bytes=resumed.bytes_fetched, reason=info.reason)
@@ -323,9 +322,10 @@ class CheckpointManager:
         self._recovery().continue_from(step)
         self._saver.settled()
 
-    def _recovery(self) -> Recovery:
+    def _recovery(self, announce: bool = False) -> Recovery:
         return Recovery(self._store, self._topology, Comm(self._all_gather), lineage=self._lineage,
-                        group=self._save_pg, replicator=self._replicator, persistent=self._persistent)
+                        group=self._save_pg, replicator=self._replicator, persistent=self._persistent,
+                        announce=announce)
 
     # ------------------------------------------------------------------ listing
     def checkpoints(self) -> list[CheckpointEntry]:

@@ -136,12 +136,13 @@ class Recovery:
 
     def __init__(self, store: LocalStore, topology: Topology, comm: Comm, *, lineage: Lineage,
                  group: dist.ProcessGroup | None, replicator: Replicator | None = None,
-                 persistent: PersistentStorage | None = None):
+                 persistent: PersistentStorage | None = None, announce: bool = False):
         self.store, self.topo, self.comm = store, topology, comm
         self.lineage, self.group = lineage, group
         self.replicator, self.persistent = replicator, persistent
         self.transport = replicator.transport if replicator is not None else None
         self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # ResumeInfo.phases
+        self.announce = announce  # rank 0 logs ResumeInfo.summary (CheckpointManager.resume)
 
     def run(self, state_dict: dict) -> Resumed:
         """Load the newest usable checkpoint into ``state_dict``; every rank calls it."""
@@ -221,6 +222,8 @@ class Recovery:
         healing = self._heal(d, holders)  # after the last collective, in the background
         self._lap("heal", t)
         info.phases = dict(self.phases)
+        if self.announce and self.topo.rank == 0:  # one line per launch; WARNING is shown unasked
+            log.log(logging.WARNING if info.fell_back else logging.INFO, "mlcheckpoint: %s", info.summary)
         return Resumed(info, self.lineage, fetched, healing)
 
     def continue_from(self, step: int | None) -> None:

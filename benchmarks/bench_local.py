@@ -540,7 +540,7 @@ def report(cfg: Config, figures: dict[str, Any]) -> None:
     print_table(figures["results"])
     print_series(figures["state_dict"]["total_bytes"], figures["memcpy_alone"], figures["ours_series"])
     print_memory(memory, figures["memory"]["rss_shmem_end"], cfg.sample_interval_s)
-    print_targets(figures["targets"])
+    print_targets(figures["targets"], cfg.quick)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

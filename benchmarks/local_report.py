@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.harness.report import QUICK_NOTE, verdict
 from benchmarks.harness.stats import GB, size_str
 
 if TYPE_CHECKING:
@@ -151,13 +152,16 @@ def evaluate_targets(estimates: dict[str, dict[str, float]],
     return targets
 
 
-def print_targets(targets: list[dict[str, Any]]) -> None:
+def print_targets(targets: list[dict[str, Any]], quick: bool = False) -> None:
     print("targets: memcpy ratios judged on the paired estimate, DCP FS ratios on the best reps (see the\n"
           "README); the other estimates are shown for reference")
+    if quick:
+        print(QUICK_NOTE)
     for t in targets:
         value = f"{t['value']:.1%}" if not t["estimates"] else f"{t['value']:.2f}x"
         others = ", ".join(f"{b} {v:.2f}x" for b, v in t["estimates"].items() if b != t["basis"])
-        line = f"  {'PASS' if t['pass'] else 'FAIL'}  {t['name']:<42}{value:>8} {t['basis']:<7}"
+        line = f"  {verdict(t['pass'], quick)}  {t['name']:<42}{value:>8} {t['basis']:<7}"
         print((line + (f"  ({others})" if others else "")).rstrip())
-    passed = sum(t["pass"] for t in targets)
-    print(f"  {passed}/{len(targets)} passed")
+    if not quick:
+        passed = sum(t["pass"] for t in targets)
+        print(f"  {passed}/{len(targets)} passed")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 import mlcheckpoint
+from benchmarks.harness.report import QUICK_NOTE, verdict
 from benchmarks.harness.stats import GB, GiB, gbps, median
 from benchmarks.harness.workloads import SHARD_LARGE_COUNT
 
@@ -226,8 +227,10 @@ def report(res: dict[str, Any], s: dict[str, Any], cfg: Any) -> None:
         p(f"   skipped: {res['training'].get('skipped')}")
 
     p("\ntargets")
+    if cfg.quick:
+        p(QUICK_NOTE)
     for tg in s["targets"]:
-        p(f"  {'PASS' if tg['pass'] else 'FAIL'}  {tg['name']}: {tg['shown']}")
+        p(f"  {verdict(tg['pass'], cfg.quick)}  {tg['name']}: {tg['shown']}")
     p(f"  info  TCP first push (cold receiver buffer) vs raw socket: {s['tcp_first_vs_raw']:.2f}x; "
       f"CPU per steady push vs raw sendfile: {s['tcp_cpu_vs_raw_sendfile']:.2f}x (no target)")
     if "pg_vs_raw" in s:

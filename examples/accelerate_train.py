@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 
@@ -76,10 +77,13 @@ def main() -> None:
     loader = DataLoader(make_data(args.steps, accelerator.num_processes), batch_size=BATCH)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
+    # What the resume restored, in one line on rank 0: a fallback that lost steps is a WARNING,
+    # shown without this; a resume of the newest step is INFO, shown with it.
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("mlcheckpoint.recovery.resume").setLevel(logging.INFO)
     train = TrainState(model, optimizer, scheduler)
     ckpt = mlcheckpoint.CheckpointManager(persistent_dir=args.folder)
     info = ckpt.resume({"app": train})  # memory (local or partner), else the folder, else fresh
-    accelerator.print(f"resumed: {info}")
     start = 0 if info.step is None else info.step + 1  # a checkpoint's step is the last one done
     losses: dict[int, float] = {}
     for step, (x, y) in enumerate(accelerator.skip_first_batches(loader, start), start=start):

@@ -97,6 +97,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill-at", type=int, default=6)
     ap.add_argument("--keep", action="store_true", help="keep the demo's files for inspection")
+    ap.add_argument("--verbose", action="store_true",
+                    help="also print how each rank's bytes were laid out (layout words: peer, copies)")
     args = ap.parse_args()
     n, g = args.nodes, args.ranks_per_node
     ref = Job("demo-ref", n, g, args.steps)
@@ -138,9 +140,9 @@ def main() -> int:
             run = json.load(f)
         with open(ref_out_path) as f:
             ref_out = json.load(f)
-        say(f"resumed step {run['resumed_from']} from {run['resume_source']} "
-            f"(per rank: {run['resume_sources']}) in {run['resume_seconds']:.3f}s; "
-            f"restart to finish: {time.monotonic() - t_restart:.1f}s")
+        say(f"{run['resume_summary']}; restart to finish: {time.monotonic() - t_restart:.1f}s")
+        if args.verbose:  # the layout words: how each rank's bytes were laid out
+            say(f"per-rank sources: {run['resume_sources']}")
         say(f"finished step {args.steps - 1}; holdings:\n           {job.holdings()}")
         same_losses = run["losses"] == ref_out["losses"]
         same_params = run["digest"] == ref_out["digest"]

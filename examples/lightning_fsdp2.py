@@ -4,7 +4,7 @@
     MLCHECKPOINT_JOB_ID=demo torchrun --nproc-per-node=2 examples/lightning_fsdp2.py --steps 40
     # stop it (Ctrl-C, or kill a rank) and run the same command again: it resumes from memory
 
-Runs on CPU (gloo). Every 5 steps the training state goes to tmpfs (and, on several nodes, to
+Runs on CPU (gloo) where there is no GPU. Every 5 steps the training state goes to tmpfs (and, on several nodes, to
 the partner node); every 20 steps Lightning writes its sharded checkpoint into ./lightning-ckpts.
 A restart resumes from whichever is newer. See docs/integration.md.
 """
@@ -60,18 +60,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--folder", default="lightning-ckpts")
     args = parser.parse_args()
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # what torchrun started
+    model = Regressor()
+    # docs/integration.md's snippet, as written (a test checks that they agree)
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the processes torchrun started here
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // devices,
-        max_steps=args.steps, logger=False,
-        strategy=MLCheckpointStrategy(data_parallel_size=int(os.environ.get("WORLD_SIZE", "1")),
-                                      tensor_parallel_size=1),
-        callbacks=[MemoryCheckpoint(every_n_train_steps=5),
-                   ModelCheckpoint(dirpath=args.folder, every_n_train_steps=20, save_top_k=-1)])
-    trainer.fit(Regressor(), ckpt_path=LATEST)
-    info = trainer.strategy.last_resume
-    if trainer.global_rank == 0 and info is not None:
-        print("fresh start" if info.step is None else f"resumed step {info.step} from {info.source}")
+        devices=devices, num_nodes=world // devices, max_steps=args.steps,
+        # FSDP2 over every rank: Lightning's defaults would make the data-parallel size the node
+        # count (1 on one node), and a model sharded over device_mesh["data_parallel"] would then
+        # train alone on each rank (the strategy warns at setup)
+        strategy=MLCheckpointStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        callbacks=[MemoryCheckpoint(every_n_train_steps=5),     # memory + partner node
+                   ModelCheckpoint(dirpath=args.folder, every_n_train_steps=20, save_top_k=-1)],
+    )
+    trainer.fit(model, ckpt_path=LATEST)   # resume from the newest of memory and the folder, else fresh
+    # On rank 0 the strategy printed what was restored (trainer.strategy.last_resume.summary).
 
 
 if __name__ == "__main__":

@@ -169,9 +169,14 @@ def compare(workdir: str, name: str, ref: dict, ref_state: dict, dump: str, resu
 
 
 def resumed_step(workdir: str, name: str) -> tuple[int, str]:
-    with open(os.path.join(workdir, f"{name}.node0.log")) as f:
-        m = re.search(r"resumed step (\d+) from (\w+)", f.read())
-    return (int(m.group(1)), m.group(2)) if m else (0, "nothing")
+    with open(os.path.join(workdir, f"{name}.node0.log")) as f:  # ResumeInfo.summary's line
+        m = re.search(r"restored step (\d+) (from the persistent|from local memory|in .* from node)",
+                      f.read())
+    if not m:
+        return 0, "nothing"
+    words = m.group(2)
+    return int(m.group(1)), ("persistent" if "persistent" in words else
+                             "local" if "local" in words else "peer")
 
 
 def drive(workdir: str) -> int:

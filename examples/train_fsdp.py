@@ -178,6 +178,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"losses": losses.tolist(), "digest": digest, "resumed_from": info.step,
                        "resume_source": info.source, "resume_sources": info.sources,
+                       "resume_labels": info.labels, "resume_summary": info.summary,
                        "resume_seconds": info.seconds}, f)
     ckpt.close()
     dist.destroy_process_group()

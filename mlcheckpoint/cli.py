@@ -279,7 +279,15 @@ def cmd_history(args) -> int:
     return EXIT_OK
 
 
-def cmd_bench(args, extra: list[str]) -> int:
+BENCHMARKS = ("local", "replication", "recovery")
+
+
+def cmd_bench(args, extra: list[str], parser: argparse.ArgumentParser) -> int:
+    if args.which is None:  # "bench" or "bench --help": which benchmarks there are
+        parser.print_help()
+        return EXIT_OK if args.bench_help else EXIT_NOT_FOUND
+    if args.bench_help:
+        extra = ["--help", *extra]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "benchmarks", f"bench_{args.which}.py")
     if not os.path.exists(script):
@@ -300,7 +308,8 @@ LOCAL_DIR_HELP = "tmpfs root (default: $MLCHECKPOINT_LOCAL_DIR or /dev/shm/mlche
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mlcheckpoint", description="Inspect and manage in-memory checkpoints on this node.",
-                                 epilog=EXIT_CODES_HELP)
+                                 epilog="'mlcheckpoint COMMAND --help' shows a command's own options "
+                                 "(and, for verify, its exit statuses).")
     ap.add_argument("--local-dir", default=None, help=LOCAL_DIR_HELP)
     # The global options again for every command, so they may follow it too (``ls
     # --local-dir X``). SUPPRESS: not given after the command, the value before it stands.
@@ -317,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--persistent", help="also list persistent steps in this directory/URL")
     p.add_argument("--json", action="store_true")
 
-    p = command("verify", help="check every checksum of a step; " + EXIT_CODES_HELP,
+    p = command("verify", help="check every checksum of a step (exit status: see verify --help)",
                        description="Check every checksum of a step on this node against the "
                        "step's metadata, as a resume does.", epilog=EXIT_CODES_HELP)
     p.add_argument("--job", default=default_job, required=default_job is None)
@@ -336,8 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "here and the newest protected step stay")
     p.add_argument("--min-age", type=float, default=600.0,
                    help="spare uncommitted files younger than this many seconds (a save in flight)")
-    p.add_argument("--remove", action="store_true", help="delete the job's files entirely (finished "
-                   "jobs; refused while a live run holds it)")
+    p.add_argument("--remove", action="store_true",
+                   help="delete the job's files entirely: for a finished job (its last run "
+                   "closed cleanly and left finished.json; docs/operations.md); refused while "
+                   "a live run holds it")
     p.add_argument("--json", action="store_true")
 
     p = command("history", help="every save, replication, persistent write and resume")
@@ -345,9 +356,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last", type=int, default=0)
     p.add_argument("--json", action="store_true")
 
-    p = command("bench", help="run a benchmark (local | replication | recovery)")
-    p.add_argument("which", choices=["local", "replication", "recovery"])
+    # Its options are the benchmark script's own: everything after the name goes to it, --help
+    # included (so "bench local --help" lists bench_local.py's options, not these).
+    p = command("bench", add_help=False, help="run a benchmark (local | replication | recovery); "
+                "'bench NAME --help' lists its options",
+                usage="mlcheckpoint bench {local,replication,recovery} [the benchmark's options]",
+                description="Run one of the benchmarks that ship with the source tree "
+                "(benchmarks/bench_NAME.py). Every option after NAME goes to the benchmark: "
+                "'mlcheckpoint bench local --help' lists them. --quick is a smoke run, whose "
+                "ratios are information; the targets are judged in a full run on an idle machine.")
+    p.add_argument("which", nargs="?", choices=BENCHMARKS, metavar="{local,replication,recovery}")
+    p.add_argument("-h", "--help", action="store_true", dest="bench_help", help=argparse.SUPPRESS)
     return ap
+
+
+def _subparser(ap: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in ap._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     args.local_dir = resolve_local_dir(args.local_dir)
     try:
         if args.cmd == "bench":
-            return cmd_bench(args, extra)
+            return cmd_bench(args, extra, _subparser(ap, "bench"))
         code = {"ls": cmd_ls, "verify": cmd_verify, "gc": cmd_gc, "history": cmd_history}[args.cmd](args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return code

@@ -129,8 +129,11 @@ class RoomCheck:
     """Warns once when ``local_dir`` cannot hold what this job will keep there."""
 
     def __init__(self, local_dir: str, paths: JobPaths, topology: Topology, keep: int,
-                 replica_sets: int):
+                 replica_sets: int, reclaimable: Callable[[], dict[str, int]] | None = None):
         self.local_dir, self.paths, self.topology = local_dir, paths, topology
+        # Finished jobs under local_dir (job id -> bytes): named when room is short, as the
+        # memory to reclaim first (LocalStore.finished_jobs)
+        self.reclaimable = reclaimable
         self.keep, self.replica_sets = keep, replica_sets  # 0: not replicating
         self.size = filesystem_bytes(local_dir)
         self._first_save_checked = False
@@ -152,7 +155,17 @@ class RoomCheck:
 
     def _warn(self, message: str) -> None:
         if self.topology.is_node_leader:  # the ranks of a node share the tmpfs: one line
-            log.warning("mlcheckpoint: %s; %s", message, HOW_TO_RAISE)
+            log.warning("mlcheckpoint: %s; %s%s", message, HOW_TO_RAISE, self._finished_jobs())
+
+    def _finished_jobs(self) -> str:
+        """Finished jobs' memory under local_dir, the first to reclaim (or "")."""
+        jobs = self.reclaimable() if self.reclaimable is not None else {}
+        if not jobs:
+            return ""
+        names = sorted(jobs, key=lambda job: -jobs[job])
+        listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        return (f". Finished jobs here hold {sum(jobs.values()) / MiB:.0f} MiB ({listed}): "
+                "'mlcheckpoint gc --remove --job ID' frees one")
 
     def at_start(self) -> None:
         """Before any save the size of a step is unknown; a filesystem no larger than the

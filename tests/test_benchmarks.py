@@ -37,6 +37,7 @@ from benchmarks import (
     bench_recovery,
     bench_replication,
     bench_training,
+    local_report,
 )
 from benchmarks.harness.workloads import model_state_dict, quiet_dcp
 from mlcheckpoint import CheckpointManager, MemoryStorageWriter
@@ -301,3 +302,19 @@ def test_bench_pacing_reports_every_mode():
     for mode, row in rows.items():
         assert _number(row["median_ms"]) and row["median_ms"] > 0, mode
         assert (row["replication_Bps"] > 0) == (mode != "none"), mode
+
+
+def test_quick_reports_the_targets_as_information(capsys):
+    """A --quick run on a shared machine prints its ratios as "info", no PASS/FAIL and no
+    "n/m passed" (which read as a broken install), and says the targets belong to a full run."""
+    targets = [{"name": "steady-state save >= 0.7x memcpy", "value": 0.3, "basis": "paired",
+                "op": ">=", "threshold": 0.7, "estimates": {"paired": 0.3, "best": 0.5}, "pass": False},
+               {"name": "peak RssAnon growth < 25% of state dict", "value": 0.01, "basis": "peak",
+                "op": "<", "threshold": 0.25, "estimates": {}, "pass": True}]
+    local_report.print_targets(targets, quick=True)
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "PASS" not in out and "passed" not in out, out
+    assert out.count("  info  ") == 2 and "judged in a full run" in " ".join(out.split()), out
+    local_report.print_targets(targets)  # a full run judges them
+    out = capsys.readouterr().out
+    assert "  FAIL  steady-state" in out and "  PASS  peak" in out and "1/2 passed" in out, out

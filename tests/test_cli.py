@@ -241,6 +241,27 @@ def test_verify_help_documents_the_exit_codes(capsys):
     assert "0 ok, 1 incomplete on this node (the rest intact), 2 job or step not found, 3 corrupt" in out
 
 
+@pytest.mark.slow
+def test_bench_help_lists_the_benchmarks_own_options(capfd):
+    """``mlcheckpoint bench local --help`` is the benchmark's help (its --quick and --shm-dir),
+    not the wrapper's; ``bench --help`` names the benchmarks."""
+    assert main(["bench", "local", "--help"]) == EXIT_OK
+    out = capfd.readouterr().out
+    assert "--quick" in out and "--shm-dir" in out and "--size-gb" in out, out
+    assert main(["bench", "--help"]) == EXIT_OK
+    out = capfd.readouterr().out
+    assert "{local,replication,recovery}" in out and "--help' lists them" in " ".join(out.split()), out
+
+
+def test_top_level_help_leaves_the_exit_codes_to_verify(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "3 corrupt" not in out and "by severity" not in out, out
+    assert "'mlcheckpoint COMMAND --help' shows a command's own options" in out, out
+
+
 # ---------------------------------------------------------------- issue 32: a Unix tool
 
 def test_global_options_may_follow_the_command(job, capsys):

@@ -17,6 +17,7 @@ from mlcheckpoint.store.layout import (
     BANDWIDTH,
     CLAIM,
     CLAIM_LOCK,
+    FINISHED,
     HISTORY,
     LOCK,
     LOCKS,
@@ -112,7 +113,7 @@ _TOKENS = {ORPHANS: "0123abcd", POOL: "0123456789abcdef"}  # <token>: its length
 _INSIDE = {STEPS: {Kind.STEP}, ORPHANS: {Kind.ORPHAN}, POOL: {Kind.POOL_BUFFER, Kind.POOL_PARTIAL},
            LOCKS: {Kind.LOCK}}
 _IN_STEP = {Kind.DATA, Kind.MANIFEST, Kind.METADATA, Kind.PARTIAL, Kind.TEMP}
-_TOP = {STEPS, POOL, ORPHANS, LOCKS, HISTORY, LOCK, RETENTION_LOCK, CLAIM_LOCK, CLAIM}
+_TOP = {STEPS, POOL, ORPHANS, LOCKS, HISTORY, LOCK, RETENTION_LOCK, CLAIM_LOCK, CLAIM, FINISHED}
 
 
 def layout_error(path: str) -> str | None:

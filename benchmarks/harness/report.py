@@ -16,6 +16,17 @@ import torch
 Config = TypeVar("Config")
 
 
+QUICK_NOTE = ("--quick: small sizes and few repetitions, beside whatever else this machine runs: "
+              "the ratios are information, not a verdict on the install; the targets are judged "
+              "in a full run (no --quick) on an otherwise idle machine")
+
+
+def verdict(ok: bool, quick: bool) -> str:
+    """The word that opens a target's line: PASS or FAIL in a full run, "info" with --quick
+    (a smoke run's ratios on a shared machine say nothing about the targets)."""
+    return "info" if quick else ("PASS" if ok else "FAIL")
+
+
 def progress(msg: str) -> None:
     """A progress line on stderr (the report itself goes to stdout)."""
     print(f"  .. {msg}", file=sys.stderr, flush=True)

@@ -226,8 +226,8 @@ class MemoryStorageReader(StorageReader):
                 from_copies[loc.rank].add(place[0])
                 loc = dataclasses.replace(loc, rank=place[0], offset=place[1], copies=())
             here[loc.rank].append((req, loc))
-        for owner, ranks in sorted(from_copies.items()):
-            log.info("mlcheckpoint: step %d: reading items of rank %d's shard from their copies "
+        for owner, ranks in sorted(from_copies.items()):  # layout words: ResumeInfo.summary says it
+            log.debug("mlcheckpoint: step %d: reading items of rank %d's shard from their copies "
                      "in the shards of ranks %s on this node", self.step, owner, sorted(ranks))
         return here, elsewhere
 

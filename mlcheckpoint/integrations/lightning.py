@@ -36,7 +36,7 @@ from lightning.pytorch import __version__ as lightning_version
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
 from ..manager import CheckpointManager
@@ -56,6 +57,9 @@ SCHEME = "mlcheckpoint://"
 LATEST = SCHEME + "latest"
 _META = "lightning"  # Lightning's metadata, pickled: the same on every rank, like its meta.pt
 log = logging.getLogger(__name__)
+# What a resume restored, on rank 0: through Lightning's own console output (its logger has a
+# handler of its own when the user configured none), beside "Restored all states ...".
+_console = logging.getLogger("lightning.pytorch")
 
 
 def memory_path(step: int) -> str:
@@ -90,7 +94,8 @@ class MemoryCheckpoint(Callback):
                 or trainer.sanity_checking):
             return  # with gradient accumulation a step spans several batches
         self._last_saved = step
-        trainer.save_checkpoint(memory_path(step))
+        # weights_only given: left None, Lightning logs a line per rank at every save.
+        trainer.save_checkpoint(memory_path(step), weights_only=False)
 
 
 class _ModelState(Stateful):
@@ -198,6 +203,7 @@ class MLCheckpointStrategy(ModelParallelStrategy):
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
+        self._check_mesh()
         if self.checkpoints is None:
             folder = self._folder or getattr(trainer.checkpoint_callback, "dirpath", None)
             options = self._options
@@ -239,9 +245,12 @@ class MLCheckpointStrategy(ModelParallelStrategy):
         state.update({f"optimizer_{i}": _OptimizerState(model, opt)
                       for i, opt in enumerate(self.optimizers)})
         state[_META] = b""
-        info = self.last_resume = self.checkpoints.resume(state)
+        info = self.last_resume = self.checkpoints.resume(state, announce=False)
+        if self.global_rank == 0:  # one line per launch, in Lightning's console
+            _console.log(logging.WARNING if info.fell_back else logging.INFO,
+                         "mlcheckpoint: %s", info.summary)
         if info.step is None:
-            return self._fresh_start(info)
+            return self._fresh_start()
         self._log_stats(info.step)
         meta = state[_META]
         return _unpickle(meta) if isinstance(meta, bytes) else meta
@@ -250,17 +259,29 @@ class MLCheckpointStrategy(ModelParallelStrategy):
         """Lightning's own load of a checkpoint in its folder."""
         return super().load_checkpoint(path, weights_only=weights_only)
 
-    def _fresh_start(self, info: ResumeInfo) -> dict[str, Any]:
-        # Lightning restores whatever load_checkpoint returns: give it nothing to change (the
-        # schedulers' own states) rather than an empty dict, which it cannot migrate.
+    def _fresh_start(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
         # Nothing was restored: the trainer has no checkpoint path, and Lightning does not
         # report "Restored all states from the checkpoint at mlcheckpoint://latest".
-        trainer.ckpt_path = None
-        rank_zero_info(f"Nothing to restore from {LATEST}: {info.reason or 'starting fresh'}")
-        return {"pytorch-lightning_version": lightning_version,
-                "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+        self.lightning_module.trainer.ckpt_path = None
+        return _NothingRestored({"pytorch-lightning_version": lightning_version})
+
+    def _check_mesh(self) -> None:
+        """Say so when no parameter spans more than one rank of a multi-rank job: the ranks
+        then train alone, each on its own batches (``ModelParallelStrategy`` syncs nothing
+        itself). Lightning's defaults on one node give data-parallel size 1 and tensor-parallel
+        size = the processes, so a ``configure_model`` that shards over
+        ``device_mesh["data_parallel"]`` does exactly that."""
+        if self.world_size <= 1 or self.model is None:
+            return
+        if any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in self.model.parameters()):
+            return
+        rank_zero_warn(
+            f"MLCheckpointStrategy: the device mesh is data_parallel={self._data_parallel_size} x "
+            f"tensor_parallel={self._tensor_parallel_size} and no parameter of the model is "
+            f"sharded or replicated over more than one rank: each of the {self.world_size} ranks "
+            "trains alone. If configure_model shards over device_mesh['data_parallel'], pass "
+            f"MLCheckpointStrategy(data_parallel_size={self.world_size}, tensor_parallel_size=1).")
 
     def _log_stats(self, step: int) -> None:
         """Our figures (``CheckpointManager.stats()``: the last save, the replication lag, the
@@ -285,6 +306,15 @@ class MLCheckpointStrategy(ModelParallelStrategy):
             self.checkpoints.close(failed=self._failed or None)
             self.checkpoints = None
         super().teardown()
+
+
+class _NothingRestored(dict):
+    """A fresh start's answer to Lightning's loader: it reads the version key before anything
+    else, then restores nothing (no ``on_load_checkpoint`` hook, no loop or scheduler state)
+    from a checkpoint that is empty. Plain Lightning calls no hook when nothing is loaded."""
+
+    def __bool__(self) -> bool:
+        return False
 
 
 def _pickle(obj: Any) -> bytes:

@@ -215,7 +215,6 @@ class MemoryCheckpointManager(CheckpointManager):
             return super()._load(step)
         if info.source != "persistent":  # torchtitan's dcp_load did this for the folder
             self.states[MODEL].load_state_dict(states)
-        log.info("mlcheckpoint: resumed step %d from %s in %.2fs", info.step, info.source, info.seconds)
         self._log_stats(info.step)
         return True
 

@@ -36,6 +36,7 @@ from ..replication.schedule.status import ProtectionStatus, save_times
 from ..replication.schedule.status import status as protection_status
 from ..settings import BY_NAME, Launcher, Options, ReplicationOptions, Timeouts, default
 from ..store import LocalStore
+from ..store.claim import mark_finished
 from ..store.identity import Lineage, new_id
 from ..tmpfs import RoomCheck
 from ..topology import Topology
@@ -144,7 +145,8 @@ class CheckpointManager:
             mode = "none"
         self._mode = mode
         self._room = RoomCheck(self._store.local_dir, self._store.paths, self._topology,
-                               opts.keep, replica_sets=self._replicas if mode != "none" else 0)
+                               opts.keep, replica_sets=self._replicas if mode != "none" else 0,
+                               reclaimable=self._store.finished_jobs)
         self._room.at_start()  # a container's small /dev/shm: say so now, not at a failed save
         if mode != "none":
             self._start_replication(repl)
@@ -323,7 +325,7 @@ class CheckpointManager:
         return future
 
     # ------------------------------------------------------------------ resume
-    def resume(self, state_dict: dict[str, Any]) -> ResumeInfo:
+    def resume(self, state_dict: dict[str, Any], *, announce: bool = True) -> ResumeInfo:
         """Load the newest usable checkpoint into ``state_dict`` (in place); all ranks call it.
 
         ``state_dict`` is the dict ``async_save`` takes. Its top-level values may be DCP
@@ -339,10 +341,16 @@ class CheckpointManager:
         node lacks from its partner), unless the persistent checkpoint is newer. Copies whose
         checksums fail are refused by all ranks together and the next candidate is tried:
         another copy, an older step, the persistent step, then a fresh start (step None).
+
+        Rank 0 logs what was restored in one line (``ResumeInfo.summary``, logger
+        ``mlcheckpoint.recovery.resume``): at INFO, or at WARNING (shown with no logging
+        configured) when the job fell back further than a save in flight
+        (``ResumeInfo.fell_back``). ``announce=False`` leaves that line to the caller (the
+        Lightning strategy prints it through Lightning's own output).
         """
         self._check_open()
         self._saver.wait()
-        resumed = self._recovery().run(state_dict)
+        resumed = self._recovery(announce=announce).run(state_dict)
         self._lineage = resumed.lineage  # later saves descend from what was loaded
         self._saver.settled()
         self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
@@ -363,9 +371,10 @@ class CheckpointManager:
         self._recovery().continue_from(step)
         self._saver.settled()
 
-    def _recovery(self) -> Recovery:
+    def _recovery(self, announce: bool = False) -> Recovery:
         return Recovery(self._store, self._topology, Comm(self._all_gather), lineage=self._lineage,
-                        group=self._save_pg, replicator=self._replicator, persistent=self._persistent)
+                        group=self._save_pg, replicator=self._replicator, persistent=self._persistent,
+                        announce=announce)
 
     # ------------------------------------------------------------------ listing
     def checkpoints(self) -> list[CheckpointEntry]:
@@ -463,8 +472,18 @@ class CheckpointManager:
                 if self._replicator is not None:  # the last round has no next one to close it:
                     with contextlib.suppress(Exception):  # history learns of it here
                         self._replicator.newest_protected(self._store.steps())
+                self._mark_finished()
         finally:
             self._release(wait=not failed)
+
+    def _mark_finished(self) -> None:
+        """A clean close: this node's memory of the job becomes a finished job's (what ``gc``
+        and a new job's room check name first; docs/operations.md, "A finished job's memory")
+        until a run claims the directory again."""
+        if self._topology.is_node_leader:
+            with contextlib.suppress(OSError):
+                mark_finished(self._store.paths, self._lineage.run_id,
+                              max(self._store.complete_steps(), default=None))
 
     def _barrier(self, timeout: float) -> None:
         """A barrier on the checkpoint group that gives up after ``timeout`` seconds: a rank

@@ -121,7 +121,7 @@ class Holders:
         if failed:
             raise failed[0]  # not a read's failure (those are in ``errors``): a bug
         nodes = sorted({run.node for run, error in zip(runs, errors, strict=True) if error is None})
-        log.info("mlcheckpoint: read %s of step %d from %s %s",
+        log.debug("mlcheckpoint: read %s of step %d from %s %s",  # ResumeInfo.labels say it
                  plural(sum(len(run.ranges) for run in runs), "item"), step,
                  "node" if len(nodes) == 1 else "nodes", nodes)
         return errors
@@ -149,7 +149,7 @@ class Holders:
         with self.store.fetch_lock(self.step, None):
             _, src = self._from_first_that_serves(
                 None, lambda src: self.transport.fetch_metadata(src, self.step, paced=False))
-        log.info("mlcheckpoint: fetched the metadata of step %d from rank %d", self.step, src)
+        log.debug("mlcheckpoint: fetched the metadata of step %d from rank %d", self.step, src)
 
     def rebuild(self, owner: int) -> bool:
         """Fetch ``owner``'s whole shard into this node's store, verified and committed, so

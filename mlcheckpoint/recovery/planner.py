@@ -78,6 +78,8 @@ class Decision:
     lineage: Lineage | None = None  # the loaded save's run and ancestors
     history: Lineage | None = None  # the history of the newest save found (None: nothing found)
     stranded: list[int] = field(default_factory=list)  # complete newer steps not chosen
+    # step -> why it was skipped (a newer step than the one chosen), for ResumeInfo.summary
+    skipped: dict[int, str] = field(default_factory=dict)
 
 
 def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_size: int, *,
@@ -106,6 +108,7 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     reasons: list[str] = []
     newest_protected = _newest_protected(view, places)
     stranded: list[int] = []
+    skipped: dict[int, str] = {}
     persistent_newer = False
     if foreign:
         reasons.append(f"steps {_few(foreign)} belong to another run of this job and are ignored")
@@ -125,6 +128,7 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
                 break
         if step in excluded_steps:
             reasons.append(f"step {step} failed earlier")
+            skipped[step] = "it failed to load"
             stranded.append(step)
             continue
         why = _incomplete(view[step])
@@ -140,16 +144,18 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
                 decision.reason = "; ".join(reasons)
                 decision.newest_protected = newest_protected
                 decision.history, decision.stranded = history, stranded
+                decision.skipped = skipped
                 return decision
             why = "needs fetching but replication is off"
             stranded.append(step)
         reasons.append(f"step {step} unusable: {why}")
+        skipped[step] = why
     kind, step_ = (PERSISTENT, persistent_step) if persistent_step is not None else (FRESH, None)
     if earlier:
         reasons.append("no step in memory is usable: starting fresh")
     elif not persistent_newer:
         reasons.append(fallback_reason(step_, bool(view) or bool(foreign)))
-    return Decision(kind, step_, reason="; ".join(reasons),
+    return Decision(kind, step_, reason="; ".join(reasons), skipped=skipped,
                     newest_protected=newest_protected, history=history,
                     stranded=[s for s in stranded if step_ is None or s > step_])
 
@@ -291,7 +297,9 @@ def _incomplete(v: _StepView) -> str | None:
                        f"verification{damage}")
         if lost:
             why.append(f"shards of ranks {_few(lost)} are on no surviving node")
-        copied = [r for r in missing if v.copy_groups.get(r) or r in v.holdings]
+        # Only where some item had a copy or a partial replica: a layout without copies (FSDP)
+        # lost nothing more than the shard just named.
+        copied = [r for r in missing if any(coverage.groups_of(r, v.copy_groups)) or r in v.holdings]
         if copied:  # copies or partial replicas hold some of their items, not all
             why.append("nor do copies of all their items: lost are "
                        + "; ".join(_lost_copies(v, r) for r in copied[:4]))

@@ -79,6 +79,39 @@ class ResumeInfo:
     # Copies this rank's loads refused (bytes or a manifest that disagree with the step's
     # metadata), each also logged once where it was refused.
     refused_copies: int = 0
+    # rank -> where its bytes came from, in words read without the docs: "local" (its own
+    # node's memory), "from node N" (another node's memory, also when read through copies and
+    # partial replicas: ``sources`` keeps those layout words), "persistent". The same on
+    # every rank.
+    labels: dict[int, str] = field(default_factory=dict)
+    # One sentence: why this step and not a newer one (a newer step in memory not used, or
+    # why memory did not serve); None when the newest step in memory was loaded.
+    note: str | None = None
+    # True when the job lost more than a save in flight: a persistent or fresh start while
+    # memory held steps, memory lost altogether before a persistent load, or a memory step
+    # older than the newest two. ``summary`` is then logged at WARNING, shown without any
+    # logging configured.
+    fell_back: bool = False
+
+    @property
+    def summary(self) -> str:
+        """What was restored, in one line: the step, where from, the seconds, and why a newer
+        step was not used (the line a resume prints on rank 0)."""
+        if self.step is None:
+            return f"nothing restored, starting fresh: {self.note or 'nothing was saved yet'}"
+        if self.source == "persistent":
+            line = f"restored step {self.step} from the persistent checkpoint in {self.seconds:.2f}s"
+        else:
+            places = set(self.labels.values())
+            line = (f"restored step {self.step} {_by_rank(self.labels)} in {self.seconds:.2f}s"
+                    if len(places) <= 1 else
+                    f"restored step {self.step} in {self.seconds:.2f}s ({_by_rank(self.labels)})")
+            if self.resharded:
+                line += " (resharded: saved with another world size)"
+        return f"{line}; {self.note}" if self.note else line
+
+    def __str__(self) -> str:
+        return self.summary
 
 
 @dataclass
@@ -107,13 +140,14 @@ class Recovery:
 
     def __init__(self, store: LocalStore, topology: Topology, comm: Comm, *, lineage: Lineage,
                  group: dist.ProcessGroup | None, replicator: Replicator | None = None,
-                 persistent: PersistentStorage | None = None):
+                 persistent: PersistentStorage | None = None, announce: bool = False):
         self.store, self.topo, self.comm = store, topology, comm
         self.lineage, self.group = lineage, group
         self.replicator, self.persistent = replicator, persistent
         self.transport = replicator.transport if replicator is not None else None
         self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # ResumeInfo.phases
         self.refusals = Refusals()  # the copies this rank's loads refused, each said once
+        self.announce = announce  # rank 0 logs ResumeInfo.summary (CheckpointManager.resume)
 
     def run(self, state_dict: dict) -> Resumed:
         """Load the newest usable checkpoint into ``state_dict``; every rank calls it."""
@@ -173,7 +207,9 @@ class Recovery:
             kind, step = (PERSISTENT, persistent_step) if persistent_step is not None else (FRESH, None)
             d = Decision(kind, step, newest_protected=d.newest_protected,
                          reason=f"gave up on memory after {MAX_ROUNDS} failed attempts; "
-                                + fallback_reason(step, memory_held_steps=True))
+                                + fallback_reason(step, memory_held_steps=True),
+                         skipped={} if d.step is None else
+                         {d.step: f"{MAX_ROUNDS} attempts to read it failed"})
             holders = None
         # The same on every rank, and so is the collective in _other_jobs.
         elsewhere = self._other_jobs(d) if not any(inv.steps for inv in nodes) else []
@@ -185,11 +221,14 @@ class Recovery:
             self._lap("load", t)
         fetched = holders.bytes_fetched if holders is not None else 0
         info = self._finish(d, [*notes, d.reason, *elsewhere], t0, fetched,
-                            holders.bytes_served if holders is not None else {})
+                            holders.bytes_served if holders is not None else {},
+                            memory_held=any(inv.steps for inv in nodes))
         t = time.perf_counter()
         healing = self._heal(d, holders)  # after the last collective, in the background
         self._lap("heal", t)
         info.phases = dict(self.phases)
+        if self.announce and self.topo.rank == 0:  # one line per launch; WARNING is shown unasked
+            log.log(logging.WARNING if info.fell_back else logging.INFO, "mlcheckpoint: %s", info.summary)
         return Resumed(info, self.lineage, fetched, healing)
 
     def continue_from(self, step: int | None) -> None:
@@ -321,7 +360,7 @@ class Recovery:
 
     # ------------------------------------------------------------------ finish and heal
     def _finish(self, d: Decision, reasons: list[str], t0: float, fetched: int,
-                served: dict[int, dict[int, int]]) -> ResumeInfo:
+                served: dict[int, dict[int, int]], *, memory_held: bool) -> ResumeInfo:
         """``reasons``: what failed on the way, in order, then the last plan's reason (what
         was refused and what is loaded), then anything else worth knowing."""
         if d.kind == MEMORY and d.lineage is not None and d.step is not None:
@@ -348,18 +387,21 @@ class Recovery:
             overall = "peer" if any(b for _, b, _ in gathered) else "local"
         reason = "; ".join(r for r in reasons if r) or None
         resharded = {MEMORY: d.resharded, PERSISTENT: None}.get(d.kind, False)
+        note, fell_back = _note(d, memory_held)
         info = ResumeInfo(step=d.step, source=overall, seconds=time.perf_counter() - t0,
                           sources=sources, bytes_fetched=sum(b for _, b, _ in gathered),
                           bytes_served={o: dict(sorted(n.items())) for o, n in sorted(bytes_served.items())},
                           reason=reason,
-                          resharded=resharded, refused_copies=len(self.refusals))
-        if d.step is None:
-            log.info("mlcheckpoint: no usable checkpoint, starting fresh (%s)", reason)
-        else:
-            log.info("mlcheckpoint: resumed step %d from %s%s in %.3fs (%d bytes from peers; %s)%s",
-                     d.step, overall, ", resharded" if resharded else "", info.seconds, info.bytes_fetched,
-                     ", ".join(f"{k} {v:.3f}s" for k, v in self.phases.items() if k != "heal"),
-                     f"; {reason}" if reason else "")
+                          resharded=resharded, refused_copies=len(self.refusals),
+                          labels={r: _label(s, rank_served) for r, (s, _, rank_served)
+                                  in enumerate(gathered) if s is not None},
+                          note=note, fell_back=fell_back)
+        # The line a user reads is ResumeInfo.summary, logged once by the manager; this one,
+        # per rank, keeps the layout words and the phases for debugging.
+        log.debug("mlcheckpoint: rank %d: %s; sources %s, %d bytes from peers, phases %s%s",
+                  self.topo.rank, info.summary, sources, info.bytes_fetched,
+                  ", ".join(f"{k} {v:.3f}s" for k, v in self.phases.items() if k != "heal"),
+                  f"; {reason}" if reason else "")
         return info
 
     def _settle(self, step: int | None, set_aside: Iterable[int] = ()) -> None:
@@ -398,6 +440,63 @@ class Recovery:
         except (MLCheckpointError, OSError) as e:
             log.warning("mlcheckpoint: rebuilding rank %d's shard of step %d failed: %s",
                         self.topo.rank, holders.step, e)
+
+
+def _label(source: str, served: dict[int, dict[int, int]]) -> str:
+    """A rank's ``ResumeInfo.labels`` entry from its source and the nodes it read from."""
+    if source not in ("peer", COPIES):
+        return source  # "local", "persistent"
+    nodes = sorted({node for by_node in served.values() for node in by_node})
+    if not nodes:  # copies on its own node: nothing was read from another
+        return "local"
+    return f"from node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))}"
+
+
+def _by_rank(labels: dict[int, str]) -> str:
+    """``labels`` in a few words: "from local memory", or "ranks 0-3 local, ranks 4-7 from
+    node 0"."""
+    groups: dict[str, list[int]] = {}
+    for rank, label in sorted(labels.items()):
+        groups.setdefault(label, []).append(rank)
+    if len(groups) <= 1:
+        label = next(iter(groups), "local")
+        return "from local memory" if label == "local" else label
+    return ", ".join(f"{_ranks(ranks)} {label}" for label, ranks in groups.items())
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "ranks 0-2, 5"; [3] -> "rank 3"."""
+    spans: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(spans)}"
+
+
+def _note(d: Decision, memory_held: bool) -> tuple[str | None, bool]:
+    """``ResumeInfo.note`` and ``fell_back`` from the plan that was carried out."""
+    newer = sorted((s for s in d.skipped if d.step is None or s > d.step), reverse=True)
+    note = None
+    if newer:
+        why = d.skipped[newer[0]].split("; ")[0]
+        older = (f" (nor {len(newer) - 1} older step{'s' if len(newer) > 2 else ''})"
+                 if len(newer) > 1 else "")
+        note = (f"{'newer ' if d.step is not None else ''}step {newer[0]} in memory was not "
+                f"used{older}: {why}")
+        if d.kind == FRESH:
+            note += "; there is no persistent checkpoint"
+    elif d.kind != MEMORY:
+        # The planner's last clause says why memory did not serve, ending in what it loads.
+        last = d.reason.split("; ")[-1] if d.reason else ""
+        note = last.split(": loading")[0].split(": starting fresh")[0] or None
+    fell_back = (len(newer) > 1 or (d.kind == PERSISTENT and (bool(newer) or not memory_held))
+                 or (d.kind == FRESH and memory_held))
+    return note, fell_back
 
 
 def _written_at(persistent: PersistentStorage, step: int) -> float | None:

@@ -217,6 +217,8 @@ class JobClaim:
                 # Nobody holds it and the mutex keeps others out: share the lock from here on.
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 record.write(me, holder)
+                with contextlib.suppress(FileNotFoundError):  # a run holds it: not finished
+                    os.unlink(paths.finished)
                 return cls(paths, fd, me, moved_from=holder if moved else None)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -271,6 +273,29 @@ def _looked(paths: JobPaths) -> Iterator[tuple[Claimant | None, bool]]:
             return
         stack.callback(os.close, probe)
         yield claimant, not _try_exclusive(probe)
+
+
+def mark_finished(paths: JobPaths, run_id: str, step: int | None) -> None:
+    """Note that run ``run_id`` closed cleanly (``CheckpointManager.close`` without an error)
+    with ``step`` its newest here: until a run claims the directory again (``JobClaim.take``
+    removes the note), this job's memory is a finished job's, the first that may be reclaimed
+    (``docs/operations.md``, "A finished job's memory"), and another job's resume does not name
+    it among the jobs it might have meant."""
+    tmp = f"{paths.finished}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"run_id": run_id, "step": step, "time": time.time()}, f)
+    os.replace(tmp, paths.finished)
+
+
+def finished(paths: JobPaths) -> dict[str, Any] | None:
+    """What ``mark_finished`` noted (run_id, step, time), or None: not finished, or a run holds
+    the directory now."""
+    try:
+        with open(paths.finished) as f:
+            note = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return note if isinstance(note, dict) else None
 
 
 def holder(paths: JobPaths) -> tuple[Claimant | None, bool]:

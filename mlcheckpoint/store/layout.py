@@ -39,6 +39,7 @@ LOCK = ".lock"
 RETENTION_LOCK = ".retention.lock"
 CLAIM_LOCK = ".claim.lock"
 CLAIM = "claim.json"
+FINISHED = "finished.json"  # the last run closed cleanly (store/claim.py: mark_finished)
 HISTORY = "history.jsonl"
 BANDWIDTH = "bandwidth"
 ROUND = "round"
@@ -215,6 +216,12 @@ class JobPaths:
     def claim(self) -> str:
         """The record of the run that holds, or last held, the directory (store/claim.py)."""
         return os.path.join(self.job_dir, CLAIM)
+
+    @property
+    def finished(self) -> str:
+        """Present while the run that last held the directory closed cleanly and no run holds
+        it since (store/claim.py)."""
+        return os.path.join(self.job_dir, FINISHED)
 
     def step_numbers(self) -> list[int]:
         """The steps that have a folder here, oldest first."""

@@ -227,21 +227,37 @@ class LocalStore:
         return self.listing.complete_steps()
 
     def other_jobs(self) -> dict[str, int]:
-        """Other jobs under ``local_dir`` that hold step folders: job id -> its newest step.
-        Only directory names are listed (a restart that resolved the wrong job id is told what
-        is there); nothing of another job is opened, let alone changed."""
+        """Other jobs under ``local_dir`` that hold step folders and could still be resumed
+        (not finished: ``store/claim.py``'s ``mark_finished``): job id -> its newest step. Only
+        directory names and that note are looked at (a restart that resolved the wrong job id
+        is told what is there); nothing of another job is changed."""
         found: dict[str, int] = {}
+        for paths in self._other_job_paths():
+            with contextlib.suppress(OSError):  # another user's job, or gone meanwhile
+                steps = paths.step_numbers()
+                if steps and not os.path.exists(paths.finished):
+                    found[os.path.basename(paths.job_dir)] = steps[-1]
+        return found
+
+    def finished_jobs(self) -> dict[str, int]:
+        """Other jobs under ``local_dir`` whose last run closed cleanly and that no run holds
+        since: job id -> the bytes their files take here (what removing them would free)."""
+        found: dict[str, int] = {}
+        for paths in self._other_job_paths():
+            if os.path.exists(paths.finished):
+                found[os.path.basename(paths.job_dir)] = _disk_bytes(paths.job_dir)
+        return found
+
+    def _other_job_paths(self) -> Iterator[JobPaths]:
         try:
             entries = list(os.scandir(self.local_dir))
         except OSError:
-            return found
+            return
         for e in entries:
-            with contextlib.suppress(OSError):  # another user's job, or gone meanwhile
-                if e.name != self.job_id and e.is_dir(follow_symlinks=False):
-                    steps = JobPaths(e.path).step_numbers()
-                    if steps:
-                        found[e.name] = steps[-1]
-        return found
+            with contextlib.suppress(OSError):
+                if e.name == self.job_id or not e.is_dir(follow_symlinks=False):
+                    continue
+            yield JobPaths(e.path)
 
     def usage_bytes(self) -> int:
         """Bytes held by this job's files on this node (committed, in flight and pooled)."""
@@ -279,3 +295,14 @@ class LocalStore:
         """Delete every file of this job on this node."""
         self.mappings.clear()
         shutil.rmtree(self.job_dir, ignore_errors=True)
+
+
+def _disk_bytes(root: str) -> int:
+    """Bytes the files under ``root`` occupy (allocated blocks: a sparse buffer counts what it
+    holds)."""
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+    return total

@@ -99,7 +99,7 @@ def save_with_lost_shard(store: LocalStore) -> tuple[dict, dict[str, ItemLocatio
 def test_items_of_a_shard_on_no_node_load_from_their_copies(store, caplog):
     expected, _ = save_with_lost_shard(store)
     out = target()
-    with caplog.at_level("INFO", logger="mlcheckpoint.dcp.reader"):
+    with caplog.at_level("DEBUG", logger="mlcheckpoint.dcp.reader"):  # layout words: debug
         load_step(out, MemoryStorageReader(STEP, store, node=0), None)
     same(expected, out)
     assert "reading items of rank 1's shard from their copies in the shards of ranks [0]" in caplog.text

@@ -4,7 +4,8 @@ recipe, as a real 2-process ``accelerate launch`` job on CPU (DDP over gloo).
 One launch trains 10 steps uninterrupted: the reference. Another saves every step to memory,
 is SIGKILLed (the whole launch, agent and workers) once step 6 is committed, and is launched
 again: it resumes step 6 from this node's memory and ends bit for bit where the reference did
-(the losses of steps 7-9, the learning rate, every parameter and optimizer tensor).
+(the losses of steps 7-9, the learning rate, every parameter and optimizer tensor). Each launch
+says what it restored in one line (issue 44); with memory lost, the persistent step, at WARNING.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -51,8 +55,17 @@ def finish(proc: subprocess.Popen, out: str, timeout: float = 240) -> None:
 
 
 def _tail(out: str) -> str:
+    return _log(out)[-6000:]
+
+
+def _log(out: str) -> str:
     with open(os.path.join(out, "log.txt")) as f:
-        return f.read()[-6000:]
+        return f.read()
+
+
+def _ours(out: str) -> list[str]:
+    """The lines mlcheckpoint printed in a launch (its log, both processes)."""
+    return [line for line in _log(out).splitlines() if line.startswith("mlcheckpoint:")]
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -115,6 +128,23 @@ def test_accelerate_job_killed_after_a_save_resumes_bit_exact(store_dir):
         later = {s: loss for s, loss in ref[rank]["losses"].items() if int(s) > KILLED_AFTER}
         assert resumed[rank]["losses"] == later  # every loss after the resume, exactly
         assert resumed[rank]["lr"] == ref[rank]["lr"]
+    # Each launch says what it restored in one line (rank 0, through logging); the saves print
+    # nothing each.
+    assert _ours(ref_out) == [("mlcheckpoint: nothing restored, starting fresh: memory holds no "
+                               "checkpoint of this job and there is no persistent checkpoint")]
+    (line,) = _ours(resumed_out)
+    assert re.fullmatch(r"mlcheckpoint: restored step 6 from local memory in [0-9.]+s", line), line
+    for out in (ref_out, resumed_out):
+        lines = Counter(line for line in _log(out).splitlines() if line.strip())
+        assert not {line: n for line, n in lines.items() if n > 2}, _tail(out)
+    # Memory lost: the folder's step 9 (written at the end of the last launch), at WARNING.
+    shutil.rmtree(os.path.join(workdir, "shm", "accel-crash"))
+    fallback_out = os.path.join(workdir, "fallback")
+    finish(launch(workdir, "accel-crash", fallback_out), fallback_out)
+    (line,) = _ours(fallback_out)
+    assert re.fullmatch(r"mlcheckpoint: restored step 9 from the persistent checkpoint in [0-9.]+s; "
+                        r"memory holds no checkpoint of this job", line), line
+
     expected = torch.load(os.path.join(ref_out, "final.pt"))
     final = torch.load(os.path.join(resumed_out, "final.pt"))
     flat_expected, flat_final = _flatten(expected), _flatten(final)

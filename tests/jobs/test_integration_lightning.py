@@ -5,6 +5,10 @@ Lightning's own sharded step 6 in its folder; either way exactly as Lightning's 
 resume of step 6 does: the same loop position, losses, parameters and optimizer state."""
 
 import os
+import re
+import subprocess
+import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -12,16 +16,21 @@ import torch
 pytest.importorskip("mlcheckpoint.integrations.lightning",
                     reason="needs the [lightning] extra (scripts/setup.sh installs it)")
 
-from cluster import Cluster
+from cluster import Cluster, free_port
 
 from mlcheckpoint.integrations.lightning import LATEST
 
 pytestmark = pytest.mark.slow
 
 
-def _run(cluster: Cluster, phase: str, folder: str, tag: str | None = None) -> int:
-    cluster.start("lightning_train.py", phase, folder, env={"LIGHTNING_TAG": tag or phase})
-    return cluster.wait(timeout=120)[0]
+def _run(cluster: Cluster, phase: str, folder: str, tag: str | None = None, **env: str) -> int:
+    cluster.start("lightning_train.py", phase, folder, env={"LIGHTNING_TAG": tag or phase, **env})
+    return max(cluster.wait(timeout=120))
+
+
+def _printed(cluster: Cluster, node: int = 0) -> str:
+    """What the node printed in its last launch."""
+    return cluster.nodes[node].log().rsplit("\n===== ", 1)[-1]
 
 
 def test_lightning_strategy_resumes_from_memory_and_folder_like_lightning():
@@ -29,11 +38,16 @@ def test_lightning_strategy_resumes_from_memory_and_folder_like_lightning():
         folder = os.path.join(cluster.root, "ckpts")
         assert _run(cluster, "save", folder) != 0  # killed after step 7
         assert "step=6.ckpt" in os.listdir(folder)  # Lightning's own, written by Lightning
-        for phase in ("resume", "lightning"):
-            assert _run(cluster, phase, folder) == 0, cluster.logs()
-        assert f"Restored all states from the checkpoint at {LATEST}" in cluster.nodes[0].log()
+        assert _run(cluster, "resume", folder) == 0, cluster.logs()
+        printed = _printed(cluster)
+        assert f"Restored all states from the checkpoint at {LATEST}" in printed
+        assert re.search(r"^mlcheckpoint: restored step 6 from local memory in [0-9.]+s$",
+                         printed, re.MULTILINE), printed
+        assert _run(cluster, "lightning", folder) == 0, cluster.logs()
         cluster.nodes[0].wipe()  # memory lost: Lightning's folder is all that is left
         assert _run(cluster, "resume", folder, tag="fallback") == 0, cluster.logs()
+        assert re.search(r"^mlcheckpoint: restored step 6 from the persistent checkpoint in "
+                         r"[0-9.]+s; memory holds no checkpoint of this job$", _printed(cluster), re.MULTILINE)
 
         own = cluster.results("lightning_lightning")
         expected = torch.load(os.path.join(cluster.out_dir, "lightning_lightning.pt"))
@@ -49,6 +63,7 @@ def test_lightning_strategy_resumes_from_memory_and_folder_like_lightning():
                     assert logged["10"]["mlcheckpoint/save_step"] in (8.0, 10.0), logged
                     assert logged["10"]["mlcheckpoint/save_bytes"] > 0, logged
                 assert own[rank]["start"] == [6, 0] and own[rank]["global_step"] == 10
+                assert own[rank]["counter"] == 6  # the module's hooks, as Lightning calls them
                 assert resumed[rank]["source"] == source
                 del resumed[rank]["source"], own[rank]["source"]
                 assert resumed[rank] == own[rank]  # loop position, global step, every loss
@@ -60,16 +75,24 @@ def test_lightning_strategy_resumes_from_memory_and_folder_like_lightning():
 
 def test_a_fresh_start_trains_as_lightning_alone_and_claims_no_restore():
     """fit(ckpt_path=LATEST) with nothing in memory or the folder trains exactly as Lightning's
-    own strategy without a checkpoint (losses, parameters, optimizer state), and Lightning does
-    not report "Restored all states from the checkpoint at mlcheckpoint://latest"."""
+    own strategy without a checkpoint (losses, parameters, optimizer state); Lightning does
+    not report "Restored all states from the checkpoint at mlcheckpoint://latest" and calls
+    no checkpoint hook (the module's on_load_checkpoint reads a key of its own: called with
+    nothing restored, it raises KeyError). Its 20 saves to memory print nothing per save."""
+    steps = {"LIGHTNING_STEPS": "20", "LIGHTNING_EVERY": "1"}
     with Cluster(1, nproc=2) as cluster:
         folder = os.path.join(cluster.root, "ckpts")
-        assert _run(cluster, "fresh", folder) == 0, cluster.logs()
-        printed = cluster.nodes[0].log().rsplit("\n===== ", 1)[-1]  # this launch's part
-        assert _run(cluster, "plain", folder) == 0, cluster.logs()
+        assert _run(cluster, "fresh", folder, **steps) == 0, cluster.logs()
+        printed = _printed(cluster)  # this launch's part
+        assert _run(cluster, "plain", folder, **steps) == 0, cluster.logs()
         assert "Restored all states" not in printed, printed
-        assert (f"Nothing to restore from {LATEST}: memory holds no checkpoint of this job and "
-                "there is no persistent checkpoint: starting fresh") in printed, printed
+        lines = [line for line in printed.splitlines() if line.startswith("mlcheckpoint:")]
+        assert lines == [("mlcheckpoint: nothing restored, starting fresh: memory holds no "
+                         "checkpoint of this job and there is no persistent checkpoint")], printed
+        # No line per save: not Lightning's "`weights_only` was not set", nor any of ours.
+        assert "weights_only" not in printed, printed
+        repeated = {line: n for line, n in Counter(printed.splitlines()).items() if n > 2 and line.strip()}
+        assert not repeated, repeated
 
         fresh, plain = cluster.results("lightning_fresh"), cluster.results("lightning_plain")
         assert sorted(fresh) == sorted(plain) == [0, 1], cluster.logs()
@@ -77,9 +100,112 @@ def test_a_fresh_start_trains_as_lightning_alone_and_claims_no_restore():
             for result in (fresh[rank], plain[rank]):
                 result.pop("metrics")
             assert fresh[rank].pop("source") is None and plain[rank].pop("source") is None
-            assert fresh[rank]["start"] == [0, 0] and fresh[rank]["global_step"] == 10
+            assert fresh[rank]["start"] == [0, 0] and fresh[rank]["global_step"] == 20
+            assert fresh[rank]["counter"] is None  # no hook called
             assert fresh[rank] == plain[rank]  # every loss, bit for bit (JSON keeps a float's repr)
         ours = torch.load(os.path.join(cluster.out_dir, "lightning_fresh.pt"))
         alone = torch.load(os.path.join(cluster.out_dir, "lightning_plain.pt"))
         assert ours.keys() == alone.keys() and any(k.startswith("optim.") for k in ours)
         assert not [k for k in ours if not torch.equal(ours[k], alone[k])]
+
+
+def test_each_resume_says_in_one_line_what_it_restored_and_from_where():
+    """2 nodes x 1 rank. Killed after step 7 (step 6 in memory on both nodes), the job resumes
+    from each node's own memory; killed again and node 1 replaced by an empty machine, rank 1
+    reads step 6 from node 0; with both nodes' memory gone, Lightning's folder serves it. Each
+    launch prints one line on rank 0 through Lightning's console saying so."""
+    with Cluster(2, nproc=1) as cluster:
+        folder = os.path.join(cluster.root, "ckpts")
+        kill = {"LIGHTNING_KILL": "1"}
+        assert _run(cluster, "save", folder) != 0  # killed after step 7
+        expected = {
+            "local": r"restored step 6 from local memory in [0-9.]+s",
+            "peer": r"restored step 6 in [0-9.]+s \(rank 0 local, rank 1 from node 0\)",
+            "fallback": r"restored step 6 from the persistent checkpoint in [0-9.]+s; "
+                        r"memory holds no checkpoint of this job"}
+        for tag, lose in (("local", []), ("peer", [1]), ("fallback", [0, 1])):
+            for node in lose:
+                cluster.nodes[node].wipe()
+            code = _run(cluster, "resume", folder, tag, **({} if tag == "fallback" else kill))
+            assert (code == 0) == (tag == "fallback"), cluster.logs()
+            printed, other = _printed(cluster, 0), _printed(cluster, 1)
+            ours = [line for line in printed.splitlines() if line.startswith("mlcheckpoint:")]
+            assert len(ours) == 1 and re.fullmatch(f"mlcheckpoint: {expected[tag]}", ours[0]), printed
+            assert "\nmlcheckpoint:" not in other, other  # rank 0's line only
+        resumed = cluster.results("lightning_fallback")
+        assert [resumed[r]["start"] for r in (0, 1)] == [[6, 0], [6, 0]]
+        assert [resumed[r]["counter"] for r in (0, 1)] == [6, 6]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(REPO, "examples", "lightning_fsdp2.py")
+
+
+def _documented_snippet() -> list[str]:
+    """The code lines of docs/integration.md's Lightning snippet."""
+    with open(os.path.join(REPO, "docs", "integration.md")) as f:
+        text = f.read().split("## PyTorch Lightning", 1)[1]
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_documented_snippet_is_the_example():
+    """Issue 44: the snippet a user copies is what examples/lightning_fsdp2.py runs, line for line
+    (its imports at the top of the file, the rest in order in main())."""
+    with open(EXAMPLE) as f:
+        example = [line.strip() for line in f.read().splitlines()]
+    snippet = _documented_snippet()
+    imports = [line for line in snippet if line.startswith(("import ", "from "))]
+    text = " ".join(example)  # its imports may be wrapped over lines
+    for line in imports:
+        module, _, names = line.partition(" import ")
+        assert (line in example if not names else
+                f"{module} import" in text and all(n.strip() in text for n in names.split(","))), line
+    code = snippet[len(imports):]
+    start = example.index(code[0])
+    assert example[start:start + len(code)] == code, (code, example[start:start + len(code)])
+
+
+def test_the_example_runs_as_written_and_resumes(store_dir):
+    """examples/lightning_fsdp2.py (the documented snippet) under torchrun, 2 CPU processes, as
+    its docstring says: one job over both ranks (no "trains alone" warning at setup), 10 steps
+    saved every 5 to memory; launched again for 20 steps it restores step 10 from memory and
+    says so in one line. No per-save line in either launch."""
+    env = dict(os.environ, MLCHECKPOINT_JOB_ID="lightning-example", OMP_NUM_THREADS="1",
+               MLCHECKPOINT_LOCAL_DIR=os.path.join(store_dir, "shm"), CUDA_VISIBLE_DEVICES="")
+    printed = []
+    for steps in (10, 20):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", EXAMPLE,
+               "--steps", str(steps)]
+        done = subprocess.run(cmd, cwd=store_dir, env=env, capture_output=True, text=True,
+                              timeout=240, check=False)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out[-6000:]
+        printed.append(out)
+    first, second = printed
+    for out in printed:
+        assert "trains alone" not in out and "weights_only" not in out, out[-6000:]
+        assert not {line: n for line, n in Counter(out.splitlines()).items() if n > 2 and line.strip()}, \
+            out[-6000:]
+    ours = [line for line in first.splitlines() if line.startswith("mlcheckpoint:")]
+    assert ours == [("mlcheckpoint: nothing restored, starting fresh: memory holds no checkpoint "
+                     "of this job and there is no persistent checkpoint")], first[-6000:]
+    ours = [line for line in second.splitlines() if line.startswith("mlcheckpoint:")]
+    assert len(ours) == 1 and re.fullmatch(r"mlcheckpoint: restored step 10 from local memory in "
+                                           r"[0-9.]+s", ours[0]), second[-6000:]
+
+
+def test_a_mesh_on_which_every_rank_trains_alone_is_reported_at_setup():
+    """MLCheckpointStrategy() with Lightning's defaults on one node of 2 processes: data-parallel
+    size 1, tensor-parallel size 2; the module shards over device_mesh["data_parallel"] (size 1),
+    so no parameter spans two ranks. The strategy says so once, at setup, with the fix."""
+    with Cluster(1, nproc=2) as cluster:
+        folder = os.path.join(cluster.root, "ckpts")
+        assert _run(cluster, "fresh", folder, LIGHTNING_DEFAULT_MESH="1", LIGHTNING_STEPS="2") == 0, \
+            cluster.logs()
+        printed = _printed(cluster)
+        assert printed.count("trains alone") == 1, printed
+        assert ("the device mesh is data_parallel=1 x tensor_parallel=2 and no parameter of the "
+                "model is sharded or replicated over more than one rank") in printed, printed
+        assert "MLCheckpointStrategy(data_parallel_size=2, tensor_parallel_size=1)" in printed

@@ -46,10 +46,12 @@ def no_logging_set_up():
 
 
 def first_run(store_dir: str) -> None:
-    """The first run: MLCHECKPOINT_JOB_ID=newcomer-job, persistent step 35, then 38 and 39."""
-    with manager(store_dir, "newcomer-job", keep=2) as ckpt:
-        for step in (35, 38, 39):
-            ckpt.save(make_state(step), step, persistent=step == 35)
+    """The first run: MLCHECKPOINT_JOB_ID=newcomer-job, persistent step 35, then 38 and 39;
+    then it fails (a clean close would make it a finished job, which no warning names)."""
+    ckpt = manager(store_dir, "newcomer-job", keep=2)
+    for step in (35, 38, 39):
+        ckpt.save(make_state(step), step, persistent=step == 35)
+    ckpt.close(failed=True)
 
 
 def test_a_restart_under_another_job_id_warns_naming_the_jobs_and_the_setting(
@@ -79,8 +81,9 @@ def test_a_restart_under_another_job_id_warns_naming_the_jobs_and_the_setting(
 
 
 def test_a_fresh_start_next_to_another_job_warns_too(store_dir, capsys):
-    with manager(store_dir, "newcomer-job") as ckpt:
-        ckpt.save(make_state(3), 3)
+    ckpt = manager(store_dir, "newcomer-job")
+    ckpt.save(make_state(3), 3)
+    ckpt.close(failed=True)  # it may be resumed yet
     with CheckpointManager(job_id="other", local_dir=os.path.join(store_dir, "local"),
                            replication="none") as ckpt, no_logging_set_up():
         info = ckpt.resume(zeros_like_state(make_state()))
@@ -103,6 +106,33 @@ def test_no_warning_when_memory_holds_this_job_or_no_other_job(store_dir, capsys
         info = ckpt.resume(zeros_like_state(make_state()))
     assert info.step is None and "job-" not in info.reason
     assert "job-b" not in capsys.readouterr().err
+
+
+def test_a_finished_job_is_named_only_as_memory_to_reclaim(store_dir, capsys):
+    """Issue 44: close() after the last step marks the job finished on this node. Another job's
+    resume does not name it among the jobs it might have meant; LocalStore.finished_jobs (what a
+    short room names first) does; a new run of the job takes the mark away."""
+    with manager(store_dir, "done-job") as ckpt:  # a clean finish
+        ckpt.save(make_state(7), 7)
+    done = os.path.join(store_dir, "local", "done-job")
+    assert os.path.exists(os.path.join(done, "finished.json"))
+    unfinished = manager(store_dir, "crashed-job")
+    unfinished.save(make_state(4), 4)
+    unfinished.close(failed=True)
+    with CheckpointManager(job_id="third", local_dir=os.path.join(store_dir, "local"),
+                           replication="none") as ckpt, no_logging_set_up():
+        info = ckpt.resume(zeros_like_state(make_state()))
+        finished = internals(ckpt).store.finished_jobs()
+    err = capsys.readouterr().err
+    assert "crashed-job (newest step 4" in err and "done-job" not in err, err
+    assert "done-job" not in info.reason, info.reason
+    assert list(finished) == ["done-job"] and finished["done-job"] > 0, finished
+    # Run again, the job is no longer finished; it resumes its step as before.
+    with manager(store_dir, "done-job") as ckpt:
+        assert not os.path.exists(os.path.join(done, "finished.json"))
+        assert ckpt.resume(zeros_like_state(make_state())).step == 7
+        ckpt.close(failed=True)
+    assert not os.path.exists(os.path.join(done, "finished.json"))
 
 
 def test_persistent_loaded_because_memory_is_unusable_says_why(store_dir):

@@ -11,7 +11,12 @@ argv: phase folder
               fresh start, trained to step 10.
   plain     - as fresh, with plain ModelParallelStrategy and no ckpt_path: the same training
               without mlcheckpoint.
-Every phase but save trains to step 10 and reports "lightning_<tag>" (env LIGHTNING_TAG,
+Nodes and processes: what torchrun started. env LIGHTNING_STEPS: the steps to train (10);
+LIGHTNING_EVERY: MemoryCheckpoint's interval (2); LIGHTNING_KILL: any phase dies after step 7
+as save does (after waiting for step 6 to reach the partner node, on several nodes);
+LIGHTNING_DEFAULT_MESH: MLCheckpointStrategy without data_parallel_size/tensor_parallel_size.
+The module's on_save_checkpoint/on_load_checkpoint write and read a key of their own.
+Every phase but save trains to LIGHTNING_STEPS and reports "lightning_<tag>" (env LIGHTNING_TAG,
 default the phase): losses per step, the global step and epoch it started at, the resume
 source; rank 0 saves the full final parameters and optimizer state to <TEST_OUT_DIR>/lightning_<tag>.pt.
 """
@@ -38,7 +43,9 @@ from mlcheckpoint.integrations.lightning import (
     MLCheckpointStrategy,
 )
 
-KILL_AFTER, RESUME_STEP, MAX_STEPS = 7, 6, 10
+KILL_AFTER, RESUME_STEP = 7, 6
+MAX_STEPS = int(os.environ.get("LIGHTNING_STEPS", "10"))
+EVERY = int(os.environ.get("LIGHTNING_EVERY", "2"))  # MemoryCheckpoint's every_n_train_steps
 
 
 class Net(L.LightningModule):
@@ -56,6 +63,14 @@ class Net(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
+
+    # A hook that reads what it wrote, as users' hooks do: called only when a checkpoint is
+    # restored (a fresh start has no "my_counter" to read).
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["my_counter"] = self.trainer.global_step
+
+    def on_load_checkpoint(self, checkpoint):
+        self.loaded_counter = checkpoint["my_counter"]
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.1)
@@ -81,6 +96,8 @@ class Record(Callback):
         self.losses[trainer.global_step] = outputs["loss"].item()
         if self.kill and trainer.global_step == KILL_AFTER:
             trainer.strategy.checkpoints.wait()  # step 6 is committed in memory
+            if trainer.num_nodes > 1:  # and on the partner node: a node may be lost now
+                trainer.strategy.checkpoints.wait_replicated(RESUME_STEP, timeout=60)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -112,16 +129,20 @@ def main() -> None:
     tag = os.environ.get("LIGHTNING_TAG", phase)
     # Resumes start from another seed: what they load must decide where they go.
     L.seed_everything(1 if phase in ("save", "fresh", "plain") else 2, verbose=False)
+    world, devices = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if phase in ("lightning", "plain"):
-        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     else:
-        strategy = MLCheckpointStrategy(data_parallel_size=2, tensor_parallel_size=1, folder=folder)
-    record = Record(kill=phase == "save")
-    memory = [] if phase in ("lightning", "plain") else [MemoryCheckpoint(every_n_train_steps=2)]
+        mesh = ({} if os.environ.get("LIGHTNING_DEFAULT_MESH")  # Lightning's: dp = nodes
+                else {"data_parallel_size": world, "tensor_parallel_size": 1})
+        strategy = MLCheckpointStrategy(folder=folder, **mesh)
+    record = Record(kill=phase == "save" or bool(os.environ.get("LIGHTNING_KILL")))
+    memory = [] if phase in ("lightning", "plain") else [MemoryCheckpoint(every_n_train_steps=EVERY)]
     own = ModelCheckpoint(dirpath=folder if phase in ("save", "fresh") else f"{folder}-{tag}",
                           filename="{step}", every_n_train_steps=2, save_top_k=-1)
     logged = Logged()
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=MAX_STEPS, strategy=strategy,
+    trainer = L.Trainer(accelerator="cpu", devices=devices, num_nodes=world // devices,
+                        max_steps=MAX_STEPS, strategy=strategy,
                         callbacks=[record, own] + memory,
                         logger=logged, enable_progress_bar=False, enable_model_summary=False)
     model = Net()
@@ -135,6 +156,7 @@ def main() -> None:
     info = getattr(strategy, "last_resume", None)
     report(f"lightning_{tag}", {"losses": record.losses, "start": record.start,
                                   "source": info and info.source, "global_step": trainer.global_step,
+                                  "counter": getattr(model, "loaded_counter", None),
                                   "metrics": logged.logged})
     # Done: leave without the interpreter's teardown. With Lightning 2.6 and torch 2.13 (gloo),
     # about one process exit in four aborts there ("terminate called without an active

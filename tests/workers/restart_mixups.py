@@ -3,7 +3,8 @@ TEST_NO_LOGGING_SETUP=1, as many training scripts run).
 
 argv: phase
   first   resume (nothing there), async_save steps 0-5, step 3 also to the persistent folder;
-          wait until step 5 is on both nodes (keep=2: steps 4 and 5 stay, own and replica)
+          wait until step 5 is on both nodes (keep=2: steps 4 and 5 stay, own and replica);
+          then stop as a preempted run does (not a finished job: store/claim.py)
   forgot  the job id is left unset (MLCHECKPOINT_JOB_ID empty): derived from the persistent
           folder; resume and report "forgot" {step, source, reason, job_id, match}
   skip    no resume: async_save steps 0 and 1, report "skip" {memory: in-memory steps listed,
@@ -40,6 +41,7 @@ def main() -> None:
             ckpt.async_save(make_state(step, rank), step, persistent=step == 3)
         ckpt.wait()
         assert ckpt.wait_replicated(5, 60)
+        ckpt.close(failed=True)  # stopped before it finished: a clean close marks it finished
     elif phase in ("forgot", "resume"):
         report(phase, resumed(ckpt, rank, world))
     elif phase == "skip":

@@ -208,7 +208,7 @@ class Holders:
             wanted = {it.offset: loc for it, loc in items}
             sinks = {it.offset: data[it.offset:it.offset + it.nbytes] for it, _ in items}
             came = fetch_items(self, self.step, wanted, sinks, lambda offset: (
-                f"the item at offset {offset} of rank {owner}'s shard is in no place"), paced=True)
+                f"no place of the item at offset {offset} of rank {owner}'s shard is"), paced=True)
             for offset, (rank, node, digest) in sorted(came.items()):
                 if not digests_agree(wanted[offset].checksum, digest.result()[0]):
                     raise integrity_error(f"step {self.step} rank {rank}'s shard on node {node}",

@@ -19,7 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -38,6 +42,35 @@ def item_key(index: MetadataIndex) -> str:
     """The manifest key of a DCP item: its FQN, with the chunk offset for a sharded tensor."""
     offset = "" if index.offset is None else ",".join(map(str, index.offset))
     return f"{index.fqn}@{offset}" if index.offset is not None else index.fqn
+
+
+def recorded_items(metadata: Metadata, rank: int) -> list[tuple[ManifestItem, ItemLocation]]:
+    """The items ``rank``'s shard of a save holds, as the save's metadata records them: its
+    primaries and the copies data parallelism kept in it of other ranks' items, each as
+    ``record`` listed it in the shard's manifest (offset order), with its location (whose
+    places say where else its bytes are). What rebuilds a shard that is whole on no node."""
+    dtypes: dict[str, str] = {}
+    shapes: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            dtypes[fqn] = str(md.properties.dtype).removeprefix("torch.")
+            for chunk in md.chunks:
+                shapes[(fqn, tuple(chunk.offsets))] = list(chunk.sizes)
+    out = []
+    for index, loc in metadata.storage_data.items():
+        if not isinstance(loc, ItemLocation):
+            continue
+        offsets = [loc.offset] if loc.rank == rank else []
+        offsets += [offset for r, offset in loc.copies if r == rank and r != loc.rank]
+        tensor = loc.is_tensor and index.fqn in dtypes
+        for offset in offsets:
+            item = ManifestItem(
+                key=item_key(index), offset=offset, nbytes=loc.nbytes, checksum=loc.checksum,
+                kind="tensor" if tensor else "bytes", dtype=dtypes[index.fqn] if tensor else None,
+                shape=shapes.get((index.fqn, tuple(index.offset or ()))) if tensor else None,
+                algorithm=loc.algorithm)
+            out.append((item, loc))
+    return sorted(out, key=lambda pair: pair[0].offset)
 
 
 @dataclass

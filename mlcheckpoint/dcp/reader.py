@@ -53,8 +53,8 @@ from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardSource
 from ..store.manifest import ManifestItem
 from . import ring, serialized
-from .places import Place, deal, places_of
-from .remote import RemoteReads, RemoteRun
+from .places import Place, places_of
+from .remote import RemoteReads, fetch_items
 from .writer import parse_step
 
 if TYPE_CHECKING:
@@ -385,63 +385,11 @@ class MemoryStorageReader(StorageReader):
 
     def _fetch(self, remote: RemoteReads, wanted: dict[Place, tuple[ReadItem, ItemLocation]],
                sinks: dict[Place, np.ndarray]) -> dict[Place, tuple[int, int, ConcurrentFuture]]:
-        """Fill each wanted item's sink from a node that holds one of its places; per item,
-        the rank whose shard it came from, that node, and its digest (each item is hashed on
-        the copier's threads as soon as it lands, while the next ones arrive).
-
-        Items are dealt over the holders (``places.deal``: the nodes with the fewest bytes to
-        serve first, so a replaced node's reads spread over all of them) and read from every
-        node at once. The items of a run that fails (its node died, hung past the timeout, or
-        answered that it lacks the shard) are dealt again over the places left, their copies
-        included, until none is left: only then is the item lost."""
-        came_from: dict[Place, tuple[int, int, ConcurrentFuture]] = {}
-        lacking: set[tuple[int, int]] = set()  # (rank, node): that node lacks rank's shard
-        down: set[int] = set()  # nodes that failed otherwise: asked nothing more
-        failures: list[str] = []
-        pending = list(wanted)
-        while pending:
-            options = [(wanted[item][1].nbytes,
-                        [(place, [n for n in remote.nodes_holding(self.step, *place)
-                                  if n not in down and (place[0], n) not in lacking])
-                         for place in places_of(wanted[item][1])]) for item in pending]
-            runs: dict[tuple[int, int], tuple[RemoteRun, list[Place]]] = {}  # (rank, node) -> run
-            for item, choice in zip(pending, deal(options), strict=True):
-                req, loc = wanted[item]
-                if choice is None:
-                    tried = f"; failed: {'; '.join(failures)}" if failures else ""
-                    raise ShardNotFoundError(f"step {self.step}: {self._nowhere(req, loc)} on any "
-                                             f"node{tried}")
-                (rank, offset), node = choice
-                run, items = runs.setdefault((rank, node), (RemoteRun(rank, node, [], []), []))
-                run.ranges.append((offset, loc.nbytes))
-                run.sinks.append(sinks[item])
-                items.append(item)
-            batch = list(runs.values())
-
-            def landed(r: int, j: int, batch: list[tuple[RemoteRun, list[Place]]] = batch) -> None:
-                run, items = batch[r]
-                sink = sinks[items[j]]
-                came_from[items[j]] = (run.owner, run.node, copier.hash_later(
-                    copier.Span(src=sink.ctypes.data, nbytes=sink.nbytes,
-                                algorithm=digests.of(wanted[items[j]][1]))))
-
-            pending = []
-            for (run, items), error in zip(batch, remote.read_runs(self.step, [r for r, _ in batch], landed),
-                                           strict=True):
-                if error is None:
-                    continue
-                if isinstance(error, ShardNotFoundError):
-                    lacking.add((run.owner, run.node))
-                else:
-                    down.add(run.node)
-                failures.append(f"node {run.node} (rank {run.owner}'s shard): {error}")
-                log.warning("mlcheckpoint: reading %d items of rank %d's shard of step %d from node "
-                            "%d failed (%s): reading them from another place", len(items), run.owner,
-                            self.step, run.node, error)
-                for item in items:
-                    came_from.pop(item, None)  # some may have landed before the failure
-                pending += items
-        return came_from
+        """Fill each wanted item's sink from a node that holds one of its places, spread over
+        them (``remote.fetch_items``); per item, the rank whose shard it came from, that node,
+        and its digest."""
+        return fetch_items(remote, self.step, {item: loc for item, (_, loc) in wanted.items()},
+                           sinks, lambda item: self._nowhere(*wanted[item]))
 
     def _whole_item(self, req: ReadItem) -> bool:
         """Whether ``req`` asks for all of the stored item (no resharding)."""

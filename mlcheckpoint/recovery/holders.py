@@ -4,11 +4,15 @@ Every read of bytes this node lacks goes through ``Holders``: the byte ranges th
 streams into the model (``nodes_holding`` and ``read_runs``, the ``dcp.remote.RemoteReads``
 protocol: the reader deals each item to one of the nodes that hold any of its places,
 ``dcp/places.py``), the step's metadata for a node without it (``fetch_metadata``), and, after
-the load, the whole shard of a replaced node's own rank (``rebuild``). Which rank of a holder
-node to ask, and in what order, is decided in one place: ``holder_order``.
+the load, a replaced node's own rank's shard (``rebuild``): fetched whole from a node that holds
+it whole, or, when none does, assembled item by item from the partial replicas and the copies
+data parallelism kept that the load read it through. Which rank of a holder node to ask, and
+in what order, is decided in one place: ``holder_order``.
 
 The resume waits for the first two, so the holder sends them at the link's full speed; the
 rebuild runs in the background and is paced by the holder's bandwidth budget (``paced``).
+Once the shard is back, the replicator's ordinary rounds protect the step again: each rank
+pushes its partners what lacks places (``replication/schedule/covered.py``), as after a save.
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .._words import plural
-from ..dcp.remote import RemoteRun
-from ..errors import MLCheckpointError, ShardNotFoundError
+from ..dcp.placement import recorded_items
+from ..dcp.remote import RemoteRun, fetch_items
+from ..errors import CopyId, MLCheckpointError, ShardNotFoundError
+from ..integrity.verify import digests_agree, integrity_error
 from ..replication.core.streams import run_streams
 from ..replication.core.transport import Transport
 from ..store import LocalStore
+from ..store.manifest import Manifest, dcp_metadata
 from ..topology import Topology
 from .planner import Decision
 
@@ -84,13 +91,14 @@ class Holders:
         partial = self.plan.partial.get(owner, {})
         return [n for n in self._holder_nodes[owner] if n not in partial or offset in partial[n]]
 
-    def read_runs(self, step: int, runs: list[RemoteRun],
-                  on_range: Callable[[int, int], None]) -> list[BaseException | None]:
+    def read_runs(self, step: int, runs: list[RemoteRun], on_range: Callable[[int, int], None],
+                  *, paced: bool = False) -> list[BaseException | None]:
         """Read each run from the ranks of its node that hold its shard, one after the other
         until one serves it; the nodes at once, each node's runs in turn (``RemoteReads``).
         Nothing lands in this node's store (see ``rebuild``). A node that failed otherwise
         than by lacking a shard (dead, unreachable) is asked nothing more: its other runs
-        fail with the same error."""
+        fail with the same error. ``bytes_served`` counts the load's reads, not the paced
+        ones of a rebuild."""
         self._check_step(step)
         errors: list[BaseException | None] = [None] * len(runs)
         by_node: dict[int, list[int]] = {}
@@ -106,12 +114,14 @@ class Holders:
                     errors[i] = down
                     continue
                 try:
-                    nbytes = self._read_run(step, run, functools.partial(on_range, i))
+                    nbytes = self._read_run(step, run, functools.partial(on_range, i), paced)
                 except ShardNotFoundError as e:
                     errors[i] = e
                     continue
                 except (MLCheckpointError, OSError) as e:
                     errors[i] = down = e
+                    continue
+                if paced:
                     continue
                 with lock:
                     served = self.bytes_served.setdefault(run.owner, {})
@@ -126,7 +136,8 @@ class Holders:
                  "node" if len(nodes) == 1 else "nodes", nodes)
         return errors
 
-    def _read_run(self, step: int, run: RemoteRun, on_range: Callable[[int], None]) -> int:
+    def _read_run(self, step: int, run: RemoteRun, on_range: Callable[[int], None],
+                  paced: bool) -> int:
         """``run`` from the first rank of its node that serves it; returns its bytes. Raises
         ShardNotFoundError when every one answered that it lacks the shard, else the error
         of the last that failed otherwise."""
@@ -137,7 +148,7 @@ class Holders:
         for src in ranks:
             try:
                 return self.transport.read_items(src, step, run.owner, run.ranges, run.sinks,
-                                                 on_range, paced=False)
+                                                 on_range, paced=paced)
             except ShardNotFoundError as e:
                 lacking = e
             except (MLCheckpointError, OSError) as e:
@@ -152,22 +163,61 @@ class Holders:
         log.debug("mlcheckpoint: fetched the metadata of step %d from rank %d", self.step, src)
 
     def rebuild(self, owner: int) -> bool:
-        """Fetch ``owner``'s whole shard into this node's store, verified and committed, so
-        replication can protect it again (a replaced node's own shard, after the load).
-        Returns False when the shard is here already, or on no node at all (its items were
-        read from their copies; the next save writes it again)."""
-        if owner in self.plan.through_copies:
-            log.info("mlcheckpoint: rank %d's shard of step %d is on no node (its items were read "
-                     "from copies): not rebuilt; the next save protects them again", owner, self.step)
-            return False
+        """Put ``owner``'s shard of the step back into this node's store as its save left it
+        (the same save, items, offsets and checksums), verified and committed, so that
+        replication protects the step again (a replaced node's own shard, after the load):
+        fetched whole from a node that holds it whole, else, when it is whole on no node (the
+        load read its items through partial replicas and copies), assembled item by item from
+        the places that hold them (``_assemble``). Paced by the holders' budgets. Returns
+        False when the shard is here already."""
         with self.store.fetch_lock(self.step, owner):
-            if owner in self.store.step_state(self.step).ranks_of(self.plan.save_id):
+            st = self.store.step_state(self.step)
+            if owner in st.ranks_of(self.plan.save_id) and owner not in st.partial:
                 return False
-            _, src = self._from_first_that_serves(
-                owner, lambda src: self.transport.fetch_shard(src, self.step, owner, paced=True),
-                order=holder_order(self.plan, self.topo, owner, whole=True))
-        log.info("mlcheckpoint: rebuilt rank %d's shard of step %d from rank %d", owner, self.step, src)
+            if owner in self.plan.through_copies:
+                nbytes = self._assemble(owner)
+                came = "its items' partial replicas and copies"
+            else:
+                nbytes, src = self._from_first_that_serves(
+                    owner, lambda src: self.transport.fetch_shard(src, self.step, owner, paced=True),
+                    order=holder_order(self.plan, self.topo, owner, whole=True))
+                came = f"rank {src}"
+        log.info("mlcheckpoint: rebuilt rank %d's shard of step %d (%d bytes) from %s", owner,
+                 self.step, nbytes, came)
         return True
+
+    def _assemble(self, owner: int) -> int:
+        """Write ``owner``'s shard here from its items' places on other nodes: each item the
+        step's metadata records in it (its primaries, the copies it keeps of other ranks'
+        items) read from a node holding any place of it (``fetch_items``, paced), verified
+        against the recorded checksum, committed under the manifest its save wrote (its
+        size taken from a copy on a survivor, ``Decision.data_bytes``). Returns the bytes."""
+        header, payload = self.store.read_metadata(self.step, self.plan.save_id)
+        items = recorded_items(dcp_metadata(payload), owner)
+        if not items:
+            raise ShardNotFoundError(f"the metadata of step {self.step} records no item of "
+                                     f"rank {owner}'s shard")
+        end = max(it.offset + it.nbytes for it, _ in items)
+        m = Manifest(job_id=self.store.job_id, step=self.step, rank=owner,
+                     data_bytes=max(end, self.plan.data_bytes.get(owner, 0)),
+                     items=[it for it, _ in items], world_size=header.world_size,
+                     created=header.created, save_id=header.save_id, run_id=header.run_id)
+        shard = self.store.begin_shard(self.step, owner, m.data_bytes)
+        try:
+            data = shard.buffer.array
+            wanted = {it.offset: loc for it, loc in items}
+            sinks = {it.offset: data[it.offset:it.offset + it.nbytes] for it, _ in items}
+            came = fetch_items(self, self.step, wanted, sinks, lambda offset: (
+                f"no place of the item at offset {offset} of rank {owner}'s shard is"), paced=True)
+            for offset, (rank, node, digest) in sorted(came.items()):
+                if not digests_agree(wanted[offset].checksum, digest.result()[0]):
+                    raise integrity_error(f"step {self.step} rank {rank}'s shard on node {node}",
+                                          f"the item rebuilding rank {owner}'s shard at offset "
+                                          f"{offset}", CopyId(self.step, rank, node))
+            shard.commit_manifest(m)
+        finally:
+            shard.abort()  # (nothing once committed)
+        return sum(it.nbytes for it, _ in items)
 
     def _from_first_that_serves(self, owner: int | None, read: Callable[[int], T], *,
                                 order: list[int] | None = None) -> tuple[T, int]:

@@ -62,8 +62,9 @@ class Decision:
     metadata_holders: list[int] = field(default_factory=list)
     # rank -> "peer" when the rank's own shard is on no node of its own (a replaced node:
     # recovery rebuilds it there after the load), COPIES when it is on no surviving node at
-    # all (its items are read from the copies data parallelism kept in other ranks' shards),
-    # else "local" (also when resharded).
+    # all (its items are read from the copies data parallelism kept in other ranks' shards
+    # and its partial replicas; recovery rebuilds it from them after the load), else "local"
+    # (also when resharded).
     sources: dict[int, str] = field(default_factory=dict)
     # Owners whose shard is whole on no surviving node: the reader reads their items from
     # copies and partial replicas.
@@ -71,6 +72,10 @@ class Decision:
     # owner -> node -> offsets of the items its partial replica of the owner's shard holds
     # (only the items that lacked places were sent); a holder node not named holds it whole
     partial: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
+    # owner -> the bytes of its shard's data, as any copy of it on a survivor has them (a
+    # partial replica's file is as long as the shard): a shard rebuilt from its items' places
+    # takes this size, so it is the very shard its partial replicas describe
+    data_bytes: dict[int, int] = field(default_factory=dict)
     resharded: bool = False  # saved with another world size: DCP reshards, reads fetch lazily
     newest_protected: int | None = None  # newest step with every shard on ``copies`` nodes
     reason: str = ""
@@ -201,6 +206,7 @@ class _StepView:
     # owner -> node -> what the node holds of its shard (whole or a partial replica's groups)
     holdings: dict[int, dict[int, Held]] = field(default_factory=lambda: defaultdict(dict))
     owner_bytes: dict[int, int] = field(default_factory=dict)
+    data_bytes: dict[int, int] = field(default_factory=dict)  # Decision.data_bytes
     partial: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)  # Decision.partial
     refused: set[int] = field(default_factory=set)  # owners with a copy that failed verification
     damage: list[str] = field(default_factory=list)  # what the inventories found wrong
@@ -275,6 +281,7 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
                     continue
                 held = copy.held(owner)
                 v.holdings[owner][inv.node] = held
+                v.data_bytes.setdefault(owner, nbytes)
                 if held.whole:
                     v.owner_nodes[owner].append(inv.node)
                     v.owner_bytes[owner] = nbytes
@@ -348,7 +355,8 @@ def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size:
         return ranks[turn[node] % len(ranks)]
 
     d = Decision(MEMORY, step, resharded=v.world_size != world_size, save_id=v.save_id,
-                 lineage=v.lineage, partial={o: dict(by_node) for o, by_node in v.partial.items()})
+                 lineage=v.lineage, partial={o: dict(by_node) for o, by_node in v.partial.items()},
+                 data_bytes=dict(v.data_bytes))
     d.holders = {o: [r for n in sorted(by_node) for r in node_ranks[n]] for o, by_node in v.holdings.items()}
     d.metadata_holders = [r for n in sorted(set(v.meta_nodes)) for r in node_ranks[n]]
     for node, ranks in sorted(node_ranks.items()):

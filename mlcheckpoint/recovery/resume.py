@@ -417,15 +417,19 @@ class Recovery:
     def _heal(self, d: Decision, holders: Holders | None) -> threading.Thread | None:
         """Re-protect what was loaded now, not at the next save: the newest step that survived
         on two nodes is kept until a newer one is protected, the replicator restarts, and a
-        replaced node's rank gets its own shard back (on a background thread, off the resume's
-        critical path; the replicator then pushes it to the partner)."""
+        replaced node's rank gets its own shard back as the save left it (on a background
+        thread, off the resume's critical path, paced). Every rank's own shard is then on its
+        own node, so the replicator's rounds of the loaded step push each partner what lacks
+        places (``covered.plan_push``), as after a save: every item regains its places, and
+        ``wait_replicated`` says when. A round named before the shard is back leaves the step
+        unprotected and is named again (``Replicator._propose_next``)."""
         if self.replicator is None:
             return None
         self.replicator.seed_protected(d.newest_protected)
         self.replicator.activate(reset=True)
         # The plan's "peer" for this rank: its own shard is not on this node (never when
-        # resharded: the saved ranks are not this job's ranks); COPIES: it is on no node, and
-        # the rebuild only says so (Holders.rebuild).
+        # resharded: the saved ranks are not this job's ranks), it is fetched whole; COPIES:
+        # it is whole on no node, it is assembled from its items' places (Holders.rebuild).
         if holders is None or d.sources.get(self.topo.rank) not in ("peer", COPIES):
             return None
         thread = threading.Thread(target=self._rebuild_own_shard, args=(holders, self.replicator),
@@ -438,7 +442,8 @@ class Recovery:
             if holders.rebuild(self.topo.rank):
                 replicator.wake()
         except (MLCheckpointError, OSError) as e:
-            log.warning("mlcheckpoint: rebuilding rank %d's shard of step %d failed: %s",
+            log.warning("mlcheckpoint: rebuilding rank %d's shard of step %d failed: %s; the "
+                        "step stays unprotected until a newer one is saved and replicated",
                         self.topo.rank, holders.step, e)
 
 

@@ -7,6 +7,7 @@ import json
 import pickle
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ..errors import CorruptShardError
 from ..integrity import digests
@@ -222,9 +223,9 @@ def decode_metadata(raw: bytes) -> tuple[MetadataHeader, bytes]:
     return header, payload
 
 
-def item_locations(payload: bytes) -> list[ItemLocation]:
-    """Where every item of a step lives, with its checksum, from a verified metadata payload
-    (DCP's pickled Metadata; our own file, checksummed, never a peer's unverified bytes)."""
+def dcp_metadata(payload: bytes) -> Any:
+    """DCP's Metadata from a verified metadata payload (our own file, checksummed, never a
+    peer's unverified bytes), every item located by an ``ItemLocation``."""
     try:
         metadata = pickle.loads(payload)
         locations = list(metadata.storage_data.values())
@@ -232,4 +233,9 @@ def item_locations(payload: bytes) -> list[ItemLocation]:
         raise CorruptShardError(f"metadata payload is not DCP metadata: {e!r}") from None
     if not all(isinstance(loc, ItemLocation) for loc in locations):
         raise CorruptShardError("metadata items were not written by mlcheckpoint")
-    return locations
+    return metadata
+
+
+def item_locations(payload: bytes) -> list[ItemLocation]:
+    """Where every item of a step lives, with its checksum, from a verified metadata payload."""
+    return list(dcp_metadata(payload).storage_data.values())

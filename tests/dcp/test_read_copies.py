@@ -81,7 +81,7 @@ def save_with_lost_shard(store: LocalStore) -> tuple[dict, dict[str, ItemLocatio
         if index.fqn == KEPT:
             continue
         copies[index.fqn] = loc
-        md.storage_data[index] = ItemLocation(rank=1, offset=1000 * i, nbytes=loc.nbytes,
+        md.storage_data[index] = ItemLocation(rank=1, offset=4096 * i, nbytes=loc.nbytes,
                                               checksum=loc.checksum, is_tensor=loc.is_tensor,
                                               copies=((0, loc.offset),))
     kinds = {loc.is_tensor for loc in copies.values()}
@@ -159,9 +159,11 @@ class OtherNode(Transport):
     def __init__(self, store: LocalStore) -> None:
         self.store = store
         self.owners_read: list[int] = []
+        self.paced: list[bool] = []  # per read: whether it asked the holder to pace it
 
     def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
         self.owners_read.append(owner)
+        self.paced.append(paced)
         with self.store.open_shard(step, owner) as source:
             for i, ((offset, nbytes), sink) in enumerate(zip(ranges, sinks, strict=True)):
                 sink[:] = np.frombuffer(source.read(offset, nbytes), np.uint8)
@@ -192,7 +194,8 @@ def node(n: int) -> Topology:
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_copies_held_by_another_node_are_read_through_the_holders(store, store_dir, corrupt):
     """Node 1 (a replacement) holds only the metadata; node 0 holds rank 0's shard with the
-    copies. The planner reads rank 1 through copies; node 1's reader streams them from node 0."""
+    copies. The planner reads rank 1 through copies; node 1's reader streams them from node 0,
+    and the heal then rebuilds rank 1's shard on node 1 from them."""
     expected, copies = save_with_lost_shard(store)
     replacement = LocalStore(os.path.join(store_dir, "node1"), JOB)
     try:
@@ -215,7 +218,26 @@ def test_copies_held_by_another_node_are_read_through_the_holders(store, store_d
         load_step(out, reader, None)
         same(expected, out)
         assert set(transport.owners_read) == {0}  # rank 1's items came from rank 0's shard
-        assert not holders.rebuild(1)  # rank 1's shard is on no node: nothing to rebuild
+        assert transport.paced == [False]  # the load waits for them: at the link's speed
+        # Heal: rank 1's shard, whole on no node, is assembled on node 1 from the copies, as
+        # its save recorded it (the same save, offsets and checksums), in paced reads
+        assert holders.rebuild(1)
+        assert transport.paced[1:] and all(transport.paced[1:]), transport.paced
+        recorded = [loc for loc in pickle.loads(store.read_metadata(STEP)[1]).storage_data.values()
+                    if loc.rank == 1]
+        m = replacement.verify_shard(STEP, 1, recorded)  # every checksum, as the metadata says
+        assert not m.partial and (m.save_id, m.run_id) == (plan.save_id, store.read_manifest(STEP, 0).run_id)
+        assert sorted(it.offset for it in m.items) == sorted(loc.offset for loc in recorded)
+        assert {it.key.split("@")[0] for it in m.items} == set(copies)
+        st = replacement.step_state(STEP)
+        assert not coverage.unreadable([1], st.copy_groups, st.holdings())  # all of rank 1's, here
+        assert not holders.rebuild(1)  # here already
+        reads = len(transport.owners_read)
+        out = target()
+        load_step(out, MemoryStorageReader(STEP, replacement, node=1, remote=holders,
+                                           save_id=plan.save_id), None)
+        same(expected, out)
+        assert len(transport.owners_read) == reads + 1  # only rank 0's own item came from node 0
     finally:
         replacement.close()
 

@@ -218,6 +218,9 @@ def test_a_planned_partial_replica_serves_the_items_it_lists_and_never_the_whole
     plan = plan_resume(nodes, None, 4)
     assert plan.kind == MEMORY and plan.step == 5, plan.reason
     assert plan.partial == {0: {1: frozenset({0, 64})}}
+    # the partial replica's file is as long as the shard: a rebuild of rank 0's shard (whole
+    # on no node) takes that size, so it is the shard the replica describes
+    assert plan.through_copies == [0] and plan.data_bytes[0] == 192
     reader = Holders(RecordingTransport(), None, rank_on(0, 0, nodes=2), plan)
     assert reader.nodes_holding(5, 0, 0) == [1] and reader.nodes_holding(5, 0, 64) == [1]
     assert reader.nodes_holding(5, 0, 128) == []  # not listed: read from its copy in rank 2's shard

@@ -240,27 +240,30 @@ def _take_buffer(store: LocalStore, step: int, rank: int, state_dict: dict[str, 
                  skip: Callable[[torch.Tensor], bool]) -> tuple[ShardWriter | None, Layout, int]:
     """The shard buffer of the stage, and the state dict laid out and copied into it.
 
-    The room asked of tmpfs is what this rank will write after DCP's de-duplication: the
-    tensors predicted planned (``plans.py``); the others, which the plan gives another rank,
-    are snapshotted in process memory (``PRIVATE``), not in tmpfs (those in device memory only
-    when tmpfs has no room for them: they reach the buffer by DMA). Without a prediction (a
-    first save, a new structure) every tensor goes in the buffer, for the commit to cut what
-    the plan leaves out; when tmpfs has no room for them all, none does: every tensor is
-    snapshotted in process memory, and the commit reserves what the plan gives this rank
-    (None is returned for the buffer)."""
+    Every tensor goes in the (recycled, already touched) buffer when tmpfs has the room: the
+    tensors predicted planned (``plans.py``) first, the others after them, for the commit to
+    cut off without moving a byte. When tmpfs lacks that room, the room asked is what this
+    rank will write after DCP's de-duplication: the others, which the plan gives another rank,
+    are snapshotted in process memory (``PRIVATE``) instead (those in device memory only when
+    that is still too much: they reach the buffer by DMA). The fast path stays the common one:
+    fresh process memory costs page faults at every save, the recycled buffer does not.
+    Without a prediction (a first save, a new structure) and no room for every tensor, none
+    goes in the buffer: every tensor is snapshotted in process memory, and the commit
+    reserves what the plan gives this rank (None is returned for the buffer)."""
     leaves = leaves_of(state_dict)
     shard: ShardWriter | None
     if prediction.planned is not None:
-        # Device tensors' bytes reach the buffer by DMA into page-locked memory: they stay in
-        # it, to be cut off, unless that is what leaves too little room.
-        offsets, nbytes = lay_out(leaves, prediction, skip, private=_host)
-        try:
-            shard = store.begin_shard(step, rank, nbytes)
-        except CapacityError:
-            offsets, fewer = lay_out(leaves, prediction, skip, private=_everything)
-            if fewer == nbytes:
-                raise  # the tensors this rank is to write do not fit
-            nbytes = fewer
+        offsets, nbytes = lay_out(leaves, prediction, skip)
+        for private in (_host, _everything):
+            try:
+                shard = store.begin_shard(step, rank, nbytes)
+                break
+            except CapacityError:
+                offsets, fewer = lay_out(leaves, prediction, skip, private=private)
+                if fewer == nbytes and private is _everything:
+                    raise  # the tensors this rank is to write do not fit
+                nbytes = fewer
+        else:
             shard = store.begin_shard(step, rank, nbytes)
     else:
         offsets, nbytes = lay_out(leaves, prediction, skip)

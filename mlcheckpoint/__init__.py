@@ -13,7 +13,7 @@ from .errors import (
     StagingError,
     StateDictError,
 )
-from .manager import CheckpointEntry, CheckpointManager, SaveResult
+from .manager import CheckpointEntry, CheckpointManager, FlushResult, SaveResult
 from .persistent import PersistentStorage
 from .recovery import ResumeInfo
 from .replication.schedule.status import ProtectionStatus
@@ -21,7 +21,7 @@ from .settings import Options, ReplicationOptions
 
 __all__ = [
     "CapacityError", "CheckpointEntry", "CheckpointManager", "ConfigError", "CorruptShardError",
-    "JobDirInUseError", "MLCheckpointError", "MemoryStorageReader",
+    "FlushResult", "JobDirInUseError", "MLCheckpointError", "MemoryStorageReader",
     "MemoryStorageWriter", "Options", "PersistentStorage", "ProtectionStatus", "ProtocolError",
     "ReplicationError", "ReplicationOptions", "ResumeInfo", "SaveResult", "ShardNotFoundError",
     "StagingError", "StateDictError",

@@ -5,12 +5,13 @@ each its collaborators: ``manager/saving.py`` (the save path, and the one publis
 commit), ``manager/lifecycle.py`` (pins, buffer warming, replicas landing), ``manager/retention.py`` (what a
 node keeps), ``manager/claiming.py`` (one live run per job directory), ``manager/persistent_writer.py`` (the
 long-term DCP checkpoint beside the memory ones), ``manager/listing.py`` and ``manager/metrics.py`` (what the
-manager reports). No layer (``integrity``, ``store``, ``dcp``, ``replication``, ``recovery``)
+manager reports), ``manager/flush.py`` and ``manager/preemption.py`` (the preemption flush). No layer (``integrity``, ``store``, ``dcp``, ``replication``, ``recovery``)
 imports this package (``tests/test_layers.py``).
 """
 
 from .checkpoint_manager import CheckpointManager
+from .flush import FlushResult
 from .listing import CheckpointEntry
 from .saving import SaveResult
 
-__all__ = ["CheckpointEntry", "CheckpointManager", "SaveResult"]
+__all__ = ["CheckpointEntry", "CheckpointManager", "FlushResult", "SaveResult"]

@@ -16,8 +16,8 @@ import torch
 Config = TypeVar("Config")
 
 
-QUICK_NOTE = ("--quick: small sizes and few repetitions, beside whatever else this machine runs: "
-              "the ratios are information, not a verdict on the install; the targets are judged "
+QUICK_NOTE = ("--quick: small sizes and few repetitions, beside whatever else this machine runs:\n"
+              "the ratios are information, not a verdict on the install; the targets are judged\n"
               "in a full run (no --quick) on an otherwise idle machine")
 
 

@@ -449,6 +449,10 @@ class CheckpointManager:
         ranks that will never come. Failing means ``failed=True``, or, by default, that close is
         called while an exception is being handled (from an ``except`` block, as torchtitan's
         trainer does, or from ``with`` on an error).
+
+        A close that completes without an error marks the job finished on each node
+        (``finished.json``, until a run claims the directory again): see docs/operations.md,
+        "A finished job's memory".
         """
         if self._closed:
             return
@@ -477,9 +481,10 @@ class CheckpointManager:
             self._release(wait=not failed)
 
     def _mark_finished(self) -> None:
-        """A clean close: this node's memory of the job becomes a finished job's (what ``gc``
-        and a new job's room check name first; docs/operations.md, "A finished job's memory")
-        until a run claims the directory again."""
+        """A clean close: this node's memory of the job becomes a finished job's (the memory a
+        new job's room check names as the first to reclaim, and no other job's resume names
+        as one it may have meant; docs/operations.md, "A finished job's memory") until a run
+        claims the directory again."""
         if self._topology.is_node_leader:
             with contextlib.suppress(OSError):
                 mark_finished(self._store.paths, self._lineage.run_id,

@@ -396,8 +396,8 @@ class Recovery:
                           labels={r: _label(s, rank_served) for r, (s, _, rank_served)
                                   in enumerate(gathered) if s is not None},
                           note=note, fell_back=fell_back)
-        # The line a user reads is ResumeInfo.summary, logged once by the manager; this one,
-        # per rank, keeps the layout words and the phases for debugging.
+        # The line a user reads is ResumeInfo.summary, logged once on rank 0 (``run``); this
+        # one, per rank, keeps the layout words and the phases for debugging.
         log.debug("mlcheckpoint: rank %d: %s; sources %s, %d bytes from peers, phases %s%s",
                   self.topo.rank, info.summary, sources, info.bytes_fetched,
                   ", ".join(f"{k} {v:.3f}s" for k, v in self.phases.items() if k != "heal"),

@@ -38,7 +38,7 @@ from .manager.retention import apply_retention
 from .persistent import PersistentStorage
 from .settings import BY_NAME, resolve_local_dir, validate_job_id
 from .store import LocalStore
-from .store.claim import Claimant, unclaimed
+from .store.claim import Claimant, finished, unclaimed
 from .store.claim import holder as claim_holder
 from .store.layout import STEPS, ItemLocation
 from .store.manifest import item_locations
@@ -225,7 +225,9 @@ def cmd_gc(args) -> int:
             if live is not None:
                 report.append({"job": job, "refused": "in use by a live run", "dir": store.job_dir,
                                "run": None if live.holder is None else live.holder.to_json()})
-            elif args.remove:
+            elif args.finished and finished(store.paths) is None:
+                report.append({"job": job, "kept": "not finished: a restart may resume it"})
+            elif args.remove or args.finished:
                 store.destroy()
                 report.append({"job": job, "removed": "all"})
             else:
@@ -243,6 +245,8 @@ def cmd_gc(args) -> int:
                       "run first (a live run's files are never removed)", file=sys.stderr)
             elif r.get("removed"):
                 print(f"job {r['job']}: removed")
+            elif r.get("kept"):
+                print(f"job {r['job']}: kept ({r['kept']})")
             else:
                 print(f"job {r['job']}: removed {plural(r['debris_removed'], 'uncommitted file')}; "
                       f"retired steps {r['steps_retired'] or 'none'}")
@@ -349,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delete the job's files entirely: for a finished job (its last run "
                    "closed cleanly and left finished.json; docs/operations.md); refused while "
                    "a live run holds it")
+    p.add_argument("--finished", action="store_true",
+                   help="delete entirely only the jobs whose last run closed cleanly "
+                   "(finished.json; the first memory to reclaim); others are kept")
     p.add_argument("--json", action="store_true")
 
     p = command("history", help="every save, replication, persistent write and resume")

@@ -355,3 +355,22 @@ def test_ls_after_a_job_closed_agrees_with_protection():
             assert entry["protection"]["step"] == 7, (k, entry["protection"])
             states = {s["step"]: s["state"] for s in entry["steps"]}
             assert states[7] == "complete" and "incomplete" not in states.values(), (k, states)
+
+
+def test_gc_finished_removes_only_jobs_whose_last_run_closed_cleanly(cli):
+    """``gc --finished`` reclaims a finished job's memory (its run closed cleanly and left
+    finished.json) and keeps a job a restart may still resume (its run never closed)."""
+    root = tempfile.mkdtemp(prefix="mlckpt-cli-", dir="/dev/shm")
+    try:
+        with CheckpointManager(job_id="done", local_dir=root, replication="none") as ckpt:
+            ckpt.save({"w": torch.ones(10)}, 1)
+        crashed = CheckpointManager(job_id="crashed", local_dir=root, replication="none")
+        crashed.save({"w": torch.ones(10)}, 1)
+        crashed.close(failed=True)  # as a crash leaves it: no finished mark
+        code, out, _ = cli(root, "gc", "--finished")
+        assert code == 0
+        assert "job done: removed" in out and "job crashed: kept" in out
+        assert not os.path.exists(os.path.join(root, "done"))
+        assert LocalStore(root, "crashed", create=False).complete_steps() == [1]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -165,7 +165,7 @@ class RoomCheck:
         names = sorted(jobs, key=lambda job: -jobs[job])
         listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         return (f". Finished jobs here hold {sum(jobs.values()) / MiB:.0f} MiB ({listed}): "
-                "'mlcheckpoint gc --remove --job ID' frees one")
+                "'mlcheckpoint gc --finished' frees them")
 
     def at_start(self) -> None:
         """Before any save the size of a step is unknown; a filesystem no larger than the

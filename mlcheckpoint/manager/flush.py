@@ -59,7 +59,7 @@ from ..persistent import PersistentOrigin, PersistentStorage
 from ..store import LocalStore
 from ..store.layout import ItemLocation
 from ..store.local_store import ShardSource
-from ..store.manifest import ManifestItem, decode_metadata
+from ..store.manifest import ManifestItem, dcp_metadata, decode_metadata
 from ..store.pins import Pins
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ class Flusher:
         if c.metadata is None:
             return None
         _, payload = decode_metadata(c.metadata)
-        return {item_key(index): loc for index, loc in _storage_data(payload).items()
+        return {item_key(index): loc for index, loc in dcp_metadata(payload).storage_data.items()
                 if loc.rank == self.rank}
 
     # ------------------------------------------------------------------ finishing
@@ -260,7 +260,7 @@ class Flusher:
             if marker.get("save_id") != save_id or marker.get("rank") != r:
                 raise CorruptShardError(f"{staging}: rank {r}'s marker names another save")
             markers[r] = {str(e[0]): e for e in marker["items"]}
-        metadata = pickle.loads(payload)  # our own file, verified by its checksum
+        metadata = dcp_metadata(payload)
         storage_data: dict[Any, _StorageInfo] = {}
         for index, loc in metadata.storage_data.items():
             entry = markers[loc.rank].get(item_key(index))
@@ -282,11 +282,6 @@ class Flusher:
     def complete(self, step: int) -> bool:
         """Whether ``step`` is complete in the persistent folder."""
         return os.path.exists(os.path.join(self.storage.path(step), ".metadata"))
-
-
-def _storage_data(payload: bytes) -> dict[Any, ItemLocation]:
-    metadata = pickle.loads(payload)  # our own file, verified by its checksum
-    return metadata.storage_data
 
 
 def _items_to_write(items: list[ManifestItem],

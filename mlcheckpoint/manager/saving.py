@@ -197,9 +197,7 @@ class Saver:
         if persist is not None and self._failed_anywhere(staged.failure is not None):
             # The commit will fail on every rank (a rank's stage failed): the persistent step
             # asked for is written now, from the state dict, before the caller changes it.
-            error = persist.write_now(state_dict, step, lineage)
-            persisted = (f"step {step}: persistent checkpoint written instead" if error is None
-                         else f"step {step}: its persistent checkpoint failed too: {error}")
+            persisted = _persisted_note(step, persist.write_now(state_dict, step, lineage))
             persist = None
         blocking = time.perf_counter() - t0
         # A stage that failed here still goes to the commit, which fails the step on every
@@ -382,9 +380,7 @@ class Saver:
         every rank alike. Whether it was written is added to ``error``, which every rank
         raises; a failed write is also logged (``PersistentWriter.write``) and raised again
         by ``wait``."""
-        failed = persist.write_now(state_dict, step, lineage)
-        _add_note(error, f"step {step}: persistent checkpoint written instead" if failed is None
-                  else f"step {step}: its persistent checkpoint failed too: {failed}")
+        _add_note(error, _persisted_note(step, persist.write_now(state_dict, step, lineage)))
 
     def _drop_failed_shard(self, writer: MemoryStorageWriter) -> None:
         """A step that failed on some rank is no checkpoint: give back the space this rank's
@@ -539,6 +535,12 @@ class SaveFailures:
         if streak and self.rank == 0:
             log.warning("mlcheckpoint: RAM saves succeed again after %s (failing since step "
                         "%s; step %d saved)", plural(streak, "failure"), first, step)
+
+
+def _persisted_note(step: int, failure: BaseException | None) -> str:
+    """What became of the persistent step written because the in-memory save failed."""
+    return (f"step {step}: persistent checkpoint written instead" if failure is None
+            else f"step {step}: its persistent checkpoint failed too: {failure}")
 
 
 def _add_note(error: BaseException, note: str) -> None:

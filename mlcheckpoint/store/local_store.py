@@ -254,10 +254,12 @@ class LocalStore:
         except OSError:
             return
         for e in entries:
-            with contextlib.suppress(OSError):
-                if e.name == self.job_id or not e.is_dir(follow_symlinks=False):
-                    continue
-            yield JobPaths(e.path)
+            try:
+                other = e.name != self.job_id and e.is_dir(follow_symlinks=False)
+            except OSError:  # gone meanwhile
+                continue
+            if other:
+                yield JobPaths(e.path)
 
     def usage_bytes(self) -> int:
         """Bytes held by this job's files on this node (committed, in flight and pooled)."""

@@ -103,7 +103,7 @@ def test_verify_reports_missing_shards(job, cli):
 
 def test_gc_removes_debris_and_old_steps(job, cli):
     store = LocalStore(job, "clijob", create=False)
-    debris = store.data_path(2, 5) + ".partial"
+    debris = store.data_path(2, 5) + ".inflight"
     with open(debris, "wb") as f:
         f.write(b"x" * 100)
     code, _, _ = cli(job, "gc", "--job", "clijob", "--min-age", "0", "--keep", "1")
@@ -143,16 +143,16 @@ def test_gc_keep_retires_every_ranks_shards_of_older_steps_never_the_step_being_
     of that save) and whatever is newer; every other step goes whole, whoever owns its shards
     (ranks 2, 3 are no rank's of the 1 x 2 job), metadata included."""
     root, store = resized
-    partial = store.data_path(6, 1) + ".partial"
+    inflight = store.data_path(6, 1) + ".inflight"
     code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "2", "--json")
     assert code == 0 and json.loads(out)[0]["steps_retired"] == [1, 2, 3]
     assert held(store) == {4: [0, 1], 5: [0, 1], 6: [0]}
-    assert os.path.exists(partial)  # the shard being written, spared
+    assert os.path.exists(inflight)  # the shard being written, spared
     assert not os.path.exists(store.step_dir(1)) and not os.path.exists(store.step_dir(2))
     assert store.pool.owners() == set()  # what gc retires is freed, not pooled
     code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "1")
     assert code == 0 and "retired steps [4]" in out, out
-    assert held(store) == {5: [0, 1], 6: [0]} and os.path.exists(partial)
+    assert held(store) == {5: [0, 1], 6: [0]} and os.path.exists(inflight)
     code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "1")
     assert "retired steps none" in out, out
 
@@ -308,7 +308,7 @@ def test_counted_words_are_singular_for_one(job, cli):
     assert "then 1 step behind" in line
     assert "then 3 steps behind" in _protection_line({"step": 5, "time": 0, "lag_steps": 3})
     store = LocalStore(job, "clijob", create=False)
-    with open(store.data_path(2, 5) + ".partial", "wb") as f:
+    with open(store.data_path(2, 5) + ".inflight", "wb") as f:
         f.write(b"x")
     store.close()
     code, out, _ = cli(job, "gc", "--job", "clijob", "--min-age", "0")

@@ -228,8 +228,8 @@ def tree_parts(path: str, own: range) -> dict[str, int]:
                 continue
             e = classify(name)
             part = ("own" if e.rank in own else "replicas") if e.kind is Kind.DATA else \
-                {Kind.PARTIAL: "staging", Kind.POOL_BUFFER: "pool",
-                 Kind.POOL_PARTIAL: "pool"}.get(e.kind, "other")
+                {Kind.INFLIGHT: "staging", Kind.POOL_BUFFER: "pool",
+                 Kind.POOL_INFLIGHT: "pool"}.get(e.kind, "other")
             parts[part] += nbytes
     return parts
 

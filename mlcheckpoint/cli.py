@@ -8,10 +8,13 @@ Unix tool killed by SIGPIPE does.
 Exit codes, ordered by severity (a script may test ``status >= EXIT_CORRUPT``); ``verify``
 returns the worst it found:
 
-    0  ok          every checksum of the step verified, and the step is whole on this node
-    1  incomplete  what is here is intact, but shards or the metadata live on other nodes
+    0  ok          every checksum of the step verified, and a resume could load it from this
+                   node alone (the planner's verdict: ``manager/listing.py`` ``verdicts_here``)
+    1  incomplete  what is here is intact, but some ranks' items or the metadata live on other
+                   nodes (or another run of the job saved the step: a resume sets it aside)
     2  not found   no such job or step on this node (also a bad argument or setting)
-    3  corrupt     bytes here fail their checksum: a resume refuses this copy
+    3  corrupt     bytes here fail their checksum, or a shard here is damaged: a resume
+                   refuses this copy
 
 ``gc`` never deletes anything of a job directory that a live run holds (the run's claim,
 ``store/claim.py``): it names that run and exits with
@@ -32,10 +35,11 @@ from typing import Any
 
 from . import history
 from ._words import plural
-from .errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
-from .manager.listing import step_labels
+from .errors import CopyId, CorruptShardError, MLCheckpointError, ShardNotFoundError
+from .manager.listing import HERE, INCOMPLETE, step_labels, verdicts_here
 from .manager.retention import apply_retention
 from .persistent import PersistentStorage
+from .recovery.planner import StepVerdict
 from .settings import BY_NAME, resolve_local_dir, validate_job_id
 from .store import LocalStore
 from .store.claim import Claimant, finished, unclaimed
@@ -92,18 +96,21 @@ def cmd_ls(args) -> int:
         steps: list[dict[str, Any]] = []
         events = history.read(store.job_dir)
         inventory = store.inventory()
-        labels = step_labels(inventory, {e["step"] for e in events if e.get("event") == "replicate"})
+        verdicts = verdicts_here(store)  # what a resume from this node alone would decide
+        labels = step_labels(verdicts, {e["step"] for e in events if e.get("event") == "replicate"})
         for step, st in inventory.items():
             sizes = {}
             for r in sorted(st.committed_ranks):
                 try:
-                    sizes[r] = store.read_manifest(step, r).data_bytes
+                    sizes[r] = store.read_manifest(step, r).held_bytes
                 except MLCheckpointError:
                     pass
-            missing = sorted(set(st.required_ranks or ()) - st.committed_ranks)
-            steps.append({"step": step, "state": labels[step],
+            verdict = verdicts.get(step, StepVerdict(False))  # (a step that came since the listing)
+            steps.append({"step": step, "state": labels.get(step, INCOMPLETE),
                           "metadata": st.has_metadata, "shards_here": sorted(st.committed_ranks),
-                          "missing_here": missing, "world_size": st.world_size,
+                          "partial_here": sorted(set(st.partial) & st.committed_ranks),
+                          "missing_here": list(verdict.missing), "why": verdict.reason or None,
+                          "world_size": st.world_size,
                           "checkpoint_bytes": st.total_bytes, "bytes_here": sum(sizes.values())})
         replicated = {e["step"] for e in events if e.get("event") == "replicate"}
         for s in steps:
@@ -127,7 +134,8 @@ def cmd_ls(args) -> int:
     for entry in out:
         print(f"job {entry['job']}  ({entry['dir']}, {_size(entry['usage_bytes'])} on this node)")
         rows = [[s["step"], s["state"], _size(s["checkpoint_bytes"]), _size(s["bytes_here"]),
-                 ",".join(map(str, s["shards_here"])) or "-",
+                 ",".join(f"{r}(partial)" if r in s["partial_here"] else str(r)
+                          for r in s["shards_here"]) or "-",
                  ",".join(map(str, s["missing_here"])) or "-", "yes" if s["metadata"] else "no",
                  "yes" if s["replicated_from_here"] else "-"] for s in entry["steps"]]
         print(_table(rows, ["step", "state", "checkpoint", "here", "shards here (ranks)",
@@ -170,6 +178,8 @@ def _protection_line(event: dict[str, Any] | None) -> str:
 
 
 def cmd_verify(args) -> int:
+    """Every checksum of the step's copies here, then the planner's verdict over this node's
+    holdings with the copies that failed counted absent, as a resume counts them."""
     store = _store(args, args.job)
     steps = store.steps()
     step = args.step if args.step is not None else (max(steps) if steps else None)
@@ -179,38 +189,64 @@ def cmd_verify(args) -> int:
     st = store.step_state(step)
     results: list[dict[str, Any]] = []
     verdict = EXIT_OK
+    bad: list[CopyId] = []  # copies here that fail: absent to the verdict
     locations: list[ItemLocation] = []  # the checksums a resume checks the bytes against
     try:
         locations = item_locations(store.read_metadata(step)[1])
         results.append({"item": "metadata", "status": "ok"})
     except CorruptShardError as e:
         results.append({"item": "metadata", "status": "corrupt", "error": str(e)})
-        verdict = EXIT_CORRUPT
+        bad.append(CopyId(step, None, HERE))
     except ShardNotFoundError:
         results.append({"item": "metadata", "status": "not on this node"})
-        verdict = max(verdict, EXIT_INCOMPLETE)
+    shards: dict[int, dict[str, Any]] = {}
     for rank in sorted(st.committed_ranks):
         try:
             m = store.verify_shard(step, rank, [loc for loc in locations if loc.rank == rank])
-            results.append({"item": f"rank {rank}", "status": "ok", "bytes": m.data_bytes,
-                            "items": len(m.items)})
+            shards[rank] = {"item": f"rank {rank}", "status": "ok", "bytes": m.held_bytes,
+                            "items": len(m.items), **({"partial": True} if m.partial else {})}
         except (CorruptShardError, ShardNotFoundError) as e:
-            results.append({"item": f"rank {rank}", "status": "corrupt", "error": str(e)})
-            verdict = EXIT_CORRUPT
-    missing = sorted(set(st.required_ranks or ()) - st.committed_ranks)
-    for rank in missing:
-        results.append({"item": f"rank {rank}", "status": "not on this node"})
-    if missing:
-        verdict = max(verdict, EXIT_INCOMPLETE)
+            shards[rank] = {"item": f"rank {rank}", "status": "corrupt", "error": str(e)}
+            bad.append(CopyId(step, rank, HERE))
+    for rank, why in st.damaged.items():  # unreadable manifest, data missing or short
+        shards[rank] = {"item": f"rank {rank}", "status": "corrupt", "error": why}
+    found = verdicts_here(store, bad).get(step, StepVerdict(False))
+    held = set(found.required or ()) - set(found.missing)  # every item here, some as copies
+    for rank in sorted(set(st.required_ranks or ()) - set(shards)):
+        shards[rank] = ({"item": f"rank {rank}", "status": "ok", "detail": "no shard here: its "
+                         "items are data-parallel copies in the shards here"} if rank in held
+                        else {"item": f"rank {rank}", "status": "not on this node"})
+    for rank, r in shards.items():
+        if r.get("partial"):
+            r["detail"] = ("partial replica: some of the rank's items are not here"
+                           if rank in found.missing else "partial replica")
+    results += [shards[r] for r in sorted(shards)]
+    if any(r["status"] == "corrupt" for r in results):
+        verdict = EXIT_CORRUPT
+    elif not found.complete:
+        verdict = EXIT_INCOMPLETE
     if args.json:
         print(json.dumps({"job": args.job, "step": step, "verdict": VERDICTS[verdict],
-                          "exit_status": verdict, "results": results}, indent=1))
+                          "exit_status": verdict, "missing": list(found.missing),
+                          "reason": found.reason, "results": results}, indent=1))
     else:
-        print(_table([[r["item"], r["status"], _size(r.get("bytes")), r.get("error", "")] for r in results],
-                     ["shard", "status", "bytes", "detail"]))
+        print(_table([[r["item"], r["status"], _size(r.get("bytes")), r.get("error", r.get("detail", ""))]
+                      for r in results], ["shard", "status", "bytes", "detail"]))
         print(f"step {step}: " + {EXIT_OK: "OK", EXIT_INCOMPLETE: "INCOMPLETE on this node",
-                                  EXIT_CORRUPT: "CORRUPT"}[verdict])
+                                  EXIT_CORRUPT: "CORRUPT"}[verdict]
+              + (f" ({_not_here(found)})" if verdict == EXIT_INCOMPLETE else ""))
     return verdict
+
+
+def _not_here(found: StepVerdict) -> str:
+    """Why a step is not restorable from this node alone, in this node's words."""
+    if found.foreign:
+        return "another run of this job saved it: a resume sets it aside"
+    if found.missing:
+        ranks = found.missing
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+        return f"some items of {who} are not here"
+    return "its metadata is not here"
 
 
 def cmd_gc(args) -> int:

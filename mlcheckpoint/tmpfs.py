@@ -194,7 +194,7 @@ class RoomCheck:
     def _shard_bytes(self, step: int) -> int | None:
         # Committed by save(); possibly still being written after async_save() returns.
         rank = self.topology.rank
-        for path in (self.paths.data(step, rank), self.paths.partial(step, rank)):
+        for path in (self.paths.data(step, rank), self.paths.inflight(step, rank)):
             with contextlib.suppress(OSError):
                 return os.stat(path).st_size
         return None

@@ -5,7 +5,8 @@
   ``flip_byte`` (one byte of any file)
 - a real, small tmpfs: ``mounted_tmpfs``
 - shards written straight into a LocalStore: ``payload``, ``begin``, ``put_shard``,
-  ``put_metadata``, ``put_step``, ``pool_files``
+  ``put_metadata``, ``put_step``, ``pool_files``; one save spread over several nodes' stores,
+  with data-parallel copies and partial replicas: ``put_save``
 - what a directory holds, to show a run changed nothing there: ``snapshot``
 - the most memory torch's CPU allocator held for a call beyond what it held before:
   ``peak_cpu_allocation``
@@ -23,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -31,10 +33,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.integrity.verify import digest_item
-from mlcheckpoint.store import LocalStore
+from mlcheckpoint.store import LocalStore, coverage
+from mlcheckpoint.store.identity import Lineage
+from mlcheckpoint.store.layout import ItemLocation
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 from mlcheckpoint.waiting import deadline_in, wait_until
 
@@ -217,6 +222,57 @@ def put_step(store: LocalStore, step: int, ranks=(0,)) -> None:
     for r in ranks:
         put_shard(store, step, r)
     put_metadata(store, step, ranks)
+
+
+def put_save(stores: list[LocalStore], step: int, shards: dict[int, list[str]],
+             held: list[dict[int, list[str] | None]], *, metadata_on: list[int] | None = None,
+             primary: dict[str, int] | None = None, save_id: str = "save-1", run_id: str = "run-1",
+             item_bytes: int = 256) -> None:
+    """One save of ``step`` written straight into the stores of several nodes, as a data-parallel
+    job and its replication leave it, without running either.
+
+    ``shards[rank]`` names the items of rank's shard; an item named in several shards is one
+    item of the step, its primary in the shard of ``primary[name]`` (default: the lowest rank
+    naming it) and agreeing copies in the others' (the metadata records them:
+    ``ItemLocation.copies``, the header's copy groups).
+    ``held[n][rank]`` is what node ``n`` (``stores[n]``) holds of rank's shard: None, the shard
+    whole; a list, a partial replica listing those items. The metadata goes on the nodes
+    ``metadata_on`` (default: every node)."""
+    offsets = {r: {name: i * item_bytes for i, name in enumerate(names)} for r, names in shards.items()}
+
+    def data(name: str) -> bytes:  # the same bytes in every shard that keeps the item
+        return hashlib.sha256(f"{step}/{name}".encode()).digest() * (item_bytes // 32)
+
+    def manifest(store: LocalStore, rank: int) -> Manifest:
+        items = [ManifestItem(n, o, item_bytes, checksum(data(n))) for n, o in offsets[rank].items()]
+        return Manifest(store.job_id, step, rank, len(items) * item_bytes, items,
+                        world_size=max(shards) + 1, save_id=save_id, run_id=run_id)
+
+    locations = {}
+    for name in sorted({n for names in shards.values() for n in names}):
+        keepers = sorted(r for r, names in shards.items() if name in names)
+        if primary is not None and name in primary:
+            keepers.remove(primary[name])
+            keepers.insert(0, primary[name])
+        locations[name] = ItemLocation(keepers[0], offsets[keepers[0]][name], item_bytes,
+                                       checksum(data(name)),
+                                       copies=tuple((r, offsets[r][name]) for r in keepers[1:]))
+    md = Metadata(state_dict_metadata={},
+                  storage_data={MetadataIndex(n): loc for n, loc in locations.items()})
+    for n, store in enumerate(stores):
+        for rank, names in held[n].items():
+            m = manifest(store, rank)
+            if names is not None:
+                m = m.only([it for it in m.items if it.key in names])
+            shard = store.begin_shard(step, rank, m.data_bytes, m.held_ranges() if m.partial else None)
+            for it in m.items:
+                shard.buffer.array[it.offset:it.offset + it.nbytes] = np.frombuffer(data(it.key), np.uint8)
+            shard.commit_manifest(m)
+        if metadata_on is None or n in metadata_on:
+            store.write_metadata(step, pickle.dumps(md), world_size=max(shards) + 1, ranks=sorted(shards),
+                                 total_bytes=item_bytes * len(locations), save_id=save_id,
+                                 lineage=Lineage(run_id),
+                                 copy_groups=coverage.copy_groups(locations.values()))
 
 
 def pool_files(store: LocalStore) -> list[str]:

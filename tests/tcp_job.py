@@ -45,7 +45,7 @@ def debris(store: LocalStore) -> list[str]:
     for step in store.steps():
         with contextlib.suppress(FileNotFoundError):
             out += [n for n in os.listdir(store.step_dir(step))
-                    if n.endswith((layout.PARTIAL, layout.TMP))]
+                    if n.endswith((layout.INFLIGHT, layout.TMP))]
     return out
 
 

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 import torch
-from helpers import begin, damage_shard, payload, put_shard, put_step
+from helpers import begin, damage_shard, payload, put_save, put_shard, put_step
 
 from mlcheckpoint import CheckpointManager, history
 from mlcheckpoint._words import plural
@@ -22,7 +22,9 @@ from mlcheckpoint.cli import (
     _protection_line,
     main,
 )
-from mlcheckpoint.manager.listing import step_label
+from mlcheckpoint.manager.listing import list_checkpoints, step_label
+from mlcheckpoint.recovery import plan_resume, take_inventory
+from mlcheckpoint.recovery.planner import MEMORY
 from mlcheckpoint.store import LocalStore
 
 
@@ -103,7 +105,7 @@ def test_verify_reports_missing_shards(job, cli):
 
 def test_gc_removes_debris_and_old_steps(job, cli):
     store = LocalStore(job, "clijob", create=False)
-    debris = store.data_path(2, 5) + ".partial"
+    debris = store.data_path(2, 5) + ".inflight"
     with open(debris, "wb") as f:
         f.write(b"x" * 100)
     code, _, _ = cli(job, "gc", "--job", "clijob", "--min-age", "0", "--keep", "1")
@@ -143,16 +145,16 @@ def test_gc_keep_retires_every_ranks_shards_of_older_steps_never_the_step_being_
     of that save) and whatever is newer; every other step goes whole, whoever owns its shards
     (ranks 2, 3 are no rank's of the 1 x 2 job), metadata included."""
     root, store = resized
-    partial = store.data_path(6, 1) + ".partial"
+    inflight = store.data_path(6, 1) + ".inflight"
     code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "2", "--json")
     assert code == 0 and json.loads(out)[0]["steps_retired"] == [1, 2, 3]
     assert held(store) == {4: [0, 1], 5: [0, 1], 6: [0]}
-    assert os.path.exists(partial)  # the shard being written, spared
+    assert os.path.exists(inflight)  # the shard being written, spared
     assert not os.path.exists(store.step_dir(1)) and not os.path.exists(store.step_dir(2))
     assert store.pool.owners() == set()  # what gc retires is freed, not pooled
     code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "1")
     assert code == 0 and "retired steps [4]" in out, out
-    assert held(store) == {5: [0, 1], 6: [0]} and os.path.exists(partial)
+    assert held(store) == {5: [0, 1], 6: [0]} and os.path.exists(inflight)
     code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "1")
     assert "retired steps none" in out, out
 
@@ -308,7 +310,7 @@ def test_counted_words_are_singular_for_one(job, cli):
     assert "then 1 step behind" in line
     assert "then 3 steps behind" in _protection_line({"step": 5, "time": 0, "lag_steps": 3})
     store = LocalStore(job, "clijob", create=False)
-    with open(store.data_path(2, 5) + ".partial", "wb") as f:
+    with open(store.data_path(2, 5) + ".inflight", "wb") as f:
         f.write(b"x")
     store.close()
     code, out, _ = cli(job, "gc", "--job", "clijob", "--min-age", "0")
@@ -374,3 +376,164 @@ def test_gc_finished_removes_only_jobs_whose_last_run_closed_cleanly(cli):
         assert LocalStore(root, "crashed", create=False).complete_steps() == [1]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------- ls and verify: the planner's verdict
+# Layouts one save (or a few) leaves on the nodes of a job, written straight into their stores
+# (``put_save``: shards, data-parallel copies, partial replicas, metadata), keyed by name:
+# (nodes, build(stores)).
+def _newer_step_cut_short(stores):
+    put_save(stores, 3, {0: ["a"], 1: ["b"]}, [{0: None, 1: None}, {1: None, 0: None}])
+    put_save(stores, 4, {0: ["a"], 1: ["b"]}, [{0: None}, {1: None, 0: None}], save_id="save-4",
+             metadata_on=[1])  # node 0: step 4 has no metadata, nor rank 1's shard
+
+
+def _another_runs_step(stores):
+    put_save(stores, 5, {0: ["a"], 1: ["b"]}, [{0: None, 1: None}], run_id="run-1", save_id="s5")
+    put_save(stores, 3, {0: ["a"], 1: ["b"]}, [{0: None, 1: None}], run_id="run-2", save_id="s3")
+
+
+LAYOUTS = {
+    # node 1 holds only its own shard: rank 0's items are on node 0 alone
+    "whole shards": (2, lambda st: put_save(st, 3, {0: ["a0"], 1: ["a1"]}, [{0: None, 1: None}, {1: None}])),
+    # node 0: rank 1 whole, a partial replica of rank 0 without its item "b"
+    "partial replica lacking items": (2, lambda st: put_save(
+        st, 3, {0: ["a", "b"], 1: ["c"]}, [{0: ["a"], 1: None}, {0: None, 1: None}])),
+    # DDP: every item of rank 1 is a copy in rank 0's shard; node 1 lacks rank 0's own item
+    "data-parallel copies": (2, lambda st: put_save(
+        st, 3, {0: ["model", "own0"], 1: ["model"]}, [{0: None}, {1: None}], primary={"model": 1})),
+    # DDP with per-rank items: each node the other rank's per-rank items as a partial replica
+    "copies and partial replicas": (2, lambda st: put_save(
+        st, 3, {0: ["model", "own0"], 1: ["model", "own1"]},
+        [{0: None, 1: ["own1"]}, {1: None, 0: ["own0"]}])),
+    "metadata on another node": (2, lambda st: put_save(
+        st, 3, {0: ["a"], 1: ["b"]}, [{0: None, 1: None}, {0: None, 1: None}], metadata_on=[1])),
+    "a newer step cut short": (2, _newer_step_cut_short),
+    "another run's newer step": (1, _another_runs_step),
+}
+
+
+@pytest.fixture
+def laid_out(request):
+    """The stores of ``LAYOUTS[request.param]``'s nodes, written; yields (root of each, stores)."""
+    nodes, build = LAYOUTS[request.param]
+    base = tempfile.mkdtemp(prefix="mlckpt-cli-", dir="/dev/shm")
+    roots = [os.path.join(base, f"node{n}") for n in range(nodes)]
+    stores = [LocalStore(root, "laid") for root in roots]
+    try:
+        build(stores)
+        yield roots, stores
+    finally:
+        for s in stores:
+            s.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def ls_steps(cli, root) -> dict[int, dict]:
+    code, out, _ = cli(root, "ls", "--job", "laid", "--json")
+    assert code == EXIT_OK
+    return {s["step"]: s for s in json.loads(out)[0]["steps"]}
+
+
+def planner_loads(store: LocalStore, step: int, world: int) -> bool:
+    """Whether ``plan_resume`` over this node's inventory alone loads ``step`` when every newer
+    step is ruled out (``bad_steps``): whether it counts the step complete."""
+    inv = take_inventory(store, 0, [0])
+    d = plan_resume([inv], None, world, bad_steps=[s for s in inv.steps if s > step])
+    return (d.kind, d.step) == (MEMORY, step)
+
+
+@pytest.mark.parametrize("laid_out", ["partial replica lacking items"], indirect=True)
+def test_a_partial_replica_lacking_items_is_not_whole_here(laid_out, cli):
+    """Node 0 holds rank 1's shard and a partial replica of rank 0's without one of its items:
+    ls and verify say incomplete and name rank 0 (they counted the replica as whole: OK)."""
+    (root, _), (store, _) = laid_out
+    step = ls_steps(cli, root)[3]
+    assert (step["state"], step["missing_here"], step["partial_here"]) == ("incomplete", [0], [0])
+    assert step["shards_here"] == [0, 1] and step["bytes_here"] == 2 * 256  # the items it holds
+    assert "0(partial),1" in cli(root, "ls", "--job", "laid")[1]
+    code, out, _ = cli(root, "verify", "--job", "laid", "--json")
+    report = json.loads(out)
+    assert code == EXIT_INCOMPLETE and (report["verdict"], report["missing"]) == ("incomplete", [0])
+    rank0 = next(r for r in report["results"] if r["item"] == "rank 0")
+    assert rank0["status"] == "ok" and rank0["partial"] and "not here" in rank0["detail"]
+    code, out, _ = cli(root, "verify", "--job", "laid")
+    assert code == EXIT_INCOMPLETE and "INCOMPLETE on this node (some items of rank 0 are not here)" in out
+    entry, = list_checkpoints(store, None, None)
+    assert (entry.state, entry.ranks, entry.missing) == ("incomplete", [0, 1], [0])
+
+
+@pytest.mark.parametrize("laid_out", ["data-parallel copies"], indirect=True)
+def test_items_held_as_data_parallel_copies_count_as_here(laid_out, cli):
+    """Node 0 holds rank 0's shard, which keeps a copy of every item of rank 1's: a resume
+    loads the step from node 0 alone, and ls and verify say so (they said rank 1 was missing
+    and verify exited 1)."""
+    (root, other), (store, _) = laid_out
+    step = ls_steps(cli, root)[3]
+    assert (step["state"], step["shards_here"], step["missing_here"]) == ("complete", [0], [])
+    assert planner_loads(store, 3, 2)
+    code, out, _ = cli(root, "verify", "--job", "laid", "--json")
+    report = json.loads(out)
+    assert code == EXIT_OK and report["verdict"] == "ok", report
+    rank1 = next(r for r in report["results"] if r["item"] == "rank 1")
+    assert rank1["status"] == "ok" and "copies" in rank1["detail"]
+    # node 1 (rank 1's shard: the copy of "model" only): rank 0's own item is missing there
+    assert ls_steps(cli, other)[3]["missing_here"] == [0]
+    assert cli(other, "verify", "--job", "laid")[0] == EXIT_INCOMPLETE
+
+
+@pytest.mark.parametrize("laid_out", sorted(LAYOUTS), indirect=True)
+def test_ls_and_verify_say_what_the_planner_decides(laid_out, cli):
+    """On every node of every layout, a step is "complete" in ls (and OK for verify) exactly
+    when ``plan_resume`` over that node's inventory counts it complete; "not here" names ranks
+    only for a step that is not."""
+    roots, stores = laid_out
+    for root, store in zip(roots, stores, strict=True):
+        for step, row in ls_steps(cli, root).items():
+            loads = planner_loads(store, step, 2)
+            assert (row["state"] == "complete") == loads, (root, step, row)
+            assert not (loads and row["missing_here"]), (root, step, row)
+            code, _, _ = cli(root, "verify", "--job", "laid", "--step", str(step))
+            assert code == (EXIT_OK if loads else EXIT_INCOMPLETE), (root, step, code)
+
+
+@pytest.mark.parametrize("laid_out", ["another run's newer step"], indirect=True)
+def test_a_step_of_another_run_is_named_so(laid_out, cli):
+    """Step 5 was saved by a run the newest save here (step 3, run-2) does not descend from: a
+    resume never loads it, so ls does not call it complete (it did) but "other run"."""
+    (root,), _ = laid_out
+    states = {s: row["state"] for s, row in ls_steps(cli, root).items()}
+    assert states == {3: "complete", 5: "other run"}
+    code, out, _ = cli(root, "verify", "--job", "laid", "--step", "5")
+    assert code == EXIT_INCOMPLETE and "another run" in out
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted", "bad_manifest"])
+@pytest.mark.parametrize("laid_out", ["whole shards"], indirect=True)
+def test_verify_calls_a_damaged_shard_corrupt(laid_out, cli, how):
+    """A shard here whose data is short or gone, or whose manifest is unreadable, is a copy a
+    resume refuses: verify says corrupt (it said "not on this node", exit 1) and ls does not
+    count it."""
+    (root, _), (store, _) = laid_out
+    damage_shard(store, 3, 1, how)
+    code, out, _ = cli(root, "verify", "--job", "laid", "--json")
+    report = json.loads(out)
+    assert code == EXIT_CORRUPT, report
+    assert next(r for r in report["results"] if r["item"] == "rank 1")["status"] == "corrupt"
+    assert report["missing"] == [1]
+    step = ls_steps(cli, root)[3]
+    assert (step["state"], step["missing_here"]) == ("incomplete", [1])
+
+
+@pytest.mark.parametrize("laid_out", ["data-parallel copies"], indirect=True)
+def test_verify_counts_a_corrupt_copy_as_absent(laid_out, cli):
+    """Node 0 holds rank 0's shard, which keeps the copy of rank 1's one item. With a byte of
+    that copy flipped, rank 0's shard is refused whole, as a resume refuses it: neither rank's
+    items are here any more."""
+    (root, _), (store, _) = laid_out
+    assert cli(root, "verify", "--job", "laid")[0] == EXIT_OK
+    damage_shard(store, 3, 0, item="model")
+    code, out, _ = cli(root, "verify", "--job", "laid", "--json")
+    report = json.loads(out)
+    assert code == EXIT_CORRUPT and report["missing"] == [0, 1], report
+    assert [r["status"] for r in report["results"]] == ["ok", "corrupt", "not on this node"]

@@ -110,9 +110,9 @@ _JOB = re.compile(r"^.*?<job(?:_id|_dir)?>(?:/|$)")
 _PLACEHOLDERS = {"<step:012d>": "000000000031", "<step>": "31", "<r:05d>": "00000", "<r>": "0",
                  "<rank>": "0", "<nn>": "07", "<local_rank:05d>": "00001"}
 _TOKENS = {ORPHANS: "0123abcd", POOL: "0123456789abcdef"}  # <token>: its length per folder
-_INSIDE = {STEPS: {Kind.STEP}, ORPHANS: {Kind.ORPHAN}, POOL: {Kind.POOL_BUFFER, Kind.POOL_PARTIAL},
+_INSIDE = {STEPS: {Kind.STEP}, ORPHANS: {Kind.ORPHAN}, POOL: {Kind.POOL_BUFFER, Kind.POOL_INFLIGHT},
            LOCKS: {Kind.LOCK}}
-_IN_STEP = {Kind.DATA, Kind.MANIFEST, Kind.METADATA, Kind.PARTIAL, Kind.TEMP}
+_IN_STEP = {Kind.DATA, Kind.MANIFEST, Kind.METADATA, Kind.INFLIGHT, Kind.TEMP}
 _TOP = {STEPS, POOL, ORPHANS, LOCKS, HISTORY, LOCK, RETENTION_LOCK, CLAIM_LOCK, CLAIM, FINISHED}
 
 

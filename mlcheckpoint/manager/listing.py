@@ -1,15 +1,19 @@
 """What ``CheckpointManager.checkpoints()`` lists: the in-memory steps on this node (with
-their replication state when replication runs) and the persistent steps."""
+their replication state when replication runs) and the persistent steps. Whether a step is
+whole on this node is the recovery planner's verdict over this node's inventory
+(``verdicts_here``), which ``mlcheckpoint ls`` and ``verify`` print too."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ..errors import CopyId
 from ..persistent import PersistentStorage
+from ..recovery.inventory import take_inventory
+from ..recovery.planner import StepVerdict, step_verdicts
 from ..replication import Replicator
 from ..store import LocalStore
-from ..store.inventory import StepState
 
 
 @dataclass
@@ -18,18 +22,32 @@ class CheckpointEntry:
 
     step: int
     location: str  # "memory" or "persistent"
-    state: str  # see ``step_label``: complete | incomplete | superseded | partly retired
+    # see ``step_label``: complete | incomplete | superseded | partly retired | other run
+    state: str
     bytes: int | None
     ranks: list[int] = field(default_factory=list)  # ranks whose shards are on this node
     replication: str | None = None  # this rank's shard: committed | replicated | failed: why | ...
     protected: bool | None = None  # every shard and the metadata on two nodes (job-wide)
+    # ranks the step needs with an item on no shard here (its own, a partial replica of it, or
+    # one keeping a data-parallel copy): a resume from this node alone lacks them
+    missing: list[int] = field(default_factory=list)
 
 
 # What a step that is not whole on this node is (``mlcheckpoint ls`` and ``checkpoints()``).
-COMPLETE = "complete"  # every rank's shard and the metadata are here
+COMPLETE = "complete"  # a resume could load it from this node alone (``verdicts_here``)
 INCOMPLETE = "incomplete"  # no newer step is whole here: a save in flight, or one a crash cut
 SUPERSEDED = "superseded"  # a newer step is whole here; replication skipped this one for it
 PARTLY_RETIRED = "partly retired"  # replicated, then retention removed some of its shards here
+OTHER_RUN = "other run"  # saved by a run the newest save does not descend from: never loaded
+
+HERE = 0  # this node, as ``verdicts_here`` names it in the planner's inputs (``CopyId.node``)
+
+
+def verdicts_here(store: LocalStore, bad_copies: Iterable[CopyId] = ()) -> dict[int, StepVerdict]:
+    """What the recovery planner decides of each step of ``store`` from this node's holdings
+    alone (``planner.step_verdicts``): complete when a resume could load it from here, else
+    which ranks' items are not here. ``bad_copies`` (node ``HERE``): copies found corrupt."""
+    return step_verdicts([take_inventory(store, HERE, [HERE])], bad_copies=bad_copies)
 
 
 def step_label(complete: bool, newer_complete: bool, replicated: bool) -> str:
@@ -45,12 +63,13 @@ def step_label(complete: bool, newer_complete: bool, replicated: bool) -> str:
     return PARTLY_RETIRED if replicated else SUPERSEDED
 
 
-def step_labels(inventory: Mapping[int, StepState], replicated: set[int]) -> dict[int, str]:
-    """``step_label`` of every step of ``inventory`` (step -> StepState); ``replicated``: the
-    steps this node pushed to a partner."""
-    newest_whole = max((s for s, st in inventory.items() if st.complete), default=None)
-    return {s: step_label(st.complete, newest_whole is not None and newest_whole > s,
-                          s in replicated) for s, st in inventory.items()}
+def step_labels(verdicts: Mapping[int, StepVerdict], replicated: set[int]) -> dict[int, str]:
+    """``step_label`` of every step of ``verdicts`` (``verdicts_here``), ``other run`` for a
+    step of another run of the job; ``replicated``: the steps this node pushed to a partner."""
+    newest_whole = max((s for s, v in verdicts.items() if v.complete), default=None)
+    return {s: OTHER_RUN if v.foreign else
+            step_label(v.complete, newest_whole is not None and newest_whole > s, s in replicated)
+            for s, v in verdicts.items()}
 
 
 def list_checkpoints(store: LocalStore, replicator: Replicator | None,
@@ -58,12 +77,14 @@ def list_checkpoints(store: LocalStore, replicator: Replicator | None,
     """In-memory steps in ``store`` and steps in ``persistent``, oldest first."""
     entries = []
     inventory = store.inventory()
+    verdicts = verdicts_here(store)
     states = {s: replicator.state(s) for s in inventory} if replicator is not None else {}
-    labels = step_labels(inventory, {s for s, rep in states.items()
-                                     if rep is not None and rep.state == "replicated"})
+    labels = step_labels(verdicts, {s for s, rep in states.items()
+                                    if rep is not None and rep.state == "replicated"})
     for step, st in inventory.items():
-        entry = CheckpointEntry(step, "memory", labels[step], st.total_bytes,
-                                sorted(st.committed_ranks))
+        verdict = verdicts.get(step, StepVerdict(False))  # (a step that came since the listing)
+        entry = CheckpointEntry(step, "memory", labels.get(step, INCOMPLETE), st.total_bytes,
+                                sorted(st.committed_ranks), missing=list(verdict.missing))
         if replicator is not None:
             rep = states[step]
             entry.replication = None if rep is None else (

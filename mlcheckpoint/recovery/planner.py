@@ -193,6 +193,42 @@ def fallback_reason(persistent_step: int | None, memory_held_steps: bool) -> str
     return f"{memory} and there is no persistent checkpoint: starting fresh"
 
 
+@dataclass(frozen=True)
+class StepVerdict:
+    """What ``plan_resume`` makes of one step from the holdings it is given."""
+
+    complete: bool  # its metadata and every item of every rank it needs are held
+    required: tuple[int, ...] | None = None  # the ranks it needs (None: no usable metadata)
+    missing: tuple[int, ...] = ()  # of those, ranks with an item held nowhere
+    foreign: bool = False  # another run of the job saved it: never a candidate
+    reason: str = ""  # why it is not complete, in the planner's words ("" when it is)
+
+
+def step_verdicts(nodes: list[NodeInventory], *,
+                  bad_copies: Iterable[CopyId] = ()) -> dict[int, StepVerdict]:
+    """Per step the nodes hold, whether ``plan_resume`` over the same inventories and bad
+    copies counts it complete: a candidate it loads unless a newer one is loaded, a newer
+    persistent step wins, the step failed before, or it needs fetching with no transport.
+
+    The planner's own rule, not a second one (``mlcheckpoint ls``/``verify`` and
+    ``checkpoints()`` call it over one node's inventory): only saves of the newest save's
+    history count, each item is held in its owner's shard, a partial replica listing it, or a
+    shard keeping a data-parallel copy (``store/coverage.py``), and damaged or bad copies are
+    absent. ``missing`` names the ranks whose items are not all held."""
+    bad = set(bad_copies)
+    history = _history(nodes, bad)
+    foreign = _foreign_steps(nodes, history)
+    view = _holdings(nodes, bad, history, set(foreign))
+    out = {step: StepVerdict(False, foreign=True, reason="it belongs to another run of this job")
+           for step in foreign if step not in view}
+    for step, v in view.items():
+        why = _incomplete(v)
+        missing = () if v.required is None else coverage.unreadable(v.required, v.copy_groups, v.holdings)
+        out[step] = StepVerdict(why is None, None if v.required is None else tuple(v.required),
+                                tuple(missing), reason=why or "")
+    return dict(sorted(out.items()))
+
+
 @dataclass
 class _StepView:
     save_id: str = ""

@@ -68,7 +68,7 @@ def gc(listing: Inventory, shards: ShardFiles, ranks: Iterable[int] | None = Non
     with contextlib.suppress(FileNotFoundError):
         for e in os.scandir(shards.paths.pool_dir):  # buffers whose preparation was cut short
             entry = classify(e.name)
-            if entry.kind is not Kind.POOL_PARTIAL:
+            if entry.kind is not Kind.POOL_INFLIGHT:
                 continue
             if owners is not None and entry.rank not in owners:
                 continue

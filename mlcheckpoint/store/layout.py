@@ -14,14 +14,17 @@
         steps/<step:012d>/metadata            DCP global metadata (self-verifying, renamed in)
         steps/<step:012d>/rank-<r:05d>.data   raw item bytes of rank r's shard
         steps/<step:012d>/rank-<r:05d>.manifest   per-item checksums; its presence = committed
-        steps/<step:012d>/*.partial, *.tmp    in-flight writes: invisible, removed by gc
+        steps/<step:012d>/*.inflight, *.tmp   in-flight writes: invisible, removed by gc
         pool/rank-<r:05d>-<token>.buf         retired shard buffers kept for reuse (pages stay touched)
-        pool/rank-<r:05d>-<token>.buf.partial a pool buffer being prepared
+        pool/rank-<r:05d>-<token>.buf.inflight a pool buffer being prepared
         orphans/<step:012d>-<token>/          a complete step a resume did not load, or an
                                               earlier run's step a first save set aside
 
 Other modules build paths with ``JobPaths`` and ask ``classify(name)`` what a directory entry
 is; none of them tests a name's prefix or suffix.
+
+A file in flight ended in ``.partial`` in earlier versions (the word now names only a partial
+replica, ``Manifest.partial``): such leftovers classify as in flight too, and gc removes them.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ BANDWIDTH = "bandwidth"
 ROUND = "round"
 PG_BELL = "pg-bell"
 METADATA = "metadata"
-PARTIAL = ".partial"
+INFLIGHT = ".inflight"  # a shard's buffer (or a pool buffer) being written
+LEGACY_INFLIGHT = ".partial"  # INFLIGHT in earlier versions: what their crashes left
 TMP = ".tmp"
 
 # Stripes of the fetch locks: a bounded set of files, whatever the number of shards.
@@ -69,10 +73,10 @@ class Kind(enum.Enum):
     DATA = "data"                  # a shard's bytes (committed once its manifest exists)
     MANIFEST = "manifest"          # a shard's manifest: the commit point
     METADATA = "metadata"          # a step's global metadata
-    PARTIAL = "partial"            # a shard's buffer being written (rank-r.data.partial)
-    TEMP = "temp"                  # a manifest or metadata being written (*.tmp, other *.partial)
+    INFLIGHT = "in flight"         # a shard's buffer being written (rank-r.data.inflight)
+    TEMP = "temp"                  # a manifest or metadata being written (*.tmp, other *.inflight)
     POOL_BUFFER = "pool buffer"    # a retired buffer kept for reuse
-    POOL_PARTIAL = "pool partial"  # a pool buffer being prepared
+    POOL_INFLIGHT = "pool in flight"  # a pool buffer being prepared
     LOCK = "lock"                  # the node lock, a fetch lock, the bandwidth schedule, a round file
     CLAIM = "claim"                # the live run's claim on the directory and its record
     HISTORY = "history"
@@ -92,12 +96,12 @@ class Entry:
     @property
     def in_flight(self) -> bool:
         """Left by a write that has not finished (or never will: gc's to remove)."""
-        return self.kind in (Kind.PARTIAL, Kind.TEMP, Kind.POOL_PARTIAL)
+        return self.kind in (Kind.INFLIGHT, Kind.TEMP, Kind.POOL_INFLIGHT)
 
     @property
     def is_buffer(self) -> bool:
         """A shard's data file, committed or not: worth recycling into the pool."""
-        return self.rank is not None and self.kind in (Kind.DATA, Kind.PARTIAL)
+        return self.rank is not None and self.kind in (Kind.DATA, Kind.INFLIGHT)
 
 
 _FIXED = {METADATA: Kind.METADATA, LOCK: Kind.LOCK, RETENTION_LOCK: Kind.LOCK, BANDWIDTH: Kind.LOCK,
@@ -124,13 +128,14 @@ def classify(name: str) -> Entry:
         return Entry(Kind.LOCK)
     owned = _OWNED_RE.match(name)
     rank = int(owned.group(1)) if owned else None
-    if name.endswith(PARTIAL):
-        base = name.removesuffix(PARTIAL)
-        if pool := _POOL_RE.match(base):
-            return Entry(Kind.POOL_PARTIAL, rank=int(pool.group(1)))
-        if data := _DATA_RE.match(base):
-            return Entry(Kind.PARTIAL, rank=int(data.group(1)))
-    if name.endswith((PARTIAL, TMP)):  # some other file being written: nothing to recycle
+    for suffix in (INFLIGHT, LEGACY_INFLIGHT):
+        if name.endswith(suffix):
+            base = name.removesuffix(suffix)
+            if pool := _POOL_RE.match(base):
+                return Entry(Kind.POOL_INFLIGHT, rank=int(pool.group(1)))
+            if data := _DATA_RE.match(base):
+                return Entry(Kind.INFLIGHT, rank=int(data.group(1)))
+    if name.endswith((INFLIGHT, LEGACY_INFLIGHT, TMP)):  # some other file being written: nothing to recycle
         return Entry(Kind.TEMP, rank=rank)
     return Entry(Kind.UNKNOWN, rank=rank)
 
@@ -261,9 +266,9 @@ class JobPaths:
     def data(self, step: int, rank: int) -> str:
         return os.path.join(self.step_dir(step), data_name(rank))
 
-    def partial(self, step: int, rank: int) -> str:
+    def inflight(self, step: int, rank: int) -> str:
         """Where rank's shard of ``step`` is written before its commit."""
-        return self.data(step, rank) + PARTIAL
+        return self.data(step, rank) + INFLIGHT
 
     def manifest(self, step: int, rank: int) -> str:
         return os.path.join(self.step_dir(step), manifest_name(rank))
@@ -280,9 +285,9 @@ class JobPaths:
     def pool_buffer(self, rank: int, token: str) -> str:
         return os.path.join(self.pool_dir, pool_name(rank, token))
 
-    def pool_partial(self, rank: int, token: str) -> str:
+    def pool_inflight(self, rank: int, token: str) -> str:
         """Where a pool buffer is prepared (gc's if its maker dies)."""
-        return self.pool_buffer(rank, token) + PARTIAL
+        return self.pool_buffer(rank, token) + INFLIGHT
 
     def orphan(self, step: int, token: str) -> str:
         return os.path.join(self.orphans_dir, orphan_dirname(step, token))

@@ -228,13 +228,13 @@ class BufferPool:
             # Re-counted before each buffer: a save running meanwhile takes one of its own.
             in_use = sum(1 for step in self.paths.step_numbers()
                          if os.path.exists(self.paths.data(step, rank))
-                         or os.path.exists(self.paths.partial(step, rank)))
+                         or os.path.exists(self.paths.inflight(step, rank)))
             own = [c for c in self._ranked(rank, nbytes) if not c[0]]
             ready = sum(1 for c in own if not c[1])
             if in_use + ready >= keep + 1 or len(own) >= POOL_PER_RANK:
                 break
             token = secrets.token_hex(8)
-            tmp = self.paths.pool_partial(rank, token)  # gc's if we die here
+            tmp = self.paths.pool_inflight(rank, token)  # gc's if we die here
             try:
                 with self.lock.held():
                     self.capacity.preflight(2 * nbytes, reusable=0)  # a save's worth must stay free

@@ -1,9 +1,9 @@
 """Shard files: writing one (buffer, items, manifest, commit) and reading a committed one.
 
 Commit protocol for a shard (step S, owner rank r):
-  1. bytes go into ``rank-r.data.partial`` (a recycled buffer when the pool has one);
+  1. bytes go into ``rank-r.data.inflight`` (a recycled buffer when the pool has one);
   2. the manifest with per-item checksums goes to ``rank-r.manifest.tmp``;
-  3. rename data.partial -> data, then manifest.tmp -> manifest. The manifest rename is the
+  3. rename data.inflight -> data, then manifest.tmp -> manifest. The manifest rename is the
      commit point: listing only ever reports shards whose manifest exists, so whatever a
      crash leaves behind is invisible and gc removes it.
 """
@@ -53,30 +53,30 @@ class ShardFiles:
 
         Raises CapacityError before writing anything if tmpfs or the memory limit has no room.
         """
-        partial = self.paths.partial(step, rank)
-        self.pool.discard(partial)  # debris of an earlier attempt at the same shard
+        inflight = self.paths.inflight(step, rank)
+        self.pool.discard(inflight)  # debris of an earlier attempt at the same shard
         try:
             # The ranks of a node share one tmpfs: its space is checked and reserved in one
             # step, so two ranks cannot both pass the check and then both write into it.
             with self.lock.held():
                 if held is None:
-                    self._claim(step, rank, nbytes, partial)
+                    self._claim(step, rank, nbytes, inflight)
                 else:
-                    self._claim_sparse(step, rank, nbytes, held, partial)
-            buffer = self.mappings.map(partial, nbytes, holes=held is not None)
+                    self._claim_sparse(step, rank, nbytes, held, inflight)
+            buffer = self.mappings.map(inflight, nbytes, holes=held is not None)
         except BaseException as e:  # leave nothing behind, as a refused shard does
             no_room = isinstance(e, OSError) and e.errno in NO_ROOM
             if no_room:  # a buffer whose pages could not be had is no buffer to recycle
-                self.pool.unlink(partial)
-            self.pool.discard(partial)
+                self.pool.unlink(inflight)
+            self.pool.discard(inflight)
             self.remove_step_if_empty(step)
             if no_room:
                 raise self.capacity.no_room(nbytes, step) from e
             raise
-        return ShardWriter(self, step, rank, buffer, partial)
+        return ShardWriter(self, step, rank, buffer, inflight)
 
-    def _claim(self, step: int, rank: int, nbytes: int, partial: str) -> None:
-        """Check capacity, then put at ``partial`` a buffer of ``nbytes`` whose pages are all
+    def _claim(self, step: int, rank: int, nbytes: int, inflight: str) -> None:
+        """Check capacity, then put at ``inflight`` a buffer of ``nbytes`` whose pages are all
         allocated (OSError ENOSPC when they cannot be). Runs under the node's lock."""
         candidate = self.pool.candidate(rank, nbytes)
         # Capacity first: a refused shard must leave nothing behind, not even its step folder.
@@ -85,9 +85,9 @@ class ShardFiles:
         os.makedirs(self.paths.step_dir(step), mode=0o700, exist_ok=True)
         # An empty shard (a rank with no tensor bytes) has no pages to reuse: the pooled buffers
         # stay for saves that do.
-        recycled = self.pool.take(rank, nbytes, partial) if nbytes else None
+        recycled = self.pool.take(rank, nbytes, inflight) if nbytes else None
         flags = os.O_RDWR if recycled else os.O_RDWR | os.O_CREAT | os.O_EXCL
-        fd = os.open(partial, flags, 0o600)
+        fd = os.open(inflight, flags, 0o600)
         try:
             if recycled is None:
                 os.ftruncate(fd, nbytes)
@@ -96,13 +96,13 @@ class ShardFiles:
             os.close(fd)
 
     def _claim_sparse(self, step: int, rank: int, nbytes: int, held: list[tuple[int, int]],
-                      partial: str) -> None:
-        """Put at ``partial`` a file of ``nbytes`` whose pages exist only in the ``held``
+                      inflight: str) -> None:
+        """Put at ``inflight`` a file of ``nbytes`` whose pages exist only in the ``held``
         ranges (a partial replica's items; never a pooled buffer, whose pages are all there).
         Runs under the node's lock."""
         self.capacity.preflight(sum(n for _, n in held), reusable=0, rank=rank)
         os.makedirs(self.paths.step_dir(step), mode=0o700, exist_ok=True)
-        fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(inflight, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)
             for offset, n in held:
@@ -112,31 +112,31 @@ class ShardFiles:
 
     def reopen(self, step: int, rank: int, nbytes: int) -> ShardWriter:
         """Continue an uncommitted shard that was staged earlier (possibly by another process)."""
-        partial = self.paths.partial(step, rank)
-        if not os.path.exists(partial):
-            raise ShardNotFoundError(f"no staged buffer for step {step} rank {rank}: {partial}")
-        shard = ShardWriter(self, step, rank, self.mappings.map(partial, nbytes), partial)
+        inflight = self.paths.inflight(step, rank)
+        if not os.path.exists(inflight):
+            raise ShardNotFoundError(f"no staged buffer for step {step} rank {rank}: {inflight}")
+        shard = ShardWriter(self, step, rank, self.mappings.map(inflight, nbytes), inflight)
         shard.cursor = nbytes  # the staged region is taken
         return shard
 
-    def install(self, partial: str, manifest: Manifest) -> None:
-        """Commit the buffer at ``partial`` under ``manifest`` (the manifest rename commits)."""
+    def install(self, inflight: str, manifest: Manifest) -> None:
+        """Commit the buffer at ``inflight`` under ``manifest`` (the manifest rename commits)."""
         data = self.paths.data(manifest.step, manifest.rank)
         mpath = self.paths.manifest(manifest.step, manifest.rank)
         tmp = self.paths.manifest_tmp(manifest.step, manifest.rank)
         crash_point("before_manifest", manifest.step, manifest.rank)
         # Nothing past the data stays in tmpfs (a stage trimmed to its plan, a recycled buffer
         # with slack): the file holds what replication sends and recovery reads, no more.
-        if os.stat(partial).st_size > manifest.data_bytes:
-            self.mappings.unpin_beyond(partial, manifest.data_bytes)
-            os.truncate(partial, manifest.data_bytes)
+        if os.stat(inflight).st_size > manifest.data_bytes:
+            self.mappings.unpin_beyond(inflight, manifest.data_bytes)
+            os.truncate(inflight, manifest.data_bytes)
         with open(tmp, "wb", opener=_private) as f:
             f.write(manifest.to_bytes())
         with self.commits.committing():  # never while a retention pass looks and retires
             # Re-saving a committed step: uncommit the old shard before its data is replaced.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(mpath)
-            os.replace(partial, data)
+            os.replace(inflight, data)
             crash_point("mid_commit", manifest.step, manifest.rank)
             os.replace(tmp, mpath)  # commit point
 
@@ -216,7 +216,7 @@ class ShardWriter:
     def __init__(self, files: ShardFiles, step: int, rank: int, buffer: MappedFile, path: str):
         self.files, self.step, self.rank = files, step, rank
         self.buffer = buffer
-        self.partial_path = path
+        self.inflight_path = path
         self.items: list[ManifestItem] = []
         self.data_bytes = buffer.size
         self.region = buffer.size  # the mapped part of the data: items past it are appended
@@ -236,7 +236,7 @@ class ShardWriter:
         (offset, checksum)."""
         offset = align(self.data_bytes)
         view = memoryview(data).cast("B")
-        fd = os.open(self.partial_path, os.O_WRONLY)
+        fd = os.open(self.inflight_path, os.O_WRONLY)
         try:
             buffers.reserve(fd, view.nbytes, offset)  # a full tmpfs refuses before any byte
             done = 0
@@ -258,7 +258,7 @@ class ShardWriter:
         manifest = Manifest(job_id=self.files.job_id, step=self.step, rank=self.rank,
                             data_bytes=self.data_bytes, items=self.items, world_size=world_size,
                             save_id=save_id, run_id=run_id)
-        self.files.install(self.partial_path, manifest)
+        self.files.install(self.inflight_path, manifest)
         self._committed = True
         return manifest
 
@@ -271,19 +271,19 @@ class ShardWriter:
         """Commit under a manifest made elsewhere (a replica received from its owner)."""
         if manifest.data_bytes != self.buffer.size or (manifest.step, manifest.rank) != (self.step, self.rank):
             raise ValueError("manifest does not describe this buffer")
-        self.files.install(self.partial_path, manifest)
+        self.files.install(self.inflight_path, manifest)
         self._committed = True
 
     def reassign(self, rank: int) -> None:
         """Make this uncommitted shard ``rank``'s (same step, same buffer: only its name moves)."""
-        partial = self.files.paths.partial(self.step, rank)
-        self.files.pool.discard(partial)  # debris of an earlier attempt at that shard
-        os.rename(self.partial_path, partial)  # same inode: the mapping stays valid
-        self.partial_path, self.rank = partial, rank
+        inflight = self.files.paths.inflight(self.step, rank)
+        self.files.pool.discard(inflight)  # debris of an earlier attempt at that shard
+        os.rename(self.inflight_path, inflight)  # same inode: the mapping stays valid
+        self.inflight_path, self.rank = inflight, rank
 
     def abort(self) -> None:
         if not self._committed:
-            self.files.pool.discard(self.partial_path)
+            self.files.pool.discard(self.inflight_path)
             self.files.remove_step_if_empty(self.step)
 
 

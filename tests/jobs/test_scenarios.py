@@ -174,7 +174,7 @@ def _push_from_a_dying_sender(job, streams: int, monkeypatch) -> LocalStore:
                      min_stripe_bytes=MiB, env={"MLCHECKPOINT_CRASH_AT": f"replica_mid_send@{CUT_STEP}"})
     try:
         wait_for(half_received.is_set, "the receiver to get half the shard", diag=job.logs)
-        assert os.path.exists(rstore.data_path(CUT_STEP, owner) + layout.PARTIAL)
+        assert os.path.exists(rstore.data_path(CUT_STEP, owner) + layout.INFLIGHT)
         with pytest.raises(ShardNotFoundError):
             rstore.read_manifest(CUT_STEP, owner)
         assert proc.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()
@@ -255,7 +255,7 @@ def save_debris(store: LocalStore) -> list[str]:
         committed = {layout.parse_manifest_name(n) for n in names} - {None}
         for n in names:
             orphan = n.endswith(".data") and int(n[5:10]) not in committed
-            if n.endswith((layout.PARTIAL, layout.TMP)) or orphan:
+            if n.endswith((layout.INFLIGHT, layout.TMP)) or orphan:
                 out.append(f"{step}/{n}")
     return sorted(out)
 
@@ -435,7 +435,7 @@ def check_crash_point(o: dict, point: str) -> None:
         assert {"rank-00001.data", "rank-00001.manifest.tmp"} <= files, files
         assert "rank-00001.manifest" not in files, files
     else:  # before_data, mid_data, before_manifest
-        assert "rank-00001.data.partial" in files, files
+        assert "rank-00001.data.inflight" in files, files
         assert "rank-00001.manifest" not in files and "rank-00001.manifest.tmp" not in files, files
     if point != "before_metadata":
         assert o["debris"], "the crash should have left uncommitted files"
@@ -447,7 +447,7 @@ def check_crash_point(o: dict, point: str) -> None:
     # resume's own per-rank gc already cleared the debris, and nothing committed was lost
     assert o["after_resume_debris"] == [], o["after_resume_debris"]
     assert not [p for p in o["gc2_removed"] if "/000000000003/" in p], o["gc2_removed"]
-    assert not {n for n in o["step3_files_final"] if n.endswith((layout.PARTIAL, layout.TMP))}
+    assert not {n for n in o["step3_files_final"] if n.endswith((layout.INFLIGHT, layout.TMP))}
 
 
 @pytest.mark.slow

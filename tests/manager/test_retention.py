@@ -153,7 +153,7 @@ def test_retention_never_touches_in_flight_or_protected_steps(store):
     assert retired == [2]
     assert store.complete_steps() == [1, 3, 4]
     assert store.inventory()[5].committed_ranks == {0}
-    assert os.path.exists(store.data_path(6, 0) + layout.PARTIAL)
+    assert os.path.exists(store.data_path(6, 0) + layout.INFLIGHT)
     store.verify_shard(1, 0)
     store.verify_shard(5, 0)
 

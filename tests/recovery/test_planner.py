@@ -17,7 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlcheckpoint.recovery import Decision, Fetch, NodeInventory, StepCopy, plan_resume
-from mlcheckpoint.recovery.planner import FRESH, MEMORY, PERSISTENT, PersistentStep
+from mlcheckpoint.recovery.planner import (
+    FRESH,
+    MEMORY,
+    PERSISTENT,
+    PersistentStep,
+    step_verdicts,
+)
 
 
 # ---------------------------------------------------------------------------- builders
@@ -762,6 +768,31 @@ def test_property_a_decision_never_combines_two_saves(sc):
     # the newest save any node holds is run B's whenever B left any metadata behind
     if any(c.run_id == "B" for inv in nodes for c in inv.steps.values() if c.has_metadata):
         assert d.history.run_id == "B"
+
+
+def verdicts_agree(nodes: list[NodeInventory], world: int, bad=()) -> None:
+    """``step_verdicts`` calls a step complete exactly when ``plan_resume`` over the same
+    inventories and bad copies loads it with every newer step ruled out, and lists every step
+    a node with live ranks holds."""
+    verdicts = step_verdicts(nodes, bad_copies=bad)
+    assert set(verdicts) == {s for inv in nodes if inv.ranks for s in inv.steps}
+    for s, v in verdicts.items():
+        d = plan_resume(nodes, None, world, bad_copies=bad, bad_steps=[t for t in verdicts if t > s])
+        assert ((d.kind, d.step) == (MEMORY, s)) == v.complete, (s, v, d.reason)
+        assert not (v.complete and (v.missing or v.foreign or v.reason)), v
+        assert v.complete or v.reason, v
+
+
+@PROPERTY
+@given(scenarios())
+def test_property_step_verdicts_are_the_planners(sc):
+    verdicts_agree(sc["nodes"], sc["world"], sc["bad"])
+
+
+@PROPERTY
+@given(incarnations())
+def test_property_step_verdicts_are_the_planners_across_runs(sc):
+    verdicts_agree(*sc)
 
 
 # ---------------------------------------------------------------------------- reasons are true

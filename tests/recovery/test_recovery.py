@@ -313,7 +313,7 @@ def test_killed_during_recovery_then_resumes(run):
     c = run["c"]
     for n in (0, 1):
         for root, _, files in os.walk(os.path.join(job_dir(c, n, "recovkill"), layout.STEPS)):
-            assert not [f for f in files if f.endswith((layout.PARTIAL, layout.TMP))], (root, files)
+            assert not [f for f in files if f.endswith((layout.INFLIGHT, layout.TMP))], (root, files)
 
 
 # ---------------------------------------------------------------------------- world size changes

@@ -97,7 +97,7 @@ def check_replicated(c: Cluster, nnodes: int, nproc: int, last: int = LAST) -> N
     payloads = []
     for k, s in enumerate(stores):
         names = os.listdir(s.step_dir(last))
-        assert not [n for n in names if n.endswith((layout.PARTIAL, layout.TMP))], (k, names)
+        assert not [n for n in names if n.endswith((layout.INFLIGHT, layout.TMP))], (k, names)
         header, payload = s.read_metadata(last)  # verifies its checksum
         assert header.step == last and header.world_size == world, (k, header)
         assert header.ranks == list(range(world)), (k, header)

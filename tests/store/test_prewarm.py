@@ -41,9 +41,9 @@ def test_prewarm_prepares_what_the_next_saves_need(store):
     assert store.prewarm(0, N, keep=2) == 0  # nothing more to do
 
     sw = store.begin_shard(2, 0, N)  # the next save takes a prepared buffer: same inode
-    assert os.stat(sw.partial_path).st_ino in inodes
-    assert sw.buffer is store.mappings._by_key[(os.stat(sw.partial_path).st_dev,
-                                               os.stat(sw.partial_path).st_ino)]
+    assert os.stat(sw.inflight_path).st_ino in inodes
+    assert sw.buffer is store.mappings._by_key[(os.stat(sw.inflight_path).st_dev,
+                                               os.stat(sw.inflight_path).st_ino)]
     sw.buffer.array[:] = 7
     sw.commit()
     put_metadata(store, 2)
@@ -77,7 +77,7 @@ def test_prewarm_stops_at_capacity_and_saves_still_work(store_dir):
 
 def test_gc_removes_a_buffer_cut_short_while_being_prepared(store):
     os.makedirs(store.pool_dir, exist_ok=True)
-    debris = os.path.join(store.pool_dir, layout.pool_name(0, "ab" * 8) + layout.PARTIAL)
+    debris = os.path.join(store.pool_dir, layout.pool_name(0, "ab" * 8) + layout.INFLIGHT)
     with open(debris, "wb") as f:
         f.write(b"\0" * N)
     assert layout.parse_pool_name(os.path.basename(debris)) is None  # never taken for a buffer
@@ -145,6 +145,6 @@ def test_a_whole_file_reader_keeps_the_writers_mapping_of_a_recycled_buffer(stor
     assert store.map_shard(1, 0)[1] is whole  # the wider one is kept too: read again, not remapped
     store.shards.retire(1, 0)  # recycled: the next save of rank 0 takes it back
     sw = store.begin_shard(2, 0, N)
-    assert os.stat(sw.partial_path).st_ino == st.st_ino
+    assert os.stat(sw.inflight_path).st_ino == st.st_ino
     assert sw.buffer is writer_mapping
     sw.abort()

@@ -50,7 +50,7 @@ def test_uncommitted_shard_is_invisible_until_commit(store):
     assert store.complete_steps() == []
     with pytest.raises(ShardNotFoundError):
         store.read_manifest(7, 0)
-    assert os.path.exists(store.data_path(7, 0) + layout.PARTIAL)
+    assert os.path.exists(store.data_path(7, 0) + layout.INFLIGHT)
     assert not os.path.exists(store.data_path(7, 0))
 
     committed = sw.commit()
@@ -104,7 +104,7 @@ def test_manifest_bytes_round_trip():
 def test_aborted_shard_leaves_no_visible_trace(store):
     sw = begin(store, 2, 0, payload(2, 0))
     sw.abort()
-    assert not os.path.exists(sw.partial_path)
+    assert not os.path.exists(sw.inflight_path)
     assert 2 not in store.inventory()  # not even an empty step folder is left
     assert len(pool_files(store)) == 1  # the buffer is kept for reuse
 
@@ -242,9 +242,9 @@ def test_gc_removes_debris_and_keeps_committed(store):
     put_step(store, 2, ranks=(0, 1))
     good = {r: read_data(store, 2, r) for r in (0, 1)}
     d2 = store.step_dir(2)
-    begin(store, 3, 0, payload(3, 0))  # in-flight shard: .data.partial
+    begin(store, 3, 0, payload(3, 0))  # in-flight shard: .data.inflight
     debris = [
-        store.data_path(3, 0) + layout.PARTIAL,
+        store.data_path(3, 0) + layout.INFLIGHT,
         os.path.join(d2, "rank-00002.manifest" + layout.TMP),  # manifest never renamed
         os.path.join(d2, "metadata.0123abcd" + layout.TMP),     # metadata never renamed
         os.path.join(d2, "rank-00003.data"),                     # data without a manifest
@@ -269,12 +269,29 @@ def test_gc_removes_debris_and_keeps_committed(store):
     assert store.gc() == []  # nothing left
 
 
+def test_gc_removes_in_flight_leftovers_named_as_earlier_versions_did(store):
+    """In earlier versions a file in flight ended in ``.partial`` (the word now names a partial replica
+    alone): what a crash left then is still in-flight debris to gc, in a step (a
+    shard's buffer: pooled) and in the pool (a buffer being prepared: deleted)."""
+    put_step(store, 1)
+    legacy = [store.data_path(1, 4) + layout.LEGACY_INFLIGHT,
+              os.path.join(store.step_dir(1), "rank-00004.manifest" + layout.LEGACY_INFLIGHT),
+              store.paths.pool_buffer(5, "ab" * 8) + layout.LEGACY_INFLIGHT]
+    for p in legacy:
+        with open(p, "wb") as f:
+            f.write(b"x" * 4096)
+    assert sorted(store.gc()) == sorted(legacy)
+    assert not any(os.path.exists(p) for p in legacy)
+    assert [layout.parse_pool_name(os.path.basename(p)) for p in pool_files(store)] == [4]
+    assert store.complete_steps() == [1] and store.gc() == []
+
+
 def test_gc_limited_to_ranks_and_spares_young_files(store):
     put_step(store, 1, ranks=(0, 1))
     begin(store, 2, 0, payload(2, 0))
     begin(store, 2, 1, payload(2, 1))
-    p0 = store.data_path(2, 0) + layout.PARTIAL
-    p1 = store.data_path(2, 1) + layout.PARTIAL
+    p0 = store.data_path(2, 0) + layout.INFLIGHT
+    p1 = store.data_path(2, 1) + layout.INFLIGHT
     assert store.gc(min_age_s=3600) == []  # both too young
     assert store.gc(ranks=[1]) == [p1]
     assert os.path.exists(p0) and not os.path.exists(p1)
@@ -301,7 +318,7 @@ def test_begin_shard_reuses_pooled_buffer(store):
 
     data = payload(3, 0)
     sw = begin(store, 3, 0, data)
-    assert os.stat(sw.partial_path).st_ino == ino1
+    assert os.stat(sw.inflight_path).st_ino == ino1
     assert pool_files(store) == []
     sw.commit()
     put_metadata(store, 3)
@@ -318,7 +335,7 @@ def test_pooled_buffer_of_other_size_is_reused_correctly(store, nbytes):
     store.retire_shard(1, 0)
     data = payload(2, 0, nbytes)
     sw = begin(store, 2, 0, data)
-    assert os.stat(sw.partial_path).st_ino == ino1
+    assert os.stat(sw.inflight_path).st_ino == ino1
     sw.commit()
     put_metadata(store, 2)
     assert read_data(store, 2, 0)[:nbytes] == data
@@ -337,7 +354,7 @@ def test_pool_prefers_own_rank(store):
     store.retire_shard(1, 0)
     store.retire_shard(1, 1)
     sw = begin(store, 2, 1, payload(2, 1))
-    assert os.stat(sw.partial_path).st_ino == ino[1]
+    assert os.stat(sw.inflight_path).st_ino == ino[1]
     sw.abort()
 
 
@@ -365,13 +382,13 @@ def test_two_jobs_in_one_local_dir_are_isolated(store_dir):
         for s in (2, 5):
             put_step(b, s)
         begin(b, 6, 0, payload(6, 0))  # b's in-flight shard
-        b_partial = b.data_path(6, 0) + layout.PARTIAL
+        b_inflight = b.data_path(6, 0) + layout.INFLIGHT
         assert a.complete_steps() == [1, 2, 3]
         assert b.complete_steps() == [2, 5]
         assert b.steps() == [2, 5, 6]
 
         assert a.gc() == []
-        assert os.path.exists(b_partial)
+        assert os.path.exists(b_inflight)
         apply_retention(a, [0], keep=1)
         assert a.complete_steps() == [3]
         assert b.complete_steps() == [2, 5]
@@ -382,7 +399,7 @@ def test_two_jobs_in_one_local_dir_are_isolated(store_dir):
         assert b.complete_steps() == [2, 5]
         for s in (2, 5):
             b.verify_shard(s, 0)
-        assert os.path.exists(b_partial)
+        assert os.path.exists(b_inflight)
     finally:
         a.close()
         b.close()

@@ -28,13 +28,13 @@ def test_classify_names_every_path_the_layout_builds():
     token8, token16 = "ab" * 4, "cd" * 8
     built = {
         paths.data(3, 1): (Kind.DATA, 1, None),
-        paths.partial(3, 1): (Kind.PARTIAL, 1, None),
+        paths.inflight(3, 1): (Kind.INFLIGHT, 1, None),
         paths.manifest(3, 1): (Kind.MANIFEST, 1, None),
         paths.manifest_tmp(3, 1): (Kind.TEMP, 1, None),
         paths.metadata(3): (Kind.METADATA, None, None),
         paths.metadata_tmp(3, token8): (Kind.TEMP, None, None),
         paths.pool_buffer(2, token16): (Kind.POOL_BUFFER, 2, None),
-        paths.pool_partial(2, token16): (Kind.POOL_PARTIAL, 2, None),
+        paths.pool_inflight(2, token16): (Kind.POOL_INFLIGHT, 2, None),
         paths.step_dir(3): (Kind.STEP, None, 3),
         paths.orphan(4, token8): (Kind.ORPHAN, None, 4),
         paths.fetch_lock(70): (Kind.LOCK, None, None),
@@ -50,11 +50,23 @@ def test_classify_names_every_path_the_layout_builds():
         e = classify(os.path.basename(path))
         assert (e.kind, e.rank, e.step) == (kind, rank, step), path
     in_flight = {p for p, (k, _, _) in built.items() if classify(os.path.basename(p)).in_flight}
-    assert in_flight == {paths.partial(3, 1), paths.manifest_tmp(3, 1),
-                         paths.metadata_tmp(3, token8), paths.pool_partial(2, token16)}
+    assert in_flight == {paths.inflight(3, 1), paths.manifest_tmp(3, 1),
+                         paths.metadata_tmp(3, token8), paths.pool_inflight(2, token16)}
     # Only a shard's data file, committed or not, is a buffer worth pooling.
     assert {p for p in built if classify(os.path.basename(p)).is_buffer} == \
-        {paths.data(3, 1), paths.partial(3, 1)}
+        {paths.data(3, 1), paths.inflight(3, 1)}
+
+
+def test_classify_knows_in_flight_files_named_as_earlier_versions_did():
+    """Files in flight ended in ``.partial`` in earlier versions: what they left classify
+    as the in-flight files they are (gc removes them), never as anything committed."""
+    old = layout.LEGACY_INFLIGHT
+    assert old != layout.INFLIGHT
+    for name, kind, rank in [(f"rank-00003.data{old}", Kind.INFLIGHT, 3),
+                             (f"rank-00002-{'cd' * 8}.buf{old}", Kind.POOL_INFLIGHT, 2),
+                             (f"rank-00003.manifest{old}", Kind.TEMP, 3)]:
+        e = classify(name)
+        assert (e.kind, e.rank, e.in_flight) == (kind, rank, True), name
 
 
 @pytest.mark.parametrize("name", ["rank-1.data", "rank-00001.data.bak", "123", "foo",

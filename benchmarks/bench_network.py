@@ -511,8 +511,8 @@ PROFILE_RECEIVER = ("receive_buffer_seconds", "receive_seconds", "verify_seconds
 
 def replication_profile(launches: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Where one replication round's time goes, per rank and push (medians over the launches'
-    ranks): the sender's push seconds, of them in the kernel's sendfile (which reads the tmpfs
-    file) and held back by the budget; the receiver's seconds per replica getting the buffer,
+    ranks): the sender's push seconds; the seconds in the kernel's sendfile (which reads the
+    tmpfs file) and held back by the budget, summed over a striped push's streams; the receiver's seconds per replica getting the buffer,
     receiving, verifying and committing (``CheckpointManager.stats()``'s ``replication_*``)."""
     pushes = [p for launch in launches for r in launch["ranks"].values() for p in r.get("pushes") or []]
     profiles = [r["replication_profile"] for launch in launches for r in launch["ranks"].values()

@@ -312,7 +312,7 @@ def test_bench_network_idle_host_keeps_the_collectives_and_profiles_each_push():
     assert prof is not None and prof["push_bytes"] > 0, prof
     for key in ("push_seconds", *bench_network.PROFILE_SENDER, *bench_network.PROFILE_RECEIVER):
         assert _number(prof[key]) and prof[key] >= 0, (key, prof)
-    assert prof["send_seconds"] + prof["budget_wait_seconds"] <= prof["push_seconds"]
+    assert prof["send_seconds"] + prof["budget_wait_seconds"] <= prof["push_seconds"]  # one stream here
     assert modes["budgeted"]["protected_every"] is None or modes["budgeted"]["protected_every"] >= 1
 
 

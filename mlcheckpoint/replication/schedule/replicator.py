@@ -56,8 +56,9 @@ class StepReplication:
     attempts: int = 0
     bytes: int = 0
     seconds: float = 0.0  # pushing (0 when copies covered it: no push for the rate)
-    # Of ``seconds`` (this process's budget counters over the push, heals it served meanwhile
-    # included): in the kernel's send from the tmpfs file, and held back by the budget.
+    # This process's budget counters over the push (heals it served meanwhile included),
+    # summed over a striped push's streams: seconds in the kernel's send from the tmpfs file,
+    # and held back by the budget.
     send_seconds: float = 0.0
     budget_wait_seconds: float = 0.0
     metadata_pushed: str | None = None  # the save whose metadata reached the other nodes

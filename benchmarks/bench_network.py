@@ -521,7 +521,8 @@ def replication_profile(launches: list[dict[str, Any]]) -> dict[str, Any] | None
         return None
     out: dict[str, Any] = {"pushes": len(pushes), "push_bytes": median([p["bytes"] for p in pushes]),
                            "push_seconds": median([p["seconds"] for p in pushes])}
-    out.update({k: median([p[k] for p in pushes]) for k in PROFILE_SENDER})
+    out.update({k: median([p[k] for p in pushes]) if all(p[k] is not None for p in pushes) else None
+                for k in PROFILE_SENDER})
     if profiles:
         out["received_bytes"] = median([x["received_bytes"] / x["received_replicas"] for x in profiles])
         out.update({k: median([x[k] / x["received_replicas"] for x in profiles]) for k in PROFILE_RECEIVER})
@@ -711,8 +712,8 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
                         f"{prof['commit_seconds']:.3f} s" if "receive_seconds" in prof else "")
                 print(f"    profile of a push ({prof['pushes']} pushes, medians): {size_str(prof['push_bytes'])} in "
                       f"{prof['push_seconds']:.3f} s ({prof['push_bytes'] / max(prof['push_seconds'], 1e-9) / 1e6:.0f} MB/s): "
-                      f"sendfile from tmpfs {prof['send_seconds']:.3f} s, held back by the budget "
-                      f"{prof['budget_wait_seconds']:.3f} s" + recv)
+                      f"sendfile from tmpfs {_opt(prof['send_seconds'], '.3f')} s, held back by the budget "
+                      f"{_opt(prof['budget_wait_seconds'], '.3f')} s" + recv)
     print("  median/p90: step time (forward, backward with the collectives, optimizer.step with the guard, "
           "async_save) of rank 0's measured steps, all rounds; node0 MB/step: node 0's eth0 tx per step; "
           "repl MB/step: node0 MB/step beyond replication off's; link busy: node0 MB/step / step time / link "

@@ -315,8 +315,10 @@ def pushed_bytes(ckpt: CheckpointManager | None, steps: int) -> dict[str, int]:
 def push_profiles(ckpt: CheckpointManager | None, steps: int) -> list[dict[str, Any]]:
     """Each push this rank made: step, bytes, seconds, of them sending and held back."""
     states = [ckpt.replication_state(s) for s in range(steps)] if ckpt is not None else []
+    # (getattr: a build before issue 45 keeps no per-push profile)
     return [{"step": st.step, "bytes": st.bytes, "seconds": st.seconds,
-             "send_seconds": st.send_seconds, "budget_wait_seconds": st.budget_wait_seconds}
+             "send_seconds": getattr(st, "send_seconds", None),
+             "budget_wait_seconds": getattr(st, "budget_wait_seconds", None)}
             for st in states if st is not None and st.state == "replicated" and st.bytes]
 
 

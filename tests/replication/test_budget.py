@@ -548,9 +548,11 @@ def test_step_pacer_takes_the_baseline_from_intervals_without_replication():
     for gap in (2.0, 2.2, 2.1):
         pacer.interval(gap, sending=False)
     assert pacer.baseline == 2.1
-    assert derived_rate(10, 2.0, 1.0, floor=1, ceiling=100) == HEADROOM * 5
-    assert derived_rate(10, 2.0, 0.01, floor=1, ceiling=100) == 1
-    assert derived_rate(10**6, 2.0, 1.0, floor=1, ceiling=100) == 100
+    assert derived_rate(10, 2.0, 1.0, start=1, floor=1, ceiling=100) == HEADROOM * 5
+    assert derived_rate(10, 2.0, 1.0, start=20, floor=1, ceiling=100) == 20  # never below the start...
+    assert derived_rate(10, 2.0, 0.5, start=20, floor=1, ceiling=100) == 10  # ...unless training slowed
+    assert derived_rate(10, 2.0, 0.01, start=20, floor=1, ceiling=100) == 1
+    assert derived_rate(10**6, 2.0, 1.0, start=20, floor=1, ceiling=100) == 100
 
 
 def test_a_real_send_at_the_derived_default_is_held_back_less_than_a_save_interval(tmp_path):

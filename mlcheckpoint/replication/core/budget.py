@@ -305,8 +305,8 @@ class Budget:
         base = pacer.baseline if pacer is not None else None
         if pacer is None or base is None or not self._need:
             return
-        rate = derived_rate(self._need, base, pacer.factor, floor=self.derived_floor,
-                            ceiling=self.ceiling)
+        rate = derived_rate(self._need, base, pacer.factor, start=self.rate,
+                            floor=self.derived_floor, ceiling=self.ceiling)
         if self._derived_rate is None or abs(rate - self._derived_rate) > 0.05 * self._derived_rate:
             log.debug("replication budget derived: %s (%d bytes per save every %.3f s, "
                       "back-off %.2f)", format_rate(rate), self._need, base, pacer.factor)

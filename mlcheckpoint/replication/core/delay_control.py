@@ -113,13 +113,14 @@ PACER_WINDOW = 20  # the intervals the baseline is taken over
 PACER_SAMPLES = 3  # the slowdown is the median of this many recent intervals that sent
 
 
-def derived_rate(need: int, interval: float, factor: float, *, floor: float,
+def derived_rate(need: int, interval: float, factor: float, *, start: float, floor: float,
                  ceiling: float) -> float:
     """The node's rate, bytes/s: HEADROOM x ``need`` (bytes the node's ranks send per save)
-    per ``interval`` (seconds between saves, unslowed), times ``factor`` (``StepPacer``'s
-    back-off, <= 1), within [floor, ceiling]."""
-    want = factor * HEADROOM * need / max(interval, 1e-3)
-    return min(ceiling, max(floor, want))
+    per ``interval`` (seconds between saves, unslowed), never less than ``start`` (the old
+    fixed default: a job that saves rarely keeps its protection as young as before), times
+    ``factor`` (``StepPacer``'s back-off, <= 1), within [floor, ceiling]."""
+    want = max(start, HEADROOM * need / max(interval, 1e-3))
+    return min(ceiling, max(floor, factor * want))
 
 
 class StepPacer:

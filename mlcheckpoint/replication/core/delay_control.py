@@ -126,10 +126,12 @@ def derived_rate(need: int, interval: float, factor: float, *, start: float, flo
 class StepPacer:
     """Tells training slowed by replication from training sharing the link with it: the
     intervals between this rank's saves, each marked whether replication sent during it.
-    The baseline is the median interval that sent nothing (none yet: the shortest seen); the
-    median of the last ``PACER_SAMPLES`` intervals that sent, past it by more than
-    ``SLOWDOWN_TOLERANCE``, cuts ``factor`` (to no less than ``least``); an interval that sent
-    and was not slowed lets it grow back to 1. A pure state machine: no clock, no I/O."""
+    The baseline is the median interval that sent nothing (none yet: the shortest seen). An
+    interval that sent and is past it by more than ``SLOWDOWN_TOLERANCE``, while the median of
+    the last ``PACER_SAMPLES`` that sent is too (one slow step is noise), cuts ``factor`` (to
+    no less than ``least``): every such interval, as steps are seconds long and a job that
+    slows for several of them has lost more than replication gains. An interval that sent and
+    was not slowed lets it grow back to 1. A pure state machine: no clock, no I/O."""
 
     def __init__(self, least: float = 0.01):
         self.least = least
@@ -155,12 +157,11 @@ class StepPacer:
         base = self.baseline
         if base is None or len(self.busy) < PACER_SAMPLES:
             return
-        slowed = sorted(self.busy)[len(self.busy) // 2] > base * (1 + SLOWDOWN_TOLERANCE)
-        if slowed:
+        bound = base * (1 + SLOWDOWN_TOLERANCE)
+        if seconds > bound and sorted(self.busy)[len(self.busy) // 2] > bound:
             self.factor = max(self.least, self.factor * SLOW_CUT)
             self.cuts += 1
-            self.busy = []  # fresh evidence before the next cut
-        else:
+        elif seconds <= bound:
             self.factor = min(1.0, self.factor * SLOW_GROW)
 
 

@@ -107,6 +107,8 @@ class Config:
     json_path: str | None
     rank_state: int = 0  # bytes of per-rank state (an RNG state, a loader's position) per rank
     host: str = "busy"  # busy: real compute; idle: collectives + a wait (a GPU node's host)
+    compute_s: float | None = None  # idle: the waits (None: the first launch calibrates them)
+    optim_s: float | None = None
 
     def worker_args(self) -> list[str]:
         return ["--params-mb", str(self.params_mb), "--seq-len", str(self.seq_len),
@@ -176,6 +178,12 @@ def parse_args(argv: list[str]) -> Config:
                         "shows); idle: the same collectives over the link, the compute replaced "
                         "by a wait of its calibrated length, as on a GPU node whose host CPUs "
                         "idle during a step (default busy)")
+    p.add_argument("--compute-s", type=float, default=None,
+                   help="--host idle: seconds of forward+backward compute each step waits "
+                        "(default: calibrated by the first launch, then the same in every launch)")
+    p.add_argument("--optim-s", type=float, default=None,
+                   help="--host idle: seconds of optimizer arithmetic each step waits (default: "
+                        "calibrated with --compute-s)")
     p.add_argument("--json", metavar="PATH", help="also write every figure to PATH as JSON")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run")
     a = p.parse_args(argv)
@@ -198,7 +206,8 @@ def parse_args(argv: list[str]) -> Config:
                   steps=steps, warmup=warmup,
                   params_mb=a.params_mb if a.params_mb is not None else (2.0 if a.quick else 134.0),
                   batch=a.batch, seq_len=a.seq_len or (32 if a.quick else 64), keep=a.keep,
-                  quick=a.quick, json_path=a.json, rank_state=a.rank_state, host=a.host)
+                  quick=a.quick, json_path=a.json, rank_state=a.rank_state, host=a.host,
+                  compute_s=a.compute_s, optim_s=a.optim_s)
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -304,6 +313,8 @@ class Bench:
         self.world = cfg.nodes * cfg.nproc
         self.launches: list[dict[str, Any]] = []
         self.resumes: list[dict[str, Any]] = []
+        self.compute: tuple[float, float] | None = (
+            None if cfg.compute_s is None else (cfg.compute_s, cfg.optim_s or 0.0))
         self.base_env = {"PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
 
     def fresh(self) -> None:
@@ -318,11 +329,14 @@ class Bench:
         cfg, cluster = self.cfg, self.cluster
         n = len(self.launches)
         name, job_id = f"train{n}", f"bench-net-{n}-{mode}"
+        # Idle host: every launch waits alike, what the first one calibrated (or --compute-s).
+        idle = ([] if cfg.host != "idle" or self.compute is None else
+                ["--compute-s", str(self.compute[0]), "--optim-compute-s", str(self.compute[1])])
         self.fresh()
         before = cluster.link_bytes()
         tmpfs = TmpfsSampler(cluster, cfg.nproc)
         t0 = time.perf_counter()
-        cluster.start(WORKER, mode, name, *cfg.train_args(), *(["--hold"] if hold else []),
+        cluster.start(WORKER, mode, name, *cfg.train_args(), *idle, *(["--hold"] if hold else []),
                       env={**self.base_env, "MLCHECKPOINT_JOB_ID": job_id, **MODE_ENV[mode]})
         timeout = 180 + 60 * cfg.steps
         try:
@@ -339,6 +353,9 @@ class Bench:
                   "wall_s": time.perf_counter() - t0, "link_bytes": counters_delta(before, cluster.link_bytes()),
                   "tmpfs": usage, "ranks": {str(r): v for r, v in sorted(ranks.items())}}
         self.launches.append(launch)
+        cal = launch["ranks"]["0"].get("calibration")
+        if self.compute is None and cal:
+            self.compute = (cal["compute_s"], cal["optim_compute_s"])
         return launch
 
     def node_checkpoint_bytes(self, launch: dict[str, Any], node: int) -> int:
@@ -654,10 +671,13 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
           f"{cfg.steps} steps, the first {cfg.warmup} discarded" + (" [--quick]" if cfg.quick else ""))
     cal = first.get("calibration")
     print("  host: " + ("busy (the compute runs on the host's cores, beside replication)" if cfg.host == "busy"
-                        else "idle (the collectives run; the compute is a wait: "
-                             + (f"forward+backward {cal['fwd_bwd_s']:.3f} s less collectives "
+                        else "idle (the collectives run; the compute is a wait, the same in every launch: "
+                             + ("?" if not cal else
+                                f"{cal['compute_s']:.3f} s forward+backward, {cal['optim_compute_s']:.3f} s optimizer, "
+                                "as given" if cal.get("given") else
+                                f"forward+backward {cal['fwd_bwd_s']:.3f} s less collectives "
                                 f"{cal['collectives_s']:.3f} s = {cal['compute_s']:.3f} s, optimizer "
-                                f"{cal['optim_compute_s']:.3f} s, calibrated before the manager" if cal else "?")
+                                f"{cal['optim_compute_s']:.3f} s, calibrated by the first launch before its manager")
                              + ")"))
     for mode in REPLICATING:
         if mode in cfg.modes:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import math
 import os
 import shlex
@@ -105,6 +106,9 @@ class Config:
     quick: bool
     json_path: str | None
     rank_state: int = 0  # bytes of per-rank state (an RNG state, a loader's position) per rank
+    host: str = "busy"  # busy: real compute; idle: collectives + a wait (a GPU node's host)
+    compute_s: float | None = None  # idle: the waits (None: the first launch calibrates them)
+    optim_s: float | None = None
 
     def worker_args(self) -> list[str]:
         return ["--params-mb", str(self.params_mb), "--seq-len", str(self.seq_len),
@@ -112,7 +116,7 @@ class Config:
 
     def train_args(self) -> list[str]:
         return [*self.worker_args(), "--steps", str(self.steps), "--warmup", str(self.warmup),
-                "--batch", str(self.batch), "--keep", str(self.keep)]
+                "--batch", str(self.batch), "--keep", str(self.keep), "--host", self.host]
 
     @property
     def replaced_sets(self) -> list[list[int]]:
@@ -169,6 +173,17 @@ def parse_args(argv: list[str]) -> Config:
                    help="per-rank state beside the model, as real jobs keep: each rank saves an "
                         "RNG state of BYTES under its own key and a data loader's position "
                         "(default 0: none; 5056 is torch.get_rng_state()'s size)")
+    p.add_argument("--host", choices=("busy", "idle"), default="busy",
+                   help="busy: each step computes on the host (CPU contention with replication "
+                        "shows); idle: the same collectives over the link, the compute replaced "
+                        "by a wait of its calibrated length, as on a GPU node whose host CPUs "
+                        "idle during a step (default busy)")
+    p.add_argument("--compute-s", type=float, default=None,
+                   help="--host idle: seconds of forward+backward compute each step waits "
+                        "(default: calibrated by the first launch, then the same in every launch)")
+    p.add_argument("--optim-s", type=float, default=None,
+                   help="--host idle: seconds of optimizer arithmetic each step waits (default: "
+                        "calibrated with --compute-s)")
     p.add_argument("--json", metavar="PATH", help="also write every figure to PATH as JSON")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run")
     a = p.parse_args(argv)
@@ -191,7 +206,8 @@ def parse_args(argv: list[str]) -> Config:
                   steps=steps, warmup=warmup,
                   params_mb=a.params_mb if a.params_mb is not None else (2.0 if a.quick else 134.0),
                   batch=a.batch, seq_len=a.seq_len or (32 if a.quick else 64), keep=a.keep,
-                  quick=a.quick, json_path=a.json, rank_state=a.rank_state)
+                  quick=a.quick, json_path=a.json, rank_state=a.rank_state, host=a.host,
+                  compute_s=a.compute_s, optim_s=a.optim_s)
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -297,6 +313,8 @@ class Bench:
         self.world = cfg.nodes * cfg.nproc
         self.launches: list[dict[str, Any]] = []
         self.resumes: list[dict[str, Any]] = []
+        self.compute: tuple[float, float] | None = (
+            None if cfg.compute_s is None else (cfg.compute_s, cfg.optim_s or 0.0))
         self.base_env = {"PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
 
     def fresh(self) -> None:
@@ -311,11 +329,14 @@ class Bench:
         cfg, cluster = self.cfg, self.cluster
         n = len(self.launches)
         name, job_id = f"train{n}", f"bench-net-{n}-{mode}"
+        # Idle host: every launch waits alike, what the first one calibrated (or --compute-s).
+        idle = ([] if cfg.host != "idle" or self.compute is None else
+                ["--compute-s", str(self.compute[0]), "--optim-compute-s", str(self.compute[1])])
         self.fresh()
         before = cluster.link_bytes()
         tmpfs = TmpfsSampler(cluster, cfg.nproc)
         t0 = time.perf_counter()
-        cluster.start(WORKER, mode, name, *cfg.train_args(), *(["--hold"] if hold else []),
+        cluster.start(WORKER, mode, name, *cfg.train_args(), *idle, *(["--hold"] if hold else []),
                       env={**self.base_env, "MLCHECKPOINT_JOB_ID": job_id, **MODE_ENV[mode]})
         timeout = 180 + 60 * cfg.steps
         try:
@@ -332,6 +353,9 @@ class Bench:
                   "wall_s": time.perf_counter() - t0, "link_bytes": counters_delta(before, cluster.link_bytes()),
                   "tmpfs": usage, "ranks": {str(r): v for r, v in sorted(ranks.items())}}
         self.launches.append(launch)
+        cal = launch["ranks"]["0"].get("calibration")
+        if self.compute is None and cal:
+            self.compute = (cal["compute_s"], cal["optim_compute_s"])
         return launch
 
     def node_checkpoint_bytes(self, launch: dict[str, Any], node: int) -> int:
@@ -481,7 +505,45 @@ def summarize_mode(cfg: Config, launches: list[dict[str, Any]]) -> dict[str, Any
         "guard_longest_wait_s": max((r["guard_longest_wait_s"] or 0.0) for launch in launches
                                     for r in launch["ranks"].values()),
         "budget": launches[0]["ranks"]["0"]["budget"],
+        "protected_every": protected_every(launches),
+        "profile": replication_profile(launches),
+        "calibration": launches[0]["ranks"]["0"].get("calibration"),
     }
+
+
+def protected_every(launches: list[dict[str, Any]]) -> float | None:
+    """k: replication protects every k-th step (the median gap between the successive newest
+    protected steps rank 0 saw after its measured steps; None: fewer than two)."""
+    gaps = []
+    for launch in launches:
+        seen = measured(launch, "newest_protected")
+        distinct = [b for a, b in itertools.pairwise([None, *seen]) if b != a]
+        gaps += [b - a for a, b in itertools.pairwise(distinct)]
+    return median(gaps) if gaps else None
+
+
+PROFILE_SENDER = ("send_seconds", "budget_wait_seconds")
+PROFILE_RECEIVER = ("receive_buffer_seconds", "receive_seconds", "verify_seconds", "commit_seconds")
+
+
+def replication_profile(launches: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where one replication round's time goes, per rank and push (medians over the launches'
+    ranks): the sender's push seconds; the seconds in the kernel's sendfile (which reads the
+    tmpfs file) and held back by the budget, summed over a striped push's streams; the receiver's seconds per replica getting the buffer,
+    receiving, verifying and committing (``CheckpointManager.stats()``'s ``replication_*``)."""
+    pushes = [p for launch in launches for r in launch["ranks"].values() for p in r.get("pushes") or []]
+    profiles = [r["replication_profile"] for launch in launches for r in launch["ranks"].values()
+                if r.get("replication_profile") and r["replication_profile"].get("received_replicas")]
+    if not pushes:
+        return None
+    out: dict[str, Any] = {"pushes": len(pushes), "push_bytes": median([p["bytes"] for p in pushes]),
+                           "push_seconds": median([p["seconds"] for p in pushes])}
+    out.update({k: median([p[k] for p in pushes]) if all(p[k] is not None for p in pushes) else None
+                for k in PROFILE_SENDER})
+    if profiles:
+        out["received_bytes"] = median([x["received_bytes"] / x["received_replicas"] for x in profiles])
+        out.update({k: median([x[k] / x["received_replicas"] for x in profiles]) for k in PROFILE_RECEIVER})
+    return out
 
 
 def summarize_resume(res: dict[str, Any]) -> dict[str, Any]:
@@ -607,6 +669,16 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
           f"{meta['load_start']} at start, {meta['load_end']} at the end; took {meta['duration_s'] / 60:.1f} min")
     print(f"  {cfg.rounds} round(s) x {len(cfg.modes)} modes per rate, interleaved, each a fresh launch of "
           f"{cfg.steps} steps, the first {cfg.warmup} discarded" + (" [--quick]" if cfg.quick else ""))
+    cal = first.get("calibration")
+    print("  host: " + ("busy (the compute runs on the host's cores, beside replication)" if cfg.host == "busy"
+                        else "idle (the collectives run; the compute is a wait, the same in every launch: "
+                             + ("?" if not cal else
+                                f"{cal['compute_s']:.3f} s forward+backward, {cal['optim_compute_s']:.3f} s optimizer, "
+                                "as given" if cal.get("given") else
+                                f"forward+backward {cal['fwd_bwd_s']:.3f} s less collectives "
+                                f"{cal['collectives_s']:.3f} s = {cal['compute_s']:.3f} s, optimizer "
+                                f"{cal['optim_compute_s']:.3f} s, calibrated by the first launch before its manager")
+                             + ")"))
     for mode in REPLICATING:
         if mode in cfg.modes:
             launch = next(x for x in res["launches"] if x["mode"] == mode)
@@ -650,6 +722,18 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
             for launch in res["launches"]:
                 if launch["rate"] == rate and launch["mode"] == mode:
                     print(f"    lag per step, round {launch['round'] + 1}: {lag_series(launch)}")
+            k = m["protected_every"]
+            print(f"    protects every {_opt(k, 'g')}{'' if k is None else 'th' if k != 1 else 'st'} step "
+                  f"(k: the median gap between successive newest protected steps)")
+            prof = m["profile"]
+            if prof:
+                recv = (f"; receiver per replica: buffer {prof['receive_buffer_seconds']:.3f} s, receiving "
+                        f"{prof['receive_seconds']:.3f} s, verifying {prof['verify_seconds']:.3f} s, committing "
+                        f"{prof['commit_seconds']:.3f} s" if "receive_seconds" in prof else "")
+                print(f"    profile of a push ({prof['pushes']} pushes, medians): {size_str(prof['push_bytes'])} in "
+                      f"{prof['push_seconds']:.3f} s ({prof['push_bytes'] / max(prof['push_seconds'], 1e-9) / 1e6:.0f} MB/s): "
+                      f"sendfile from tmpfs {_opt(prof['send_seconds'], '.3f')} s, held back by the budget "
+                      f"{_opt(prof['budget_wait_seconds'], '.3f')} s" + recv)
     print("  median/p90: step time (forward, backward with the collectives, optimizer.step with the guard, "
           "async_save) of rank 0's measured steps, all rounds; node0 MB/step: node 0's eth0 tx per step; "
           "repl MB/step: node0 MB/step beyond replication off's; link busy: node0 MB/step / step time / link "

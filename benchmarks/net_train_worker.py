@@ -2,6 +2,7 @@
 
     net_train_worker.py MODE NAME [--steps N --warmup W --params-mb P --batch B --seq-len L]
                                   [--keep K] [--hold] [--parallel ddp|fsdp|hsdp]
+                                  [--host busy|idle]
                                   [--rank-state BYTES]
     net_train_worker.py resume NAME [--params-mb P --seq-len L --parallel ddp|fsdp|hsdp
                                      --rank-state BYTES]
@@ -29,6 +30,13 @@ eth0 tx_bytes (``/sys/class/net/eth0``, this namespace's), the bytes replication
 the node's bandwidth schedule so far, the save result of the previous step. A thread samples RssAnon (``/proc/self/status``) every 20 ms from just before the
 CheckpointManager is made. ``--hold``: wait (untimed) until the last step is on two nodes,
 report, and keep the job (and its replication) alive until the benchmark kills the node.
+
+``--host idle`` stands in for a GPU node, whose host CPUs are mostly idle during a step: before
+the manager is made, CALIBRATION_STEPS real steps and as many of the collectives alone are
+timed; each step then runs the same collectives (same sizes, same order, over the same link)
+with the compute between them replaced by a wait of its calibrated length (``collectives``),
+and the optimizer's arithmetic by a wait (its hooks, the guard's included, still run). The
+state does not change from step to step; every save is still a new save and crosses whole.
 
 resume: the same model (no DDP: nothing is trained) and optimizer state, then only
 ``ckpt.resume``; reports ResumeInfo and this rank's own bytes fetched (from the history line
@@ -70,6 +78,8 @@ BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
 ADAPTIVE_ENV = "MLCHECKPOINT_ADAPTIVE_PACING"
 MODES = ("none", "off", "unbudgeted", "budgeted", "adaptive")
 PARALLEL = ("ddp", "fsdp", "hsdp")
+HOSTS = ("busy", "idle")
+CALIBRATION_STEPS = 3  # real steps, then as many of the collectives alone, timed before the job
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,6 +94,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--hold", action="store_true")
     p.add_argument("--parallel", choices=PARALLEL, default="ddp")
+    p.add_argument("--host", choices=HOSTS, default="busy",
+                   help="busy: the real compute; idle: the same collectives over the link, the "
+                        "compute replaced by a wait of its calibrated length (a GPU node's host)")
+    p.add_argument("--compute-s", type=float, default=None,
+                   help="--host idle: the forward+backward compute to wait, seconds (default: "
+                        "calibrated by this launch)")
+    p.add_argument("--optim-compute-s", type=float, default=None,
+                   help="--host idle: the optimizer's arithmetic to wait, seconds (default: "
+                        "calibrated by this launch)")
     p.add_argument("--rank-state", type=int, default=0,
                    help="bytes of per-rank state beside the model (an RNG state under this "
                         "rank's key, and a data loader's position), as real jobs keep")
@@ -164,6 +183,8 @@ class Trainer:
         # Per-rank state (``--rank-state``): each rank's own bytes, under its own key (DCP
         # would keep one rank's value of a key all ranks share).
         self.rank_state = torch.zeros(args.rank_state, dtype=torch.uint8)
+        self._units: list[torch.Tensor] = []  # --host idle: set by ``calibrate``
+        self.compute_s = self.optim_compute_s = 0.0
 
     def forward_backward(self) -> None:
         a = self.args
@@ -172,6 +193,92 @@ class Trainer:
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP's all-reduce (FSDP's all-gathers and reduce-scatters) run in here
+
+    # -------------------------------------------------------------- the idle host (--host idle)
+    def units(self) -> list[torch.Tensor]:
+        """One flat fp32 buffer per communication unit: the parameters each collective of a
+        step moves (fsdp/hsdp: the root's own and each block's, as fully_shard groups them;
+        ddp: every parameter, one all-reduce)."""
+        def numel(params: Any) -> int:
+            return sum(p.numel() for p in params)
+
+        if self.args.parallel == "ddp":
+            return [torch.zeros(numel(self.model.parameters()))]
+        blocks = list(self.model.blocks)  # type: ignore[union-attr]
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        world = dist.get_world_size()
+        sizes = [numel(p for p in self.model.parameters() if id(p) not in in_blocks)]
+        sizes += [numel(b.parameters()) for b in blocks]
+        # The full size of each (its local shards were all-gathered from the world's ranks).
+        return [torch.zeros(world * -(-n // world)) for n in sizes]
+
+    def collectives(self, compute_s: float = 0.0) -> None:
+        """One step's collective traffic on the link with ``compute_s`` of waiting spread
+        between them as the compute is (forward a third, backward two thirds); the model's
+        DTensors are not touched. ddp: the gradients' all-reduce after the backward. fsdp:
+        each unit all-gathered in forward (the root first) and again in backward (the blocks:
+        they reshard after forward), its gradient reduce-scattered; hsdp likewise within the
+        node (unemulated: its cross-node all-reduce only)."""
+        units = self._units
+        if self.args.parallel == "ddp":
+            time.sleep(compute_s)
+            dist.all_reduce(units[0])
+            return
+        world = dist.get_world_size()
+        fwd, bwd = compute_s / 3 / len(units), 2 * compute_s / 3 / len(units)
+        for full in units:  # forward
+            dist.all_gather_into_tensor(full, full[:full.numel() // world].clone())
+            time.sleep(fwd)
+        for k, full in enumerate(reversed(units)):  # backward
+            if k < len(units) - 1:  # (the root stays gathered after forward)
+                dist.all_gather_into_tensor(full, full[:full.numel() // world].clone())
+            time.sleep(bwd)
+            out = torch.empty(full.numel() // world)
+            dist.reduce_scatter_tensor(out, full)
+
+    def calibrate(self) -> dict[str, float]:
+        """The compute of a step, for ``--host idle``: median forward+backward and optimizer
+        step of CALIBRATION_STEPS real steps, less the median of as many steps of the
+        collectives alone (both before any checkpointing)."""
+        self._units = self.units()
+        if self.args.compute_s is not None:  # given (the benchmark's first launch measured it)
+            self.compute_s = self.args.compute_s
+            self.optim_compute_s = self.args.optim_compute_s or 0.0
+            return {"given": True, "compute_s": self.compute_s,
+                    "optim_compute_s": self.optim_compute_s}
+        fb, opt, comm = [], [], []
+        for _ in range(CALIBRATION_STEPS):
+            t0 = time.perf_counter()
+            self.forward_backward()
+            t1 = time.perf_counter()
+            self.optimizer.step()
+            fb.append(t1 - t0)
+            opt.append(time.perf_counter() - t1)
+        for _ in range(CALIBRATION_STEPS):
+            dist.barrier()
+            t0 = time.perf_counter()
+            self.collectives()
+            comm.append(time.perf_counter() - t0)
+        def med(xs: list[float]) -> float:
+            return sorted(xs)[len(xs) // 2]
+
+        figures = {"fwd_bwd_s": med(fb), "optim_s": med(opt), "collectives_s": med(comm)}
+        # Every rank waits alike (the slowest rank's figures): a step is as slow as its slowest.
+        t = torch.tensor([max(0.0, figures["fwd_bwd_s"] - figures["collectives_s"]),
+                          figures["optim_s"]], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.compute_s, self.optim_compute_s = float(t[0]), float(t[1])
+        return {**figures, "compute_s": self.compute_s, "optim_compute_s": self.optim_compute_s}
+
+    def idle_forward_backward(self) -> None:
+        """The idle host's forward+backward: the collectives, and the compute as a wait. The
+        gradients are dropped, so ``optimizer.step()`` runs its hooks (the guard) and nothing
+        else; ``idle_optimizer_wait`` stands in for its arithmetic."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.collectives(self.compute_s)
+
+    def idle_optimizer_wait(self) -> None:
+        time.sleep(self.optim_compute_s)
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """The live tensors (the optimizer updates them in place): one dict serves every save."""
@@ -216,6 +323,16 @@ def pushed_bytes(ckpt: CheckpointManager | None, steps: int) -> dict[str, int]:
     return {"steps": len(done), "bytes": sum(st.bytes for st in done)}
 
 
+def push_profiles(ckpt: CheckpointManager | None, steps: int) -> list[dict[str, Any]]:
+    """Each push this rank made: step, bytes, seconds, of them sending and held back."""
+    states = [ckpt.replication_state(s) for s in range(steps)] if ckpt is not None else []
+    # (getattr: a build before issue 45 keeps no per-push profile)
+    return [{"step": st.step, "bytes": st.bytes, "seconds": st.seconds,
+             "send_seconds": getattr(st, "send_seconds", None),
+             "budget_wait_seconds": getattr(st, "budget_wait_seconds", None)}
+            for st in states if st is not None and st.state == "replicated" and st.bytes]
+
+
 def train(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     trainer = Trainer(args, train=True)
@@ -223,6 +340,9 @@ def train(args: argparse.Namespace) -> None:
     trainer.optimizer.step()
     sd = trainer.state_dict(0)
     state_bytes = sum(t.nbytes for t in tensors_of(sd))
+    idle = args.host == "idle"
+    calibration = trainer.calibrate() if idle else None
+    forward_backward = trainer.idle_forward_backward if idle else trainer.forward_backward
 
     rss = RssSampler()  # from before the manager: everything checkpointing adds shows
     ckpt = None
@@ -242,9 +362,11 @@ def train(args: argparse.Namespace) -> None:
     t_start = time.perf_counter()
     for step in range(args.steps):
         t0 = time.perf_counter()
-        trainer.forward_backward()
+        forward_backward()
         t1 = time.perf_counter()
         trainer.optimizer.step()  # the guard waits here for the previous snapshot
+        if idle:
+            trainer.idle_optimizer_wait()
         t2 = time.perf_counter()
         sd["step"] = step
         trainer.advance_rank_state(sd, step)
@@ -286,7 +408,11 @@ def train(args: argparse.Namespace) -> None:
               "rss_anon_baseline": rss.baseline, "rss_anon_peak": rss.peak,
               "guard_longest_wait_s": None if ckpt is None else ckpt.stats()["mlcheckpoint/guard_longest_wait_seconds"],
               "budget": resolved_budget(ckpt), "budget_env": os.environ.get(BANDWIDTH_ENV),
-              "pacing": describe_budget(ckpt),
+              "pacing": describe_budget(ckpt), "host": args.host, "calibration": calibration,
+              "replication_profile": None if ckpt is None else {
+                  k.removeprefix("mlcheckpoint/replication_"): v for k, v in ckpt.stats().items()
+                  if k.startswith("mlcheckpoint/replication_")},
+              "pushes": push_profiles(ckpt, args.steps),
               "job_id": None if ckpt is None else ckpt.job_id, "replicated_before_report": replicated}
     report(args.name, result)
     if args.hold:

@@ -292,6 +292,31 @@ def test_bench_network_fsdp_runs_with_the_old_pacing_beside_the_new():
 
 
 @pytest.mark.slow
+def test_bench_network_idle_host_keeps_the_collectives_and_profiles_each_push():
+    """--host idle (issue 45): the compute is a calibrated wait, the collectives still cross
+    the link; the default budget is the one derived from the job, and each push's profile
+    (sender: sendfile, the budget's hold; receiver: receiving, verifying, committing) and k
+    (every k-th step protected) are reported."""
+    reason = netcluster.available()
+    if reason:
+        pytest.skip(f"no emulated network: {reason}")
+    figures = bench_network.main(["--quick", "--rounds", "1", "--rates", "1gbit", "--parallel", "fsdp",
+                                  "--host", "idle", "--modes", "off", "budgeted", "--steps", "6"])
+    modes = figures["summary"]["rates"]["1gbit"]["modes"]
+    cal = modes["off"]["calibration"]
+    assert cal is not None and cal["compute_s"] >= 0 and cal["collectives_s"] > 0, cal
+    assert modes["off"]["node0_bytes_per_step"] > 0  # the emulated collectives crossed the link
+    rank0 = {x["mode"]: x["ranks"]["0"] for x in figures["launches"]}
+    assert rank0["budgeted"]["host"] == "idle" and "derived from the job" in rank0["budgeted"]["pacing"]
+    prof = modes["budgeted"]["profile"]
+    assert prof is not None and prof["push_bytes"] > 0, prof
+    for key in ("push_seconds", *bench_network.PROFILE_SENDER, *bench_network.PROFILE_RECEIVER):
+        assert _number(prof[key]) and prof[key] >= 0, (key, prof)
+    assert prof["send_seconds"] + prof["budget_wait_seconds"] <= prof["push_seconds"]  # one stream here
+    assert modes["budgeted"]["protected_every"] is None or modes["budgeted"]["protected_every"] >= 1
+
+
+@pytest.mark.slow
 def test_bench_pacing_reports_every_mode():
     reason = netcluster.available()
     if reason:

@@ -399,7 +399,9 @@ class CheckpointManager:
         wait and bytes; the longest a guard held ``optimizer.step()``; the newest protected
         step, its lag in steps and age in seconds; how many nodes keep data parallelism's
         copies and the shard bytes they spared replication; the in-memory saves that failed
-        (``failed_saves``, ``failed_saves_in_a_row``); the last resume's seconds, phases and
+        (``failed_saves``, ``failed_saves_in_a_row``); where replication's time went
+        (``replication_*``: bytes and seconds sending, held back by the budget, receiving,
+        verifying, committing, summed); the last resume's seconds, phases and
         the copies it refused (``resume_refused_copies``). Keys
         start with ``mlcheckpoint/``; a figure not known yet is left out. Reads this node's
         step list and asks the c10d store nothing: fine to call on the training thread."""
@@ -409,7 +411,8 @@ class CheckpointManager:
             copy_modes=self._saver.copy_modes(),
             skipped_bytes=None if self._replicator is None else self._replicator.skipped_bytes,
             save_failures=self._saver.failures.total,
-            save_failures_in_a_row=self._saver.failures.streak)
+            save_failures_in_a_row=self._saver.failures.streak,
+            replication=None if self._replicator is None else self._replicator.profile())
 
     def replication_state(self, step: int) -> StepReplication | None:
         """What this rank knows of its push of ``step`` to its partners: its ``state``

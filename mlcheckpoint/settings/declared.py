@@ -253,7 +253,8 @@ SETTINGS: tuple[Setting, ...] = (
             env_doc="a whole number in 1-16"),
     Setting("replication_bandwidth", "replication", "bytes per second that replication may "
             "send in the background, for the whole node (all its ranks together); "
-            "`0`/`\"none\"` for no cap; `\"auto\"`: 5% of the interface's speed (with "
+            "`0`/`\"none\"` for no cap; `\"auto\"`: derived from the job, twice its checkpoint "
+            "bytes per save interval, from 5% of the interface's speed up to half of it (with "
             "`adaptive_pacing`: up to its speed, from 5%). See "
             "[Replication network](#replication-network)", "auto",
             env="MLCHECKPOINT_REPLICATION_BANDWIDTH", field="bandwidth",
@@ -264,8 +265,9 @@ SETTINGS: tuple[Setting, ...] = (
             "link capacity training leaves idle, up to the budget (`auto`: the interface's speed), "
             "backing off within milliseconds when a queue builds (experimental: it still slows "
             "FSDP steps at 5 Gbit/s, see operations.md). By default replication sends at the "
-            "budget (`auto`: 5% of the interface's speed), a tenth of it while training's "
-            "traffic queues on the link", False,
+            "budget (`auto`: derived from the job's checkpoint bytes and save cadence, backing "
+            "off when its steps slow down; an explicit budget: a tenth of it while training's "
+            "traffic queues on the link)", False,
             env="MLCHECKPOINT_ADAPTIVE_PACING", from_text=_text_flag, shown="`0`"),
     Setting("replicas", "replication", "partner nodes that keep a replica of each shard (1-8), "
             "in distinct failure domains where possible: losing any `replicas` nodes resumes "

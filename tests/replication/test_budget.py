@@ -12,6 +12,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -38,12 +39,17 @@ from mlcheckpoint.replication.core.delay_control import (
     DECREASE,
     FLOOR_SHARE,
     GROW_S,
+    HEADROOM,
     MAX_GROW_GAP_S,
+    MAX_SHARE,
     PEAK_AFTER_OVERSHOOT,
     PEAK_MEMORY_S,
+    SLOW_CUT,
     TARGET_DELAY_S,
     YIELD_NOW_DELAY_S,
     Rate,
+    StepPacer,
+    derived_rate,
     net_of_ack_gap,
     next_rate,
     queueing_delay,
@@ -451,3 +457,141 @@ def test_adaptive_pacing_grows_into_an_idle_link_and_yields_to_a_competing_flow(
     assert len(alone) > 20 and len(shared) > 20, (len(alone), len(shared), span)
     assert statistics.median(alone) > 0.4 * link > 4 * start, statistics.median(alone)
     assert statistics.median(shared) < 0.2 * link, statistics.median(shared)
+
+
+# --------------------------------------------------------------------------- derived default
+SHARD = 201 * 10**6  # issue 45's FSDP shard per rank (a 2-node job, one rank per node)
+STEP_S = 2.1  # its step, a save every step
+LINK = 5 * 10**9 // 8  # a 5 Gbit/s link
+
+
+def derived_budget(time: SimulatedTime, path: str | None = None) -> Budget:
+    """The default ("auto") of a node whose link reports ``LINK``: what ``node_budget`` makes."""
+    return Budget(default_bandwidth(LINK), path, yielding=True, ceiling=int(MAX_SHARE * LINK),
+                  clock=time.clock, sleep=time.sleep)
+
+
+def saves(b: Budget, time: SimulatedTime, intervals: list[float], send: int = 0) -> None:
+    """A save after each interval; ``send`` bytes go through the budget during each one."""
+    for gap in intervals:
+        start = time.now
+        if send:
+            for _ in b.chunks(0, send):
+                pass
+        time.now = max(time.now, start + gap)
+        b.note_save()
+
+
+def test_a_derived_default_carries_a_shard_per_step_where_the_link_has_room():
+    """Told the bytes per save and the saves' cadence, the default sends a shard in well under
+    a step (HEADROOM x what keeping up needs), where the old default (5% of the link, 31 MB/s
+    here) took 6.4 s per 2.1 s step and lagged further every step."""
+    time = SimulatedTime()
+    b = derived_budget(time)
+    assert b.derived and b.rate == default_bandwidth(LINK)
+    b.need(SHARD)
+    saves(b, time, [STEP_S] * 4)
+    assert b.current_rate() == pytest.approx(HEADROOM * SHARD / STEP_S)
+    t0 = time.now
+    for _ in b.chunks(0, SHARD):
+        pass
+    pushed_in = time.now - t0
+    assert pushed_in <= STEP_S / HEADROOM + 0.01, pushed_in
+    assert SHARD / default_bandwidth(LINK) > 3 * STEP_S  # the old default could not keep up
+    # ...and never more than MAX_SHARE of the link, however large the need.
+    b.need(100 * SHARD)
+    assert b.current_rate() == pytest.approx(MAX_SHARE * LINK)
+
+
+def test_an_explicit_budget_wins_over_the_derived_default(monkeypatch):
+    monkeypatch.delenv("MLCHECKPOINT_ADAPTIVE_PACING", raising=False)
+    explicit = node_budget(40 * 10**6, "eth9", None)
+    assert not explicit.derived
+    explicit.need(SHARD)
+    for _ in range(4):
+        explicit.note_save()
+    assert explicit.current_rate() == 40 * 10**6
+    assert node_budget("auto", "eth9", None).derived  # the default is the derived one
+    assert not node_budget("auto", "lo", None).derived  # loopback: nothing to share with
+    monkeypatch.setenv("MLCHECKPOINT_ADAPTIVE_PACING", "1")
+    assert not node_budget("auto", "eth9", None).derived  # the controller's own pacing
+
+
+def test_the_derived_default_backs_off_when_training_slows_not_when_it_shares():
+    time = SimulatedTime()
+    b = derived_budget(time)
+    b.need(SHARD)
+    saves(b, time, [STEP_S] * 3)  # replication idle: the baseline
+    full = b.current_rate()
+    # Sending beside training whose steps stay as long: a queue on the path is sharing.
+    saves(b, time, [STEP_S] * 6, send=10**6)
+    b.saw_queue(10 * YIELD_DELAY_S)
+    assert b.current_rate() == pytest.approx(full)
+    # One slow step is noise...
+    saves(b, time, [1.5 * STEP_S], send=10**6)
+    assert b.current_rate() == pytest.approx(full)
+    # ...steps 10% longer while it sends: training slowed down; it backs off at each one...
+    saves(b, time, [1.1 * STEP_S] * 2, send=10**6)
+    assert b.pacer is not None and b.pacer.cuts == 2
+    assert b.current_rate() == pytest.approx(SLOW_CUT ** 2 * full)
+    # ...down to the floor at most, and back up once the steps are as long as before.
+    saves(b, time, [2 * STEP_S] * 100, send=10**6)
+    assert b.current_rate() >= b.derived_floor
+    saves(b, time, [STEP_S] * 100, send=10**6)
+    assert b.current_rate() == pytest.approx(full)
+
+
+def test_step_pacer_takes_the_baseline_from_intervals_without_replication():
+    pacer = StepPacer()
+    assert pacer.baseline is None
+    for gap in (1.0, 1.2, 1.1):
+        pacer.interval(gap, sending=True)
+    assert pacer.baseline == 1.0  # none idle yet: the shortest
+    for gap in (2.0, 2.2, 2.1):
+        pacer.interval(gap, sending=False)
+    assert pacer.baseline == 2.1
+    assert derived_rate(10, 2.0, 1.0, start=1, floor=1, ceiling=100) == HEADROOM * 5
+    assert derived_rate(10, 2.0, 1.0, start=20, floor=1, ceiling=100) == 20  # never below the start...
+    assert derived_rate(10, 2.0, 0.5, start=20, floor=1, ceiling=100) == 10  # ...unless training slowed
+    assert derived_rate(10, 2.0, 0.01, start=20, floor=1, ceiling=100) == 1
+    assert derived_rate(10**6, 2.0, 1.0, start=20, floor=1, ceiling=100) == 100
+
+
+def test_a_real_send_at_the_derived_default_is_held_back_less_than_a_save_interval(tmp_path):
+    """One real transfer (TCP over loopback, sendfile from a file, the kernel's pacing): a
+    derived budget told of 32 MiB per save every ~50 ms books it at its ceiling, and holds the
+    sender back for no longer than the shard takes at that rate (the old default, 62.5 MB/s,
+    held it ~0.5 s)."""
+    nbytes, ceiling = 32 * MiB, 400 * 10**6
+    b = Budget(default_bandwidth(None), str(tmp_path / "bw"), yielding=True, ceiling=ceiling)
+    b.need(nbytes)
+    for _ in range(4):
+        b.note_save()
+        time.sleep(0.05)
+    assert b.current_rate() == ceiling
+    data = tmp_path / "shard"
+    data.write_bytes(os.urandom(nbytes))
+    got = bytearray()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        conn, _ = server.accept()
+
+        def read() -> None:
+            while chunk := conn.recv(1 << 20):
+                got.extend(chunk)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            with open(data, "rb") as f:
+                b.sendfile(client, f.fileno(), 0, nbytes)
+        finally:
+            client.close()
+            reader.join(timeout=30)
+            conn.close()
+            b.close()
+    assert bytes(got) == data.read_bytes()
+    profile = b.profile()
+    assert profile["sent_bytes"] == nbytes
+    assert profile["budget_wait_seconds"] <= nbytes / ceiling + 0.05, profile
+    assert profile["send_seconds"] > 0

@@ -29,9 +29,16 @@ below the link's rate, builds no queue. The setting ``adaptive_pacing`` says wha
   between the ceiling, the budget (``replication_bandwidth``; "auto": the NIC's speed, or an
   assumed 10 Gbit/s), and ``FLOOR_SHARE`` of where it starts (the budget; "auto": the default
   share of the link). So replication takes the gaps between collectives, and gives them back.
-- fixed (the default, as before issue 28): the budget is the rate; past
-  ``YIELD_DELAY_S`` of delay the whole node's replication drops to ``YIELD_SHARE`` of it for
-  ``YIELD_HOLD_S``, renewed while the queue stays.
+- fixed (the default): an explicit budget is the rate; past ``YIELD_DELAY_S`` of delay the
+  whole node's replication drops to ``YIELD_SHARE`` of it for ``YIELD_HOLD_S``, renewed while
+  the queue stays. The default budget ("auto", issue 45) is derived from the job: once the
+  replicator has told it the bytes the node sends per save (``need``) and the saves' cadence
+  (``note_save``), the rate is ``delay_control.derived_rate``: HEADROOM x those bytes per save
+  interval, at least the old default (``default_bandwidth``), at most MAX_SHARE of the link.
+  It then no longer yields to a queue (a collective beside it is sharing, not harm); it backs
+  off when the save interval, while it sends, grows past the interval's baseline
+  (``delay_control.StepPacer``): training itself slowed down. Until both are known it paces
+  as an explicit budget of ``default_bandwidth``.
 
 Pacing goes in chunks of about 4 ms of budget (64 KiB to 4 MiB), each still sent with
 sendfile() straight from the tmpfs file: no extra copy. Each paced socket also gets
@@ -45,6 +52,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import logging
 import os
 import socket
 import struct
@@ -57,8 +65,12 @@ from ...errors import ProtocolError
 from ...settings import BY_NAME
 from .delay_control import (
     FLOOR_SHARE,
+    HEADROOM,
+    MAX_SHARE,
     NO_PACING,
     Rate,
+    StepPacer,
+    derived_rate,
     net_of_ack_gap,
     next_rate,
     note_once,
@@ -67,6 +79,8 @@ from .delay_control import (
     use_low_priority,
 )
 from .network import link_speed
+
+log = logging.getLogger(__name__)
 
 # The default budget ("auto"), as a share of the speed of the NIC replication uses. The link
 # also carries training's collectives: replication at a share s leaves training 1 - s of it,
@@ -95,6 +109,9 @@ YIELD_DELAY_S = 0.001
 YIELD_SHARE = 0.1
 YIELD_HOLD_S = 0.1
 
+
+
+HEADROOM_TEXT = f"derived from the job: {HEADROOM:g}x its checkpoint bytes per save interval"
 
 
 def default_bandwidth(link_bytes_per_s: int | None) -> int:
@@ -209,6 +226,7 @@ class Budget:
 
     def __init__(self, bytes_per_s: int, path: str | None = None, *, origin: str = "",
                  yielding: bool = False, adaptive: bool = False, start: int | None = None,
+                 ceiling: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep):
         if isinstance(bytes_per_s, bool) or not isinstance(bytes_per_s, int) or bytes_per_s < 0:
@@ -230,7 +248,19 @@ class Budget:
         self._counters = threading.Lock()
         self.bytes_sent = 0
         self.seconds_waited = 0.0
+        self.seconds_sending = 0.0  # in sendfile()/sendall(): the kernel reads tmpfs and sends
         self.yields = 0  # times this process saw a queue and slowed the node down
+        # The default derived from the job (fixed pacing, "auto": ``ceiling`` given): the rate
+        # follows the bytes per save and the saves' cadence, within [floor, ceiling].
+        self.derived = ceiling is not None and bytes_per_s > 0 and not self.adaptive
+        self.ceiling = float(max(bytes_per_s, ceiling or 0))
+        self.derived_floor = max(1.0, FLOOR_SHARE * bytes_per_s)
+        self.pacer = StepPacer(least=self.derived_floor / self.ceiling) if self.derived else None
+        self._need = 0  # bytes the node sends per save (``need``)
+        self._last_save: tuple[float, int] | None = None  # (when, bytes_sent then)
+        self._derived_rate: float | None = None  # None: not derived yet
+        if self.derived:  # a booking may be slept on for as long as the slowest rate takes
+            self._stale_after = max(self._stale_after, 1024 * self.chunk / self.derived_floor)
 
     @property
     def capped(self) -> bool:
@@ -242,9 +272,51 @@ class Budget:
         if self.adaptive:
             return (f"adaptive: up to {format_rate(self.rate)} per node ({self.origin}), from "
                     f"{format_rate(self.start)}, yielding to other traffic on the link")
+        if self.derived:
+            return (f"{HEADROOM_TEXT} per node, within {format_rate(self.derived_floor)} to "
+                    f"{format_rate(self.ceiling)}, from {format_rate(self.rate)} ({self.origin})")
         return f"at most {format_rate(self.rate)} per node ({self.origin})"
 
+    # ------------------------------------------------------------------ the derived default
+    def need(self, nbytes: int) -> None:
+        """The replicator's word: the node sends about ``nbytes`` per save (its ranks' pushes
+        together). The derived default's rate follows it."""
+        if self.derived and nbytes > 0:
+            self._need = nbytes
+            self._derive()
+
+    def note_save(self) -> None:
+        """A save was made here: one more interval for ``StepPacer`` (did replication send
+        during it?), and the derived rate follows."""
+        if not self.derived:
+            return
+        now = self._clock()
+        with self._counters:
+            sent = self.bytes_sent
+        last, self._last_save = self._last_save, (now, sent)
+        if last is not None and self.pacer is not None:
+            self.pacer.interval(now - last[0], sent > last[1])
+            self._derive()
+
+    def _derive(self) -> None:
+        """Publish the derived rate in the node's schedule (every rank of the node books at
+        the last one written: their shards, and so their rates, are alike)."""
+        pacer = self.pacer
+        base = pacer.baseline if pacer is not None else None
+        if pacer is None or base is None or not self._need:
+            return
+        rate = derived_rate(self._need, base, pacer.factor, start=self.rate,
+                            floor=self.derived_floor, ceiling=self.ceiling)
+        if self._derived_rate is None or abs(rate - self._derived_rate) > 0.05 * self._derived_rate:
+            log.debug("replication budget derived: %s (%d bytes per save every %.3f s, "
+                      "back-off %.2f)", format_rate(rate), self._need, base, pacer.factor)
+        self._derived_rate = rate
+        with self.schedule.locked() as booking:
+            booking.rate = rate
+
     def _booking_rate(self, booking: Booking, start: float) -> float:
+        if self.derived and booking.rate:
+            return booking.rate
         if self.adaptive:
             if not booking.rate:
                 booking.rate = self.start
@@ -288,7 +360,7 @@ class Budget:
         end = offset + nbytes
         start = offset
         while start < end:
-            chunk = chunk_bytes(int(self._rate_now)) if self.adaptive else self.chunk
+            chunk = chunk_bytes(int(self._rate_now)) if self.adaptive or self.derived else self.chunk
             n = min(chunk, end - start)
             self.take(n)
             yield start, n
@@ -299,8 +371,21 @@ class Budget:
         with self.kernel_paced(sock) as pace:
             for start, n in self.chunks(offset, nbytes):
                 pace()
+                t0 = time.perf_counter()
                 sendfile_all(sock, fd, start, n)
+                self._sending(time.perf_counter() - t0)
                 self.watch(sock)
+
+    def _sending(self, seconds: float) -> None:
+        with self._counters:
+            self.seconds_sending += seconds
+
+    def profile(self) -> dict[str, float]:
+        """This process's sending so far: bytes, seconds in the kernel's send (which reads
+        the tmpfs file: sendfile), seconds the budget held it back, queues it yielded to."""
+        with self._counters:
+            return {"sent_bytes": self.bytes_sent, "send_seconds": self.seconds_sending,
+                    "budget_wait_seconds": self.seconds_waited, "budget_yields": self.yields}
 
     def watch(self, sock: socket.socket) -> None:
         """After a chunk: act on the queue on the path to the peer (module docstring)."""
@@ -338,8 +423,10 @@ class Budget:
     def saw_queue(self, delay: float | None) -> None:
         """Fixed pacing: a socket's queueing delay was ``delay`` seconds (None: unknown): past
         ``YIELD_DELAY_S``, every sender of the node books at ``YIELD_SHARE`` of the budget for
-        the next ``YIELD_HOLD_S``."""
+        the next ``YIELD_HOLD_S``. Not once the default is derived from the job."""
         if not self.yielding or delay is None or delay <= YIELD_DELAY_S:
+            return
+        if self._derived_rate is not None:  # derived: a queue is sharing; StepPacer sees harm
             return
         with self.schedule.locked() as booking:
             booking.yield_until = max(booking.yield_until, self._clock() + YIELD_HOLD_S)
@@ -352,7 +439,9 @@ class Budget:
         with self.kernel_paced(sock) as pace:
             for start, n in self.chunks(0, len(view)):
                 pace()
+                t0 = time.perf_counter()
                 sock.sendall(view[start:start + n])
+                self._sending(time.perf_counter() - t0)
 
     @contextlib.contextmanager
     def kernel_paced(self, sock: socket.socket) -> Iterator[Callable[[], None]]:
@@ -425,5 +514,8 @@ def node_budget(setting: int | str, interface: str | None, path: str | None, *,
     if adaptive and yielding:
         return Budget(speed or ASSUMED_LINK_BYTES_PER_S, path, origin=f"default: {link}",
                       yielding=True, adaptive=True, start=default_bandwidth(speed))
-    return Budget(default_bandwidth(speed), path, yielding=yielding,
+    # Derived from the job where other traffic shares the link (see the module docstring);
+    # on loopback the old default stays (nothing to share with, nothing to derive for).
+    ceiling = int(MAX_SHARE * (speed or ASSUMED_LINK_BYTES_PER_S)) if yielding else None
+    return Budget(default_bandwidth(speed), path, yielding=yielding, ceiling=ceiling,
                   origin=f"default: {DEFAULT_BANDWIDTH_SHARE:g} of {link}")

@@ -98,6 +98,73 @@ def next_rate(state: Rate, delay: float, since_sample: float, since_cut: float, 
     return Rate(min(ceiling, max(floor, state.rate + step)), peak)
 
 
+# The default budget of a job whose checkpoint crosses the link ("auto", fixed pacing:
+# ``derived_rate`` and ``StepPacer``). Replication is given HEADROOM times what carrying the
+# node's checkpoint bytes every save interval needs (so a push takes about half an interval and
+# a round's fixed costs still fit), within MAX_SHARE of the link; it backs off only when the
+# save interval, while it sends, grows past SLOWDOWN_TOLERANCE over the interval while it does
+# not (training itself slowed down), not when a collective merely queues beside it.
+HEADROOM = 2.0
+MAX_SHARE = 0.5
+SLOWDOWN_TOLERANCE = 0.03
+SLOW_CUT = 0.7  # a slowed interval: the rate times this...
+SLOW_GROW = 1.15  # ...and back up by this per interval that is not slowed
+PACER_WINDOW = 20  # the intervals the baseline is taken over
+PACER_SAMPLES = 3  # the slowdown is the median of this many recent intervals that sent
+
+
+def derived_rate(need: int, interval: float, factor: float, *, start: float, floor: float,
+                 ceiling: float) -> float:
+    """The node's rate, bytes/s: HEADROOM x ``need`` (bytes the node's ranks send per save)
+    per ``interval`` (seconds between saves, unslowed), never less than ``start`` (the old
+    fixed default: a job that saves rarely keeps its protection as young as before), times
+    ``factor`` (``StepPacer``'s back-off, <= 1), within [floor, ceiling]."""
+    want = max(start, HEADROOM * need / max(interval, 1e-3))
+    return min(ceiling, max(floor, factor * want))
+
+
+class StepPacer:
+    """Tells training slowed by replication from training sharing the link with it: the
+    intervals between this rank's saves, each marked whether replication sent during it.
+    The baseline is the median interval that sent nothing (none yet: the shortest seen). An
+    interval that sent and is past it by more than ``SLOWDOWN_TOLERANCE``, while the median of
+    the last ``PACER_SAMPLES`` that sent is too (one slow step is noise), cuts ``factor`` (to
+    no less than ``least``): every such interval, as steps are seconds long and a job that
+    slows for several of them has lost more than replication gains. An interval that sent and
+    was not slowed lets it grow back to 1. A pure state machine: no clock, no I/O."""
+
+    def __init__(self, least: float = 0.01):
+        self.least = least
+        self.factor = 1.0
+        self.idle: list[float] = []
+        self.every: list[float] = []
+        self.busy: list[float] = []
+        self.cuts = 0
+
+    @property
+    def baseline(self) -> float | None:
+        if self.idle:
+            return sorted(self.idle)[len(self.idle) // 2]
+        return min(self.every) if self.every else None
+
+    def interval(self, seconds: float, sending: bool) -> None:
+        """One interval between saves, and whether replication sent bytes during it."""
+        self.every = [*self.every, seconds][-PACER_WINDOW:]
+        if not sending:
+            self.idle = [*self.idle, seconds][-PACER_WINDOW:]
+            return
+        self.busy = [*self.busy, seconds][-PACER_SAMPLES:]
+        base = self.baseline
+        if base is None or len(self.busy) < PACER_SAMPLES:
+            return
+        bound = base * (1 + SLOWDOWN_TOLERANCE)
+        if seconds > bound and sorted(self.busy)[len(self.busy) // 2] > bound:
+            self.factor = max(self.least, self.factor * SLOW_CUT)
+            self.cuts += 1
+        elif seconds <= bound:
+            self.factor = min(1.0, self.factor * SLOW_GROW)
+
+
 _noted: set[str] = set()
 
 

@@ -25,6 +25,7 @@ sink calls nothing else above it. How each replica was received
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -50,7 +51,13 @@ if TYPE_CHECKING:
     from ...store.shards import ShardWriter
 
 
+log = logging.getLogger(__name__)
 KEPT_RECEIPT_TIMES = 64  # ReceiveSink.receipt_times holds the last this many replicas'
+# ``ReceiveSink.profile``: replicas committed, their bytes, and seconds getting their buffers,
+# receiving (from the buffer to the last byte, streamed hashing included), hashing (on arrival
+# and at the commit) and committing.
+PROFILE_KEYS = ("received_replicas", "received_bytes", "receive_buffer_seconds",
+                "receive_seconds", "verify_seconds", "commit_seconds")
 
 
 @dataclass
@@ -111,6 +118,8 @@ class ReceiveSink:
         # (step, owner) -> how its replica was received, the newest KEPT_RECEIPT_TIMES.
         self.receipt_times: OrderedDict[tuple[int, int], ReceiptTimes] = OrderedDict()
         self._times_lock = threading.Lock()
+        # Every committed replica's times, summed (``profile``).
+        self._totals = dict.fromkeys(PROFILE_KEYS, 0.0)
 
     # ------------------------------------------------------------------ what is accepted
     def accept_from(self, history: Lineage) -> None:
@@ -161,7 +170,25 @@ class ReceiveSink:
             self.receipt_times[(m.step, m.rank)] = times
             while len(self.receipt_times) > KEPT_RECEIPT_TIMES:
                 self.receipt_times.popitem(last=False)
-        return Receipt(shard, m, times)
+        return Receipt(shard, m, times, on_commit=self._committed)
+
+    def _committed(self, receipt: Receipt) -> None:
+        """Add a committed replica's times to ``profile``; one DEBUG line each."""
+        t = receipt.times
+        receive = (t.commit_at or t.buffer_ready_at) - t.buffer_ready_at
+        with self._times_lock:
+            for key, value in zip(PROFILE_KEYS, (1, receipt.nbytes, t.buffer_s, receive,
+                                                 t.checksum_s, t.commit_s or 0.0), strict=True):
+                self._totals[key] += value
+        log.debug("received step %d rank %d: %d bytes, buffer %.3fs, receiving %.3fs, "
+                  "verifying %.3fs (%.3fs at the commit), committing %.3fs", receipt.m.step,
+                  receipt.m.rank, receipt.nbytes, t.buffer_s, receive, t.checksum_s,
+                  t.checksum_at_commit_s, t.commit_s or 0.0)
+
+    def profile(self) -> dict[str, float]:
+        """Every replica committed here so far: counts, bytes, seconds (``PROFILE_KEYS``)."""
+        with self._times_lock:
+            return dict(self._totals)
 
     def received(self, m: Manifest) -> None:
         """A replica a peer pushed is committed and acknowledged: tell the subscribers."""
@@ -182,8 +209,10 @@ class Receipt:
     """One replica arriving into a fresh buffer: filled by a transport, then committed or
     aborted. As a context manager, leaving it without ``commit()`` aborts it."""
 
-    def __init__(self, shard: ShardWriter, m: Manifest, times: ReceiptTimes | None = None):
+    def __init__(self, shard: ShardWriter, m: Manifest, times: ReceiptTimes | None = None,
+                 *, on_commit: Callable[[Receipt], None] | None = None):
         self._shard, self.m = shard, m
+        self._on_commit = on_commit
         now = time.monotonic()
         self.times = times or ReceiptTimes(0.0, now, time.process_time())
         self.array = shard.buffer.array  # where the transport puts the bytes
@@ -243,6 +272,8 @@ class Receipt:
         times.checksum_s += t1 - t0
         times.commit_s = t2 - t1
         times.cpu_s = time.process_time() - times.cpu_at_begin
+        if self._on_commit is not None:
+            self._on_commit(self)
 
     def abort(self) -> None:
         """Give the buffer back (nothing of it becomes visible); no-op once committed."""

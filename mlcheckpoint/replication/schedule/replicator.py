@@ -56,6 +56,11 @@ class StepReplication:
     attempts: int = 0
     bytes: int = 0
     seconds: float = 0.0  # pushing (0 when copies covered it: no push for the rate)
+    # This process's budget counters over the push (heals it served meanwhile included),
+    # summed over a striped push's streams: seconds in the kernel's send from the tmpfs file,
+    # and held back by the budget.
+    send_seconds: float = 0.0
+    budget_wait_seconds: float = 0.0
     metadata_pushed: str | None = None  # the save whose metadata reached the other nodes
 
 
@@ -142,6 +147,7 @@ class Replicator:
             self._unreplicated[step] = save_id
             if share_metadata and self.metadata_targets:
                 self._metadata_due[step] = save_id
+        self.transport.budget.note_save()  # the saves' cadence: the default budget follows it
         self._active.set()
         self.rounds.hurry()
         self._wake.set()
@@ -158,6 +164,11 @@ class Replicator:
             self.rounds.forget()  # the loaded step may be older than the last round's
         self._active.set()
         self._wake.set()
+
+    def profile(self) -> dict[str, float]:
+        """Where replication's time went in this process, summed since it started: sending
+        (``Budget.profile``) and receiving (``ReceiveSink.profile``)."""
+        return {**self.transport.budget.profile(), **self.transport.sink.profile()}
 
     def state(self, step: int) -> StepReplication | None:
         with self._lock:
@@ -417,11 +428,16 @@ class Replicator:
                 return False
             rep.attempts += 1
         t0 = time.perf_counter()
+        budget = self.transport.budget
+        before = budget.profile()
         sent = skipped = 0
         try:
             m = self.store.read_manifest(step, self.topology.rank)
             plan = covered.plan_push(m, st, self._step_items(step, st, save_id), save_id,
                                      self.topology, self.places, self.targets)
+            # What the node sends per save (its ranks' shards alike): the default budget's need.
+            budget.need(self.topology.local_world_size
+                        * sum(covered.pushed_bytes(m, plan[peer]) for peer in self.targets))
             for peer in self.targets:
                 skipped += m.data_bytes - covered.pushed_bytes(m, plan[peer])
                 if peer in rep.acked_by or plan[peer] == []:
@@ -435,15 +451,23 @@ class Replicator:
                                "failed (attempt %d): %s", step, self.topology.rank, rep.attempts, e)
             return False
         pushed = any(push != [] for push in plan.values())
+        after = budget.profile()
         with self._lock:
             rep.state, rep.reason = "replicated", _covered_reason(plan)
             rep.bytes, rep.seconds = sent, time.perf_counter() - t0 if pushed else 0.0
+            rep.send_seconds = after["send_seconds"] - before["send_seconds"]
+            rep.budget_wait_seconds = after["budget_wait_seconds"] - before["budget_wait_seconds"]
             self.skipped_bytes += skipped
         history.record(self.store.job_dir, "replicate", step=step, rank=self.topology.rank,
                        targets=self.targets, bytes=sent, seconds=round(rep.seconds, 6),
+                       send_seconds=round(rep.send_seconds, 6),
+                       budget_wait_seconds=round(rep.budget_wait_seconds, 6),
+                       rate_bytes_per_s=round(budget.current_rate()),
                        transport=self.transport.name, skipped_bytes=skipped)
-        log.debug("replicated step %d rank %d to %s: %d bytes in %.3fs (%d bytes covered by "
-                  "copies)", step, self.topology.rank, self.targets, sent, rep.seconds, skipped)
+        log.debug("replicated step %d rank %d to %s: %d bytes in %.3fs (sending %.3fs, held "
+                  "back by the budget %.3fs, at %.0f B/s; %d bytes covered by copies)", step,
+                  self.topology.rank, self.targets, sent, rep.seconds, rep.send_seconds,
+                  rep.budget_wait_seconds, budget.current_rate(), skipped)
         # Counted for the save the partners acknowledged: they compared save ids, so an ack
         # for an earlier save of this step cannot count here.
         return True

@@ -44,17 +44,25 @@ Group = tuple[int, ...]  # the ranks whose shards hold copies of an item (sorted
 
 @dataclass(frozen=True)
 class Held:
-    """What one place holds of one owner's shard: all of it (``groups`` None), or the copy
-    groups whose every item a partial replica there lists."""
+    """What one place holds of one owner's shard: all of it (``items`` None), or the items a
+    partial replica there lists as the step's metadata records them (their offsets in the
+    owner's shard) and the copy groups all of whose items are among them. Both come from one
+    look at the replica's manifest (``StepItems.held``): what counts it towards *complete*
+    and *protected* (the groups) and what a reader asks of it (the items) never disagree."""
 
-    groups: frozenset[Group] | None = None
+    items: frozenset[int] | None = None
+    groups: frozenset[Group] = frozenset()
 
     @property
     def whole(self) -> bool:
-        return self.groups is None
+        return self.items is None
 
     def holds(self, group: Group) -> bool:
-        return self.groups is None or group in self.groups
+        return self.items is None or group in self.groups
+
+    def holds_item(self, offset: int) -> bool:
+        """Whether the item at ``offset`` of the owner's shard is here."""
+        return self.items is None or offset in self.items
 
 
 WHOLE = Held()
@@ -157,13 +165,17 @@ class StepItems:
         """The bytes of ``owner``'s items in ``groups``."""
         return sum(loc.nbytes for g in groups for loc in self.of(owner, g))
 
-    def held_groups(self, owner: int, listed: Iterable[Recorded]) -> frozenset[Group]:
-        """The groups of ``owner`` whose every item a partial replica's manifest lists (the
-        same place, size and checksum). A group it lists only in part counts as not held:
-        replication sends groups whole."""
+    def held(self, owner: int, listed: Iterable[Recorded]) -> Held:
+        """What a partial replica of ``owner``'s shard whose manifest lists ``listed`` holds:
+        the items it lists as this save recorded them (the same place, size and checksum),
+        and the groups it lists every item of. A group listed only in part counts as not
+        held: replication sends groups whole."""
         listing = Listing(listed)
-        return frozenset(g for g, locs in self.by_owner.get(owner, {}).items()
-                         if locs and listing.holds_all(locs))
+        by_group = self.by_owner.get(owner, {})
+        items = frozenset(loc.offset for locs in by_group.values() for loc in locs
+                          if listing.holds(loc))
+        return Held(items, frozenset(g for g, locs in by_group.items()
+                                     if locs and all(loc.offset in items for loc in locs)))
 
 
 def to_header(groups: CopyGroups) -> dict[str, list[list[int]]]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import CorruptShardError
 from ..integrity import digests
-from ..integrity.verify import Listing, Recorded, digest_item, digests_agree
+from ..integrity.verify import digest_item, digests_agree
 from . import coverage
 from .layout import ItemLocation
 
@@ -91,12 +91,6 @@ class Manifest:
     def held_bytes(self) -> int:
         """The bytes this shard holds (a partial replica: its items')."""
         return sum(n for _, n in self.held_ranges())
-
-    def holds(self, item: Recorded) -> bool:
-        """Whether this shard holds ``item`` (an ItemLocation of the step's metadata for its
-        owner): any item of a whole shard; for a partial replica, an item its manifest lists
-        with the same offset, size and checksum."""
-        return not self.partial or Listing(self.items).holds(item)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()

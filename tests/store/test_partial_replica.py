@@ -13,7 +13,9 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from mlcheckpoint import CapacityError
 from mlcheckpoint.integrity.checksum import checksum
+from mlcheckpoint.integrity.verify import Listing
 from mlcheckpoint.store import LocalStore
+from mlcheckpoint.store.coverage import Held
 from mlcheckpoint.store.layout import ItemLocation
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
 
@@ -74,9 +76,10 @@ def test_a_partial_manifest_lists_its_items_and_reads_as_before_without_the_mark
     again = Manifest.from_bytes(part.to_bytes())
     assert again.partial and again.held_ranges() == [(MiB, MiB), (3 * MiB, MiB)]
     assert "partial" not in m.to_dict() and not Manifest.from_bytes(m.to_bytes()).partial
-    assert part.holds(ItemLocation(0, MiB, MiB, m.items[1].checksum))
-    assert not part.holds(ItemLocation(0, 0, MiB, m.items[0].checksum))
-    assert not part.holds(ItemLocation(0, MiB, MiB, m.items[1].checksum + 1))
+    listing = Listing(part.items)  # (the one check of whether a shard holds an item)
+    assert listing.holds(ItemLocation(0, MiB, MiB, m.items[1].checksum))
+    assert not listing.holds(ItemLocation(0, 0, MiB, m.items[0].checksum))
+    assert not listing.holds(ItemLocation(0, MiB, MiB, m.items[1].checksum + 1))
     merged = m.only(list(m.items[1:3]))  # adjacent items: one range
     assert merged.held_ranges() == [(MiB, 2 * MiB)]
     with pytest.raises(TypeError):
@@ -107,14 +110,15 @@ def test_the_inventory_counts_a_partial_replica_for_the_groups_it_holds_whole(st
         assert not store.step_state(3).complete  # rank 0's RNG state is nowhere here
         land(store, m0.only([rng]), data0)
         st = store.step_state(3)
-        assert st.partial == {0: frozenset({()})} and st.committed_ranks == {0, 1}
+        assert st.partial == {0: Held(frozenset({rng.offset}), frozenset({()}))}
+        assert st.committed_ranks == {0, 1}
         assert st.complete and store.complete_steps() == [3]
         store.retire_shard(3, 0)
         lying = m0.only([ManifestItem(rng.key, rng.offset, rng.nbytes, rng.checksum + 1)])
         shard = store.begin_shard(3, 0, m0.data_bytes, lying.held_ranges())
         shard.commit_manifest(lying)  # (as if its bytes had passed some other checksum)
         st = store.step_state(3)
-        assert st.partial == {0: frozenset()} and not st.complete
+        assert st.partial == {0: Held(frozenset(), frozenset())} and not st.complete
     finally:
         store.close()
 

@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Iterable, Iterator
 
 from ..errors import CorruptShardError, JobDirGoneError, ShardNotFoundError
-from ..integrity.verify import verify_region
+from ..integrity.verify import Listing, verify_region
 from ..settings import resolve_job_id, resolve_local_dir, resolve_memory_limit
 from ..tmpfs import local_dir_errors, warn_if_not_memory
 from . import cleanup
@@ -188,8 +188,8 @@ class LocalStore:
         damaged bytes does not pass). A shard of another save than the metadata here fails.
         """
         m, buf = self.map_shard(step, rank)
-        listed = {it.offset for it in m.items}  # a partial replica: only its items are here
-        recorded = [loc for loc in recorded if not m.partial or loc.offset in listed]
+        listing = Listing(m.items)  # a partial replica: only the items it lists are here
+        recorded = [loc for loc in recorded if not m.partial or listing.lists(loc.offset)]
         with contextlib.suppress(ShardNotFoundError):
             header, _ = self.read_metadata(step)
             if header.save_id != m.save_id:

@@ -102,6 +102,13 @@ def test_another_save_or_no_metadata_here_sends_the_whole_shard():
     # a manifest listing none of what the metadata says it holds: whole, not guessed at
     stray = Manifest("j", 3, 0, 8, [ManifestItem("x", 0, 8, 1)], world_size=4, save_id="s1")
     assert plan_push(stray, st, items, "s1", topo(0), 2, [1]) == {1: None}
+    # one listing the RNG entry's place with other bytes: the shard does not hold that item
+    # (the one check, integrity/verify.py Listing), so a partial replica of it is not guessed
+    # at either (a partner would count an item it does not hold)
+    m = shard(0, DDP)
+    m.items = [it if it.offset != 4096 else ManifestItem(it.key, 4096, 64, it.checksum + 1)
+               for it in m.items]
+    assert plan_push(m, st, items, "s1", topo(0), 2, [1]) == {1: None}
 
 
 def test_arriving_bytes_are_what_the_sources_send_this_node():

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...errors import MLCheckpointError
+from ...integrity.verify import Listing
 from ...store import LocalStore, coverage
 from ...store.coverage import StepItems
 from ...store.inventory import StepState
@@ -39,15 +40,15 @@ def plan_push(m: Manifest, st: StepState, items: StepItems | None, save_id: str,
         return whole
     owner, groups = m.rank, st.copy_groups
     holdings = _as_saved(owner, groups, topology)
-    listed = {it.offset: it for it in m.items}
+    listing = Listing(m.items)
     out: dict[int, Push] = {}
     for peer in targets:
         need = coverage.to_send(owner, groups, holdings, places, topology.node_of(peer),
                                 topology.place_of_node)
-        offsets = {loc.offset for g in need for loc in items.of(owner, g)}
-        if not offsets.issubset(listed):
+        locs = [loc for g in need for loc in items.of(owner, g)]
+        if not listing.holds_all(locs):
             return whole  # the manifest and the metadata disagree: send what is certain
-        chosen = [listed[o] for o in sorted(offsets)]
+        chosen = [listing.listed(o) for o in sorted({loc.offset for loc in locs})]
         # (a rank that holds no item of its own, or none lacking places, sends nothing)
         out[peer] = None if len(chosen) == len(m.items) else chosen
     return out

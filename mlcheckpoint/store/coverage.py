@@ -3,10 +3,10 @@
 A data-parallel job (DDP, HSDP's replica groups) holds the same item on several ranks. DCP
 writes it once, in the shard of the rank it chose (the item's *primary*); a save may also keep
 agreeing copies of it in other ranks' shards. The global metadata records both: per item, its
-primary location and its copies (``ItemLocation.copies``, only copies whose checksum agrees),
-and, per owner rank, its *copy groups* (``MetadataHeader.copy_groups``): the distinct sets of
-other ranks whose shards hold copies of some of the owner's items, the empty set standing for
-items that have no copy.
+primary location and its copies (``ItemLocation.copies``, only copies whose checksum agrees):
+the one record of copies. From it, per owner rank, its *copy groups* (``copy_groups``): the
+distinct sets of other ranks whose shards hold copies of some of the owner's items, the empty
+set standing for items that have no copy.
 
 Items of one owner in one copy group are held by the same places, so a group is the unit every
 question here is asked in. A node holds an item of group ``g`` of owner ``o`` when it holds
@@ -157,6 +157,12 @@ class StepItems:
         for loc in locations:
             self.by_owner.setdefault(loc.rank, {}).setdefault(group_of(loc), []).append(loc)
 
+    def groups(self) -> dict[int, list[list[int]]]:
+        """The copy groups of the save (``copy_groups``: an owner none of whose items has a
+        copy is left out)."""
+        return {owner: [list(g) for g in sorted(by_group)]
+                for owner, by_group in sorted(self.by_owner.items()) if any(by_group)}
+
     def of(self, owner: int, group: Group) -> list[ItemLocation]:
         """``owner``'s primary items in copy group ``group``."""
         return list(self.by_owner.get(owner, {}).get(group, ()))
@@ -178,27 +184,5 @@ class StepItems:
                                      if locs and all(loc.offset in items for loc in locs)))
 
 
-def to_header(groups: CopyGroups) -> dict[str, list[list[int]]]:
-    """Copy groups as the metadata header's JSON keeps them (keys are strings)."""
-    return {str(owner): [list(g) for g in gs] for owner, gs in groups.items()}
-
-
-def from_header(raw: object) -> dict[int, list[list[int]]]:
-    """Copy groups from a metadata header (a peer's bytes: checked); raises ValueError."""
-    if not isinstance(raw, dict) or len(raw) > MAX_OWNERS:
-        raise ValueError("malformed copy groups")
-    out: dict[int, list[list[int]]] = {}
-    for key, gs in raw.items():
-        if not isinstance(key, str) or not key.isdigit() or not isinstance(gs, list):
-            raise ValueError(f"malformed copy groups of {key!r}")
-        if len(gs) > MAX_GROUPS or not all(
-                isinstance(g, list) and all(isinstance(r, int) and not isinstance(r, bool)
-                                            and r >= 0 for r in g) for g in gs):
-            raise ValueError(f"malformed copy groups of rank {key}")
-        out[int(key)] = [list(g) for g in gs]
-    return out
-
-
 # Bounds on what a header may carry (a corrupt or hostile file is refused, not parsed on).
 MAX_OWNERS = 1 << 20
-MAX_GROUPS = 1 << 12

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ class StepState:
     header: MetadataHeader | None = None  # the metadata's verified header, when present
     shard_saves: dict[int, str] = field(default_factory=dict)  # owner -> save id of its shard
     damaged: dict[int, str] = field(default_factory=dict)  # owner -> why its copy is unusable
+    # owner -> which other ranks' shards hold copies of its items (``coverage.copy_groups``,
+    # from the metadata here)
+    copy_groups: dict[int, list[list[int]]] = field(default_factory=dict)
     # owner -> what its partial replica here holds (``coverage.Held``: the items it lists as
     # the metadata here records them, and the copy groups they make whole); an owner whose
     # committed shard here is whole is not listed
@@ -47,10 +51,6 @@ class StepState:
         """Owners whose committed shard here belongs to the save ``save_id``."""
         return {r for r in self.committed_ranks if self.shard_saves.get(r) == save_id}
 
-    @property
-    def copy_groups(self) -> dict[int, list[list[int]]]:
-        """Which other ranks' shards hold copies of each owner's items (``coverage.py``)."""
-        return self.header.copies() if self.header is not None else {}
 
     def holdings(self, place: object = "here") -> dict[int, dict[object, coverage.Held]]:
         """What this node (as ``place``) holds of each owner's shard of the save the metadata
@@ -112,6 +112,8 @@ class Inventory:
                 st.required_ranks = header.ranks
                 st.world_size = header.world_size
                 st.total_bytes = header.total_bytes
+                with contextlib.suppress(ShardNotFoundError, CorruptShardError):
+                    st.copy_groups = self.metadata.copy_groups(step)
         for r, listed in partial_items.items():
             st.partial[r] = self._held(step, r, listed, st)
         return st

@@ -264,7 +264,7 @@ def test_a_partial_replica_no_metadata_here_vouches_for_is_neither_counted_nor_r
                     (data if m.rank == 0 else data[:4096])[offset:offset + n], np.uint8)
             shard.commit_manifest(shard_m)
         stores[0].write_metadata(5, pickle.dumps(md), world_size=2, ranks=[0, 1], total_bytes=0,
-                                 save_id="s1", copy_groups={0: [[], [1]]})
+                                 save_id="s1")
         nodes = [take_inventory(store, n, [n]) for n, store in enumerate(stores)]
         assert nodes[1].steps[5].held(0) == Held(frozenset())
         plan = plan_resume(nodes, None, 3)

@@ -24,9 +24,9 @@ def topo(rank: int, domains: tuple[str, ...] = ()) -> Topology:
 
 def save(locations: list[ItemLocation], save_id: str = "s1") -> tuple[StepState, StepItems]:
     header = MetadataHeader(job_id="j", step=3, world_size=4, ranks=[0, 1, 2, 3], total_bytes=0,
-                            payload_bytes=0, checksum=0, save_id=save_id,
-                            copy_groups=coverage.to_header(coverage.copy_groups(locations)))
-    st = StepState(3, has_metadata=True, required_ranks=header.ranks, world_size=4, header=header)
+                            payload_bytes=0, checksum=0, save_id=save_id)
+    st = StepState(3, has_metadata=True, required_ranks=header.ranks, world_size=4, header=header,
+                   copy_groups=coverage.copy_groups(locations))
     return st, StepItems(locations)
 
 

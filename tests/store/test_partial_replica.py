@@ -4,6 +4,8 @@ room a save keeps for what replicas bring."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pickle
 
@@ -17,7 +19,7 @@ from mlcheckpoint.integrity.verify import Listing
 from mlcheckpoint.store import LocalStore
 from mlcheckpoint.store.coverage import Held
 from mlcheckpoint.store.layout import ItemLocation
-from mlcheckpoint.store.manifest import Manifest, ManifestItem
+from mlcheckpoint.store.manifest import Manifest, ManifestItem, decode_metadata
 
 JOB = "partial-replica"
 MiB = 1 << 20
@@ -90,7 +92,7 @@ def metadata(store: LocalStore, locations: dict[str, ItemLocation]) -> None:
     md = Metadata(state_dict_metadata={},
                   storage_data={MetadataIndex(k): loc for k, loc in locations.items()})
     store.write_metadata(3, pickle.dumps(md), world_size=2, ranks=[0, 1], total_bytes=0,
-                         save_id="s1", copy_groups={0: [[], [1]]})
+                         save_id="s1")
 
 
 def test_the_inventory_counts_a_partial_replica_for_the_groups_it_holds_whole(store_dir):
@@ -132,5 +134,29 @@ def test_a_save_keeps_room_for_what_the_replicas_bring(store_dir):
         assert e.value.needed >= 12 * MiB
         store.capacity.expect_replicas([0], 1, arriving=lambda: 64 << 10)  # an RNG state
         store.begin_shard(1, 0, 6 * MiB).abort()  # 6 MiB and 64 KiB fit in 8 MiB
+    finally:
+        store.close()
+
+
+def test_copies_are_recorded_once_and_metadata_naming_copy_groups_in_its_header_still_reads(store_dir):
+    """The metadata records each item's copies in its location alone; the copy groups every
+    rule counts in are derived from them. A file written when the header also carried the
+    groups (a step left in tmpfs by the previous version) reads, its groups from the
+    locations, whatever its header said."""
+    store = LocalStore(store_dir, JOB)
+    try:
+        m0, _ = owner_shard(items=2)
+        model, rng = m0.items
+        metadata(store, {"model": ItemLocation(0, model.offset, model.nbytes, model.checksum,
+                                               copies=((1, 0),)),
+                         "rng0": ItemLocation(0, rng.offset, rng.nbytes, rng.checksum)})
+        raw = store.read_metadata_file(3)
+        assert "copy_groups" not in json.loads(raw[:raw.index(b"\n")])  # once: in the locations
+        assert store.step_state(3).copy_groups == {0: [[], [1]]}
+        header, payload = decode_metadata(raw)
+        old = json.dumps({**dataclasses.asdict(header), "copy_groups": {"0": [[]]}}).encode()
+        store.write_metadata_file(3, old + b"\n" + payload)
+        assert store.read_metadata(3)[0].save_id == "s1"
+        assert store.step_state(3).copy_groups == {0: [[], [1]]}
     finally:
         store.close()

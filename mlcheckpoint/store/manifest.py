@@ -12,7 +12,6 @@ from typing import Any
 from ..errors import CorruptShardError
 from ..integrity import digests
 from ..integrity.verify import digest_item, digests_agree
-from . import coverage
 from .layout import ItemLocation
 
 FORMAT_VERSION = 1
@@ -173,13 +172,15 @@ def check_lineage(lineage: object) -> None:
 
 def check_modes(modes: object) -> None:
     """Copies modes are short words, one per node (they travel in headers a peer sends)."""
-    if not isinstance(modes, list) or len(modes) > coverage.MAX_OWNERS or not all(
+    if not isinstance(modes, list) or len(modes) > MAX_NODES or not all(
             isinstance(m, str) and len(m) <= 16 for m in modes):
         raise ValueError("malformed copy modes")
 
 
 # The header field of the copy groups, before they were derived from the items' locations.
 OLD_COPY_GROUPS = "copy_groups"
+# Nodes a header's copies modes may name (a corrupt or hostile file is refused, not parsed on).
+MAX_NODES = 1 << 20
 # Ancestor runs remembered in a header; older ones no longer matter to a resume.
 MAX_LINEAGE = 32
 

@@ -1,15 +1,15 @@
-"""replication/schedule/covered.py: what each partner is sent of a shard (pure): only the items
+"""store/coverage.py plan_push: what each partner is sent of a shard (pure): only the items
 that lack their places, from the save's metadata here."""
 
 from __future__ import annotations
 
-from mlcheckpoint.replication.schedule.covered import (
+from mlcheckpoint.store import coverage
+from mlcheckpoint.store.coverage import (
+    StepItems,
     arriving_bytes,
     plan_push,
     pushed_bytes,
 )
-from mlcheckpoint.store import coverage
-from mlcheckpoint.store.coverage import StepItems
 from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.store.layout import ItemLocation
 from mlcheckpoint.store.manifest import Manifest, ManifestItem, MetadataHeader

@@ -162,7 +162,9 @@ def measure() -> dict[str, Any]:
         out[phase] = {"files": len({f for f, _ in calls}), "functions": len(calls),
                       "threads": sorted({t for r in per_rank for t in r["threads"]}),
                       "both_ways": [list(p) for p in both_ways],
-                      "file_list": sorted({f for f, _ in calls})}
+                      "file_list": sorted({f for f, _ in calls}),
+                      # (to compare two runs function by function)
+                      "function_list": sorted(f"{f}:{fn}" for f, fn in calls)}
     return out
 
 

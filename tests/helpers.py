@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.integrity.verify import digest_item
-from mlcheckpoint.store import LocalStore, coverage
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.store.identity import Lineage
 from mlcheckpoint.store.layout import ItemLocation
 from mlcheckpoint.store.manifest import Manifest, ManifestItem
@@ -271,8 +271,7 @@ def put_save(stores: list[LocalStore], step: int, shards: dict[int, list[str]],
         if metadata_on is None or n in metadata_on:
             store.write_metadata(step, pickle.dumps(md), world_size=max(shards) + 1, ranks=sorted(shards),
                                  total_bytes=item_bytes * len(locations), save_id=save_id,
-                                 lineage=Lineage(run_id),
-                                 copy_groups=coverage.copy_groups(locations.values()))
+                                 lineage=Lineage(run_id))
 
 
 def pool_files(store: LocalStore) -> list[str]:

@@ -163,7 +163,7 @@ def choose(held: Mapping[int, Sequence[tuple[MetadataIndex, int]]],
         extra = sum(nbytes[k] for k in keys)
         # With copies, what its partners' replicas bring is what they hold alone (their
         # per-rank state), about what this node holds alone: replication sends only the
-        # items that lack places (replication/schedule/covered.py).
+        # items that lack places (store/coverage.py plan_push).
         if own[node] + extra + replicas * unique[node] > room.get(node, 0):
             modes[node] = DEDUP
             continue

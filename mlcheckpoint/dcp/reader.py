@@ -44,10 +44,10 @@ from ..errors import CopyId, CorruptShardError, MLCheckpointError, ShardNotFound
 from ..integrity import copier, digests
 from ..integrity.checksum import as_byte_tensor
 from ..integrity.verify import (
+    Listing,
     digest_item,
     digests_agree,
     integrity_error,
-    record_disagreement,
 )
 from ..store.layout import ItemLocation
 from ..store.local_store import LocalStore, ShardSource
@@ -482,7 +482,7 @@ class _Shards:
         self._open_local = open_local
         self._refused = refused  # (rank, item, why): a listed item whose record disagrees
         self._opened: dict[int, ShardSource | None] = {}
-        self._listed: dict[int, dict[int, ManifestItem]] = {}  # rank -> offset -> item
+        self._listed: dict[int, Listing[ManifestItem]] = {}  # rank -> its manifest's items
         self._stack = contextlib.ExitStack()
 
     def here(self, rank: int) -> ShardSource | None:
@@ -502,13 +502,13 @@ class _Shards:
         if source is None:
             return False
         if rank not in self._listed:
-            self._listed[rank] = {it.offset: it for it in source.manifest.items}
-        held = self._listed[rank].get(offset)
-        if held is None:
+            self._listed[rank] = Listing(source.manifest.items)
+        listing = self._listed[rank]
+        if not listing.lists(offset):
             return False
-        why = record_disagreement(held, offset, loc.nbytes, loc.checksum, digests.of(loc))
+        why = listing.disagreement(loc, offset)
         if why is not None:
-            self._refused(rank, held.key, why)
+            self._refused(rank, listing.listed(offset).key, why)
         return why is None
 
     def __enter__(self) -> Self:

@@ -34,7 +34,6 @@ from torch.futures import Future
 from .._faults import crash_point, pause_point
 from .._gc import pausing_gc
 from ..errors import MLCheckpointError
-from ..store import coverage
 from ..store.identity import Lineage, new_id
 from ..store.local_store import LocalStore, ShardWriter
 from ..store.manifest import Manifest
@@ -433,6 +432,5 @@ def commit_metadata(store: LocalStore, step: int, metadata: Metadata, world_size
     store.write_metadata(step, payload, world_size=world_size,
                          ranks={loc.rank for loc in locations},
                          total_bytes=sum(loc.nbytes for loc in locations),
-                         save_id=save_id, lineage=lineage,
-                         copy_groups=coverage.copy_groups(locations), copy_modes=copy_modes)
+                         save_id=save_id, lineage=lineage, copy_modes=copy_modes)
     log.debug("committed metadata of step %d (%d items)", step, len(locations))

@@ -17,7 +17,7 @@ happens, naming the bad copy (``errors.CopyId``) when the caller knows it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -70,35 +70,48 @@ def same_layout(held: Iterable[Recorded], offered: Iterable[Recorded]) -> bool:
     return layout(held) == layout(offered)
 
 
-class Listing:
-    """The items a record of a shard lists (a manifest's), by place, size, checksum and its
-    algorithm: whether another record's item (an ItemLocation of the step's metadata, an item
-    a peer offers) names the same bytes. A partial replica serves only the items its manifest
-    lists."""
+class Listing(Generic[R]):
+    """The items a record of a shard lists (a manifest's), by place: the one check of whether
+    that shard holds an item another record names (an ItemLocation of the step's metadata, an
+    item a peer offers): listed at the same place with the same size, algorithm and checksum.
+    A partial replica holds only the items its manifest lists; the reader, the planner's
+    inventory, the sender's plan, the receiver's "have" and ``verify`` all ask this."""
 
-    def __init__(self, items: Iterable[Recorded]):
-        self._keys = {(it.offset, it.nbytes, it.checksum, digests.of(it)) for it in items}
+    def __init__(self, items: Iterable[R]):
+        self._at: dict[int, list[R]] = {}  # offset -> the items listed there
+        for it in items:
+            self._at.setdefault(it.offset, []).append(it)
 
-    def holds(self, item: Recorded) -> bool:
-        return (item.offset, item.nbytes, item.checksum, digests.of(item)) in self._keys
+    def lists(self, offset: int) -> bool:
+        """Whether any item is listed at ``offset`` (what the record claims to hold there)."""
+        return offset in self._at
+
+    def listed(self, offset: int) -> R:
+        """The (first) item listed at ``offset``; only for an offset ``lists`` names."""
+        return self._at[offset][0]
+
+    def disagreement(self, item: Recorded, offset: int | None = None) -> str | None:
+        """Why the item listed at ``offset`` (default: ``item``'s own) is not the bytes
+        ``item`` records (a data-parallel copy of it lies at another offset of another
+        shard), in words; None when it is. Only for an offset ``lists`` names."""
+        at = item.offset if offset is None else offset
+        whys = [_disagreement(held, at, item.nbytes, item.checksum, digests.of(item))
+                for held in self._at.get(at, ())]
+        return None if None in whys else (whys[0] if whys else f"nothing is listed at offset {at}")
+
+    def holds(self, item: Recorded, offset: int | None = None) -> bool:
+        """Whether the shard holds ``item``'s bytes (at ``offset``, default its own)."""
+        at = item.offset if offset is None else offset
+        return self.lists(at) and self.disagreement(item, at) is None
 
     def holds_all(self, items: Iterable[Recorded]) -> bool:
         return all(self.holds(it) for it in items)
 
 
-def records_item(held: Recorded, offset: int, nbytes: int, checksum: int,
-                 algorithm: str = digests.DEFAULT) -> bool:
-    """Whether a shard's record of an item (its manifest's) names the bytes recorded
-    elsewhere (the global metadata) as ``nbytes`` at ``offset`` with ``checksum`` under
-    ``algorithm``: whether that shard holds this item, or this copy of it."""
-    return record_disagreement(held, offset, nbytes, checksum, algorithm) is None
-
-
-def record_disagreement(held: Recorded, offset: int, nbytes: int, checksum: int,
-                        algorithm: str = digests.DEFAULT) -> str | None:
+def _disagreement(held: Recorded, offset: int, nbytes: int, checksum: int,
+                  algorithm: str) -> str | None:
     """Why a shard's record of an item at ``offset`` does not name the bytes the step
-    recorded (``nbytes``, ``checksum`` under ``algorithm``), in words; None when it does
-    (``records_item``)."""
+    recorded (``nbytes``, ``checksum`` under ``algorithm``), in words; None when it does."""
     if held.offset != offset:
         return f"it records the item at offset {held.offset}, the step at {offset}"
     if held.nbytes != nbytes:

@@ -30,12 +30,11 @@ from ..recovery.resume import Comm
 from ..replication import ReceiveSink, Rendezvous, Replicator, StepReplication
 from ..replication.core import network
 from ..replication.factory import make_transport
-from ..replication.schedule import covered
 from ..replication.schedule.pairing import pairing_for, sources
 from ..replication.schedule.status import ProtectionStatus, save_times
 from ..replication.schedule.status import status as protection_status
 from ..settings import BY_NAME, Launcher, Options, ReplicationOptions, Timeouts, default
-from ..store import LocalStore
+from ..store import LocalStore, coverage
 from ..store.claim import mark_finished
 from ..store.identity import Lineage, new_id
 from ..tmpfs import RoomCheck
@@ -225,8 +224,8 @@ class CheckpointManager:
         self._lifecycle.retention.protect_replicas(
             self._replicator, owners, node_owners=[r for n in held for r in topo.ranks_of_node(n)])
         # Room for what the partners' replicas bring: with data parallelism's copies, only
-        # the items that lack places (covered.py), not shards of this rank's size.
-        arrivals = covered.Arrivals(self._store, self._topology, self._replicator.places, owners)
+        # the items that lack places (store/coverage.py), not shards of this rank's size.
+        arrivals = coverage.Arrivals(self._store, self._topology, self._replicator.places, owners)
         self._store.capacity.expect_replicas([self.rank], len(owners), arrivals)
         self._room.arriving = arrivals
         transport.accept_from(self._lineage)

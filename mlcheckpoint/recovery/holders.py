@@ -12,7 +12,7 @@ in what order, is decided in one place: ``holder_order``.
 The resume waits for the first two, so the holder sends them at the link's full speed; the
 rebuild runs in the background and is paced by the holder's bandwidth budget (``paced``).
 Once the shard is back, the replicator's ordinary rounds protect the step again: each rank
-pushes its partners what lacks places (``replication/schedule/covered.py``), as after a save.
+pushes its partners what lacks places (``store/coverage.py`` ``plan_push``), as after a save.
 """
 
 from __future__ import annotations

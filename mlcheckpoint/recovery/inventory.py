@@ -6,7 +6,6 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from ..errors import CorruptShardError, ShardNotFoundError
 from ..store import LocalStore
 from ..store.coverage import WHOLE, Held
 from ..store.identity import Lineage
@@ -30,22 +29,19 @@ class StepCopy:
     damaged: tuple[tuple[int, str], ...] = ()  # (owner, why) for unusable shard copies here
     # owner -> the sets of ranks whose shards hold copies of its items (``store/coverage.py``)
     copy_groups: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...] = ()
-    # (owner, the copy groups it holds) for each owner whose shard here is a partial replica
-    # (only the items that lacked places were sent): it serves those groups' items alone
-    partial: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...] = ()
-    # (owner, offsets of the items it lists) for each shard here that holds only some of its
-    # owner's items (a partial replica: its manifest says so); a shard not named is whole
-    partial_items: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # (owner, what it holds) for each owner whose shard here is a partial replica (only the
+    # items that lacked places were sent): the items it serves, and the copy groups they make
+    # whole (``coverage.Held``, one look at its manifest); a shard not named is whole
+    partial: tuple[tuple[int, Held], ...] = ()
 
     def copies(self) -> dict[int, list[list[int]]]:
         """The copy groups, keyed by owner rank."""
         return {owner: [list(g) for g in gs] for owner, gs in self.copy_groups}
 
     def held(self, owner: int) -> Held:
-        """What this node holds of ``owner``'s shard (``coverage.Held``): all of it, or the
-        groups a partial replica holds."""
-        groups = dict(self.partial).get(owner)
-        return WHOLE if groups is None else Held(frozenset(groups))
+        """What this node holds of ``owner``'s shard (``coverage.Held``): all of it, or what a
+        partial replica holds."""
+        return dict(self.partial).get(owner, WHOLE)
 
     def save_of(self, owner: int) -> str:
         """The save id of ``owner``'s shard here ("" when unrecorded)."""
@@ -80,8 +76,7 @@ def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInvent
             world_size=st.world_size, shard_bytes=tuple(sizes),
             shard_saves=tuple((o, st.shard_saves[o]) for o, _ in sizes),
             damaged=tuple(sorted(st.damaged.items())),
-            partial=tuple((o, tuple(sorted(st.partial[o]))) for o, _ in sizes if o in st.partial),
-            partial_items=tuple(_partial_shards(store, step, [o for o, _ in sizes])))
+            partial=tuple((o, st.partial[o]) for o, _ in sizes if o in st.partial))
         h = st.header
         if h is not None:  # the metadata here names its save, its run and the runs before it
             copy = dataclasses.replace(copy, save_id=h.save_id, run_id=h.run_id, created=h.created,
@@ -91,16 +86,3 @@ def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInvent
         inv.steps[step] = copy
     return inv
 
-
-def _partial_shards(store: LocalStore, step: int, owners: list[int]) -> list[tuple[int, tuple[int, ...]]]:
-    """(owner, offsets of its items listed here) for the shards here whose manifest marks
-    them partial (a replica that holds only the items that lacked their places)."""
-    out = []
-    for owner in owners:
-        try:
-            m = store.read_manifest(step, owner)
-        except (ShardNotFoundError, CorruptShardError):
-            continue  # retired or damaged since the listing: the next inventory says so
-        if m.partial:
-            out.append((owner, tuple(sorted(it.offset for it in m.items))))
-    return out

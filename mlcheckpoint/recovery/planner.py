@@ -308,7 +308,6 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
             for owner, why in copy.damaged:  # listed by its node, unusable: a refused copy
                 v.refused.add(owner)
                 v.damage.append(f"node {inv.node}: {why}")
-            partial = dict(copy.partial_items)
             for owner, nbytes in copy.shard_bytes:
                 if copy.save_of(owner) != v.save_id:
                     continue  # a shard of another save of this step: never part of this one
@@ -321,8 +320,8 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
                 if held.whole:
                     v.owner_nodes[owner].append(inv.node)
                     v.owner_bytes[owner] = nbytes
-                else:  # a partial replica: it serves the items its manifest lists
-                    v.partial.setdefault(owner, {})[inv.node] = frozenset(partial.get(owner, ()))
+                else:  # a partial replica: it serves the items it holds
+                    v.partial.setdefault(owner, {})[inv.node] = held.items or frozenset()
     return view
 
 

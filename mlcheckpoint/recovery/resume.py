@@ -420,7 +420,7 @@ class Recovery:
         replaced node's rank gets its own shard back as the save left it (on a background
         thread, off the resume's critical path, paced). Every rank's own shard is then on its
         own node, so the replicator's rounds of the loaded step push each partner what lacks
-        places (``covered.plan_push``), as after a save: every item regains its places, and
+        places (``coverage.plan_push``), as after a save: every item regains its places, and
         ``wait_replicated`` says when. A round named before the shard is back leaves the step
         unprotected and is named again (``Replicator._propose_next``)."""
         if self.replicator is None:

@@ -3,10 +3,10 @@
 A data-parallel job (DDP, HSDP's replica groups) holds the same item on several ranks. DCP
 writes it once, in the shard of the rank it chose (the item's *primary*); a save may also keep
 agreeing copies of it in other ranks' shards. The global metadata records both: per item, its
-primary location and its copies (``ItemLocation.copies``, only copies whose checksum agrees),
-and, per owner rank, its *copy groups* (``MetadataHeader.copy_groups``): the distinct sets of
-other ranks whose shards hold copies of some of the owner's items, the empty set standing for
-items that have no copy.
+primary location and its copies (``ItemLocation.copies``, only copies whose checksum agrees):
+the one record of copies. From it, per owner rank, its *copy groups* (``copy_groups``): the
+distinct sets of other ranks whose shards hold copies of some of the owner's items, the empty
+set standing for items that have no copy.
 
 Items of one owner in one copy group are held by the same places, so a group is the unit every
 question here is asked in. A node holds an item of group ``g`` of owner ``o`` when it holds
@@ -22,9 +22,9 @@ the copy groups:
 - ``to_send``: which of an owner's groups lack places and are not on a partner yet
   (replication sends those to it).
 
-The store (is a step whole here?), the replicator (what must it send, and to whom?), the room
-a node keeps for what arrives, and the recovery planner (is a step complete, protected?) all ask
-these functions, so the rule is written once.
+The store (is a step whole here?), the replicator (what must it send, and to whom?
+``plan_push``), the room a node keeps for what arrives (``Arrivals``), and the recovery planner
+(is a step complete, protected?) all ask these functions, so the rule is written once.
 """
 
 from __future__ import annotations
@@ -32,10 +32,17 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ..errors import MLCheckpointError
 from ..integrity.verify import Listing, Recorded
+from ..topology import Topology
 from .layout import ItemLocation
+from .manifest import Manifest, ManifestItem
+from .shards import align
+
+if TYPE_CHECKING:
+    from .inventory import StepState  # (which imports this module)
 
 # owner rank -> the distinct sets of ranks whose shards hold copies of some of its items
 CopyGroups = Mapping[int, Sequence[Sequence[int]]]
@@ -44,17 +51,25 @@ Group = tuple[int, ...]  # the ranks whose shards hold copies of an item (sorted
 
 @dataclass(frozen=True)
 class Held:
-    """What one place holds of one owner's shard: all of it (``groups`` None), or the copy
-    groups whose every item a partial replica there lists."""
+    """What one place holds of one owner's shard: all of it (``items`` None), or the items a
+    partial replica there lists as the step's metadata records them (their offsets in the
+    owner's shard) and the copy groups all of whose items are among them. Both come from one
+    look at the replica's manifest (``StepItems.held``): what counts it towards *complete*
+    and *protected* (the groups) and what a reader asks of it (the items) never disagree."""
 
-    groups: frozenset[Group] | None = None
+    items: frozenset[int] | None = None
+    groups: frozenset[Group] = frozenset()
 
     @property
     def whole(self) -> bool:
-        return self.groups is None
+        return self.items is None
 
     def holds(self, group: Group) -> bool:
-        return self.groups is None or group in self.groups
+        return self.items is None or group in self.groups
+
+    def holds_item(self, offset: int) -> bool:
+        """Whether the item at ``offset`` of the owner's shard is here."""
+        return self.items is None or offset in self.items
 
 
 WHOLE = Held()
@@ -149,6 +164,12 @@ class StepItems:
         for loc in locations:
             self.by_owner.setdefault(loc.rank, {}).setdefault(group_of(loc), []).append(loc)
 
+    def groups(self) -> dict[int, list[list[int]]]:
+        """The copy groups of the save (``copy_groups``: an owner none of whose items has a
+        copy is left out)."""
+        return {owner: [list(g) for g in sorted(by_group)]
+                for owner, by_group in sorted(self.by_owner.items()) if any(by_group)}
+
     def of(self, owner: int, group: Group) -> list[ItemLocation]:
         """``owner``'s primary items in copy group ``group``."""
         return list(self.by_owner.get(owner, {}).get(group, ()))
@@ -157,36 +178,117 @@ class StepItems:
         """The bytes of ``owner``'s items in ``groups``."""
         return sum(loc.nbytes for g in groups for loc in self.of(owner, g))
 
-    def held_groups(self, owner: int, listed: Iterable[Recorded]) -> frozenset[Group]:
-        """The groups of ``owner`` whose every item a partial replica's manifest lists (the
-        same place, size and checksum). A group it lists only in part counts as not held:
-        replication sends groups whole."""
+    def held(self, owner: int, listed: Iterable[Recorded]) -> Held:
+        """What a partial replica of ``owner``'s shard whose manifest lists ``listed`` holds:
+        the items it lists as this save recorded them (the same place, size and checksum),
+        and the groups it lists every item of. A group listed only in part counts as not
+        held: replication sends groups whole."""
         listing = Listing(listed)
-        return frozenset(g for g, locs in self.by_owner.get(owner, {}).items()
-                         if locs and listing.holds_all(locs))
+        by_group = self.by_owner.get(owner, {})
+        items = frozenset(loc.offset for locs in by_group.values() for loc in locs
+                          if listing.holds(loc))
+        return Held(items, frozenset(g for g, locs in by_group.items()
+                                     if locs and all(loc.offset in items for loc in locs)))
 
 
-def to_header(groups: CopyGroups) -> dict[str, list[list[int]]]:
-    """Copy groups as the metadata header's JSON keeps them (keys are strings)."""
-    return {str(owner): [list(g) for g in gs] for owner, gs in groups.items()}
+# ---------------------------------------------------------------------------- what is sent
+# What replication sends of one rank's shard, partner by partner: only the items that lack
+# their places. A shard whose every item lacks its places goes whole, as before copies
+# existed; one whose items all have them sends nothing. So a DDP job sends only its per-rank
+# entries (an RNG state, a data loader's position), and an FSDP job with one uncovered item
+# only that item, as a partial replica at the items' own offsets (``Manifest.only``).
+
+# What one partner gets: None, the whole shard; [], nothing; else these items (a partial replica)
+Push = list[ManifestItem] | None
 
 
-def from_header(raw: object) -> dict[int, list[list[int]]]:
-    """Copy groups from a metadata header (a peer's bytes: checked); raises ValueError."""
-    if not isinstance(raw, dict) or len(raw) > MAX_OWNERS:
-        raise ValueError("malformed copy groups")
-    out: dict[int, list[list[int]]] = {}
-    for key, gs in raw.items():
-        if not isinstance(key, str) or not key.isdigit() or not isinstance(gs, list):
-            raise ValueError(f"malformed copy groups of {key!r}")
-        if len(gs) > MAX_GROUPS or not all(
-                isinstance(g, list) and all(isinstance(r, int) and not isinstance(r, bool)
-                                            and r >= 0 for r in g) for g in gs):
-            raise ValueError(f"malformed copy groups of rank {key}")
-        out[int(key)] = [list(g) for g in gs]
+def plan_push(m: Manifest, st: StepState, items: StepItems | None, save_id: str,
+              topology: Topology, places: int, targets: Sequence[int]) -> dict[int, Push]:
+    """Per partner rank in ``targets``, what to send of this rank's shard ``m`` of save
+    ``save_id``, from the metadata of that save here (``st``, ``items``). Without it (rank 0
+    sends it to every node before naming a round, ``Replicator._propose_next``), the whole
+    shard goes to everyone."""
+    whole: dict[int, Push] = dict.fromkeys(targets)
+    # (the header's fields, not StepState's properties: this module is asked by the
+    # inventory, and asks it nothing back)
+    if (st.header is None or st.header.save_id != save_id or st.required_ranks is None
+            or items is None):
+        return whole
+    owner, groups = m.rank, st.copy_groups
+    holdings = _as_saved(owner, groups, topology)
+    listing = Listing(m.items)
+    out: dict[int, Push] = {}
+    for peer in targets:
+        need = to_send(owner, groups, holdings, places, topology.node_of(peer),
+                       topology.place_of_node)
+        locs = [loc for g in need for loc in items.of(owner, g)]
+        if not listing.holds_all(locs):
+            return whole  # the manifest and the metadata disagree: send what is certain
+        chosen = [listing.listed(o) for o in sorted({loc.offset for loc in locs})]
+        # (a rank that holds no item of its own, or none lacking places, sends nothing)
+        out[peer] = None if len(chosen) == len(m.items) else chosen
     return out
 
 
-# Bounds on what a header may carry (a corrupt or hostile file is refused, not parsed on).
-MAX_OWNERS = 1 << 20
-MAX_GROUPS = 1 << 12
+def pushed_bytes(m: Manifest, push: Push) -> int:
+    """The bytes ``push`` sends of shard ``m``."""
+    return m.data_bytes if push is None else sum(it.nbytes for it in push)
+
+
+def arriving_bytes(st: StepState, items: StepItems, topology: Topology, places: int,
+                   sources: Sequence[int]) -> int:
+    """The bytes the replicas of ``sources``' shards of the save ``st`` describes bring to
+    this rank's node (the same rule their senders follow, ``plan_push``): what a node keeps
+    room for beside its own shards."""
+    total = 0
+    for owner in sources:
+        holdings = _as_saved(owner, st.copy_groups, topology)
+        need = to_send(owner, st.copy_groups, holdings, places, topology.node_rank,
+                       topology.place_of_node)
+        total += sum(align(loc.nbytes) for g in need for loc in items.of(owner, g))
+    return total
+
+
+class _Steps(Protocol):
+    """What ``Arrivals`` reads of the store (``LocalStore``, which this module cannot name)."""
+
+    def steps(self) -> list[int]: ...
+
+    def step_state(self, step: int) -> StepState: ...
+
+    def step_items(self, step: int) -> StepItems: ...
+
+
+class Arrivals:
+    """What the replicas of ``sources``' shards will bring to this rank's node with its next
+    save, predicted from the newest save whose metadata is here (a job's saves keep their
+    structure) by ``arriving_bytes``; None before any (the store then assumes whole shards).
+    The store's room check asks it (``Capacity.expect_replicas``) when a save needs new room."""
+
+    def __init__(self, store: _Steps, topology: Topology, places: int, sources: Sequence[int]):
+        self.store, self.topology, self.places, self.sources = store, topology, places, list(sources)
+        self._known: tuple[str, int] | None = None  # (save id, bytes) of the last prediction
+
+    def __call__(self) -> int | None:
+        for step in sorted(self.store.steps(), reverse=True):
+            st = self.store.step_state(step)
+            if st.header is None:
+                continue
+            save_id = st.header.save_id
+            if self._known is not None and self._known[0] == save_id:
+                return self._known[1]
+            try:
+                items = self.store.step_items(step)
+            except MLCheckpointError:
+                return None
+            nbytes = arriving_bytes(st, items, self.topology, self.places, self.sources)
+            self._known = (save_id, nbytes)
+            return nbytes
+        return None
+
+
+def _as_saved(owner: int, groups: CopyGroups, topology: Topology) -> dict[int, dict[Any, Held]]:
+    """Where the owner's items are before any replica: its own shard, and the shards of the
+    ranks keeping copies of them, each on its rank's node."""
+    ranks = {owner, *(r for g in groups_of(owner, groups) for r in g)}
+    return as_saved({r: topology.node_of(r) for r in ranks})

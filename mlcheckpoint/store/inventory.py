@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -33,9 +34,13 @@ class StepState:
     header: MetadataHeader | None = None  # the metadata's verified header, when present
     shard_saves: dict[int, str] = field(default_factory=dict)  # owner -> save id of its shard
     damaged: dict[int, str] = field(default_factory=dict)  # owner -> why its copy is unusable
-    # owner -> the copy groups its partial replica here holds (``coverage.Held``); an owner
-    # whose committed shard here is whole is not listed
-    partial: dict[int, frozenset[coverage.Group]] = field(default_factory=dict)
+    # owner -> which other ranks' shards hold copies of its items (``coverage.copy_groups``,
+    # from the metadata here)
+    copy_groups: dict[int, list[list[int]]] = field(default_factory=dict)
+    # owner -> what its partial replica here holds (``coverage.Held``: the items it lists as
+    # the metadata here records them, and the copy groups they make whole); an owner whose
+    # committed shard here is whole is not listed
+    partial: dict[int, coverage.Held] = field(default_factory=dict)
 
     @property
     def save_id(self) -> str | None:
@@ -46,16 +51,11 @@ class StepState:
         """Owners whose committed shard here belongs to the save ``save_id``."""
         return {r for r in self.committed_ranks if self.shard_saves.get(r) == save_id}
 
-    @property
-    def copy_groups(self) -> dict[int, list[list[int]]]:
-        """Which other ranks' shards hold copies of each owner's items (``coverage.py``)."""
-        return self.header.copies() if self.header is not None else {}
 
     def holdings(self, place: object = "here") -> dict[int, dict[object, coverage.Held]]:
         """What this node (as ``place``) holds of each owner's shard of the save the metadata
         here describes (``coverage.Holdings``): whole, or a partial replica's groups."""
-        return {r: {place: coverage.Held(self.partial[r]) if r in self.partial else coverage.WHOLE}
-                for r in self.ranks_of(self.save_id)}
+        return {r: {place: self.partial.get(r, coverage.WHOLE)} for r in self.ranks_of(self.save_id)}
 
     @property
     def complete(self) -> bool:
@@ -112,22 +112,24 @@ class Inventory:
                 st.required_ranks = header.ranks
                 st.world_size = header.world_size
                 st.total_bytes = header.total_bytes
+                with contextlib.suppress(ShardNotFoundError, CorruptShardError):
+                    st.copy_groups = self.metadata.copy_groups(step)
         for r, listed in partial_items.items():
-            st.partial[r] = self._held_groups(step, r, listed, st)
+            st.partial[r] = self._held(step, r, listed, st)
         return st
 
-    def _held_groups(self, step: int, owner: int, listed: tuple[ManifestItem, ...],
-                     st: StepState) -> frozenset[coverage.Group]:
-        """The copy groups a partial replica of ``owner`` here holds whole, by the step's
-        metadata here (none without it, or when it names another save: nothing is counted
+    def _held(self, step: int, owner: int, listed: tuple[ManifestItem, ...],
+              st: StepState) -> coverage.Held:
+        """What a partial replica of ``owner`` here holds, by the step's metadata here
+        (nothing without it, or when it names another save: nothing is counted, or read,
         that cannot be checked)."""
         if st.header is None or st.shard_saves.get(owner) != st.header.save_id:
-            return frozenset()
+            return coverage.Held(frozenset())
         try:
             items = self.metadata.items(step)
         except (ShardNotFoundError, CorruptShardError):
-            return frozenset()
-        return items.held_groups(owner, listed)
+            return coverage.Held(frozenset())
+        return items.held(owner, listed)
 
     def _manifest_identity(self, step: int, rank: int) -> tuple[str, tuple[ManifestItem, ...] | None]:
         """The save id a committed shard's manifest names, once its data file is checked whole,

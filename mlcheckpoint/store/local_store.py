@@ -22,12 +22,12 @@ import shutil
 from collections.abc import Iterable, Iterator
 
 from ..errors import CorruptShardError, JobDirGoneError, ShardNotFoundError
-from ..integrity.verify import verify_region
+from ..integrity.verify import Listing, verify_region
 from ..settings import resolve_job_id, resolve_local_dir, resolve_memory_limit
 from ..tmpfs import local_dir_errors, warn_if_not_memory
 from . import cleanup
 from .buffers import MappedFile, MappingCache
-from .coverage import CopyGroups, StepItems
+from .coverage import StepItems
 from .identity import Lineage
 from .inventory import Inventory, StepState
 from .layout import ItemLocation, JobPaths
@@ -141,12 +141,11 @@ class LocalStore:
 
     def write_metadata(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
                        total_bytes: int, save_id: str = "", lineage: Lineage | None = None,
-                       copy_groups: CopyGroups | None = None,
                        copy_modes: Iterable[str] = ()) -> None:
         """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
         self.metadata.write(step, payload, world_size=world_size, ranks=ranks,
                             total_bytes=total_bytes, save_id=save_id, lineage=lineage,
-                            copy_groups=copy_groups, copy_modes=copy_modes)
+                            copy_modes=copy_modes)
 
     def write_metadata_file(self, step: int, raw: bytes) -> None:
         """Install an encoded metadata file (e.g. received from a peer) after verifying it."""
@@ -188,8 +187,8 @@ class LocalStore:
         damaged bytes does not pass). A shard of another save than the metadata here fails.
         """
         m, buf = self.map_shard(step, rank)
-        listed = {it.offset for it in m.items}  # a partial replica: only its items are here
-        recorded = [loc for loc in recorded if not m.partial or loc.offset in listed]
+        listing = Listing(m.items)  # a partial replica: only the items it lists are here
+        recorded = [loc for loc in recorded if not m.partial or listing.lists(loc.offset)]
         with contextlib.suppress(ShardNotFoundError):
             header, _ = self.read_metadata(step)
             if header.save_id != m.save_id:

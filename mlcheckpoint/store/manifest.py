@@ -11,8 +11,7 @@ from typing import Any
 
 from ..errors import CorruptShardError
 from ..integrity import digests
-from ..integrity.verify import Listing, Recorded, digest_item, digests_agree
-from . import coverage
+from ..integrity.verify import digest_item, digests_agree
 from .layout import ItemLocation
 
 FORMAT_VERSION = 1
@@ -92,12 +91,6 @@ class Manifest:
         """The bytes this shard holds (a partial replica: its items')."""
         return sum(n for _, n in self.held_ranges())
 
-    def holds(self, item: Recorded) -> bool:
-        """Whether this shard holds ``item`` (an ItemLocation of the step's metadata for its
-        owner): any item of a whole shard; for a partial replica, an item its manifest lists
-        with the same offset, size and checksum."""
-        return not self.partial or Listing(self.items).holds(item)
-
     def to_bytes(self) -> bytes:
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()
 
@@ -154,17 +147,10 @@ class MetadataHeader:
     # The runs this save descends from: (run id, newest step of that run it builds on), oldest
     # first. Recovery uses it to refuse steps of another incarnation of the job.
     lineage: list[list] = field(default_factory=list)
-    # owner rank (a string: JSON) -> the sets of ranks whose shards hold agreeing copies of
-    # some of its items (``store/coverage.py``); empty: every item only in its owner's shard.
-    copy_groups: dict[str, list[list[int]]] = field(default_factory=dict)
     # Each node's copies mode at this save (``dcp/copies.py``: "dp-copies", "dedup", "unique"),
     # as the coordinator chose; empty without copies. ``stats()`` reads it from here, which
     # holds also when DCP committed the save in another process.
     copy_modes: list[str] = field(default_factory=list)
-
-    def copies(self) -> dict[int, list[list[int]]]:
-        """The copy groups, keyed by owner rank."""
-        return coverage.from_header(self.copy_groups)
 
 
 def check_identity(run_id: object, save_id: object) -> None:
@@ -186,11 +172,15 @@ def check_lineage(lineage: object) -> None:
 
 def check_modes(modes: object) -> None:
     """Copies modes are short words, one per node (they travel in headers a peer sends)."""
-    if not isinstance(modes, list) or len(modes) > coverage.MAX_OWNERS or not all(
+    if not isinstance(modes, list) or len(modes) > MAX_NODES or not all(
             isinstance(m, str) and len(m) <= 16 for m in modes):
         raise ValueError("malformed copy modes")
 
 
+# The header field of the copy groups, before they were derived from the items' locations.
+OLD_COPY_GROUPS = "copy_groups"
+# Nodes a header's copies modes may name (a corrupt or hostile file is refused, not parsed on).
+MAX_NODES = 1 << 20
 # Ancestor runs remembered in a header; older ones no longer matter to a resume.
 MAX_LINEAGE = 32
 
@@ -208,10 +198,12 @@ def decode_metadata(raw: bytes) -> tuple[MetadataHeader, bytes]:
     fields = json.loads(raw[:nl])
     if not isinstance(fields, dict):
         raise TypeError("metadata header is not an object")
+    # Headers written before copies were recorded once (in the items' locations alone)
+    # carried the copy groups too: derived from the locations now, the field is dropped.
+    fields.pop(OLD_COPY_GROUPS, None)
     header = MetadataHeader(**fields)
     check_identity(header.run_id, header.save_id)
     check_lineage(header.lineage)
-    coverage.from_header(header.copy_groups)
     check_modes(header.copy_modes)
     payload = raw[nl + 1:]
     if header.format != FORMAT_VERSION:

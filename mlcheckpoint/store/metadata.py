@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity.verify import digest_item
-from .coverage import CopyGroups, StepItems, to_header
+from .coverage import StepItems
 from .identity import Lineage
 from .layout import JobPaths
 from .locks import CommitLock
@@ -24,15 +24,16 @@ class MetadataFiles:
         self.paths, self.job_id, self.commits = paths, job_id, commits
         self._verified_headers: dict[str, tuple[tuple, MetadataHeader]] = {}
         self._items: dict[str, tuple[tuple, StepItems]] = {}
+        self._groups: dict[str, tuple[tuple, dict[int, list[list[int]]]]] = {}
 
     def write(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
               total_bytes: int, save_id: str = "", lineage: Lineage | None = None,
-              copy_groups: CopyGroups | None = None, copy_modes: Iterable[str] = ()) -> None:
+              copy_modes: Iterable[str] = ()) -> None:
         """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
         header = MetadataHeader(job_id=self.job_id, step=step, world_size=world_size,
                                 ranks=sorted(set(ranks)), total_bytes=total_bytes,
                                 payload_bytes=len(payload), checksum=digest_item(payload),
-                                save_id=save_id, copy_groups=to_header(copy_groups or {}),
+                                save_id=save_id,
                                 copy_modes=list(copy_modes),
                                 **(lineage or Lineage()).header_fields())
         self.install(step, encode_metadata(header, payload))
@@ -86,6 +87,29 @@ class MetadataFiles:
         self._verified_headers[path] = (version, header)
         return header
 
+
+    def copy_groups(self, step: int) -> dict[int, list[list[int]]]:
+        """Which other ranks' shards hold agreeing copies of each owner's items
+        (``coverage.copy_groups``), from the items' locations: the one record of copies
+        (``ItemLocation.copies``). Kept per version of the file like ``header`` (small, while
+        ``items`` keeps only a few steps'). A payload that is not our DCP metadata (written by
+        something else) knows no copies: every item counts in its owner's shard alone, which
+        never counts a place too many."""
+        path = self.paths.metadata(step)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise ShardNotFoundError(f"step {step} has no global metadata on this node") from None
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._groups.get(path)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        try:
+            groups = self.items(step).groups()
+        except CorruptShardError:
+            groups = {}
+        self._groups[path] = (version, groups)
+        return groups
 
     def items(self, step: int) -> StepItems:
         """Each owner's primary items of the step's save, by copy group (which items a

@@ -15,6 +15,7 @@ from mlcheckpoint import CorruptShardError
 from mlcheckpoint.errors import ProtocolError
 from mlcheckpoint.integrity import digests
 from mlcheckpoint.integrity.verify import (
+    Listing,
     StreamVerifier,
     digest_item,
     records_agree,
@@ -157,3 +158,18 @@ def test_equal_numbers_under_different_algorithms_are_not_the_same_bytes():
     assert records_agree(a, ItemLocation(1, 64, 8, 1234))
     assert not records_agree(a, b)
     assert not same_layout([ManifestItem("x", 0, 8, 1234)], [ManifestItem("x", 0, 8, 1234, algorithm=WSUM)])
+
+
+def test_a_listing_holds_an_item_at_a_place_with_its_size_algorithm_and_checksum():
+    # the one check of "does this shard hold item X" (reader, inventory, sender, receiver)
+    listing = Listing([ManifestItem("a", 0, 8, 1234), ManifestItem("empty", 8, 0, 7),
+                       ManifestItem("b", 8, 16, 99)])
+    assert listing.holds(ItemLocation(1, 0, 8, 1234)) and listing.holds(ItemLocation(1, 8, 16, 99))
+    assert listing.holds(ItemLocation(1, 8, 0, 7))  # two items at one offset: both are held
+    assert not listing.holds(ItemLocation(1, 0, 8, 1235)) and not listing.lists(64)
+    assert not listing.holds(ItemLocation(1, 0, 8, 1234, algorithm=WSUM))
+    assert "checksum" in (listing.disagreement(ItemLocation(1, 0, 8, 1235)) or "")
+    assert "8 bytes, the step 4" in (listing.disagreement(ItemLocation(1, 0, 4, 1234)) or "")
+    # a copy of an item lies at another offset of another shard: asked at that offset
+    assert listing.holds(ItemLocation(0, 512, 16, 99), offset=8)
+    assert listing.listed(8).key == "empty"

@@ -23,7 +23,7 @@ from mlcheckpoint import MemoryStorageReader, MemoryStorageWriter
 from mlcheckpoint.recovery.holders import Holders
 from mlcheckpoint.recovery.load import load_step
 from mlcheckpoint.recovery.planner import MEMORY, Decision
-from mlcheckpoint.store import LocalStore, coverage
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.store.identity import Lineage
 from mlcheckpoint.store.layout import ItemLocation
 from mlcheckpoint.topology import Topology
@@ -58,8 +58,7 @@ def save_with_copies(stores: list[LocalStore]) -> dict:
         store.write_metadata(STEP, pickle.dumps(md), world_size=3, ranks={0},
                              total_bytes=sum(loc.nbytes for loc in locations),
                              save_id=header.save_id,
-                             lineage=Lineage.from_header(header.run_id, header.lineage),
-                             copy_groups=coverage.copy_groups(locations))
+                             lineage=Lineage.from_header(header.run_id, header.lineage))
     return expected
 
 

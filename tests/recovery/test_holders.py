@@ -6,16 +6,23 @@ Protocol is one of the layer rules in tests/test_layers.py."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import pickle
 
 import numpy as np
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from mlcheckpoint.dcp.remote import RemoteRun
 from mlcheckpoint.errors import ShardNotFoundError
-from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume
+from mlcheckpoint.integrity.checksum import checksum
+from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume, take_inventory
 from mlcheckpoint.recovery.holders import Holders, holder_order
 from mlcheckpoint.recovery.planner import MEMORY, Decision, Fetch
 from mlcheckpoint.replication import Transport
 from mlcheckpoint.store import LocalStore
+from mlcheckpoint.store.coverage import Held
+from mlcheckpoint.store.layout import ItemLocation
+from mlcheckpoint.store.manifest import Manifest, ManifestItem
 from mlcheckpoint.topology import Topology
 
 
@@ -210,8 +217,8 @@ def test_a_planned_partial_replica_serves_the_items_it_lists_and_never_the_whole
     required = (0, 1, 2, 3)
     partial_copy = StepCopy(owners=frozenset({0, 1, 2, 3}), has_metadata=True, required=required,
                             world_size=4, shard_bytes=((0, 192), (1, 100), (2, 100), (3, 100)),
-                            copy_groups=((0, ((), (2,))),), partial=((0, ((),)),),
-                            partial_items=((0, (0, 64)),))
+                            copy_groups=((0, ((), (2,))),),
+                            partial=((0, Held(frozenset({0, 64}), frozenset({()}))),))
     lost_own = StepCopy(owners=frozenset({1}), has_metadata=True, required=required, world_size=4,
                         shard_bytes=((1, 100),), copy_groups=((0, ((), (2,))),))
     nodes = [NodeInventory(0, [0, 1], {5: lost_own}), NodeInventory(1, [2, 3], {5: partial_copy})]
@@ -228,3 +235,43 @@ def test_a_planned_partial_replica_serves_the_items_it_lists_and_never_the_whole
     # a whole-shard fetch (the rebuild) never asks the partial replica
     assert holder_order(plan, rank_on(0, 0, nodes=2), 0, whole=True) == []
     assert sorted(holder_order(plan, rank_on(0, 0, nodes=2), 0)) == [2, 3]
+
+
+def test_a_partial_replica_no_metadata_here_vouches_for_is_neither_counted_nor_read(store_dir):
+    # 3 nodes x 1 rank; node 2 was replaced. Node 0 holds the step whole; node 1 holds rank
+    # 1's shard and a partial replica of rank 0 with its per-rank item, but no metadata (lost
+    # there): nothing here checks that replica against the save, so the planner counts none
+    # of it. The inventory once also listed its items apart from what it counted, and the
+    # reader was then sent to read from the replica the planner had not counted.
+    data = np.random.default_rng(0).bytes(2 * 4096)
+    own = [ManifestItem(f"k{o}", o, 4096, checksum(data[o:o + 4096])) for o in (0, 4096)]
+    m0 = Manifest("job", 5, 0, len(data), own, world_size=2, save_id="s1")
+    m1 = Manifest("job", 5, 1, 4096, [ManifestItem("r1", 0, 4096, checksum(data[:4096]))],
+                  world_size=2, save_id="s1")
+    md = Metadata(state_dict_metadata={}, storage_data={
+        MetadataIndex("model"): ItemLocation(0, 0, 4096, own[0].checksum, copies=((1, 0),)),
+        MetadataIndex("rng0"): ItemLocation(0, 4096, 4096, own[1].checksum),
+        MetadataIndex("rng1"): ItemLocation(1, 0, 4096, m1.items[0].checksum)})
+    stores = [LocalStore(os.path.join(store_dir, f"node{n}"), "job") for n in range(3)]
+    try:
+        for store, m, part in ((stores[0], m0, None), (stores[0], m1, None),
+                               (stores[1], m1, None), (stores[1], m0, [own[1]])):
+            shard_m = m if part is None else m.only(part)
+            shard = store.begin_shard(5, m.rank, m.data_bytes,
+                                      shard_m.held_ranges() if shard_m.partial else None)
+            for offset, n in shard_m.held_ranges():
+                shard.buffer.array[offset:offset + n] = np.frombuffer(
+                    (data if m.rank == 0 else data[:4096])[offset:offset + n], np.uint8)
+            shard.commit_manifest(shard_m)
+        stores[0].write_metadata(5, pickle.dumps(md), world_size=2, ranks=[0, 1], total_bytes=0,
+                                 save_id="s1")
+        nodes = [take_inventory(store, n, [n]) for n, store in enumerate(stores)]
+        assert nodes[1].steps[5].held(0) == Held(frozenset())
+        plan = plan_resume(nodes, None, 3)
+        assert plan.kind == MEMORY and plan.step == 5, plan.reason
+        assert plan.partial == {0: {1: frozenset()}}
+        reader = Holders(RecordingTransport(), stores[2], rank_on(2, 0, nodes=3, per_node=1), plan)
+        assert reader.nodes_holding(5, 0, 4096) == [0]  # not node 1: nothing vouches for its copy
+    finally:
+        for store in stores:
+            store.close()

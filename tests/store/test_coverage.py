@@ -7,7 +7,6 @@ listing the item, shards holding a copy).
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +22,7 @@ def loc(rank, *copies, offset=0, nbytes=8, checksum=1):
 
 
 def partial(*groups):
-    return Held(frozenset(tuple(g) for g in groups))
+    return Held(frozenset(), frozenset(tuple(g) for g in groups))
 
 
 def test_groups_name_the_distinct_copy_sets_per_owner():
@@ -92,26 +91,20 @@ def test_to_send_names_what_lacks_places_and_is_not_on_the_target():
     assert coverage.to_send(0, {0: [[]]}, coverage.as_saved({0: 0}), 2, 1, same) == [()]
 
 
-def test_held_groups_are_those_a_partial_manifest_lists_wholly():
+def test_a_partial_replica_holds_the_items_it_lists_as_recorded_and_the_groups_they_make_whole():
     items = StepItems([loc(0, offset=0, checksum=5), loc(0, offset=64, checksum=6),
                        loc(0, 1, offset=128, checksum=7), loc(1, offset=0)])
 
     def listed(*pairs):
         return [ManifestItem(f"k{o}", o, 8, c) for o, c in pairs]
 
-    assert items.held_groups(0, listed((0, 5), (64, 6))) == {()}
-    assert items.held_groups(0, listed((0, 5))) == frozenset()  # half a group is none of it
-    assert items.held_groups(0, listed((0, 5), (64, 9))) == frozenset()  # another checksum
-    assert items.held_groups(0, listed((0, 5), (64, 6), (128, 7))) == {(), (1,)}
+    assert items.held(0, listed((0, 5), (64, 6))) == Held(frozenset({0, 64}), frozenset({()}))
+    half = items.held(0, listed((0, 5)))  # half a group is none of it; the item listed is here
+    assert half == Held(frozenset({0}), frozenset()) and half.holds_item(0) and not half.holds_item(64)
+    # another checksum: neither the group nor that item (the reader asks what the planner counts)
+    assert items.held(0, listed((0, 5), (64, 9))) == Held(frozenset({0}), frozenset())
+    assert items.held(0, listed((0, 5), (64, 6), (128, 7))).groups == {(), (1,)}
     assert items.nbytes(0, [(), (1,)]) == 24 and items.of(0, (1,))[0].offset == 128
-
-
-def test_header_round_trip_and_malformed_groups_are_refused():
-    groups = {0: [[2], [3]], 7: [[]]}
-    assert coverage.from_header(coverage.to_header(groups)) == groups
-    for bad in ([], {"x": [[1]]}, {"1": [[-1]]}, {"1": [["2"]]}, {"1": [[True]]}, {"1": "2"}):
-        with pytest.raises(ValueError):
-            coverage.from_header(bad)
 
 
 # ---------------------------------------------------------------------------- against a model
@@ -137,17 +130,18 @@ def steps(draw):
                 holdings.setdefault(owner, {})[node] = WHOLE
             elif kind == "partial":
                 chosen = draw(st.sets(st.sampled_from(own), max_size=len(own)))
-                holdings.setdefault(owner, {})[node] = Held(frozenset(chosen))
+                offsets = frozenset(item.offset for item in locs if item.rank == owner
+                                    and coverage.group_of(item) in chosen)
+                holdings.setdefault(owner, {})[node] = Held(offsets, frozenset(chosen))
     return nodes, ranks, locs, groups, holdings
 
 
 def model_nodes(item: ItemLocation, holdings) -> set[int]:
-    """The nodes whose files hold ``item``: its owner's shard whole or listing its group, or
+    """The nodes whose files hold ``item``: its owner's shard whole or listing it, or
     a whole shard of a rank keeping a copy."""
-    g = coverage.group_of(item)
-    out = {n for n, h in holdings.get(item.rank, {}).items() if h.groups is None or g in h.groups}
+    out = {n for n, h in holdings.get(item.rank, {}).items() if h.holds_item(item.offset)}
     for rank, _ in item.copies:
-        out |= {n for n, h in holdings.get(rank, {}).items() if h.groups is None}
+        out |= {n for n, h in holdings.get(rank, {}).items() if h.whole}
     return out
 
 

@@ -4,6 +4,8 @@ room a save keeps for what replicas bring."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pickle
 
@@ -13,9 +15,11 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from mlcheckpoint import CapacityError
 from mlcheckpoint.integrity.checksum import checksum
+from mlcheckpoint.integrity.verify import Listing
 from mlcheckpoint.store import LocalStore
+from mlcheckpoint.store.coverage import Held
 from mlcheckpoint.store.layout import ItemLocation
-from mlcheckpoint.store.manifest import Manifest, ManifestItem
+from mlcheckpoint.store.manifest import Manifest, ManifestItem, decode_metadata
 
 JOB = "partial-replica"
 MiB = 1 << 20
@@ -74,9 +78,10 @@ def test_a_partial_manifest_lists_its_items_and_reads_as_before_without_the_mark
     again = Manifest.from_bytes(part.to_bytes())
     assert again.partial and again.held_ranges() == [(MiB, MiB), (3 * MiB, MiB)]
     assert "partial" not in m.to_dict() and not Manifest.from_bytes(m.to_bytes()).partial
-    assert part.holds(ItemLocation(0, MiB, MiB, m.items[1].checksum))
-    assert not part.holds(ItemLocation(0, 0, MiB, m.items[0].checksum))
-    assert not part.holds(ItemLocation(0, MiB, MiB, m.items[1].checksum + 1))
+    listing = Listing(part.items)  # (the one check of whether a shard holds an item)
+    assert listing.holds(ItemLocation(0, MiB, MiB, m.items[1].checksum))
+    assert not listing.holds(ItemLocation(0, 0, MiB, m.items[0].checksum))
+    assert not listing.holds(ItemLocation(0, MiB, MiB, m.items[1].checksum + 1))
     merged = m.only(list(m.items[1:3]))  # adjacent items: one range
     assert merged.held_ranges() == [(MiB, 2 * MiB)]
     with pytest.raises(TypeError):
@@ -87,7 +92,7 @@ def metadata(store: LocalStore, locations: dict[str, ItemLocation]) -> None:
     md = Metadata(state_dict_metadata={},
                   storage_data={MetadataIndex(k): loc for k, loc in locations.items()})
     store.write_metadata(3, pickle.dumps(md), world_size=2, ranks=[0, 1], total_bytes=0,
-                         save_id="s1", copy_groups={0: [[], [1]]})
+                         save_id="s1")
 
 
 def test_the_inventory_counts_a_partial_replica_for_the_groups_it_holds_whole(store_dir):
@@ -107,14 +112,15 @@ def test_the_inventory_counts_a_partial_replica_for_the_groups_it_holds_whole(st
         assert not store.step_state(3).complete  # rank 0's RNG state is nowhere here
         land(store, m0.only([rng]), data0)
         st = store.step_state(3)
-        assert st.partial == {0: frozenset({()})} and st.committed_ranks == {0, 1}
+        assert st.partial == {0: Held(frozenset({rng.offset}), frozenset({()}))}
+        assert st.committed_ranks == {0, 1}
         assert st.complete and store.complete_steps() == [3]
         store.retire_shard(3, 0)
         lying = m0.only([ManifestItem(rng.key, rng.offset, rng.nbytes, rng.checksum + 1)])
         shard = store.begin_shard(3, 0, m0.data_bytes, lying.held_ranges())
         shard.commit_manifest(lying)  # (as if its bytes had passed some other checksum)
         st = store.step_state(3)
-        assert st.partial == {0: frozenset()} and not st.complete
+        assert st.partial == {0: Held(frozenset(), frozenset())} and not st.complete
     finally:
         store.close()
 
@@ -128,5 +134,29 @@ def test_a_save_keeps_room_for_what_the_replicas_bring(store_dir):
         assert e.value.needed >= 12 * MiB
         store.capacity.expect_replicas([0], 1, arriving=lambda: 64 << 10)  # an RNG state
         store.begin_shard(1, 0, 6 * MiB).abort()  # 6 MiB and 64 KiB fit in 8 MiB
+    finally:
+        store.close()
+
+
+def test_copies_are_recorded_once_and_metadata_naming_copy_groups_in_its_header_still_reads(store_dir):
+    """The metadata records each item's copies in its location alone; the copy groups every
+    rule counts in are derived from them. A file written when the header also carried the
+    groups (a step left in tmpfs by the previous version) reads, its groups from the
+    locations, whatever its header said."""
+    store = LocalStore(store_dir, JOB)
+    try:
+        m0, _ = owner_shard(items=2)
+        model, rng = m0.items
+        metadata(store, {"model": ItemLocation(0, model.offset, model.nbytes, model.checksum,
+                                               copies=((1, 0),)),
+                         "rng0": ItemLocation(0, rng.offset, rng.nbytes, rng.checksum)})
+        raw = store.read_metadata_file(3)
+        assert "copy_groups" not in json.loads(raw[:raw.index(b"\n")])  # once: in the locations
+        assert store.step_state(3).copy_groups == {0: [[], [1]]}
+        header, payload = decode_metadata(raw)
+        old = json.dumps({**dataclasses.asdict(header), "copy_groups": {"0": [[]]}}).encode()
+        store.write_metadata_file(3, old + b"\n" + payload)
+        assert store.read_metadata(3)[0].save_id == "s1"
+        assert store.step_state(3).copy_groups == {0: [[], [1]]}
     finally:
         store.close()

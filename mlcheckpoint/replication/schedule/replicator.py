@@ -3,7 +3,7 @@
 The job replicates in rounds (``rounds.py``): rank 0 names one save, the newest it holds, every
 rank pushes its partner rank(s) (``replicas`` of them) what they lack of its shard of that save
 (the whole shard, or, where data parallelism keeps copies, only the items that lack their
-places: ``covered.py``; rank 0 also the global metadata, to one rank of every other node), and
+places: ``store/coverage.py`` ``plan_push``; rank 0 also the global metadata, to one rank of every other node), and
 the next round starts once every rank is done. Saves made meanwhile are skipped (*superseded*)
 by every rank alike, so the steps that do get replicated are whole job-wide. Each rank records
 per step: committed -> replicated (partner verified the checksums), failed, or superseded.
@@ -27,14 +27,13 @@ from ... import history
 from ..._ratelimit import RateLimitedLog
 from ...errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ...settings import default
-from ...store import LocalStore
+from ...store import LocalStore, coverage
 from ...store.coverage import StepItems
 from ...store.inventory import StepState
 from ...topology import Topology
 from ...waiting import deadline_in, wait_until
 from ..core.rendezvous import Rendezvous
 from ..core.transport import Transport
-from . import covered
 from .pairing import PairingStrategy, PairwiseRing, rank_sources, rank_targets, sources
 from .rounds import Round, Rounds, protected_in_store
 from .status import LagWarning, ProtectionStatus, save_interval, save_times
@@ -64,7 +63,7 @@ class StepReplication:
     metadata_pushed: str | None = None  # the save whose metadata reached the other nodes
 
 
-def _covered_reason(plan: dict[int, covered.Push]) -> str | None:
+def _covered_reason(plan: dict[int, coverage.Push]) -> str | None:
     """Why a push sent nothing (None: it sent the shard, or the items that lacked places)."""
     if all(push == [] for push in plan.values()):
         return "covered by data-parallel copies"
@@ -350,7 +349,7 @@ class Replicator:
         # Saves older than ``step`` and never named are superseded: each rank marks its own
         # when it takes the round (``_replicate``).
         self._repeat_at = time.monotonic() + self._repeat_after
-        self._push_metadata(step, save_id)  # first: it says which shards need no sending (covered.py)
+        self._push_metadata(step, save_id)  # first: it says which shards need no sending (store/coverage.py)
         self.rounds.propose(self.rounds.finished + 1, step, save_id)
         self._wake.set()  # take it at once, not at the next poll
 
@@ -420,7 +419,7 @@ class Replicator:
     def _push_shard(self, step: int, save_id: str, st: StepState) -> bool:
         """Push to every partner what it lacks of this rank's shard of the save (``st``: the
         step here): the whole shard, only the items data parallelism's copies do not cover
-        (a partial replica), or nothing (``covered.plan_push``). True when every partner now
+        (a partial replica), or nothing (``coverage.plan_push``). True when every partner now
         has what it needs (its node's leader counts the shard, ``Rounds.finish``)."""
         with self._lock:
             rep = self._state_for(step, save_id)
@@ -433,13 +432,13 @@ class Replicator:
         sent = skipped = 0
         try:
             m = self.store.read_manifest(step, self.topology.rank)
-            plan = covered.plan_push(m, st, self._step_items(step, st, save_id), save_id,
+            plan = coverage.plan_push(m, st, self._step_items(step, st, save_id), save_id,
                                      self.topology, self.places, self.targets)
             # What the node sends per save (its ranks' shards alike): the default budget's need.
             budget.need(self.topology.local_world_size
-                        * sum(covered.pushed_bytes(m, plan[peer]) for peer in self.targets))
+                        * sum(coverage.pushed_bytes(m, plan[peer]) for peer in self.targets))
             for peer in self.targets:
-                skipped += m.data_bytes - covered.pushed_bytes(m, plan[peer])
+                skipped += m.data_bytes - coverage.pushed_bytes(m, plan[peer])
                 if peer in rep.acked_by or plan[peer] == []:
                     continue
                 sent += self.transport.push_shard(peer, step, self.topology.rank, plan[peer])

@@ -1,15 +1,15 @@
-"""replication/schedule/covered.py: what each partner is sent of a shard (pure): only the items
+"""store/coverage.py plan_push: what each partner is sent of a shard (pure): only the items
 that lack their places, from the save's metadata here."""
 
 from __future__ import annotations
 
-from mlcheckpoint.replication.schedule.covered import (
+from mlcheckpoint.store import coverage
+from mlcheckpoint.store.coverage import (
+    StepItems,
     arriving_bytes,
     plan_push,
     pushed_bytes,
 )
-from mlcheckpoint.store import coverage
-from mlcheckpoint.store.coverage import StepItems
 from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.store.layout import ItemLocation
 from mlcheckpoint.store.manifest import Manifest, ManifestItem, MetadataHeader
@@ -24,9 +24,9 @@ def topo(rank: int, domains: tuple[str, ...] = ()) -> Topology:
 
 def save(locations: list[ItemLocation], save_id: str = "s1") -> tuple[StepState, StepItems]:
     header = MetadataHeader(job_id="j", step=3, world_size=4, ranks=[0, 1, 2, 3], total_bytes=0,
-                            payload_bytes=0, checksum=0, save_id=save_id,
-                            copy_groups=coverage.to_header(coverage.copy_groups(locations)))
-    st = StepState(3, has_metadata=True, required_ranks=header.ranks, world_size=4, header=header)
+                            payload_bytes=0, checksum=0, save_id=save_id)
+    st = StepState(3, has_metadata=True, required_ranks=header.ranks, world_size=4, header=header,
+                   copy_groups=coverage.copy_groups(locations))
     return st, StepItems(locations)
 
 
@@ -102,6 +102,13 @@ def test_another_save_or_no_metadata_here_sends_the_whole_shard():
     # a manifest listing none of what the metadata says it holds: whole, not guessed at
     stray = Manifest("j", 3, 0, 8, [ManifestItem("x", 0, 8, 1)], world_size=4, save_id="s1")
     assert plan_push(stray, st, items, "s1", topo(0), 2, [1]) == {1: None}
+    # one listing the RNG entry's place with other bytes: the shard does not hold that item
+    # (the one check, integrity/verify.py Listing), so a partial replica of it is not guessed
+    # at either (a partner would count an item it does not hold)
+    m = shard(0, DDP)
+    m.items = [it if it.offset != 4096 else ManifestItem(it.key, 4096, 64, it.checksum + 1)
+               for it in m.items]
+    assert plan_push(m, st, items, "s1", topo(0), 2, [1]) == {1: None}
 
 
 def test_arriving_bytes_are_what_the_sources_send_this_node():

@@ -80,3 +80,18 @@ def test_failed_saves_are_logged_once_counted_and_their_persistent_step_still_wr
     assert "async save of step 0 failed" in said[0][1] and "counted in stats()" in said[0][1]
     assert said[1][1] == ("mlcheckpoint: RAM saves succeed again after 3 failures (failing since "
                           "step 0; step 3 saved)")
+
+
+def test_stats_give_where_replications_time_went():
+    """``replication``: the replicator's profile (issue 45), each figure as
+    ``replication_<key>``; left out with replication off."""
+    from mlcheckpoint.manager import metrics
+    from mlcheckpoint.replication.schedule.status import ProtectionStatus
+
+    protection = ProtectionStatus(None, None, None, None, None, 0)
+    profile = {"sent_bytes": 10, "send_seconds": 0.5, "budget_wait_seconds": 2.0,
+               "received_replicas": 1, "verify_seconds": 0.1}
+    stats = metrics.stats(None, protection, None, replication=profile)
+    assert {k: stats[f"mlcheckpoint/replication_{k}"] for k in profile} == profile
+    off = metrics.stats(None, protection, None)
+    assert "mlcheckpoint/replication_sent_bytes" not in off

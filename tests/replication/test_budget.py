@@ -377,6 +377,13 @@ def test_every_byte_of_a_push_goes_through_the_budget(make_job, monkeypatch, str
     assert sorted(booked) == sorted(sent)  # each send is one booked chunk
     assert max(sent) <= sender.budget.chunk < nbytes
     assert NodeSchedule(sender.store.paths.bandwidth).total_bytes() == nbytes
+    # The profile (issue 45): what was sent and how long the kernel took, on the sender; what
+    # was received, hashed and committed, on the receiver.
+    sending = sender.budget.profile()
+    assert sending["sent_bytes"] == nbytes and sending["send_seconds"] > 0
+    received = receiver.sink.profile()
+    assert received["received_replicas"] == 1 and received["received_bytes"] == nbytes
+    assert received["verify_seconds"] > 0 and received["commit_seconds"] > 0
 
 
 def _flock_waiters(path: str) -> set[int]:

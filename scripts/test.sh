@@ -12,9 +12,9 @@ mypy mlcheckpoint
 workers=${MLCHECKPOINT_TEST_WORKERS:-3}
 parallel=()
 if [ "$workers" != 0 ]; then
-    # loadgroup: the tests sharing one launch (a module-scoped fixture) stay on one worker
-    # (tests/conftest.py groups them); tests/conftest.py also orders the longest work first,
+    # loadscope: a module's tests stay on one worker, so a launch its tests share (a
+    # module-scoped fixture) runs once; tests/conftest.py orders the longest modules first,
     # an order --no-loadscope-reorder keeps.
-    parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+    parallel=(-n "$workers" --dist loadscope --no-loadscope-reorder)
 fi
 exec python -m pytest "${parallel[@]}" "$@"

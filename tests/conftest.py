@@ -128,12 +128,13 @@ def tcp_warnings(caplog):
 
 
 # --------------------------------------------------------------------------- parallel runs
-# scripts/test.sh runs the suite on pytest-xdist workers (``--dist loadgroup``). Two things
-# keep that fast and correct:
-# - tests that share a module-scoped fixture of their module (one launch read by many tests)
-#   form one xdist group, so the launch runs once, on one worker, not once per worker;
-# - the longest work goes first (tests/durations.json, seconds per test from a recorded run;
-#   ``--no-loadscope-reorder`` keeps this order), so no worker starts a long test at the end.
+# scripts/test.sh runs the suite on pytest-xdist workers (``--dist loadscope``: a module's
+# tests on one worker, so a launch they share, a module-scoped fixture, runs once). Here:
+# - the tests that share a module-scoped fixture of their module are marked as one
+#   xdist_group (for ``--dist loadgroup``, which would spread a module's independent tests;
+#   pytest 9.2 ignores the nodeid suffix xdist 3.8 adds for it, hence loadscope for now);
+# - the longest modules go first (tests/durations.json, seconds per test from a recorded run;
+#   ``--no-loadscope-reorder`` keeps this order), so no worker starts a long one at the end.
 DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
 UNKNOWN_SLOW_S, UNKNOWN_FAST_S = 10.0, 0.1  # a test not in the record yet
 
@@ -201,8 +202,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     # Units of work: a group (its tests in their order), or one test; longest first. Every
     # worker computes the same order (xdist requires it).
+    # (pytest 9.2 ignores the nodeid suffix xdist 3.8's loadgroup adds for the marks, so
+    # scripts/test.sh uses --dist loadscope: a unit is a module, as xdist splits them.)
     units: dict[str, list[pytest.Item]] = {}
     for item in items:
-        units.setdefault(groups.get(item, item.nodeid), []).append(item)
+        units.setdefault(item.nodeid.rsplit("::", 1)[0], []).append(item)
     ordered = sorted(units.values(), key=lambda unit: -sum(seconds(i) for i in unit))
     items[:] = [item for unit in ordered for item in unit]

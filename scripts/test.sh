@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up, then checks lint and types and runs the test suite.
 # The tests run on parallel workers (pytest-xdist): MLCHECKPOINT_TEST_WORKERS of them (default
-# 3, measured best on 2 cores: most slow tests wait on processes they started), 0 for one
-# process. Arguments go to pytest (e.g. -m "not slow", a file, -k); a -n of their own wins.
+# 3 for 2 cores: most slow tests wait on processes they started; not yet tuned on a quiet
+# machine), 0 for one process. Arguments go to pytest (e.g. -m "not slow", a file, -k); a -n of their own wins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test

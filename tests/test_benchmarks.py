@@ -71,6 +71,8 @@ def test_push_phases_come_from_a_real_receipt(make_job):
 
 @pytest.mark.slow
 def test_bench_local_resumes_in_a_fresh_process(store_dir):
+    """bench_local's fresh-process resume runs in a child and reports ResumeInfo.phases,
+    every phase named and the load measured."""
     cfg = bench_local.parse_args(["--size-gb", "0.01", "--fresh-resumes", "1"])
     sd, _ = model_state_dict(cfg.size_bytes)  # the child rebuilds it to check every byte
     out = bench_local.OursResult()
@@ -128,6 +130,7 @@ def test_bench_gpu_runs_every_section_on_the_cpu(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_bench_local_quick_reports_every_row(capsys):
+    """bench_local --quick measures and prints every row, the fresh resume's phases included."""
     figures = bench_local.main(["--quick", "--size-gb", "0.01", "--saves", "4", "--fresh-resumes", "1"])
     assert {"memcpy", "fs_save", "fs_load", "ours_save_steady", "ours_load", "ours_async_blocking",
             "ours_resume_fresh"} <= set(figures["results"])
@@ -180,6 +183,8 @@ def test_bench_control_quick_counts_both_protocols(capsys):
 
 @pytest.mark.slow
 def test_bench_replication_quick_breaks_every_push_down():
+    """bench_replication breaks every push (TCP and pg) into the phases the library
+    reported, none missing."""
     figures = bench_replication.main(["--size-gb", "0.01", "--rounds", "4", "--pg-rounds", "2",
                                       "--saves", "4", "--compute-s", "0.05", "--timeout", "300"])
     for kind in ("tcp", "pg"):  # every phase as the library reported it: none missing
@@ -195,6 +200,8 @@ def test_bench_replication_quick_breaks_every_push_down():
 def test_bench_recovery_quick_resumes_every_way():
     # On an emulated network where this machine has one (CI runs as root): the links count
     # what each survivor served.
+    """bench_recovery resumes every way (local, persistent, peer, one and two nodes replaced,
+    replicas=2) and reports who served what, over shaped links where there are any."""
     shaped = netcluster.available() is None
     figures = bench_recovery.main(["--size-gb", "0.01", "--reps", "1", *(["--rate", "1gbit"] if shaped else [])])
     for key in ("resume_local_s", "resume_persistent_s", "resume_peer_s", "resume_peer_lopsided_s"):
@@ -235,6 +242,8 @@ def _number(x: object) -> bool:
 
 @pytest.mark.slow
 def test_bench_network_quick_reports_every_mode_and_the_resume():
+    """bench_network trains every mode on an emulated cluster, samples protection after every
+    step, and resumes a replaced node over its link."""
     reason = netcluster.available()
     if reason:
         pytest.skip(f"no emulated network: {reason}")
@@ -318,6 +327,7 @@ def test_bench_network_idle_host_keeps_the_collectives_and_profiles_each_push():
 
 @pytest.mark.slow
 def test_bench_pacing_reports_every_mode():
+    """bench_pacing runs every pacing mode beside real exchanges and reports each."""
     reason = netcluster.available()
     if reason:
         pytest.skip(f"no emulated network: {reason}")

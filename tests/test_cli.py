@@ -52,6 +52,7 @@ def cli(capsys):
 
 @pytest.mark.slow
 def test_console_entry_point_runs_as_a_process(job):
+    """`python -m mlcheckpoint.cli ls --json` runs as its own process and lists the job."""
     proc = subprocess.run([sys.executable, "-m", "mlcheckpoint.cli", "--local-dir", job, "ls", "--json"],
                           check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0

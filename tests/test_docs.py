@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from cluster import free_port
 
 from mlcheckpoint.store.layout import (
     BANDWIDTH,
@@ -77,8 +78,10 @@ def test_the_readme_program_runs_and_resumes_at_the_next_step(store_dir):
     to do; with memory and the newest persistent step gone it resumes step 9 from the
     persistent folder, saves 10..19 again and trains them exactly as the first run did."""
     local = os.path.join(store_dir, "shm")
+    # torchrun's rendezvous port from its environment (PET_MASTER_PORT), the command as
+    # written: its default, 29500, may be another test run's on this machine.
     env = dict(os.environ, MLCHECKPOINT_JOB_ID="quickstart", MLCHECKPOINT_LOCAL_DIR=local,
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", PET_MASTER_PORT=str(free_port()))
     first = _launch(store_dir, env)
     assert "resumed: step None from None" in first
     losses = dict(re.findall(r"^step (\d+) loss (\S+)$", first, re.MULTILINE))

@@ -242,6 +242,8 @@ def four_ranks():
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("case", MULTI_RANK_CASES)
 def test_multi_rank(four_ranks, case, backend_name):
+    """Each multi-rank case saved and loaded by 4 ranks (one torchrun job) ends as
+    DCP's own FileSystemWriter/Reader end: a rank that loads otherwise fails."""
     results = four_ranks["results"]
     assert sorted(results) == [0, 1, 2, 3], four_ranks["cluster"].logs()
     bad = {rank: r["results"][case][backend_name] for rank, r in results.items()
@@ -298,6 +300,8 @@ def replicated_empty_shards():
 
 @pytest.mark.slow
 def test_shards_without_tensor_bytes_replicate(replicated_empty_shards):
+    """A rank with no tensor bytes (no item, or one 1-byte item) still commits a shard that
+    replicates to the partner, so the step is protected; a skipped empty shard fails."""
     saved, _, logs = replicated_empty_shards
     assert sorted(saved) == [0, 1], logs
     for rank, r in saved.items():
@@ -312,6 +316,8 @@ def test_shards_without_tensor_bytes_replicate(replicated_empty_shards):
 
 @pytest.mark.slow
 def test_shard_without_tensor_bytes_recovers_from_peer(replicated_empty_shards):
+    """With node 1 wiped, step 2 resumes exactly, node 1's empty shard read from node 0, and
+    the step heals; a resume that chokes on an empty shard fails."""
     _, resumed, logs = replicated_empty_shards
     assert sorted(resumed) == [0, 1], logs
     for rank, r in resumed.items():

@@ -50,6 +50,8 @@ def test_async_save_stages_device_tensors_straight_into_tmpfs():
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL replication needs two GPUs")
 def test_replication_over_dedicated_nccl_group():
+    """Replication over a dedicated NCCL group between two GPUs protects the step and both
+    nodes hold both shards; a broken NCCL transport fails."""
     with Cluster(2, 1) as c:
         c.run("gpu_nccl.py", timeout=300)
         res = c.results("nccl")

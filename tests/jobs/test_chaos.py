@@ -370,10 +370,14 @@ def run_chaos(nnodes: int, rounds: int, test: str, env_rounds=lambda rnd: rnd, *
 
 
 def test_chaos_two_nodes():
+    """Random kills and wipes on 2 nodes, rounds with a fixed seed: every restart resumes a
+    step no older than the newest acknowledged one, bit-exact and agreed by all ranks."""
     run_chaos(2, ROUNDS, "test_chaos_two_nodes")
 
 
 def test_chaos_four_nodes():
+    """The chaos rounds on 4 nodes (two pairs), so losses in one pair meet saves and reads of
+    the other: the same invariants after every restart."""
     run_chaos(4, ROUNDS // 4, "test_chaos_four_nodes", env_rounds=lambda rnd: 4 * rnd)
 
 

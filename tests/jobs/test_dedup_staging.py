@@ -12,6 +12,8 @@ STEPS, CHANGED = 7, (3, 4)  # as in the worker
 
 
 def test_ddp_job_stages_stores_and_replicates_only_its_planned_items_and_resumes_exactly():
+    """A DDP job's saves stage, store and replicate only the items DCP's plan gives each
+    rank (a stale plan is caught at commit), and a lost node resumes exactly."""
     with Cluster(nnodes=2, nproc=1) as c:
         c.start("dedup_job.py", "train")
         ready = wait_for(lambda: len(c.results("ready")) == 2 and c.results("ready"),

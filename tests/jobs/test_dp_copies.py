@@ -57,6 +57,8 @@ def shard_bytes(c: Cluster, node: int, step: int, rank: int) -> int:
 @pytest.mark.parametrize("nproc,mode", [(1, "sync"), (2, "async"), (1, "dcp")],
                          ids=["2x1-save", "2x2-async_save", "2x1-dcp-native"])
 def test_ddp_protected_with_no_replication_bytes(nproc, mode):
+    """DDP across 2 nodes (save, async_save, DCP-native): the step is protected by the copies
+    data parallelism keeps, recorded in the metadata, and replication sends nothing."""
     with Cluster(2, nproc) as c:
         res = run(c, "ddp", mode)
         world = 2 * nproc
@@ -79,6 +81,8 @@ def test_ddp_protected_with_no_replication_bytes(nproc, mode):
 
 
 def test_replicas_that_differ_are_no_copies():
+    """An item that differs between the data-parallel ranks is no copy: it alone is sent
+    (with a warning); recording a disagreeing copy would fail here."""
     with Cluster(2, 1) as c:
         run(c, "differ")
         md = metadata(c, 0, LAST)
@@ -94,6 +98,8 @@ def test_replicas_that_differ_are_no_copies():
 
 
 def test_fsdp_sends_its_own_shards():
+    """FSDP's unique shards hold no copies: each rank's whole shard is replicated, as
+    without data-parallel copies."""
     with Cluster(2, 1) as c:
         res = run(c, "fsdp")
         sent = sent_bytes(c, LAST)
@@ -107,6 +113,8 @@ def test_fsdp_sends_its_own_shards():
 
 
 def test_hsdp_sends_nothing_across_replica_groups():
+    """HSDP (2 x 2): each shard's copy is on the other node's same local rank, so nothing
+    is sent across replica groups."""
     with Cluster(2, 2) as c:
         run(c, "hsdp")
         assert sent_bytes(c, LAST) == dict.fromkeys(range(4), 0)
@@ -122,6 +130,8 @@ def test_too_little_room_falls_back_to_replication():
     # partner's quarter. With keep=1 a node's room per step is a third of the limit (kept,
     # protected and in-flight steps: tmpfs.step_room): 2.5 MiB / 3 has no room for the
     # copies, and replication as before does fit.
+    """A node without room for the copies (a small memory limit) falls back to replicating
+    its whole shards, and says so once."""
     limit = 2560 * 1024
     with Cluster(4, 1) as c:
         res = run(c, "ddp", env={"TEST_MEMORY_LIMIT": str(limit), "TEST_KEEP": "1",

@@ -16,6 +16,8 @@ STOP, TOTAL = 3, 7  # as in the worker
 
 
 def test_two_nodes_on_one_gpu_lose_a_node_and_resume_into_cuda_bit_exactly():
+    """CUDA tensors saved with the copy overlapped with training, node 1 lost: the resume
+    loads onto the GPU from the partner and training goes on bit-exactly."""
     with Cluster(nnodes=2, nproc=1) as c:
         c.start("cuda_job.py", "train")
 
@@ -42,6 +44,8 @@ def test_two_nodes_on_one_gpu_lose_a_node_and_resume_into_cuda_bit_exactly():
 
 
 def test_nccl_replication_with_two_ranks_on_one_gpu_is_refused_at_construction():
+    """NCCL replication with two ranks on one GPU is refused when the manager is built, on
+    every rank, with words naming the ranks and the fix."""
     with Cluster(nnodes=2, nproc=1) as c:  # both simulated nodes on cuda:0
         c.run("cuda_job.py", "nccl_one_gpu", timeout=120)
         res = c.results("nccl")

@@ -50,6 +50,8 @@ def sent_bytes(c: Cluster) -> int:
 
 
 def test_hsdp_on_a_2d_mesh_replicates_nothing_restarts_locally_and_survives_a_node():
+    """HSDP on a 2 x 2 mesh: protected by copies with no replication, a restart reads only
+    its own node, a lost node reads node 0's copies, and a 1 x 2 reshard loads."""
     with Cluster(2, 2) as c:
         c.run("hsdp_train.py", "save", timeout=LAUNCH_TIMEOUT)
         saved = c.results("hsdp_save")

@@ -103,6 +103,8 @@ def results(out: str) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_accelerate_job_killed_after_a_save_resumes_bit_exact(store_dir):
+    """An accelerate launch SIGKILLed after a save resumes from local memory with every later
+    loss and the learning rate as in an uninterrupted run, and says so in one line."""
     workdir = store_dir  # memory (tmpfs) and persistent folders for the launches
     ref_out = os.path.join(workdir, "ref")
     finish(launch(workdir, "accel-ref", ref_out), ref_out)

@@ -34,6 +34,8 @@ def _printed(cluster: Cluster, node: int = 0) -> str:
 
 
 def test_lightning_strategy_resumes_from_memory_and_folder_like_lightning():
+    """The Lightning strategy resumes from memory, and with memory lost from Lightning's own
+    folder, to the state Lightning's own checkpoint restores; our figures reach its loggers."""
     with Cluster(1, nproc=2) as cluster:
         folder = os.path.join(cluster.root, "ckpts")
         assert _run(cluster, "save", folder) != 0  # killed after step 7

@@ -124,4 +124,6 @@ def node_loss_then_folder_fallback(torchtitan_dir: str) -> None:
 
 @pytest.mark.slow
 def test_torchtitan_checkpointer_resumes_from_partner_then_from_its_folder():
+    """torchtitan 0.3.0's checkpointer with ours: a lost node resumes from the partner, then
+    with memory gone from torchtitan's folder, bit-exactly both times."""
     node_loss_then_folder_fallback(torchtitan_0_3_0())

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_float8_fsdp_weights_resume_from_the_partner_bit_exact():
+    """torchtitan's float8 FSDP weights (tensor subclasses) resume from the partner after a
+    node is wiped, with the same losses as the uninterrupted run."""
     pytest.importorskip("torchao", reason="float8 training needs torchao (scripts/setup.sh --test)")
     torchtitan_dir = torchtitan_0_3_0()
     on_path = torchtitan_dir in sys.path

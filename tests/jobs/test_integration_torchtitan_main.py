@@ -24,4 +24,6 @@ TORCHTITAN_MAIN = os.environ.get("MLCHECKPOINT_TORCHTITAN_MAIN", "/work/.torchti
 
 @pytest.mark.slow
 def test_torchtitan_main_checkpointer_resumes_from_partner_then_from_its_folder():
+    """The same node loss and folder fallback with torchtitan's main-branch checkpointer
+    (skipped where it is not checked out)."""
     node_loss_then_folder_fallback(torchtitan_at(TORCHTITAN_MAIN))

@@ -41,6 +41,8 @@ def go(c: Cluster, tag: str) -> None:
 
 
 def test_a_second_job_in_a_live_runs_directory_is_refused_on_every_rank_and_the_first_goes_on():
+    """A second job started in a live run's job directory is refused on every rank, naming
+    the holder; the first run's files are untouched and it finishes."""
     with Cluster(1, 2) as first:
         first.start("claim_job.py", "train", "a", "7", "3")  # steps 0-3, then holds
         a, b = (r["pid"] for r in held(first, "a", 2).values())
@@ -76,6 +78,8 @@ def test_a_second_job_in_a_live_runs_directory_is_refused_on_every_rank_and_the_
 
 
 def test_a_sigkilled_run_never_blocks_its_restart_which_resumes_its_step():
+    """A SIGKILLed run leaves no claim that blocks its restart: the restart resumes step 4
+    from local memory and saves on."""
     with Cluster(1, 2) as c:
         c.start("claim_job.py", "train", "killed", "9", "4")  # steps 0-4, then holds
         held(c, "killed", 2)
@@ -88,6 +92,8 @@ def test_a_sigkilled_run_never_blocks_its_restart_which_resumes_its_step():
 
 
 def test_a_restart_with_another_persistent_folder_is_refused_on_every_rank_unless_accepted():
+    """A restart naming another persistent folder is refused on every rank, saying how to
+    accept it; accepted, it resumes from memory and warns once per node."""
     with Cluster(1, 2) as c:
         c.run("claim_job.py", "train", "a", "3", "-1", timeout=TIMEOUT)
         moved = os.path.join(c.root, "moved")

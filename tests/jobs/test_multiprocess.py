@@ -63,6 +63,8 @@ def memory_entries(listing: dict) -> list[tuple[int, str, list[int]]]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_save_restart_resume(modes_run, mode):
+    """Per save mode, 1 node x 2 ranks: retention keeps the newest steps, a restart resumes
+    the newest from tmpfs bit-exactly, and resuming retires nothing."""
     run = modes_run[mode]
     assert sorted(run["first_resume"]) == [0, 1] and sorted(run["resume"]) == [0, 1], run
     assert all(r["step"] is None and r["source"] is None for r in run["first_resume"].values())
@@ -95,6 +97,8 @@ def test_save_restart_resume(modes_run, mode):
 
 
 def test_fsdp2_async_save_and_resume():
+    """FSDP2 async_save snapshots before the live parameters change, and a restart trains on
+    with identical losses and bit-identical model and optimizer state."""
     with Cluster(1, NPROC) as c:
         c.run("fsdp_train.py", "save", timeout=LAUNCH_TIMEOUT)
         saved = c.results("fsdp_save")

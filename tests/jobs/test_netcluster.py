@@ -84,6 +84,8 @@ def test_rates_parse_and_buckets_fit_a_gso_segment():
 @pytest.mark.slow  # its throughput probe runs Python in the namespaces
 @needs_netns
 def test_layout_shaping_and_connectivity():
+    """NetCluster's namespaces, addresses and tbf shaping are as documented, nodes reach each
+    other, the host's namespace gets nothing, and close() leaves nothing."""
     host_links = sorted(link["ifname"] for link in ip_json("link", "show"))
     host_routes = ip_json("route", "show")
     with NetCluster(nodes=3, rate="300mbit") as c:
@@ -193,6 +195,8 @@ def start_child(how: str) -> tuple[subprocess.Popen, dict]:
 @pytest.mark.slow
 @needs_netns
 def test_sigterm_cleans_up():
+    """A process holding a NetCluster that dies of SIGTERM removes its namespaces, processes
+    and directory."""
     child, made = start_child("term")
     try:
         assert all(running(p) for p in made["pids"])
@@ -208,6 +212,8 @@ def test_sigterm_cleans_up():
 @pytest.mark.slow
 @needs_netns
 def test_stale_leftovers_of_a_crashed_run_are_cleaned():
+    """What a SIGKILLed process left (namespaces, processes, directory) is removed by
+    clean_stale()."""
     child, made = start_child("crash")
     assert child.wait(timeout=60) == -signal.SIGKILL
     # The crash left everything: namespaces, the processes inside, the directory.
@@ -221,6 +227,8 @@ def test_stale_leftovers_of_a_crashed_run_are_cleaned():
 @needs_netns
 @pytest.mark.slow
 def test_lost_node_resumes_from_its_partner_over_a_shaped_link():
+    """A 2 x 2 job on shaped links: replication listens on each node's own address, and a
+    lost node resumes step 3 exactly, its shards coming down its link."""
     with NetCluster(nodes=2, nproc=2, rate="300mbit") as c:
         name, root = c.name, c.root
         # Steps 0-3, each replicated before the next; the job then keeps running.
@@ -283,6 +291,8 @@ NODE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_loopback_cluster_starts_loses_and_cleans_up(tmp_path):
+    """The loopback Cluster: ranks get their node's dir and job id, losing a node kills its
+    agent and ranks, wipe empties it, and close() leaves no process or dir."""
     script = tmp_path / "node.py"
     script.write_text(NODE_SCRIPT)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}

@@ -12,6 +12,8 @@ STOP, TOTAL = 3, 6  # as in the worker
 
 
 def test_dcp_native_overlap_and_a_staging_failure_on_one_rank():
+    """DCP-native async_save (thread and process mode) copies while the step runs and saves
+    the snapshot; a staging failure on one rank reaches every rank's future."""
     with Cluster(nnodes=1, nproc=2) as c:
         c.run("overlapped_job.py", "native", timeout=120)
         res = c.results("native")
@@ -32,6 +34,8 @@ def test_dcp_native_overlap_and_a_staging_failure_on_one_rank():
 
 
 def test_two_node_job_with_overlapped_saves_loses_a_node_and_resumes_bit_exactly():
+    """Overlapped saves (the guarded optimizer) copy while training goes on; after node 1 is
+    lost the job resumes from the partner with the reference run's losses."""
     with Cluster(nnodes=2, nproc=1) as c:
         c.start("overlapped_job.py", "train")
         ready = wait_for(lambda: len(c.results("ready")) == 2 and c.results("ready"),

@@ -31,6 +31,8 @@ def _launch(cluster: Cluster, script: str) -> tuple[str, dict[int, float]]:
 
 
 def test_a_fresh_start_trains_bit_for_bit_as_without_mlcheckpoint(monkeypatch):
+    """The quickstart trains bit-for-bit as the same script without mlcheckpoint, and writes
+    its persistent steps: checkpointing must not change training."""
     with Cluster(1, nproc=2) as cluster:
         monkeypatch.chdir(cluster.root)  # where the quickstart's "checkpoints" folder goes
         _, without = _launch(cluster, os.path.join(WORKERS, "quickstart_without.py"))

@@ -25,6 +25,8 @@ def launch(c: Cluster, table: dict[str, dict]) -> None:
 
 
 def test_two_partners_survive_two_lost_nodes_and_reads_spread_over_both():
+    """replicas=2: two lost nodes still resume from memory (replicas=1 does not), and a lost
+    node's shard is read from both its holders."""
     with Cluster(4) as c:
         launch(c, {"two": dict(TWO, first=1, last=3), "one": {"first": 1, "last": 3}})
         saved = {name: c.sub_job_results("acked", name) for name in ("two", "one")}

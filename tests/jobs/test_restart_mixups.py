@@ -29,6 +29,8 @@ def first_run():
 
 
 def test_a_restart_that_forgot_the_job_id_is_told_once(first_run):
+    """A restart without the job id loads the persistent step and is told once, naming the
+    job memory holds and the setting to use."""
     c = first_run
     c.clear_results()
     c.run("restart_mixups.py", "forgot", timeout=TIMEOUT, env={**QUIET, "MLCHECKPOINT_JOB_ID": ""})
@@ -47,6 +49,8 @@ def test_a_restart_that_forgot_the_job_id_is_told_once(first_run):
 
 
 def test_saving_before_resume_keeps_the_new_run_and_sets_the_earlier_one_aside(first_run):
+    """A restart that saves before resume() keeps its own steps, sets the earlier run's
+    aside on every node with one warning, and later resumes its own step."""
     c = first_run
     c.clear_results()
     c.run("restart_mixups.py", "skip", timeout=TIMEOUT, env=QUIET)

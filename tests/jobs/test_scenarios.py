@@ -205,6 +205,8 @@ def _push_from_a_dying_sender(job, streams: int, monkeypatch) -> LocalStore:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CUTS))
 def test_killed_mid_transfer(make_job, monkeypatch, case):
+    """A receiver or sender killed mid-push (one stream or several) commits nothing, leaves no
+    buffer once gc has run, and a full push of the same shard then lands."""
     row = CUTS[case]
     if row.dies == "receiver":
         rstore = _push_to_a_dying_receiver(make_job(world=2), row.streams)

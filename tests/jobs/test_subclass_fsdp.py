@@ -41,6 +41,8 @@ def runs():
 
 @pytest.mark.parametrize("world", [1, 4])
 def test_subclass_dtensors_resume_resharded_as_dcp_loads_them(runs, world):
+    """Subclass DTensors saved on 2 ranks by every path load on 1 and on 4 ranks (node 1
+    replaced) exactly where DCP's FileSystemReader does."""
     saved = runs["saved"]
     assert sorted(saved) == [0, 1]
     for rank, r in saved.items():

@@ -33,6 +33,8 @@ def persistent_steps(c: Cluster) -> list[str]:
 
 
 def test_ram_saves_that_fail_still_write_the_persistent_steps_asked_for():
+    """On a 20 MiB tmpfs, failing RAM saves still write the persistent steps asked for, are
+    logged once and counted, and a fresh run resumes persistent step 10."""
     with Cluster(1, 2) as c, mounted_tmpfs(c.nodes[0].local_dir, "size=20m,mode=0700"):
         c.run("tiers.py", "persist", timeout=300)
         res = c.results("persist")
@@ -72,6 +74,8 @@ def test_the_room_a_save_asks_is_what_each_rank_writes_after_deduplication():
 
 
 def test_a_job_directory_removed_under_the_run_is_named_and_persistent_steps_go_on():
+    """A job directory removed under a live run: each save fails naming it (no bare
+    FileNotFoundError), and the persistent steps are still written."""
     with Cluster(1, 2) as c:
         c.run("tiers.py", "vanish", timeout=300)
         job_dir = os.path.join(c.nodes[0].local_dir, c.job_id)

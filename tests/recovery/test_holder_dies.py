@@ -63,6 +63,8 @@ def save_with_copies(stores: list[LocalStore]) -> dict:
 
 
 def test_a_holder_killed_mid_read_is_replaced_by_the_copy_on_another_node(make_job):
+    """The node serving a read dies mid-read: the reader takes every byte from the copy on
+    another node and loads exactly."""
     job = make_job(3)
     stores = [job.store(r) for r in range(3)]
     try:

@@ -75,6 +75,8 @@ def run():
 
 
 def test_older_run_on_a_returning_node_is_never_mixed_in(run):
+    """A node returning with an older run's copy of the same step numbers: the resume reads
+    the current run's replica, never the old copy, which is then removed."""
     assert run["mixed_b_fresh"][0]["step"] is None  # both nodes were wiped: run B starts over
     a, b = run["mixed_a_ids"], run["mixed_b_ids"][0]
     assert {k[0] for k in a} == {k[0] for k in b} == {2, 3}  # the same step numbers, twice
@@ -93,6 +95,8 @@ def test_older_run_on_a_returning_node_is_never_mixed_in(run):
 
 
 def test_step_saved_twice_is_replicated_again(run):
+    """A step saved twice (a rollback) is replicated again: the partner holds the second
+    save, not the first."""
     saves = run["resave_saves"]
     assert all(r["replicated"] == [True, True, True] for r in saves.values()), saves
     ids = run["resave_ids"]
@@ -103,6 +107,7 @@ def test_step_saved_twice_is_replicated_again(run):
 
 
 def test_step_saved_twice_resumes_its_second_version_after_losing_a_node(run):
+    """After a node loss, a step saved twice resumes its second save from the peer."""
     res = run["resave"]
     for rank, r in res.items():
         assert r["step"] == 5 and r["salts"] == [1], (rank, r)
@@ -110,6 +115,8 @@ def test_step_saved_twice_resumes_its_second_version_after_losing_a_node(run):
 
 
 def test_waiting_for_a_step_the_replicator_skipped_answers_at_once(run):
+    """wait_replicated on a step the replicator skipped (superseded) answers False at once,
+    not after its timeout."""
     for rank, r in run["skipped"].items():
         # 7 was superseded by 8 (found together), so it can never be protected; 8 is. 6 was
         # superseded too, and retired once 7 and 8 were saved (keep=2): its wait is answered

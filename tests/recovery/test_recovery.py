@@ -205,6 +205,8 @@ def run():
 
 # ---------------------------------------------------------------------------- 2 nodes x 1 rank
 def test_restart_with_everything_intact_is_local(run):
+    """Both nodes intact: the restart loads step 3 from local memory, fetching nothing, and
+    the step is protected again."""
     assert run["intact_a"][0] == run["intact_a"][1] == {2: (True, [0, 1]), 3: (True, [0, 1])}
     res = run["intact"]
     check_exact(res, 2, 3, run["log_c"])
@@ -215,6 +217,8 @@ def test_restart_with_everything_intact_is_local(run):
 
 
 def test_wiped_node_restores_from_its_peer_and_heals(run):
+    """Node 1 wiped: its rank reads step 3 from node 0, exactly, and the replacement holds
+    the step again in full (healed)."""
     res = run["wipe1"]
     check_exact(res, 2, 3, run["log_c"])
     for r in res.values():
@@ -227,6 +231,8 @@ def test_wiped_node_restores_from_its_peer_and_heals(run):
 
 
 def test_corrupt_on_both_nodes_uses_the_previous_step(run):
+    """Step 3 corrupt on both nodes: the resume refuses it, saying why, loads step 2 from
+    local copies, and drops the refused step."""
     res = run["corrupt2"]
     check_exact(res, 2, 2, run["log_c"])
     for r in res.values():
@@ -240,6 +246,7 @@ def test_corrupt_on_both_nodes_uses_the_previous_step(run):
 
 
 def test_both_nodes_wiped_uses_persistent(run):
+    """Both nodes wiped: step 3 is loaded from the persistent tier, exactly."""
     res = run["persist_wiped"]
     check_exact(res, 2, 3, run["log_c"])
     for r in res.values():
@@ -251,6 +258,7 @@ def test_persistent_newer_than_memory_wins(run):
     # saved 2..4, persistent at 4; memory held 4 and 3 until step 4 was deleted on both nodes
     # (and 2 as well when the replicator skipped step 3 for the newer 4: 2 was then the newest
     # step replicated everywhere, which retention keeps)
+    """A persistent step newer than anything in memory is loaded, and the reason says so."""
     for h in run["persist_newer_a"].values():
         assert h[4] == (True, [0, 1]) and {3, 4} <= set(h) <= {2, 3, 4}, run["persist_newer_a"]
     res = run["persist_newer"]
@@ -261,6 +269,7 @@ def test_persistent_newer_than_memory_wins(run):
 
 
 def test_nothing_anywhere_starts_fresh(run):
+    """No checkpoint anywhere: every rank starts fresh (step None)."""
     res = run["empty"]
     assert sorted(res) == [0, 1], run["log_c"][-8000:]
     for r in res.values():
@@ -268,6 +277,8 @@ def test_nothing_anywhere_starts_fresh(run):
 
 
 def test_orphan_steps_are_dropped_when_starting_fresh(run):
+    """Steps without metadata (orphans) are never loaded: the job starts fresh, says why,
+    and drops them on both nodes."""
     assert run["orphans_before"] == {2: (False, [0, 1]), 3: (False, [0, 1])}
     res = run["orphans"]
     assert sorted(res) == [0, 1], run["log_c"][-8000:]
@@ -278,6 +289,8 @@ def test_orphan_steps_are_dropped_when_starting_fresh(run):
 
 
 def test_node_dying_mid_save_resumes_previous_step(run):
+    """A node SIGKILLed mid-save of step 4: the restart resumes step 3 locally, names the
+    missing metadata of step 4, and drops the half-saved step."""
     assert killed_by_sigkill(run["log_a"]), run["log_a"][-8000:]
     before = run["midsave_a"]
     # what the crash left: step 4's shards (at least rank 1's), but no metadata anywhere
@@ -297,6 +310,8 @@ def test_node_dying_mid_save_resumes_previous_step(run):
 
 def test_killed_during_recovery_then_resumes(run):
     # C: rank 1 died while receiving its own shard of step 3 from node 0
+    """A rank SIGKILLed while fetching its shard commits nothing; the next resume fetches it
+    again, loads exactly, heals, and leaves no partial files."""
     assert killed_by_sigkill(run["log_c"]), run["log_c"][-8000:]
     held = run["recovkill_after"][1]
     # the recovery had begun (the metadata came first), the shard never got committed
@@ -318,6 +333,8 @@ def test_killed_during_recovery_then_resumes(run):
 
 # ---------------------------------------------------------------------------- world size changes
 def test_two_ranks_resumed_on_four(run):
+    """A step saved by 2 ranks resumes on 4 (two new empty nodes), exactly, the new ranks
+    reading from the old nodes."""
     res = run["w2"]
     check_exact(res, 4, 2, run["log_b"])
     for r in res.values():
@@ -327,6 +344,8 @@ def test_two_ranks_resumed_on_four(run):
 
 
 def test_four_ranks_resumed_on_two_with_every_shard_present(run):
+    """A step saved by 4 ranks resumes on 2 with every shard present across the two nodes:
+    resharded reads cross nodes, exactly."""
     before = run["w4_moved_before"]
     assert before[0][3] == (True, [0, 2]) and before[1][3] == (True, [1, 3]), before
     res = run["w4_moved"]
@@ -338,6 +357,8 @@ def test_four_ranks_resumed_on_two_with_every_shard_present(run):
 
 def test_four_ranks_resumed_on_two_with_missing_shards_falls_back(run):
     # nodes 0 and 1 only ever held shards 0 and 1 (each other's replicas)
+    """4 ranks resumed on 2 with shards 2 and 3 in no memory: the persistent step is loaded
+    (or a fresh start without one), naming the missing shards."""
     before = run["w4_persist_before"]
     assert all(h[3] == (True, [0, 1]) for h in before.values()), before
     res = run["w4_persist"]
@@ -430,6 +451,8 @@ def run2x2():
 
 
 def test_2x2_wiped_node_fetches_for_both_its_ranks(run2x2):
+    """2 x 2: node 1 wiped, both its ranks fetch from node 0, exactly, and node 1 holds every
+    shard again after the heal."""
     res = run2x2["x2_wipe"]
     check_exact(res, 4, 3, run2x2["log"])
     for r in res.values():
@@ -441,6 +464,8 @@ def test_2x2_wiped_node_fetches_for_both_its_ranks(run2x2):
 
 
 def test_2x2_corrupt_metadata_copy_is_fetched_again(run2x2):
+    """A corrupt metadata copy on node 1 is replaced by a verified one; every shard is still
+    read locally."""
     res = run2x2["x2_meta"]
     check_exact(res, 4, 3, run2x2["log"])
     for r in res.values():
@@ -449,6 +474,8 @@ def test_2x2_corrupt_metadata_copy_is_fetched_again(run2x2):
 
 
 def test_2x2_corrupt_replica_is_refused_and_rebuilt(run2x2):
+    """A corrupt replica on node 1 is refused (the reason names it), the read retried from
+    node 0, and the replica pushed again by its owner."""
     res = run2x2["x2_badreplica"]
     check_exact(res, 4, 3, run2x2["log"])
     for r in res.values():
@@ -468,6 +495,8 @@ def test_2x2_corrupt_replica_is_refused_and_rebuilt(run2x2):
 
 
 def test_2x2_node_killed_mid_save_loop(run2x2):
+    """Node 1 SIGKILLed in a back-to-back save loop: node 0 fails in its next collective, and
+    the restart resumes the newest step node 0 held whole, exactly."""
     assert len(run2x2["killed"]) >= 3, run2x2["killed"]  # the agent and both ranks
     assert run2x2["loop_node0_exit"] != [0], run2x2["loop_node0_exit"]  # the survivor failed
     expected = run2x2["loop_expected"]
@@ -484,6 +513,8 @@ def test_2x2_node_killed_mid_save_loop(run2x2):
 
 
 def test_2x2_killed_mid_load_then_resumes(run2x2):
+    """A rank SIGKILLed right after its first peer read aborts the whole resume; the next one
+    loads exactly and heals."""
     assert killed_by_sigkill(run2x2["log"]), run2x2["log"][-8000:]
     # rank 3 never finished its resume; the others could not either (it is collective)
     assert run2x2["x2_killread"] == {}, run2x2["x2_killread"]

@@ -179,6 +179,8 @@ def ls(c: Cluster, node: int, name: str, capsys) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_losing_a_whole_domain_resumes_from_memory(capsys):
+    """With failure domains (racks), partners sit in other racks: losing a whole rack resumes
+    from memory, where flat pairs lose both copies; ls names partners and racks."""
     with Cluster(4) as c:
         save = {"first": 1, "last": 3}
         launch(c, {"racks": dict(save, domains=RACKS), "flat": save})

@@ -144,6 +144,8 @@ def run_job_in(ns: Namespace, cluster: Cluster, cfg: dict, timeout: float = 180)
 
 @pytest.mark.slow
 def test_replication_listens_on_the_named_interface_and_refuses_loopback(netns):
+    """replication_interface binds and advertises that NIC's address and replicates over it;
+    a loopback replication_host beside a routable MASTER_ADDR is refused, naming it."""
     with Cluster(2) as c:
         # (a) replication_interface names the namespace's NIC: every rank binds and advertises
         # its address, step 0 is replicated over it, and node 0 logs where it listens and

@@ -124,6 +124,8 @@ CASES = [
 
 @pytest.mark.parametrize("nnodes,nproc,mode,transport", CASES)
 def test_newest_step_lives_on_two_nodes(nnodes, nproc, mode, transport):
+    """Per layout and transport, each rank's shard of the newest step is committed on its own
+    node and its partner's, identical, with the metadata on every node."""
     with Cluster(nnodes, nproc) as c:
         c.run("replicate.py", str(LAST), mode, transport, timeout=LAUNCH_TIMEOUT)
         check_replicated(c, nnodes, nproc)

@@ -212,6 +212,8 @@ def data_of(store: LocalStore, step: int, owner: int, nbytes: int = NBYTES) -> b
 
 # --------------------------------------------------------------------------- push
 def test_push_lands_verified_and_is_reported(pair, step):
+    """A pushed shard lands verified and identical, the peer's sink reports it, and the same
+    save pushed again sends nothing."""
     m = make_shard(pair.store, step, 0, NBYTES, seed=step, nitems=7)
     assert pair.local.push_shard(PEER, step, 0) == NBYTES
     got = pair.peer_store.verify_shard(step, 0)
@@ -226,6 +228,8 @@ def test_push_lands_verified_and_is_reported(pair, step):
 
 
 def test_push_of_a_corrupt_copy_is_refused(pair, step):
+    """A push of a corrupt shard is refused with a checksum mismatch: the peer commits nothing
+    and drops the buffer."""
     make_shard(pair.store, step, 0, NBYTES, seed=step)
     damage_shard(pair.store, step, 0)
     with pytest.raises(ReplicationError, match="checksum mismatch"):
@@ -243,6 +247,8 @@ DEVICE_ITEMS = (digests.WSUM, digests.XXH3)
 
 
 def test_push_of_device_checksummed_items_lands_verified(pair, step):
+    """Items checksummed on the device (wsum64) beside xxh3 ones are verified on arrival and
+    keep their algorithms."""
     m = make_shard(pair.store, step, 0, NBYTES, seed=step, nitems=5, algorithms=DEVICE_ITEMS)
     assert pair.local.push_shard(PEER, step, 0) == NBYTES
     got = pair.peer_store.verify_shard(step, 0)
@@ -251,6 +257,8 @@ def test_push_of_device_checksummed_items_lands_verified(pair, step):
 
 
 def test_push_of_a_corrupt_device_checksummed_item_is_refused(pair, step):
+    """A corrupt wsum64 item is caught by the receiver, naming the item: nothing committed,
+    the buffer dropped."""
     make_shard(pair.store, step, 0, NBYTES, seed=step, nitems=5, algorithms=DEVICE_ITEMS)
     assert damage_shard(pair.store, step, 0, item=2).algorithm == digests.WSUM
     with pytest.raises(ReplicationError, match="checksum mismatch in 'item2'"):
@@ -341,6 +349,7 @@ def test_a_partial_replica_serves_only_its_items(pair, step):
 
 # --------------------------------------------------------------------------- fetch
 def test_fetch_lands_verified(pair, step):
+    """A fetched shard lands verified and identical to the peer's."""
     m = make_shard(pair.peer_store, step, PEER, NBYTES, seed=step, nitems=5)
     assert pair.local.fetch_shard(PEER, step, PEER) == NBYTES
     got = pair.store.verify_shard(step, PEER)
@@ -350,12 +359,15 @@ def test_fetch_lands_verified(pair, step):
 
 
 def test_fetch_of_a_missing_shard(pair, step):
+    """Fetching a shard the peer lacks raises ShardNotFoundError and writes nothing."""
     with pytest.raises(ShardNotFoundError):
         pair.local.fetch_shard(PEER, step, PEER)
     assert step not in pair.store.steps()
 
 
 def test_fetch_of_a_corrupt_copy_commits_nothing(pair, step):
+    """Fetching a corrupt copy raises CorruptShardError and commits nothing, leaving no
+    debris."""
     make_shard(pair.peer_store, step, PEER, NBYTES, seed=step)
     damage_shard(pair.peer_store, step, PEER)
     with pytest.raises(CorruptShardError, match="checksum mismatch"):
@@ -367,6 +379,8 @@ def test_fetch_of_a_corrupt_copy_commits_nothing(pair, step):
 
 # --------------------------------------------------------------------------- range read
 def test_read_items_lands_each_range_whole(pair, step):
+    """read_items fills each range exactly (empty and tail ranges too), each whole when
+    reported, and writes nothing to the reader's store."""
     make_shard(pair.peer_store, step, PEER, NBYTES, seed=step)
     data = data_of(pair.peer_store, step, PEER)
     ranges = [(0, 3 * MiB), (3 * MiB, 0), (3 * MiB, 100), (3 * MiB + 100, 2 * MiB), (NBYTES - 23, 23)]
@@ -386,11 +400,13 @@ def test_read_items_lands_each_range_whole(pair, step):
 
 
 def test_read_items_of_a_missing_shard(pair, step):
+    """read_items of a shard the peer lacks raises ShardNotFoundError."""
     with pytest.raises(ShardNotFoundError):
         pair.local.read_items(PEER, step, PEER, [(0, 16)], [np.zeros(16, np.uint8)])
 
 
 def test_read_items_outside_the_shard_is_refused(pair, step):
+    """A range past the shard's end is refused, and the peer still serves the next read."""
     make_shard(pair.peer_store, step, PEER, 4096, seed=step)
     with pytest.raises(ReplicationError):
         pair.local.read_items(PEER, step, PEER, [(4000, 200)], [np.zeros(200, np.uint8)])
@@ -402,6 +418,8 @@ def test_read_items_outside_the_shard_is_refused(pair, step):
 
 # --------------------------------------------------------------------------- metadata
 def test_metadata_push_and_fetch(pair, step):
+    """Metadata pushed and fetched arrives byte-identical; a second push is a no-op, not an
+    error."""
     put_metadata(pair.store, step)
     pair.local.push_metadata(PEER, step)
     assert pair.peer_store.read_metadata_file(step) == pair.store.read_metadata_file(step)
@@ -415,6 +433,7 @@ def test_metadata_push_and_fetch(pair, step):
 
 
 def test_fetch_of_missing_metadata(pair, step):
+    """Fetching metadata the peer lacks raises ShardNotFoundError."""
     with pytest.raises(ShardNotFoundError):
         pair.local.fetch_metadata(PEER, step)
 
@@ -561,6 +580,8 @@ def test_every_transport_refuses_a_strangers_reply_in_the_same_words(job, step, 
 
 # --------------------------------------------------------------------------- the factory
 def test_factory_refuses_unknown_kinds(tmp_path):
+    """make_transport refuses an unknown or 'none' mode (and NCCL without CUDA), naming the
+    known kinds."""
     c10d = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     store = LocalStore(str(tmp_path), "contract-factory")
     rdzv = Rendezvous(c10d, store.job_id, 0, 1, secret=os.urandom(32))

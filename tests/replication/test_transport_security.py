@@ -106,6 +106,8 @@ def store_items(c10d: dist.TCPStore) -> dict[str, bytes]:
 
 @pytest.mark.slow
 def test_secret_is_not_in_the_c10d_store(attacked_job):
+    """The replication secret is never readable in the job's c10d store (in any encoding),
+    while the listener addresses are published there."""
     c, ready, c10d = attacked_job
     assert ready[0]["protected"] and ready[1]["protected"], c.logs()
     secret = bytes.fromhex(ready[0]["secret"])
@@ -137,6 +139,7 @@ def _secret_guesses(items: dict[str, bytes]) -> set[bytes]:
 
 @pytest.mark.slow
 def test_nothing_in_the_store_logs_in(attacked_job):
+    """No value read from the store logs in to a replication listener; the real secret does."""
     _c, ready, c10d = attacked_job
     items = store_items(c10d)
     host, port = ready[1]["address"].rsplit(":", 1)
@@ -644,6 +647,8 @@ def _pg_cases(job_id: str) -> dict[str, tuple[dict, bytes | None]]:
 
 @pytest.mark.slow
 def test_pg_malformed_requests_get_an_error_reply(pg_peer):
+    """Malformed process-group requests are answered with an error (or dropped when they
+    name no return address); the rank keeps serving, with no traceback."""
     peer = pg_peer
     wrong = {}
     for name, (over, blob) in _pg_cases(peer.job_id).items():

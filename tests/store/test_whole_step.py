@@ -258,6 +258,8 @@ class Watcher:
 @pytest.mark.slow
 @pytest.mark.timeout(WATCH_S + 300)
 def test_watcher_sees_no_gap_while_a_2x2_job_saves_back_to_back_under_load():
+    """A watcher reading the nodes' stores while a 2 x 2 job saves back to back under CPU
+    load never sees a step go from whole to not whole before a newer whole one."""
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
             for _ in range(2)]
     try:

@@ -3,7 +3,7 @@
 argv: save | resume
   save:   step 1 holds one replicated tensor (DCP leaves one rank with no item at all), step 2
           adds a per-rank string (the rank without the tensor holds only that byte item).
-          Waits until step 2 is protected; reports what each node holds ("repl_save").
+          Waits until each step is protected; reports what each node holds ("repl_save").
   resume: resumes (node 1 was wiped: rank 1's step-2 shard must come from node 0); reports
           what it loaded and whether the step is protected again ("repl_resume").
 """
@@ -51,6 +51,10 @@ def main() -> None:
     internals(ckpt).saver.copy_policy = None
     if phase == "save":
         dcp.save(step_state(1, rank), storage_writer=ckpt.storage_writer(1))
+        # Step 1 replicated before step 2 is saved: on a loaded machine the replicator would
+        # otherwise find both at once and skip step 1 for the newer (a superseded step is
+        # never sent), and its shard with no item would not travel.
+        ckpt.wait_replicated(1, timeout=60)
         ckpt.save(step_state(2, rank), 2)
         protected = ckpt.wait_replicated(2, timeout=60)
         dist.barrier()  # both nodes' replicas are in before either lists its holdings

@@ -96,7 +96,7 @@ def cmd_ls(args) -> int:
         steps: list[dict[str, Any]] = []
         events = history.read(store.job_dir)
         inventory = store.inventory()
-        verdicts = verdicts_here(store)  # what a resume from this node alone would decide
+        verdicts = verdicts_here(store, listed=inventory)  # what a resume from this node alone would decide
         labels = step_labels(verdicts, {e["step"] for e in events if e.get("event") == "replicate"})
         for step, st in inventory.items():
             sizes = {}
@@ -105,7 +105,7 @@ def cmd_ls(args) -> int:
                     sizes[r] = store.read_manifest(step, r).held_bytes
                 except MLCheckpointError:
                     pass
-            verdict = verdicts.get(step, StepVerdict(False))  # (a step that came since the listing)
+            verdict = verdicts.get(step, StepVerdict(False))  # (no usable metadata of it here)
             steps.append({"step": step, "state": labels.get(step, INCOMPLETE),
                           "metadata": st.has_metadata, "shards_here": sorted(st.committed_ranks),
                           "partial_here": sorted(set(st.partial) & st.committed_ranks),

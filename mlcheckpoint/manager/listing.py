@@ -14,6 +14,7 @@ from ..recovery.inventory import take_inventory
 from ..recovery.planner import StepVerdict, step_verdicts
 from ..replication import Replicator
 from ..store import LocalStore
+from ..store.inventory import StepState
 
 
 @dataclass
@@ -43,11 +44,13 @@ OTHER_RUN = "other run"  # saved by a run the newest save does not descend from:
 HERE = 0  # this node, as ``verdicts_here`` names it in the planner's inputs (``CopyId.node``)
 
 
-def verdicts_here(store: LocalStore, bad_copies: Iterable[CopyId] = ()) -> dict[int, StepVerdict]:
+def verdicts_here(store: LocalStore, bad_copies: Iterable[CopyId] = (),
+                  listed: Mapping[int, StepState] | None = None) -> dict[int, StepVerdict]:
     """What the recovery planner decides of each step of ``store`` from this node's holdings
     alone (``planner.step_verdicts``): complete when a resume could load it from here, else
-    which ranks' items are not here. ``bad_copies`` (node ``HERE``): copies found corrupt."""
-    return step_verdicts([take_inventory(store, HERE, [HERE])], bad_copies=bad_copies)
+    which ranks' items are not here. ``bad_copies`` (node ``HERE``): copies found corrupt;
+    ``listed``: the store's ``inventory()`` when the caller has just taken it."""
+    return step_verdicts([take_inventory(store, HERE, [HERE], listed)], bad_copies=bad_copies)
 
 
 def step_label(complete: bool, newer_complete: bool, replicated: bool) -> str:
@@ -77,12 +80,12 @@ def list_checkpoints(store: LocalStore, replicator: Replicator | None,
     """In-memory steps in ``store`` and steps in ``persistent``, oldest first."""
     entries = []
     inventory = store.inventory()
-    verdicts = verdicts_here(store)
+    verdicts = verdicts_here(store, listed=inventory)
     states = {s: replicator.state(s) for s in inventory} if replicator is not None else {}
     labels = step_labels(verdicts, {s for s, rep in states.items()
                                     if rep is not None and rep.state == "replicated"})
     for step, st in inventory.items():
-        verdict = verdicts.get(step, StepVerdict(False))  # (a step that came since the listing)
+        verdict = verdicts.get(step, StepVerdict(False))  # (no usable metadata of it here)
         entry = CheckpointEntry(step, "memory", labels.get(step, INCOMPLETE), st.total_bytes,
                                 sorted(st.committed_ranks), missing=list(verdict.missing))
         if replicator is not None:

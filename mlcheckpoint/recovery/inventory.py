@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..store import LocalStore
 from ..store.coverage import WHOLE, Held
 from ..store.identity import Lineage
+from ..store.inventory import StepState
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,13 @@ class NodeInventory:
     steps: dict[int, StepCopy] = field(default_factory=dict)
 
 
-def take_inventory(store: LocalStore, node: int, ranks: list[int]) -> NodeInventory:
+def take_inventory(store: LocalStore, node: int, ranks: list[int],
+                   listed: Mapping[int, StepState] | None = None) -> NodeInventory:
     """List committed shards and valid metadata of this job's store (no checksums computed;
-    a shard whose manifest is unreadable or whose data file is short is not listed)."""
+    a shard whose manifest is unreadable or whose data file is short is not listed).
+    ``listed``: the store's ``inventory()`` when the caller has just taken it."""
     inv = NodeInventory(node=node, ranks=list(ranks))
-    for step, st in store.inventory().items():
+    for step, st in (store.inventory() if listed is None else listed).items():
         sizes = []
         for owner in sorted(st.committed_ranks):
             try:

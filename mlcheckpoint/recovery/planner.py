@@ -107,9 +107,7 @@ def plan_resume(nodes: list[NodeInventory], persistent_step: int | None, world_s
     """
     bad = set(bad_copies)
     excluded_steps = set(bad_steps)
-    history = _history(nodes, bad)
-    foreign = _foreign_steps(nodes, history)
-    view = _holdings(nodes, bad, history, set(foreign))
+    history, foreign, view = _survivors(nodes, bad)
     reasons: list[str] = []
     newest_protected = _newest_protected(view, places)
     stranded: list[int] = []
@@ -216,9 +214,7 @@ def step_verdicts(nodes: list[NodeInventory], *,
     shard keeping a data-parallel copy (``store/coverage.py``), and damaged or bad copies are
     absent. ``missing`` names the ranks whose items are not all held."""
     bad = set(bad_copies)
-    history = _history(nodes, bad)
-    foreign = _foreign_steps(nodes, history)
-    view = _holdings(nodes, bad, history, set(foreign))
+    _, foreign, view = _survivors(nodes, bad)
     out = {step: StepVerdict(False, foreign=True, reason="it belongs to another run of this job")
            for step in foreign if step not in view}
     for step, v in view.items():
@@ -227,6 +223,15 @@ def step_verdicts(nodes: list[NodeInventory], *,
         out[step] = StepVerdict(why is None, None if v.required is None else tuple(v.required),
                                 tuple(missing), reason=why or "")
     return dict(sorted(out.items()))
+
+
+def _survivors(nodes: list[NodeInventory], bad: set[CopyId]
+               ) -> tuple[Lineage | None, list[int], dict[int, _StepView]]:
+    """What ``plan_resume`` and ``step_verdicts`` both start from: the history of the newest
+    save, the steps of other runs (foreign), and what the nodes hold of every other step."""
+    history = _history(nodes, bad)
+    foreign = _foreign_steps(nodes, history)
+    return history, foreign, _holdings(nodes, bad, history, set(foreign))
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity.verify import digest_item
@@ -13,6 +14,8 @@ from .identity import Lineage
 from .layout import JobPaths
 from .locks import CommitLock
 from .manifest import MetadataHeader, decode_metadata, encode_metadata, item_locations
+
+T = TypeVar("T")
 
 KEPT_ITEMS = 8  # steps whose items ``MetadataFiles.items`` keeps unpickled (keep is a few)
 
@@ -74,19 +77,7 @@ class MetadataFiles:
         """The verified header of a step's metadata. The whole file is checksummed once per
         version (inode, size, mtime): listings run often (the replicator polls) and metadata of
         a large model is megabytes."""
-        path = self.paths.metadata(step)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            raise ShardNotFoundError(f"step {step} has no global metadata on this node") from None
-        version = (st.st_ino, st.st_size, st.st_mtime_ns)
-        cached = self._verified_headers.get(path)
-        if cached is not None and cached[0] == version:
-            return cached[1]
-        header, _ = self.read(step)
-        self._verified_headers[path] = (version, header)
-        return header
-
+        return self._per_version(self._verified_headers, step, lambda: self.read(step)[0])
 
     def copy_groups(self, step: int) -> dict[int, list[list[int]]]:
         """Which other ranks' shards hold agreeing copies of each owner's items
@@ -95,41 +86,38 @@ class MetadataFiles:
         ``items`` keeps only a few steps'). A payload that is not our DCP metadata (written by
         something else) knows no copies: every item counts in its owner's shard alone, which
         never counts a place too many."""
-        path = self.paths.metadata(step)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            raise ShardNotFoundError(f"step {step} has no global metadata on this node") from None
-        version = (st.st_ino, st.st_size, st.st_mtime_ns)
-        cached = self._groups.get(path)
-        if cached is not None and cached[0] == version:
-            return cached[1]
-        try:
-            groups = self.items(step).groups()
-        except CorruptShardError:
-            groups = {}
-        self._groups[path] = (version, groups)
-        return groups
+        def groups() -> dict[int, list[list[int]]]:
+            try:
+                return self.items(step).groups()
+            except CorruptShardError:
+                return {}
+        return self._per_version(self._groups, step, groups)
 
     def items(self, step: int) -> StepItems:
         """Each owner's primary items of the step's save, by copy group (which items a
         partial replica must list to hold a group, and their bytes). Unpickled once per
         version of the file, as ``header`` checks it once."""
+        return self._per_version(self._items, step,
+                                 lambda: StepItems(item_locations(self.read(step)[1])), keep=KEPT_ITEMS)
+
+    def _per_version(self, cache: dict[str, tuple[tuple, T]], step: int, compute: Callable[[], T],
+                     keep: int | None = None) -> T:
+        """``compute()`` for the step's metadata file, once per version of it (inode, size,
+        mtime); ``keep``: at most that many files' values, the oldest dropped first."""
         path = self.paths.metadata(step)
         try:
             st = os.stat(path)
         except FileNotFoundError:
             raise ShardNotFoundError(f"step {step} has no global metadata on this node") from None
         version = (st.st_ino, st.st_size, st.st_mtime_ns)
-        cached = self._items.get(path)
+        cached = cache.get(path)
         if cached is not None and cached[0] == version:
             return cached[1]
-        _, payload = self.read(step)
-        items = StepItems(item_locations(payload))
-        self._items[path] = (version, items)
-        while len(self._items) > KEPT_ITEMS:  # the oldest first (a dict keeps insertion order)
-            del self._items[next(iter(self._items))]
-        return items
+        value = compute()
+        cache[path] = (version, value)
+        while keep is not None and len(cache) > keep:  # a dict keeps insertion order
+            del cache[next(iter(cache))]
+        return value
 
 
 def _decode(step: int, raw: bytes) -> tuple[MetadataHeader, bytes]:

@@ -434,11 +434,11 @@ class Replicator:
             m = self.store.read_manifest(step, self.topology.rank)
             plan = coverage.plan_push(m, st, self._step_items(step, st, save_id), save_id,
                                      self.topology, self.places, self.targets)
+            to_push = {peer: coverage.pushed_bytes(m, plan[peer]) for peer in self.targets}
             # What the node sends per save (its ranks' shards alike): the default budget's need.
-            budget.need(self.topology.local_world_size
-                        * sum(coverage.pushed_bytes(m, plan[peer]) for peer in self.targets))
+            budget.need(self.topology.local_world_size * sum(to_push.values()))
             for peer in self.targets:
-                skipped += m.data_bytes - coverage.pushed_bytes(m, plan[peer])
+                skipped += m.data_bytes - to_push[peer]
                 if peer in rep.acked_by or plan[peer] == []:
                     continue
                 sent += self.transport.push_shard(peer, step, self.topology.rank, plan[peer])

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
 import logging
 import multiprocessing.process
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -128,66 +125,17 @@ def tcp_warnings(caplog):
 
 
 # --------------------------------------------------------------------------- parallel runs
-# scripts/test.sh runs the suite on pytest-xdist workers (``--dist loadscope``: a module's
-# tests on one worker, so a launch they share, a module-scoped fixture, runs once). Here:
-# - the tests that share a module-scoped fixture of their module are marked as one
-#   xdist_group (for ``--dist loadgroup``, which would spread a module's independent tests;
-#   pytest 9.2 ignores the nodeid suffix xdist 3.8 adds for it, hence loadscope for now);
-# - the longest modules go first (tests/durations.json, seconds per test from a recorded run;
-#   ``--no-loadscope-reorder`` keeps this order), so no worker starts a long one at the end.
+# With MLCHECKPOINT_TEST_WORKERS, scripts/test.sh runs the suite on pytest-xdist workers with
+# ``--dist loadscope``: a module's tests on one worker, so a launch they share (a module-scoped
+# fixture) runs once. (``xdist_group`` marks with ``--dist loadgroup`` would spread a module's
+# independent tests, but pytest 9.2 ignores the nodeid suffix xdist 3.8 adds for them.) Here the
+# longest modules go first (tests/durations.json, seconds per test from a recorded run;
+# ``--no-loadscope-reorder`` keeps this order), so no worker starts a long one at the end.
 DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
 UNKNOWN_SLOW_S, UNKNOWN_FAST_S = 10.0, 0.1  # a test not in the record yet
 
 
-_GETFIXTUREVALUE = re.compile(r"""getfixturevalue\(["'](\w+)["']\)""")
-
-
-def _shared_fixtures(item: pytest.Item) -> list[str]:
-    """The module-scoped fixtures of the item's own module that it uses: named in its
-    signature (or by a fixture it uses), or read with ``request.getfixturevalue("name")``
-    (a table whose rows read different launches)."""
-    info = getattr(item, "_fixtureinfo", None)
-    module = getattr(item, "module", None)
-    if info is None or module is None:
-        return []
-    names = list(item.fixturenames)
-    if "request" in names:
-        with contextlib.suppress(OSError, TypeError):
-            names += _GETFIXTUREVALUE.findall(inspect.getsource(item.function))
-    out = []
-    for name in dict.fromkeys(names):
-        defs = info.name2fixturedefs.get(name) or \
-            item.session._fixturemanager.getfixturedefs(name, item)
-        if defs and defs[-1].scope == "module" and \
-                getattr(defs[-1].func, "__module__", None) == module.__name__:
-            out.append(name)
-    return out
-
-
-def _launch_groups(items: list[pytest.Item]) -> dict[pytest.Item, str]:
-    """Item -> its group: tests of one module linked through a shared module-scoped fixture
-    (directly or through another test) are one group, named after the module and a fixture."""
-    parent: dict[tuple[str, str], tuple[str, str]] = {}
-
-    def find(x: tuple[str, str]) -> tuple[str, str]:
-        while parent.setdefault(x, x) != x:
-            x = parent[x]
-        return x
-
-    used = {}
-    for item in items:
-        names = [(item.nodeid.split("::", 1)[0], n) for n in _shared_fixtures(item)]
-        used[item] = names
-        for other in names[1:]:
-            parent[find(other)] = find(names[0])
-    return {item: "::".join(find(names[0])) for item, names in used.items() if names}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    groups = _launch_groups(items)
-    for item, group in groups.items():
-        item.add_marker(pytest.mark.xdist_group(group))
     if not hasattr(config, "workerinput"):
         return  # not an xdist worker: the order of a serial run does not change its time
     try:
@@ -200,10 +148,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         default = UNKNOWN_SLOW_S if item.get_closest_marker("slow") else UNKNOWN_FAST_S
         return recorded.get(item.nodeid, default)
 
-    # Units of work: a group (its tests in their order), or one test; longest first. Every
-    # worker computes the same order (xdist requires it).
-    # (pytest 9.2 ignores the nodeid suffix xdist 3.8's loadgroup adds for the marks, so
-    # scripts/test.sh uses --dist loadscope: a unit is a module, as xdist splits them.)
+    # Units of work as xdist's loadscope splits them (a module, or a class); longest first.
+    # Every worker computes the same order (xdist requires it).
     units: dict[str, list[pytest.Item]] = {}
     for item in items:
         units.setdefault(item.nodeid.rsplit("::", 1)[0], []).append(item)

@@ -491,6 +491,7 @@ def summarize_mode(cfg: Config, launches: list[dict[str, Any]]) -> dict[str, Any
         "fwd_bwd_median_s": median([x for launch in launches for x in measured(launch, "fwd_bwd_s")]),
         "optim_median_s": median([x for launch in launches for x in measured(launch, "optim_s")]),
         "save_call_median_s": median([x for launch in launches for x in measured(launch, "save_call_s")]),
+        "cpu_busy_median": median([x for launch in launches for x in measured(launch, "cpu_busy")] or [math.nan]),
         "node0_bytes_per_step": median([node0_bytes_per_step(launch) for launch in launches]),
         "lag_steps_median": median(lag) if lag else None, "lag_steps_max": max(lag) if lag else None,
         "lag_first_half_median": median([h[0] for h in halves]) if halves else None,
@@ -512,14 +513,20 @@ def summarize_mode(cfg: Config, launches: list[dict[str, Any]]) -> dict[str, Any
 
 
 def protected_every(launches: list[dict[str, Any]]) -> float | None:
-    """k: replication protects every k-th step (the median gap between the successive newest
-    protected steps rank 0 saw after its measured steps; None: fewer than two)."""
-    gaps = []
+    """k: replication protects every k-th step, once the pacing has settled: over the second
+    half of each launch's measured steps, the steps from the first newest protected step rank 0
+    saw there to the last, per step newly protected between them (None: fewer than two). Not
+    the median gap: a run whose pushes fall behind step by step has gaps of 1 early on and
+    one long one at the end."""
+    span = advances = 0
     for launch in launches:
         seen = measured(launch, "newest_protected")
+        seen = [s for s in seen[len(seen) // 2:] if s is not None]
         distinct = [b for a, b in itertools.pairwise([None, *seen]) if b != a]
-        gaps += [b - a for a, b in itertools.pairwise(distinct)]
-    return median(gaps) if gaps else None
+        if len(distinct) >= 2:
+            span += distinct[-1] - distinct[0]
+            advances += len(distinct) - 1
+    return span / advances if advances else None
 
 
 PROFILE_SENDER = ("send_seconds", "budget_wait_seconds")
@@ -684,7 +691,7 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
             launch = next(x for x in res["launches"] if x["mode"] == mode)
             print(f"  {LABELS[mode]}: {launch['ranks']['0'].get('pacing') or launch['ranks']['0']['budget']}")
     print(f"  command: {meta['command']}")
-    head = (f"{'mode':<33}{'median s':>9}{'p90 s':>8}{'vs off':>8}{'vs none':>8}{'fwd+bwd':>8}"
+    head = (f"{'mode':<33}{'median s':>9}{'p90 s':>8}{'vs off':>8}{'vs none':>8}{'fwd+bwd':>8}{'CPU':>6}"
             f"{'node0 MB/step':>14}{'repl MB/step':>13}{'link busy':>10}{'idle used':>10}"
             f"{'lag med/max':>12}{'age s med/max':>14}{'skipped':>8}{'tmpfs/node':>11}{'RssAnon+':>10}")
     for rate, r in s["rates"].items():
@@ -701,7 +708,8 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
             used = "-" if mode not in REPLICATING else f"{m['idle_share_used']:.0%}"
             vs_none = "-" if m["vs_none"] is None else f"{m['vs_none']:.2f}x"
             print(f"{LABELS[mode]:<33}{m['median_s']:>9.3f}{m['p90_s']:>8.3f}{m['vs_off']:>7.2f}x"
-                  f"{vs_none:>8}{m['fwd_bwd_median_s']:>8.3f}{m['node0_bytes_per_step'] / 1e6:>14.0f}"
+                  f"{vs_none:>8}{m['fwd_bwd_median_s']:>8.3f}{_opt(m.get('cpu_busy_median'), '.0%'):>6}"
+                  f"{m['node0_bytes_per_step'] / 1e6:>14.0f}"
                   f"{repl:>13}{m['link_utilisation']:>10.0%}{used:>10}"
                   f"{lag:>12}{age:>14}{skipped:>8}{tmpfs:>11}{size_str(m['rss_anon_growth_bytes']):>10}")
         print_dedup(r["modes"])
@@ -715,7 +723,10 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
                 continue
             m = r["modes"][mode]
             extra = f"{m['vs_unbudgeted']:.2f}x unbudgeted's step time; " if "vs_unbudgeted" in m else ""
-            print(f"  {LABELS[mode]}: {extra}replication on the link {m['replication_link_Bps'] / 1e6:.0f} MB/s; "
+            rate_end = m.get("replication_rate_Bps")
+            print(f"  {LABELS[mode]}: {extra}replication on the link {m['replication_link_Bps'] / 1e6:.0f} MB/s"
+                  + ("" if rate_end is None or math.isnan(rate_end) else
+                     f" (the budget's rate at the end {rate_end / 1e6:.0f} MB/s)") + "; "
                   f"lag first/second half median {_opt(m['lag_first_half_median'], 'g')}/"
                   f"{_opt(m['lag_second_half_median'], 'g')} steps; tmpfs peak "
                   f"{m['tmpfs_peak_checkpoints']:.1f} node checkpoints")
@@ -723,8 +734,9 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
                 if launch["rate"] == rate and launch["mode"] == mode:
                     print(f"    lag per step, round {launch['round'] + 1}: {lag_series(launch)}")
             k = m["protected_every"]
-            print(f"    protects every {_opt(k, 'g')}{'' if k is None else 'th' if k != 1 else 'st'} step "
-                  f"(k: the median gap between successive newest protected steps)")
+            print(f"    protects every {_opt(k, '.3g')}{'' if k is None else 'th' if k != 1 else 'st'} step "
+                  f"(k: over the second half of the measured steps, the steps between the first and "
+                  f"last newest protected step per step newly protected)")
             prof = m["profile"]
             if prof:
                 recv = (f"; receiver per replica: buffer {prof['receive_buffer_seconds']:.3f} s, receiving "
@@ -736,6 +748,7 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
                       f"{_opt(prof['budget_wait_seconds'], '.3f')} s" + recv)
     print("  median/p90: step time (forward, backward with the collectives, optimizer.step with the guard, "
           "async_save) of rank 0's measured steps, all rounds; node0 MB/step: node 0's eth0 tx per step; "
+          "CPU: the host's CPUs busy during the steps (every node, and the kernel's network work); "
           "repl MB/step: node0 MB/step beyond replication off's; link busy: node0 MB/step / step time / link "
           "rate; idle used: replication's bytes per second on the link / the link capacity replication off "
           "leaves idle; lag: ckpt.protection().lag_steps after each step, age: its age_seconds; skipped: saves "

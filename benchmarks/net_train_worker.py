@@ -125,6 +125,15 @@ def tx_bytes() -> int:
         return int(f.read())
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """The machine's CPU time so far, (busy, all) in clock ticks (/proc/stat: network
+    namespaces share it): every simulated node and the kernel's network work on this host."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def rss_anon() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -362,6 +371,7 @@ def train(args: argparse.Namespace) -> None:
     t_start = time.perf_counter()
     for step in range(args.steps):
         t0 = time.perf_counter()
+        cpu0 = cpu_ticks()
         forward_backward()
         t1 = time.perf_counter()
         trainer.optimizer.step()  # the guard waits here for the previous snapshot
@@ -372,6 +382,7 @@ def train(args: argparse.Namespace) -> None:
         trainer.advance_rank_state(sd, step)
         future = ckpt.async_save(sd, step) if ckpt is not None else None
         t3 = time.perf_counter()
+        cpu1 = cpu_ticks()
         # Untimed from here: what the step left behind.
         if pending is not None:
             save_bytes.append(pending.result().bytes)  # done: this step's save waited for it
@@ -380,6 +391,7 @@ def train(args: argparse.Namespace) -> None:
         p = ckpt.protection() if ckpt is not None else None
         steps.append({"step": step, "t": t3 - t_start, "step_s": t3 - t0, "fwd_bwd_s": t1 - t0,
                       "optim_s": t2 - t1, "save_call_s": t3 - t2, "tx_bytes": tx_bytes(),
+                      "cpu_busy": (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]),
                       "booked_bytes": schedule.total_bytes() if schedule is not None else None,
                       "newest_protected": None if p is None else p.newest_protected,
                       "lag_steps": None if p is None else p.lag_steps,

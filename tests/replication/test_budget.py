@@ -44,7 +44,10 @@ from mlcheckpoint.replication.core.delay_control import (
     MAX_SHARE,
     PEAK_AFTER_OVERSHOOT,
     PEAK_MEMORY_S,
+    QUIET_EVERY,
+    QUIET_FIRST,
     SLOW_CUT,
+    SLOWDOWN_TOLERANCE,
     TARGET_DELAY_S,
     YIELD_NOW_DELAY_S,
     Rate,
@@ -562,6 +565,85 @@ def test_step_pacer_takes_the_baseline_from_intervals_without_replication():
     assert derived_rate(10, 2.0, 0.5, start=20, floor=1, ceiling=100) == 10  # ...unless training slowed
     assert derived_rate(10, 2.0, 0.01, start=20, floor=1, ceiling=100) == 1
     assert derived_rate(10**6, 2.0, 1.0, start=20, floor=1, ceiling=100) == 100
+
+
+def test_a_job_replicating_in_every_interval_still_learns_its_unslowed_step_and_backs_off():
+    """A push every step keeps every interval busy, so none shows how long a step takes
+    without replication; here replication at the full derived rate makes steps 25% longer
+    (a link shared by training's collectives). The quiet intervals (every QUIET_EVERY-th, the
+    senders held still) give the pacer the unslowed step, and it backs the rate off until the
+    steps are within its tolerance. Without them the baseline is the shortest slowed step and
+    the rate never moves."""
+    time = SimulatedTime()
+    b = derived_budget(time)
+    b.need(SHARD)
+    full = HEADROOM * SHARD / STEP_S
+
+    def step_seconds(sending: bool) -> float:  # the job: slowed in proportion to the rate
+        return STEP_S * (1 + 0.25 * min(1.0, b.current_rate() / full)) if sending else STEP_S
+
+    quiet, lengths = [], []
+    for save in range(1, 61):
+        held = b.quiet
+        quiet.append(held)
+        gap = step_seconds(sending=not held and save > 1)
+        lengths.append(gap)
+        time.now += gap
+        if not held and save > 1:
+            b.take(MIN_CHUNK_BYTES)  # replication sent during the interval
+        b.note_save()
+    held_after = [i for i, q in enumerate(quiet) if q]  # quiet[i]: the interval after save i
+    assert held_after == list(range(QUIET_FIRST, 60, QUIET_EVERY)), held_after
+    assert b.pacer is not None and b.pacer.baseline == pytest.approx(STEP_S)
+    assert b.pacer.cuts >= 3 and b.current_rate() < 0.5 * full
+    assert b.current_rate() >= b.derived_floor
+    assert max(lengths[-10:]) <= STEP_S * (1 + SLOWDOWN_TOLERANCE) / SLOW_CUT, lengths[-10:]
+
+
+def test_a_quiet_interval_holds_every_sender_until_the_next_save_or_a_drain():
+    """Real threads and clock: in a quiet interval a sender's next chunk waits for the next
+    save (not for the clock alone: the interval ends when the save comes), and a drain ends
+    the quiet at once."""
+    b = Budget(default_bandwidth(None), None, yielding=True, ceiling=10**9)
+    b.need(MIN_CHUNK_BYTES)
+    interval = 0.4
+    b.note_save()
+    time.sleep(interval)
+    b.note_save()  # save 2 (QUIET_FIRST): quiet until save 3, at most 1.5 x the interval
+    assert b.quiet
+    sent_at: list[float] = []
+    stop = threading.Event()
+
+    def sender() -> None:
+        while not stop.is_set():
+            b.take(MIN_CHUNK_BYTES)
+            sent_at.append(time.monotonic())
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    try:
+        time.sleep(interval / 2)
+        assert not sent_at  # held
+        save_3 = time.monotonic()
+        b.note_save()  # the quiet interval ends with the save
+        wait_for(lambda: sent_at, "the sender to go on after the save", timeout=5)
+        assert sent_at[0] >= save_3
+        assert not b.quiet
+        assert b.profile()["budget_quiet_seconds"] >= interval / 2 - 0.05
+        for _ in range(QUIET_EVERY - 1):  # ...to the next quiet interval
+            time.sleep(0.05)
+            b.note_save()
+        assert b.quiet
+        count = len(sent_at)
+        time.sleep(0.2)
+        assert len(sent_at) <= count + 1  # (one chunk may have been past the check)
+        b.end_quiet()  # a drain: someone waits for the bytes
+        wait_for(lambda: len(sent_at) > count + 1, "the sender to go on after the drain", timeout=5)
+    finally:
+        stop.set()
+        b.end_quiet()
+        thread.join(timeout=10)
+        b.close()
 
 
 def test_a_real_send_at_the_derived_default_is_held_back_less_than_a_save_interval(tmp_path):

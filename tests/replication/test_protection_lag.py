@@ -34,6 +34,35 @@ def test_warning_names_the_interval_that_fits_only_when_the_link_cannot_keep_up(
     assert "every 4.2 s" in text and "one save in 5" in text and "replication_bandwidth" in text
 
 
+def test_the_warning_says_what_holds_the_push_back():
+    """The derived default that backed off because training slowed must not tell the user to
+    "raise the budget if the link has room": it says it chose fewer protected saves over a
+    slower step, and what an explicit rate would do."""
+    from mlcheckpoint.replication.core.budget import Budget, default_bandwidth
+
+    def job_budget(slowed: bool) -> Budget:
+        clock = [0.0]
+        b = Budget(default_bandwidth(None), None, yielding=True, ceiling=10**9,
+                   clock=lambda: clock[0], sleep=lambda s: None)
+        b.need(10**8)
+        for save in range(1, 15):
+            quiet = b.quiet
+            clock[0] += 1.0 if quiet or not slowed or save == 1 else 1.5
+            if not quiet and save > 1:
+                b.take(1 << 16)
+            b.note_save()
+        return b
+
+    backed_off = LagWarning.advice(4.0, 1.0, 5, job_budget(slowed=True).lag_advice())
+    assert backed_off is not None and "backed off" in backed_off and "even if training slows" in backed_off
+    kept = LagWarning.advice(4.0, 1.0, 5, job_budget(slowed=False).lag_advice())
+    assert kept is not None and "backed off" not in kept and "half the link" in kept
+    explicit = LagWarning.advice(4.0, 1.0, 5, Budget(10**7, None).lag_advice())
+    assert explicit is not None and "if the link has room" in explicit
+    uncapped = LagWarning.advice(4.0, 1.0, 5, Budget(0, None).lag_advice())
+    assert uncapped is not None and "no bandwidth cap" in uncapped
+
+
 def test_warning_is_rate_limited(caplog):
     w = LagWarning()
     with caplog.at_level(logging.WARNING, logger="mlcheckpoint.replication.schedule.status"):

@@ -37,8 +37,10 @@ below the link's rate, builds no queue. The setting ``adaptive_pacing`` says wha
   interval, at least the old default (``default_bandwidth``), at most MAX_SHARE of the link.
   It then no longer yields to a queue (a collective beside it is sharing, not harm); it backs
   off when the save interval, while it sends, grows past the interval's baseline
-  (``delay_control.StepPacer``): training itself slowed down. Until both are known it paces
-  as an explicit budget of ``default_bandwidth``.
+  (``delay_control.StepPacer``): training itself slowed down. A job that saves every step
+  replicates in every interval, so one interval in ``QUIET_EVERY`` is quiet: the node's
+  senders hold still until the next save (or a drain), and that interval is the baseline.
+  Until both are known it paces as an explicit budget of ``default_bandwidth``.
 
 Pacing goes in chunks of about 4 ms of budget (64 KiB to 4 MiB), each still sent with
 sendfile() straight from the tmpfs file: no extra copy. Each paced socket also gets
@@ -68,6 +70,7 @@ from .delay_control import (
     HEADROOM,
     MAX_SHARE,
     NO_PACING,
+    QUIET_LONGEST,
     Rate,
     StepPacer,
     derived_rate,
@@ -108,9 +111,12 @@ MAX_CHUNK_BYTES = 4 << 20
 YIELD_DELAY_S = 0.001
 YIELD_SHARE = 0.1
 YIELD_HOLD_S = 0.1
+QUIET_POLL_S = 0.05  # how soon a sender held by a quiet interval sees it end
 
 
 
+RAISE_THE_BUDGET = ("or raise replication_bandwidth (MLCHECKPOINT_REPLICATION_BANDWIDTH) if the "
+                    "link has room.")
 HEADROOM_TEXT = f"derived from the job: {HEADROOM:g}x its checkpoint bytes per save interval"
 
 
@@ -259,6 +265,11 @@ class Budget:
         self._need = 0  # bytes the node sends per save (``need``)
         self._last_save: tuple[float, int] | None = None  # (when, bytes_sent then)
         self._derived_rate: float | None = None  # None: not derived yet
+        # A quiet interval (``StepPacer.quiet_next``): until then this process sends nothing;
+        # 0.0: none. Set and cleared by the save path, read by the senders.
+        self._quiet_until = 0.0
+        self._quiet_set = False  # the interval since the last save was meant to be quiet
+        self.seconds_quiet = 0.0
         if self.derived:  # a booking may be slept on for as long as the slowest rate takes
             self._stale_after = max(self._stale_after, 1024 * self.chunk / self.derived_floor)
 
@@ -277,6 +288,24 @@ class Budget:
                     f"{format_rate(self.ceiling)}, from {format_rate(self.rate)} ({self.origin})")
         return f"at most {format_rate(self.rate)} per node ({self.origin})"
 
+    def lag_advice(self) -> str:
+        """What holds a push back and what to do, for the warning that replication lags
+        (``schedule/status.LagWarning``)."""
+        if not self.capped:
+            return ("replication has no bandwidth cap here: the link or the receiving node "
+                    "sets the pace.")
+        pacer = self.pacer
+        if self.derived and pacer is not None and pacer.factor < 1:
+            return (f"the default budget backed off to {format_rate(self.current_rate())}, as "
+                    "training's steps grew while it sent: it protects fewer saves rather than "
+                    "slow training. Setting replication_bandwidth (MLCHECKPOINT_REPLICATION_"
+                    "BANDWIDTH) to a rate makes it send at that rate, even if training slows.")
+        if self.derived:
+            return (f"the default budget sends at {format_rate(self.current_rate())}, at most "
+                    f"{format_rate(self.ceiling)} (half the link): set replication_bandwidth "
+                    "(MLCHECKPOINT_REPLICATION_BANDWIDTH) if the link has more room.")
+        return RAISE_THE_BUDGET
+
     # ------------------------------------------------------------------ the derived default
     def need(self, nbytes: int) -> None:
         """The replicator's word: the node sends about ``nbytes`` per save (its ranks' pushes
@@ -287,16 +316,48 @@ class Budget:
 
     def note_save(self) -> None:
         """A save was made here: one more interval for ``StepPacer`` (did replication send
-        during it?), and the derived rate follows."""
-        if not self.derived:
+        during it?), and the derived rate follows. Every few saves the interval that starts
+        now is quiet (``StepPacer.quiet_next``): the senders hold still until the next save,
+        so the pacer sees how long a step takes without replication."""
+        pacer = self.pacer
+        if not self.derived or pacer is None:
             return
         now = self._clock()
         with self._counters:
             sent = self.bytes_sent
         last, self._last_save = self._last_save, (now, sent)
-        if last is not None and self.pacer is not None:
-            self.pacer.interval(now - last[0], sent > last[1])
+        was_quiet, ran_over = self._quiet_set, 0 < self._quiet_until < now
+        self._quiet_until, self._quiet_set = 0.0, False
+        if last is not None and not (was_quiet and ran_over):  # one that ran over says nothing
+            # A chunk booked just before the quiet began does not make it a sending interval.
+            pacer.interval(now - last[0], sent > last[1] and not was_quiet)
             self._derive()
+        if pacer.quiet_next():
+            length = pacer.baseline or (now - last[0] if last is not None else None)
+            if length:
+                self._quiet_until, self._quiet_set = now + QUIET_LONGEST * length, True
+
+    @property
+    def quiet(self) -> bool:
+        """Whether this process's senders hold still now (a quiet interval)."""
+        return self._quiet_until > self._clock()
+
+    def end_quiet(self) -> None:
+        """Someone waits for replication (a drain, a flush before exit): no quiet interval
+        holds it back."""
+        self._quiet_until = 0.0
+
+    def _hold_while_quiet(self) -> float:
+        """Sleep while a quiet interval lasts; the seconds slept."""
+        slept = 0.0
+        while (left := self._quiet_until - self._clock()) > 0:
+            nap = min(left, QUIET_POLL_S)
+            self._sleep(nap)
+            slept += nap
+        if slept:
+            with self._counters:
+                self.seconds_quiet += slept
+        return slept
 
     def _derive(self) -> None:
         """Publish the derived rate in the node's schedule (every rank of the node books at
@@ -326,7 +387,7 @@ class Budget:
     def take(self, nbytes: int) -> float:
         """Book ``nbytes`` on the node's link and sleep until their turn; return the seconds
         slept. Callers book a chunk at a time (``chunks``)."""
-        delay = 0.0
+        delay = self._hold_while_quiet() if self.derived else 0.0
         if self.capped:
             with self.schedule.locked() as booking:
                 now = self._clock()
@@ -335,13 +396,15 @@ class Budget:
                 booking.until = start + nbytes / rate
                 booking.total += nbytes
             self._rate_now = rate
-            delay = start - now
+            wait = start - now
+        else:
+            wait = 0.0
         with self._counters:
             self.bytes_sent += nbytes
-            self.seconds_waited += delay
-        if delay > 0:
-            self._sleep(delay)
-        return delay
+            self.seconds_waited += delay + max(0.0, wait)
+        if wait > 0:
+            self._sleep(wait)
+        return delay + max(0.0, wait)
 
     def current_rate(self) -> float:
         """The node's rate now (bytes/s): the controller's, or the fixed one (0: no cap)."""
@@ -385,7 +448,8 @@ class Budget:
         the tmpfs file: sendfile), seconds the budget held it back, queues it yielded to."""
         with self._counters:
             return {"sent_bytes": self.bytes_sent, "send_seconds": self.seconds_sending,
-                    "budget_wait_seconds": self.seconds_waited, "budget_yields": self.yields}
+                    "budget_wait_seconds": self.seconds_waited, "budget_yields": self.yields,
+                    "budget_quiet_seconds": self.seconds_quiet}
 
     def watch(self, sock: socket.socket) -> None:
         """After a chunk: act on the queue on the path to the peer (module docstring)."""

@@ -109,8 +109,16 @@ MAX_SHARE = 0.5
 SLOWDOWN_TOLERANCE = 0.03
 SLOW_CUT = 0.7  # a slowed interval: the rate times this...
 SLOW_GROW = 1.15  # ...and back up by this per interval that is not slowed
-PACER_WINDOW = 20  # the intervals the baseline is taken over
+PACER_WINDOW = 20  # the intervals the shortest is taken from, while none held still
 PACER_SAMPLES = 3  # the slowdown is the median of this many recent intervals that sent
+# A job that saves every step replicates in every interval, so no interval shows the step
+# unslowed. Every QUIET_EVERY-th interval (the one after save 2, 2 + QUIET_EVERY, ...: the
+# same on every node, as saves are collective) replication holds still, for at most
+# QUIET_LONGEST x the baseline; the baseline is the median of the last QUIET_MEMORY of them.
+QUIET_EVERY = 10
+QUIET_FIRST = 2
+QUIET_LONGEST = 1.5
+QUIET_MEMORY = 5
 
 
 def derived_rate(need: int, interval: float, factor: float, *, start: float, floor: float,
@@ -126,7 +134,8 @@ def derived_rate(need: int, interval: float, factor: float, *, start: float, flo
 class StepPacer:
     """Tells training slowed by replication from training sharing the link with it: the
     intervals between this rank's saves, each marked whether replication sent during it.
-    The baseline is the median interval that sent nothing (none yet: the shortest seen). An
+    The baseline is the median interval that sent nothing (none yet: the shortest seen);
+    ``quiet_next`` names the intervals in which replication holds still to measure it. An
     interval that sent and is past it by more than ``SLOWDOWN_TOLERANCE``, while the median of
     the last ``PACER_SAMPLES`` that sent is too (one slow step is noise), cuts ``factor`` (to
     no less than ``least``): every such interval, as steps are seconds long and a job that
@@ -140,6 +149,13 @@ class StepPacer:
         self.every: list[float] = []
         self.busy: list[float] = []
         self.cuts = 0
+        self.saves = 0
+
+    def quiet_next(self) -> bool:
+        """A save was made: whether replication holds still until the next one (a baseline
+        sample; QUIET_EVERY). Counted from the run's first save, so every node agrees."""
+        self.saves += 1
+        return self.saves >= QUIET_FIRST and (self.saves - QUIET_FIRST) % QUIET_EVERY == 0
 
     @property
     def baseline(self) -> float | None:
@@ -151,7 +167,7 @@ class StepPacer:
         """One interval between saves, and whether replication sent bytes during it."""
         self.every = [*self.every, seconds][-PACER_WINDOW:]
         if not sending:
-            self.idle = [*self.idle, seconds][-PACER_WINDOW:]
+            self.idle = [*self.idle, seconds][-QUIET_MEMORY:]
             return
         self.busy = [*self.busy, seconds][-PACER_SAMPLES:]
         base = self.baseline

@@ -301,7 +301,8 @@ class Replicator:
         state = self.state(r.step)
         now = self._record_protected(r.step, saves)
         if self.topology.rank == 0 and state is not None and state.state == "replicated":
-            self._lag_warning.check(state.seconds, save_interval(saves), now.lag_steps)
+            self._lag_warning.check(state.seconds, save_interval(saves), now.lag_steps,
+                                    self.transport.budget.lag_advice())
 
     def _record_protected(self, step: int, saves: dict[int, float] | None = None) -> ProtectionStatus:
         """Record in the node's history (once per node and step: local rank 0) that ``step``
@@ -503,6 +504,7 @@ class Replicator:
     def drain(self, timeout: float) -> None:
         """Wait until this rank's newest shard is replicated, superseded or given up on (best
         effort: rank 0 names it in a round once the round in flight is done)."""
+        self.transport.budget.end_quiet()  # someone waits: a quiet interval holds nothing back
         wait_until(self._drained, deadline_in(timeout), self.wait_poll)
 
     def _drained(self) -> bool:

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from ..._ratelimit import RateLimitedLog
 from ...store.inventory import StepState
+from ..core.budget import RAISE_THE_BUDGET
 
 log = logging.getLogger(__name__)
 WARN_EVERY_S = 600.0  # the lag warning, at most this often
@@ -91,20 +92,22 @@ class LagWarning:
         self._log = RateLimitedLog(log, interval=WARN_EVERY_S)
 
     @staticmethod
-    def advice(push_seconds: float, interval: float, lag_steps: int) -> str | None:
-        """The warning's text, or None while replication keeps up."""
+    def advice(push_seconds: float, interval: float, lag_steps: int,
+               why: str = RAISE_THE_BUDGET) -> str | None:
+        """The warning's text, or None while replication keeps up. ``why``: what holds the
+        push back and what to do, from the budget (``Budget.lag_advice``)."""
         if lag_steps < 2 or push_seconds <= interval:
             return None
         every = math.ceil(push_seconds / interval)
         return (f"mlcheckpoint: replication lags {lag_steps} steps behind the saves: pushing "
                 f"one checkpoint takes {push_seconds:.1f} s and saves come every {interval:.1f} s, "
                 f"so about one save in {every} is protected on two nodes. To protect every save, "
-                f"save at most every {push_seconds:.1f} s, or raise replication_bandwidth "
-                f"(MLCHECKPOINT_REPLICATION_BANDWIDTH) if the link has room.")
+                f"save at most every {push_seconds:.1f} s; {why}")
 
-    def check(self, push_seconds: float, interval: float | None, lag_steps: int | None) -> None:
+    def check(self, push_seconds: float, interval: float | None, lag_steps: int | None,
+              why: str = RAISE_THE_BUDGET) -> None:
         if interval is None or lag_steps is None:
             return
-        text = self.advice(push_seconds, interval, lag_steps)
+        text = self.advice(push_seconds, interval, lag_steps, why)
         if text is not None:
             self._log.warning("lag", "%s", text)

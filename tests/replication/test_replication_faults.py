@@ -16,6 +16,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import traceback
 
 import pytest
@@ -413,6 +414,33 @@ def test_replicator_pushes_only_the_newest_and_supersedes_the_rest(make_job):
     assert [rep.state(s).state for s in (1, 2, 3, 4)] == ["superseded", "superseded", "replicated", "replicated"]
     # rank 0 also sent the newest step's metadata to the partner node
     wait_for(lambda: rstore.step_state(4).has_metadata, "metadata of step 4 on the partner")
+
+
+def test_metadata_written_after_the_shard_commits_still_reaches_the_partner(make_job):
+    """A DCP-native save tells the replicator at its shard's commit that only this node will
+    hold the save's metadata; the coordinator may write that metadata a moment later. A save
+    no round ever names (a newer one superseded it) must still get its metadata to the
+    partner once it is written, or the partner holds the save's shards without it: it was
+    dropped as "not here" before (a job test saw it under load)."""
+    job = make_job()
+    sender = job.endpoint(0, cls=RecordingTcp)
+    receiver = job.endpoint(1)
+    job.idle_rank(1)
+    rep = start_replicator(job, sender)
+    writer = MemoryStorageWriter(5, sender.store)
+    dcp.save(small_state(5), storage_writer=writer)
+    meta = sender.store.metadata_path(5)
+    os.rename(meta, meta + ".late")  # the coordinator has not written it yet
+    rep.notify(5, writer.save_id, share_metadata=True)
+    time.sleep(0.5)  # several of the replicator's passes (every 0.05 s) look and find none
+    save(sender.store, 6, rep)  # a newer save: rounds name step 6 only
+    wait_for(lambda: (st := rep.state(6)) is not None and st.state == "replicated", "step 6 replicated")
+    assert not receiver.store.step_state(5).has_metadata
+    os.rename(meta + ".late", meta)  # ...and now it has
+    wait_for(lambda: receiver.store.step_state(5).has_metadata, "step 5's metadata on the partner",
+             diag=lambda: repr(sender.metadata_pushed))
+    assert (1, 6) in sender.metadata_pushed and (1, 5) in sender.metadata_pushed
+    assert (1, 5, 0) not in sender.pushed  # its shard stays superseded: only the metadata goes
 
 
 @pytest.mark.slow

@@ -360,9 +360,18 @@ class Replicator:
         the manager's saves. Small, and once per save: not coalesced like shards."""
         with self._saves_lock:
             due, self._metadata_due = self._metadata_due, {}
+        later: dict[int, str] = {}
         for step, save_id in sorted(due.items()):
-            if self.store.step_state(step).save_id == save_id:  # (else not here yet, or gone)
+            st = self.store.step_state(step)
+            if st.save_id == save_id:
                 self._push_metadata(step, save_id)
+            elif st.save_id is None and st.shard_saves.get(self.topology.rank) == save_id:
+                # The coordinator's metadata is not written yet (a DCP-native save tells us at
+                # our shard's commit): look again at the next pass. Gone or replaced: drop it.
+                later[step] = save_id
+        if later:
+            with self._saves_lock:
+                self._metadata_due = {**later, **self._metadata_due}
 
     def _mark_superseded(self, steps: list[int], newer: int) -> None:
         """This rank's own shards of ``steps`` stay unpushed (listing and ``drain`` say so)."""

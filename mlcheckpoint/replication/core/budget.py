@@ -298,12 +298,12 @@ class Budget:
         if self.derived and pacer is not None and pacer.factor < 1:
             return (f"the default budget backed off to {format_rate(self.current_rate())}, as "
                     "training's steps grew while it sent: it protects fewer saves rather than "
-                    "slow training. Setting replication_bandwidth (MLCHECKPOINT_REPLICATION_"
-                    "BANDWIDTH) to a rate makes it send at that rate, even if training slows.")
+                    "slow training. Setting replication_bandwidth to a rate makes it send at "
+                    "that rate, even if training slows.")
         if self.derived:
             return (f"the default budget sends at {format_rate(self.current_rate())}, at most "
                     f"{format_rate(self.ceiling)} (half the link): set replication_bandwidth "
-                    "(MLCHECKPOINT_REPLICATION_BANDWIDTH) if the link has more room.")
+                    "if the link has more room.")
         return RAISE_THE_BUDGET
 
     # ------------------------------------------------------------------ the derived default

@@ -73,14 +73,21 @@ def rebuild_sources(plan: Decision, topology: Topology) -> dict[int, int]:
     each shard whole by their bytes, as the reader deals items (``places.deal``, the one rule
     of which holder serves a read). A pure function of the plan: every rank of every
     replaced node reaches the same choice, so their rebuilds spread over the holders."""
-    owners = sorted(r for r, source in plan.sources.items() if source == "peer")
     node_of = topology.node_of
-    # One "item" per rebuild: the whole shard, whose one place is its owner's shard
-    items = [(plan.data_bytes.get(o, 0),
-              [((o, 0), sorted({node_of(r) for r in plan.holders.get(o, ())}
-                               - set(plan.partial.get(o, {})) - {node_of(o)}))])
-             for o in owners]
-    return {o: choice[1] for o, choice in zip(owners, deal(items), strict=True) if choice is not None}
+    owners: list[int] = []
+    items: list[tuple[int, list[tuple[tuple[int, int], list[int]]]]] = []
+    for owner, source in sorted(plan.sources.items()):
+        if source != "peer":
+            continue
+        whole = set(map(node_of, plan.holders.get(owner, ()))) - set(plan.partial.get(owner, {}))
+        owners.append(owner)
+        # one "item" per rebuild: the whole shard, whose one place is its owner's shard
+        items.append((plan.data_bytes.get(owner, 0), [((owner, 0), sorted(whole - {node_of(owner)}))]))
+    chosen: dict[int, int] = {}
+    for owner, choice in zip(owners, deal(items), strict=True):
+        if choice is not None:
+            chosen[owner] = choice[1]
+    return chosen
 
 
 class Holders:

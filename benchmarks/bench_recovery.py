@@ -242,7 +242,7 @@ def bench_planner(ranks_per_node: int = 8) -> dict[int, float]:
                             tuple((o, 1 << 30) for o in sorted(owners)))
             nodes.append(NodeInventory(n, ranks, {} if n == 3 else {98: copy, 99: copy}))
         out[world], d = timed(lambda nodes=nodes, world=world: plan_resume(nodes, 50, world))
-        assert d.step == 99 and len([f for f in d.fetches if f.owner is not None]) == ranks_per_node
+        assert d.step == 99 and list(d.sources.values()).count("peer") == ranks_per_node
     return out
 
 

@@ -6,8 +6,11 @@ protocol: the reader deals each item to one of the nodes that hold any of its pl
 ``dcp/places.py``), the step's metadata for a node without it (``fetch_metadata``), and, after
 the load, a replaced node's own rank's shard (``rebuild``): fetched whole from a node that holds
 it whole, or, when none does, assembled item by item from the partial replicas and the copies
-data parallelism kept that the load read it through. Which rank of a holder node to ask, and
-in what order, is decided in one place: ``holder_order``.
+data parallelism kept that the load read it through. Which node serves a shard's bytes is
+decided by ``dcp/places.py`` ``deal`` alone, over the nodes the plan says hold them (the
+reader's items, ``fetch_items``; a rebuild's whole shard, ``rebuild_sources``); the metadata,
+one small file, comes from the source the plan names. Which rank of a node to ask, and in what
+order, is decided in one place: ``holder_order``.
 
 The resume waits for the first two, so the holder sends them at the link's full speed; the
 rebuild runs in the background and is paced by the holder's bandwidth budget (``paced``).
@@ -25,6 +28,7 @@ from typing import TypeVar
 
 from .._words import plural
 from ..dcp.placement import recorded_items
+from ..dcp.places import deal
 from ..dcp.remote import RemoteRun, fetch_items
 from ..errors import CopyId, MLCheckpointError, ShardNotFoundError
 from ..integrity.verify import digests_agree, integrity_error
@@ -40,22 +44,50 @@ T = TypeVar("T")
 
 
 def holder_order(plan: Decision, topology: Topology, owner: int | None, *,
-                 whole: bool = False) -> list[int]:
-    """Ranks on other nodes to ask for ``owner``'s shard (None: the metadata), in order: the
-    source the plan chose for this node first (it balanced the bytes each holder serves),
-    then every other holder, starting at an offset set by this rank so that the readers of
-    one node spread over the holders. ``whole``: only nodes holding the whole shard (a
-    partial replica serves the items it lists, never the shard). A pure function of the
-    plan and who asks."""
+                 whole: bool = False, first_node: int | None = None) -> list[int]:
+    """Ranks on other nodes to ask for ``owner``'s shard (None: the metadata), in order: for
+    the metadata, the source the plan named for this node (``Decision.fetches``); for a shard,
+    the ranks of ``first_node`` (the node the read was dealt to, ``places.deal``); then every
+    other holder, starting at an offset set by this rank so that the readers of one node
+    spread over the holders' ranks. ``whole``: only nodes holding the whole shard (a partial
+    replica serves the items it lists, never the shard). A pure function of the plan and who
+    asks: it orders the ranks of the nodes a read may go to, it never picks the node."""
     node_of = topology.node_of
     here = topology.node_rank
-    planned = [f.src_rank for f in plan.fetches if f.owner == owner and node_of(f.dst_rank) == here]
     held = plan.metadata_holders if owner is None else plan.holders.get(owner, [])
     if owner is not None and whole:
         held = [r for r in held if node_of(r) not in plan.partial.get(owner, {})]
     others = [r for r in held if node_of(r) != here]
     start = topology.rank % len(others) if others else 0
-    return list(dict.fromkeys(planned + others[start:] + others[:start]))
+    order = others[start:] + others[:start]
+    if owner is None:
+        first = [f.src_rank for f in plan.fetches if node_of(f.dst_rank) == here]
+    else:
+        first = [r for r in order if node_of(r) == first_node]
+    return list(dict.fromkeys(first + order))
+
+
+def rebuild_sources(plan: Decision, topology: Topology) -> dict[int, int]:
+    """Per rank whose own shard is whole only on other nodes (``Decision.sources`` "peer"),
+    the node its rebuild fetches that shard from: the rebuilds dealt over the nodes holding
+    each shard whole by their bytes, as the reader deals items (``places.deal``, the one rule
+    of which holder serves a read). A pure function of the plan: every rank of every
+    replaced node reaches the same choice, so their rebuilds spread over the holders."""
+    node_of = topology.node_of
+    owners: list[int] = []
+    items: list[tuple[int, list[tuple[tuple[int, int], list[int]]]]] = []
+    for owner, source in sorted(plan.sources.items()):
+        if source != "peer":
+            continue
+        whole = set(map(node_of, plan.holders.get(owner, ()))) - set(plan.partial.get(owner, {}))
+        owners.append(owner)
+        # one "item" per rebuild: the whole shard, whose one place is its owner's shard
+        items.append((plan.data_bytes.get(owner, 0), [((owner, 0), sorted(whole - {node_of(owner)}))]))
+    chosen: dict[int, int] = {}
+    for owner, choice in zip(owners, deal(items), strict=True):
+        if choice is not None:
+            chosen[owner] = choice[1]
+    return chosen
 
 
 class Holders:
@@ -178,9 +210,10 @@ class Holders:
                 nbytes = self._assemble(owner)
                 came = "its items' partial replicas and copies"
             else:
+                first = rebuild_sources(self.plan, self.topo).get(owner)
                 nbytes, src = self._from_first_that_serves(
                     owner, lambda src: self.transport.fetch_shard(src, self.step, owner, paced=True),
-                    order=holder_order(self.plan, self.topo, owner, whole=True))
+                    order=holder_order(self.plan, self.topo, owner, whole=True, first_node=first))
                 came = f"rank {src}"
         log.info("mlcheckpoint: rebuilt rank %d's shard of step %d (%d bytes) from %s", owner,
                  self.step, nbytes, came)

@@ -21,7 +21,7 @@ class StepCopy:
     has_metadata: bool
     required: tuple[int, ...] | None = None  # ranks the step needs (from the metadata header)
     world_size: int | None = None  # world size when the step was saved
-    shard_bytes: tuple[tuple[int, int], ...] = ()  # (owner, bytes), to balance fetches
+    shard_bytes: tuple[tuple[int, int], ...] = ()  # (owner, bytes): Decision.data_bytes
     # Which save the metadata here describes, by which run, descending from which runs, when.
     save_id: str = ""
     run_id: str = ""

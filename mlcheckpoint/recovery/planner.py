@@ -43,20 +43,22 @@ class PersistentStep:
 
 @dataclass(frozen=True)
 class Fetch:
-    """``dst_rank`` pulls ``owner``'s shard of ``step`` (owner None: the metadata) from ``src_rank``."""
+    """``dst_rank`` pulls the global metadata of ``step`` from ``src_rank`` (before the load).
+
+    Shards are never fetched on the plan's word: the plan says which nodes hold which items
+    (``Decision.holders``, ``partial``), and the reads are dealt over them where they are made
+    (``dcp/places.py`` ``deal``, for the load and for a rebuild alike)."""
 
     dst_rank: int
     src_rank: int
     step: int
-    owner: int | None
-    nbytes: int = 0
 
 
 @dataclass
 class Decision:
     kind: str  # MEMORY, PERSISTENT or FRESH
     step: int | None
-    fetches: list[Fetch] = field(default_factory=list)
+    fetches: list[Fetch] = field(default_factory=list)  # the metadata, one per node lacking it
     # owner -> ranks of the nodes holding its shard, whole or a partial replica (``partial``)
     holders: dict[int, list[int]] = field(default_factory=dict)
     metadata_holders: list[int] = field(default_factory=list)
@@ -246,7 +248,6 @@ class _StepView:
     owner_nodes: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # whole
     # owner -> node -> what the node holds of its shard (whole or a partial replica's groups)
     holdings: dict[int, dict[int, Held]] = field(default_factory=lambda: defaultdict(dict))
-    owner_bytes: dict[int, int] = field(default_factory=dict)
     data_bytes: dict[int, int] = field(default_factory=dict)  # Decision.data_bytes
     partial: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)  # Decision.partial
     refused: set[int] = field(default_factory=set)  # owners with a copy that failed verification
@@ -324,7 +325,6 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
                 v.data_bytes.setdefault(owner, nbytes)
                 if held.whole:
                     v.owner_nodes[owner].append(inv.node)
-                    v.owner_bytes[owner] = nbytes
                 else:  # a partial replica: it serves the items it holds
                     v.partial.setdefault(owner, {})[inv.node] = held.items or frozenset()
     return view
@@ -382,26 +382,23 @@ def _newest_protected(view: dict[int, _StepView], places: int) -> int | None:
 
 def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size: int,
                 can_fetch: bool) -> Decision | None:
+    """The decision to load ``step``: which nodes hold which items (``holders``, ``partial``),
+    where each rank's own shard is (``sources``), and who fetches the metadata from whom. It
+    picks no source for a shard: the reads are dealt over the holders where they are made."""
     node_ranks = {inv.node: inv.ranks for inv in nodes if inv.ranks}
     rank_node = {r: n for n, ranks in node_ranks.items() for r in ranks}
-    load: dict[int, int] = defaultdict(int)  # bytes each holder node serves, to spread fetches
-    turn: dict[int, int] = defaultdict(int)  # round-robin over a holder node's ranks
-
-    def pick_src(holder_nodes: list[int], nbytes: int) -> int:
-        node = min(holder_nodes, key=lambda n: (load[n], n))
-        load[node] += nbytes
-        ranks = node_ranks[node]
-        turn[node] += 1
-        return ranks[turn[node] % len(ranks)]
-
     d = Decision(MEMORY, step, resharded=v.world_size != world_size, save_id=v.save_id,
                  lineage=v.lineage, partial={o: dict(by_node) for o, by_node in v.partial.items()},
                  data_bytes=dict(v.data_bytes))
     d.holders = {o: [r for n in sorted(by_node) for r in node_ranks[n]] for o, by_node in v.holdings.items()}
-    d.metadata_holders = [r for n in sorted(set(v.meta_nodes)) for r in node_ranks[n]]
-    for node, ranks in sorted(node_ranks.items()):
-        if node not in v.meta_nodes:
-            d.fetches.append(Fetch(ranks[0], pick_src(v.meta_nodes, 1), step, None))  # 1: spread them too
+    meta_nodes = sorted(set(v.meta_nodes))
+    d.metadata_holders = [r for n in meta_nodes for r in node_ranks[n]]
+    # The metadata is one small file, the same for every node lacking it: round robin over
+    # the nodes holding it, and over each one's ranks.
+    lacking = [(node, ranks) for node, ranks in sorted(node_ranks.items()) if node not in v.meta_nodes]
+    for i, (node, ranks) in enumerate(lacking):
+        src = node_ranks[meta_nodes[i % len(meta_nodes)]]
+        d.fetches.append(Fetch(ranks[0], src[(i // len(meta_nodes) + 1) % len(src)], step))
     required = set(v.required or ())
     d.through_copies = sorted(required - _surviving(v))  # complete: their items survive
     for rank in sorted(rank_node):
@@ -417,9 +414,9 @@ def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size:
             if not can_fetch and coverage.unreadable([rank], v.copy_groups, here):
                 return None  # some copies it needs are on other nodes only
         else:
-            nbytes = v.owner_bytes.get(rank, 0)
-            d.fetches.append(Fetch(rank, pick_src(v.owner_nodes[rank], nbytes), step, rank, nbytes))
             d.sources[rank] = "peer"
+            if not can_fetch:
+                return None  # its shard is on other nodes only
     if not can_fetch and d.fetches:
         return None
     return d

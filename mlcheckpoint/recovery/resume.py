@@ -297,7 +297,7 @@ class Recovery:
         Shards are not fetched here: the reader streams them straight into the model
         (``Holders.read_runs``), and a replaced node's own shard is rebuilt after the load
         (``_heal``), off the resume's critical path."""
-        mine = [f for f in d.fetches if f.owner is None and f.dst_rank == self.topo.rank]
+        mine = [f for f in d.fetches if f.dst_rank == self.topo.rank]
         if not mine or holders is None:
             return []
         try:

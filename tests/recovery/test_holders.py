@@ -16,7 +16,7 @@ from mlcheckpoint.dcp.remote import RemoteRun
 from mlcheckpoint.errors import ShardNotFoundError
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume, take_inventory
-from mlcheckpoint.recovery.holders import Holders, holder_order
+from mlcheckpoint.recovery.holders import Holders, holder_order, rebuild_sources
 from mlcheckpoint.recovery.planner import MEMORY, Decision, Fetch
 from mlcheckpoint.replication import Transport
 from mlcheckpoint.store import LocalStore
@@ -32,18 +32,32 @@ def rank_on(node: int, local_rank: int, *, nodes: int = 3, per_node: int = 2) ->
                     num_nodes=nodes)
 
 
-# 3 nodes x 2 ranks; node 2 was replaced. Rank 4's shard is held by nodes 0 and 1; the plan
-# balanced node 2's fetch of it onto rank 3 (node 1).
-PLAN = Decision(MEMORY, 7, fetches=[Fetch(4, 3, 7, 4, 100), Fetch(4, 1, 7, None)],
-                holders={0: [0, 1, 2, 3], 4: [0, 1, 2, 3]}, metadata_holders=[0, 1, 2, 3])
+# 3 nodes x 2 ranks; node 2 was replaced. Ranks 4 and 5's shards are held by nodes 0 and 1;
+# the plan names node 2's metadata fetch from rank 1 (node 0), and no source for a shard.
+PLAN = Decision(MEMORY, 7, fetches=[Fetch(4, 1, 7)],
+                holders={0: [0, 1, 2, 3], 4: [0, 1, 2, 3], 5: [0, 1, 2, 3]},
+                metadata_holders=[0, 1, 2, 3], data_bytes={4: 100, 5: 100},
+                sources={0: "local", 1: "local", 2: "local", 3: "local", 4: "peer", 5: "peer"})
 
 
-def test_the_planned_source_comes_first_for_every_rank_of_the_node():
+def test_the_planned_metadata_source_and_the_dealt_node_come_first():
     for local_rank in (0, 1):
-        order = holder_order(PLAN, rank_on(2, local_rank), 4)
-        assert order[0] == 3, order
-        assert sorted(order) == [0, 1, 2, 3]  # then every other holder, each once
-    assert holder_order(PLAN, rank_on(2, 0), None)[0] == 1  # the metadata's planned source
+        assert holder_order(PLAN, rank_on(2, local_rank), None)[0] == 1  # the plan's source
+        for node in (0, 1):  # a shard: the ranks of the node the read was dealt to
+            order = holder_order(PLAN, rank_on(2, local_rank), 4, first_node=node)
+            assert [r // 2 for r in order[:2]] == [node, node], order
+            assert sorted(order) == [0, 1, 2, 3]  # then every other holder, each once
+    # the two ranks of node 2 ask the dealt node's ranks in different orders
+    assert len({holder_order(PLAN, rank_on(2, lr), 4, first_node=0)[0] for lr in (0, 1)}) == 2
+
+
+def test_the_rebuilds_of_a_replaced_node_are_dealt_over_the_holders_alike_on_every_rank():
+    # The plan picks no source; every rank deals the plan's two rebuilds over nodes 0 and 1.
+    for node, local_rank in ((2, 0), (2, 1), (0, 0)):
+        assert rebuild_sources(PLAN, rank_on(node, local_rank)) == {4: 0, 5: 1}
+    # a partial replica never serves a whole shard: rank 4's rebuild goes to node 1
+    partial = dataclasses.replace(PLAN, partial={4: {0: frozenset({0})}})
+    assert rebuild_sources(partial, rank_on(2, 0)) == {4: 1, 5: 0}
 
 
 def test_without_a_plan_for_this_node_readers_spread_over_the_holders():
@@ -67,6 +81,7 @@ class RecordingTransport(Transport):
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, bool]] = []
+        self.fetched_from: list[int] = []  # the ranks fetch_shard asked
 
     def push_shard(self, peer: int, step: int, owner: int, items=None) -> int:
         raise AssertionError("holders never push")
@@ -76,6 +91,7 @@ class RecordingTransport(Transport):
 
     def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
         self.calls.append(("fetch_shard", paced))
+        self.fetched_from.append(peer)
         return 0
 
     def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
@@ -103,6 +119,21 @@ def test_a_resumes_reads_are_unpaced_and_the_heal_is_paced(store_dir):
         store.close()
     assert transport.calls == [("read_items", False), ("fetch_metadata", False),
                                ("fetch_shard", True)]
+
+
+def test_each_rank_of_a_replaced_node_rebuilds_from_the_holder_dealt_to_it(store_dir):
+    """Ranks 4 and 5 (node 2) rebuild their shards from nodes 0 and 1 respectively, as
+    ``rebuild_sources`` dealt them: one node does not serve both while the other idles."""
+    asked = {}
+    for local_rank in (0, 1):
+        transport = RecordingTransport()
+        store = LocalStore(os.path.join(store_dir, f"r{local_rank}"), "holders-rebuild")
+        try:
+            assert Holders(transport, store, rank_on(2, local_rank), PLAN).rebuild(4 + local_rank)
+        finally:
+            store.close()
+        asked[4 + local_rank] = transport.fetched_from[0] // 2  # the node asked first
+    assert asked == {4: 0, 5: 1}
 
 
 # Which nodes hold an item (issue 38): every holder of the shard, a partial replica only for

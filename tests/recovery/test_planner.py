@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlcheckpoint.recovery import Decision, Fetch, NodeInventory, StepCopy, plan_resume
+from mlcheckpoint.recovery.holders import rebuild_sources
 from mlcheckpoint.recovery.planner import (
     FRESH,
     MEMORY,
@@ -24,6 +25,7 @@ from mlcheckpoint.recovery.planner import (
     PersistentStep,
     step_verdicts,
 )
+from mlcheckpoint.topology import Topology
 
 
 # ---------------------------------------------------------------------------- builders
@@ -58,12 +60,15 @@ def paired(nnodes: int, rpn: int, steps, *, lost=(), world=None, nbytes=100) -> 
     return inventories(nnodes, rpn, holdings)
 
 
-def shard_fetches(d: Decision) -> list[Fetch]:
-    return [f for f in d.fetches if f.owner is not None]
+def peers(d: Decision) -> list[int]:
+    """Ranks whose own shard is whole only on other nodes: read from there, rebuilt after."""
+    return sorted(r for r, source in d.sources.items() if source == "peer")
 
 
-def meta_fetches(d: Decision) -> list[Fetch]:
-    return [f for f in d.fetches if f.owner is None]
+def rebuilt_from(d: Decision, rpn: int) -> dict[int, int]:
+    """Per rank of ``peers(d)``, the node its rebuild fetches its shard from (the plan's
+    rebuilds dealt over the nodes holding them, recovery/holders.py)."""
+    return rebuild_sources(d, Topology(local_world_size=rpn))  # (it asks only which node a rank is on)
 
 
 def mentions_step(reason: str, step: int) -> bool:
@@ -96,14 +101,13 @@ def test_nothing_in_memory_uses_persistent():
     assert (d.kind, d.step, d.fetches) == (PERSISTENT, 7, [])
 
 
-def test_replaced_node_fetches_its_shard_and_metadata_from_its_buddy():
+def test_replaced_node_fetches_its_metadata_and_reads_its_shard_from_its_buddy():
     nodes = paired(2, 1, [4, 5], lost=[1])
     d = plan_resume(nodes, None, 2)
     assert (d.kind, d.step) == (MEMORY, 5)
-    assert sorted(d.fetches, key=lambda f: (f.owner is not None, f.dst_rank)) == [
-        Fetch(dst_rank=1, src_rank=0, step=5, owner=None, nbytes=0),
-        Fetch(dst_rank=1, src_rank=0, step=5, owner=1, nbytes=100),
-    ]
+    # The metadata is fetched on the plan's word; the shard is not: the plan says who holds
+    # it, and the reads (and the rebuild) are dealt over those holders where they are made.
+    assert d.fetches == [Fetch(dst_rank=1, src_rank=0, step=5)]
     assert d.sources == {0: "local", 1: "peer"}
     assert d.holders == {0: [0], 1: [0]}
     assert d.metadata_holders == [0]
@@ -149,8 +153,8 @@ def test_ranks_outside_required_need_no_shard():
     nodes = inventories(2, 1, {0: {3: copy({0}, required=(0,), world_size=2)}, 1: {}})
     d = plan_resume(nodes, None, 2)
     assert (d.kind, d.step) == (MEMORY, 3)
-    assert shard_fetches(d) == []
-    assert [(f.dst_rank, f.src_rank) for f in meta_fetches(d)] == [(1, 0)]
+    assert peers(d) == []
+    assert [(f.dst_rank, f.src_rank) for f in d.fetches] == [(1, 0)]
     assert d.sources == {0: "local", 1: "local"}
 
 
@@ -159,8 +163,7 @@ def test_bad_local_copy_is_replaced_from_the_replica():
     nodes = paired(2, 1, [2, 3])
     d = plan_resume(nodes, None, 2, bad_copies=[(3, 0, 0)])
     assert (d.kind, d.step) == (MEMORY, 3)
-    assert shard_fetches(d) == [Fetch(0, 1, 3, 0, 100)]
-    assert meta_fetches(d) == []
+    assert d.fetches == []
     assert d.sources == {0: "peer", 1: "local"}
     assert d.holders[0] == [1]  # the bad copy serves nobody
     assert d.newest_protected == 2  # step 3 has one good copy of rank 0's shard left
@@ -177,7 +180,7 @@ def test_bad_metadata_copy_is_fetched_again():
     nodes = paired(2, 1, [3])
     d = plan_resume(nodes, None, 2, bad_copies=[(3, None, 1)])
     assert (d.kind, d.step) == (MEMORY, 3)
-    assert d.fetches == [Fetch(1, 0, 3, None, 0)]
+    assert d.fetches == [Fetch(1, 0, 3)]
     assert d.metadata_holders == [0]
 
 
@@ -228,43 +231,45 @@ def test_single_node_without_transport():
     assert d.sources == {0: "local", 1: "local"}
 
 
-# ---------------------------------------------------------------------------- spreading fetches
-def test_two_replacement_nodes_fetch_from_different_holders():
+# ---------------------------------------------------------------------------- spreading rebuilds
+# The plan names no source for a shard; the rebuilds of replaced nodes' shards are dealt over
+# the nodes the plan says hold them whole (recovery/holders.py rebuild_sources, by places.deal):
+# the same on every rank, from the plan alone.
+def test_two_replacement_nodes_rebuild_from_different_holders():
     # 4 nodes x 1 rank; nodes 0 and 1 are replacements. Nodes 2 and 3 each hold every shard.
     full = copy(range(4), required=range(4), world_size=4)
     nodes = inventories(4, 1, {2: {9: full}, 3: {9: full}})
     d = plan_resume(nodes, None, 4)
     assert (d.kind, d.step) == (MEMORY, 9)
-    shards = shard_fetches(d)
-    assert sorted((f.dst_rank, f.owner) for f in shards) == [(0, 0), (1, 1)]
-    assert {f.src_rank for f in shards} == {2, 3}, shards
-    assert len(meta_fetches(d)) == 2
+    assert peers(d) == [0, 1]
+    assert d.holders[0] == d.holders[1] == [2, 3]
+    assert sorted(rebuilt_from(d, 1).values()) == [2, 3]
+    assert len(d.fetches) == 2
 
 
-def test_fetches_balance_bytes_not_counts():
-    # Three shards to fetch, of 1000, 10 and 10 bytes, each held by nodes 3 and 4: one
+def test_rebuilds_balance_bytes_not_counts():
+    # Three shards to rebuild, of 1000, 10 and 10 bytes, each held by nodes 3 and 4: one
     # holder serves the big one, the other both small ones.
     sizes = {0: 1000, 1: 10, 2: 10}
     full = copy(range(5), required=range(5), world_size=5, sizes=sizes)
     nodes = inventories(5, 1, {3: {1: full}, 4: {1: full}})
     d = plan_resume(nodes, None, 5)
+    assert d.data_bytes == {o: sizes.get(o, 100) for o in range(5)}
     served: Counter[int] = Counter()
-    for f in shard_fetches(d):
-        assert f.nbytes == sizes[f.owner]
-        served[f.src_rank] += f.nbytes
+    for owner, node in rebuilt_from(d, 1).items():
+        served[node] += sizes[owner]
     assert sorted(served.values()) == [20, 1000], served
 
 
-def test_fetches_from_one_node_are_spread_over_its_ranks():
-    # 2 nodes x 2 ranks, node 1 replaced: ranks 2 and 3 pull from node 0, not both from one rank.
+def test_one_node_replaced_every_rank_of_it_reads_from_its_buddy():
+    # 2 nodes x 2 ranks, node 1 replaced: ranks 2 and 3 read and rebuild from node 0.
     nodes = paired(2, 2, [5], lost=[1])
     d = plan_resume(nodes, None, 4)
-    shards = shard_fetches(d)
-    assert sorted((f.dst_rank, f.owner) for f in shards) == [(2, 2), (3, 3)]
-    assert {f.src_rank for f in shards} == {0, 1}, shards
-    # One metadata fetch per node lacking it, by one of that node's ranks.
-    assert [(f.dst_rank in (2, 3), f.src_rank in (0, 1)) for f in meta_fetches(d)] == [(True, True)]
     assert d.sources == {0: "local", 1: "local", 2: "peer", 3: "peer"}
+    assert d.holders[2] == d.holders[3] == [0, 1]
+    assert rebuilt_from(d, 2) == {2: 0, 3: 0}
+    # One metadata fetch per node lacking it, by one of that node's ranks.
+    assert [(f.dst_rank in (2, 3), f.src_rank in (0, 1)) for f in d.fetches] == [(True, True)]
 
 
 def test_many_replacements_spread_over_all_holders():
@@ -272,12 +277,14 @@ def test_many_replacements_spread_over_all_holders():
     full = copy(range(8), required=range(8), world_size=8)
     nodes = inventories(8, 1, {n: {2: full} for n in range(4, 8)})
     d = plan_resume(nodes, None, 8)
-    per_src = Counter(f.src_rank for f in shard_fetches(d))
+    per_src = Counter(rebuilt_from(d, 1).values())
     assert sorted(per_src) == [4, 5, 6, 7] and set(per_src.values()) == {1}, per_src
+    # the metadata fetches too, one per holder
+    assert sorted(f.src_rank for f in d.fetches) == [4, 5, 6, 7]
 
 
 # ---------------------------------------------------------------------------- resharding
-def test_other_world_size_reshards_without_eager_shard_fetches():
+def test_other_world_size_reshards_without_rebuilds():
     # Saved by 4 ranks (one per node); resumed by 2 nodes x 1 rank that hold the shards
     # between them. DCP decides which bytes each rank reads; the reader fetches lazily.
     req = range(4)
@@ -285,8 +292,8 @@ def test_other_world_size_reshards_without_eager_shard_fetches():
                            1: {3: copy({2, 3}, meta=False)}})
     d = plan_resume(nodes, None, 2)
     assert (d.kind, d.step, d.resharded) == (MEMORY, 3, True)
-    assert shard_fetches(d) == []
-    assert d.fetches == [Fetch(1, 0, 3, None, 0)]
+    assert peers(d) == []
+    assert d.fetches == [Fetch(1, 0, 3)]
     assert d.holders == {0: [0], 1: [0], 2: [1], 3: [1]}
     assert d.sources == {0: "local", 1: "local"}
 
@@ -308,9 +315,9 @@ def test_growing_world_size_reads_from_old_holders():
     nodes = paired(2, 1, [8]) + [NodeInventory(2, [2]), NodeInventory(3, [3])]
     d = plan_resume(nodes, None, 4)
     assert (d.kind, d.step, d.resharded) == (MEMORY, 8, True)
-    assert shard_fetches(d) == []
-    assert sorted(f.dst_rank for f in meta_fetches(d)) == [2, 3]
-    assert {f.src_rank for f in meta_fetches(d)} <= {0, 1}
+    assert peers(d) == []
+    assert sorted(f.dst_rank for f in d.fetches) == [2, 3]
+    assert {f.src_rank for f in d.fetches} <= {0, 1}
 
 
 # ---------------------------------------------------------------------------- scale
@@ -330,11 +337,10 @@ def test_sixteen_thousand_ranks():
     assert (d.kind, d.step) == (MEMORY, 11)
     assert mentions_step(d.reason, 12) and "5000" in d.reason
     lost_ranks = {r for n in lost for r in range(n * rpn, (n + 1) * rpn)}
-    shards = shard_fetches(d)
-    assert sorted(f.dst_rank for f in shards) == sorted(lost_ranks)
-    assert all(f.owner == f.dst_rank and f.src_rank // rpn == (f.dst_rank // rpn) ^ 1 for f in shards)
-    assert sorted(f.dst_rank // rpn for f in meta_fetches(d)) == sorted(lost)
-    assert sum(1 for s in d.sources.values() if s == "peer") == len(lost_ranks)
+    assert peers(d) == sorted(lost_ranks)
+    assert all(d.holders[r] == list(range(((r // rpn) ^ 1) * rpn, (((r // rpn) ^ 1) + 1) * rpn))
+               for r in lost_ranks)
+    assert sorted(f.dst_rank // rpn for f in d.fetches) == sorted(lost)
     assert len(d.sources) == world
     # The buddies of the lost nodes hold step 11 once only: not protected any more; step 10 is
     # not either (same holdings). So nothing is.
@@ -549,20 +555,18 @@ def test_property_fetch_plan_covers_every_need_once(sc):
     if not sc["can_fetch"]:
         assert d.fetches == []
 
-    # Shards: exactly one fetch per rank whose node lacks its (good) shard, none otherwise.
-    shards = shard_fetches(d)
-    assert sorted(f.dst_rank for f in shards) == m.shard_needs(s), (shards, sc)
-    for f in shards:
-        assert f.owner == f.dst_rank
-        assert f.src_rank in m.node_of, f  # a live rank ...
-        src_node = m.node_of[f.src_rank]
-        assert src_node in m.owner[s][f.owner], f  # ... on a node with a good copy
-        assert (s, f.owner, src_node) not in sc["bad"]
-        assert src_node != m.node_of[f.dst_rank]
-        assert f.nbytes in m.nbytes[(s, f.owner)]
+    # Shards: the plan fetches none; exactly one rebuild per rank whose node lacks its (good)
+    # shard, from a live node with a good copy, none otherwise.
+    rebuilds = rebuilt_from(d, sc["rpn"])
+    assert sorted(rebuilds) == m.shard_needs(s), (rebuilds, sc)
+    for owner, src_node in rebuilds.items():
+        assert src_node in m.live and src_node in m.owner[s][owner], (owner, src_node)
+        assert (s, owner, src_node) not in sc["bad"]
+        assert src_node != m.node_of[owner]
+        assert d.data_bytes[owner] in m.nbytes[(s, owner)]  # what it rebuilds, and deals by
 
     # Metadata: exactly one fetch per live node without a good copy, by one of its ranks.
-    metas = meta_fetches(d)
+    metas = d.fetches
     assert sorted(m.node_of[f.dst_rank] for f in metas) == m.meta_needs(s), (metas, sc)
     for f in metas:
         src_node = m.node_of[f.src_rank]
@@ -619,7 +623,7 @@ def test_property_deterministic_and_inputs_untouched(sc):
 @given(nnodes=st.integers(2, 8), rpn=st.integers(1, 3), data=st.data())
 def test_property_balanced_sources_for_replacements(nnodes, rpn, data):
     """k replacement nodes and h >= k surviving nodes that each hold every shard (equal sizes):
-    no surviving node serves more than its share of shard fetches, rounded up."""
+    no surviving node serves more than its share of the rebuilds, rounded up."""
     lost = sorted(data.draw(st.sets(st.integers(0, nnodes - 1), min_size=1, max_size=nnodes - 1)))
     world = nnodes * rpn
     full = copy(range(world), required=range(world), world_size=world)
@@ -627,13 +631,10 @@ def test_property_balanced_sources_for_replacements(nnodes, rpn, data):
     d = plan_resume(nodes, None, world)
     assert (d.kind, d.step) == (MEMORY, 1)
     holders = nnodes - len(lost)
-    per_node = Counter(f.src_rank // rpn for f in shard_fetches(d))
+    per_node = Counter(rebuilt_from(d, rpn).values())
     need = len(lost) * rpn
     assert sum(per_node.values()) == need
     assert max(per_node.values()) <= -(-need // holders), per_node
-    # within a node, fetches rotate over its ranks
-    per_rank = Counter(f.src_rank for f in shard_fetches(d))
-    assert max(per_rank.values()) <= -(-max(per_node.values()) // rpn), per_rank
 
 
 @pytest.mark.parametrize("persistent", [None, 5])
@@ -668,7 +669,7 @@ def test_a_returning_node_with_an_older_run_of_the_same_steps_is_not_mixed_in():
     assert (d.kind, d.step, d.save_id) == (MEMORY, 3, "b3")
     # rank 1 reads run B's bytes from node 0, never the run-A copy on its own node
     assert d.sources == {0: "local", 1: "peer"}
-    assert [(f.dst_rank, f.src_rank, f.owner) for f in d.fetches] == [(1, 0, None), (1, 0, 1)]
+    assert [(f.dst_rank, f.src_rank) for f in d.fetches] == [(1, 0)]  # the metadata
     assert d.holders == {0: [0], 1: [0]}
     assert "another run" in d.reason
 
@@ -914,7 +915,7 @@ def test_a_shard_on_no_node_is_read_from_copies():
     assert (d.kind, d.step) == (MEMORY, 5)
     assert d.through_copies == [1]
     assert d.sources == {0: "local", 1: "copies"}
-    assert d.fetches == [Fetch(1, 0, 5, None, 0)]  # its metadata; no fetch of rank 1's shard
+    assert d.fetches == [Fetch(1, 0, 5)]  # its metadata; rank 1's shard is on no node
     assert d.holders == {0: [0]}  # who serves the copies: rank 0's shard's holders
     assert "ranks [1]" in d.reason and "copies" in d.reason, d.reason
     # The same holdings under a metadata without copy groups (an older save): unusable, as before.
@@ -959,7 +960,7 @@ def test_a_lost_copy_group_leaves_the_step_incomplete_and_says_which():
     d = plan_resume(older, None, 4)
     assert (d.step, d.through_copies, d.resharded) == (6, [2], False), d
     assert d.sources == {0: "local", 1: "local", 2: "copies", 3: "local"}
-    assert shard_fetches(d) == []
+    assert peers(d) == []
 
 
 def test_a_refused_copy_counts_as_lost():

@@ -513,20 +513,17 @@ def summarize_mode(cfg: Config, launches: list[dict[str, Any]]) -> dict[str, Any
 
 
 def protected_every(launches: list[dict[str, Any]]) -> float | None:
-    """k: replication protects every k-th step, once the pacing has settled: over the second
-    half of each launch's measured steps, the steps from the first newest protected step rank 0
-    saw there to the last, per step newly protected between them (None: fewer than two). Not
-    the median gap: a run whose pushes fall behind step by step has gaps of 1 early on and
-    one long one at the end."""
-    span = advances = 0
+    """k: replication protects every k-th step once the pacing has settled: the second half of
+    each launch's measured steps, per time the newest protected step rank 0 saw moved on in it
+    (None: it never moved on there). Not the median gap: a run whose pushes fall behind step by
+    step has gaps of 1 early on and one long one at the end."""
+    steps = advances = 0
     for launch in launches:
         seen = measured(launch, "newest_protected")
-        seen = [s for s in seen[len(seen) // 2:] if s is not None]
-        distinct = [b for a, b in itertools.pairwise([None, *seen]) if b != a]
-        if len(distinct) >= 2:
-            span += distinct[-1] - distinct[0]
-            advances += len(distinct) - 1
-    return span / advances if advances else None
+        half = seen[len(seen) // 2:]
+        steps += len(half)
+        advances += sum(1 for a, b in itertools.pairwise(half) if a is not None and b is not None and b > a)
+    return steps / advances if advances else None
 
 
 PROFILE_SENDER = ("send_seconds", "budget_wait_seconds")
@@ -734,9 +731,9 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
                 if launch["rate"] == rate and launch["mode"] == mode:
                     print(f"    lag per step, round {launch['round'] + 1}: {lag_series(launch)}")
             k = m["protected_every"]
-            print(f"    protects every {_opt(k, '.3g')}{'' if k is None else 'th' if k != 1 else 'st'} step "
-                  f"(k: over the second half of the measured steps, the steps between the first and "
-                  f"last newest protected step per step newly protected)")
+            print("    " + ("no step newly protected in the second half of the measured steps" if k is None else
+                             f"protects every {k:.3g}{'st' if k == 1 else 'th'} step") +
+                  " (k: the second half of the measured steps, per time the newest protected step moved on)")
             prof = m["profile"]
             if prof:
                 recv = (f"; receiver per replica: buffer {prof['receive_buffer_seconds']:.3f} s, receiving "

@@ -13,10 +13,12 @@ de-duplicated it), the de-duplicated plans, the node of each rank and each node'
 
 - a node keeps each item it holds but whose primary is elsewhere once (one rank: the one with
   the fewest bytes so far, lowest rank on a tie), never per rank;
-- a node whose own items, copies and what its partners' replicas then bring (only the items
-  no other node holds: about its own per-rank state, ``replicas`` times) would not fit its
-  room keeps none (``dedup`` mode): its items reach other nodes by replication, as without
-  copies.
+- a node whose own items, copies and what the replicas of its sources' shards then bring
+  would not fit its room keeps none (``dedup`` mode): its items reach other nodes by
+  replication, as without copies. What arrives is the room check's own count
+  (``store/coverage.py`` ``arriving_bytes``: the items that lack places, aligned), asked over
+  the locations the copies would make; a node that keeps none adds no place, which can leave
+  another node more to receive, so the question is asked again until no node changes.
 
 The records that travel in DCP's plans (``LocalItems`` up, ``PlanData`` down) and in its write
 results (``KeptCopy``) live here too.
@@ -26,13 +28,15 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .._words import plural
 from ..integrity.verify import records_agree
+from ..store.coverage import StepItems, arriving_bytes
 from ..store.layout import ItemLocation
 
 log = logging.getLogger(__name__)
@@ -57,13 +61,18 @@ class CopyPolicy:
     Args:
         node_of_rank: the node of each rank of the save's process group, in rank order.
         room: the bytes one step of this node's shards may take (asked at each save).
-        replicas: how many partner nodes keep replicas of each node's shards (what they bring
-            counts against a node's room beside its own items and its copies).
+        sources: per node, the nodes whose shards it keeps replicas of (the pairing's: what
+            they bring counts against a node's room beside its own items and its copies).
+        replicas: how many partner nodes keep replicas of each node's shards.
+        place_of_node: per node, where what it holds counts as one place (its failure domain
+            where it named one, ``Topology.place_of_node``); () each node itself.
     """
 
     node_of_rank: tuple[int, ...]
     room: Callable[[], int]
+    sources: tuple[tuple[int, ...], ...]
     replicas: int = 1
+    place_of_node: tuple[Hashable, ...] = ()
     # which nodes kept copies at the last save planned here (the coordinator's): log and stats
     modes: ModeLog = field(default_factory=lambda: ModeLog(), compare=False)
 
@@ -103,11 +112,14 @@ class Choice:
     copies: dict[int, list[MetadataIndex]]
     modes: tuple[str, ...]
     copy_bytes: tuple[int, ...]  # per node, the bytes of the copies it keeps
+    # per node, the bytes its sources' replicas bring with these copies (the room check's)
+    arriving: tuple[int, ...] = ()
 
 
 def choose(held: Mapping[int, Sequence[tuple[MetadataIndex, int]]],
            planned: Mapping[int, Sequence[MetadataIndex]], node_of_rank: Sequence[int],
-           room: Mapping[int, int], replicas: int = 1) -> Choice:
+           room: Mapping[int, int], replicas: int = 1, *, sources: Sequence[Sequence[int]],
+           place_of_node: Sequence[Hashable] = ()) -> Choice:
     """Choose the copy keepers of one save.
 
     Args:
@@ -116,6 +128,8 @@ def choose(held: Mapping[int, Sequence[tuple[MetadataIndex, int]]],
         node_of_rank: the node of each rank.
         room: per node, the bytes one step of its shards may take.
         replicas: partner nodes that keep replicas of each node's shards.
+        sources: per node, the nodes whose shards it keeps replicas of.
+        place_of_node: per node, its place (failure domain); () each node itself.
     """
     nbytes: dict[Key, int] = {}
     holders: dict[Key, set[int]] = defaultdict(set)
@@ -134,18 +148,15 @@ def choose(held: Mapping[int, Sequence[tuple[MetadataIndex, int]]],
             if k in primary:
                 twice.add(k)
             primary[k] = rank
-    for k in twice:  # written more than once already: no copy of it is kept
-        del primary[k]
+    # Written more than once already: no copy of it is kept; the metadata records the last
+    # rank's write (``finish`` reads the results in rank order), on that rank alone.
+    recorded = {k: primary.pop(k) for k in twice}
     num_nodes = max(node_of_rank, default=-1) + 1
     own = [0] * num_nodes  # bytes of the primaries on each node
-    unique = [0] * num_nodes  # of them, bytes of items no other node holds (per-rank state)
     load: dict[int, int] = defaultdict(int)  # bytes each rank's shard holds so far
     for k, rank in primary.items():
-        node = node_of_rank[rank]
-        own[node] += nbytes.get(k, 0)
+        own[node_of_rank[rank]] += nbytes.get(k, 0)
         load[rank] += nbytes.get(k, 0)
-        if all(node_of_rank[r] == node for r in holders[k]):
-            unique[node] += nbytes.get(k, 0)
     # Per node, the items to keep: held by one of its ranks, primary on another node.
     wanted: dict[int, list[Key]] = defaultdict(list)
     for k, ranks in holders.items():
@@ -154,27 +165,60 @@ def choose(held: Mapping[int, Sequence[tuple[MetadataIndex, int]]],
             continue
         for node in sorted({node_of_rank[r] for r in ranks} - {node_of_rank[p]}):
             wanted[node].append(k)
-    modes, copy_bytes = [UNIQUE] * num_nodes, [0] * num_nodes
-    copies: dict[int, list[MetadataIndex]] = defaultdict(list)
-    for node in range(num_nodes):
-        keys = wanted.get(node, [])
-        if not keys:
-            continue
-        extra = sum(nbytes[k] for k in keys)
-        # With copies, what its partners' replicas bring is what they hold alone (their
-        # per-rank state), about what this node holds alone: replication sends only the
-        # items that lack places (store/coverage.py plan_push).
-        if own[node] + extra + replicas * unique[node] > room.get(node, 0):
-            modes[node] = DEDUP
-            continue
-        modes[node], copy_bytes[node] = DP_COPIES, extra
-        # Largest first, each to the node's holder with the fewest bytes: shards stay even.
-        for k in sorted(keys, key=lambda k: (-nbytes[k], k[0], k[1] or ())):
+    # Each node's keepers, were it to keep copies: largest first, each to the node's holder
+    # with the fewest bytes, so shards stay even (a node's choice touches only its ranks).
+    keepers: dict[int, dict[Key, int]] = {}
+    for node in sorted(wanted):
+        keepers[node] = {}
+        for k in sorted(wanted[node], key=lambda k: (-nbytes[k], k[0], k[1] or ())):
             keeper = min((r for r in holders[k] if node_of_rank[r] == node),
                          key=lambda r: (load[r], r))
             load[keeper] += nbytes[k]
+            keepers[node][k] = keeper
+    extra = {node: sum(nbytes[k] for k in keys) for node, keys in keepers.items()}
+    keeping = set(keepers)
+    ranks_of: dict[int, list[int]] = defaultdict(list)
+    for rank, node in enumerate(node_of_rank):
+        ranks_of[node].append(rank)
+    source_ranks = {node: [r for s in (sources[node] if node < len(sources) else ())
+                           for r in ranks_of.get(s, ())] for node in range(num_nodes)}
+    places = max(2, 1 + replicas)  # (the replicator's count: this node and every partner)
+
+    def place_of(node: Any) -> Hashable:
+        return place_of_node[node] if place_of_node else node
+
+    while True:
+        # What the sources' replicas bring each node, counted as the room check counts it
+        # after the save, over the locations these copies make (each item on its primary's
+        # node and its keepers'; offsets and checksums are not known yet, nor needed).
+        locations = [ItemLocation(rank, 0, nbytes.get(k, 0), 0) for k, rank in recorded.items()]
+        kept_by: dict[Key, list[int]] = defaultdict(list)
+        for node in keeping:
+            for k, keeper in keepers[node].items():
+                kept_by[k].append(keeper)
+        locations += [ItemLocation(rank, 0, nbytes.get(k, 0), 0,
+                                   copies=tuple((r, 0) for r in sorted(kept_by.get(k, ()))))
+                      for k, rank in primary.items()]
+        arriving = arriving_bytes(StepItems(locations), source_ranks,
+                                  lambda r: node_of_rank[r], places, place_of)
+        # A node that keeps none adds no place: others may then receive more (never less),
+        # so the nodes that fit are asked again until none drops out.
+        short = {node for node in keeping
+                 if own[node] + extra[node] + arriving[node] > room.get(node, 0)}
+        if not short:
+            break
+        keeping -= short
+    modes, copy_bytes = [UNIQUE] * num_nodes, [0] * num_nodes
+    copies: dict[int, list[MetadataIndex]] = defaultdict(list)
+    for node in sorted(keepers):
+        if node not in keeping:
+            modes[node] = DEDUP
+            continue
+        modes[node], copy_bytes[node] = DP_COPIES, extra[node]
+        for k, keeper in keepers[node].items():
             copies[keeper].append(index_of[k])
-    return Choice(dict(copies), tuple(modes), tuple(copy_bytes))
+    return Choice(dict(copies), tuple(modes), tuple(copy_bytes),
+                  tuple(arriving[node] for node in range(num_nodes)))
 
 
 class ModeLog:

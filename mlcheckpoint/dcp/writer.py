@@ -251,7 +251,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         choice = copies.choose({rank: o.items for rank, o in enumerate(offers)},
                                {rank: [item.index for item in plan.items]
                                 for rank, plan in enumerate(plans)},
-                               [o.node for o in offers], room, policy.replicas)
+                               [o.node for o in offers], room, policy.replicas,
+                               sources=policy.sources, place_of_node=policy.place_of_node)
         policy.modes.note(choice)
         return [dataclasses.replace(plan, storage_data=copies.PlanData(
                     save_id, tuple(choice.copies.get(rank, ())), choice.modes))

@@ -58,6 +58,7 @@ from ..dcp.staging import Staged
 from ..dcp.writer import commit_metadata
 from ..errors import MLCheckpointError
 from ..replication import Replicator
+from ..replication.schedule.pairing import every_source
 from ..store import LocalStore
 from ..store.identity import Lineage
 from ..tmpfs import step_room
@@ -141,10 +142,15 @@ class Saver:
         self._all_gather = all_gather
         # Replicating: keep data parallelism's copies (dcp/copies.py), which it need not send
         # (unless ReplicationOptions.copies is "off").
+        # What arrives counts against a node's room as the room check counts it: the
+        # pairing's sources and places (failure domains) go with the policy.
         self.copy_policy = None if replicator is None or not keep_copies else CopyPolicy(
             tuple(map(topology.node_of, range(topology.world_size))),
             functools.partial(step_room, store.local_dir, store.memory_limit_bytes,
-                              retention.policy.keep), replicator.places - 1)
+                              retention.policy.keep),
+            sources=tuple(map(tuple, every_source(replicator.strategy, topology.num_nodes))),
+            replicas=replicator.places - 1,
+            place_of_node=tuple(map(topology.place_of_node, range(topology.num_nodes))))
         self._settled = False  # resumed, or the earlier runs' steps set aside: see settled()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mlckpt-save")
         self._lock = threading.Lock()

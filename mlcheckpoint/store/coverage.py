@@ -23,8 +23,10 @@ the copy groups:
   (replication sends those to it).
 
 The store (is a step whole here?), the replicator (what must it send, and to whom?
-``plan_push``), the room a node keeps for what arrives (``Arrivals``), and the recovery planner
-(is a step complete, protected?) all ask these functions, so the rule is written once.
+``plan_push``), the room a node keeps for what arrives (``arriving_bytes``: the room check,
+``Arrivals``, after a save; ``dcp/copies.py`` ``choose`` at it, before any metadata), and the
+recovery planner (is a step complete, protected?) all ask these functions, so the rule is
+written once.
 """
 
 from __future__ import annotations
@@ -141,11 +143,19 @@ def to_send(owner: int, groups: CopyGroups, holdings: Holdings, places: int, tar
     """The copy groups of ``owner`` that lack places (on fewer than ``places``) and that the
     node ``target`` does not hold yet: what a replica there must carry. A node stores an item
     once: what it holds as a copy is never sent to it again."""
+    return [g for g, nodes in _lacking(owner, groups, holdings, places, place_of)
+            if target not in nodes]
+
+
+def _lacking(owner: int, groups: CopyGroups, holdings: Holdings, places: int,
+             place_of: PlaceOf) -> list[tuple[Group, set[Hashable]]]:
+    """The copy groups of ``owner`` on fewer than ``places`` places, each with the nodes
+    holding it (``to_send``'s rule, whatever the target)."""
     out = []
     for g in groups_of(owner, groups):
         nodes = holders(owner, g, holdings)
-        if len({place_of(n) for n in nodes}) < places and target not in nodes:
-            out.append(g)
+        if len({place_of(n) for n in nodes}) < places:
+            out.append((g, nodes))
     return out
 
 
@@ -215,7 +225,7 @@ def plan_push(m: Manifest, st: StepState, items: StepItems | None, save_id: str,
             or items is None):
         return whole
     owner, groups = m.rank, st.copy_groups
-    holdings = _as_saved(owner, groups, topology)
+    holdings = _as_saved(owner, groups, topology.node_of)
     listing = Listing(m.items)
     out: dict[int, Push] = {}
     for peer in targets:
@@ -235,18 +245,32 @@ def pushed_bytes(m: Manifest, push: Push) -> int:
     return m.data_bytes if push is None else sum(it.nbytes for it in push)
 
 
-def arriving_bytes(st: StepState, items: StepItems, topology: Topology, places: int,
-                   sources: Sequence[int]) -> int:
-    """The bytes the replicas of ``sources``' shards of the save ``st`` describes bring to
-    this rank's node (the same rule their senders follow, ``plan_push``): what a node keeps
-    room for beside its own shards."""
-    total = 0
-    for owner in sources:
-        holdings = _as_saved(owner, st.copy_groups, topology)
-        need = to_send(owner, st.copy_groups, holdings, places, topology.node_rank,
-                       topology.place_of_node)
-        total += sum(align(loc.nbytes) for g in need for loc in items.of(owner, g))
-    return total
+def arriving_bytes(items: StepItems, sources: Mapping[Any, Iterable[int]],
+                   node_of: Callable[[int], Hashable], places: int,
+                   place_of: PlaceOf = _itself) -> dict[Any, int]:
+    """Per node in ``sources`` (a node -> the ranks whose shards it keeps replicas of), the
+    room those replicas take there: the bytes, each item aligned as a shard stores it, of the
+    items ``to_send`` sends it (the rule their senders follow, ``plan_push``): those of a save
+    laid out as ``items`` (each on its owner's node and the nodes of the ranks keeping copies
+    of it, ``node_of`` each rank) that lack places and that the node does not hold.
+
+    The one rule of that room, asked with what each side knows: the room check after a save
+    (``Arrivals``) with the save's metadata; ``dcp/copies.py`` ``choose``, before any, with
+    the locations the copies it would keep make."""
+    groups = items.groups()
+    # per owner, its groups lacking places: (group, the nodes holding it, aligned bytes)
+    lacking: dict[int, list[tuple[Group, set[Hashable], int]]] = {}
+    out: dict[Any, int] = {}
+    for node, owners in sources.items():
+        total = 0
+        for owner in owners:
+            if owner not in lacking:
+                holdings = _as_saved(owner, groups, node_of)
+                lacking[owner] = [(g, nodes, sum(align(loc.nbytes) for loc in items.of(owner, g)))
+                                  for g, nodes in _lacking(owner, groups, holdings, places, place_of)]
+            total += sum(n for _, nodes, n in lacking[owner] if node not in nodes)
+        out[node] = total
+    return out
 
 
 class _Steps(Protocol):
@@ -281,14 +305,17 @@ class Arrivals:
                 items = self.store.step_items(step)
             except MLCheckpointError:
                 return None
-            nbytes = arriving_bytes(st, items, self.topology, self.places, self.sources)
+            t = self.topology
+            nbytes = arriving_bytes(items, {t.node_rank: self.sources}, t.node_of, self.places,
+                                    t.place_of_node)[t.node_rank]
             self._known = (save_id, nbytes)
             return nbytes
         return None
 
 
-def _as_saved(owner: int, groups: CopyGroups, topology: Topology) -> dict[int, dict[Any, Held]]:
+def _as_saved(owner: int, groups: CopyGroups,
+              node_of: Callable[[int], Hashable]) -> dict[int, dict[Any, Held]]:
     """Where the owner's items are before any replica: its own shard, and the shards of the
     ranks keeping copies of them, each on its rank's node."""
     ranks = {owner, *(r for g in groups_of(owner, groups) for r in g)}
-    return as_saved({r: topology.node_of(r) for r in ranks})
+    return as_saved({r: node_of(r) for r in ranks})

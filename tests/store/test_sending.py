@@ -112,10 +112,10 @@ def test_another_save_or_no_metadata_here_sends_the_whole_shard():
 
 
 def test_arriving_bytes_are_what_the_sources_send_this_node():
-    st, items = save(DDP)
-    here = topo(1)
-    assert arriving_bytes(st, items, here, 2, sources=[0]) == 64  # rank 0's RNG entry
-    assert arriving_bytes(st, items, here, 2, sources=[0, 2]) == 128
+    _, items = save(DDP)
+    node_of = topo(1).node_of
+    assert arriving_bytes(items, {1: [0]}, node_of, 2) == {1: 64}  # rank 0's RNG entry
+    assert arriving_bytes(items, {1: [0, 2]}, node_of, 2) == {1: 128}
     fsdp = [item(0, 0, 100), item(0, 128, 28)]
-    st, items = save(fsdp)
-    assert arriving_bytes(st, items, here, 2, sources=[0]) == 128 + 64  # whole, aligned items
+    _, items = save(fsdp)
+    assert arriving_bytes(items, {1: [0]}, node_of, 2) == {1: 128 + 64}  # whole, aligned items

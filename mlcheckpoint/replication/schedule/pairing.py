@@ -176,7 +176,16 @@ def pairing_for(domains: Sequence[str], replicas: int = 1) -> PairingStrategy:
 
 def sources(strategy: PairingStrategy, node: int, num_nodes: int) -> list[int]:
     """Nodes whose replicas ``node`` keeps."""
-    return [n for n in range(num_nodes) if node in strategy.targets(n, num_nodes)]
+    return every_source(strategy, num_nodes)[node]
+
+
+def every_source(strategy: PairingStrategy, num_nodes: int) -> list[list[int]]:
+    """Per node, the nodes whose replicas it keeps (``sources`` of every node at once)."""
+    out: list[list[int]] = [[] for _ in range(num_nodes)]
+    for n in range(num_nodes):
+        for t in strategy.targets(n, num_nodes):
+            out[t].append(n)
+    return out
 
 
 def rank_targets(strategy: PairingStrategy, rank: int, local_world_size: int, num_nodes: int) -> list[int]:

@@ -78,7 +78,7 @@ class Replicator:
                  poll_interval: float = default("replicator_poll"),
                  wait_poll: float = default("wait_poll")):
         self.store, self.transport, self.rdzv, self.topology = store, transport, rdzv, topology
-        strategy = strategy or PairwiseRing()
+        self.strategy = strategy = strategy or PairwiseRing()
         t = topology
         self.targets = rank_targets(strategy, t.rank, t.local_world_size, t.num_nodes)
         self.sources = rank_sources(strategy, t.rank, t.local_world_size, t.num_nodes)

@@ -30,7 +30,6 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -183,9 +182,10 @@ def choose(held: Mapping[int, Sequence[tuple[MetadataIndex, int]]],
     source_ranks = {node: [r for s in (sources[node] if node < len(sources) else ())
                            for r in ranks_of.get(s, ())] for node in range(num_nodes)}
     places = max(2, 1 + replicas)  # (the replicator's count: this node and every partner)
-
-    def place_of(node: Any) -> Hashable:
-        return place_of_node[node] if place_of_node else node
+    # Plain lookups, not functions of this module: the store layer calls them, and a lower
+    # layer never calls up.
+    node_of = tuple(node_of_rank).__getitem__
+    place_of = tuple(place_of_node).__getitem__ if place_of_node else tuple(range(num_nodes)).__getitem__
 
     while True:
         # What the sources' replicas bring each node, counted as the room check counts it
@@ -200,7 +200,7 @@ def choose(held: Mapping[int, Sequence[tuple[MetadataIndex, int]]],
                                    copies=tuple((r, 0) for r in sorted(kept_by.get(k, ()))))
                       for k, rank in primary.items()]
         arriving = arriving_bytes(StepItems(locations), source_ranks,
-                                  lambda r: node_of_rank[r], places, place_of)
+                                  node_of, places, place_of)
         # A node that keeps none adds no place: others may then receive more (never less),
         # so the nodes that fit are asked again until none drops out.
         short = {node for node in keeping

@@ -326,9 +326,10 @@ class Budget:
         with self._counters:
             sent = self.bytes_sent
         last, self._last_save = self._last_save, (now, sent)
-        was_quiet, ran_over = self._quiet_set, 0 < self._quiet_until < now
+        # A quiet interval that ran over, or that a drain ended, sent: it says nothing.
+        was_quiet, cut_short = self._quiet_set, self._quiet_until < now
         self._quiet_until, self._quiet_set = 0.0, False
-        if last is not None and not (was_quiet and ran_over):  # one that ran over says nothing
+        if last is not None and not (was_quiet and cut_short):
             # A chunk booked just before the quiet began does not make it a sending interval.
             pacer.interval(now - last[0], sent > last[1] and not was_quiet)
             self._derive()
@@ -387,7 +388,8 @@ class Budget:
     def take(self, nbytes: int) -> float:
         """Book ``nbytes`` on the node's link and sleep until their turn; return the seconds
         slept. Callers book a chunk at a time (``chunks``)."""
-        delay = self._hold_while_quiet() if self.derived else 0.0
+        quiet = self._hold_while_quiet() if self.derived else 0.0
+        wait = 0.0  # for this chunk's turn (start >= now)
         if self.capped:
             with self.schedule.locked() as booking:
                 now = self._clock()
@@ -397,14 +399,12 @@ class Budget:
                 booking.total += nbytes
             self._rate_now = rate
             wait = start - now
-        else:
-            wait = 0.0
         with self._counters:
             self.bytes_sent += nbytes
-            self.seconds_waited += delay + max(0.0, wait)
+            self.seconds_waited += quiet + wait
         if wait > 0:
             self._sleep(wait)
-        return delay + max(0.0, wait)
+        return quiet + wait
 
     def current_rate(self) -> float:
         """The node's rate now (bytes/s): the controller's, or the fixed one (0: no cap)."""

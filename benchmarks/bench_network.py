@@ -16,8 +16,10 @@ cluster:
 * unbudgeted  replication over TCP, ``MLCHECKPOINT_REPLICATION_BANDWIDTH=unlimited``
 * budgeted    replication over TCP at the library's default budget (the variable unset)
 
-Per rate and mode: step time (median, p90, against "off" and "none"), forward+backward (which
-holds DDP's all-reduce), the bytes node 0 sends per step (its eth0 counters), protection lag
+Per rate and mode: step time (median, p90, against "off" and "none"; against "off" also with
+a 95% bootstrap interval, over all measured steps and over each launch's second half, once the
+default budget has settled), forward+backward (which holds DDP's all-reduce), the bytes node 0
+sends per step (its eth0 counters), protection lag
 (``ckpt.protection()`` after every step: lag in steps and age in seconds, the series in the
 JSON), the peak tmpfs use per node (its local_dir, sampled every 0.5 s) and each rank's peak
 RssAnon growth from before its CheckpointManager was made.
@@ -59,7 +61,7 @@ if REPO_ROOT not in sys.path:  # run as a script from a checkout: import the pac
 
 from benchmarks.harness.processes import exit_on_sigterm
 from benchmarks.harness.report import loadavg, machine_info, progress, run_and_report
-from benchmarks.harness.stats import median, p90, size_str
+from benchmarks.harness.stats import median, p90, ratio_interval, size_str
 from mlcheckpoint import CheckpointManager
 from mlcheckpoint.store.layout import Kind, classify
 from mlcheckpoint.testing.netcluster import NetCluster, available, parse_rate
@@ -486,7 +488,8 @@ def summarize_mode(cfg: Config, launches: list[dict[str, Any]]) -> dict[str, Any
     halves = [halves_median(xs) for launch in launches if (xs := measured(launch, "lag_steps"))]
     last0 = [launch["ranks"]["0"]["steps"][-1] for launch in launches]
     return {
-        "steps": len(steps), "median_s": median(steps), "p90_s": p90(steps),
+        "steps": len(steps), "median_s": median(steps), "p90_s": p90(steps), "step_s": steps,
+        "settled_step_s": [x for launch in launches for x in settled(measured(launch, "step_s"))],
         "round_medians_s": [median(measured(launch, "step_s")) for launch in launches],
         "fwd_bwd_median_s": median([x for launch in launches for x in measured(launch, "fwd_bwd_s")]),
         "optim_median_s": median([x for launch in launches for x in measured(launch, "optim_s")]),
@@ -508,8 +511,31 @@ def summarize_mode(cfg: Config, launches: list[dict[str, Any]]) -> dict[str, Any
         "budget": launches[0]["ranks"]["0"]["budget"],
         "protected_every": protected_every(launches),
         "profile": replication_profile(launches),
+        "thread_cpu_per_step": thread_cpu_per_step(launches),
         "calibration": launches[0]["ranks"]["0"].get("calibration"),
     }
+
+
+def thread_cpu_per_step(launches: list[dict[str, Any]]) -> dict[str, float]:
+    """CPU seconds per step of a rank's process, by thread name (the worker's ``thread_cpu``:
+    the training loop, replication's own threads, ``(process)`` for the whole), averaged over
+    the launches' ranks: what replication costs the training process itself."""
+    sums: dict[str, float] = {}
+    ranks = 0
+    for launch in launches:
+        for r in launch["ranks"].values():
+            if not r.get("thread_cpu_s"):
+                continue
+            ranks += 1
+            for name, seconds in r["thread_cpu_s"].items():
+                sums[name] = sums.get(name, 0.0) + seconds / len(r["steps"])
+    return {name: total / ranks for name, total in sorted(sums.items(), key=lambda kv: -kv[1])} if ranks else {}
+
+
+def settled(xs: list[float]) -> list[float]:
+    """The second half of a launch's measured steps: once the default budget's pacing has
+    settled (it starts at the derived rate and backs off over the first steps)."""
+    return xs[len(xs) // 2:]
 
 
 def protected_every(launches: list[dict[str, Any]]) -> float | None:
@@ -587,6 +613,9 @@ def summarize(cfg: Config, res: dict[str, Any]) -> dict[str, Any]:
         link_Bps = (parse_rate(rate) or 0) / 8
         for m in modes.values():
             m["vs_off"] = m["median_s"] / off["median_s"]
+            m["vs_off_interval"] = ratio_interval(m["step_s"], off["step_s"])
+            m["settled_vs_off"] = median(m["settled_step_s"]) / median(off["settled_step_s"])
+            m["settled_vs_off_interval"] = ratio_interval(m["settled_step_s"], off["settled_step_s"])
             m["vs_none"] = m["median_s"] / modes["none"]["median_s"] if "none" in modes else None
             link_figures(m, off, link_Bps)
         if "budgeted" in modes and "unbudgeted" in modes:
@@ -637,6 +666,17 @@ def summarize(cfg: Config, res: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- report
+def cpu_line(m: dict[str, Any], off: dict[str, Any]) -> str:
+    """The rank process's CPU per step by thread, against replication off's whole process."""
+    cpu = m["thread_cpu_per_step"]
+    if not cpu:
+        return "-"
+    whole, off_whole = cpu.get("(process)", math.nan), off["thread_cpu_per_step"].get("(process)", math.nan)
+    threads = ", ".join(f"{name} {seconds:.3f}" for name, seconds in cpu.items()
+                        if name != "(process)" and seconds >= 0.005)
+    return f"{whole:.3f} (off {off_whole:.3f}): {threads}"
+
+
 def _opt(x: float | None, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
@@ -721,6 +761,11 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
             m = r["modes"][mode]
             extra = f"{m['vs_unbudgeted']:.2f}x unbudgeted's step time; " if "vs_unbudgeted" in m else ""
             rate_end = m.get("replication_rate_Bps")
+            lo, hi = m["vs_off_interval"]
+            slo, shi = m["settled_vs_off_interval"]
+            print(f"  {LABELS[mode]}: step time vs off {m['vs_off']:.2f}x (95% interval {lo:.2f}-{hi:.2f}x); "
+                  f"settled (second half of each launch) {m['settled_vs_off']:.2f}x ({slo:.2f}-{shi:.2f}x)")
+            print(f"  {LABELS[mode]}: CPU s per step in a rank's process: " + cpu_line(m, r["modes"]["off"]))
             print(f"  {LABELS[mode]}: {extra}replication on the link {m['replication_link_Bps'] / 1e6:.0f} MB/s"
                   + ("" if rate_end is None or math.isnan(rate_end) else
                      f" (the budget's rate at the end {rate_end / 1e6:.0f} MB/s)") + "; "

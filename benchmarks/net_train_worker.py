@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import threading
 import time
@@ -132,6 +133,28 @@ def cpu_ticks() -> tuple[int, int]:
         fields = [int(x) for x in f.readline().split()[1:]]
     idle = fields[3] + fields[4]  # idle, iowait
     return sum(fields) - idle, sum(fields)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads, by name with numbers folded
+    (``mlckpt-tcp-conn_3`` counts as ``mlckpt-tcp-conn``), and ``"(process)"``: the whole
+    process, threads that have exited included. What replication's threads cost the training
+    process, apart from the kernel's work for the other node and the link."""
+    tick = os.sysconf("SC_CLK_TCK")
+    python_names = {t.native_id: t.name for t in threading.enumerate()}  # others: the kernel's comm
+    by_name: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = re.sub(r"[-_ (]?\d+\)?$", "", python_names.get(int(tid)) or f.read().strip())
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread exited meanwhile
+            continue
+        by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    t = os.times()
+    by_name["(process)"] = t.user + t.system
+    return by_name
 
 
 def rss_anon() -> int:
@@ -368,6 +391,7 @@ def train(args: argparse.Namespace) -> None:
     save_bytes: list[int] = []
     staged_bytes: list[int | None] = []  # copied before DCP planned (None: a build without it)
     pending = None
+    cpu_before = thread_cpu()
     t_start = time.perf_counter()
     for step in range(args.steps):
         cpu0 = cpu_ticks()  # (outside the timed step, as cpu1 is)
@@ -399,6 +423,7 @@ def train(args: argparse.Namespace) -> None:
                       "rate_bytes_per_s": None if p is None else p.rate_bytes_per_s,
                       "superseded": None if p is None else p.superseded,
                       "sample_s": time.perf_counter() - t3})
+    cpu_after = thread_cpu()
     if ckpt is not None:
         ckpt.wait()
         if pending is not None:
@@ -425,6 +450,7 @@ def train(args: argparse.Namespace) -> None:
                   k.removeprefix("mlcheckpoint/replication_"): v for k, v in ckpt.stats().items()
                   if k.startswith("mlcheckpoint/replication_")},
               "pushes": push_profiles(ckpt, args.steps),
+              "thread_cpu_s": {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after},
               "job_id": None if ckpt is None else ckpt.job_id, "replicated_before_report": replicated}
     report(args.name, result)
     if args.hold:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import random
 import sys
 import time
 
@@ -39,6 +40,7 @@ from benchmarks import (
     bench_training,
     local_report,
 )
+from benchmarks.harness.stats import ratio_interval
 from benchmarks.harness.workloads import model_state_dict, quiet_dcp
 from mlcheckpoint import CheckpointManager, MemoryStorageWriter
 from mlcheckpoint.testing import netcluster
@@ -67,6 +69,23 @@ def test_push_phases_come_from_a_real_receipt(make_job):
         assert row[key] is not None and row[key] > 0, (key, row)
     assert row["rx_recv_s"] is not None and row["rx_recv_s"] >= 0, row
     assert t0 < times.buffer_ready_at <= times.commit_at <= t1  # one clock for both ends
+
+
+def test_a_ratio_of_noisy_medians_comes_with_its_interval():
+    """Steps varying by +-8% (as on this shared machine), one side 3% slower: with 16 steps a
+    side the interval is wider than the 3% it should resolve; with 400 it is narrow, holds
+    the true ratio and excludes 1.0."""
+    noise = random.Random(1)
+    slower = 1.03
+
+    def steps(n: int, scale: float) -> list[float]:
+        return [scale * (2.0 + noise.uniform(-0.16, 0.16)) for _ in range(n)]
+
+    lo, hi = ratio_interval(steps(16, slower), steps(16, 1.0))
+    assert lo < slower < hi and hi - lo > 2 * (slower - 1), (lo, hi)
+    lo, hi = ratio_interval(steps(400, slower), steps(400, 1.0))
+    assert 1.0 < lo < slower < hi and hi - lo < slower - 1, (lo, hi)
+    assert all(math.isnan(x) for x in ratio_interval([], [1.0]))  # nothing to say
 
 
 @pytest.mark.slow
@@ -257,6 +276,9 @@ def test_bench_network_quick_reports_every_mode_and_the_resume():
                     "tmpfs_peak_bytes", "rss_anon_growth_bytes", "shard_bytes"):
             assert _number(m[key]) and m[key] >= 0, (mode, key, m[key])
         assert m["median_s"] > 0 and m["node0_bytes_per_step"] > 0, mode  # DDP's all-reduce crossed the link
+        for point, (lo, hi) in ((m["vs_off"], m["vs_off_interval"]),
+                                (m["settled_vs_off"], m["settled_vs_off_interval"])):
+            assert 0 < lo <= point <= hi, (mode, lo, point, hi)
     for launch in figures["launches"]:  # ckpt.protection() was sampled after every step
         if launch["mode"] in ("unbudgeted", "budgeted"):
             for rank in launch["ranks"].values():

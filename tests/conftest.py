@@ -155,3 +155,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         units.setdefault(item.nodeid.rsplit("::", 1)[0], []).append(item)
     ordered = sorted(units.values(), key=lambda unit: -sum(seconds(i) for i in unit))
     items[:] = [item for unit in ordered for item in unit]
+
+
+# --------------------------------------------------------------------------- where the CPU goes
+# MLCHECKPOINT_TEST_CPU_LOG=FILE: one JSON line per test, its wall seconds (setup, call and
+# teardown, a module fixture's launches in the test that set it up), the CPU seconds of this
+# process and of the children it reaped (torchrun agents, whose ranks they reaped: a launch's
+# whole CPU, except ranks orphaned by a killed agent), and the Python processes it started.
+# The suite is CPU-bound on 2 cores; scripts/suite_profile.py sums it per module.
+CPU_LOG = os.environ.get("MLCHECKPOINT_TEST_CPU_LOG")
+_python_starts = [0]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not CPU_LOG:
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def counting_popen_init(self, args, *a, **kw):
+        if _starts_python(args):
+            _python_starts[0] += 1
+        popen_init(self, args, *a, **kw)
+
+    subprocess.Popen.__init__ = counting_popen_init  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if not CPU_LOG:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu(who: int) -> float:
+        r = resource.getrusage(who)
+        return r.ru_utime + r.ru_stime
+
+    t0, self0, kids0, starts0 = (time.monotonic(), cpu(resource.RUSAGE_SELF),
+                                 cpu(resource.RUSAGE_CHILDREN), _python_starts[0])
+    yield
+    with open(CPU_LOG, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "slow": item.get_closest_marker("slow") is not None,
+                            "wall_s": time.monotonic() - t0,
+                            "self_cpu_s": cpu(resource.RUSAGE_SELF) - self0,
+                            "children_cpu_s": cpu(resource.RUSAGE_CHILDREN) - kids0,
+                            "python_starts": _python_starts[0] - starts0}) + "\n")

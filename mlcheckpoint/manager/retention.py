@@ -77,8 +77,10 @@ def plan_retention(inventory: Mapping[int, StepState], owners: Iterable[int], ke
     step held whole here; retire the shards of owners outside ``node_owners`` with their step.
 
     A step counts as complete for rank r when the step's metadata and r's shard of the same
-    save are both committed. Steps newer than the oldest kept one (e.g. a save in flight) and
-    ``protected`` steps are never touched. Steps a resume ``set_aside`` go once a newer step is
+    save are both committed. Once r has ``keep`` complete steps, its shards of older steps go,
+    complete or not (a step whose metadata never reached this node: its round was superseded).
+    Steps newer than the oldest kept one (e.g. a save in flight) and ``protected`` steps are
+    never touched. Steps a resume ``set_aside`` go once a newer step is
     whole.
 
     ``node_owners``: every owner some rank of this node answers for (its ranks and the ranks
@@ -107,14 +109,14 @@ def plan_retention(inventory: Mapping[int, StepState], owners: Iterable[int], ke
     horizon = None  # steps older than this are past some owner's (or the node's) newest kept
     for rank in owners:
         complete = sorted(s for s, st in inventory.items() if rank in st.ranks_of(st.save_id))
-        if len(complete) <= keep:
+        if len(complete) < keep:
             continue
         oldest_kept = complete[-keep]
         horizon = oldest_kept if horizon is None else max(horizon, oldest_kept)
         retired |= {(s, rank) for s, st in inventory.items()
                     if s < oldest_kept and s not in guarded and rank in st.committed_ranks}
     finished = finished_steps(inventory)
-    if len(finished) > keep:
+    if len(finished) >= keep:
         oldest_kept = finished[-keep]
         horizon = oldest_kept if horizon is None else max(horizon, oldest_kept)
         if node_owners is not None:

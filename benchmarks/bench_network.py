@@ -672,8 +672,9 @@ def cpu_line(m: dict[str, Any], off: dict[str, Any]) -> str:
     if not cpu:
         return "-"
     whole, off_whole = cpu.get("(process)", math.nan), off["thread_cpu_per_step"].get("(process)", math.nan)
-    threads = ", ".join(f"{name} {seconds:.3f}" for name, seconds in cpu.items()
-                        if name != "(process)" and seconds >= 0.005)
+    named = {name: seconds for name, seconds in cpu.items() if name != "(process)"}
+    named["threads gone by the end"] = whole - sum(named.values())  # e.g. a finished connection's
+    threads = ", ".join(f"{name} {seconds:.3f}" for name, seconds in named.items() if seconds >= 0.005)
     return f"{whole:.3f} (off {off_whole:.3f}): {threads}"
 
 

@@ -199,7 +199,7 @@ class RetentionPolicy:
         next plan that asks; the newest whole step is guarded by every plan regardless."""
         protected = self.pins.steps()
         if self.replicas is not None:
-            newest = (self.replicas.newest_protected(store.steps()) if ask
+            newest = (self.replicas.newest_protected() if ask
                       else self.replicas.known_protected())
             protected |= {s for s in (newest, self.replicas.round_step()) if s is not None}
         return protected

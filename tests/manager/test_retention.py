@@ -98,7 +98,7 @@ class Replicas:
         self.newest, self.known, self.asked = newest, known, 0
         self.round = round_step
 
-    def newest_protected(self, candidates: list[int]) -> int | None:
+    def newest_protected(self) -> int | None:
         self.asked += 1
         return self.newest
 

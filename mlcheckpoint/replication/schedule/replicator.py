@@ -186,10 +186,9 @@ class Replicator:
         return save is not None and protected_in_store(self.rdzv, step, save,
                                                        self.topology.world_size)
 
-    def newest_protected(self, candidates: list[int]) -> int | None:
+    def newest_protected(self) -> int | None:
         """The newest protected step: that of the newest round that closed with its save
-        protected, as the node's leader learnt it (no store operation; ``candidates``, the
-        steps here, are not needed)."""
+        protected, as the node's leader learnt it (no store operation)."""
         r = self.rounds.protected
         if r is not None and (self._newest_protected is None or r.step > self._newest_protected):
             self.seed_protected(r.step)
@@ -211,7 +210,7 @@ class Replicator:
         store nothing: the newest protected step is that of the last closed round the node
         heard of (``ask=False``: the one known at the last save)."""
         inv = self.store.inventory()
-        newest = self.newest_protected(sorted(inv)) if ask else self.known_protected()
+        newest = self.newest_protected() if ask else self.known_protected()
         with self._lock:
             pushed = sorted((st for st in self._states.values()
                              if st.state == "replicated" and st.seconds > 0), key=lambda st: st.step)[-5:]

@@ -29,8 +29,8 @@ from mlcheckpoint import (
 from mlcheckpoint.errors import CopyId, ShardNotFoundError
 from mlcheckpoint.recovery import plan_resume, take_inventory
 from mlcheckpoint.recovery.holders import Holders
-from mlcheckpoint.recovery.load import load_step
 from mlcheckpoint.recovery.planner import MEMORY, Decision
+from mlcheckpoint.recovery.resume import load_step
 from mlcheckpoint.replication import Transport
 from mlcheckpoint.store import LocalStore, coverage
 from mlcheckpoint.store.identity import Lineage

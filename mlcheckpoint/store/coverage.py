@@ -45,9 +45,10 @@ from .shards import align
 if TYPE_CHECKING:
     from .inventory import StepState  # (which imports this module)
 
-# owner rank -> the distinct sets of ranks whose shards hold copies of some of its items
-CopyGroups = Mapping[int, Sequence[Sequence[int]]]
 Group = tuple[int, ...]  # the ranks whose shards hold copies of an item (sorted; () for none)
+# owner rank -> the distinct groups of its items (an owner none of whose items has a copy may
+# be left out)
+CopyGroups = Mapping[int, Sequence[Group]]
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,9 @@ def group_of(loc: ItemLocation) -> Group:
     return tuple(sorted({rank for rank, _ in loc.copies} - {loc.rank}))
 
 
-def groups_of(owner: int, groups: CopyGroups) -> list[Group]:
+def groups_of(owner: int, groups: CopyGroups) -> Sequence[Group]:
     """The copy groups of ``owner``'s items (``[()]``: none of them has a copy)."""
-    return [tuple(g) for g in groups.get(owner) or [()]]
+    return groups.get(owner) or [()]
 
 
 def holders(owner: int, group: Group, holdings: Holdings) -> set[Hashable]:
@@ -158,10 +159,10 @@ class StepItems:
         for loc in locations:
             self.by_owner.setdefault(loc.rank, {}).setdefault(group_of(loc), []).append(loc)
 
-    def groups(self) -> dict[int, list[list[int]]]:
+    def groups(self) -> dict[int, list[Group]]:
         """The copy groups of the save, per owner (an owner none of whose items has a copy is
         left out: it is served by its own shard alone)."""
-        return {owner: [list(g) for g in sorted(by_group)]
+        return {owner: sorted(by_group)
                 for owner, by_group in sorted(self.by_owner.items()) if any(by_group)}
 
     def of(self, owner: int, group: Group) -> list[ItemLocation]:

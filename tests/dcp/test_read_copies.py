@@ -90,7 +90,7 @@ def save_with_lost_shard(store: LocalStore) -> tuple[dict, dict[str, ItemLocatio
     store.write_metadata(STEP, pickle.dumps(md), world_size=2, ranks={0, 1},
                          total_bytes=sum(loc.nbytes for loc in locations), save_id=header.save_id,
                          lineage=Lineage.from_header(header.run_id, header.lineage))
-    assert store.step_state(STEP).copy_groups == {1: [[0]]}
+    assert store.step_state(STEP).copy_groups == {1: [(0,)]}
     assert STEP in store.complete_steps()  # whole here: rank 1's items through their copies
     return expected, copies
 

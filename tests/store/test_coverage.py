@@ -38,13 +38,13 @@ def to_send(owner, groups, holdings, places, target, place_of=lambda n: n):
 
 def test_groups_name_the_distinct_copy_sets_per_owner():
     groups = StepItems([loc(0, 2), loc(0, 3), loc(0, 2), loc(1), loc(1, 3), loc(4)]).groups()
-    assert groups == {0: [[2], [3]], 1: [[], [3]]}  # rank 4: no copies, left out
+    assert groups == {0: [(2,), (3,)], 1: [(), (3,)]}  # rank 4: no copies, left out
     assert coverage.group_of(loc(0, 3, 2, 0)) == (2, 3)  # sorted, its owner left out
     assert coverage.groups_of(4, groups) == [()]
 
 
 def test_an_item_is_held_by_its_shard_a_partial_replica_listing_it_or_a_copy():
-    groups = {0: [[], [2]]}
+    groups = {0: [(), (2,)]}
     holdings = {0: {"a": WHOLE, "c": partial(())}, 2: {"b": WHOLE, "d": partial(())}}
     assert coverage.holders(0, (), holdings) == {"a", "c"}
     # the copies kept in rank 2's shard: on b, where it is whole, not in its partial on d
@@ -55,7 +55,7 @@ def test_an_item_is_held_by_its_shard_a_partial_replica_listing_it_or_a_copy():
 
 
 def test_an_owner_is_readable_from_its_shard_or_from_a_copy_of_every_item():
-    groups = {0: [[2], [3]], 1: [[], [3]]}
+    groups = {0: [(2,), (3,)], 1: [(), (3,)]}
     here = whole_on
 
     def available(*ranks):
@@ -68,7 +68,7 @@ def test_an_owner_is_readable_from_its_shard_or_from_a_copy_of_every_item():
 
 
 def test_fewest_places_counts_the_least_held_item_in_places():
-    groups = {0: [[2], [3]], 1: [[], [3]]}
+    groups = {0: [(2,), (3,)], 1: [(), (3,)]}
     holdings = whole_on({0: "a", 1: "a", 2: "b", 3: "a"})
     assert coverage.fewest_places(0, groups, holdings) == 1  # copied to rank 3: node a only
     holdings = {**whole_on({0: "a", 2: "b", 3: "b"}), 1: {"a": WHOLE, "c": WHOLE}}
@@ -79,7 +79,7 @@ def test_fewest_places_counts_the_least_held_item_in_places():
 
 
 def test_protected_needs_the_metadata_and_every_item_on_enough_places():
-    groups = {0: [[], [1]]}
+    groups = {0: [(), (1,)]}
     holdings = {0: {"a": WHOLE, "b": partial(())}, 1: {"b": WHOLE}}
     assert coverage.protected([0, 1], groups, holdings, 2, ["a", "b"]) is False  # rank 1: b only
     holdings[1]["a"] = partial(())
@@ -89,7 +89,7 @@ def test_protected_needs_the_metadata_and_every_item_on_enough_places():
 
 
 def test_what_a_target_is_sent_lacks_places_and_is_not_on_it():
-    groups = {0: [[], [1], [2]]}
+    groups = {0: [(), (1,), (2,)]}
     holdings = whole_on({0: 0, 1: 1, 2: 0})  # the copies in rank 2's are on node 0
     assert to_send(0, groups, holdings, 2, target=1) == [(), (2,)]
     assert to_send(0, groups, holdings, 2, target=3) == [(), (2,)]
@@ -99,7 +99,7 @@ def test_what_a_target_is_sent_lacks_places_and_is_not_on_it():
     # a partner in the failure domain of the owner's node adds no place, but it is still sent
     # there: it holds no copy, and the partner is the one other node there is
     same = {0: "rack", 1: "rack", 2: "other"}.get
-    assert to_send(0, {0: [[]]}, whole_on({0: 0}), 2, 1, same) == [()]
+    assert to_send(0, {0: [()]}, whole_on({0: 0}), 2, 1, same) == [()]
 
 
 def test_a_partial_replica_holds_the_items_it_lists_as_recorded_and_the_groups_they_make_whole():

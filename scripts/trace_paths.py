@@ -17,11 +17,12 @@ window (a barrier on each side):
               node's shards are rebuilt (``ckpt.wait()``)
 
 The report is the union over all processes of each phase: how many library files and
-functions ran (every code object Python calls counts as a function, and Python before 3.12
-calls a comprehension or generator expression as one: ``defined`` counts only the functions
-written with ``def``, leaving out comprehensions, generator expressions and lambdas, so that
-the figure reads the same on every Python), which threads (numbered names folded: ``mlcheckpoint-copy_3`` counts as
-``mlcheckpoint-copy``), and which pairs of files call each other in both directions.
+functions ran (every code object Python calls counts as a function: comprehensions,
+generator expressions and lambdas too, though Python 3.12 inlines list, dict and set
+comprehensions; ``defined`` counts only the functions written with ``def``, so that figure
+reads the same on every Python), which threads (numbered names folded:
+``mlcheckpoint-copy_3`` counts as ``mlcheckpoint-copy``), and which pairs of files call each
+other in both directions.
 
     python scripts/trace_paths.py                 # prints the table; --json FILE writes it
 """
@@ -41,7 +42,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 PHASES = ("save", "native", "resume")
-# qualname parts of code that no ``def`` names (Python < 3.12 runs comprehensions as functions)
+# qualname parts of code that no ``def`` names (not counted in ``defined``)
 ANONYMOUS = re.compile(r"<(listcomp|dictcomp|setcomp|genexpr|lambda)>")
 
 

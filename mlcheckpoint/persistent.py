@@ -128,7 +128,7 @@ class PersistentStorage:
     def restore(self, state_dict: dict[str, Any], step: int,
                 load: Callable[[dict[str, Any], StorageReader], None]) -> None:
         """Load ``step`` into ``state_dict``; recovery calls this once it chose this folder.
-        ``load`` is ``dcp.load`` on the checkpoint group (recovery/load.py ``load_step``)."""
+        ``load`` is ``dcp.load`` on the checkpoint group (recovery/resume.py ``load_step``)."""
         load(state_dict, self.reader(step))
 
     def flush_refused(self) -> str | None:

@@ -49,13 +49,12 @@ from ..integrity.verify import (
     digests_agree,
     integrity_error,
 )
-from ..store.layout import ItemLocation
+from ..store.layout import ItemLocation, parse_step
 from ..store.local_store import LocalStore, ShardSource
 from ..store.manifest import ManifestItem
 from . import ring, serialized
 from .places import Place, places_of
 from .remote import RemoteReads, fetch_items
-from .writer import parse_step
 
 if TYPE_CHECKING:
     from typing_extensions import Self

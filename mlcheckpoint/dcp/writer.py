@@ -35,6 +35,7 @@ from .._faults import crash_point, pause_point
 from .._gc import pausing_gc
 from ..errors import MLCheckpointError
 from ..store.identity import Lineage, new_id
+from ..store.layout import parse_step
 from ..store.local_store import LocalStore, ShardWriter
 from ..store.manifest import Manifest
 from . import copies, groups, plans, staging
@@ -50,14 +51,6 @@ def _default_group() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def parse_step(checkpoint_id: Any) -> int:
-    """Accept a step as int, numeric string, or 'mlcheckpoint://<job>/<step>'."""
-    s = str(checkpoint_id).rstrip("/").rsplit("/", 1)[-1]
-    if not s.isdigit():
-        raise ValueError(f"checkpoint_id {checkpoint_id!r} does not name a step")
-    return int(s)
 
 
 class MemoryStorageWriter(StorageWriter, AsyncStager):

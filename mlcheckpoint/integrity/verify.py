@@ -93,7 +93,7 @@ class Listing(Generic[R]):
     def disagreement(self, item: Recorded, offset: int | None = None) -> str | None:
         """Why the item listed at ``offset`` (default: ``item``'s own) is not the bytes
         ``item`` records (a data-parallel copy of it lies at another offset of another
-        shard), in words; None when it is. Only for an offset ``lists`` names."""
+        shard), or that nothing is listed there, in words; None when it is."""
         at = item.offset if offset is None else offset
         whys = [_disagreement(held, at, item.nbytes, item.checksum, digests.of(item))
                 for held in self._at.get(at, ())]
@@ -101,8 +101,7 @@ class Listing(Generic[R]):
 
     def holds(self, item: Recorded, offset: int | None = None) -> bool:
         """Whether the shard holds ``item``'s bytes (at ``offset``, default its own)."""
-        at = item.offset if offset is None else offset
-        return self.lists(at) and self.disagreement(item, at) is None
+        return self.disagreement(item, offset) is None  # (one naming nothing listed there too)
 
     def holds_all(self, items: Iterable[Recorded]) -> bool:
         return all(self.holds(it) for it in items)

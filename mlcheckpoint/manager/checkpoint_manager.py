@@ -477,7 +477,7 @@ class CheckpointManager:
                     self._barrier(timeout)
                 if self._replicator is not None:  # the last round has no next one to close it:
                     with contextlib.suppress(Exception):  # history learns of it here
-                        self._replicator.newest_protected(self._store.steps())
+                        self._replicator.newest_protected()
                 self._mark_finished()
         finally:
             self._release(wait=not failed)

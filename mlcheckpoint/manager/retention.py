@@ -10,7 +10,7 @@ What a pass keeps (``plan_retention``):
 - for each owner rank it answers for (its own rank; once replication runs, the ranks whose
   replicas it keeps), the newest ``keep`` steps whose shard of that owner belongs to the save
   the step's metadata names;
-- never a protected step (``RetentionPolicy.protected``: pinned, the newest step replicated
+- never a protected step (``Retention.protected``: pinned, the newest step replicated
   everywhere, the replication round's), never the newest step held whole here, never a step
   newer than those kept (a save in flight);
 - shards of owners no rank of this node answers for (``node_owners``: the ranks of an earlier
@@ -181,52 +181,24 @@ def retire(store: LocalStore, plan: RetentionPlan) -> list[int]:
 
 # ---------------------------------------------------------------------------- the policy
 
-@dataclass
-class RetentionPolicy:
-    """Keep ``keep`` complete steps per owner, never a pinned step, never the newest step
-    replicated everywhere until a newer one is, never the step being replicated now (so its
-    shards are here when the partner's replicas of it arrive), and never the newest step held
-    whole here (``plan_retention``). With ``node_owners`` (the owners this node's ranks answer
-    for), the shards and buffers of any other owner go with their steps."""
-
-    keep: int
-    pins: Pins
-    replicas: Protection | None = None
-    node_owners: frozenset[int] | None = None
-
-    def protected(self, store: LocalStore, *, ask: bool = True) -> set[int]:
-        """Steps retention must keep. ``ask=False`` uses the last known protected step rather
-        than asking the job-wide counters (a listener thread). That value may be stale, i.e.
-        older: it then guards an older step and leaves the newest protected one to the
-        next plan that asks; the newest whole step is guarded by every plan regardless."""
-        protected = self.pins.steps()
-        if self.replicas is not None:
-            newest = (self.replicas.newest_protected(store.steps()) if ask
-                      else self.replicas.known_protected())
-            protected |= {s for s in (newest, self.replicas.round_step()) if s is not None}
-        return protected
-
-    def apply(self, store: LocalStore, owners: Iterable[int], *, ask: bool = True) -> list[int]:
-        """Retire ``owners``' shards beyond ``keep`` in ``store`` (and what no rank of the node
-        keeps); returns the steps retired."""
-        return apply_retention(store, owners, self.keep, self.protected(store, ask=ask),
-                               node_owners=self.node_owners)
-
-
 class Retention:
-    """A CheckpointManager's retention: its policy over this rank's own shards and, once
-    replication runs, the replicas this node keeps for its partners.
+    """A CheckpointManager's retention, over this rank's own shards and, once replication
+    runs, the replicas this node keeps for its partners: keep ``keep`` complete steps per
+    owner, never a pinned step, never the newest step replicated everywhere until a newer one
+    is, never the step being replicated now (so its shards are here when the partner's
+    replicas of it arrive), and never the newest step held whole here (``plan_retention``).
 
     ``node_owners``: every owner rank some rank of this node answers for (the node's ranks,
-    and with replication the ranks of the nodes it keeps replicas of); the shards of any other
-    owner, which an earlier world size or pairing left here, go with their steps. None: not
-    known, and then only this rank's owners lose shards.
+    and with replication the ranks of the nodes it keeps replicas of); the shards and buffers
+    of any other owner, which an earlier world size or pairing left here, go with their steps.
+    None: not known, and then only this rank's owners lose shards.
     """
 
     def __init__(self, store: LocalStore, rank: int, keep: int, pins: Pins,
                  node_owners: Iterable[int] | None = None):
-        self.store = store
-        self.policy = RetentionPolicy(keep, pins, node_owners=_frozen(node_owners))
+        self.store, self.keep, self.pins = store, keep, pins
+        self.replicas: Protection | None = None  # set once replication runs
+        self.node_owners = _frozen(node_owners)
         self.owners = [rank]  # whose shards ``apply`` retires
 
     def protect_replicas(self, replicas: Protection, partners: Iterable[int],
@@ -234,18 +206,32 @@ class Retention:
         """Replication started: keep the newest step replicated everywhere, and retire the
         replicas of ``partners`` too. ``node_owners`` as in the constructor, now with the
         replicas the node's ranks keep (None: not known)."""
-        self.policy.replicas = replicas
+        self.replicas = replicas
         self.owners = [self.owners[0], *partners]
-        self.policy.node_owners = _frozen(node_owners)
+        self.node_owners = _frozen(node_owners)
+
+    def protected(self, *, ask: bool = True) -> set[int]:
+        """Steps retention must keep. ``ask=False`` uses the last known protected step rather
+        than asking the job-wide counters (a listener thread). That value may be stale, i.e.
+        older: it then guards an older step and leaves the newest protected one to the
+        next plan that asks; the newest whole step is guarded by every plan regardless."""
+        protected = self.pins.steps()
+        if self.replicas is not None:
+            newest = self.replicas.newest_protected(ask=ask)
+            protected |= {s for s in (newest, self.replicas.round_step()) if s is not None}
+        return protected
 
     def apply(self) -> list[int]:
-        """Retire this rank's shards and the replicas it keeps beyond ``keep``."""
-        return self.policy.apply(self.store, self.owners)
+        """Retire this rank's shards and the replicas it keeps beyond ``keep`` (and what no
+        rank of the node keeps); returns the steps retired."""
+        return apply_retention(self.store, self.owners, self.keep, self.protected(),
+                               node_owners=self.node_owners)
 
     def apply_received(self, owner: int) -> list[int]:
         """A replica of ``owner`` arrived (a listener thread: uses the last known protected
         step rather than asking the c10d store; a stale value only keeps more)."""
-        return self.policy.apply(self.store, [owner], ask=False)
+        return apply_retention(self.store, [owner], self.keep, self.protected(ask=False),
+                               node_owners=self.node_owners)
 
 
 def _frozen(owners: Iterable[int] | None) -> frozenset[int] | None:

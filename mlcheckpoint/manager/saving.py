@@ -147,7 +147,7 @@ class Saver:
         self.copy_policy = None if replicator is None or not keep_copies else CopyPolicy(
             tuple(map(topology.node_of, range(topology.world_size))),
             functools.partial(step_room, store.local_dir, store.memory_limit_bytes,
-                              retention.policy.keep),
+                              retention.keep),
             sources=tuple(map(tuple, every_source(replicator.strategy, topology.num_nodes))),
             replicas=replicator.places - 1,
             place_of_node=tuple(map(topology.place_of_node, range(topology.num_nodes))))

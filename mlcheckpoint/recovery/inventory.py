@@ -36,9 +36,9 @@ class StepCopy:
     # whole (``coverage.Held``, one look at its manifest); a shard not named is whole
     partial: tuple[tuple[int, Held], ...] = ()
 
-    def copies(self) -> dict[int, list[list[int]]]:
+    def copies(self) -> dict[int, tuple[tuple[int, ...], ...]]:
         """The copy groups, keyed by owner rank."""
-        return {owner: [list(g) for g in gs] for owner, gs in self.copy_groups}
+        return dict(self.copy_groups)
 
     def held(self, owner: int) -> Held:
         """What this node holds of ``owner``'s shard (``coverage.Held``): all of it, or what a
@@ -85,7 +85,7 @@ def take_inventory(store: LocalStore, node: int, ranks: list[int],
         if h is not None:  # the metadata here names its save, its run and the runs before it
             copy = dataclasses.replace(copy, save_id=h.save_id, run_id=h.run_id, created=h.created,
                                        ancestors=Lineage.from_header(h.run_id, h.lineage).ancestors,
-                                       copy_groups=tuple((owner, tuple(map(tuple, gs)))
+                                       copy_groups=tuple((owner, tuple(gs))
                                                          for owner, gs in sorted(st.copy_groups.items())))
         inv.steps[step] = copy
     return inv

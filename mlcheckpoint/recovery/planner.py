@@ -243,7 +243,7 @@ class _StepView:
     created: float = 0.0  # when the save was made (its coordinator's clock)
     required: tuple[int, ...] | None = None
     world_size: int | None = None
-    copy_groups: dict[int, list[list[int]]] = field(default_factory=dict)  # store/coverage.py
+    copy_groups: coverage.CopyGroups = field(default_factory=dict)  # store/coverage.py
     meta_nodes: list[int] = field(default_factory=list)
     owner_nodes: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # whole
     # owner -> node -> what the node holds of its shard (whole or a partial replica's groups)

@@ -17,9 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.storage import StorageReader
 
 from .._faults import pause_point
+from .._gc import gc_paused
 from ..dcp import MemoryStorageReader
+from ..dcp.errors import unwrap_checkpoint_exception
 from ..dcp.reader import Refusals
 from ..errors import CopyId, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..persistent import PersistentStorage
@@ -29,7 +34,6 @@ from ..store.identity import Lineage
 from ..topology import Topology
 from .holders import Holders
 from .inventory import NodeInventory, take_inventory
-from .load import load_step
 from .planner import (
     COPIES,
     FRESH,
@@ -445,6 +449,18 @@ class Recovery:
             log.warning("mlcheckpoint: rebuilding rank %d's shard of step %d failed: %s; the "
                         "step stays unprotected until a newer one is saved and replicated",
                         self.topo.rank, holders.step, e)
+
+
+def load_step(state_dict: dict[str, Any], reader: StorageReader,
+              group: dist.ProcessGroup | None) -> None:
+    """The load itself: into ``state_dict`` (in place) with ``dcp.load`` on ``group`` (the
+    checkpoint group, never the training group). Our errors (e.g. CorruptShardError naming the
+    bad copy) come out as themselves, whichever rank raised them."""
+    try:
+        with gc_paused():
+            dcp.load(state_dict, storage_reader=reader, process_group=group)
+    except CheckpointException as e:
+        raise unwrap_checkpoint_exception(e, "load") from None
 
 
 def _label(source: str, served: dict[int, dict[int, int]]) -> str:

@@ -4,7 +4,7 @@ A data-parallel job (DDP, HSDP's replica groups) holds the same item on several 
 writes it once, in the shard of the rank it chose (the item's *primary*); a save may also keep
 agreeing copies of it in other ranks' shards. The global metadata records both: per item, its
 primary location and its copies (``ItemLocation.copies``, only copies whose checksum agrees):
-the one record of copies. From it, per owner rank, its *copy groups* (``copy_groups``): the
+the one record of copies. From it, per owner rank, its *copy groups* (``StepItems.groups``): the
 distinct sets of other ranks whose shards hold copies of some of the owner's items, the empty
 set standing for items that have no copy.
 
@@ -19,8 +19,8 @@ the copy groups:
 - ``fewest_places`` / ``protected``: on how many places (nodes, or failure domains where
   declared: ``place_of``) the least-held item is (a step is *protected* when its metadata and
   every item are on 1 + k places);
-- ``to_send``: which of an owner's groups lack places and are not on a partner yet
-  (replication sends those to it).
+- ``lacking``: which of an owner's groups lack places, and the nodes holding each
+  (replication sends a partner those it does not hold yet).
 
 The store (is a step whole here?), the replicator (what must it send, and to whom?
 ``plan_push``), the room a node keeps for what arrives (``arriving_bytes``: the room check,
@@ -31,7 +31,6 @@ written once.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -46,9 +45,10 @@ from .shards import align
 if TYPE_CHECKING:
     from .inventory import StepState  # (which imports this module)
 
-# owner rank -> the distinct sets of ranks whose shards hold copies of some of its items
-CopyGroups = Mapping[int, Sequence[Sequence[int]]]
 Group = tuple[int, ...]  # the ranks whose shards hold copies of an item (sorted; () for none)
+# owner rank -> the distinct groups of its items (an owner none of whose items has a copy may
+# be left out)
+CopyGroups = Mapping[int, Sequence[Group]]
 
 
 @dataclass(frozen=True)
@@ -90,19 +90,9 @@ def group_of(loc: ItemLocation) -> Group:
     return tuple(sorted({rank for rank, _ in loc.copies} - {loc.rank}))
 
 
-def copy_groups(locations: Iterable[ItemLocation]) -> dict[int, list[list[int]]]:
-    """The copy groups of a step, from its items' locations (an owner whose items have no
-    copies at all is left out: it is served by its own shard alone)."""
-    groups: dict[int, set[Group]] = defaultdict(set)
-    for loc in locations:
-        groups[loc.rank].add(group_of(loc))
-    return {owner: [list(g) for g in sorted(gs)] for owner, gs in sorted(groups.items())
-            if any(gs)}
-
-
-def groups_of(owner: int, groups: CopyGroups) -> list[Group]:
+def groups_of(owner: int, groups: CopyGroups) -> Sequence[Group]:
     """The copy groups of ``owner``'s items (``[()]``: none of them has a copy)."""
-    return [tuple(g) for g in groups.get(owner) or [()]]
+    return groups.get(owner) or [()]
 
 
 def holders(owner: int, group: Group, holdings: Holdings) -> set[Hashable]:
@@ -138,19 +128,11 @@ def protected(required: Iterable[int], groups: CopyGroups, holdings: Holdings, p
                     for owner in required))
 
 
-def to_send(owner: int, groups: CopyGroups, holdings: Holdings, places: int, target: Hashable,
-            place_of: PlaceOf = _itself) -> list[Group]:
-    """The copy groups of ``owner`` that lack places (on fewer than ``places``) and that the
-    node ``target`` does not hold yet: what a replica there must carry. A node stores an item
-    once: what it holds as a copy is never sent to it again."""
-    return [g for g, nodes in _lacking(owner, groups, holdings, places, place_of)
-            if target not in nodes]
-
-
-def _lacking(owner: int, groups: CopyGroups, holdings: Holdings, places: int,
-             place_of: PlaceOf) -> list[tuple[Group, set[Hashable]]]:
+def lacking(owner: int, groups: CopyGroups, holdings: Holdings, places: int,
+            place_of: PlaceOf = _itself) -> list[tuple[Group, set[Hashable]]]:
     """The copy groups of ``owner`` on fewer than ``places`` places, each with the nodes
-    holding it (``to_send``'s rule, whatever the target)."""
+    holding it. What a node is sent: those of them it does not hold (a node stores an item
+    once: what it holds as a copy is never sent to it again)."""
     out = []
     for g in groups_of(owner, groups):
         nodes = holders(owner, g, holdings)
@@ -159,9 +141,12 @@ def _lacking(owner: int, groups: CopyGroups, holdings: Holdings, places: int,
     return out
 
 
-def as_saved(node_of_rank: Mapping[int, Hashable]) -> dict[int, dict[Any, Held]]:
-    """Holdings of a save before any replica: each rank's shard whole on its own node."""
-    return {rank: {node: WHOLE} for rank, node in node_of_rank.items()}
+def as_saved(owner: int, groups: CopyGroups,
+             node_of: Callable[[int], Hashable]) -> dict[int, dict[Any, Held]]:
+    """Where the owner's items are before any replica (``Holdings``): its own shard, and the
+    shards of the ranks keeping copies of them, each whole on its rank's node."""
+    ranks = {owner, *(r for g in groups_of(owner, groups) for r in g)}
+    return {r: {node_of(r): WHOLE} for r in ranks}
 
 
 class StepItems:
@@ -174,10 +159,10 @@ class StepItems:
         for loc in locations:
             self.by_owner.setdefault(loc.rank, {}).setdefault(group_of(loc), []).append(loc)
 
-    def groups(self) -> dict[int, list[list[int]]]:
-        """The copy groups of the save (``copy_groups``: an owner none of whose items has a
-        copy is left out)."""
-        return {owner: [list(g) for g in sorted(by_group)]
+    def groups(self) -> dict[int, list[Group]]:
+        """The copy groups of the save, per owner (an owner none of whose items has a copy is
+        left out: it is served by its own shard alone)."""
+        return {owner: sorted(by_group)
                 for owner, by_group in sorted(self.by_owner.items()) if any(by_group)}
 
     def of(self, owner: int, group: Group) -> list[ItemLocation]:
@@ -225,13 +210,13 @@ def plan_push(m: Manifest, st: StepState, items: StepItems | None, save_id: str,
             or items is None):
         return whole
     owner, groups = m.rank, st.copy_groups
-    holdings = _as_saved(owner, groups, topology.node_of)
+    lack = lacking(owner, groups, as_saved(owner, groups, topology.node_of), places,
+                   topology.place_of_node)
     listing = Listing(m.items)
     out: dict[int, Push] = {}
     for peer in targets:
-        need = to_send(owner, groups, holdings, places, topology.node_of(peer),
-                       topology.place_of_node)
-        locs = [loc for g in need for loc in items.of(owner, g)]
+        node = topology.node_of(peer)
+        locs = [loc for g, nodes in lack if node not in nodes for loc in items.of(owner, g)]
         if not listing.holds_all(locs):
             return whole  # the manifest and the metadata disagree: send what is certain
         chosen = [listing.listed(o) for o in sorted({loc.offset for loc in locs})]
@@ -250,7 +235,7 @@ def arriving_bytes(items: StepItems, sources: Mapping[Any, Iterable[int]],
                    place_of: PlaceOf = _itself) -> dict[Any, int]:
     """Per node in ``sources`` (a node -> the ranks whose shards it keeps replicas of), the
     room those replicas take there: the bytes, each item aligned as a shard stores it, of the
-    items ``to_send`` sends it (the rule their senders follow, ``plan_push``): those of a save
+    items ``lacking`` sends it (the rule their senders follow, ``plan_push``): those of a save
     laid out as ``items`` (each on its owner's node and the nodes of the ranks keeping copies
     of it, ``node_of`` each rank) that lack places and that the node does not hold.
 
@@ -259,16 +244,16 @@ def arriving_bytes(items: StepItems, sources: Mapping[Any, Iterable[int]],
     the locations the copies it would keep make."""
     groups = items.groups()
     # per owner, its groups lacking places: (group, the nodes holding it, aligned bytes)
-    lacking: dict[int, list[tuple[Group, set[Hashable], int]]] = {}
+    short: dict[int, list[tuple[Group, set[Hashable], int]]] = {}
     out: dict[Any, int] = {}
     for node, owners in sources.items():
         total = 0
         for owner in owners:
-            if owner not in lacking:
-                holdings = _as_saved(owner, groups, node_of)
-                lacking[owner] = [(g, nodes, sum(align(loc.nbytes) for loc in items.of(owner, g)))
-                                  for g, nodes in _lacking(owner, groups, holdings, places, place_of)]
-            total += sum(n for _, nodes, n in lacking[owner] if node not in nodes)
+            if owner not in short:
+                holdings = as_saved(owner, groups, node_of)
+                short[owner] = [(g, nodes, sum(align(loc.nbytes) for loc in items.of(owner, g)))
+                                for g, nodes in lacking(owner, groups, holdings, places, place_of)]
+            total += sum(n for _, nodes, n in short[owner] if node not in nodes)
         out[node] = total
     return out
 
@@ -312,10 +297,3 @@ class Arrivals:
             return nbytes
         return None
 
-
-def _as_saved(owner: int, groups: CopyGroups,
-              node_of: Callable[[int], Hashable]) -> dict[int, dict[Any, Held]]:
-    """Where the owner's items are before any replica: its own shard, and the shards of the
-    ranks keeping copies of them, each on its rank's node."""
-    ranks = {owner, *(r for g in groups_of(owner, groups) for r in g)}
-    return as_saved({r: node_of(r) for r in ranks})

@@ -34,9 +34,9 @@ class StepState:
     header: MetadataHeader | None = None  # the metadata's verified header, when present
     shard_saves: dict[int, str] = field(default_factory=dict)  # owner -> save id of its shard
     damaged: dict[int, str] = field(default_factory=dict)  # owner -> why its copy is unusable
-    # owner -> which other ranks' shards hold copies of its items (``coverage.copy_groups``,
-    # from the metadata here)
-    copy_groups: dict[int, list[list[int]]] = field(default_factory=dict)
+    # owner -> which other ranks' shards hold copies of its items (``StepItems.groups``, from
+    # the metadata here)
+    copy_groups: dict[int, list[coverage.Group]] = field(default_factory=dict)
     # owner -> what its partial replica here holds (``coverage.Held``: the items it lists as
     # the metadata here records them, and the copy groups they make whole); an owner whose
     # committed shard here is whole is not listed

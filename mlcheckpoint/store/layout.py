@@ -151,6 +151,15 @@ def parse_step_dirname(name: str) -> int | None:
     return e.step if e.kind is Kind.STEP else None
 
 
+def parse_step(checkpoint_id: object) -> int:
+    """The step a DCP checkpoint id names: an int, a numeric string, or
+    'mlcheckpoint://<job>/<step>' (what the storage writer and reader call themselves)."""
+    s = str(checkpoint_id).rstrip("/").rsplit("/", 1)[-1]
+    if not s.isdigit():
+        raise ValueError(f"checkpoint_id {checkpoint_id!r} does not name a step")
+    return int(s)
+
+
 def orphan_dirname(step: int, token: str) -> str:
     return f"{step_dirname(step)}-{token}"
 

@@ -76,15 +76,16 @@ class Manifest:
         partial replica, its items' ranges (adjacent and overlapping ones merged)."""
         if not self.partial:
             return [(0, self.data_bytes)] if self.data_bytes else []
-        out: list[list[int]] = []
+        out: list[tuple[int, int]] = []
         for it in sorted(self.items, key=lambda it: it.offset):
             if not it.nbytes:
                 continue
             if out and it.offset <= out[-1][0] + out[-1][1]:
-                out[-1][1] = max(out[-1][1], it.offset + it.nbytes - out[-1][0])
+                start, n = out[-1]
+                out[-1] = (start, max(n, it.offset + it.nbytes - start))
             else:
-                out.append([it.offset, it.nbytes])
-        return [(o, n) for o, n in out]
+                out.append((it.offset, it.nbytes))
+        return out
 
     @property
     def held_bytes(self) -> int:
@@ -160,7 +161,11 @@ def check_identity(run_id: object, save_id: object) -> None:
             raise ValueError(f"malformed {name} {value!r}")
 
 
-def check_lineage(lineage: object) -> None:
+def _check_header(header: MetadataHeader) -> None:
+    """Refuse a header whose fields a peer sent malformed: its ids, its lineage (at most
+    ``MAX_LINEAGE`` [run id, step] pairs) and its copies modes (short words, one per node)."""
+    check_identity(header.run_id, header.save_id)
+    lineage = header.lineage
     if not isinstance(lineage, list) or len(lineage) > MAX_LINEAGE:
         raise ValueError("malformed lineage")
     for entry in lineage:
@@ -168,10 +173,7 @@ def check_lineage(lineage: object) -> None:
                 or isinstance(entry[1], bool)):
             raise ValueError(f"malformed lineage entry {entry!r}")
         check_identity(entry[0], "")
-
-
-def check_modes(modes: object) -> None:
-    """Copies modes are short words, one per node (they travel in headers a peer sends)."""
+    modes = header.copy_modes
     if not isinstance(modes, list) or len(modes) > MAX_NODES or not all(
             isinstance(m, str) and len(m) <= 16 for m in modes):
         raise ValueError("malformed copy modes")
@@ -202,9 +204,7 @@ def decode_metadata(raw: bytes) -> tuple[MetadataHeader, bytes]:
     # carried the copy groups too: derived from the locations now, the field is dropped.
     fields.pop(OLD_COPY_GROUPS, None)
     header = MetadataHeader(**fields)
-    check_identity(header.run_id, header.save_id)
-    check_lineage(header.lineage)
-    check_modes(header.copy_modes)
+    _check_header(header)
     payload = raw[nl + 1:]
     if header.format != FORMAT_VERSION:
         raise ValueError(f"unsupported metadata format {header.format}")

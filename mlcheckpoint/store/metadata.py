@@ -9,11 +9,12 @@ from typing import TypeVar
 
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity.verify import digest_item
-from .coverage import StepItems
+from .coverage import Group, StepItems
 from .identity import Lineage
 from .layout import JobPaths
 from .locks import CommitLock
 from .manifest import MetadataHeader, decode_metadata, encode_metadata, item_locations
+from .shards import private
 
 T = TypeVar("T")
 
@@ -27,7 +28,7 @@ class MetadataFiles:
         self.paths, self.job_id, self.commits = paths, job_id, commits
         self._verified_headers: dict[str, tuple[tuple, MetadataHeader]] = {}
         self._items: dict[str, tuple[tuple, StepItems]] = {}
-        self._groups: dict[str, tuple[tuple, dict[int, list[list[int]]]]] = {}
+        self._groups: dict[str, tuple[tuple, dict[int, list[Group]]]] = {}
 
     def write(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
               total_bytes: int, save_id: str = "", lineage: Lineage | None = None,
@@ -53,7 +54,7 @@ class MetadataFiles:
         """Put an encoded metadata file in place (not verified here)."""
         os.makedirs(self.paths.step_dir(step), mode=0o700, exist_ok=True)
         tmp = self.paths.metadata_tmp(step, secrets.token_hex(4))
-        with open(tmp, "wb", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+        with open(tmp, "wb", opener=private) as f:
             f.write(raw)
         with self.commits.committing():  # never while a retention pass looks and retires
             os.replace(tmp, self.paths.metadata(step))
@@ -79,14 +80,14 @@ class MetadataFiles:
         a large model is megabytes."""
         return self._per_version(self._verified_headers, step, lambda: self.read(step)[0])
 
-    def copy_groups(self, step: int) -> dict[int, list[list[int]]]:
+    def copy_groups(self, step: int) -> dict[int, list[Group]]:
         """Which other ranks' shards hold agreeing copies of each owner's items
-        (``coverage.copy_groups``), from the items' locations: the one record of copies
+        (``StepItems.groups``), from the items' locations: the one record of copies
         (``ItemLocation.copies``). Kept per version of the file like ``header`` (small, while
         ``items`` keeps only a few steps'). A payload that is not our DCP metadata (written by
         something else) knows no copies: every item counts in its owner's shard alone, which
         never counts a place too many."""
-        def groups() -> dict[int, list[list[int]]]:
+        def groups() -> dict[int, list[Group]]:
             try:
                 return self.items(step).groups()
             except CorruptShardError:

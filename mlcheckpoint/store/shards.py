@@ -130,7 +130,7 @@ class ShardFiles:
         if os.stat(inflight).st_size > manifest.data_bytes:
             self.mappings.unpin_beyond(inflight, manifest.data_bytes)
             os.truncate(inflight, manifest.data_bytes)
-        with open(tmp, "wb", opener=_private) as f:
+        with open(tmp, "wb", opener=private) as f:
             f.write(manifest.to_bytes())
         with self.commits.committing():  # never while a retention pass looks and retires
             # Re-saving a committed step: uncommit the old shard before its data is replaced.
@@ -338,5 +338,6 @@ class ShardSource:
         self.close()
 
 
-def _private(path: str, flags: int) -> int:
+def private(path: str, flags: int) -> int:
+    """``open``'s opener for a file of the job directory: this user's alone."""
     return os.open(path, flags, 0o600)

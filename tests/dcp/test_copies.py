@@ -152,7 +152,7 @@ class Saved:
                                 total_bytes=0, payload_bytes=0, checksum=0, save_id="s1")
         self.state = StepState(3, has_metadata=True, required_ranks=header.ranks,
                                world_size=world, header=header,
-                               copy_groups=coverage.copy_groups(locations))
+                               copy_groups=coverage.StepItems(locations).groups())
         self.items = coverage.StepItems(locations)
 
     def steps(self) -> list[int]:

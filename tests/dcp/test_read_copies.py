@@ -29,8 +29,8 @@ from mlcheckpoint import (
 from mlcheckpoint.errors import CopyId, ShardNotFoundError
 from mlcheckpoint.recovery import plan_resume, take_inventory
 from mlcheckpoint.recovery.holders import Holders
-from mlcheckpoint.recovery.load import load_step
 from mlcheckpoint.recovery.planner import MEMORY, Decision
+from mlcheckpoint.recovery.resume import load_step
 from mlcheckpoint.replication import Transport
 from mlcheckpoint.store import LocalStore, coverage
 from mlcheckpoint.store.identity import Lineage
@@ -90,7 +90,7 @@ def save_with_lost_shard(store: LocalStore) -> tuple[dict, dict[str, ItemLocatio
     store.write_metadata(STEP, pickle.dumps(md), world_size=2, ranks={0, 1},
                          total_bytes=sum(loc.nbytes for loc in locations), save_id=header.save_id,
                          lineage=Lineage.from_header(header.run_id, header.lineage))
-    assert store.step_state(STEP).copy_groups == {1: [[0]]}
+    assert store.step_state(STEP).copy_groups == {1: [(0,)]}
     assert STEP in store.complete_steps()  # whole here: rank 1's items through their copies
     return expected, copies
 

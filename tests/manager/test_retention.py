@@ -14,7 +14,6 @@ from hypothesis import strategies as hst
 
 from mlcheckpoint.manager.retention import (
     Retention,
-    RetentionPolicy,
     apply_retention,
     finished_steps,
     plan_retention,
@@ -112,12 +111,11 @@ class Replicas:
         self.newest, self.known, self.asked = newest, known, 0
         self.round = round_step
 
-    def newest_protected(self, candidates: list[int]) -> int | None:
+    def newest_protected(self, ask: bool = True) -> int | None:
+        if not ask:
+            return self.known
         self.asked += 1
         return self.newest
-
-    def known_protected(self) -> int | None:
-        return self.known
 
     def round_step(self) -> int | None:
         return self.round
@@ -129,13 +127,14 @@ def test_policy_keeps_pinned_and_newest_protected_steps(store):
     pins = Pins()
     pins.pin(1)
     replicas = Replicas(newest=2, known=3)
-    policy = RetentionPolicy(keep=1, pins=pins, replicas=replicas)
-    assert policy.protected(store) == {1, 2} and replicas.asked == 1
+    retention = Retention(store, 0, keep=1, pins=pins)
+    retention.protect_replicas(replicas, [])
+    assert retention.protected() == {1, 2} and replicas.asked == 1
     # A listener thread does not ask the job-wide counters: the last known step instead.
-    assert policy.protected(store, ask=False) == {1, 3} and replicas.asked == 1
-    assert policy.apply(store, [0], ask=False) == [2, 4]
+    assert retention.protected(ask=False) == {1, 3} and replicas.asked == 1
+    assert retention.apply_received(0) == [2, 4]
     assert store.complete_steps() == [1, 3, 5]
-    assert RetentionPolicy(keep=1, pins=Pins()).apply(store, [0]) == [1, 3]
+    assert Retention(store, 0, keep=1, pins=Pins()).apply() == [1, 3]
 
 
 # ---------------------------------------------------------------- a pass on a real store
@@ -354,6 +353,6 @@ def test_replication_adds_the_partners_to_the_nodes_owners(store):
         put_step(store, step, ranks=(0, 1, 2, 3))
     retention = Retention(store, 0, keep=2, pins=Pins(), node_owners=(0, 1))
     retention.protect_replicas(Replicas(newest=None, known=None), [2], node_owners=(0, 1, 2, 3))
-    assert retention.policy.node_owners == {0, 1, 2, 3}
+    assert retention.node_owners == {0, 1, 2, 3}
     assert retention.apply() == [1]
     assert store.step_state(1).committed_ranks == {1, 3}

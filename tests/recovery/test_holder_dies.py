@@ -21,8 +21,8 @@ from states import assert_same, clone_state, make_state, zeros_like_state
 
 from mlcheckpoint import MemoryStorageReader, MemoryStorageWriter
 from mlcheckpoint.recovery.holders import Holders
-from mlcheckpoint.recovery.load import load_step
 from mlcheckpoint.recovery.planner import MEMORY, Decision
+from mlcheckpoint.recovery.resume import load_step
 from mlcheckpoint.store import LocalStore
 from mlcheckpoint.store.identity import Lineage
 from mlcheckpoint.store.layout import ItemLocation

@@ -25,15 +25,26 @@ def partial(*groups):
     return Held(frozenset(), frozenset(tuple(g) for g in groups))
 
 
+def whole_on(node_of_rank):
+    """Holdings of each rank's shard whole on its node."""
+    return {rank: {node: WHOLE} for rank, node in node_of_rank.items()}
+
+
+def to_send(owner, groups, holdings, places, target, place_of=lambda n: n):
+    """What a replica on ``target`` must carry: the groups lacking places it does not hold."""
+    return [g for g, nodes in coverage.lacking(owner, groups, holdings, places, place_of)
+            if target not in nodes]
+
+
 def test_groups_name_the_distinct_copy_sets_per_owner():
-    groups = coverage.copy_groups([loc(0, 2), loc(0, 3), loc(0, 2), loc(1), loc(1, 3), loc(4)])
-    assert groups == {0: [[2], [3]], 1: [[], [3]]}  # rank 4: no copies, left out
+    groups = StepItems([loc(0, 2), loc(0, 3), loc(0, 2), loc(1), loc(1, 3), loc(4)]).groups()
+    assert groups == {0: [(2,), (3,)], 1: [(), (3,)]}  # rank 4: no copies, left out
     assert coverage.group_of(loc(0, 3, 2, 0)) == (2, 3)  # sorted, its owner left out
     assert coverage.groups_of(4, groups) == [()]
 
 
 def test_an_item_is_held_by_its_shard_a_partial_replica_listing_it_or_a_copy():
-    groups = {0: [[], [2]]}
+    groups = {0: [(), (2,)]}
     holdings = {0: {"a": WHOLE, "c": partial(())}, 2: {"b": WHOLE, "d": partial(())}}
     assert coverage.holders(0, (), holdings) == {"a", "c"}
     # the copies kept in rank 2's shard: on b, where it is whole, not in its partial on d
@@ -44,8 +55,8 @@ def test_an_item_is_held_by_its_shard_a_partial_replica_listing_it_or_a_copy():
 
 
 def test_an_owner_is_readable_from_its_shard_or_from_a_copy_of_every_item():
-    groups = {0: [[2], [3]], 1: [[], [3]]}
-    here = coverage.as_saved
+    groups = {0: [(2,), (3,)], 1: [(), (3,)]}
+    here = whole_on
 
     def available(*ranks):
         return here(dict.fromkeys(ranks, "n"))
@@ -57,10 +68,10 @@ def test_an_owner_is_readable_from_its_shard_or_from_a_copy_of_every_item():
 
 
 def test_fewest_places_counts_the_least_held_item_in_places():
-    groups = {0: [[2], [3]], 1: [[], [3]]}
-    holdings = coverage.as_saved({0: "a", 1: "a", 2: "b", 3: "a"})
+    groups = {0: [(2,), (3,)], 1: [(), (3,)]}
+    holdings = whole_on({0: "a", 1: "a", 2: "b", 3: "a"})
     assert coverage.fewest_places(0, groups, holdings) == 1  # copied to rank 3: node a only
-    holdings = {**coverage.as_saved({0: "a", 2: "b", 3: "b"}), 1: {"a": WHOLE, "c": WHOLE}}
+    holdings = {**whole_on({0: "a", 2: "b", 3: "b"}), 1: {"a": WHOLE, "c": WHOLE}}
     assert coverage.fewest_places(0, groups, holdings) == 2
     assert coverage.fewest_places(1, groups, holdings) == 2  # replicated to c; copies on b
     # two nodes of one failure domain are one place
@@ -68,7 +79,7 @@ def test_fewest_places_counts_the_least_held_item_in_places():
 
 
 def test_protected_needs_the_metadata_and_every_item_on_enough_places():
-    groups = {0: [[], [1]]}
+    groups = {0: [(), (1,)]}
     holdings = {0: {"a": WHOLE, "b": partial(())}, 1: {"b": WHOLE}}
     assert coverage.protected([0, 1], groups, holdings, 2, ["a", "b"]) is False  # rank 1: b only
     holdings[1]["a"] = partial(())
@@ -77,18 +88,18 @@ def test_protected_needs_the_metadata_and_every_item_on_enough_places():
     assert not coverage.protected([0, 1], groups, holdings, 3, ["a", "b", "c"])
 
 
-def test_to_send_names_what_lacks_places_and_is_not_on_the_target():
-    groups = {0: [[], [1], [2]]}
-    holdings = coverage.as_saved({0: 0, 1: 1, 2: 0})  # the copies in rank 2's are on node 0
-    assert coverage.to_send(0, groups, holdings, 2, target=1) == [(), (2,)]
-    assert coverage.to_send(0, groups, holdings, 2, target=3) == [(), (2,)]
+def test_what_a_target_is_sent_lacks_places_and_is_not_on_it():
+    groups = {0: [(), (1,), (2,)]}
+    holdings = whole_on({0: 0, 1: 1, 2: 0})  # the copies in rank 2's are on node 0
+    assert to_send(0, groups, holdings, 2, target=1) == [(), (2,)]
+    assert to_send(0, groups, holdings, 2, target=3) == [(), (2,)]
     # three places wanted: what only node 1 adds is still short, but node 1 has it
-    assert coverage.to_send(0, groups, holdings, 3, target=1) == [(), (2,)]
-    assert coverage.to_send(0, groups, holdings, 3, target=3) == [(), (1,), (2,)]
+    assert to_send(0, groups, holdings, 3, target=1) == [(), (2,)]
+    assert to_send(0, groups, holdings, 3, target=3) == [(), (1,), (2,)]
     # a partner in the failure domain of the owner's node adds no place, but it is still sent
     # there: it holds no copy, and the partner is the one other node there is
     same = {0: "rack", 1: "rack", 2: "other"}.get
-    assert coverage.to_send(0, {0: [[]]}, coverage.as_saved({0: 0}), 2, 1, same) == [()]
+    assert to_send(0, {0: [()]}, whole_on({0: 0}), 2, 1, same) == [()]
 
 
 def test_a_partial_replica_holds_the_items_it_lists_as_recorded_and_the_groups_they_make_whole():
@@ -120,7 +131,7 @@ def steps(draw):
         for i in range(draw(st.integers(0, 3))):
             copies = draw(st.sets(st.integers(0, ranks - 1), max_size=2)) - {owner}
             locs.append(loc(owner, *sorted(copies), offset=64 * i, checksum=owner * 10 + i))
-    groups = coverage.copy_groups(locs)
+    groups = StepItems(locs).groups()
     holdings: dict[int, dict[int, Held]] = {}
     for owner in range(ranks):
         for node in range(nodes):
@@ -161,7 +172,7 @@ def test_the_rules_agree_with_counting_each_item(step, copies):
     # what each node is sent makes every item it gets on enough places, and nothing it holds
     for target in range(nodes):
         for owner in required:
-            need = coverage.to_send(owner, groups, holdings, copies, target)
+            need = to_send(owner, groups, holdings, copies, target)
             for item in (i for i in locs if i.rank == owner):
                 where = per_item[id(item)]
                 assert (coverage.group_of(item) in need) == (len(where) < copies and target not in where)

@@ -152,11 +152,11 @@ def test_copies_are_recorded_once_and_metadata_naming_copy_groups_in_its_header_
                          "rng0": ItemLocation(0, rng.offset, rng.nbytes, rng.checksum)})
         raw = store.read_metadata_file(3)
         assert "copy_groups" not in json.loads(raw[:raw.index(b"\n")])  # once: in the locations
-        assert store.step_state(3).copy_groups == {0: [[], [1]]}
+        assert store.step_state(3).copy_groups == {0: [(), (1,)]}
         header, payload = decode_metadata(raw)
         old = json.dumps({**dataclasses.asdict(header), "copy_groups": {"0": [[]]}}).encode()
         store.write_metadata_file(3, old + b"\n" + payload)
         assert store.read_metadata(3)[0].save_id == "s1"
-        assert store.step_state(3).copy_groups == {0: [[], [1]]}
+        assert store.step_state(3).copy_groups == {0: [(), (1,)]}
     finally:
         store.close()

@@ -26,7 +26,7 @@ def save(locations: list[ItemLocation], save_id: str = "s1") -> tuple[StepState,
     header = MetadataHeader(job_id="j", step=3, world_size=4, ranks=[0, 1, 2, 3], total_bytes=0,
                             payload_bytes=0, checksum=0, save_id=save_id)
     st = StepState(3, has_metadata=True, required_ranks=header.ranks, world_size=4, header=header,
-                   copy_groups=coverage.copy_groups(locations))
+                   copy_groups=coverage.StepItems(locations).groups())
     return st, StepItems(locations)
 
 

@@ -134,10 +134,7 @@ class StaleReplicas:
     def __init__(self, known: int | None):
         self.known = known
 
-    def newest_protected(self, candidates: list[int]) -> int | None:
-        return self.known
-
-    def known_protected(self) -> int | None:
+    def newest_protected(self, ask: bool = True) -> int | None:
         return self.known
 
     def round_step(self) -> int | None:

@@ -63,13 +63,6 @@ class StepReplication:
     metadata_pushed: str | None = None  # the save whose metadata reached the other nodes
 
 
-def _covered_reason(plan: dict[int, coverage.Push]) -> str | None:
-    """Why a push sent nothing (None: it sent the shard, or the items that lacked places)."""
-    if all(push == [] for push in plan.values()):
-        return "covered by data-parallel copies"
-    return None
-
-
 class Replicator:
     """Pushes this rank's committed shards (and, on rank 0, metadata) to partner ranks."""
 
@@ -186,18 +179,14 @@ class Replicator:
         return save is not None and protected_in_store(self.rdzv, step, save,
                                                        self.topology.world_size)
 
-    def newest_protected(self, candidates: list[int]) -> int | None:
+    def newest_protected(self, ask: bool = True) -> int | None:
         """The newest protected step: that of the newest round that closed with its save
-        protected, as the node's leader learnt it (no store operation; ``candidates``, the
-        steps here, are not needed)."""
+        protected, as the node's leader learnt it (no store operation); ``ask=False``: the
+        one found so far (from any thread: nothing is recorded)."""
         r = self.rounds.protected
-        if r is not None and (self._newest_protected is None or r.step > self._newest_protected):
+        if ask and r is not None and (self._newest_protected is None or r.step > self._newest_protected):
             self.seed_protected(r.step)
             self._record_protected(r.step)
-        return self._newest_protected
-
-    def known_protected(self) -> int | None:
-        """The newest protected step found so far."""
         return self._newest_protected
 
     def round_step(self) -> int | None:
@@ -211,7 +200,7 @@ class Replicator:
         store nothing: the newest protected step is that of the last closed round the node
         heard of (``ask=False``: the one known at the last save)."""
         inv = self.store.inventory()
-        newest = self.newest_protected(sorted(inv)) if ask else self.known_protected()
+        newest = self.newest_protected(ask)
         with self._lock:
             pushed = sorted((st for st in self._states.values()
                              if st.state == "replicated" and st.seconds > 0), key=lambda st: st.step)[-5:]
@@ -462,7 +451,8 @@ class Replicator:
         pushed = any(push != [] for push in plan.values())
         after = budget.profile()
         with self._lock:
-            rep.state, rep.reason = "replicated", _covered_reason(plan)
+            # (a push that sent nothing: every item was on its places already)
+            rep.state, rep.reason = "replicated", None if pushed else "covered by data-parallel copies"
             rep.bytes, rep.seconds = sent, time.perf_counter() - t0 if pushed else 0.0
             rep.send_seconds = after["send_seconds"] - before["send_seconds"]
             rep.budget_wait_seconds = after["budget_wait_seconds"] - before["budget_wait_seconds"]

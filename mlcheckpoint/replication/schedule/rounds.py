@@ -89,6 +89,7 @@ class Rounds:
         self.rdzv, self.topology, self.paths = rdzv, topology, paths
         self.leader = topology.is_node_leader
         self._seal = Seal(rdzv.secret(), rdzv.session, rdzv.prefix)
+        self._round_key = f"node/{topology.node_rank}/round"  # what seals the node's file
         self.finished = 0  # the last round this rank finished
         self.latest: Round | None = None
         self.closed = 0
@@ -167,7 +168,7 @@ class Rounds:
     # ------------------------------------------------------------------ rank 0
     def propose(self, number: int, step: int, save_id: str) -> Round:
         """Name round ``number`` (rank 0 only, once the previous round is all done)."""
-        key = self._key("round", number)
+        key = self.rdzv.counter("round", number)
         self.rdzv.store.set(key, self._seal.seal(key, {"step": step, "save_id": save_id}))
         log.debug("replication round %d: step %d (save %s)", number, step, save_id)
         self.latest = Round(number, step, save_id)
@@ -207,13 +208,13 @@ class Rounds:
             self.rdzv.add(self.rdzv.counter("shards", r.step, r.save_id), counted)
         if self.rdzv.add(self.rdzv.counter("round-done", number), 1) >= self.topology.num_nodes:
             protected = protected_in_store(self.rdzv, r.step, r.save_id, self.topology.world_size)
-            key = self._key("round-closed", number)
+            key = self.rdzv.counter("round-closed", number)
             self.rdzv.store.set(key, self._seal.seal(key, {"protected": protected}))
         self._reported = number
 
     def _look_closed(self, number: int) -> None:
         """One look for round ``number``'s verdict; the node's file gets it."""
-        key = self._key("round-closed", number)
+        key = self.rdzv.counter("round-closed", number)
         store = self.rdzv.store
         if not store.check([key]):
             return
@@ -230,7 +231,7 @@ class Rounds:
 
     def _look_named(self, number: int) -> None:
         """One look for round ``number`` (an operation more once it is there)."""
-        key = self._key("round", number)
+        key = self.rdzv.counter("round", number)
         store = self.rdzv.store
         if not store.check([key]):
             return
@@ -248,13 +249,13 @@ class Rounds:
         def three(r: Round | None) -> list | None:
             return None if r is None else [r.number, r.step, r.save_id]
 
-        self._seal.write_file(self.paths.round, self._round_key(),
+        self._seal.write_file(self.paths.round, self._round_key,
                     {"latest": three(self.latest), "closed": self.closed,
                      "protected": three(self.protected)})
 
     # ------------------------------------------------------------------ the node's other ranks
     def _follow(self) -> None:
-        view = self._read(self.paths.round, self._round_key())
+        view = self._read(self.paths.round, self._round_key)
         if view is None:
             return
         try:
@@ -269,12 +270,6 @@ class Rounds:
         self.latest, self.closed, self.protected = latest, closed, protected
 
     # ------------------------------------------------------------------ files and keys
-    def _key(self, kind: str, number: int) -> str:
-        return self.rdzv.counter(kind, number)
-
-    def _round_key(self) -> str:
-        return f"node/{self.topology.node_rank}/round"
-
     def _done_key(self, local: int | None = None) -> str:
         local = self.topology.local_rank if local is None else local
         return f"node/{self.topology.node_rank}/round-done/{local}"

@@ -48,12 +48,10 @@ class ProtectionStatus:
 
 
 class Protection(Protocol):
-    """What retention asks about protection (``retention.RetentionPolicy``): which steps are on
+    """What retention asks about protection (``retention.Retention``): which steps are on
     two nodes, job-wide, and which one is being replicated (the ``Replicator`` answers)."""
 
-    def newest_protected(self, candidates: list[int]) -> int | None: ...
-
-    def known_protected(self) -> int | None: ...
+    def newest_protected(self, ask: bool = True) -> int | None: ...
 
     def round_step(self) -> int | None: ...
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes tests/durations.json from a run's ``--durations=0`` report.
+"""Writes tests/durations.json from a run's ``--durations=0`` report, or from the per-test
+record of ``MLCHECKPOINT_TEST_CPU_LOG`` (tests/conftest.py: JSON lines with ``wall_s``).
 
     scripts/test.sh --durations=0 | tee run.log
     python scripts/record_durations.py run.log
@@ -25,6 +26,10 @@ MIN_S = 1.0
 def parse(lines: list[str]) -> dict[str, float]:
     seconds: dict[str, float] = {}
     for line in lines:
+        if line.startswith("{"):  # a CPU log's record
+            record = json.loads(line)
+            seconds[record["test"]] = seconds.get(record["test"], 0.0) + record["wall_s"]
+            continue
         m = LINE.match(line)
         if m:
             nodeid = m[3]
@@ -41,7 +46,7 @@ def main(argv: list[str]) -> int:
     with open(argv[0], errors="replace") as f:
         seconds = parse(f.read().splitlines())
     if not seconds:
-        print(f"no --durations=0 lines in {argv[0]}", file=sys.stderr)
+        print(f"no --durations=0 lines or CPU log records in {argv[0]}", file=sys.stderr)
         return 1
     with open(OUT, "w") as f:
         json.dump(seconds, f, indent=0, sort_keys=True)

@@ -511,7 +511,9 @@ class CheckpointManager:
         idle = self._saver.close(wait)
         if self._persistent_writer is not None:
             idle = self._persistent_writer.close(wait) and idle
-        idle = self._lifecycle.warmer.close(wait) and idle
+        # Waited for even in a failing close: local work of bounded length, and the claim is
+        # released below, after which the next run may take the directory it writes into.
+        idle = self._lifecycle.warmer.close(wait=True) and idle
         if self._replicator is not None:
             self._replicator.close()
             # Its session threads write received replicas into the store's mappings.

@@ -3,8 +3,12 @@ the manager); pins keep a step from retention."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 from helpers import put_metadata, put_shard, put_step, wait_for
 
+from mlcheckpoint import CheckpointManager
 from mlcheckpoint.manager.lifecycle import Lifecycle
 from mlcheckpoint.replication import ReceiveSink, ReplicaReceived
 
@@ -52,3 +56,18 @@ def test_a_pinned_step_outlives_retention_until_unpinned(store):
     assert pins.steps() == set()
     assert lifecycle.retention.apply() == [1]
     lifecycle.warmer.close(wait=True)
+
+
+def test_a_failing_close_leaves_no_buffer_preparation_writing_into_the_directory(store_dir):
+    """close(failed=True) does not wait for saves or peers, but it waits for a preparation of
+    buffers in flight: after close the claim is released, and a thread still writing the pool
+    would write into the next run's directory (or make one again after it was removed: a test
+    of gc left such a directory behind under load)."""
+    ckpt = CheckpointManager(job_id=JOB, local_dir=store_dir, replication="none", keep=1)
+    warmer = ckpt._lifecycle.warmer
+    warmer.prepare(0, 256 << 20)  # two buffers of 256 MiB: long enough to be in flight
+    assert warmer.thread is not None and warmer.thread.is_alive()
+    ckpt.close(failed=True)
+    assert not warmer.thread.is_alive()
+    shutil.rmtree(store_dir)
+    assert not os.path.exists(store_dir)  # nothing made it again

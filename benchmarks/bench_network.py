@@ -545,8 +545,7 @@ def protected_every(launches: list[dict[str, Any]]) -> float | None:
     step has gaps of 1 early on and one long one at the end."""
     steps = advances = 0
     for launch in launches:
-        seen = measured(launch, "newest_protected")
-        half = seen[len(seen) // 2:]
+        half = settled(measured(launch, "newest_protected"))
         steps += len(half)
         advances += sum(1 for a, b in itertools.pairwise(half) if a is not None and b is not None and b > a)
     return steps / advances if advances else None

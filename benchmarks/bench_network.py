@@ -60,11 +60,22 @@ if REPO_ROOT not in sys.path:  # run as a script from a checkout: import the pac
     sys.path.insert(0, REPO_ROOT)
 
 from benchmarks.harness.processes import exit_on_sigterm
-from benchmarks.harness.report import loadavg, machine_info, progress, run_and_report
+from benchmarks.harness.report import (
+    cpu_ticks,
+    loadavg,
+    machine_info,
+    progress,
+    run_and_report,
+)
 from benchmarks.harness.stats import median, p90, ratio_interval, size_str
 from mlcheckpoint import CheckpointManager
 from mlcheckpoint.store.layout import Kind, classify
-from mlcheckpoint.testing.netcluster import NetCluster, available, parse_rate
+from mlcheckpoint.testing.netcluster import (
+    NetCluster,
+    RawTransfer,
+    available,
+    parse_rate,
+)
 
 WORKER = os.path.join(REPO_ROOT, "benchmarks", "net_train_worker.py")
 BANDWIDTH_ENV = "MLCHECKPOINT_REPLICATION_BANDWIDTH"
@@ -87,6 +98,9 @@ TARGET_LAG_FAST = 2  # steps, at 5 Gbit/s and faster
 TARGET_RESUME_VS_RAW = 0.8  # resume >= 0.8x the raw transfer of the same bytes
 TARGET_PARALLEL_RESUME = 1.25  # "about as long": k nodes replaced at once vs one
 SAMPLE_EVERY_S = 0.5  # tmpfs sampling period
+# A bare transfer per rate and round (Bench.link_cost): about an FSDP shard of the default model.
+LINK_COST_BYTES = 200 * 10**6
+LINK_COST_BYTES_QUICK = 16 * 10**6
 
 
 # ---------------------------------------------------------------------------------- settings
@@ -315,6 +329,7 @@ class Bench:
         self.world = cfg.nodes * cfg.nproc
         self.launches: list[dict[str, Any]] = []
         self.resumes: list[dict[str, Any]] = []
+        self.link_costs: list[dict[str, Any]] = []
         self.compute: tuple[float, float] | None = (
             None if cfg.compute_s is None else (cfg.compute_s, cfg.optim_s or 0.0))
         self.base_env = {"PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
@@ -376,7 +391,7 @@ class Bench:
         first = replaced[0]
         partner = first ^ 1  # its replicas' holder
         nbytes = self.node_checkpoint_bytes(launch, first)
-        raw_before = cluster.raw_tcp_throughput(partner, first, nbytes)
+        raw_before = cluster.raw_tcp_transfer(partner, first, nbytes).bytes_per_s
         name = f"resume{len(self.resumes)}"
         before = cluster.link_bytes()
         t0 = time.perf_counter()
@@ -388,13 +403,34 @@ class Bench:
             cluster.kill_all()  # before the second raw transfer: healing must not share the link
         launch_s = time.perf_counter() - t0
         received = counters_delta(before, cluster.link_bytes())
-        raw_after = cluster.raw_tcp_throughput(partner, first, nbytes)
+        raw_after = cluster.raw_tcp_transfer(partner, first, nbytes).bytes_per_s
         result = {"rate": launch["rate"], "round": launch["round"], "after_launch": launch["index"],
                   "replaced": replaced, "raw_nbytes": nbytes, "raw_before_Bps": raw_before,
                   "raw_after_Bps": raw_after, "launch_s": launch_s,
                   "link_bytes": received, "ranks": {str(r): v for r, v in sorted(ranks.items())}}
         self.resumes.append(result)
         return result
+
+    def link_cost(self, rate: str, rnd: int) -> dict[str, Any]:
+        """What the bare transfer of a shard's worth of bytes costs on this link, with nothing
+        else running: node 1 sends to node 0 by sendfile, node 0 lands them in a fresh tmpfs
+        file (replication's path without our code). The two processes' CPU, and the host's
+        (/proc/stat: the kernel's network work that ran outside them too)."""
+        self.fresh()
+        nbytes = LINK_COST_BYTES_QUICK if self.cfg.quick else LINK_COST_BYTES
+
+        def host_cpu_s(n: int) -> tuple[RawTransfer, float]:
+            cpu0 = cpu_ticks()
+            raw = self.cluster.raw_tcp_transfer(1, 0, n, into_tmpfs=True)
+            return raw, (cpu_ticks()[0] - cpu0[0]) / os.sysconf("SC_CLK_TCK")
+
+        _, starting = host_cpu_s(1)  # the two processes' start and end, without bytes to move
+        raw, host = host_cpu_s(nbytes)
+        cost = {"rate": rate, "round": rnd, "nbytes": nbytes, "seconds": raw.seconds,
+                "sender_cpu_s": raw.sender_cpu_s, "receiver_cpu_s": raw.receiver_cpu_s,
+                "host_cpu_s": max(0.0, host - starting)}
+        self.link_costs.append(cost)
+        return cost
 
     def run(self) -> None:
         cfg = self.cfg
@@ -403,6 +439,10 @@ class Bench:
             order = list(modes[rnd % len(modes):] + modes[:rnd % len(modes)])  # no mode always first
             for rate in cfg.rates:
                 self.cluster.set_rate(rate)
+                cost = self.link_cost(rate, rnd)
+                progress(f"round {rnd + 1}/{cfg.rounds}, {rate}: a bare transfer of {size_str(cost['nbytes'])} "
+                         f"took {cost['seconds']:.2f} s, CPU {cost['sender_cpu_s']:.2f} s sending, "
+                         f"{cost['receiver_cpu_s']:.2f} s receiving, {cost['host_cpu_s']:.2f} s on the host")
                 for mode in order:
                     launch = self.train(mode, rate, rnd, hold=mode == RESUME_AFTER)
                     progress(f"round {rnd + 1}/{cfg.rounds}, {rate}, {mode}: median step "
@@ -421,7 +461,7 @@ def run(cfg: Config) -> dict[str, Any]:
     with NetCluster(nodes=cfg.nodes, nproc=cfg.nproc, rate=cfg.rates[0]) as cluster:
         bench = Bench(cfg, cluster)
         bench.run()
-    return {"launches": bench.launches, "resumes": bench.resumes}
+    return {"launches": bench.launches, "resumes": bench.resumes, "link_costs": bench.link_costs}
 
 
 # ---------------------------------------------------------------------------------- figures
@@ -602,6 +642,32 @@ def link_figures(m: dict[str, Any], off: dict[str, Any], link_Bps: float) -> Non
     m["idle_share_used"] = m["replication_link_Bps"] / m["idle_Bps"]
 
 
+def link_cost_figures(costs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The bare transfers' CPU milliseconds per MB moved (medians over the rounds): the
+    sender's and the receiver's processes, and the host's (all CPUs, the kernel's softirq work
+    wherever it ran); and the rate the one stream got."""
+    if not costs:
+        return None
+    per_mb = {k: median([c[f"{k}_cpu_s"] * 1e3 / (c["nbytes"] / 1e6) for c in costs])
+              for k in ("sender", "receiver", "host")}
+    return {**per_mb, "MBps": median([c["nbytes"] / c["seconds"] / 1e6 for c in costs])}
+
+
+def cpu_per_replicated_mb(cfg: Config, m: dict[str, Any], off: dict[str, Any]) -> dict[str, float]:
+    """CPU milliseconds per MB replication moves, against replication off: in a rank's process
+    (its process's CPU per step beyond off's, per MB of the rank's share of its node's
+    replication bytes: it sends those and receives as many from its partner) and on the host
+    (the busy CPUs per step beyond off's, per MB that crossed any node's link). Set against
+    ``link_cost_figures``: sender + receiver, and host."""
+    mb_per_rank = m["replication_bytes_per_step"] / cfg.nproc / 1e6
+    rank = m["thread_cpu_per_step"].get("(process)", math.nan) - off["thread_cpu_per_step"].get("(process)", math.nan)
+    cores = os.cpu_count() or 1
+    host = (m["cpu_busy_median"] * m["median_s"] - off["cpu_busy_median"] * off["median_s"]) * cores
+    mb_moved = m["replication_bytes_per_step"] * cfg.nodes / 1e6
+    return {"rank": rank * 1e3 / mb_per_rank if mb_per_rank > 0 else math.nan,
+            "host": host * 1e3 / mb_moved if mb_moved > 0 else math.nan}
+
+
 def summarize(cfg: Config, res: dict[str, Any]) -> dict[str, Any]:
     s: dict[str, Any] = {"rates": {}, "resumes": [summarize_resume(r) for r in res["resumes"]], "targets": []}
     targets = s["targets"]
@@ -619,7 +685,11 @@ def summarize(cfg: Config, res: dict[str, Any]) -> dict[str, Any]:
             link_figures(m, off, link_Bps)
         if "budgeted" in modes and "unbudgeted" in modes:
             modes["budgeted"]["vs_unbudgeted"] = modes["budgeted"]["median_s"] / modes["unbudgeted"]["median_s"]
-        s["rates"][rate] = {"modes": modes}
+        s["rates"][rate] = {"modes": modes,
+                            "link_cost": link_cost_figures([c for c in res.get("link_costs", []) if c["rate"] == rate])}
+        for mode in REPLICATING:
+            if mode in modes:
+                modes[mode]["cpu_per_replicated_mb"] = cpu_per_replicated_mb(cfg, modes[mode], off)
         fast = (parse_rate(rate) or 0) >= 5 * 10**9
         for name in ("budgeted", "adaptive"):
             if name not in modes:
@@ -675,6 +745,17 @@ def cpu_line(m: dict[str, Any], off: dict[str, Any]) -> str:
     named["threads gone by the end"] = whole - sum(named.values())  # e.g. a finished connection's
     threads = ", ".join(f"{name} {seconds:.3f}" for name, seconds in named.items() if seconds >= 0.005)
     return f"{whole:.3f} (off {off_whole:.3f}): {threads}"
+
+
+def cost_line(replicated: dict[str, float], bare: dict[str, float] | None) -> str:
+    """CPU ms per replicated MB against a bare transfer's on the same link."""
+    line = (f"CPU ms per replicated MB: {_opt(replicated['rank'], '.2f')} in a rank's process (its pushes "
+            f"and its partner's), {_opt(replicated['host'], '.2f')} on the host")
+    if bare is None:
+        return line
+    return line + (f"; a bare transfer ({bare['MBps']:.0f} MB/s): {bare['sender']:.2f} sending + "
+                   f"{bare['receiver']:.2f} receiving = {bare['sender'] + bare['receiver']:.2f}, "
+                   f"{bare['host']:.2f} on the host")
 
 
 def _opt(x: float | None, fmt: str) -> str:
@@ -766,6 +847,7 @@ def report(cfg: Config, res: dict[str, Any], s: dict[str, Any], meta: dict[str, 
             print(f"  {LABELS[mode]}: step time vs off {m['vs_off']:.2f}x (95% interval {lo:.2f}-{hi:.2f}x); "
                   f"settled (second half of each launch) {m['settled_vs_off']:.2f}x ({slo:.2f}-{shi:.2f}x)")
             print(f"  {LABELS[mode]}: CPU s per step in a rank's process: " + cpu_line(m, r["modes"]["off"]))
+            print(f"  {LABELS[mode]}: " + cost_line(m["cpu_per_replicated_mb"], r["link_cost"]))
             print(f"  {LABELS[mode]}: {extra}replication on the link {m['replication_link_Bps'] / 1e6:.0f} MB/s"
                   + ("" if rate_end is None or math.isnan(rate_end) else
                      f" (the budget's rate at the end {rate_end / 1e6:.0f} MB/s)") + "; "

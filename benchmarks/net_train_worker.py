@@ -68,6 +68,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.bench_training import model_for
+from benchmarks.harness.report import cpu_ticks
 from benchmarks.harness.workloads import tensors_of
 from mlcheckpoint import CheckpointManager, history
 from mlcheckpoint.replication.core.budget import NodeSchedule
@@ -124,15 +125,6 @@ def tx_bytes() -> int:
     """Bytes this node has sent on its link (eth0 of this network namespace)."""
     with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
         return int(f.read())
-
-
-def cpu_ticks() -> tuple[int, int]:
-    """The machine's CPU time so far, (busy, all) in clock ticks (/proc/stat: network
-    namespaces share it): every simulated node and the kernel's network work on this host."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return sum(fields) - idle, sum(fields)
 
 
 def thread_cpu() -> dict[str, float]:

@@ -345,6 +345,11 @@ def test_bench_network_idle_host_keeps_the_collectives_and_profiles_each_push():
         assert _number(prof[key]) and prof[key] >= 0, (key, prof)
     assert prof["send_seconds"] + prof["budget_wait_seconds"] <= prof["push_seconds"]  # one stream here
     assert modes["budgeted"]["protected_every"] is None or modes["budgeted"]["protected_every"] >= 1
+    # What replication's bytes cost the CPUs, against a bare transfer's over the same link.
+    cost = figures["summary"]["rates"]["1gbit"]["link_cost"]
+    assert cost is not None and cost["MBps"] > 0, cost
+    assert all(_number(cost[k]) and cost[k] >= 0 for k in ("sender", "receiver", "host")), cost
+    assert all(_number(v) for v in modes["budgeted"]["cpu_per_replicated_mb"].values())
 
 
 @pytest.mark.slow

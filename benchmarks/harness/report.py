@@ -40,6 +40,15 @@ def loadavg() -> str:
         return "?"
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """The machine's CPU time so far, (busy, all) in clock ticks (/proc/stat: network
+    namespaces share it): every simulated node and the kernel's network work on this host."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def machine_info(shm_dir: str) -> dict[str, Any]:
     with open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -18,7 +20,39 @@ from .shards import private
 
 T = TypeVar("T")
 
-KEPT_ITEMS = 8  # steps whose items ``MetadataFiles.items`` keeps unpickled (keep is a few)
+KEPT_ITEMS = 8  # payloads whose items the process keeps unpickled (keep is a few steps)
+
+
+class _ParsedPayloads:
+    """The items of metadata payloads, unpickled once per process and payload (its checksum).
+
+    One save's metadata is installed twice on a node (its own write, then the coordinator's
+    push of the same bytes) and read by several stores and threads of a rank; unpickling a few
+    hundred items takes 15 ms or more, and several times that when it sets off the collector
+    in a training process's heap. Keyed by the checksum of the bytes actually parsed, so a
+    file replaced meanwhile is never filed under another payload's key."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # one parse at a time: racing threads parse once
+        self._items: OrderedDict[tuple[int, int], StepItems] = OrderedDict()
+
+    def items(self, known: MetadataHeader, read: Callable[[], tuple[MetadataHeader, bytes]]) -> StepItems:
+        """The items of the payload ``known`` describes; ``read()`` (header and payload, both
+        verified) only when they are not kept."""
+        with self._lock:
+            key = (known.checksum, known.payload_bytes)
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+            header, payload = read()
+            items = StepItems(item_locations(payload))
+            self._items[(header.checksum, header.payload_bytes)] = items
+            while len(self._items) > KEPT_ITEMS:
+                self._items.popitem(last=False)
+            return items
+
+
+_parsed = _ParsedPayloads()
 
 
 class MetadataFiles:
@@ -27,7 +61,6 @@ class MetadataFiles:
     def __init__(self, paths: JobPaths, job_id: str, commits: CommitLock):
         self.paths, self.job_id, self.commits = paths, job_id, commits
         self._verified_headers: dict[str, tuple[tuple, MetadataHeader]] = {}
-        self._items: dict[str, tuple[tuple, StepItems]] = {}
         self._groups: dict[str, tuple[tuple, dict[int, list[Group]]]] = {}
 
     def write(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
@@ -97,14 +130,12 @@ class MetadataFiles:
     def items(self, step: int) -> StepItems:
         """Each owner's primary items of the step's save, by copy group (which items a
         partial replica must list to hold a group, and their bytes). Unpickled once per
-        version of the file, as ``header`` checks it once."""
-        return self._per_version(self._items, step,
-                                 lambda: StepItems(item_locations(self.read(step)[1])), keep=KEPT_ITEMS)
+        payload in this process (``_ParsedPayloads``)."""
+        return _parsed.items(self.header(step), lambda: self.read(step))
 
-    def _per_version(self, cache: dict[str, tuple[tuple, T]], step: int, compute: Callable[[], T],
-                     keep: int | None = None) -> T:
+    def _per_version(self, cache: dict[str, tuple[tuple, T]], step: int, compute: Callable[[], T]) -> T:
         """``compute()`` for the step's metadata file, once per version of it (inode, size,
-        mtime); ``keep``: at most that many files' values, the oldest dropped first."""
+        mtime)."""
         path = self.paths.metadata(step)
         try:
             st = os.stat(path)
@@ -116,8 +147,6 @@ class MetadataFiles:
             return cached[1]
         value = compute()
         cache[path] = (version, value)
-        while keep is not None and len(cache) > keep:  # a dict keeps insertion order
-            del cache[next(iter(cache))]
         return value
 
 

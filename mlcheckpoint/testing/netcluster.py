@@ -41,6 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .cluster import Node, SimulatedCluster, is_dead
@@ -218,6 +219,22 @@ def _install_hooks() -> None:
 
 
 # --------------------------------------------------------------------------- the cluster
+@dataclass(frozen=True)
+class RawTransfer:
+    """One plain TCP transfer between two nodes (``NetCluster.raw_tcp_transfer``): what the
+    link gives a single stream, and what moving the bytes cost each end's process (user +
+    system CPU seconds, the kernel's network work inside their system calls included)."""
+
+    nbytes: int
+    seconds: float
+    sender_cpu_s: float
+    receiver_cpu_s: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.nbytes / self.seconds
+
+
 class NetNode(Node):
     """Node ``index`` of a NetCluster: a Node that lives in a network namespace, at ``address``."""
 
@@ -372,11 +389,14 @@ class NetCluster(SimulatedCluster):
                          for n in self.net_nodes)
 
     # ------------------------------------------------------------------ a baseline
-    def raw_tcp_throughput(self, src: int, dst: int, nbytes: int, timeout: float = 300) -> float:
-        """Bytes per second of one plain TCP stream (sendfile) carrying ``nbytes`` from node
-        ``src`` to node ``dst``, timed at the receiver: the link's own rate, for benchmarks to
-        set their transfers against."""
-        recv = self.run_in(dst, [sys.executable, "-I", _PEER, "recv", self.address(dst)],
+    def raw_tcp_transfer(self, src: int, dst: int, nbytes: int, into_tmpfs: bool = False,
+                         timeout: float = 300) -> RawTransfer:
+        """One plain TCP stream (sendfile) carrying ``nbytes`` from node ``src`` to node ``dst``,
+        timed at the receiver: the link's own rate, and what moving the bytes costs the two
+        processes' CPUs, for benchmarks to set replication against. With ``into_tmpfs`` the
+        receiver lands the bytes in a fresh file in ``dst``'s local_dir, as a replica is."""
+        into = [self.nodes[dst].local_dir] if into_tmpfs else []
+        recv = self.run_in(dst, [sys.executable, "-I", _PEER, "recv", self.address(dst), str(nbytes), *into],
                            stdout=subprocess.PIPE, text=True)
         send: subprocess.Popen | None = None
         try:
@@ -385,10 +405,11 @@ class NetCluster(SimulatedCluster):
             if ready[:1] != ["ready"]:
                 raise RuntimeError(f"receiver in node {dst} did not start: {ready}")
             send = self.run_in(src, [sys.executable, "-I", _PEER, "send", self.address(dst),
-                                     ready[1], str(nbytes)])
-            if send.wait(timeout):
+                                     ready[1], str(nbytes)], stdout=subprocess.PIPE, text=True)
+            sender_cpu = send.communicate(timeout=timeout)[0]
+            if send.returncode:
                 raise RuntimeError(f"sender in node {src} failed ({send.returncode})")
-            got, seconds = recv.communicate(timeout=timeout)[0].split()
+            got, seconds, receiver_cpu = recv.communicate(timeout=timeout)[0].split()
         finally:
             for p in (send, recv):
                 if p is not None and p.poll() is None:
@@ -396,7 +417,7 @@ class NetCluster(SimulatedCluster):
                     p.wait()
         if int(got) != nbytes:
             raise RuntimeError(f"sent {nbytes} bytes, received {got}")
-        return nbytes / float(seconds)
+        return RawTransfer(nbytes, float(seconds), float(sender_cpu), float(receiver_cpu))
 
     # ------------------------------------------------------------------ cleanup
     def close(self) -> None:

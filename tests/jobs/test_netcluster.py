@@ -107,7 +107,10 @@ def test_layout_shaping_and_connectivity():
                 assert q["kind"] == "tbf" and q["options"]["rate"] == 300 * 10**6 // 8, q
         # Every node reaches every other (bytes arrive in full; how fast is not asserted).
         for src, dst in ((0, 1), (1, 2), (2, 0)):
-            assert c.raw_tcp_throughput(src, dst, 1 << 20) > 0
+            raw = c.raw_tcp_transfer(src, dst, 1 << 20, into_tmpfs=src == 1)
+            assert raw.nbytes == 1 << 20 and raw.bytes_per_s > 0
+            assert raw.sender_cpu_s >= 0 and raw.receiver_cpu_s >= 0
+        assert os.listdir(c.nodes[2].local_dir) == []  # the receiver's tmpfs file went with it
 
         c.set_rate(None)
         assert all(q["kind"] != "tbf" for q in tc_qdiscs(c.nodes[0].netns, "eth0"))

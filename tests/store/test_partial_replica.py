@@ -160,3 +160,35 @@ def test_copies_are_recorded_once_and_metadata_naming_copy_groups_in_its_header_
         assert store.step_state(3).copy_groups == {0: [(), (1,)]}
     finally:
         store.close()
+
+
+def test_one_payload_is_unpickled_once_per_process_and_a_new_one_afresh(store_dir, monkeypatch):
+    """A save's metadata is installed twice on a node (its own write, then the coordinator's
+    push of the same bytes) and read by several stores of a rank: its items are unpickled
+    once (15 ms and more at a real model's size, in the training process). A file with other
+    bytes at the same step is parsed again and its items are the new ones."""
+    from mlcheckpoint.store import metadata as metadata_files
+
+    monkeypatch.setattr(metadata_files, "_parsed", metadata_files._ParsedPayloads())  # nothing kept
+    parsed: list[int] = []
+    real = metadata_files.item_locations
+    monkeypatch.setattr(metadata_files, "item_locations", lambda payload: parsed.append(1) or real(payload))
+    first, second = LocalStore(store_dir, JOB), LocalStore(store_dir, JOB)
+    try:
+        m0, _ = owner_shard(items=2)
+        model, rng = m0.items
+        locations = {"model": ItemLocation(0, model.offset, model.nbytes, model.checksum, copies=((1, 0),)),
+                     "rng0": ItemLocation(0, rng.offset, rng.nbytes, rng.checksum)}
+        metadata(first, locations)
+        assert first.step_state(3).copy_groups == {0: [(), (1,)]}
+        first.write_metadata_file(3, first.read_metadata_file(3))  # the same bytes, a new inode
+        assert first.step_state(3).copy_groups == second.step_state(3).copy_groups == {0: [(), (1,)]}
+        assert second.metadata.items(3).nbytes(0, [(1,)]) == model.nbytes
+        assert len(parsed) == 1
+        del locations["model"]  # another save of the step: its own items
+        metadata(second, locations)
+        assert first.step_state(3).copy_groups == {} and first.metadata.items(3).nbytes(0, [()]) == rng.nbytes
+        assert len(parsed) == 2
+    finally:
+        first.close()
+        second.close()

@@ -2,7 +2,7 @@
 
 Run as a script (standard library only: it starts in milliseconds and imports no torch):
 
-    python _tcp_peer.py recv HOST NBYTES [DIR]   prints "ready <port>", then
+    python _tcp_peer.py recv HOST [DIR NBYTES]   prints "ready <port>", then
                                                  "<bytes> <seconds> <cpu seconds>" at EOF
     python _tcp_peer.py send HOST PORT NBYTES    prints "<cpu seconds>" when done
 
@@ -39,7 +39,7 @@ def _receive_into(conn: socket.socket, view: memoryview) -> int:
     return total
 
 
-def receive(host: str, nbytes: int, into: str | None) -> None:
+def receive(host: str, into: str | None, nbytes: int) -> None:
     with socket.create_server((host, 0)) as server:
         cpu0 = cpu_seconds()
         print("ready", server.getsockname()[1], flush=True)
@@ -88,6 +88,6 @@ def send(host: str, port: int, nbytes: int) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "recv":
-        receive(sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
+        receive(sys.argv[2], *((sys.argv[3], int(sys.argv[4])) if len(sys.argv) > 3 else (None, 0)))
     else:
         send(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -395,8 +395,8 @@ class NetCluster(SimulatedCluster):
         timed at the receiver: the link's own rate, and what moving the bytes costs the two
         processes' CPUs, for benchmarks to set replication against. With ``into_tmpfs`` the
         receiver lands the bytes in a fresh file in ``dst``'s local_dir, as a replica is."""
-        into = [self.nodes[dst].local_dir] if into_tmpfs else []
-        recv = self.run_in(dst, [sys.executable, "-I", _PEER, "recv", self.address(dst), str(nbytes), *into],
+        into = [self.nodes[dst].local_dir, str(nbytes)] if into_tmpfs else []
+        recv = self.run_in(dst, [sys.executable, "-I", _PEER, "recv", self.address(dst), *into],
                            stdout=subprocess.PIPE, text=True)
         send: subprocess.Popen | None = None
         try:

@@ -551,6 +551,28 @@ def test_the_derived_default_backs_off_when_training_slows_not_when_it_shares():
     assert b.current_rate() == pytest.approx(full)
 
 
+def test_a_drain_at_close_sends_at_the_rate_the_job_needs_not_at_the_learnt_back_off():
+    """Backed off to the floor by slowed steps, the derived default would take minutes for
+    the last push a closing job waits for; with training over (the drain) it goes at the full
+    derived rate. An explicit budget is not derived and keeps its rate."""
+    time = SimulatedTime()
+    b = derived_budget(time)
+    b.need(SHARD)
+    saves(b, time, [STEP_S] * 3)
+    full = b.current_rate()
+    saves(b, time, [2 * STEP_S] * 100, send=10**6)
+    assert b.current_rate() == pytest.approx(b.derived_floor) and b.derived_floor < full / 10
+    b.training_over()
+    assert b.current_rate() == pytest.approx(full)
+    t0 = time.now
+    for _ in b.chunks(0, SHARD):
+        pass
+    assert time.now - t0 <= STEP_S / HEADROOM + 0.01  # the last shard in under a step
+    explicit = Budget(40 * 10**6, None, clock=time.clock, sleep=time.sleep)
+    explicit.training_over()
+    assert not explicit.derived and explicit.current_rate() == 40 * 10**6
+
+
 def test_step_pacer_takes_the_baseline_from_intervals_without_replication():
     pacer = StepPacer()
     assert pacer.baseline is None
@@ -637,11 +659,11 @@ def test_a_quiet_interval_holds_every_sender_until_the_next_save_or_a_drain():
         count = len(sent_at)
         time.sleep(0.2)
         assert len(sent_at) <= count + 1  # (one chunk may have been past the check)
-        b.end_quiet()  # a drain: someone waits for the bytes
+        b.training_over()  # a drain: someone waits for the bytes
         wait_for(lambda: len(sent_at) > count + 1, "the sender to go on after the drain", timeout=5)
     finally:
         stop.set()
-        b.end_quiet()
+        b.training_over()
         thread.join(timeout=10)
         b.close()
 

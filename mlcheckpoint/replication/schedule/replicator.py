@@ -503,7 +503,7 @@ class Replicator:
     def drain(self, timeout: float) -> None:
         """Wait until this rank's newest shard is replicated, superseded or given up on (best
         effort: rank 0 names it in a round once the round in flight is done)."""
-        self.transport.budget.end_quiet()  # someone waits: a quiet interval holds nothing back
+        self.transport.budget.training_over()  # no step to slow: nothing held back, no back-off
         wait_until(self._drained, deadline_in(timeout), self.wait_poll)
 
     def _drained(self) -> bool:

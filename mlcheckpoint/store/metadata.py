@@ -21,6 +21,9 @@ from .shards import private
 T = TypeVar("T")
 
 KEPT_ITEMS = 8  # payloads whose items the process keeps unpickled (keep is a few steps)
+# Files whose verified header and copy groups a store keeps: a job saving every step names a new
+# file each step, and without a bound a long run would keep every step it ever saw.
+KEPT_VERSIONS = 64
 
 
 class _ParsedPayloads:
@@ -117,7 +120,7 @@ class MetadataFiles:
         """Which other ranks' shards hold agreeing copies of each owner's items
         (``StepItems.groups``), from the items' locations: the one record of copies
         (``ItemLocation.copies``). Kept per version of the file like ``header`` (small, while
-        ``items`` keeps only a few steps'). A payload that is not our DCP metadata (written by
+        the process keeps only a few payloads' ``items``). A payload that is not our DCP metadata (written by
         something else) knows no copies: every item counts in its owner's shard alone, which
         never counts a place too many."""
         def groups() -> dict[int, list[Group]]:
@@ -135,7 +138,7 @@ class MetadataFiles:
 
     def _per_version(self, cache: dict[str, tuple[tuple, T]], step: int, compute: Callable[[], T]) -> T:
         """``compute()`` for the step's metadata file, once per version of it (inode, size,
-        mtime)."""
+        mtime); the values of at most ``KEPT_VERSIONS`` files, the oldest dropped first."""
         path = self.paths.metadata(step)
         try:
             st = os.stat(path)
@@ -146,7 +149,10 @@ class MetadataFiles:
         if cached is not None and cached[0] == version:
             return cached[1]
         value = compute()
+        cache.pop(path, None)  # re-inserted: newest last
         cache[path] = (version, value)
+        while len(cache) > KEPT_VERSIONS:  # a dict keeps insertion order
+            del cache[next(iter(cache))]
         return value
 
 

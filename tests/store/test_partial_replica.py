@@ -192,3 +192,23 @@ def test_one_payload_is_unpickled_once_per_process_and_a_new_one_afresh(store_di
     finally:
         first.close()
         second.close()
+
+
+def test_a_long_run_keeps_the_headers_and_groups_of_a_bounded_number_of_steps(store_dir, monkeypatch):
+    """Every step is a new metadata file: a store keeps the verified headers and copy groups of
+    the newest ``KEPT_VERSIONS`` files it read, not of every step of the run."""
+    from mlcheckpoint.store import metadata as metadata_files
+
+    monkeypatch.setattr(metadata_files, "KEPT_VERSIONS", 3)
+    store = LocalStore(store_dir, JOB)
+    try:
+        for step in range(6):
+            store.write_metadata(step, f"meta-of-{step}".encode(), world_size=1, ranks=[0], total_bytes=0)
+            assert store.metadata.header(step).step == step
+            assert store.metadata.copy_groups(step) == {}  # not our DCP metadata: no copies
+        kept = [store.metadata.paths.metadata(s) for s in (3, 4, 5)]
+        assert list(store.metadata._verified_headers) == kept
+        assert list(store.metadata._groups) == kept
+        assert store.metadata.header(0).step == 0  # dropped, read again
+    finally:
+        store.close()

@@ -131,10 +131,10 @@ class RegistrationCounter:
         self._orig = buffers.MappedFile.register_for_device_copies
         counter = self
 
-        def counting(mapped: buffers.MappedFile, device: int | None = None) -> None:
+        def counting(mapped: buffers.MappedFile, *device: int | None) -> None:
             before = mapped._cuda_registered
             t0 = time.perf_counter()
-            counter._orig(mapped, device)
+            counter._orig(mapped, *device)  # (a baseline revision's takes no device)
             if not before and mapped._cuda_registered:
                 counter.seconds.append(time.perf_counter() - t0)
 
@@ -318,10 +318,11 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimi
 
 class OwnedStager:
     """DCP's DefaultStager as torch 2.13 treats one passed to ``async_save``: the caller's to
-    close. torch 2.11 closed it after a save, and the next save through it failed with
-    ``KeyError(<class 'type'>)`` (its copy table cleared by close); here its close waits for
-    ``release`` (counted in ``closes_deferred``), so it keeps its page-locked buffers across
-    saves, as DCP intends."""
+    close, keeping its page-locked buffers across saves, as DCP intends. Two closes of older
+    torch are deferred until ``release`` (counted in ``closes_deferred``): torch 2.11 closed
+    the stager after a save, and its ``_stage`` closed the inner StateDictStager after every
+    staging; a save through a closed one failed with ``KeyError(<class 'type'>)`` (its copy
+    table cleared)."""
 
     def __init__(self, options: Any):
         from torch.distributed.checkpoint.staging import DefaultStager
@@ -334,10 +335,18 @@ class OwnedStager:
 
         self.closes_deferred = 0
         self.stager = Kept(options)
+        inner = self.stager._state_dict_stager
+        self._close_inner = inner.close
+
+        def deferred() -> None:
+            self.closes_deferred += 1
+
+        inner.close = deferred  # type: ignore[method-assign]
 
     def release(self) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager
 
+        self.stager._state_dict_stager.close = self._close_inner  # type: ignore[method-assign]
         DefaultStager.close(self.stager)
 
 

@@ -36,8 +36,9 @@ class BufferWarmer:
 
     After a save (or a received replica) of ``nbytes``, the next ``keep`` saves of that owner
     need buffers of that size. Making them while training goes on keeps the first saves from
-    touching fresh tmpfs pages; once a steady state recycles buffers this does nothing. One
-    thread at a time; the work itself is ``LocalStore.prewarm``.
+    touching fresh tmpfs pages (or page-locking them, for a rank saving from device memory);
+    once a steady state recycles buffers this does nothing. One thread at a time works through
+    the owners asked for; the work itself is ``LocalStore.prewarm``.
     """
 
     def __init__(self, store: LocalStore, keep: int):
@@ -46,25 +47,42 @@ class BufferWarmer:
         self._lock = threading.Lock()
         self._closed = False
         self.thread: threading.Thread | None = None  # the one preparing now, or the last one
+        self._running = False  # a thread works through ``_waiting`` (decided under the lock)
+        self._waiting: dict[int, int] = {}  # owner rank -> shard size, not yet started
         self._prepared: dict[int, int] = {}  # owner rank -> shard size its buffers were made for
 
     def prepare(self, owner: int, nbytes: int) -> None:
         """Make ``owner``'s next buffers of ``nbytes`` in the background, unless buffers of that
-        size were made already or a preparation is running."""
+        size were made already. A request made while another owner's buffers are being made
+        waits its turn (a partner's replica arriving first must not cost a rank its own)."""
         with self._lock:
-            if (self._closed or nbytes <= 0 or self._prepared.get(owner, -1) >= nbytes
-                    or (self.thread is not None and self.thread.is_alive())):
+            if self._closed or nbytes <= 0 or self._prepared.get(owner, -1) >= nbytes:
                 return
-            self._prepared[owner] = nbytes
-            self.thread = threading.Thread(target=self._warm, args=(owner, nbytes), daemon=True,
-                                           name="mlckpt-prepare")
+            self._waiting[owner] = max(nbytes, self._waiting.get(owner, 0))
+            if self._running:
+                return
+            self._running = True
+            self.thread = threading.Thread(target=self._work, daemon=True, name="mlckpt-prepare")
             self.thread.start()
 
-    def _warm(self, owner: int, nbytes: int) -> None:
-        try:
-            self.store.prewarm(owner, nbytes, self.keep)
-        except (OSError, MLCheckpointError) as e:  # only an optimisation: saves still work
-            log.warning("mlcheckpoint: could not prepare buffers for rank %d: %s", owner, e)
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._waiting:
+                    self._running = False
+                    return
+                owner, nbytes = self._waiting.popitem()
+                if self._prepared.get(owner, -1) >= nbytes:
+                    continue
+                self._prepared[owner] = nbytes
+            try:
+                self.store.prewarm(owner, nbytes, self.keep)
+            except (OSError, MLCheckpointError) as e:  # only an optimisation: saves still work
+                log.warning("mlcheckpoint: could not prepare buffers for rank %d: %s", owner, e)
+            except BaseException:
+                with self._lock:  # a later request starts a thread again
+                    self._running = False
+                raise
 
     def stop(self) -> None:
         """Start no more preparations."""

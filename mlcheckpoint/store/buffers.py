@@ -350,6 +350,14 @@ class MappingCache:
             mf = self._by_key.get((st.st_dev, st.st_ino))
         return mf if mf is not None and mf.size <= st.st_size else None
 
+    def page_locked(self, st: os.stat_result) -> bool:
+        """Whether this process page-locked (registered for device copies) a mapping of the
+        file ``st`` describes."""
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            return any(mf is not None and mf._cuda_registered
+                       for mf in (self._by_key.get(key), self._wider.get(key)))
+
     def unpin_beyond(self, path: str, end: int) -> None:
         """Before ``path`` is truncated to ``end`` bytes: drop (unregistering) its page-locked
         mappings that reach past ``end``. Pages the device registration holds stay allocated

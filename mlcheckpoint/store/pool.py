@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
+from typing import NamedTuple
 
 from .._words import plural
 from ..errors import CapacityError
@@ -172,6 +173,17 @@ def _either(fixes: list[str]) -> str:
     return fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + f" or {fixes[-1]}"
 
 
+class Pooled(NamedTuple):
+    """A pooled buffer as ``BufferPool`` ranks it for a shard: the sort key's fields first."""
+
+    lock_mismatch: bool  # page-locked here, and the shard's rank saves from host memory
+    other_rank: bool  # retired by another owner rank
+    short: bool  # smaller than the shard
+    slack: int  # bytes between its size and the shard's
+    path: str
+    size: int
+
+
 class BufferPool:
     """Retired shard buffers of this node's ranks, kept with their pages for the next saves."""
 
@@ -181,12 +193,20 @@ class BufferPool:
         # (the warmer's thread registers them: with the rank's device, not device 0, current).
         self.device_ranks: dict[int, int | None] = {}
 
-    def candidate(self, rank: int, nbytes: int) -> tuple[str, int] | None:
+    def candidate(self, rank: int, nbytes: int, spare_locked: bool = True) -> tuple[str, int] | None:
         """(path, size) of the buffer ``take`` would pick first, if any."""
-        ranked = self._ranked(rank, nbytes)
-        return (ranked[0][-2], ranked[0][-1]) if ranked else None
+        ranked = self._ranked(rank, nbytes, spare_locked)
+        return (ranked[0].path, ranked[0].size) if ranked else None
 
-    def _ranked(self, rank: int, nbytes: int) -> list[tuple]:
+    def _ranked(self, rank: int, nbytes: int, spare_locked: bool) -> list[Pooled]:
+        """This node's pooled buffers, best first for a shard of ``rank`` of ``nbytes``.
+
+        A buffer this process page-locked is kept for a rank that saves from device memory,
+        which takes it first: a replica landing in it would leave that rank's next save a buffer
+        to page-lock on the training thread (a second or more per GiB). Another rank (a
+        replica's owner) takes one only without ``spare_locked``, last (when nothing else gives
+        it room). Then: own rank, fits, least slack or largest shortfall filled."""
+        device_saver = rank in self.device_ranks
         candidates = []
         with contextlib.suppress(FileNotFoundError):
             for e in os.scandir(self.paths.pool_dir):
@@ -194,20 +214,23 @@ class BufferPool:
                 if entry.kind is not Kind.POOL_BUFFER:
                     continue
                 with contextlib.suppress(FileNotFoundError):
-                    size = e.stat().st_size
-                    fits = size >= nbytes
-                    # prefer: own rank, fits, least slack / largest shortfall filled
-                    candidates.append(((entry.rank != rank), (not fits), abs(size - nbytes), e.path, size))
+                    st = e.stat()
+                    locked = self.mappings.page_locked(st)
+                    if locked and spare_locked and not device_saver:
+                        continue
+                    candidates.append(Pooled(locked != device_saver, entry.rank != rank,
+                                             st.st_size < nbytes, abs(st.st_size - nbytes),
+                                             e.path, st.st_size))
         return sorted(candidates)
 
-    def take(self, rank: int, nbytes: int, dest: str) -> str | None:
-        """Move the best pooled buffer to ``dest``: own rank first, then any, fitting first."""
-        for *_, path, size in self._ranked(rank, nbytes):
+    def take(self, rank: int, nbytes: int, dest: str, spare_locked: bool = True) -> str | None:
+        """Move the best pooled buffer (``_ranked``) to ``dest``."""
+        for c in self._ranked(rank, nbytes, spare_locked):
             try:
-                os.rename(path, dest)  # atomic: a rank racing for the same file gets ENOENT
+                os.rename(c.path, dest)  # atomic: a rank racing for the same file gets ENOENT
             except FileNotFoundError:
                 continue
-            if size < nbytes or size - nbytes > max(SHRINK_SLACK, nbytes // 4):
+            if c.short or c.slack > max(SHRINK_SLACK, nbytes // 4):
                 self.mappings.forget(dest)
                 os.truncate(dest, nbytes)
             return dest
@@ -229,8 +252,8 @@ class BufferPool:
             in_use = sum(1 for step in self.paths.step_numbers()
                          if os.path.exists(self.paths.data(step, rank))
                          or os.path.exists(self.paths.inflight(step, rank)))
-            own = [c for c in self._ranked(rank, nbytes) if not c[0]]
-            ready = sum(1 for c in own if not c[1])
+            own = [c for c in self._ranked(rank, nbytes, spare_locked=True) if not c.other_rank]
+            ready = sum(1 for c in own if not c.short)
             if in_use + ready >= keep + 1 or len(own) >= POOL_PER_RANK:
                 break
             token = secrets.token_hex(8)

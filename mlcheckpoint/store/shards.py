@@ -15,7 +15,7 @@ import os
 from typing import TYPE_CHECKING
 
 from .._faults import crash_point
-from ..errors import CorruptShardError, ShardNotFoundError
+from ..errors import CapacityError, CorruptShardError, ShardNotFoundError
 from ..integrity import copier, digests
 from ..integrity.verify import digest_item, verify_region
 from . import buffers
@@ -78,14 +78,22 @@ class ShardFiles:
     def _claim(self, step: int, rank: int, nbytes: int, inflight: str) -> None:
         """Check capacity, then put at ``inflight`` a buffer of ``nbytes`` whose pages are all
         allocated (OSError ENOSPC when they cannot be). Runs under the node's lock."""
-        candidate = self.pool.candidate(rank, nbytes)
         # Capacity first: a refused shard must leave nothing behind, not even its step folder.
-        self.capacity.preflight(nbytes, reusable=candidate[1] if candidate else 0, rank=rank,
-                                step=step)
+        # A buffer page-locked for a device rank's saves is reused for another's shard only
+        # when nothing else makes room for it (``BufferPool._ranked``).
+        for spare_locked in (True, False):
+            candidate = self.pool.candidate(rank, nbytes, spare_locked)
+            try:
+                self.capacity.preflight(nbytes, reusable=candidate[1] if candidate else 0,
+                                        rank=rank, step=step)
+                break
+            except CapacityError:
+                if not spare_locked or candidate == self.pool.candidate(rank, nbytes, False):
+                    raise
         os.makedirs(self.paths.step_dir(step), mode=0o700, exist_ok=True)
         # An empty shard (a rank with no tensor bytes) has no pages to reuse: the pooled buffers
         # stay for saves that do.
-        recycled = self.pool.take(rank, nbytes, inflight) if nbytes else None
+        recycled = self.pool.take(rank, nbytes, inflight, spare_locked) if nbytes else None
         flags = os.O_RDWR if recycled else os.O_RDWR | os.O_CREAT | os.O_EXCL
         fd = os.open(inflight, flags, 0o600)
         try:

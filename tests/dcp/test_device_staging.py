@@ -184,7 +184,10 @@ def test_a_cuda_save_costs_the_host_no_byte_of_its_tensors(store_dir, how):
         store, m, locations = saved(ckpt, 5)
         on_cuda = [it for it in m.items if it.algorithm == digests.WSUM]
         assert on_cuda and result.host_bytes == sum(it.nbytes for it in m.items if it not in on_cuda)
-        assert result.host_bytes < 4096  # AdamW's step counters and param_groups, no more
+        # On the host: AdamW's step counters (0-d tensors) and DCP's pickled param_groups, no
+        # more (each param_group entry is one byte item, ~1.2 KiB; their number grows with torch)
+        host_items = [it for it in m.items if it not in on_cuda]
+        assert all(it.kind == "bytes" or it.shape == [] for it in host_items), host_items
         store.verify_shard(5, 0, [loc for loc in locations if loc.rank == 0])  # the host engine
         target = {"model": model.state_dict(), "optim": optim.state_dict()}
         want = {k: v.clone() for k, v in target["model"].items()}

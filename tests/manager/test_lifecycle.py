@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 
-from helpers import put_metadata, put_shard, put_step, wait_for
+from helpers import pool_files, put_metadata, put_shard, put_step, wait_for
 
 from mlcheckpoint import CheckpointManager
-from mlcheckpoint.manager.lifecycle import Lifecycle
+from mlcheckpoint.manager.lifecycle import BufferWarmer, Lifecycle
 from mlcheckpoint.replication import ReceiveSink, ReplicaReceived
+from mlcheckpoint.store import layout
 
 JOB = "job-lifecycle"
 
@@ -71,3 +72,26 @@ def test_a_failing_close_leaves_no_buffer_preparation_writing_into_the_directory
     assert not warmer.thread.is_alive()
     shutil.rmtree(store_dir)
     assert not os.path.exists(store_dir)  # nothing made it again
+
+
+def test_a_buffer_asked_for_while_another_owners_are_made_is_made_after_them(store):
+    """A partner's replica arriving first starts the preparation of its owner's buffers; the
+    rank's own save asks for its buffers meanwhile. That request was dropped, and a rank
+    saving from device memory page-locked each of its next saves' buffers on the training
+    thread (seen on an H200)."""
+    put_step(store, 1, ranks=(0,))
+    warmer = BufferWarmer(store, keep=1)
+    try:
+        warmer.prepare(3, 64 << 20)  # a replica's owner: long enough to be in flight
+        first = warmer.thread
+        assert first is not None and first.is_alive()
+        warmer.prepare(0, 4096)  # the rank's own save, meanwhile
+        def owners() -> list[int]:  # of the buffers made (not those still being made)
+            ranks = (layout.parse_pool_name(os.path.basename(p)) for p in pool_files(store))
+            return sorted(r for r in ranks if r is not None)
+
+        # keep + 1 each, less rank 0's shard in use
+        wait_for(lambda: owners() == [0, 3, 3], "both owners' buffers", timeout=30, diag=lambda: str(owners()))
+        assert warmer.thread is first  # one thread worked through both
+    finally:
+        assert warmer.close(wait=True)

@@ -155,6 +155,17 @@ def registrations(rank: int) -> None:
             made[threading.current_thread().name] += 1
 
     buffers.MappedFile.register_for_device_copies = counting
+    from mlcheckpoint.store.local_store import LocalStore
+
+    prepared: list[tuple[int, int]] = []  # (owner, buffers made): why a save found none
+    prewarm = LocalStore.prewarm
+
+    def recording(store, owner, nbytes, keep):
+        made_now = prewarm(store, owner, nbytes, keep)
+        prepared.append((owner, made_now))
+        return made_now
+
+    LocalStore.prewarm = recording
     ckpt = CheckpointManager(replication="pg")
     model, optim = build()
     per_save = []
@@ -165,7 +176,8 @@ def registrations(rank: int) -> None:
         if not ckpt.wait_replicated(step, timeout=60):  # the sender has read the shard whole
             raise RuntimeError(f"step {step} was not replicated")
         per_save.append(sum(made.values()) - made["mlckpt-prepare"] - before)
-    report("registrations", {"per_save": per_save, "warmer": made["mlckpt-prepare"]})
+    report("registrations", {"per_save": per_save, "warmer": made["mlckpt-prepare"],
+                             "by_thread": dict(made), "prepared": prepared})
     ckpt.close()
 
 

@@ -201,3 +201,36 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
                             "self_cpu_s": cpu(resource.RUSAGE_SELF) - self0,
                             "children_cpu_s": cpu(resource.RUSAGE_CHILDREN) - kids0,
                             "python_starts": _python_starts[0] - starts0}) + "\n")
+
+
+@pytest.fixture
+def standin_page_locking(monkeypatch):
+    """Page-locking without CUDA: a registration marks the mapping locked (what the pool reads),
+    and its release clears the mark (CPU torch has no cudaHostUnregister to call). Returns the
+    registrations made, by thread name."""
+    import threading
+    from collections import Counter
+
+    import torch
+
+    from mlcheckpoint.store.buffers import MappedFile
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU tests page-lock for real (tests/jobs/test_gpu_jobs.py)")
+
+    made: Counter[str] = Counter()
+
+    def register(mapped, device=None):
+        if not mapped._cuda_registered:
+            mapped._cuda_registered, mapped._cuda_device = True, device
+            made[threading.current_thread().name] += 1
+
+    release = MappedFile.release
+
+    def unregister_then_release(mapped):
+        mapped._cuda_registered = False
+        release(mapped)
+
+    monkeypatch.setattr(MappedFile, "register_for_device_copies", register)
+    monkeypatch.setattr(MappedFile, "release", unregister_then_release)
+    return made

@@ -198,7 +198,7 @@ class Placement:
         shard.cursor = align(offset + nbytes)
         dst = shard.buffer.tensor[offset:offset + nbytes]
         if device_staging.on_device(t):  # straight into the page-locked buffer; hashed on the device
-            shard.buffer.register_for_device_copies(t.device.index)  # (any thread: t's device)
+            shard.page_lock(t.device.index)
             placed = Placed(item, offset, nbytes, t, algorithm=digests.WSUM)  # (set again when it lands)
             self._device.add(t, dst.view(t.dtype).view(t.shape), offset, nbytes)
             self._on_device[offset] = placed

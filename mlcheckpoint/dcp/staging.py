@@ -275,9 +275,7 @@ def _take_buffer(store: LocalStore, step: int, rank: int, state_dict: dict[str, 
     try:
         on_device = [_local(t) for t in leaves if device_staging.on_device(_local(t))]
         if shard is not None and on_device:
-            device = on_device[0].device.index  # the rank's: registered under its context
-            store.expect_device_copies(rank, device)  # its next buffers: registered as prepared
-            shard.buffer.register_for_device_copies(device)
+            shard.page_lock(on_device[0].device.index)  # the rank's device
         buffer = shard.buffer.tensor if shard is not None else torch.empty(0, dtype=torch.uint8)
         layout = stage_into(state_dict, buffer, defer, offsets)
     except BaseException:

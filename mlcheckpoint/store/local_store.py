@@ -151,13 +151,6 @@ class LocalStore:
         """Install an encoded metadata file (e.g. received from a peer) after verifying it."""
         self.metadata.write_file(step, raw)
 
-    def expect_device_copies(self, rank: int, device: int | None) -> None:
-        """``rank`` saves tensors from device memory (CUDA device ``device``, its own): the
-        buffers prepared for it from now on are page-locked for device copies as they are
-        prepared (``BufferPool.prewarm``), off the save path and under that device's context,
-        not when a save takes one."""
-        self.pool.device_ranks[rank] = device
-
     def prewarm(self, rank: int, nbytes: int, keep: int) -> int:
         """Make, off the save path, the buffers ``rank``'s next ``keep + 1`` saves will need
         (see ``BufferPool.prewarm``); returns how many it made."""

@@ -231,6 +231,14 @@ class ShardWriter:
         self.cursor = 0  # next free offset for items copied in by write_data
         self._committed = False
 
+    def page_lock(self, device: int | None) -> None:
+        """This shard takes copies from device memory (CUDA device ``device``, the rank's):
+        page-lock its buffer, and from now on page-lock the buffers prepared for this rank as
+        they are made and keep them for its saves (``BufferPool``). Any thread: the
+        registration runs under ``device``."""
+        self.files.pool.device_ranks[self.rank] = device
+        self.buffer.register_for_device_copies(device)
+
     def trim(self, end: int) -> None:
         """End the data at ``end`` (within the mapping): what lies past it is no part of the
         shard, items still to come are appended after it, and the commit gives its pages

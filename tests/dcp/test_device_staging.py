@@ -201,3 +201,22 @@ def test_a_cuda_save_costs_the_host_no_byte_of_its_tensors(store_dir, how):
         with pytest.raises(CheckpointException) as e:
             dcp.load(target, storage_reader=ckpt.storage_reader(5), no_dist=True)
         assert "checksum mismatch in item 'model.0.weight'" in str(e.value)
+
+
+def test_saves_into_recycled_buffers_page_lock_none_again(store_dir, standins, standin_page_locking):
+    """A blocking save places its device tensors through DCP's write path (``placement``), which
+    page-locked the buffer without marking the rank as one saving from device memory: the
+    pool then kept the recycled, page-locked buffers from the rank's own saves, and each save
+    page-locked a buffer on the training thread (seen on an H200)."""
+    made = standin_page_locking
+    with CheckpointManager(job_id=JOB, local_dir=store_dir, replication="none", keep=2) as ckpt:
+        state = {"w": torch.randn(1 << 18), "meta": {"lr": 0.1, "note": "x" * 5000}}
+        standins.add(state["w"].untyped_storage().data_ptr())
+        store, per_save = internals(ckpt).store, []
+        for step in range(8):
+            state["w"].add_(1)
+            before = sum(n for name, n in made.items() if name != "mlckpt-prepare")
+            ckpt.save(state, step)
+            store.verify_shard(step, 0)  # maps the whole file, as the pg sender does
+            per_save.append(sum(n for name, n in made.items() if name != "mlckpt-prepare") - before)
+        assert per_save[0] == 1 and sum(per_save[4:]) == 0, (per_save, made)  # [4:]: see the GPU twin

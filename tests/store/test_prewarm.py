@@ -150,33 +150,14 @@ def test_a_whole_file_reader_keeps_the_writers_mapping_of_a_recycled_buffer(stor
     sw.abort()
 
 
-@pytest.fixture
-def standin_page_locking(monkeypatch):
-    """Page-locking without CUDA: a registration marks the mapping locked (what the pool reads),
-    and its release clears the mark (CPU torch has no cudaHostUnregister to call)."""
-    if torch.cuda.is_available():
-        pytest.skip("the GPU tests page-lock for real (tests/jobs/test_gpu_jobs.py)")
-
-    def register(mapped, device=None):
-        mapped._cuda_registered, mapped._cuda_device = True, device
-
-    release = buffers.MappedFile.release
-
-    def unregister_then_release(mapped):
-        mapped._cuda_registered = False
-        release(mapped)
-
-    monkeypatch.setattr(buffers.MappedFile, "register_for_device_copies", register)
-    monkeypatch.setattr(buffers.MappedFile, "release", unregister_then_release)
-
-
 def test_a_replica_leaves_a_device_ranks_page_locked_buffers_to_its_saves(store_dir, standin_page_locking):
     """Rank 0 saves from device memory; rank 1's replicas land on this node. A replica taking
     one of rank 0's page-locked buffers left rank 0's next save a buffer to page-lock on the
     training thread (on an H200: every save of a pg-replicated job until the pool settled)."""
     store = LocalStore(store_dir, JOB)
     try:
-        store.expect_device_copies(0, None)
+        first = store.begin_shard(1, 0, N)
+        first.page_lock(None)  # rank 0's first save from device memory
         assert store.prewarm(0, N, keep=2) == 2
         locked = {os.stat(p).st_ino for p in pool_files(store)}
         assert all(store.mappings.page_locked(os.stat(p)) for p in pool_files(store))
@@ -184,14 +165,14 @@ def test_a_replica_leaves_a_device_ranks_page_locked_buffers_to_its_saves(store_
         replica = store.begin_shard(1, 1, N)  # rank 1's replica: a fresh buffer
         assert os.stat(replica.inflight_path).st_ino not in locked
         assert not replica.buffer._cuda_registered
-        own = store.begin_shard(1, 0, N)  # rank 0's save: a page-locked one
+        own = store.begin_shard(2, 0, N)  # rank 0's next save: a page-locked one
         assert os.stat(own.inflight_path).st_ino in locked and own.buffer._cuda_registered
 
         # When only a page-locked buffer gives a replica room, it takes one.
         store.memory_limit_bytes = store.usage_bytes() + N // 2
-        squeezed = store.begin_shard(2, 1, N)
+        squeezed = store.begin_shard(3, 1, N)
         assert os.stat(squeezed.inflight_path).st_ino in locked
-        for writer in (replica, own, squeezed):
+        for writer in (first, replica, own, squeezed):
             writer.abort()
     finally:
         store.close()

@@ -63,6 +63,7 @@ if PACKAGE:  # before the checkout: its mlcheckpoint wins; children inherit the 
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -302,8 +303,14 @@ def resume_child(spec: dict[str, Any]) -> None:
         sync(device)
         pinned.append(time.perf_counter() - t0)
     ckpt.close()
+    try:  # a baseline revision may have no ring, or no times of it
+        from mlcheckpoint.dcp import ring
+        times = getattr(ring, "times", None)
+    except ImportError:
+        times = None
     with open(spec["out"], "w") as f:
         json.dump({"step": info.step, "resume_seconds": seconds, "phases": info.phases,
+                   "ring": dataclasses.asdict(times) if times is not None else None,
                    "pinned_seconds": pinned, "bytes": total, "wrong": wrong}, f)
 
 
@@ -649,6 +656,11 @@ def report(args: argparse.Namespace, fig: dict[str, Any]) -> None:
               f"{gbps(n, h['resume_seconds']):6.1f} GB/s  = {ratio(pinned, h['resume_seconds'])} "
               f"of pinned (target >= 0.7x)")
         print("  resume phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in h["phases"].items()))
+        if h.get("ring"):  # host-bound (fill) or device-bound (wait)?
+            r = h["ring"]
+            print(f"  its ring: {r['loads']} loads of {size_str(r['bytes'])}: filling slots (host) "
+                  f"{r['fill']:.3f} s, waiting for the device {r['wait']:.3f} s, device checksums "
+                  f"{r['verify']:.3f} s")
     if "train" in fig:
         t = fig["train"]
         print(f"\nTraining loop, a checkpoint every step: {t['parameters'] / 1e6:.0f} M parameters, "
@@ -709,7 +721,7 @@ def summarize(after: dict[str, Any], baseline: dict[str, Any] | None) -> dict[st
             row["resume"] = {"bytes": h["bytes"], "seconds": h["resume_seconds"],
                              "gbps": gbps(h["bytes"], h["resume_seconds"]),
                              "vs_pinned": pinned / h["resume_seconds"], "correct": not h["wrong"],
-                             "phases": h["phases"]}
+                             "phases": h["phases"], "ring": h.get("ring")}
         if "train" in fig:
             levels = {}
             for key, level in fig["train"]["levels"].items():

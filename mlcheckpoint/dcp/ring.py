@@ -17,6 +17,8 @@ order, slot reuse, verification per item) runs in CI.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,6 +34,25 @@ log = logging.getLogger(__name__)
 
 SLOTS = 3
 SLOT_BYTES = 16 * CHUNK_BYTES  # 32 MiB: whole chunks, so a piece's chunk digests are an item's
+
+
+@dataclass
+class RingTimes:
+    """Where the process's ring loads spent their time, summed over every load (seconds):
+    ``fill``: the copier's threads copying (and hashing xxh3 items) from the tmpfs mapping into
+    slots; ``wait``: waiting for the device to finish reading a slot before it is filled again,
+    and for the last copies; ``verify``: the device's checksums of the wsum64 items. What a
+    benchmark reads to tell a host-bound ring from a device-bound one."""
+
+    loads: int = 0
+    bytes: int = 0
+    fill: float = 0.0
+    wait: float = 0.0
+    verify: float = 0.0
+
+
+_times_lock = threading.Lock()
+times = RingTimes()  # this process's, since it started
 
 
 @dataclass
@@ -215,28 +236,41 @@ class Ring:
         chunk_digests = {i: np.zeros(-(-r.source.size // CHUNK_BYTES), dtype=np.uint64)
                          for i, r in enumerate(reads) if r.algorithm != digests.WSUM}
         fences: list[Any] = [None] * len(self.slots)
+        fill = wait = 0.0
         self.mover.start([r.target for r in reads])
         try:
             for batch in self._slot_batches(reads):
                 k = self.fills % len(self.slots)
+                t0 = time.perf_counter()
                 if fences[k] is not None:
                     self.mover.wait(fences[k])  # its copies have read it: it may be refilled
+                t1 = time.perf_counter()
                 slot = self.slots[k]
                 self._fill(slot, reads, batch, chunk_digests)
+                fill += time.perf_counter() - t1
+                wait += t1 - t0
                 for i, begin, size, at in batch:
                     self.mover.copy(reads[i].target[begin:begin + size], slot[at:at + size])
                     self.pieces_copied += 1
                 fences[k] = self.mover.fence()
                 self.fills += 1
+            t0 = time.perf_counter()
             for fence in fences:
                 if fence is not None:
                     self.mover.wait(fence)
+            t1 = time.perf_counter()
             on_device = [i for i, r in enumerate(reads) if r.algorithm == digests.WSUM]
             got = self.mover.digests([reads[i].target for i in on_device]) if on_device else []
         except BaseException:
             self._settle()
             raise
         self.mover.finish()
+        with _times_lock:
+            times.loads += 1
+            times.bytes += sum(r.source.size for r in reads)
+            times.fill += fill
+            times.wait += wait + t1 - t0
+            times.verify += time.perf_counter() - t1
         bad = []
         for i, chunks in chunk_digests.items():
             r = reads[i]

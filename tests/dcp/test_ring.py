@@ -6,6 +6,7 @@ and a whole ``dcp.load`` through the reader's ring branch."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 import time
 
@@ -142,6 +143,22 @@ def test_a_slot_is_refilled_only_after_its_copy_has_read_it(slots):
     assert 1 < mover.most_in_flight <= slots  # copies overlapped the next fills, no more
     for r in reads:
         assert np.array_equal(r.target.numpy(), r.source)
+    mover.pool.shutdown()
+
+
+def test_the_ring_tells_time_spent_filling_from_time_spent_waiting_for_the_device():
+    """``ring.times`` sums each load's host fills and its waits for the device: a slow device
+    (each copy 0.2 s here, one at a time) shows as waiting, not as filling. What tells a
+    host-bound resume from a device-bound one on a GPU (``bench_gpu.py``'s resume)."""
+    mover = LateMover(delay=0.2)
+    reads = make_reads([SLOT] * 4, [digests.XXH3], seed=7)
+    before = dataclasses.replace(ring.times)
+    assert ring.Ring(mover, slots=2, slot_bytes=SLOT).load(reads) == []
+    after = ring.times
+    assert after.loads == before.loads + 1 and after.bytes == before.bytes + 4 * SLOT
+    # 4 copies of 0.2 s in a row, the first started after the first fill: the waits take the
+    # rest of them (at least the last three, 0.6 s); the fills are host copies of 16 MiB
+    assert after.wait - before.wait >= 0.55 > after.fill - before.fill > 0
     mover.pool.shutdown()
 
 

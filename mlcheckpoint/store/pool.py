@@ -176,7 +176,7 @@ def _either(fixes: list[str]) -> str:
 class Pooled(NamedTuple):
     """A pooled buffer as ``BufferPool`` ranks it for a shard: the sort key's fields first."""
 
-    lock_mismatch: bool  # page-locked here, and the shard's rank saves from host memory
+    unlocked: bool  # not page-locked here, for a rank that saves from device memory
     other_rank: bool  # retired by another owner rank
     short: bool  # smaller than the shard
     slack: int  # bytes between its size and the shard's
@@ -202,10 +202,11 @@ class BufferPool:
         """This node's pooled buffers, best first for a shard of ``rank`` of ``nbytes``.
 
         A buffer this process page-locked is kept for a rank that saves from device memory,
-        which takes it first: a replica landing in it would leave that rank's next save a buffer
-        to page-lock on the training thread (a second or more per GiB). Another rank (a
-        replica's owner) takes one only without ``spare_locked``, last (when nothing else gives
-        it room). Then: own rank, fits, least slack or largest shortfall filled."""
+        which takes those first: a replica landing in one would leave that rank's next save a
+        buffer to page-lock on the training thread (a second or more per GiB). Another rank (a
+        replica's owner) is offered them only without ``spare_locked`` (``ShardFiles._claim``:
+        when nothing else gives it room). Then: own rank, fits, least slack or largest
+        shortfall filled."""
         device_saver = rank in self.device_ranks
         candidates = []
         with contextlib.suppress(FileNotFoundError):
@@ -218,7 +219,7 @@ class BufferPool:
                     locked = self.mappings.page_locked(st)
                     if locked and spare_locked and not device_saver:
                         continue
-                    candidates.append(Pooled(locked != device_saver, entry.rank != rank,
+                    candidates.append(Pooled(device_saver and not locked, entry.rank != rank,
                                              st.st_size < nbytes, abs(st.st_size - nbytes),
                                              e.path, st.st_size))
         return sorted(candidates)

@@ -176,3 +176,24 @@ def test_a_replica_leaves_a_device_ranks_page_locked_buffers_to_its_saves(store_
             writer.abort()
     finally:
         store.close()
+
+
+def test_a_squeezed_replica_takes_the_page_locked_buffer_that_fits_not_a_short_one(store_dir, standin_page_locking):
+    """With no room for a fresh buffer, a replica is offered every pooled buffer in the usual
+    order (fitting first), page-locked or not: a short unlocked buffer beside a fitting
+    page-locked one must not make it fail."""
+    store = LocalStore(store_dir, JOB)
+    try:
+        first = store.begin_shard(1, 0, N)
+        first.page_lock(None)
+        assert store.prewarm(0, N, keep=2) == 2
+        locked = {os.stat(p).st_ino for p in pool_files(store)}
+        store.begin_shard(1, 2, N // 2).abort()  # a short, unlocked buffer of rank 2 in the pool
+        assert len(pool_files(store)) == 3
+        store.memory_limit_bytes = store.usage_bytes() + N // 4  # neither a fresh one nor it
+        replica = store.begin_shard(2, 1, N)
+        assert os.stat(replica.inflight_path).st_ino in locked
+        for writer in (first, replica):
+            writer.abort()
+    finally:
+        store.close()

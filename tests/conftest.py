@@ -205,25 +205,23 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 @pytest.fixture
 def standin_page_locking(monkeypatch):
-    """Page-locking without CUDA: a registration marks the mapping locked (what the pool reads),
-    and its release clears the mark (CPU torch has no cudaHostUnregister to call). Returns the
-    registrations made, by thread name."""
+    """Page-locking without CUDA: a registration marks the mapping locked (what the pool reads)
+    and is counted where a real one is (``buffers.registrations``, by thread name, returned);
+    its release clears the mark (CPU torch has no cudaHostUnregister to call)."""
     import threading
-    from collections import Counter
 
     import torch
 
+    from mlcheckpoint.store import buffers
     from mlcheckpoint.store.buffers import MappedFile
 
     if torch.cuda.is_available():
         pytest.skip("the GPU tests page-lock for real (tests/jobs/test_gpu_jobs.py)")
 
-    made: Counter[str] = Counter()
-
     def register(mapped, device=None):
         if not mapped._cuda_registered:
             mapped._cuda_registered, mapped._cuda_device = True, device
-            made[threading.current_thread().name] += 1
+            buffers.registrations[threading.current_thread().name] += 1
 
     release = MappedFile.release
 
@@ -233,4 +231,4 @@ def standin_page_locking(monkeypatch):
 
     monkeypatch.setattr(MappedFile, "register_for_device_copies", register)
     monkeypatch.setattr(MappedFile, "release", unregister_then_release)
-    return made
+    return buffers.registrations

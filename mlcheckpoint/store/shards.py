@@ -81,15 +81,17 @@ class ShardFiles:
         # Capacity first: a refused shard must leave nothing behind, not even its step folder.
         # A buffer page-locked for a device rank's saves is reused for another's shard only
         # when nothing else makes room for it (``BufferPool._ranked``).
-        for spare_locked in (True, False):
-            candidate = self.pool.candidate(rank, nbytes, spare_locked)
-            try:
-                self.capacity.preflight(nbytes, reusable=candidate[1] if candidate else 0,
-                                        rank=rank, step=step)
-                break
-            except CapacityError:
-                if not spare_locked or candidate == self.pool.candidate(rank, nbytes, False):
-                    raise
+        spare_locked = True
+        candidate = self.pool.candidate(rank, nbytes, spare_locked)
+        try:
+            self.capacity.preflight(nbytes, reusable=candidate[1] if candidate else 0, rank=rank,
+                                    step=step)
+        except CapacityError:
+            spare_locked = False
+            wider = self.pool.candidate(rank, nbytes, spare_locked)
+            if wider == candidate:
+                raise
+            self.capacity.preflight(nbytes, reusable=wider[1] if wider else 0, rank=rank, step=step)
         os.makedirs(self.paths.step_dir(step), mode=0o700, exist_ok=True)
         # An empty shard (a rank with no tensor bytes) has no pages to reuse: the pooled buffers
         # stay for saves that do.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up, then checks lint and types and runs the test suite.
 # MLCHECKPOINT_TEST_WORKERS=N runs the tests on N parallel pytest-xdist workers; the default, 0,
-# runs them in one process (CI): on 2 cores 3 workers took the suite from about 45 to 36
-# minutes, and one job test's timing failed under that load (tests/README.md, Running).
+# runs them in one process (CI). The suite is CPU-bound: on 2 cores workers gain little or
+# nothing (2 workers: none, the same tests costing 9% more CPU; tests/README.md, Running).
 # Arguments go to pytest (e.g. -m "not slow", a file, -k); a -n of their own wins.
 set -euo pipefail
 cd "$(dirname "$0")/.."

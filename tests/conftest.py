@@ -22,6 +22,13 @@ MLCHECKPOINT_ENV_VARS = ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JO
                          "MLCHECKPOINT_PAUSE_AT", "MLCHECKPOINT_PERSISTENT_DIR_MOVED")
 
 
+# Every Python process the suite launches imports tests/startup/sitecustomize.py first (the
+# cyclic collector's thresholds while it imports torch; that file says why).
+STARTUP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")
+if STARTUP_DIR not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STARTUP_DIR, os.environ.get("PYTHONPATH")) if p)
+
+
 def _starts_python(args) -> bool:
     """Whether a Popen command line runs Python (a worker, torchrun, ``ip netns exec python``)."""
     argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)

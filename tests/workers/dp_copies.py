@@ -7,6 +7,8 @@ argv: layout last mode [resume]
   mode = sync | async | dcp | process (dcp.async_save in DCP's PROCESS mode)
 Environment: TEST_MEMORY_LIMIT (bytes), TEST_KEEP and TEST_SCALE (the ddp layouts' tensors
 are this many times larger), passed on when set.
+Or argv: a JSON list of job specs ({"job", "layout", "last", "mode", "resume",
+"memory_limit_bytes", "keep"}), run one after the other in this launch, each as its own job.
 """
 
 import os
@@ -16,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import init, report
+from common import init, report, run_specs
 from states import differences, zeros_like_state
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -60,28 +62,26 @@ def layout_state(layout: str, rank: int, local_rank: int, step: int) -> dict:
                                    "m": torch.randn(64, 64, generator=s)}}
 
 
-def main() -> None:
-    layout, last, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    resume = len(sys.argv) > 4 and sys.argv[4] == "resume"
-    rank, _ = init()
+def run_job(spec: dict, rank: int, _world: int = 0, _mesh: object = None) -> None:
+    """Save steps [0, spec["last"]] of ``spec["layout"]`` (or, with ``spec["resume"]``, resume
+    them) as the job ``spec["job"]`` (None: the environment's), reporting under names that end
+    in ``-<job>`` when it has one."""
+    layout, last, mode = spec["layout"], spec["last"], spec.get("mode", "sync")
+    job = spec.get("job")
+    suffix = f"-{job}" if job else ""
     local_rank = int(os.environ["LOCAL_RANK"])
-    kwargs = {}
-    if "TEST_MEMORY_LIMIT" in os.environ:
-        kwargs["memory_limit_bytes"] = int(os.environ["TEST_MEMORY_LIMIT"])
-    if "TEST_KEEP" in os.environ:
-        kwargs["keep"] = int(os.environ["TEST_KEEP"])
-    ckpt = CheckpointManager(replication="tcp", **kwargs)
-    if resume:
+    kwargs = {key: spec[key] for key in ("memory_limit_bytes", "keep") if key in spec}
+    ckpt = CheckpointManager(replication="tcp", job_id=job, **kwargs)
+    if spec.get("resume"):
         sd = zeros_like_state(layout_state(layout, rank, local_rank, 0))
         info = ckpt.resume(sd)
         want = layout_state(layout, rank, local_rank, info.step or 0)
-        report("resumed", {"step": info.step, "source": info.source, "reason": info.reason,
-                           "sources": info.sources, "bytes_served": info.bytes_served,
-                           "mismatch": differences(want, sd), "bytes_fetched": info.bytes_fetched})
+        report(f"resumed{suffix}", {"step": info.step, "source": info.source, "reason": info.reason,
+                                    "sources": info.sources, "bytes_served": info.bytes_served,
+                                    "mismatch": differences(want, sd), "bytes_fetched": info.bytes_fetched})
         t0 = time.monotonic()
         ckpt.close()
-        report("closed", {"close_s": time.monotonic() - t0})
-        dist.destroy_process_group()
+        report(f"closed{suffix}", {"close_s": time.monotonic() - t0})
         return
     for step in range(last + 1):
         sd = layout_state(layout, rank, local_rank, step)
@@ -97,13 +97,27 @@ def main() -> None:
     ckpt.wait()
     protected = ckpt.wait_replicated(last, timeout=60)
     state = ckpt.replication_state(last)
-    report("copies", {"protected": protected, "newest_protected": ckpt.protection().newest_protected,
-                      "state": None if state is None else state.state,
-                      "reason": None if state is None else state.reason,
-                      "sent": None if state is None else state.bytes,
-                      "stats": ckpt.stats()})
+    report(f"copies{suffix}", {"protected": protected, "newest_protected": ckpt.protection().newest_protected,
+                               "state": None if state is None else state.state,
+                               "reason": None if state is None else state.reason,
+                               "sent": None if state is None else state.bytes,
+                               "stats": ckpt.stats()})
     dist.barrier()
     ckpt.close()
+
+
+def main() -> None:
+    if sys.argv[1].startswith("["):  # several jobs, one after the other, in this launch
+        run_specs(run_job)
+        return
+    spec: dict = {"layout": sys.argv[1], "last": int(sys.argv[2]), "mode": sys.argv[3],
+                  "resume": len(sys.argv) > 4 and sys.argv[4] == "resume"}
+    if "TEST_MEMORY_LIMIT" in os.environ:
+        spec["memory_limit_bytes"] = int(os.environ["TEST_MEMORY_LIMIT"])
+    if "TEST_KEEP" in os.environ:
+        spec["keep"] = int(os.environ["TEST_KEEP"])
+    rank, _ = init()
+    run_job(spec, rank)
     dist.destroy_process_group()
 
 

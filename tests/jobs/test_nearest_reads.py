@@ -11,11 +11,17 @@ saves keep one copy of every item on every node and replicate nothing.
 
 The whole-state comparison (``mismatch``) is the worker's: every rank compares what it loaded
 with the state it saved, bit for bit.
+
+The two cases on 3 nodes share their launches: one saves both jobs (each its own job id, so
+its own directory on every node), the test damages each job's directories its own way, and
+one launch resumes both.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
+import shutil
 
 import pytest
 from cluster import Cluster
@@ -45,27 +51,65 @@ def resume(c: Cluster, layout: str = "ddp") -> dict[int, dict]:
     return res
 
 
-def locations(c: Cluster, node: int, step: int) -> dict:
+def store(c: Cluster, node: int, name: str | None = None) -> LocalStore:
+    """Job ``name``'s store on ``node`` (None: the cluster's own job); the caller closes it."""
+    if name is None:
+        return LocalStore(c.nodes[node].local_dir, c.job_id, create=False)
+    return c.sub_job_store(node, name)
+
+
+def locations(c: Cluster, node: int, step: int, name: str | None = None) -> dict:
     """The step's item locations, from node ``node``'s metadata."""
-    store = LocalStore(c.nodes[node].local_dir, c.job_id, create=False)
+    st = store(c, node, name)
     try:
-        _, payload = store.read_metadata(step)
+        _, payload = st.read_metadata(step)
     finally:
-        store.close()
+        st.close()
     return pickle.loads(payload).storage_data
 
 
-def flip_item_of(c: Cluster, node: int, rank: int, step: int) -> str:
+def flip_item_of(c: Cluster, node: int, rank: int, step: int, name: str | None = None) -> str:
     """Flip one byte in the middle of the largest item ``rank`` is the primary of, in its
     shard on ``node``; returns the item's name."""
-    index, loc = max(((i, loc) for i, loc in locations(c, node, step).items() if loc.rank == rank),
+    index, loc = max(((i, loc) for i, loc in locations(c, node, step, name).items() if loc.rank == rank),
                      key=lambda kv: kv[1].nbytes)
-    store = LocalStore(c.nodes[node].local_dir, c.job_id, create=False)
+    st = store(c, node, name)
     try:
-        flip_byte(store.data_path(step, rank), loc.offset + loc.nbytes // 2)
+        flip_byte(st.data_path(step, rank), loc.offset + loc.nbytes // 2)
     finally:
-        store.close()
+        st.close()
     return index.fqn
+
+
+THREE_NODE_JOBS = ("flipped_copy", "replaced")
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    """3 nodes x 1 rank, DDP: one launch saves both jobs; node 0 of ``flipped_copy`` is lost
+    (a replacement starts empty) and a byte of an item of rank 1's flipped on its node 1;
+    node 2 of ``replaced`` is replaced; one launch resumes both. Yields the cluster and each
+    job's resume reports, every one checked bit-exact."""
+    with Cluster(3, 1) as c:
+        def launch(**extra) -> None:
+            specs = [{"job": c.sub_job(name), "layout": "ddp", "last": LAST, **extra}
+                     for name in THREE_NODE_JOBS]
+            c.run("dp_copies.py", json.dumps(specs), timeout=2 * LAUNCH_TIMEOUT)
+
+        launch()
+        for name in THREE_NODE_JOBS:
+            assert all(rep["protected"] for rep in c.sub_job_results("copies", name).values()), c.logs()
+        shutil.rmtree(c.sub_job_dir(0, "flipped_copy"))
+        flip_item_of(c, 1, 1, LAST, "flipped_copy")
+        shutil.rmtree(c.sub_job_dir(2, "replaced"))
+        launch(resume=True)
+        resumed = {}
+        for name in THREE_NODE_JOBS:
+            res = resumed[name] = c.sub_job_results("resumed", name)
+            assert sorted(res) == [0, 1, 2], c.logs()
+            for r, rep in res.items():
+                assert rep["step"] == LAST and rep["mismatch"] == [], (name, r, rep, c.logs())
+        yield c, resumed
 
 
 def test_a_flipped_primary_with_a_copy_on_the_other_node_resumes_the_newest_step():
@@ -96,17 +140,13 @@ def test_a_flipped_primary_with_a_copy_on_the_other_node_resumes_the_newest_step
         assert sorted(closed) == [0, 1] and all(r["close_s"] < 30 for r in closed.values()), closed
 
 
-def test_a_flipped_copy_with_a_lost_node_resumes_from_the_copy_left():
+def test_a_flipped_copy_with_a_lost_node_resumes_from_the_copy_left(three_nodes):
     """3 nodes x 1 rank; node 0 lost (a replacement starts empty) and one byte of an item of
     rank 1's flipped on node 1: node 2's copies serve the step."""
-    with Cluster(3, 1) as c:
-        save(c)
-        c.nodes[0].wipe()
-        flip_item_of(c, 1, 1, LAST)
-        res = resume(c)
-        for rep in res.values():
-            assert "checksum mismatch" in (rep["reason"] or ""), rep
-        assert "AssertionError" not in "".join(n.log() for n in c.nodes)
+    c, resumed = three_nodes
+    for rep in resumed["flipped_copy"].values():
+        assert "checksum mismatch" in (rep["reason"] or ""), rep
+    assert "AssertionError" not in "".join(n.log() for n in c.nodes)
 
 
 def test_a_restart_with_every_node_alive_reads_nothing_from_peers():
@@ -121,22 +161,20 @@ def test_a_restart_with_every_node_alive_reads_nothing_from_peers():
             assert rep["reason"] is None, (r, rep)
 
 
-def test_a_replaced_node_alone_reads_from_peers_spread_over_the_holders():
+def test_a_replaced_node_alone_reads_from_peers_spread_over_the_holders(three_nodes):
     """DDP 3 nodes x 1 rank, node 2 replaced: nodes 0 and 1 read locally; node 2 reads each
     item from node 0 or node 1, about half its bytes from each."""
-    with Cluster(3, 1) as c:
-        save(c)
-        c.nodes[2].wipe()
-        res = resume(c)
-        sources = res[0]["sources"]
-        assert (sources["0"], sources["1"]) == ("local", "local"), sources  # fetched nothing
-        assert sources["2"] == "copies", sources
-        by_node: dict[str, int] = {}
-        for served in res[0]["bytes_served"].values():
-            for node, nbytes in served.items():
-                by_node[node] = by_node.get(node, 0) + nbytes
-        assert sorted(by_node) == ["0", "1"], res[0]["bytes_served"]
-        total = res[0]["bytes_fetched"]
-        assert sum(by_node.values()) == total > 0
-        # whole items are dealt, largest first: each holder serves between a quarter and three
-        assert all(total / 4 <= n <= 3 * total / 4 for n in by_node.values()), by_node
+    _, resumed = three_nodes
+    res = resumed["replaced"]
+    sources = res[0]["sources"]
+    assert (sources["0"], sources["1"]) == ("local", "local"), sources  # fetched nothing
+    assert sources["2"] == "copies", sources
+    by_node: dict[str, int] = {}
+    for served in res[0]["bytes_served"].values():
+        for node, nbytes in served.items():
+            by_node[node] = by_node.get(node, 0) + nbytes
+    assert sorted(by_node) == ["0", "1"], res[0]["bytes_served"]
+    total = res[0]["bytes_fetched"]
+    assert sum(by_node.values()) == total > 0
+    # whole items are dealt, largest first: each holder serves between a quarter and three
+    assert all(total / 4 <= n <= 3 * total / 4 for n in by_node.values()), by_node

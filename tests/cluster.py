@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from mlcheckpoint.store import LocalStore
 from mlcheckpoint.testing.cluster import Cluster as _Cluster
 from mlcheckpoint.testing.cluster import (  # re-exported: tests import them from here
     Node,
@@ -33,3 +34,10 @@ class Cluster(_Cluster):
 
     def __init__(self, nnodes: int, nproc: int = 1, job_id: str | None = None):
         super().__init__(nnodes, nproc, job_id=job_id, scripts_dir=WORKERS)
+
+    def store(self, node: int, name: str | None = None) -> LocalStore:
+        """Job ``name``'s store on ``node`` (``sub_job``; None: the cluster's own job). The
+        caller closes it."""
+        if name is None:
+            return LocalStore(self.nodes[node].local_dir, self.job_id, create=False)
+        return self.sub_job_store(node, name)

@@ -81,17 +81,20 @@ class ShardFiles:
         # Capacity first: a refused shard must leave nothing behind, not even its step folder.
         # A buffer page-locked for a device rank's saves is reused for another's shard only
         # when nothing else makes room for it (``BufferPool._ranked``).
+        def preflight(candidate: tuple[str, int] | None) -> None:
+            self.capacity.preflight(nbytes, reusable=candidate[1] if candidate else 0, rank=rank,
+                                    step=step)
+
         spare_locked = True
         candidate = self.pool.candidate(rank, nbytes, spare_locked)
         try:
-            self.capacity.preflight(nbytes, reusable=candidate[1] if candidate else 0, rank=rank,
-                                    step=step)
+            preflight(candidate)
         except CapacityError:
             spare_locked = False
             wider = self.pool.candidate(rank, nbytes, spare_locked)
             if wider == candidate:
                 raise
-            self.capacity.preflight(nbytes, reusable=wider[1] if wider else 0, rank=rank, step=step)
+            preflight(wider)
         os.makedirs(self.paths.step_dir(step), mode=0o700, exist_ok=True)
         # An empty shard (a rank with no tensor bytes) has no pages to reuse: the pooled buffers
         # stay for saves that do.

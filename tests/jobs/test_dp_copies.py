@@ -26,7 +26,6 @@ import pytest
 from cluster import Cluster
 
 from mlcheckpoint import history
-from mlcheckpoint.store import LocalStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -91,30 +90,23 @@ def resumed(c: Cluster, name: str) -> dict[int, dict]:
     return res
 
 
-def store(c: Cluster, node: int, name: str | None) -> LocalStore:
-    """Job ``name``'s store on ``node`` (None: the cluster's own job)."""
-    if name is None:
-        return LocalStore(c.nodes[node].local_dir, c.job_id, create=False)
-    return c.sub_job_store(node, name)
-
-
 def sent_bytes(c: Cluster, step: int, name: str | None = None) -> dict[int, int]:
     """Per rank, the shard bytes replication sent for ``step`` (every node's history)."""
     out: dict[int, int] = {}
     for n in range(len(c.nodes)):
-        for e in history.read(store(c, n, name).job_dir):
+        for e in history.read(c.store(n, name).job_dir):
             if e["event"] == "replicate" and e["step"] == step:
                 out[e["rank"]] = out.get(e["rank"], 0) + e["bytes"]
     return out
 
 
 def metadata(c: Cluster, node: int, step: int, name: str | None = None):
-    _, payload = store(c, node, name).read_metadata(step)
+    _, payload = c.store(node, name).read_metadata(step)
     return pickle.loads(payload)
 
 
 def shard_bytes(c: Cluster, node: int, step: int, rank: int, name: str | None = None) -> int:
-    return store(c, node, name).read_manifest(step, rank).data_bytes
+    return c.store(node, name).read_manifest(step, rank).data_bytes
 
 
 @pytest.mark.parametrize("cluster,name", [("two_by_one", "ddp"), ("two_by_two", "ddp_async"),
@@ -234,7 +226,7 @@ def entries(md, rank: int, prefix: tuple[str, ...]) -> list:
 
 def allocated(c: Cluster, node: int, step: int, rank: int, name: str) -> int:
     """The memory (pages) the data file of rank's shard of job ``name`` takes on ``node``."""
-    return os.stat(store(c, node, name).data_path(step, rank)).st_blocks * 512
+    return os.stat(c.store(node, name).data_path(step, rank)).st_blocks * 512
 
 
 def test_ddp_with_per_rank_entries_sends_only_those_entries(two_by_two):
@@ -254,7 +246,7 @@ def test_ddp_with_per_rank_entries_sends_only_those_entries(two_by_two):
         assert rep["state"] == "replicated" and rep["reason"] is None, rep
         assert rep["stats"]["mlcheckpoint/dp_copies_nodes"] == 2.0, rep["stats"]
         partner = 1 - r // 2
-        replica = store(c, partner, name).read_manifest(LAST, r)
+        replica = c.store(partner, name).read_manifest(LAST, r)
         assert replica.partial and sorted(it.offset for it in replica.items) == \
             sorted(loc.offset for loc in own), replica
         # a node stores an item once: the model's items are there as copies, not again

@@ -51,16 +51,9 @@ def resume(c: Cluster, layout: str = "ddp") -> dict[int, dict]:
     return res
 
 
-def store(c: Cluster, node: int, name: str | None = None) -> LocalStore:
-    """Job ``name``'s store on ``node`` (None: the cluster's own job); the caller closes it."""
-    if name is None:
-        return LocalStore(c.nodes[node].local_dir, c.job_id, create=False)
-    return c.sub_job_store(node, name)
-
-
 def locations(c: Cluster, node: int, step: int, name: str | None = None) -> dict:
     """The step's item locations, from node ``node``'s metadata."""
-    st = store(c, node, name)
+    st = c.store(node, name)
     try:
         _, payload = st.read_metadata(step)
     finally:
@@ -73,7 +66,7 @@ def flip_item_of(c: Cluster, node: int, rank: int, step: int, name: str | None =
     shard on ``node``; returns the item's name."""
     index, loc = max(((i, loc) for i, loc in locations(c, node, step, name).items() if loc.rank == rank),
                      key=lambda kv: kv[1].nbytes)
-    st = store(c, node, name)
+    st = c.store(node, name)
     try:
         flip_byte(st.data_path(step, rank), loc.offset + loc.nbytes // 2)
     finally:

@@ -141,10 +141,11 @@ def plan_retention(inventory: Mapping[int, StepState], owners: Iterable[int], ke
 # ---------------------------------------------------------------------------- the pass
 
 def apply_retention(store: LocalStore, owners: Iterable[int], keep: int,
-                    protected: Iterable[int] = (), *,
+                    protected: Iterable[int] = (), *, pins: Pins | None = None,
                     node_owners: Iterable[int] | None = None) -> list[int]:
     """One retention pass on ``store`` (see ``plan_retention``); returns the steps some of
-    whose shards went.
+    whose shards went. ``pins``: this process's readers; their steps are kept as
+    ``protected`` are, and no pin is taken while the pass runs (``Pins.held``).
 
     One pass at a time on a node, and no commit during a pass (the store's ``CommitLock``): a
     plan guards the newest step it sees whole, and a pass interleaved with another, or with the
@@ -152,9 +153,9 @@ def apply_retention(store: LocalStore, owners: Iterable[int], keep: int,
     one.
     """
     owners = list(owners)
-    with store.commits.retiring():
-        plan = plan_retention(store.inventory(), owners, keep, protected, store.orphans(),
-                              node_owners=node_owners,
+    with store.commits.retiring(), (pins or Pins()).held() as pinned:
+        plan = plan_retention(store.inventory(), owners, keep, {*protected, *pinned},
+                              store.orphans(), node_owners=node_owners,
                               pooled=store.pool.owners() if node_owners is not None else ())
         pause_point("retention_planned")  # tests: another pass or a replica comes in now
         return retire(store, plan)
@@ -211,27 +212,27 @@ class Retention:
         self.node_owners = _frozen(node_owners)
 
     def protected(self, *, ask: bool = True) -> set[int]:
-        """Steps retention must keep. ``ask=False`` uses the last known protected step rather
+        """Steps retention must keep besides the pinned ones (which each pass reads itself,
+        ``apply_retention``). ``ask=False`` uses the last known protected step rather
         than asking the job-wide counters (a listener thread). That value may be stale, i.e.
         older: it then guards an older step and leaves the newest protected one to the
         next plan that asks; the newest whole step is guarded by every plan regardless."""
-        protected = self.pins.steps()
-        if self.replicas is not None:
-            newest = self.replicas.newest_protected(ask=ask)
-            protected |= {s for s in (newest, self.replicas.round_step()) if s is not None}
-        return protected
+        if self.replicas is None:
+            return set()
+        newest = self.replicas.newest_protected(ask=ask)
+        return {s for s in (newest, self.replicas.round_step()) if s is not None}
 
     def apply(self) -> list[int]:
         """Retire this rank's shards and the replicas it keeps beyond ``keep`` (and what no
         rank of the node keeps); returns the steps retired."""
         return apply_retention(self.store, self.owners, self.keep, self.protected(),
-                               node_owners=self.node_owners)
+                               pins=self.pins, node_owners=self.node_owners)
 
     def apply_received(self, owner: int) -> list[int]:
         """A replica of ``owner`` arrived (a listener thread: uses the last known protected
         step rather than asking the c10d store; a stale value only keeps more)."""
         return apply_retention(self.store, [owner], self.keep, self.protected(ask=False),
-                               node_owners=self.node_owners)
+                               pins=self.pins, node_owners=self.node_owners)
 
 
 def _frozen(owners: Iterable[int] | None) -> frozenset[int] | None:

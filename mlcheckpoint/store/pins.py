@@ -41,6 +41,15 @@ class Pins:
             if self._count[step] <= 0:
                 del self._count[step]
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[frozenset[int]]:
+        """The pinned steps, with no pin taken or released until the block ends. A retention
+        pass plans and retires inside it: a reader pins before it opens the shard, so a pin
+        either came first (the pass keeps the step) or finds the shard gone (the reader's
+        open fails before it promised anything to a peer), never a shard retired under it."""
+        with self._lock:
+            yield frozenset(self._count)
+
     def steps(self) -> set[int]:
         with self._lock:
             return set(self._count)

@@ -22,6 +22,7 @@ from mlcheckpoint.store import layout
 from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.store.manifest import MetadataHeader
 from mlcheckpoint.store.pins import Pins
+from mlcheckpoint.waiting import deadline_in, wait_until
 
 JOB = "job-retention"
 
@@ -129,10 +130,10 @@ def test_policy_keeps_pinned_and_newest_protected_steps(store):
     replicas = Replicas(newest=2, known=3)
     retention = Retention(store, 0, keep=1, pins=pins)
     retention.protect_replicas(replicas, [])
-    assert retention.protected() == {1, 2} and replicas.asked == 1
+    assert retention.protected() == {2} and replicas.asked == 1  # (pins: each pass reads them)
     # A listener thread does not ask the job-wide counters: the last known step instead.
-    assert retention.protected(ask=False) == {1, 3} and replicas.asked == 1
-    assert retention.apply_received(0) == [2, 4]
+    assert retention.protected(ask=False) == {3} and replicas.asked == 1
+    assert retention.apply_received(0) == [2, 4]  # 1 pinned, 3 known protected, 5 newest
     assert store.complete_steps() == [1, 3, 5]
     assert Retention(store, 0, keep=1, pins=Pins()).apply() == [1, 3]
 
@@ -356,3 +357,44 @@ def test_replication_adds_the_partners_to_the_nodes_owners(store):
     assert retention.node_owners == {0, 1, 2, 3}
     assert retention.apply() == [1]
     assert store.step_state(1).committed_ranks == {1, 3}
+
+
+def test_a_step_pinned_while_a_pass_runs_is_never_retired_under_its_reader(store, monkeypatch, tmp_path):
+    """A reader pins a step, then opens its shard (a push, a served read). A pass that planned
+    before the pin must not retire the step after the reader opened it: the pass reads the
+    pins and retires with no pin taken meanwhile, so the reader either pins first (the step
+    stays) or finds the shard gone when it opens it (and promises a peer nothing)."""
+    import threading
+
+    from mlcheckpoint.errors import ShardNotFoundError
+
+    for s in (1, 2, 3):
+        put_step(store, s)
+    pins = Pins()
+    release = tmp_path / "release"
+    monkeypatch.setenv("MLCHECKPOINT_PAUSE_AT", f"retention_planned={release}")
+    retention = Retention(store, 0, keep=1, pins=pins)
+    a_pass = threading.Thread(target=retention.apply)
+    a_pass.start()
+    assert wait_until(lambda: os.path.exists(f"{release}.reached"), deadline_in(30), 0.01)
+    opened: list[str] = []
+
+    def reader() -> None:
+        pins.pin(1)
+        try:
+            store.read_manifest(1, 0)
+            opened.append("read")
+        except ShardNotFoundError:
+            opened.append("gone")
+
+    a_reader = threading.Thread(target=reader)
+    a_reader.start()
+    a_reader.join(timeout=0.5)  # without the fix it pins and reads now, mid-pass
+    release.touch()
+    for t in (a_pass, a_reader):
+        t.join(timeout=30)
+        assert not t.is_alive()
+    # The pass had planned step 1 away; the reader waited for it and found the shard gone.
+    # (Before, it read the manifest mid-pass and then lost the shard it was sending.)
+    assert opened == ["gone"] and 1 not in store.steps(), (opened, store.steps())
+    pins.unpin(1)

@@ -494,6 +494,38 @@ def test_a_frozen_peer_times_out_and_the_pair_recovers(pair, step):
     pair.peer_store.verify_shard(step, 0)
 
 
+def test_a_shard_retired_after_its_offer_still_ends_the_push_and_the_pair_works_on(pair, step,
+                                                                                  monkeypatch):
+    """Retention retires the shard between the peer's "ready" and the bytes. The process-group
+    peer then waits in a recv that only our sends end: before, the sender failed there, the
+    peer's recv timed out and the group's pair to it was closed, so every later push failed
+    too. Now the push has the shard's mapping before it offers, so it completes (TCP: the
+    file opened after the answer is gone, and the closed connection tells the peer at once);
+    either way the next push lands."""
+    from mlcheckpoint.replication.pg.transport import PgCall
+    from mlcheckpoint.replication.tcp.transport import TcpCall
+
+    m = make_shard(pair.store, step, 0, NBYTES, seed=step, nitems=3)
+    original = {cls: cls.send_shard for cls in (PgCall, TcpCall)}
+
+    def retired_first(call, shard, ranges, ready):
+        pair.store.retire_shard(shard.step, shard.rank)  # (what a retention pass does)
+        original[type(call)](call, shard, ranges, ready)
+
+    for cls in original:
+        monkeypatch.setattr(cls, "send_shard", retired_first)
+    try:
+        pushed = pair.local.push_shard(PEER, step, 0)
+    except MLCheckpointError as e:
+        assert pair.local.name.startswith("tcp"), f"{pair.local.name}: {e}"
+    else:
+        assert pushed == NBYTES and pair.peer_store.verify_shard(step, 0).save_id == m.save_id
+    monkeypatch.undo()
+    make_shard(pair.store, step + 100_000, 0, 4096, seed=step)
+    assert pair.local.push_shard(PEER, step + 100_000, 0) == 4096
+    pair.peer_store.verify_shard(step + 100_000, 0)
+
+
 # --------------------------------------------------------------------------- one client
 def failure(call: Callable[[], object]) -> tuple[str, str]:
     """(the class, the text) of the error ``call`` raises."""

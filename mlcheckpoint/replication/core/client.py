@@ -53,9 +53,10 @@ class Call(Protocol):
     def reply(self) -> dict:
         """The peer's next reply, once the bytes of the request moved."""
 
-    def offer_shard(self, request: dict, ranges: list[tuple[int, int]]) -> dict:
-        """``ask`` a put_shard ``request`` whose bytes are ``ranges`` of the shard, naming
-        what the wire needs to send them (a stream count, a piece size)."""
+    def offer_shard(self, request: dict, m: Manifest, ranges: list[tuple[int, int]]) -> dict:
+        """``ask`` a put_shard ``request`` whose bytes are ``ranges`` of our committed shard
+        ``m``, naming what the wire needs to send them (a stream count, a piece size). A wire
+        whose peer cannot be released once it waits for the bytes takes hold of them first."""
 
     def send_shard(self, m: Manifest, ranges: list[tuple[int, int]], ready: dict) -> None:
         """Send these byte ranges of our committed shard ``m``, in order, within the node's
@@ -148,7 +149,7 @@ class PeerClient:
             ranges = m.held_ranges()  # (a partial replica: its items' ranges, in order)
             with self._call(peer, what) as call:
                 ready = call.offer_shard({"op": "put_shard", "step": step, "owner": owner,
-                                          "manifest": m.to_dict()}, ranges)
+                                          "manifest": m.to_dict()}, m, ranges)
                 if self._status(ready, peer, what, "have", "ready") == "have":
                     return 0
                 call.send_shard(m, ranges, ready)

@@ -4,7 +4,10 @@ The group is created for replication alone (gloo for CPU buffers; NCCL through a
 buffer), never the training group, so replication cannot deadlock with training collectives.
 Control messages (offers, requests, replies) go through the job's c10d store, sealed
 (``control.py``); the store has timeouts, so a send/recv is only ever posted when the other
-side is known to be waiting for it. Each rank serves its mailbox on one thread, one request at
+side is known to be waiting for it. Once a side said it will send, nothing may stop it short of
+the peer's failure: a recv cannot be called off, and one left waiting times out and closes the
+group's pair to us for good. So whatever the sends need (the shard's mapping, a GPU bounce
+buffer) is in hand before the offer or the reply that promises them. Each rank serves its mailbox on one thread, one request at
 a time: the request service (``core/service.py``) answers it, through the ``Request`` that
 carries its replies and bytes. A rank looks in its mailbox only when its node's doorbell rang,
 which the node's leader alone watches in the store, on a thread of its own (``control.py``).
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..._ratelimit import RateLimitedLog
-from ...errors import ProtocolError, ReplicationError
+from ...errors import ProtocolError, ReplicationError, ShardNotFoundError
 from ...settings import ReplicationOptions, Timeouts
 from ...store import LocalStore, Manifest
 from ...store.local_store import ShardSource
@@ -95,11 +98,13 @@ class Request:
     def send_shard(self, reply: dict, source: ShardSource, ranges: list[tuple[int, int]],
                    paced: bool) -> None:
         piece = self._transport._piece(paced)
+        # (mapped, and the bounce made, before the reply: see ``_bounce``)
         mapped = source.mapping(source.manifest.data_bytes) if any(n for _, n in ranges) else None
+        bounce = self._transport._bounce(max((n for _, n in ranges), default=0))
         self.reply({**reply, "piece": piece}, then="")
         for o, n in ranges:
             if n and mapped is not None:
-                self._transport._send_bytes(mapped.array[o:o + n], self.peer, self.tag, piece)
+                self._transport._send_bytes(mapped.array[o:o + n], self.peer, self.tag, piece, bounce)
 
     def receive_metadata(self, req: dict) -> bytes:
         return self._transport.mailbox.take_blob(self.peer, self.nonce, req.get("sha256"))
@@ -182,12 +187,18 @@ class PgTransport(Transport):
         size = max(size, 1)
         return [(start, min(size, nbytes - start)) for start in range(0, nbytes, size)]
 
-    def _send_bytes(self, array, peer: int, tag: int, piece: int = 0) -> None:
-        """Send ``array`` in the cuts of ``piece``; each piece booked on the budget first when
-        ``piece`` is set (a paced transfer)."""
+    def _bounce(self, nbytes: int) -> torch.Tensor | None:
+        """The GPU staging buffer for sending ``nbytes`` (NCCL; None on gloo). Made before the
+        peer is told to expect the bytes: it then waits in a recv that nothing but our sends
+        ends (a gloo or NCCL recv cannot be called off)."""
+        if self.device is None:
+            return None
+        return torch.empty(max(1, min(_BOUNCE_BYTES, nbytes)), dtype=torch.uint8, device=self.device)
+
+    def _send_bytes(self, array, peer: int, tag: int, piece: int, bounce: torch.Tensor | None) -> None:
+        """Send ``array`` in the cuts of ``piece``, through ``bounce`` (``_bounce``); each piece
+        booked on the budget first when ``piece`` is set (a paced transfer)."""
         data = torch.from_numpy(array)
-        bounce = None if self.device is None else torch.empty(
-            min(_BOUNCE_BYTES, data.numel()), dtype=torch.uint8, device=self.device)
         try:
             for start, n in self._cuts(data.numel(), piece):
                 if piece:
@@ -308,6 +319,7 @@ class PgCall:
         self.tag, self.nonce = 0, ""
         self.phase = "r"
         self.piece = 0  # of a push: what our offer named
+        self._outgoing: tuple[Any, torch.Tensor | None] | None = None  # a push's mapping, bounce
 
     def ask(self, request: dict, nonce: str | None = None) -> dict:
         self.tag, self.nonce = self.mailbox.post(self.peer, request, nonce=nonce)
@@ -319,15 +331,25 @@ class PgCall:
         return msg
 
     # ------------------------------------------------------------------ shards
-    def offer_shard(self, request: dict, ranges: list[tuple[int, int]]) -> dict:
+    def offer_shard(self, request: dict, m: Manifest, ranges: list[tuple[int, int]]) -> dict:
+        """The shard mapped (the same save) and the bounce made before the offer: once the
+        peer answers "ready" it waits for every byte, so nothing may fail between (see
+        ``PgTransport._bounce``)."""
+        mapped_as, buf = self.transport.store.map_shard(m.step, m.rank)
+        if mapped_as.save_id != m.save_id:
+            raise ShardNotFoundError(f"step {m.step} rank {m.rank} was saved again (save "
+                                     f"{mapped_as.save_id!r}, offered {m.save_id!r})")
+        self._outgoing = buf, self.transport._bounce(max((n for _, n in ranges), default=0))
         self.piece = self.transport._piece(paced=True)
         return self.ask({**request, "piece": self.piece})
 
     def send_shard(self, m: Manifest, ranges: list[tuple[int, int]], ready: dict) -> None:
-        _, buf = self.transport.store.map_shard(m.step, m.rank)
+        if self._outgoing is None:
+            raise ProtocolError("send_shard without an offer")
+        buf, bounce = self._outgoing
         for offset, nbytes in ranges:
             self.transport._send_bytes(buf.array[offset:offset + nbytes], self.peer, self.tag,
-                                       self.piece)
+                                       self.piece, bounce)
 
     def receive_shard(self, receipt: Receipt, reply: dict) -> None:
         self.transport._fill(receipt, self.peer, self.tag, want_piece(reply))

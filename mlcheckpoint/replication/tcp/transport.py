@@ -197,7 +197,9 @@ class TcpCall:
         return p.recv_frame(self.sock)
 
     # ------------------------------------------------------------------ shards
-    def offer_shard(self, request: dict, ranges: list[tuple[int, int]]) -> dict:
+    def offer_shard(self, request: dict, m: Manifest, ranges: list[tuple[int, int]]) -> dict:
+        # (the file is opened after the answer: if it went meanwhile, closing the connection
+        # tells the peer at once)
         self.streams = self.transport.streams_for(sum(n for _, n in ranges))
         if self.streams > 1:
             request = {**request, "streams": self.streams}

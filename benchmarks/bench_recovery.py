@@ -19,8 +19,11 @@ Measured in one run on this machine:
   * nodes replaced, 4 simulated nodes x 1 rank: one node replaced (node 1), two replaced
     (nodes 1 and 3: each survivor of a pair serves one), one replaced with replicas=2 (node 1:
     its reads striped over its two holders, nodes 0 and 2), and two replaced with replicas=2
-    (nodes 0 and 1: their reads go to the remaining holders); a fresh cluster and save for
-    every repetition, so a resume never reads what an earlier one healed. Each row says which
+    (nodes 0 and 1: their reads go to the remaining holders). One fresh cluster and save per
+    ``replicas`` value and repetition serves its two rows: the one-node row's resume waits
+    until the step is protected again (its replaced node rebuilt), then the two-node row
+    replaces its nodes. That second resume reads only what the save left (the memory the
+    first one healed is wiped again), so no resume reads what an earlier one healed. Each row says which
     node served each replaced node's shard (``ResumeInfo.bytes_served``). On loopback these
     share this machine's cores, so more nodes replaced means more CPU contended; with
     ``--rate`` they run on an emulated network instead (NetCluster: a namespace and a link
@@ -103,7 +106,11 @@ def worker(mode: str, size: int, name: str) -> None:
             t.fill_(-1)  # touch the destination, as a real model's parameters are
         dist.barrier()
         info = ckpt.resume(sd)
+        # (BENCH_REPROTECT: another row replaces nodes of this save next, so the replaced
+        # nodes must hold their memory again first; not timed, ResumeInfo already was)
+        healed = ckpt.wait_replicated(1, 600) if os.environ.get("BENCH_REPROTECT") else None
         result = {"step": info.step, "source": info.sources.get(rank), "seconds": info.seconds,
+                  "healed": healed,
                   "fetch_s": info.phases.get("fetch", 0.0), "bytes_fetched": info.bytes_fetched,
                   "served": {str(o): {str(n): b for n, b in by_node.items()}
                              for o, by_node in info.bytes_served.items()},
@@ -152,39 +159,54 @@ def replaced_cluster(job: str, rate: str | None) -> SimulatedCluster:
     return NetCluster(REPLACED_NODES, rate=rate, job_id=job)
 
 
-def bench_replaced(job: str, size: int, replicas: int, wiped: tuple[int, ...], rate: str | None) -> dict:
-    """One repetition: a fresh 4-node cluster saves step 1 (every rank its own bytes), waits
-    until it is protected, loses the memory of ``wiped`` and resumes on all 4 nodes, bit-exact.
+def bench_replaced(job: str, size: int, replicas: int, rows: list[tuple[str, tuple[int, ...]]],
+                   rate: str | None) -> dict[str, dict]:
+    """One repetition of ``rows`` (name, nodes wiped) under ``replicas``: a fresh 4-node
+    cluster saves step 1 (every rank its own bytes) and waits until it is protected; then, for
+    each row in turn, loses the memory of its nodes and resumes on all 4 nodes, bit-exact,
+    each resume but the last waiting until the step is protected again. Per row:
     ResumeInfo.seconds and phases["fetch"] are the slowest rank's; bytes_fetched and
     ``served`` ({owner: {node: bytes}}, ResumeInfo.bytes_served) are job-wide; on an emulated
     network, ``link_sent`` is what each surviving node's link sent during the launch."""
     env = {"MLCHECKPOINT_REPLICAS": str(replicas)}
+    out = {}
     with replaced_cluster(job, rate) as cluster:
         saved = run_job(cluster, "save", size, env)
         assert all(r["protected"] for r in saved.values()), saved
-        for n in wiped:
-            cluster.nodes[n].wipe()
-        before = cluster.link_bytes() if isinstance(cluster, NetCluster) else None
-        r = run_job(cluster, "resume", size, env)
-        after = cluster.link_bytes() if isinstance(cluster, NetCluster) else None
-    assert len(r) == REPLACED_NODES and all(x["exact"] and x["step"] == 1 for x in r.values()), r
-    assert all(x["source"] == ("peer" if rank in wiped else "local") for rank, x in r.items()), r
-    link_sent = None if before is None or after is None else {
-        n: after[n]["sent"] - before[n]["sent"] for n in range(REPLACED_NODES) if n not in wiped}
-    served = {int(o): {int(n): b for n, b in by_node.items()} for o, by_node in r[0]["served"].items()}
-    return {"seconds": max(x["seconds"] for x in r.values()), "fetch_s": max(x["fetch_s"] for x in r.values()),
-            "bytes_fetched": r[0]["bytes_fetched"], "served": served, "link_sent": link_sent}
+        for i, (name, wiped) in enumerate(rows):
+            for n in wiped:
+                cluster.nodes[n].wipe()
+            reprotect = {"BENCH_REPROTECT": "1"} if i + 1 < len(rows) else {}
+            before = cluster.link_bytes() if isinstance(cluster, NetCluster) else None
+            r = run_job(cluster, "resume", size, {**env, **reprotect})
+            after = cluster.link_bytes() if isinstance(cluster, NetCluster) else None
+            assert len(r) == REPLACED_NODES and all(x["exact"] and x["step"] == 1 for x in r.values()), r
+            assert all(x["source"] == ("peer" if rank in wiped else "local") for rank, x in r.items()), r
+            assert not reprotect or all(x["healed"] for x in r.values()), (name, r)
+            link_sent = None if before is None or after is None else {
+                n: after[n]["sent"] - before[n]["sent"] for n in range(REPLACED_NODES) if n not in wiped}
+            served = {int(o): {int(n): b for n, b in by_node.items()} for o, by_node in r[0]["served"].items()}
+            out[name] = {"seconds": max(x["seconds"] for x in r.values()),
+                         "fetch_s": max(x["fetch_s"] for x in r.values()),
+                         "bytes_fetched": r[0]["bytes_fetched"], "served": served, "link_sent": link_sent}
+    return out
 
 
 def bench_nodes_replaced(job: str, size: int, reps: int, rate: str | None) -> dict:
     """Each scenario of REPLACED, ``reps`` times (interleaved, so a slow spell of a shared
-    machine does not land on one scenario only): medians of seconds and the fetch phase."""
+    machine does not land on one scenario only; the rows of one ``replicas`` value share a
+    save, ``bench_replaced``): medians of seconds and the fetch phase."""
     runs: dict[str, list[dict]] = {name: [] for name in REPLACED}
+    by_replicas: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, (replicas, wiped) in REPLACED.items():
+        surviving_holders(replicas, wiped)
+        by_replicas.setdefault(replicas, []).append((name, wiped))
     for i in range(reps):
-        for name, (replicas, wiped) in REPLACED.items():
-            surviving_holders(replicas, wiped)
-            progress(f"{name} (replicas={replicas}, nodes {wiped} replaced), rep {i + 1}/{reps}")
-            runs[name].append(bench_replaced(f"{job}-{name}-{i}", size, replicas, wiped, rate))
+        for replicas, rows in by_replicas.items():
+            progress(f"replicas={replicas}: " + ", then ".join(f"nodes {w} replaced" for _, w in rows)
+                     + f", rep {i + 1}/{reps}")
+            for name, figures in bench_replaced(f"{job}-r{replicas}-{i}", size, replicas, rows, rate).items():
+                runs[name].append(figures)
     out = {}
     for name, rs in runs.items():
         out[f"{name}_s"] = median([x["seconds"] for x in rs])

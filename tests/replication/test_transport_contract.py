@@ -46,6 +46,7 @@ from mlcheckpoint.replication import ReceiveSink, Rendezvous, Transport
 from mlcheckpoint.replication.core.budget import NodeSchedule
 from mlcheckpoint.replication.factory import make_transport
 from mlcheckpoint.replication.pg.control import MAX_TAG
+from mlcheckpoint.replication.pg.transport import PgTransport
 from mlcheckpoint.replication.tcp.transport import TcpTransport
 from mlcheckpoint.settings import ReplicationOptions
 from mlcheckpoint.store import LocalStore
@@ -626,3 +627,27 @@ def test_factory_refuses_unknown_kinds(tmp_path):
         with pytest.raises(ConfigError, match="nccl"):
             make_transport(store, rdzv, sink, ReplicationOptions(mode="nccl"))
     store.close()
+
+
+# --------------------------------------------------------------------------- last: a closed pair
+# (It leaves the module's process-group pair with the peer closed: no test after it uses one.)
+@pytest.mark.parametrize("setup", [_param(s) for s in SETUPS if s.kind != "tcp"])
+def test_a_pair_the_group_closed_is_refused_at_once_and_said_once(job, setup, step, caplog):
+    """A recv that timed out closes the group's pair to that peer for good (gloo does not open
+    it again). The transport says so once, at ERROR, and refuses every later transfer with the
+    peer before asking or promising anything: no offer leaves the peer waiting in a recv, and
+    no later call waits out a timeout to fail."""
+    import logging
+
+    local = job.locals[setup.name]
+    assert isinstance(local, PgTransport)
+    with caplog.at_level(logging.ERROR, logger="mlcheckpoint.replication.pg.transport"):
+        with pytest.raises(ReplicationError, match=f"receiving from rank {PEER} failed"):
+            local._recv_bytes(np.zeros(16, dtype=np.uint8), PEER, tag=MAX_TAG - 1)  # nobody sends
+        make_shard(job.store, step, 0, 4096, seed=step)
+        for _ in range(2):
+            with pytest.raises(ReplicationError, match=f"connection to rank {PEER} closed earlier"):
+                local.push_shard(PEER, step, 0)
+    said = [r for r in caplog.records if "stays off until the job restarts" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert not job.peer_store.step_state(step).committed_ranks  # nothing was offered

@@ -7,7 +7,11 @@ Control messages (offers, requests, replies) go through the job's c10d store, se
 side is known to be waiting for it. Once a side said it will send, nothing may stop it short of
 the peer's failure: a recv cannot be called off, and one left waiting times out and closes the
 group's pair to us for good. So whatever the sends need (the shard's mapping, a GPU bounce
-buffer) is in hand before the offer or the reply that promises them. Each rank serves its mailbox on one thread, one request at
+buffer) is in hand before the offer or the reply that promises them. A pair that did close
+(a transfer timed out: a peer stalled past ``timeout``, or died) is not opened again by the
+group: this rank then says so once, and refuses every later transfer with that peer at once,
+in both directions, instead of posting sends and recvs that can only fail after a timeout
+(``lost_pairs``). Replication with that peer stays off until the job restarts. Each rank serves its mailbox on one thread, one request at
 a time: the request service (``core/service.py``) answers it, through the ``Request`` that
 carries its replies and bytes. A rank looks in its mailbox only when its node's doorbell rang,
 which the node's leader alone watches in the store, on a thread of its own (``control.py``).
@@ -159,6 +163,7 @@ class PgTransport(Transport):
                        if self.backend == "nccl" else None)
         self._poll = timeouts.mailbox_poll
         self._closed = threading.Event()
+        self.lost_pairs: dict[int, str] = {}  # peer -> the failure that closed the pair
         self.client = PeerClient(store, self.sink, PgWire(self))
         self.service = RequestService(store, self.sink, rdzv.world_size)
         self._thread = threading.Thread(target=self._serve_loop, name="mlckpt-pg-serve", daemon=True)
@@ -209,7 +214,7 @@ class PgTransport(Transport):
                     part = bounce[:n]
                 dist.send(part, dst=peer, group=self.group, tag=tag)
         except RuntimeError as e:  # the group's send failed: the peer is gone or timed out
-            raise ReplicationError(f"sending to rank {peer} failed: {e}") from None
+            raise self._lose_pair(peer, f"sending to rank {peer} failed: {e}") from None
 
     def _recv_bytes(self, array, peer: int, tag: int, piece: int = 0) -> None:
         """Receive ``array`` in the cuts the sender used (``piece``, as it named it)."""
@@ -224,7 +229,25 @@ class PgTransport(Transport):
                     dist.recv(bounce[:n], src=peer, group=self.group, tag=tag)
                     data[start:start + n].copy_(bounce[:n])
         except RuntimeError as e:  # the group's recv failed: the peer is gone or timed out
-            raise ReplicationError(f"receiving from rank {peer} failed: {e}") from None
+            raise self._lose_pair(peer, f"receiving from rank {peer} failed: {e}") from None
+
+    def _lose_pair(self, peer: int, what: str) -> ReplicationError:
+        """A send or recv with ``peer`` failed: the group closed its pair to it for good (see
+        the module docstring). Said once, at ERROR; the error for the caller."""
+        if peer not in self.lost_pairs:
+            self.lost_pairs[peer] = what[:500]
+            log.error("mlcheckpoint: %s; the process group does not open its connection to rank "
+                      "%d again, so replication with rank %d stays off until the job restarts "
+                      "(replication=\"tcp\" reconnects after such a failure)", what, peer, peer)
+        return ReplicationError(what)
+
+    def check_pair(self, peer: int) -> None:
+        """ReplicationError, before anything is asked or promised, if the group's connection
+        to ``peer`` closed earlier in this run."""
+        lost = self.lost_pairs.get(peer)
+        if lost is not None:
+            raise ReplicationError(f"the process group's connection to rank {peer} closed earlier "
+                                   f"in this run ({lost}); it stays closed until the job restarts")
 
     def _fill(self, receipt: Receipt, peer: int, tag: int, piece: int) -> None:
         """Fill a receipt with the shard ``peer`` sends under ``tag`` (the caller commits):
@@ -273,6 +296,11 @@ class PgTransport(Transport):
         when it does not even say where to reply, a warning)."""
         req = Request(self, msg)
         try:
+            self.check_pair(req.peer)
+        except ReplicationError as e:  # (said once, when it closed: the requester learns it now)
+            req.reply({"status": "error", "error": str(e)[:2000]})
+            return
+        try:
             self.service.answer(msg, req)
         except (*MALFORMED, RuntimeError) as e:  # RuntimeError: any other torch failure
             log.warning("mlcheckpoint: pg transport request %.100r from rank %d failed: %s",
@@ -304,6 +332,7 @@ class PgWire:
 
     @contextlib.contextmanager
     def call(self, peer: int) -> Iterator[PgCall]:
+        self.transport.check_pair(peer)
         with self._lock:
             yield PgCall(self.transport, peer)
 

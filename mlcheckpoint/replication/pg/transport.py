@@ -96,8 +96,9 @@ class Request:
 
     def receive_shard(self, receipt: Receipt) -> None:
         piece = want_piece(self.msg)  # the sender's, in its offer
+        bounce = self._transport._bounce(max((n for _, n in receipt.ranges), default=0))  # (before "ready")
         self.reply({"status": "ready"}, then="done")
-        self._transport._fill(receipt, self.peer, self.tag, piece)
+        self._transport._fill(receipt, self.peer, self.tag, piece, bounce)
 
     def send_shard(self, reply: dict, source: ShardSource, ranges: list[tuple[int, int]],
                    paced: bool) -> None:
@@ -216,11 +217,13 @@ class PgTransport(Transport):
         except RuntimeError as e:  # the group's send failed: the peer is gone or timed out
             raise self._lose_pair(peer, f"sending to rank {peer} failed: {e}") from None
 
-    def _recv_bytes(self, array, peer: int, tag: int, piece: int = 0) -> None:
-        """Receive ``array`` in the cuts the sender used (``piece``, as it named it)."""
+    def _recv_bytes(self, array, peer: int, tag: int, piece: int = 0,
+                    bounce: torch.Tensor | None = None) -> None:
+        """Receive ``array`` in the cuts the sender used (``piece``, as it named it), through
+        ``bounce`` (made here if the caller made none: a fetch learns the size from the reply)."""
         data = torch.from_numpy(array)
-        bounce = None if self.device is None else torch.empty(
-            min(_BOUNCE_BYTES, data.numel()), dtype=torch.uint8, device=self.device)
+        if bounce is None:
+            bounce = self._bounce(data.numel())
         try:
             for start, n in self._cuts(data.numel(), piece):
                 if bounce is None:
@@ -249,11 +252,12 @@ class PgTransport(Transport):
             raise ReplicationError(f"the process group's connection to rank {peer} closed earlier "
                                    f"in this run ({lost}); it stays closed until the job restarts")
 
-    def _fill(self, receipt: Receipt, peer: int, tag: int, piece: int) -> None:
+    def _fill(self, receipt: Receipt, peer: int, tag: int, piece: int,
+              bounce: torch.Tensor | None = None) -> None:
         """Fill a receipt with the shard ``peer`` sends under ``tag`` (the caller commits):
         its ranges in order (a partial replica: its items'), each cut by ``piece``."""
         for offset, nbytes in receipt.ranges:
-            self._recv_bytes(receipt.array[offset:offset + nbytes], peer, tag, piece)
+            self._recv_bytes(receipt.array[offset:offset + nbytes], peer, tag, piece, bounce)
         receipt.arriving(receipt.nbytes, receipt.nbytes)
 
     # ------------------------------------------------------------------ server

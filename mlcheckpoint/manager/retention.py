@@ -10,8 +10,9 @@ What a pass keeps (``plan_retention``):
 - for each owner rank it answers for (its own rank; once replication runs, the ranks whose
   replicas it keeps), the newest ``keep`` steps whose shard of that owner belongs to the save
   the step's metadata names;
-- never a protected step (``Retention.protected``: pinned, the newest step replicated
-  everywhere, the replication round's), never the newest step held whole here, never a step
+- never a pinned step (read by the pass itself, ``Pins.held``) nor a protected one
+  (``Retention.protected``: the newest step replicated everywhere, the replication round's),
+  never the newest step held whole here, never a step
   newer than those kept (a save in flight);
 - shards of owners no rank of this node answers for (``node_owners``: the ranks of an earlier
   world, replicas of a node that is no longer a partner) go with their step, once no shard in

@@ -11,9 +11,11 @@ buffer) is in hand before the offer or the reply that promises them. A pair that
 (a transfer timed out: a peer stalled past ``timeout``, or died) is not opened again by the
 group: this rank then says so once, and refuses every later transfer with that peer at once,
 in both directions, instead of posting sends and recvs that can only fail after a timeout
-(``lost_pairs``). Replication with that peer stays off until the job restarts. Each rank serves its mailbox on one thread, one request at
-a time: the request service (``core/service.py``) answers it, through the ``Request`` that
-carries its replies and bytes. A rank looks in its mailbox only when its node's doorbell rang,
+(``lost_pairs``). Replication with that peer stays off until the job restarts.
+
+Each rank serves its mailbox on one thread, one request at a time: the request service
+(``core/service.py``) answers it, through the ``Request`` that carries its replies and bytes.
+A rank looks in its mailbox only when its node's doorbell rang,
 which the node's leader alone watches in the store, on a thread of its own (``control.py``).
 What arrives lands through the receive sink (``core/sink.py``), which verifies and commits it.
 
@@ -41,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..._ratelimit import RateLimitedLog
-from ...errors import ProtocolError, ReplicationError, ShardNotFoundError
+from ...errors import ProtocolError, ReplicationError
 from ...settings import ReplicationOptions, Timeouts
 from ...store import LocalStore, Manifest
 from ...store.local_store import ShardSource
@@ -96,7 +98,7 @@ class Request:
 
     def receive_shard(self, receipt: Receipt) -> None:
         piece = want_piece(self.msg)  # the sender's, in its offer
-        bounce = self._transport._bounce(max((n for _, n in receipt.ranges), default=0))  # (before "ready")
+        bounce = self._transport._bounce(receipt.ranges)  # (before "ready")
         self.reply({"status": "ready"}, then="done")
         self._transport._fill(receipt, self.peer, self.tag, piece, bounce)
 
@@ -105,7 +107,7 @@ class Request:
         piece = self._transport._piece(paced)
         # (mapped, and the bounce made, before the reply: see ``_bounce``)
         mapped = source.mapping(source.manifest.data_bytes) if any(n for _, n in ranges) else None
-        bounce = self._transport._bounce(max((n for _, n in ranges), default=0))
+        bounce = self._transport._bounce(ranges)
         self.reply({**reply, "piece": piece}, then="")
         for o, n in ranges:
             if n and mapped is not None:
@@ -193,13 +195,15 @@ class PgTransport(Transport):
         size = max(size, 1)
         return [(start, min(size, nbytes - start)) for start in range(0, nbytes, size)]
 
-    def _bounce(self, nbytes: int) -> torch.Tensor | None:
-        """The GPU staging buffer for sending ``nbytes`` (NCCL; None on gloo). Made before the
-        peer is told to expect the bytes: it then waits in a recv that nothing but our sends
-        ends (a gloo or NCCL recv cannot be called off)."""
+    def _bounce(self, ranges: list[tuple[int, int]]) -> torch.Tensor | None:
+        """The GPU staging buffer for moving ``ranges`` ((offset, bytes), the largest piece
+        bounded by ``_BOUNCE_BYTES``; NCCL: None on gloo). Made before the peer is told to
+        expect the bytes: it then waits in a recv that nothing but our sends ends (a gloo or
+        NCCL recv cannot be called off)."""
         if self.device is None:
             return None
-        return torch.empty(max(1, min(_BOUNCE_BYTES, nbytes)), dtype=torch.uint8, device=self.device)
+        largest = max((n for _, n in ranges), default=0)
+        return torch.empty(max(1, min(_BOUNCE_BYTES, largest)), dtype=torch.uint8, device=self.device)
 
     def _send_bytes(self, array, peer: int, tag: int, piece: int, bounce: torch.Tensor | None) -> None:
         """Send ``array`` in the cuts of ``piece``, through ``bounce`` (``_bounce``); each piece
@@ -223,7 +227,7 @@ class PgTransport(Transport):
         ``bounce`` (made here if the caller made none: a fetch learns the size from the reply)."""
         data = torch.from_numpy(array)
         if bounce is None:
-            bounce = self._bounce(data.numel())
+            bounce = self._bounce([(0, data.numel())])
         try:
             for start, n in self._cuts(data.numel(), piece):
                 if bounce is None:
@@ -368,11 +372,9 @@ class PgCall:
         """The shard mapped (the same save) and the bounce made before the offer: once the
         peer answers "ready" it waits for every byte, so nothing may fail between (see
         ``PgTransport._bounce``)."""
-        mapped_as, buf = self.transport.store.map_shard(m.step, m.rank)
-        if mapped_as.save_id != m.save_id:
-            raise ShardNotFoundError(f"step {m.step} rank {m.rank} was saved again (save "
-                                     f"{mapped_as.save_id!r}, offered {m.save_id!r})")
-        self._outgoing = buf, self.transport._bounce(max((n for _, n in ranges), default=0))
+        with self.transport.store.open_shard(m.step, m.rank, m.save_id) as source:  # (this save's)
+            buf = source.mapping(m.data_bytes)
+        self._outgoing = buf, self.transport._bounce(ranges)
         self.piece = self.transport._piece(paced=True)
         return self.ask({**request, "piece": self.piece})
 

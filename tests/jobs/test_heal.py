@@ -56,19 +56,20 @@ def events(c: Cluster, node: int) -> list[dict]:
         s.close()
 
 
-def save(c: Cluster, layout: str) -> None:
-    c.run("heal_job.py", layout, "save", str(LAST), timeout=LAUNCH_TIMEOUT)
+def save(c: Cluster, layout: str, env: dict[str, str] | None = None) -> None:
+    c.run("heal_job.py", layout, "save", str(LAST), timeout=LAUNCH_TIMEOUT, env=env)
     saved = c.results("saved")
     assert sorted(saved) == list(range(c.nnodes * c.nproc)), c.logs()
     assert all(rep["protected"] for rep in saved.values()), (saved, c.logs())
 
 
-def resume(c: Cluster, layout: str, heal: bool) -> tuple[dict[int, dict], dict[int, dict]]:
+def resume(c: Cluster, layout: str, heal: bool,
+           env: dict[str, str] | None = None) -> tuple[dict[int, dict], dict[int, dict]]:
     """Restart the job; per rank, what it resumed (step ``LAST``, exactly) and (``heal``)
     whether the step was then protected again."""
     c.clear_results()
     c.run("heal_job.py", layout, "resume", str(LAST), str(HEAL_TIMEOUT if heal else 0),
-          timeout=LAUNCH_TIMEOUT + HEAL_TIMEOUT)
+          timeout=LAUNCH_TIMEOUT + HEAL_TIMEOUT, env=env)
     resumed = c.results("resumed")
     assert sorted(resumed) == list(range(c.nnodes * c.nproc)), c.logs()
     for r, rep in resumed.items():
@@ -76,14 +77,15 @@ def resume(c: Cluster, layout: str, heal: bool) -> tuple[dict[int, dict], dict[i
     return resumed, c.results("healed")
 
 
-def lose_and_heal(c: Cluster, layout: str, lost: list[int]) -> dict[int, dict]:
+def lose_and_heal(c: Cluster, layout: str, lost: list[int],
+                  env: dict[str, str] | None = None) -> dict[int, dict]:
     """Lose ``lost``, restart, and check the heal; returns what each rank resumed."""
     before = {n: holdings(c, n) for n in range(c.nnodes)}
     logged = {n: len(events(c, n)) for n in range(c.nnodes)}
     for n in lost:
         c.nodes[n].kill()
         c.nodes[n].wipe()
-    resumed, healed = resume(c, layout, heal=True)
+    resumed, healed = resume(c, layout, heal=True, env=env)
     assert sorted(healed) == list(range(c.nnodes * c.nproc)), c.logs()
     for r, rep in healed.items():
         assert rep["protected"] is True and rep["newest_protected"] == LAST, (r, rep, c.logs())
@@ -113,14 +115,17 @@ def test_replaced_nodes_are_protected_again(nnodes, first, second):
         resume(c, "rank", heal=False)
 
 
-def test_ddp_node_replaced_then_the_other_lost():
+@pytest.mark.parametrize("transport", ["tcp", "pg"])
+def test_ddp_node_replaced_then_the_other_lost(transport):
     """DDP over 2 nodes x 2 ranks (an identical model, each rank's RNG state and loader
     position): node 1 is lost, its ranks resume from the copies on node 0 and the partial
     replicas of their own entries; once healed (``wait_replicated`` True), node 0 is lost and
-    the job resumes step 3 from node 1 alone."""
+    the job resumes step 3 from node 1 alone. Over TCP and over the job's process group
+    (gloo): the heal's pushes of partial replicas travel over either."""
+    env = {"TEST_REPLICATION": transport}
     with Cluster(2, 2) as c:
-        save(c, "ddp_rng")
-        resumed = lose_and_heal(c, "ddp_rng", [1])
+        save(c, "ddp_rng", env)
+        resumed = lose_and_heal(c, "ddp_rng", [1], env)
         assert resumed[0]["sources"]["2"] == resumed[0]["sources"]["3"] == "copies", resumed[0]
         c.nodes[0].wipe()
-        resume(c, "ddp_rng", heal=False)
+        resume(c, "ddp_rng", heal=False, env=env)

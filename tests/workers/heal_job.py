@@ -1,6 +1,6 @@
 """Worker for tests/jobs/test_heal.py: save steps 1..last, or resume and wait for the heal.
 
-argv: layout mode last [heal_timeout]
+argv: layout mode last [heal_timeout]; TEST_REPLICATION: the transport (default tcp)
   layout = rank (``make_state(step, rank)``: items DCP writes once, from rank 0, beside each
            rank's own) | ddp_rng (dp_copies.py's: an identical model beside per-rank entries)
   mode   = save: save steps 1..last (step 1 also to the persistent folder), wait until ``last``
@@ -32,7 +32,8 @@ def main() -> None:
     layout, mode, last = sys.argv[1], sys.argv[2], int(sys.argv[3])
     heal_timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     rank, _ = init()
-    ckpt = CheckpointManager(replication="tcp", persistent_dir=os.environ["TEST_PERSISTENT_DIR"])
+    ckpt = CheckpointManager(replication=os.environ.get("TEST_REPLICATION", "tcp"),
+                             persistent_dir=os.environ["TEST_PERSISTENT_DIR"])
     if mode == "save":
         for step in range(1, last + 1):
             ckpt.save(state(layout, step, rank), step, persistent=step == 1)

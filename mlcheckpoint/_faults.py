@@ -13,7 +13,8 @@ exposes a race, every run. Points: resume_agreed (right after resume's last coll
 retention_planned (a retention pass between its plan and carrying it out), persistent_write
 (a background persistent write, before it starts), write_data (a shard's commit, once DCP
 planned the save, before any item is placed), flush_part (a preemption flush, once this
-rank's part of a step is written and before its marker says so).
+rank's part of a step is written and before its marker says so), heal_rebuild (a replaced
+node's rank, before it brings its own shard of the loaded step back).
 
 Unset, each check costs one dict lookup. These two variables are read at each check, not
 resolved once like the other settings (mlcheckpoint/settings.py): they are test hooks, and a

@@ -134,6 +134,7 @@ class CheckpointManager:
         self._closed = False
         self._replicator: Replicator | None = None
         self._heal_thread: threading.Thread | None = None
+        self._flusher: Flusher | None = None  # with a persistent folder the flush can write
         self._last_resume: ResumeInfo | None = None  # what this manager's resume() loaded
         mode: str = repl.mode
         if mode != "none" and self._topology.num_nodes == 1:
@@ -171,7 +172,7 @@ class CheckpointManager:
         on = bool(BY_NAME["preemption_flush"].resolve())
         flusher = Flusher(self._store, self._persistent, self.rank, self._lifecycle.pins)
         self._flusher = flusher
-        return Preemption(flusher.flush, deadline_s=BY_NAME["flush_deadline"].resolve(),
+        return Preemption(flusher.flush_and_stay, deadline_s=BY_NAME["flush_deadline"].resolve(),
                           on_sigterm=on,
                           notice_file=BY_NAME["flush_notice_file"].resolve() if on else None)
 
@@ -185,7 +186,8 @@ class CheckpointManager:
         came. ConfigError without a persistent folder the flush can write (a URL, a
         framework's own layout)."""
         self._check_open()
-        if self._preemption is None:
+        flusher = self._flusher
+        if self._preemption is None or flusher is None:
             refused = None if self._persistent is None else self._persistent.flush_refused()
             raise ConfigError(f"flush_to_persistent() needs a persistent folder: {refused}"
                               if refused else "flush_to_persistent() needs "
@@ -195,7 +197,7 @@ class CheckpointManager:
         if result.step is not None and not result.complete:
             wait = self._preemption.deadline_s if timeout is None else timeout
             step = result.step
-            result.complete = bool(wait_until(lambda: self._flusher.complete(step),
+            result.complete = bool(wait_until(lambda: flusher.complete(step),
                                               deadline_in(wait), poll=0.05))
         return result
 
@@ -353,6 +355,8 @@ class CheckpointManager:
         self._lineage = resumed.lineage  # later saves descend from what was loaded
         self._saver.settled()
         self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
+        if self._flusher is not None:  # a preemption flush waits for what comes back
+            self._flusher.after_resume(resumed.healing, resumed.rebuilt_step)
         info = self._last_resume = resumed.info
         history.record(self._store.job_dir, "resume", step=info.step, rank=self.rank,
                        source=info.sources.get(self.rank, info.source), seconds=round(info.seconds, 6),

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import pickle
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ from ..store.layout import ItemLocation
 from ..store.local_store import ShardSource
 from ..store.manifest import ManifestItem, dcp_metadata, decode_metadata
 from ..store.pins import Pins
+from ..waiting import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +121,23 @@ class Flusher:
             (``PersistentStorage.flush_refused`` says why another is refused).
         rank: this rank (the owner of the shards it writes).
         pins: this rank's pins: a step being flushed is never retired under it.
+
+    After a resume on a replaced node (``after_resume``), a flush waits for this rank's own
+    shard of the loaded step to come back (``healing``) before it looks for its part, and a
+    preemption's flush of that step stays until the step is complete (``flush_and_stay``):
+    a rank still bringing its shard back may be reading it from this node.
     """
 
     def __init__(self, store: LocalStore, storage: PersistentStorage, rank: int, pins: Pins):
         self.store, self.storage, self.rank, self.pins = store, storage, rank, pins
+        self.healing: threading.Thread | None = None  # bringing this rank's own shard back
+        self.rebuilt_step: int | None = None  # the loaded step some rank's shard comes back to
+
+    def after_resume(self, healing: threading.Thread | None, rebuilt_step: int | None) -> None:
+        """What the resume left in flight: the thread bringing this rank's own shard back
+        (None: its node had it), and the loaded step whose shards some rank of the job is
+        bringing back (None: none)."""
+        self.healing, self.rebuilt_step = healing, rebuilt_step
 
     # ------------------------------------------------------------------ what to flush
     def candidates(self) -> list[_Candidate]:
@@ -153,6 +168,7 @@ class Flusher:
         whose every part is there; stop at ``deadline`` (``time.monotonic()``)."""
         t0 = time.perf_counter()
         result = FlushResult()
+        self._wait_for_heal(deadline)
         try:
             candidates = self.candidates()
         except OSError as e:
@@ -203,6 +219,34 @@ class Flusher:
                            bytes=result.bytes, seconds=round(result.seconds, 6),
                            complete=result.complete, location=self.storage.path(result.step))
         return result
+
+    def flush_and_stay(self, deadline: float) -> FlushResult:
+        """``flush`` (what a preemption runs), then, where it wrote a part of the loaded step
+        whose shards some rank is still bringing back and no step it wrote is complete, stay
+        until one is or the deadline passes: that rank may be reading its shard from this
+        node to write its own part, and a process that left at once would end the read.
+        Otherwise (a rank that failed and writes no part, before an elastic restart) nothing
+        waits for parts that may never come."""
+        result = self.flush(deadline)
+        if (self.rebuilt_step in result.parts and not result.complete
+                and wait_until(lambda: any(self.complete(s) for s in result.parts), deadline,
+                               poll=0.05)):
+            result.step = next(s for s in result.parts if self.complete(s))  # newest first
+            result.complete = True
+        return result
+
+    def _wait_for_heal(self, deadline: float) -> None:
+        """Wait (until ``deadline``) for the heal bringing this rank's own shard back."""
+        healing = self.healing
+        if healing is None or not healing.is_alive():
+            return
+        log.warning("mlcheckpoint: preemption flush on rank %d waits for its own shard of the "
+                    "loaded step, which is still coming back from its partner", self.rank)
+        healing.join(max(0.0, deadline - time.monotonic()))
+        if healing.is_alive():
+            log.error("mlcheckpoint: preemption flush on rank %d: its own shard of the loaded "
+                      "step did not come back before the deadline; it has no part of that "
+                      "step to write", self.rank)
 
     def _write_part(self, c: _Candidate, deadline: float) -> int:
         """This rank's items of ``c`` into its file, verified, then its marker and (where

@@ -133,6 +133,9 @@ class Resumed:
     lineage: Lineage  # this run's, extended by the run it loaded from: later saves name it
     bytes_fetched: int  # by this rank, from peers
     healing: threading.Thread | None  # rebuilding this rank's own shard in the background
+    # The step loaded, where some rank of the job rebuilds its own shard of it from other
+    # nodes' memory in the background (the same on every rank); None otherwise.
+    rebuilt_step: int | None = None
 
 
 class Recovery:
@@ -233,7 +236,8 @@ class Recovery:
         info.phases = dict(self.phases)
         if self.announce and self.topo.rank == 0:  # one line per launch; WARNING is shown unasked
             log.log(logging.WARNING if info.fell_back else logging.INFO, "mlcheckpoint: %s", info.summary)
-        return Resumed(info, self.lineage, fetched, healing)
+        rebuilt = holders is not None and any(self._rebuilds(d, r) for r in d.sources)
+        return Resumed(info, self.lineage, fetched, healing, d.step if rebuilt else None)
 
     def continue_from(self, step: int | None) -> None:
         """The job continues from ``step``, restored without ``run`` (e.g. a framework loaded
@@ -434,15 +438,21 @@ class Recovery:
         # The plan's "peer" for this rank: its own shard is not on this node (never when
         # resharded: the saved ranks are not this job's ranks), it is fetched whole; COPIES:
         # it is whole on no node, it is assembled from its items' places (Holders.rebuild).
-        if holders is None or d.sources.get(self.topo.rank) not in ("peer", COPIES):
+        if holders is None or not self._rebuilds(d, self.topo.rank):
             return None
         thread = threading.Thread(target=self._rebuild_own_shard, args=(holders, self.replicator),
                                   name="mlckpt-heal", daemon=True)
         thread.start()
         return thread
 
+    def _rebuilds(self, d: Decision, rank: int) -> bool:
+        """Whether ``rank`` brings its own shard of the loaded step back after the load (its
+        node lacked it), with replication on."""
+        return self.replicator is not None and d.sources.get(rank) in ("peer", COPIES)
+
     def _rebuild_own_shard(self, holders: Holders, replicator: Replicator) -> None:
         try:
+            pause_point("heal_rebuild", holders.step, self.topo.rank)
             if holders.rebuild(self.topo.rank):
                 replicator.wake()
         except (MLCheckpointError, OSError) as e:

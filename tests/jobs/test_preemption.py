@@ -174,6 +174,52 @@ def test_a_flush_cut_off_by_sigkill_leaves_the_older_persistent_step_chosen():
         assert load_plain(storage.path(10), 10, 2) == []
 
 
+def test_a_preemption_while_a_replaced_node_heals_flushes_the_step_it_loaded():
+    """2 nodes x 1 rank. Training passes step 12 (persistent step 10), node 1 is lost (SIGKILL,
+    memory wiped) and the job restarts: rank 1 loads the newest step from node 0's replica and
+    brings its own shard of it back in the background (held here until the test lets it go).
+    A whole-job preemption comes before the first step: rank 1's flush waits for its shard and
+    rank 0's process stays (within the deadline) while rank 1 reads it from node 0's memory, so
+    the loaded step is complete in the persistent folder, and a restart on new machines
+    resumes it exactly. Before: rank 1 had no part to write and rank 0's process ended at
+    once, so the restart went back to step 10, losing every step since."""
+    with Cluster(nnodes=2, nproc=1) as c:
+        c.start("preempt_job.py", "train")
+        progress = train_until(c, 12)
+        while min(p["protected"] or -1 for p in progress.values()) < 12:  # on both nodes
+            assert c.running() == [0, 1], c.logs()
+            time.sleep(0.05)
+            progress = c.results("progress")
+        c.kill_all()  # node 1 lost, the job stopped with it
+        c.nodes[1].wipe()
+        hold = os.path.join(c.root, "heal")
+        c.clear_results()
+        c.start("preempt_job.py", "resume_hold", env={"MLCHECKPOINT_PAUSE_AT": f"heal_rebuild#1={hold}"})
+        deadline = time.monotonic() + 120
+        while len(c.results("resume")) < 2 or not os.path.exists(f"{hold}.reached"):
+            assert time.monotonic() < deadline and c.running() == [0, 1], c.logs()
+            time.sleep(0.05)
+        res = c.results("resume")
+        loaded = res[0]["step"]
+        assert loaded > 10 and res[1]["step"] == loaded and res[1]["own"] in ("peer", "copies"), res
+        for node in c.nodes:
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # the flushes have started; rank 1's waits for its shard
+        open(hold, "w").close()
+        c.wait(60)
+        storage = PersistentStorage(c.persistent_dir)
+        assert storage.complete_steps()[-1] == loaded, (storage.complete_steps(), c.logs())
+        assert load_plain(storage.path(loaded), loaded, 2) == []
+
+        for node in c.nodes:  # new machines: nothing in memory
+            node.wipe()
+        c.clear_results()
+        c.run("preempt_job.py", "resume", timeout=180)
+        for r in c.results("resume").values():
+            assert (r["step"], r["source"], r["mismatch"]) == (loaded, "persistent", []), r
+
+
 def test_opted_out_no_flush():
     """``MLCHECKPOINT_PREEMPTION_FLUSH=0``: SIGTERM ends the ranks as it always did; nothing
     newer than persistent step 10 is written."""

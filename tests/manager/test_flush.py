@@ -108,6 +108,30 @@ def test_ranks_finish_a_step_in_the_folder_whichever_comes_last(store_dir, first
     assert load_plain(storage.path(2), both_ranks(2)) == []
 
 
+def test_a_preemption_flush_stays_only_for_a_step_a_rank_is_still_bringing_back(store_dir):
+    """Rank 0 writes its part of step 1 while rank 1's is missing. After a resume that left
+    rank 1 bringing its shard of step 1 back (from rank 0's node, maybe), rank 0's preemption
+    flush stays until step 1 is complete: rank 1's part, written meanwhile, completes it. With
+    no such resume (rank 1 failed, an elastic restart stops the others) it returns at once,
+    the step incomplete: nothing waits for a part that may never come."""
+    stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
+    save_two_ranks(1, stores)
+    storage = PersistentStorage(os.path.join(store_dir, "persistent"))
+    flushers = [Flusher(stores[r], storage, r, Pins()) for r in range(2)]
+
+    t0 = time.monotonic()
+    alone = flushers[0].flush_and_stay(t0 + 30)
+    assert (alone.step, alone.complete) == (1, False) and time.monotonic() - t0 < 10, alone
+
+    flushers[0].after_resume(None, rebuilt_step=1)
+    other = threading.Timer(1.0, flushers[1].flush, args=(time.monotonic() + 30,))
+    other.start()
+    stayed = flushers[0].flush_and_stay(time.monotonic() + 30)  # rank 1's part comes 1 s on
+    other.join()
+    assert (stayed.step, stayed.complete) == (1, True), stayed
+    assert storage.complete_steps() == [1]
+
+
 def test_a_damaged_item_is_never_marked_whole(store_dir):
     """A byte flipped in memory after the save: the flush writes the file but its check fails,
     so no marker, no ``.metadata``, and the failure is in the result."""

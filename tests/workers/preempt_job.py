@@ -10,6 +10,8 @@ argv[1]:
   ``TEST_STALL_FILE``: once that file exists the last rank stops taking part (it sleeps), so
   the others block in the training collective: their main thread never runs a Python handler.
 - ``resume``: resume into an empty state, report ``resume`` (step, source, exact or not).
+- ``resume_hold``: the same, then wait for SIGTERM without saving (a job preempted again
+  before its first step after a restart), 120 s at most.
 """
 
 import os
@@ -47,12 +49,15 @@ def train(rank: int, world: int) -> None:
     ckpt.close()
 
 
-def resume(rank: int) -> None:
+def resume(rank: int, hold: bool) -> None:
     ckpt = CheckpointManager(persistent_dir=os.environ["TEST_PERSISTENT_DIR"])
     sd = zeros_like_state(make_state(0, rank))
     info = ckpt.resume(sd)
     mismatch = [] if info.step is None else differences(make_state(info.step, rank), sd)
-    report("resume", {"step": info.step, "source": info.source, "mismatch": mismatch})
+    report("resume", {"step": info.step, "source": info.source, "mismatch": mismatch,
+                      "own": info.sources.get(rank)})
+    if hold:
+        time.sleep(120)  # SIGTERM ends the process (after the flush) well before
     ckpt.close()
 
 
@@ -61,7 +66,7 @@ def main() -> None:
     if sys.argv[1] == "train":
         train(rank, world)
     else:
-        resume(rank)
+        resume(rank, hold=sys.argv[1] == "resume_hold")
     dist.destroy_process_group()
 
 

@@ -172,6 +172,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # The suite is CPU-bound on 2 cores; scripts/suite_profile.py sums it per module.
 CPU_LOG = os.environ.get("MLCHECKPOINT_TEST_CPU_LOG")
 _python_starts = [0]
+# ... and every process the suite starts writes a line of its own to FILE.procs at its exit
+# (tests/startup/sitecustomize.py): its CPU and how much of it was starting and importing.
+if CPU_LOG:
+    os.environ.setdefault("MLCHECKPOINT_TEST_PROC_LOG", CPU_LOG + ".procs")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -241,7 +241,7 @@ class Flusher:
         if healing is None or not healing.is_alive():
             return
         log.warning("mlcheckpoint: preemption flush on rank %d waits for its own shard of the "
-                    "loaded step, which is still coming back from its partner", self.rank)
+                    "loaded step, which is still coming back from other nodes", self.rank)
         healing.join(max(0.0, deadline - time.monotonic()))
         if healing.is_alive():
             log.error("mlcheckpoint: preemption flush on rank %d: its own shard of the loaded "

@@ -205,7 +205,12 @@ def test_a_preemption_while_a_replaced_node_heals_flushes_the_step_it_loaded():
         for node in c.nodes:
             assert node.proc is not None
             node.proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)  # the flushes have started; rank 1's waits for its shard
+        deadline = time.monotonic() + 30
+        # Rank 0's part is written, and rank 1's flush waits for its shard: only then may it come.
+        while not (glob.glob(f"{c.persistent_dir}/step-*/.mlcheckpoint-flush/*/part-00000.json")
+                   and "rank 1 waits for its own shard" in c.nodes[1].log()):
+            assert time.monotonic() < deadline, c.logs()
+            time.sleep(0.05)
         open(hold, "w").close()
         c.wait(60)
         storage = PersistentStorage(c.persistent_dir)

@@ -18,10 +18,10 @@ gc.set_threshold(100_000, 50, 50)
 
 # MLCHECKPOINT_TEST_PROC_LOG=FILE (tests/conftest.py sets it beside MLCHECKPOINT_TEST_CPU_LOG):
 # every process appends one JSON line at exit: what it ran, its CPU seconds, and its CPU
-# seconds since it started at the moment each of a few imports finished (torch; DCP; ours;
-# torchrun's agent), so scripts/suite_profile.py can say how much of the suite's CPU is
-# starting interpreters and importing. A process killed by a signal writes nothing (the suite
-# SIGKILLs nodes on purpose).
+# seconds since it started at the moment each of a few imports finished (torch, DCP, ours; an
+# agent, run as ``-m torch.distributed.run``, imports torch), so scripts/suite_profile.py can
+# say how much of the suite's CPU is starting interpreters and importing. A process killed by
+# a signal writes nothing (the suite SIGKILLs nodes on purpose).
 if os.environ.get("MLCHECKPOINT_TEST_PROC_LOG"):
     import atexit
     import importlib.abc
@@ -30,7 +30,7 @@ if os.environ.get("MLCHECKPOINT_TEST_PROC_LOG"):
     import resource
     import sys
 
-    _TIMED = ("torch", "torch.distributed.checkpoint", "torch.distributed.run", "mlcheckpoint")
+    _TIMED = ("torch", "torch.distributed.checkpoint", "mlcheckpoint")
     _ready: dict[str, float] = {}  # name -> CPU seconds of this process when its import ended
 
     def _cpu() -> float:

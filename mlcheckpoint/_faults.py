@@ -9,7 +9,8 @@ once it has answered "ok" and before the bytes; the step and rank named are the 
 Pause: MLCHECKPOINT_PAUSE_AT="<point>[@<step>][#<rank>]=<path>" holds the calling thread at
 the point until the file <path> exists (and creates <path>.reached when it gets there, so the
 test knows), so a test makes two ranks meet in the one order that
-exposes a race, every run. Points: resume_agreed (right after resume's last collective),
+exposes a race, every run. Points: resume_load (a resume, before it loads the step it
+chose), resume_agreed (right after resume's last collective),
 retention_planned (a retention pass between its plan and carrying it out), persistent_write
 (a background persistent write, before it starts), write_data (a shard's commit, once DCP
 planned the save, before any item is placed), flush_part (a preemption flush, once this

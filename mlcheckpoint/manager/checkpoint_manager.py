@@ -12,6 +12,7 @@ import contextlib
 import logging
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
@@ -351,17 +352,31 @@ class CheckpointManager:
         """
         self._check_open()
         self._saver.wait()
-        resumed = self._recovery(announce=announce).run(state_dict)
-        self._lineage = resumed.lineage  # later saves descend from what was loaded
-        self._saver.settled()
-        self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
-        if self._flusher is not None:  # a preemption flush waits for what comes back
-            self._flusher.after_resume(resumed.healing, resumed.rebuilt_step)
-        info = self._last_resume = resumed.info
-        history.record(self._store.job_dir, "resume", step=info.step, rank=self.rank,
-                       source=info.sources.get(self.rank, info.source), seconds=round(info.seconds, 6),
-                       bytes=resumed.bytes_fetched, reason=info.reason)
+        with self._preemption_waits_for_resume():
+            resumed = self._recovery(announce=announce).run(state_dict)
+            self._lineage = resumed.lineage  # later saves descend from what was loaded
+            self._saver.settled()
+            self._heal_thread = resumed.healing  # a replaced node's own shard, coming back
+            if self._flusher is not None:  # a preemption flush waits for what comes back
+                self._flusher.after_resume(resumed.healing, resumed.rebuilt_step)
+            info = self._last_resume = resumed.info
+            history.record(self._store.job_dir, "resume", step=info.step, rank=self.rank,
+                           source=info.sources.get(self.rank, info.source),
+                           seconds=round(info.seconds, 6), bytes=resumed.bytes_fetched,
+                           reason=info.reason)
         return info
+
+    @contextlib.contextmanager
+    def _preemption_waits_for_resume(self) -> Iterator[None]:
+        """A preemption notice during the resume: the flush waits for the step the resume
+        loads (and for what it leaves coming back), and SIGTERM's handler, on the main thread
+        that loads it, waits until the resume is over (docs/operations.md, Preemption)."""
+        if self._preemption is None or self._flusher is None:
+            yield
+            return
+        # The flusher's block inside: the flush stops waiting before the handler waits for it.
+        with self._preemption.handler_after(), self._flusher.resuming():
+            yield
 
     def continue_from(self, step: int | None) -> None:
         """The job continues from ``step`` (None: from scratch), restored without ``resume``:

@@ -42,6 +42,7 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,16 +123,30 @@ class Flusher:
         rank: this rank (the owner of the shards it writes).
         pins: this rank's pins: a step being flushed is never retired under it.
 
-    After a resume on a replaced node (``after_resume``), a flush waits for this rank's own
-    shard of the loaded step to come back (``healing``) before it looks for its part, and a
-    preemption's flush of that step stays until the step is complete (``flush_and_stay``):
-    a rank still bringing its shard back may be reading it from this node.
+    A flush during a resume (``resuming``) waits for the resume to end: the step it loads is
+    the one to write. After a resume on a replaced node (``after_resume``), a flush waits for
+    this rank's own shard of the loaded step to come back (``healing``) before it looks for
+    its part, and a preemption's flush of that step stays until the step is complete
+    (``flush_and_stay``): a rank still bringing its shard back may be reading it from this
+    node.
     """
 
     def __init__(self, store: LocalStore, storage: PersistentStorage, rank: int, pins: Pins):
         self.store, self.storage, self.rank, self.pins = store, storage, rank, pins
+        self.resumed = threading.Event()  # no resume in flight (cleared while one runs)
+        self.resumed.set()
         self.healing: threading.Thread | None = None  # bringing this rank's own shard back
         self.rebuilt_step: int | None = None  # the loaded step some rank's shard comes back to
+
+    @contextlib.contextmanager
+    def resuming(self) -> Iterator[None]:
+        """A resume runs in the block: a flush meanwhile waits (within its deadline) for its
+        end, however it ends."""
+        self.resumed.clear()
+        try:
+            yield
+        finally:
+            self.resumed.set()
 
     def after_resume(self, healing: threading.Thread | None, rebuilt_step: int | None) -> None:
         """What the resume left in flight: the thread bringing this rank's own shard back
@@ -236,7 +251,15 @@ class Flusher:
         return result
 
     def _wait_for_heal(self, deadline: float) -> None:
-        """Wait (until ``deadline``) for the heal bringing this rank's own shard back."""
+        """Wait (until ``deadline``) for a resume in flight, then for the heal bringing this
+        rank's own shard back."""
+        if not self.resumed.is_set():
+            log.warning("mlcheckpoint: preemption flush on rank %d waits for the resume in "
+                        "flight: the step it loads is the one to write", self.rank)
+            if not self.resumed.wait(max(0.0, deadline - time.monotonic())):
+                log.error("mlcheckpoint: preemption flush on rank %d: the resume did not end "
+                          "before the deadline", self.rank)
+                return
         healing = self.healing
         if healing is None or not healing.is_alive():
             return

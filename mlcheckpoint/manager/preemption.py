@@ -22,6 +22,11 @@ action. If the main thread never gets there (stuck in a collective) and SIGTERM'
 disposition before ours was the default, the watcher ends the process the same way once the
 flush is over: without us it would have died at the signal. A user handler, or SIG_IGN, is
 left to the main thread, as it would have been.
+
+A notice during a resume (``handler_after``): the flush is to write the step the main thread
+is loading, so it waits for the load (``Flusher.resuming``), and the handler, which would
+otherwise wait for that flush on the very thread it waits for, only notes the signal and
+returns; it runs in full once the resume is over.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..waiting import deadline_in
@@ -89,6 +94,8 @@ class Preemption:
         self._previous: Any = None  # SIGTERM's handler before ours
         self._installed = False
         self._in_handler = threading.Event()  # the main thread reached our handler
+        self._holding = False  # the main thread is in a ``handler_after`` block
+        self._held: tuple[int, Any] | None = None  # the SIGTERM that came during it
         self._closed = threading.Event()
         self._wake_r = self._wake_w = -1
         self._old_wakeup_fd = -1
@@ -182,9 +189,32 @@ class Preemption:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
+    @contextlib.contextmanager
+    def handler_after(self) -> Iterator[None]:
+        """While the main thread runs the block (a resume: it loads the step the flush is to
+        write), a SIGTERM starts the flush at once but its handler returns at once too: what
+        the handler does (wait for the flush, then what SIGTERM did before us) runs when the
+        block ends, however it ends. A block stuck past the deadline is ended as a stuck
+        collective is (``_end_if_main_is_stuck``)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # SIGTERM's handler runs on the main thread only: nothing to hold back
+            return
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            held, self._held = self._held, None
+            if held is not None:
+                self._on_sigterm(*held)
+
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """On the main thread: the flush first (bounded by the deadline), then what SIGTERM
         did before us."""
+        if self._holding and not self._closed.is_set():
+            self._held = (signum, frame)
+            self._sigterm()  # the flush starts now (if the notice thread has not started it)
+            return
         self._in_handler.set()
         if not self._closed.is_set():
             self.wait(self._sigterm())

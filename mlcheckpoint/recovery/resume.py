@@ -344,6 +344,7 @@ class Recovery:
         assert d.step is not None
         reader = MemoryStorageReader(d.step, self.store, node=self.topo.node_rank, remote=holders,
                                      save_id=d.save_id, refusals=self.refusals)
+        pause_point("resume_load", d.step, self.topo.rank)
         try:
             load_step(state_dict, reader, self.group)
         except MLCheckpointError as e:

@@ -225,6 +225,55 @@ def test_a_preemption_while_a_replaced_node_heals_flushes_the_step_it_loaded():
             assert (r["step"], r["source"], r["mismatch"]) == (loaded, "persistent", []), r
 
 
+def test_a_preemption_during_the_load_after_a_node_was_replaced_flushes_the_step_loaded():
+    """2 nodes x 1 rank. As above, node 1 is lost after step 12 and the job restarts, but the
+    whole-job preemption comes while the ranks are still loading (rank 1 held before its
+    load). Each rank's flush waits for the resume, SIGTERM's handler waits until the resume is
+    over, and rank 1's flush then waits for its own shard to come back: the step loaded is
+    complete in the persistent folder, and a restart on new machines resumes it. Before, rank
+    1's handler ended it inside the load, with no part written, and the restart went back to
+    step 10."""
+    with Cluster(nnodes=2, nproc=1) as c:
+        c.start("preempt_job.py", "train")
+        progress = train_until(c, 12)
+        while min(p["protected"] or -1 for p in progress.values()) < 12:  # on both nodes
+            assert c.running() == [0, 1], c.logs()
+            time.sleep(0.05)
+            progress = c.results("progress")
+        c.kill_all()  # node 1 lost, the job stopped with it
+        protected = min(p["protected"] for p in c.results("progress").values())
+        c.nodes[1].wipe()
+        hold = os.path.join(c.root, "load")
+        c.clear_results()
+        c.start("preempt_job.py", "resume_hold", env={"MLCHECKPOINT_PAUSE_AT": f"resume_load#1={hold}"})
+        deadline = time.monotonic() + 120
+        while not os.path.exists(f"{hold}.reached"):
+            assert time.monotonic() < deadline and c.running() == [0, 1], c.logs()
+            time.sleep(0.05)
+        for node in c.nodes:
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        # Both flushes wait for the resume: only then may rank 1 load.
+        while not all(f"rank {n.index} waits for the resume in flight" in n.log() for n in c.nodes):
+            assert time.monotonic() < deadline and c.running() == [0, 1], c.logs()
+            time.sleep(0.05)
+        open(hold, "w").close()
+        c.wait(60)
+        assert "rank 1 waits for its own shard" in c.nodes[1].log(), c.logs()
+        storage = PersistentStorage(c.persistent_dir)
+        newest = storage.complete_steps()[-1]
+        assert newest >= protected, (storage.complete_steps(), protected, c.logs())
+        assert load_plain(storage.path(newest), newest, 2) == []
+
+        for node in c.nodes:  # new machines: nothing in memory
+            node.wipe()
+        c.clear_results()
+        c.run("preempt_job.py", "resume", timeout=180)
+        for r in c.results("resume").values():
+            assert (r["step"], r["source"], r["mismatch"]) == (newest, "persistent", []), r
+
+
 def test_opted_out_no_flush():
     """``MLCHECKPOINT_PREEMPTION_FLUSH=0``: SIGTERM ends the ranks as it always did; nothing
     newer than persistent step 10 is written."""

@@ -177,6 +177,58 @@ def test_sigterm_flushes_on_a_thread_then_runs_the_handler_that_was_there(store_
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_flush_during_a_resume_waits_for_the_step_it_loads(store_dir):
+    """A flush that starts while a resume runs (``Flusher.resuming``) writes nothing until the
+    resume is over: the step the resume is loading is what it is to write. Here step 1 lands
+    in memory while the flush waits (as a load brings it), and the flush writes it."""
+    stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
+    storage = PersistentStorage(os.path.join(store_dir, "persistent"))
+    flusher = Flusher(stores[0], storage, 0, Pins())
+    results: list[FlushResult] = []
+    with flusher.resuming():
+        waiting = threading.Thread(target=lambda: results.append(
+            flusher.flush(time.monotonic() + 30)))
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive() and not results
+        save_two_ranks(1, stores)
+    waiting.join(10)
+    assert results and results[0].parts == [1], results
+
+
+def test_a_sigterm_during_a_resume_runs_its_handler_once_the_resume_is_over(store_dir):
+    """SIGTERM inside ``handler_after`` (where a resume runs): the flush starts at once, on its
+    thread, but the handler that was there before (a user's) runs only when the block ends,
+    after the flush, on the main thread. Before, the handler ran at once, inside the resume,
+    and the process ended before it loaded what the flush was to write."""
+    calls: list[tuple[str, str]] = []
+    flushed = threading.Event()
+
+    def flush(deadline: float) -> FlushResult:
+        calls.append(("flush", threading.current_thread().name))
+        flushed.set()
+        return FlushResult(step=7, complete=True)
+
+    def user(signum, frame):
+        calls.append(("user", threading.current_thread().name))
+
+    before = signal.signal(signal.SIGTERM, user)
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    try:
+        p = Preemption(flush, deadline_s=10, on_sigterm=True, notice_file=None)
+        with p.handler_after():
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert flushed.wait(5)
+            time.sleep(0.2)  # bytecodes enough for the handler to have run, had it not waited
+            calls.append(("resume", threading.current_thread().name))
+        assert calls == [("flush", "mlckpt-flush"), ("resume", "MainThread"),
+                         ("user", "MainThread")], calls
+        p.close()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_a_notice_file_starts_a_flush_and_training_goes_on(store_dir):
     notice = os.path.join(store_dir, "notice")
     ran = threading.Event()

@@ -182,7 +182,12 @@ def test_a_preemption_while_a_replaced_node_heals_flushes_the_step_it_loaded():
     rank 0's process stays (within the deadline) while rank 1 reads it from node 0's memory, so
     the loaded step is complete in the persistent folder, and a restart on new machines
     resumes it exactly. Before: rank 1 had no part to write and rank 0's process ended at
-    once, so the restart went back to step 10, losing every step since."""
+    once, so the restart went back to step 10, losing every step since.
+
+    The restart runs with an explicit replication budget of 500 B/s, which paces a heal (the
+    shard, about 17 kB, would take 30 s, past the 25 s deadline): node 0 serves it at the
+    link's speed once its own notice came (``Budget.hurried``). Before, the heal stayed
+    paced, rank 1's flush ran out of time, and the restart went back to step 10."""
     with Cluster(nnodes=2, nproc=1) as c:
         c.start("preempt_job.py", "train")
         progress = train_until(c, 12)
@@ -194,7 +199,8 @@ def test_a_preemption_while_a_replaced_node_heals_flushes_the_step_it_loaded():
         c.nodes[1].wipe()
         hold = os.path.join(c.root, "heal")
         c.clear_results()
-        c.start("preempt_job.py", "resume_hold", env={"MLCHECKPOINT_PAUSE_AT": f"heal_rebuild#1={hold}"})
+        c.start("preempt_job.py", "resume_hold", env={"MLCHECKPOINT_PAUSE_AT": f"heal_rebuild#1={hold}",
+                                                      "MLCHECKPOINT_REPLICATION_BANDWIDTH": "500"})
         deadline = time.monotonic() + 120
         while len(c.results("resume")) < 2 or not os.path.exists(f"{hold}.reached"):
             assert time.monotonic() < deadline and c.running() == [0, 1], c.logs()

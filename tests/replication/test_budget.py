@@ -116,6 +116,24 @@ def test_an_idle_link_saves_up_no_burst():
     assert b.take(b.chunk) == pytest.approx(b.chunk / 1_000_000)  # the next waits its turn
 
 
+def test_a_preemption_flush_sends_the_rest_of_a_paced_range_at_once():
+    """Inside ``hurried`` (a preemption flush runs), a paced send mid-way goes on unpaced: the
+    rest of its range in one piece, with no sleep; pacing is back once the block ends."""
+    time = SimulatedTime()
+    b = budget(1000, time)
+    sent = []
+    chunks = b.chunks(0, 10_000)
+    for _ in range(3):
+        sent.append(next(chunks)[1])
+    waited = b.seconds_waited
+    assert waited > 0 and sent == [b.chunk] * 3
+    with b.hurried():
+        rest = list(chunks)
+        assert [n for _, n in rest] == [10_000 - 3 * b.chunk]
+        assert b.seconds_waited == waited and b.take(500) == 0
+    assert b.take(b.chunk) > 0  # paced again, behind what was booked before
+
+
 def test_two_processes_of_a_node_share_one_rate(tmp_path):
     """Two Budgets on one schedule file, as two ranks' processes hold it (each its own file
     descriptor and flock): together they send at the node's rate, not each at it."""

@@ -42,6 +42,10 @@ below the link's rate, builds no queue. The setting ``adaptive_pacing`` says wha
   senders hold still until the next save (or a drain), and that interval is the baseline.
   Until both are known it paces as an explicit budget of ``default_bandwidth``.
 
+A preemption notice lifts the pacing of the process it reaches while its flush runs
+(``Budget.hurried``): the machines are about to go, no step is left to spare, and a replaced
+node's flush may be waiting for a heal this node serves.
+
 Pacing goes in chunks of about 4 ms of budget (64 KiB to 4 MiB), each still sent with
 sendfile() straight from the tmpfs file: no extra copy. Each paced socket also gets
 SO_MAX_PACING_RATE, so the kernel spreads even one chunk's packets over its slot instead of
@@ -270,6 +274,7 @@ class Budget:
         self._quiet_until = 0.0
         self._quiet_set = False  # the interval since the last save was meant to be quiet
         self.seconds_quiet = 0.0
+        self._hurried = False  # a preemption flush runs here: nothing is paced (``hurried``)
         if self.derived:  # a booking may be slept on for as long as the slowest rate takes
             self._stale_after = max(self._stale_after, 1024 * self.chunk / self.derived_floor)
 
@@ -356,6 +361,19 @@ class Budget:
             pacer.factor = 1.0
             self._derive()
 
+    @contextlib.contextmanager
+    def hurried(self) -> Iterator[None]:
+        """While the block runs (a preemption flush), this process sends at the link's speed:
+        the machines are about to go, and what still crosses (a shard served to a replaced
+        node's heal, which that node's flush waits for) must beat the flush's deadline rather
+        than spare training's steps. Sends already under way drop their pacing at the next
+        chunk."""
+        self._hurried = True
+        try:
+            yield
+        finally:
+            self._hurried = False
+
     def _hold_while_quiet(self) -> float:
         """Sleep while a quiet interval lasts; the seconds slept."""
         slept = 0.0
@@ -396,9 +414,9 @@ class Budget:
     def take(self, nbytes: int) -> float:
         """Book ``nbytes`` on the node's link and sleep until their turn; return the seconds
         slept. Callers book a chunk at a time (``chunks``)."""
-        quiet = self._hold_while_quiet() if self.derived else 0.0
+        quiet = self._hold_while_quiet() if self.derived and not self._hurried else 0.0
         wait = 0.0  # for this chunk's turn (start >= now)
-        if self.capped:
+        if self.capped and not self._hurried:
             with self.schedule.locked() as booking:
                 now = self._clock()
                 start = booking.until if now < booking.until < now + self._stale_after else now
@@ -432,7 +450,7 @@ class Budget:
         start = offset
         while start < end:
             chunk = chunk_bytes(int(self._rate_now)) if self.adaptive or self.derived else self.chunk
-            n = min(chunk, end - start)
+            n = end - start if self._hurried else min(chunk, end - start)
             self.take(n)
             yield start, n
             start += n
@@ -528,7 +546,10 @@ class Budget:
             # A little above the rate: the kernel counts headers too, and the schedule, not
             # the kernel, is what holds the node to its budget.
             kernel_rate = min(NO_PACING - 1, int(self._rate_now * 17 / 16))
-            if self.capped and kernel_rate != paced[0]:
+            if self._hurried and paced[0]:
+                set_pacing(sock, NO_PACING)
+                paced[0] = 0
+            elif self.capped and not self._hurried and kernel_rate != paced[0]:
                 if set_pacing(sock, kernel_rate):
                     paced[0] = kernel_rate
                 else:

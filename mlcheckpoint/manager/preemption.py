@@ -96,6 +96,7 @@ class Preemption:
         self._in_handler = threading.Event()  # the main thread reached our handler
         self._holding = False  # the main thread is in a ``handler_after`` block
         self._held: tuple[int, Any] | None = None  # the SIGTERM that came during it
+        self._hold_lock = threading.Lock()  # the block's end and ``_release_held`` take _held
         self._closed = threading.Event()
         self._wake_r = self._wake_w = -1
         self._old_wakeup_fd = -1
@@ -192,10 +193,10 @@ class Preemption:
     @contextlib.contextmanager
     def handler_after(self) -> Iterator[None]:
         """While the main thread runs the block (a resume: it loads the step the flush is to
-        write), a SIGTERM starts the flush at once but its handler returns at once too: what
-        the handler does (wait for the flush, then what SIGTERM did before us) runs when the
-        block ends, however it ends. A block stuck past the deadline is ended as a stuck
-        collective is (``_end_if_main_is_stuck``)."""
+        write, and the flush waits for it), a SIGTERM starts the flush at once but its handler
+        returns at once too: what the handler does (wait for the flush, then what SIGTERM did
+        before us) runs when the block ends, however it ends, or once the flush is over if
+        the block is still running then (``_release_held``: the deadline passed)."""
         if threading.current_thread() is not threading.main_thread():
             yield  # SIGTERM's handler runs on the main thread only: nothing to hold back
             return
@@ -203,17 +204,38 @@ class Preemption:
         try:
             yield
         finally:
-            self._holding = False
-            held, self._held = self._held, None
+            with self._hold_lock:
+                self._holding = False
+                held, self._held = self._held, None
             if held is not None:
                 self._on_sigterm(*held)
+
+    def _release_held(self, deadline: float) -> None:
+        """Once the flush is over (or at ``deadline``), a SIGTERM still held by a block that
+        has not ended is let go: the signal goes to the main thread again, whose handler now
+        runs at once (a user's handler waits no longer than the flush may)."""
+        self.wait(deadline)
+        with self._hold_lock:
+            if self._held is None:
+                return  # the block ended and ran the handler
+            self._holding, self._held = False, None
+        with self._lock:  # the signal sent again is this one, not a new notice
+            self._sigterm_deadline = max(self._sigterm_deadline or 0.0,
+                                         deadline_in(MAIN_THREAD_GRACE_S))
+        log.warning("mlcheckpoint: the resume did not end before the preemption flush did: "
+                    "SIGTERM's handling goes on without it")
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """On the main thread: the flush first (bounded by the deadline), then what SIGTERM
         did before us."""
         if self._holding and not self._closed.is_set():
+            first = self._held is None
             self._held = (signum, frame)
-            self._sigterm()  # the flush starts now (if the notice thread has not started it)
+            deadline = self._sigterm()  # the flush starts now (if the notice thread did not)
+            if first:
+                threading.Thread(target=self._release_held, args=(deadline,), daemon=True,
+                                 name="mlckpt-notice-held").start()
             return
         self._in_handler.set()
         if not self._closed.is_set():

@@ -202,11 +202,12 @@ def test_a_sigterm_during_a_resume_runs_its_handler_once_the_resume_is_over(stor
     after the flush, on the main thread. Before, the handler ran at once, inside the resume,
     and the process ended before it loaded what the flush was to write."""
     calls: list[tuple[str, str]] = []
-    flushed = threading.Event()
+    started, resumed = threading.Event(), threading.Event()
 
-    def flush(deadline: float) -> FlushResult:
+    def flush(deadline: float) -> FlushResult:  # as Flusher.resuming has it wait
+        started.set()
+        resumed.wait(max(0.0, deadline - time.monotonic()))
         calls.append(("flush", threading.current_thread().name))
-        flushed.set()
         return FlushResult(step=7, complete=True)
 
     def user(signum, frame):
@@ -219,11 +220,29 @@ def test_a_sigterm_during_a_resume_runs_its_handler_once_the_resume_is_over(stor
         p = Preemption(flush, deadline_s=10, on_sigterm=True, notice_file=None)
         with p.handler_after():
             os.kill(os.getpid(), signal.SIGTERM)
-            assert flushed.wait(5)
+            assert started.wait(5)
             time.sleep(0.2)  # bytecodes enough for the handler to have run, had it not waited
             calls.append(("resume", threading.current_thread().name))
-        assert calls == [("flush", "mlckpt-flush"), ("resume", "MainThread"),
+            resumed.set()
+        assert calls == [("resume", "MainThread"), ("flush", "mlckpt-flush"),
                          ("user", "MainThread")], calls
+        p.close()
+
+        # A resume that outlasts the deadline: the handler runs at it, inside the block.
+        calls.clear()
+        started.clear()
+        resumed.clear()
+        p = Preemption(flush, deadline_s=0.5, on_sigterm=True, notice_file=None)
+        with p.handler_after():
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert started.wait(5)
+            t0 = time.monotonic()
+            while not calls.count(("user", "MainThread")) and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            calls.append(("resume", threading.current_thread().name))
+        assert calls == [("flush", "mlckpt-flush"), ("user", "MainThread"),
+                         ("resume", "MainThread")], calls
+        assert p.wait(time.monotonic()) is not None and p._served == p._requested == 1  # one flush
         p.close()
     finally:
         signal.signal(signal.SIGTERM, before)

@@ -8,7 +8,8 @@ A framework that keeps its own folder names its steps its own way: ``step_format
 (torchtitan: ``"step-{step}"``), so recovery weighs that folder's newest step against memory
 and loads one of them, once. A folder whose checkpoints only the framework can read (e.g.
 Lightning's, with its ``meta.pt``) subclasses ``PersistentStorage`` and overrides
-``complete_steps``, ``path`` and ``restore``.
+``complete_steps``, ``path`` and ``restore`` (and, to take the preemption flush, ``flushable``,
+``flush_path`` and ``flush_completes``).
 
 Retention (``keep_persistent``): ``prune`` removes the oldest complete steps beyond the newest
 ``keep``; ``to_prune`` is the plan, which never names the newest complete step, a step being
@@ -133,19 +134,39 @@ class PersistentStorage:
 
     def flush_refused(self) -> str | None:
         """Why a preemption flush (``manager/flush.py``) cannot write steps here, or None: it
-        writes a plain DCP checkpoint into ``path(step)`` on a file system, which only a folder
-        whose steps are plain DCP checkpoints found by ``complete_steps`` counts and loads."""
+        writes a plain DCP checkpoint into ``flush_path(step)`` on a file system, which only a
+        folder that then counts and loads it takes (``flushable``)."""
         if self.is_url:
             return f"the persistent folder {self.location} is an fsspec URL"
-        ours = PersistentStorage
-        if any(getattr(type(self), name) is not getattr(ours, name)
-               for name in ("complete_steps", "steps", "path", "restore")):
+        if not self.flushable:
             return f"{type(self).__name__} keeps a framework's own folder layout"
         return None
 
-    def record_origin(self, step: int, origin: PersistentOrigin) -> None:
-        """Write ``origin`` into ``step``'s folder (after DCP finished writing it)."""
-        self._write_text(f"{self.path(step)}/{ORIGIN_FILE}", origin.to_json())
+    @property
+    def flushable(self) -> bool:
+        """Whether a flushed step (a plain DCP checkpoint of the state dict memory holds, at
+        ``flush_path``, made complete by ``flush_completes`` and then DCP's ``.metadata``) is
+        one this folder counts and loads: so for plain DCP folders. A subclass with its own
+        layout (its own ``complete_steps``, ``steps``, ``path`` or ``restore``) says so itself,
+        overriding this."""
+        ours = PersistentStorage
+        return all(getattr(type(self), name) is getattr(ours, name)
+                   for name in ("complete_steps", "steps", "path", "restore"))
+
+    def flush_path(self, step: int) -> str:
+        """The folder a preemption flush writes ``step`` into."""
+        return self.path(step)
+
+    def flush_completes(self, folder: str, read_item: Callable[[str], bytes]) -> None:
+        """What the layout needs in a flushed step's ``folder`` besides DCP's files, written by
+        the flush's finisher just before DCP's ``.metadata`` (which makes the step complete).
+        ``read_item(fqn)``: the bytes DCP wrote for a non-tensor item of the step. Nothing for
+        a plain DCP folder."""
+
+    def record_origin(self, step: int, origin: PersistentOrigin, folder: str | None = None) -> None:
+        """Write ``origin`` into ``step``'s folder (``folder``: the one a flush is finishing,
+        which ``path`` may not name yet)."""
+        self._write_text(f"{folder or self.path(step)}/{ORIGIN_FILE}", origin.to_json())
 
     def origin(self, step: int) -> PersistentOrigin | None:
         """The recorded origin of ``step``; None where there is none or it cannot be read (a

@@ -27,6 +27,7 @@ import dataclasses
 import io
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptShardError
 from ..manager import CheckpointManager
 from ..persistent import PersistentStorage
 from ..recovery import ResumeInfo
@@ -129,11 +130,33 @@ class _OptimizerState(Stateful):
 class LightningFolder(PersistentStorage):
     """Lightning's checkpoint folder (a ``ModelCheckpoint`` dirpath) as the persistent tier: a
     step is a sharded checkpoint there (DCP files and ``meta.pt``), numbered by its global
-    step, and Lightning's own loader reads it."""
+    step, and Lightning's own loader reads it.
+
+    A preemption flush writes the step memory holds as one more such checkpoint,
+    ``preempted-step=<S>.ckpt``: memory holds Lightning's sharded layout (``state_dict``,
+    ``optimizer_<i>``) beside the metadata Lightning puts in ``meta.pt``, which becomes that
+    file (``flush_completes``). Lightning's own loader reads it, as ``fit(ckpt_path=...)``."""
+
+    flushable = True
 
     def __init__(self, folder: str | os.PathLike, strategy: MLCheckpointStrategy):
         super().__init__(folder)
         self.strategy = strategy
+
+    def flush_path(self, step: int) -> str:
+        return os.path.join(self.location, f"preempted-step={step}.ckpt")
+
+    def flush_completes(self, folder: str, read_item: Callable[[str], bytes]) -> None:
+        meta = torch.load(io.BytesIO(read_item(_META)), weights_only=True)  # DCP's wrapping
+        if not isinstance(meta, bytes):
+            raise CorruptShardError(f"{folder}: item {_META!r} holds a {type(meta).__name__}, "
+                                    "not bytes")
+        tmp = os.path.join(folder, f".{_METADATA_FILENAME}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(meta)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(folder, _METADATA_FILENAME))
 
     def _checkpoints(self) -> dict[int, Path]:
         found: dict[int, Path] = {}

@@ -171,22 +171,12 @@ class CheckpointManager:
             log.info("mlcheckpoint: no preemption flush: %s", refused)
             return None
         on = bool(BY_NAME["preemption_flush"].resolve())
-        flusher = Flusher(self._store, self._persistent, self.rank, self._lifecycle.pins)
+        flusher = Flusher(self._store, self._persistent, self.rank, self._lifecycle.pins,
+                          budget=None if self._replicator is None else self._replicator.transport.budget)
         self._flusher = flusher
-        return Preemption(self._on_preemption_notice, deadline_s=BY_NAME["flush_deadline"].resolve(),
+        return Preemption(flusher.flush_and_stay, deadline_s=BY_NAME["flush_deadline"].resolve(),
                           on_sigterm=on,
                           notice_file=BY_NAME["flush_notice_file"].resolve() if on else None)
-
-    def _on_preemption_notice(self, deadline: float) -> FlushResult:
-        """What a preemption notice runs (on ``mlckpt-flush``): the flush, with this process's
-        background sends unpaced meanwhile (``Budget.hurried``): a shard this node serves to a
-        replaced node's heal must cross before that node's flush, which waits for it, runs out
-        of time."""
-        assert self._flusher is not None
-        if self._replicator is None:
-            return self._flusher.flush_and_stay(deadline)
-        with self._replicator.transport.budget.hurried():
-            return self._flusher.flush_and_stay(deadline)
 
     def flush_to_persistent(self, timeout: float | None = None) -> FlushResult:
         """Write this rank's part of the newest step memory holds whole to the persistent

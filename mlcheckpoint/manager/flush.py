@@ -58,6 +58,7 @@ from ..dcp.placement import item_key
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity.verify import same_layout, verify_region
 from ..persistent import PersistentOrigin, PersistentStorage
+from ..replication.core.budget import Budget
 from ..store import LocalStore
 from ..store.layout import ItemLocation
 from ..store.local_store import ShardSource
@@ -122,6 +123,8 @@ class Flusher:
             (``PersistentStorage.flush_refused`` says why another is refused).
         rank: this rank (the owner of the shards it writes).
         pins: this rank's pins: a step being flushed is never retired under it.
+        budget: this process's replication budget (None: no replication), unpaced while a
+            preemption's flush runs (``flush_and_stay``).
 
     A flush during a resume (``resuming``) waits for the resume to end: the step it loads is
     the one to write. After a resume on a replaced node (``after_resume``), a flush waits for
@@ -131,8 +134,10 @@ class Flusher:
     node.
     """
 
-    def __init__(self, store: LocalStore, storage: PersistentStorage, rank: int, pins: Pins):
+    def __init__(self, store: LocalStore, storage: PersistentStorage, rank: int, pins: Pins,
+                 budget: Budget | None = None):
         self.store, self.storage, self.rank, self.pins = store, storage, rank, pins
+        self.budget = budget
         self.resumed = threading.Event()  # no resume in flight (cleared while one runs)
         self.resumed.set()
         self.healing: threading.Thread | None = None  # bringing this rank's own shard back
@@ -228,11 +233,11 @@ class Flusher:
         if result.step is not None:
             log.warning("mlcheckpoint: preemption flush on rank %d wrote step %d to %s (%d "
                         "bytes, %.2fs); step %s", self.rank, result.step,
-                        self.storage.path(result.step), result.bytes, result.seconds,
+                        self.storage.flush_path(result.step), result.bytes, result.seconds,
                         "complete" if result.complete else "waits for the other ranks' parts")
             history.record(self.store.job_dir, "flush", step=result.step, rank=self.rank,
                            bytes=result.bytes, seconds=round(result.seconds, 6),
-                           complete=result.complete, location=self.storage.path(result.step))
+                           complete=result.complete, location=self.storage.flush_path(result.step))
         return result
 
     def flush_and_stay(self, deadline: float) -> FlushResult:
@@ -241,13 +246,18 @@ class Flusher:
         until one is or the deadline passes: that rank may be reading its shard from this
         node to write its own part, and a process that left at once would end the read.
         Otherwise (a rank that failed and writes no part, before an elastic restart) nothing
-        waits for parts that may never come."""
-        result = self.flush(deadline)
-        if (self.rebuilt_step in result.parts and not result.complete
-                and wait_until(lambda: any(self.complete(s) for s in result.parts), deadline,
-                               poll=0.05)):
-            result.step = next(s for s in result.parts if self.complete(s))  # newest first
-            result.complete = True
+        waits for parts that may never come.
+
+        Meanwhile this process sends at the link's speed (``Budget.hurried``): a shard this
+        node serves to a replaced node's heal must cross before that node's flush, which waits
+        for it, runs out of time; the budget spares training's steps, and none are left."""
+        with self.budget.hurried() if self.budget is not None else contextlib.nullcontext():
+            result = self.flush(deadline)
+            if (self.rebuilt_step in result.parts and not result.complete
+                    and wait_until(lambda: any(self.complete(s) for s in result.parts), deadline,
+                                   poll=0.05)):
+                result.step = next(s for s in result.parts if self.complete(s))  # newest first
+                result.complete = True
         return result
 
     def _wait_for_heal(self, deadline: float) -> None:
@@ -274,7 +284,7 @@ class Flusher:
     def _write_part(self, c: _Candidate, deadline: float) -> int:
         """This rank's items of ``c`` into its file, verified, then its marker and (where
         held) the staged metadata; returns the bytes written."""
-        folder = self.storage.path(c.step)
+        folder = self.storage.flush_path(c.step)
         staging = os.path.join(folder, FLUSH_DIR, c.save_id)
         os.makedirs(staging, exist_ok=True)
         if c.metadata is not None:
@@ -307,7 +317,7 @@ class Flusher:
     def finish(self, step: int, save_id: str) -> bool:
         """Write DCP's ``.metadata`` of ``step`` if the staged metadata of ``save_id`` and every
         part it needs are in the folder; whether the step is complete now."""
-        folder = self.storage.path(step)
+        folder = self.storage.flush_path(step)
         staging = os.path.join(folder, FLUSH_DIR, save_id)
         try:
             with open(os.path.join(staging, "metadata"), "rb") as f:
@@ -336,19 +346,31 @@ class Flusher:
                                         f"{index.fqn!r} as the step's metadata records it")
             storage_data[index] = _StorageInfo(entry[5], entry[6], entry[7])
         metadata.storage_data = storage_data
+        self.storage.flush_completes(folder, lambda fqn: _read_item(folder, storage_data, fqn))
         metadata.storage_meta = StorageMeta(checkpoint_id=folder, save_id=save_id)
         if _DCP_VERSION is not None:
             metadata.version = _DCP_VERSION
         with contextlib.suppress(OSError):  # without it the step still loads (persistent.py)
             self.storage.record_origin(step, PersistentOrigin(
-                header.run_id, tuple((str(r), int(s)) for r, s in header.lineage), time.time()))
+                header.run_id, tuple((str(r), int(s)) for r, s in header.lineage), time.time()),
+                folder)
         _write_atomic(os.path.join(folder, ".metadata"),
                       pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), self.rank)
         return True
 
     def complete(self, step: int) -> bool:
         """Whether ``step`` is complete in the persistent folder."""
-        return os.path.exists(os.path.join(self.storage.path(step), ".metadata"))
+        return os.path.exists(os.path.join(self.storage.flush_path(step), ".metadata"))
+
+
+def _read_item(folder: str, storage_data: dict[Any, _StorageInfo], fqn: str) -> bytes:
+    """The bytes written for item ``fqn`` (a non-tensor: one entry) in the flushed ``folder``."""
+    for index, info in storage_data.items():
+        if index.fqn == fqn:
+            with open(os.path.join(folder, info.relative_path), "rb") as f:
+                f.seek(info.offset)
+                return f.read(info.length)
+    raise CorruptShardError(f"{folder}: the flushed step has no item {fqn!r}")
 
 
 def _items_to_write(items: list[ManifestItem],

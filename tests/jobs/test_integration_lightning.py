@@ -6,8 +6,10 @@ resume of step 6 does: the same loop position, losses, parameters and optimizer 
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -73,6 +75,54 @@ def test_lightning_strategy_resumes_from_memory_and_folder_like_lightning():
             final = torch.load(os.path.join(cluster.out_dir, f"lightning_{tag}.pt"))
             assert expected.keys() == final.keys() and any(k.startswith("optim.") for k in final)
             assert not [k for k in expected if not torch.equal(expected[k], final[k])], tag
+
+
+def test_a_preempted_job_keeps_its_newest_step_in_memory_as_a_lightning_checkpoint():
+    """SIGTERM (a whole-job preemption) to a job checkpointing to memory every step and to
+    Lightning's folder every 10: the preemption flush writes the newest step memory holds into
+    that folder as a sharded Lightning checkpoint (``preempted-step=<S>.ckpt``). With memory
+    gone, ``fit(ckpt_path=LATEST)`` resumes it, and plain Lightning loading it by its path
+    trains on exactly as our resume does. Before, the flush was refused for Lightning's folder
+    and the restart went back to Lightning's step 10 (or 20)."""
+    with Cluster(1, nproc=2) as cluster:
+        folder = os.path.join(cluster.root, "ckpts")
+        cluster.start("lightning_train.py", "preempt", folder,
+                      env={"LIGHTNING_TAG": "preempt", "LIGHTNING_STEPS": "400", "LIGHTNING_EVERY": "1"})
+        deadline = time.monotonic() + 120
+        while min((r["step"] for r in cluster.results("progress").values()), default=0) < 15 \
+                or len(cluster.results("progress")) < 2:
+            assert time.monotonic() < deadline and cluster.running() == [0], cluster.logs()
+            time.sleep(0.05)
+        reached = min(r["step"] for r in cluster.results("progress").values())
+        node = cluster.nodes[0]
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGTERM)
+        cluster.wait(timeout=60)
+        flushed = [n for n in os.listdir(folder) if n.startswith("preempted-step=")]
+        assert len(flushed) == 1, (os.listdir(folder), cluster.logs())
+        step = int(flushed[0].removeprefix("preempted-step=").removesuffix(".ckpt"))
+        own = max(int(n[len("step="):-len(".ckpt")]) for n in os.listdir(folder) if n.startswith("step="))
+        assert step > own and step >= reached - 1, (step, own, reached)
+        path = os.path.join(folder, flushed[0])
+        assert torch.load(os.path.join(path, "meta.pt"), weights_only=False)["global_step"] == step
+
+        node.wipe()  # new machines: Lightning's folder is all that is left
+        end = str(step + 4)
+        assert _run(cluster, "resume", folder, tag="after", LIGHTNING_STEPS=end) == 0, cluster.logs()
+        assert re.search(rf"^mlcheckpoint: restored step {step} from the persistent checkpoint",
+                         _printed(cluster), re.MULTILINE), _printed(cluster)
+        assert _run(cluster, "lightning", folder, tag="own_flushed", LIGHTNING_STEPS=end,
+                    LIGHTNING_CKPT=path) == 0, cluster.logs()
+        ours, own_run = cluster.results("lightning_after"), cluster.results("lightning_own_flushed")
+        for rank in (0, 1):
+            for r in (ours[rank], own_run[rank]):
+                r.pop("metrics")
+                r.pop("source")
+            assert ours[rank] == own_run[rank] and ours[rank]["start"][0] == step, (ours, own_run)
+        expected = torch.load(os.path.join(cluster.out_dir, "lightning_own_flushed.pt"))
+        final = torch.load(os.path.join(cluster.out_dir, "lightning_after.pt"))
+        assert expected.keys() == final.keys()
+        assert not [k for k in expected if not torch.equal(expected[k], final[k])]
 
 
 def test_a_fresh_start_trains_as_lightning_alone_and_claims_no_restore():

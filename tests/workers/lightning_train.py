@@ -11,10 +11,13 @@ argv: phase folder
               fresh start, trained to step 10.
   plain     - as fresh, with plain ModelParallelStrategy and no ckpt_path: the same training
               without mlcheckpoint.
+  preempt   - as save, with Lightning's own checkpoint every 10 steps, each step reported
+              ("progress") and slowed by 50 ms, until SIGTERM (LIGHTNING_STEPS at most).
 Nodes and processes: what torchrun started. env LIGHTNING_STEPS: the steps to train (10);
 LIGHTNING_EVERY: MemoryCheckpoint's interval (2); LIGHTNING_KILL: any phase dies after step 7
 as save does (after waiting for step 6 to reach the partner node, on several nodes);
-LIGHTNING_DEFAULT_MESH: MLCheckpointStrategy without data_parallel_size/tensor_parallel_size.
+LIGHTNING_DEFAULT_MESH: MLCheckpointStrategy without data_parallel_size/tensor_parallel_size;
+LIGHTNING_CKPT: the checkpoint the lightning phase resumes (default <folder>/step=6.ckpt).
 The module's on_save_checkpoint/on_load_checkpoint write and read a key of their own.
 Every phase but save trains to LIGHTNING_STEPS and reports "lightning_<tag>" (env LIGHTNING_TAG,
 default the phase): losses per step, the global step and epoch it started at, the resume
@@ -24,6 +27,7 @@ source; rank 0 saves the full final parameters and optimizer state to <TEST_OUT_
 import os
 import signal
 import sys
+import time
 
 import lightning as L
 import torch
@@ -86,14 +90,17 @@ class Net(L.LightningModule):
 class Record(Callback):
     """Losses by global step; after KILL_AFTER in the save phase, the job dies."""
 
-    def __init__(self, kill: bool):
-        self.kill, self.losses, self.start = kill, {}, None
+    def __init__(self, kill: bool, progress: bool = False):
+        self.kill, self.progress, self.losses, self.start = kill, progress, {}, None
 
     def on_train_start(self, trainer, pl_module):
         self.start = (trainer.global_step, trainer.current_epoch)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses[trainer.global_step] = outputs["loss"].item()
+        if self.progress:
+            report("progress", {"step": trainer.global_step})
+            time.sleep(0.05)
         if self.kill and trainer.global_step == KILL_AFTER:
             trainer.strategy.checkpoints.wait()  # step 6 is committed in memory
             if trainer.num_nodes > 1:  # and on the partner node: a node may be lost now
@@ -128,7 +135,7 @@ def main() -> None:
     phase, folder = sys.argv[1], sys.argv[2]
     tag = os.environ.get("LIGHTNING_TAG", phase)
     # Resumes start from another seed: what they load must decide where they go.
-    L.seed_everything(1 if phase in ("save", "fresh", "plain") else 2, verbose=False)
+    L.seed_everything(1 if phase in ("save", "fresh", "plain", "preempt") else 2, verbose=False)
     world, devices = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if phase in ("lightning", "plain"):
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
@@ -136,18 +143,21 @@ def main() -> None:
         mesh = ({} if os.environ.get("LIGHTNING_DEFAULT_MESH")  # Lightning's: dp = nodes
                 else {"data_parallel_size": world, "tensor_parallel_size": 1})
         strategy = MLCheckpointStrategy(folder=folder, **mesh)
-    record = Record(kill=phase == "save" or bool(os.environ.get("LIGHTNING_KILL")))
+    record = Record(kill=phase == "save" or bool(os.environ.get("LIGHTNING_KILL")),
+                    progress=phase == "preempt")
     memory = [] if phase in ("lightning", "plain") else [MemoryCheckpoint(every_n_train_steps=EVERY)]
-    own = ModelCheckpoint(dirpath=folder if phase in ("save", "fresh") else f"{folder}-{tag}",
-                          filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    own = ModelCheckpoint(dirpath=folder if phase in ("save", "fresh", "preempt") else f"{folder}-{tag}",
+                          filename="{step}", every_n_train_steps=10 if phase == "preempt" else 2,
+                          save_top_k=-1)
     logged = Logged()
     trainer = L.Trainer(accelerator="cpu", devices=devices, num_nodes=world // devices,
                         max_steps=MAX_STEPS, strategy=strategy,
                         callbacks=[record, own] + memory,
                         logger=logged, enable_progress_bar=False, enable_model_summary=False)
     model = Net()
-    ckpt_path = {"save": None, "resume": LATEST, "fresh": LATEST, "plain": None,
-                 "lightning": os.path.join(folder, f"step={RESUME_STEP}.ckpt")}[phase]
+    ckpt_path = {"save": None, "resume": LATEST, "fresh": LATEST, "plain": None, "preempt": None,
+                 "lightning": os.environ.get("LIGHTNING_CKPT",
+                                             os.path.join(folder, f"step={RESUME_STEP}.ckpt"))}[phase]
     trainer.fit(model, ckpt_path=ckpt_path)
     msd, osd = get_state_dict(model, trainer.optimizers[0])
     tensors = full_tensors({"model": msd, "optim": osd})

@@ -69,7 +69,13 @@ _check_version()
 
 class TorchtitanFolder(PersistentStorage):
     """torchtitan's checkpoint folder as mlcheckpoint's persistent tier: its newest ``step-N``
-    is found and loaded by torchtitan's own code (``_find_load_step``, ``dcp_load``)."""
+    is found and loaded by torchtitan's own code (``_find_load_step``, ``dcp_load``).
+
+    A preemption flush writes the step memory holds as ``step-N`` there: memory holds the
+    flattened state dict torchtitan's own saves write, so the flushed folder is the DCP
+    checkpoint torchtitan would have written, and its own load reads it."""
+
+    flushable = True
 
     def __init__(self, checkpointer: CheckpointManager):
         super().__init__(checkpointer.folder, step_format="step-{step}")

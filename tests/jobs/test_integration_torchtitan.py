@@ -15,7 +15,9 @@ train.py does, and the job exits instead of hanging in close()'s barrier.
 import importlib.util
 import os
 import shutil
+import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -127,3 +129,37 @@ def test_torchtitan_checkpointer_resumes_from_partner_then_from_its_folder():
     """torchtitan 0.3.0's checkpointer with ours: a lost node resumes from the partner, then
     with memory gone from torchtitan's folder, bit-exactly both times."""
     node_loss_then_folder_fallback(torchtitan_0_3_0())
+
+
+@pytest.mark.slow
+def test_a_preempted_torchtitan_job_keeps_its_newest_step_in_memory_in_torchtitans_folder():
+    """A whole-job preemption (SIGTERM to both agents) after step 7, while memory holds step 6
+    and torchtitan's folder step 4: the preemption flush writes step 6 into the folder as
+    torchtitan's own ``step-6``. With both nodes lost, torchtitan's own load of it ends bit for
+    bit where the uninterrupted job did. Before, the flush was refused for torchtitan's folder
+    and the restart went back to step 4."""
+    torchtitan_dir = torchtitan_0_3_0()
+    path = os.pathsep.join(p for p in (None if torchtitan_dir in sys.path else torchtitan_dir,
+                                       os.environ.get("PYTHONPATH")) if p)
+    with Cluster(2) as cluster:
+        dump = os.path.join(cluster.root, "dump")
+        cluster.start("titan_train.py", dump, STEPS, SAVED_UNTIL,
+                      env={"TITAN_TAG": "ref", "TITAN_WAIT_AT_END": "1", "PYTHONPATH": path})
+        deadline = time.monotonic() + 120
+        while len(cluster.results("titan_ref")) < 2:  # trained to 10, saved until 7: waiting
+            assert time.monotonic() < deadline and cluster.running() == [0, 1], cluster.logs()
+            time.sleep(0.05)
+        ref = cluster.results("titan_ref")
+        assert ref[0]["folder"] == ["step-4"], ref[0]
+        for node in cluster.nodes:
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGTERM)
+        cluster.wait(timeout=60)
+        assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == ["step-4", "step-6"], \
+            cluster.logs()
+
+        for node in cluster.nodes:  # both nodes lost: only torchtitan's folder is left
+            node.wipe()
+        cluster.run("titan_train.py", dump, STEPS,
+                    env={"TITAN_TAG": "flushed", "TITAN_SEED": "2", "PYTHONPATH": path})
+        _assert_same_run(cluster, "flushed", ref, 6, "persistent")

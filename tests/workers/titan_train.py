@@ -14,6 +14,8 @@ env TITAN_LOAD_STEP: checkpoint.load_step (default -1).
 env TITAN_FLOAT8=1: float8 training as torchtitan's converter sets it up (``to_float8``).
 env TITAN_RAISE_AT_END=1: after reporting, rank 1 raises in its next step while rank 0 waits
   in that step's collective (a rank that fails mid-training); both close() from ``except``.
+env TITAN_WAIT_AT_END=1: after reporting, wait (120 s at most) for a SIGTERM before close():
+  a job preempted while memory holds a step newer than its folder's.
 Reports "titan_<tag>" (env TITAN_TAG): the resume, per-step losses; rank 0 writes the full
 final model and optimizer tensors to <TEST_OUT_DIR>/titan_<tag>.pt.
 """
@@ -21,6 +23,7 @@ final model and optimizer tensors to <TEST_OUT_DIR>/titan_<tag>.pt.
 import os
 import pickle
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -200,6 +203,8 @@ def main() -> None:
                                 "torchtitan": os.path.dirname(torchtitan.__file__),
                                 "layers": sorted({type(m).__name__ for m in model}),
                                 "metrics": train_state.metrics_processor.logger.logged})
+        if os.environ.get("TITAN_WAIT_AT_END"):
+            time.sleep(120)
         if os.environ.get("TITAN_RAISE_AT_END"):
             if rank == 1:
                 raise RuntimeError("injected failure on rank 1")

@@ -258,6 +258,9 @@ class Flusher:
                                    poll=0.05)):
                 result.step = next(s for s in result.parts if self.complete(s))  # newest first
                 result.complete = True
+                log.warning("mlcheckpoint: preemption flush on rank %d: step %d is complete in "
+                            "%s (the other ranks' parts came)", self.rank, result.step,
+                            self.storage.flush_path(result.step))
         return result
 
     def _wait_for_heal(self, deadline: float) -> None:

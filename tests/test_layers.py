@@ -6,7 +6,7 @@ with ``ast`` (no module is imported to check it).
   no thread, and knows nothing of replication or lifecycle policy;
 - every layer imports only itself, the layers below it and the leaf modules, which import
   only each other (errors, settings, fault points, the GC pause, topology, the persistent
-  folder, whether the tmpfs is fit); no library module imports ``testing/`` (the harness for
+  folder, whether the tmpfs is fit, the checkpoint group's all_gather); no library module imports ``testing/`` (the harness for
   tests and benchmarks);
 - inside ``replication/``: the transport core (``core/``) imports no wire format (``tcp/``,
   ``pg/``) and nothing above it; no wire format imports the schedule (``schedule/``), the
@@ -30,7 +30,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mlcheckpoint"
 
 # Modules every layer may use: they import nothing of mlcheckpoint but each other.
 LEAVES = {"errors", "settings", "waiting", "_faults", "_ratelimit", "_gc", "topology",
-          "persistent", "_words", "tmpfs"}
+          "persistent", "_words", "tmpfs", "collectives"}
 # Each layer, bottom up, with what it may import besides itself, the layers below and LEAVES.
 LAYERS = ("integrity", "store", "dcp", "replication", "recovery")
 ALSO = {"replication": {"history"}, "recovery": {"history"}}

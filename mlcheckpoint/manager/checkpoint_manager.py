@@ -22,12 +22,12 @@ import torch.distributed as dist
 from typing_extensions import Self
 
 from .. import history
+from ..collectives import Comm
 from ..dcp import MemoryStorageReader, MemoryStorageWriter
 from ..dcp.snapshot import GuardHandle, Snapshotter
 from ..errors import ConfigError, MLCheckpointError
 from ..persistent import PersistentStorage, open_persistent
 from ..recovery import Recovery, ResumeInfo
-from ..recovery.resume import Comm
 from ..replication import ReceiveSink, Rendezvous, Replicator, StepReplication
 from ..replication.core import network
 from ..replication.factory import make_transport
@@ -112,17 +112,19 @@ class CheckpointManager:
         # not interleave their collectives; neither may share the training group.
         self._save_pg = dist.new_group(backend="gloo") if self._distributed else None
         self._persist_pg = dist.new_group(backend="gloo") if self._distributed else None
+        self._comm = Comm(self._save_pg)
         self._dcp_pg: dist.ProcessGroup | None = None  # DCP-native saves': ``process_group``
         # One collective agrees this run's identity (rank 0's; see store/identity.py), every
         # node's failure domain and rank 0's replica count (the pairing follows them).
-        agreed = self._all_gather((new_id(), repl.failure_domain, repl.replicas))
+        agreed = self._comm.all_gather((new_id(), repl.failure_domain, repl.replicas))
         self._lineage = Lineage(agreed[0][0])
         self._replicas: int = agreed[0][2]
         self._topology = self._topology.with_domains([domain for _, domain, _ in agreed])
         # One live run per job directory on a node: claimed before anything here reads or
         # changes a file of it; a refusal on any node raises on every rank (manager/claiming.py).
         me = claimant(self._lineage.run_id, self._persistent, self._launcher)
-        self._claim = claim_job_dir(self._store.paths, me, self._topology.node_rank, self._all_gather)
+        self._claim = claim_job_dir(self._store.paths, me, self._topology.node_rank,
+                                    self._comm.all_gather)
         self._snapshots = Snapshotter(predict_plans=self._topology.world_size > 1)  # staging thread, guards
         # Whose shards this node's ranks retire: theirs (replication adds the partners'); any
         # other owner's, left by an earlier world size, go with their steps.
@@ -154,7 +156,7 @@ class CheckpointManager:
         self._saver = Saver(self._store, self._topology, group=self._save_pg,
                             snapshots=self._snapshots, retention=self._lifecycle.retention,
                             warmer=self._lifecycle.warmer, replicator=self._replicator,
-                            all_gather=self._all_gather, keep_copies=repl.copies != "off")
+                            all_gather=self._comm.all_gather, keep_copies=repl.copies != "off")
         self._preemption = self._preemption_flush()  # last: nothing after it can fail
         log.debug("CheckpointManager job=%s dir=%s rank=%d/%d node=%d/%d", self.job_id,
                   self._store.job_dir, self.rank, self._topology.world_size,
@@ -391,7 +393,7 @@ class CheckpointManager:
         self._saver.settled()
 
     def _recovery(self, announce: bool = False) -> Recovery:
-        return Recovery(self._store, self._topology, Comm(self._all_gather), lineage=self._lineage,
+        return Recovery(self._store, self._topology, self._comm, lineage=self._lineage,
                         group=self._save_pg, replicator=self._replicator, persistent=self._persistent,
                         announce=announce)
 
@@ -576,11 +578,4 @@ class CheckpointManager:
                               "no persistent folder was given")
         return self._persistent_writer
 
-    # ------------------------------------------------------------------ collectives
-    def _all_gather(self, obj: Any) -> list[Any]:
-        if not self._distributed:
-            return [obj]
-        out: list[Any] = [None] * dist.get_world_size(self._save_pg)
-        dist.all_gather_object(out, obj, group=self._save_pg)
-        return out
 

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .._faults import pause_point
 from .._gc import gc_paused
+from ..collectives import Comm
 from ..dcp import MemoryStorageReader
 from ..dcp.errors import unwrap_checkpoint_exception
 from ..dcp.reader import Refusals
@@ -116,13 +117,6 @@ class ResumeInfo:
 
     def __str__(self) -> str:
         return self.summary
-
-
-@dataclass
-class Comm:
-    """The collectives recovery needs (on the checkpoint group, never the training group)."""
-
-    all_gather: Callable[[Any], list[Any]]
 
 
 @dataclass

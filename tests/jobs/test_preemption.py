@@ -174,6 +174,31 @@ def test_a_flush_cut_off_by_sigkill_leaves_the_older_persistent_step_chosen():
         assert load_plain(storage.path(10), 10, 2) == []
 
 
+def protected_then_node_1_lost(c: Cluster) -> int:
+    """Train 2 x 1 past step 12 protected on both nodes, then lose node 1 (SIGKILL, memory
+    wiped) with the job; the newest step protected then."""
+    c.start("preempt_job.py", "train")
+    progress = train_until(c, 12)
+    while min(p["protected"] or -1 for p in progress.values()) < 12:  # on both nodes
+        assert c.running() == [0, 1], c.logs()
+        time.sleep(0.05)
+        progress = c.results("progress")
+    c.kill_all()  # node 1 lost, the job stopped with it
+    c.nodes[1].wipe()
+    return min(p["protected"] for p in c.results("progress").values())
+
+
+def resumes_on_new_machines(c: Cluster, step: int) -> None:
+    """Every node wiped (new machines): the restart resumes ``step`` from the persistent
+    folder, exactly."""
+    for node in c.nodes:
+        node.wipe()
+    c.clear_results()
+    c.run("preempt_job.py", "resume", timeout=180)
+    for r in c.results("resume").values():
+        assert (r["step"], r["source"], r["mismatch"]) == (step, "persistent", []), r
+
+
 def test_a_preemption_while_a_replaced_node_heals_flushes_the_step_it_loaded():
     """2 nodes x 1 rank. Training passes step 12 (persistent step 10), node 1 is lost (SIGKILL,
     memory wiped) and the job restarts: rank 1 loads the newest step from node 0's replica and
@@ -189,14 +214,7 @@ def test_a_preemption_while_a_replaced_node_heals_flushes_the_step_it_loaded():
     link's speed once its own notice came (``Budget.hurried``). Before, the heal stayed
     paced, rank 1's flush ran out of time, and the restart went back to step 10."""
     with Cluster(nnodes=2, nproc=1) as c:
-        c.start("preempt_job.py", "train")
-        progress = train_until(c, 12)
-        while min(p["protected"] or -1 for p in progress.values()) < 12:  # on both nodes
-            assert c.running() == [0, 1], c.logs()
-            time.sleep(0.05)
-            progress = c.results("progress")
-        c.kill_all()  # node 1 lost, the job stopped with it
-        c.nodes[1].wipe()
+        protected_then_node_1_lost(c)
         hold = os.path.join(c.root, "heal")
         c.clear_results()
         c.start("preempt_job.py", "resume_hold", env={"MLCHECKPOINT_PAUSE_AT": f"heal_rebuild#1={hold}",
@@ -223,12 +241,7 @@ def test_a_preemption_while_a_replaced_node_heals_flushes_the_step_it_loaded():
         assert storage.complete_steps()[-1] == loaded, (storage.complete_steps(), c.logs())
         assert load_plain(storage.path(loaded), loaded, 2) == []
 
-        for node in c.nodes:  # new machines: nothing in memory
-            node.wipe()
-        c.clear_results()
-        c.run("preempt_job.py", "resume", timeout=180)
-        for r in c.results("resume").values():
-            assert (r["step"], r["source"], r["mismatch"]) == (loaded, "persistent", []), r
+        resumes_on_new_machines(c, loaded)
 
 
 def test_a_preemption_during_the_load_after_a_node_was_replaced_flushes_the_step_loaded():
@@ -240,15 +253,7 @@ def test_a_preemption_during_the_load_after_a_node_was_replaced_flushes_the_step
     1's handler ended it inside the load, with no part written, and the restart went back to
     step 10."""
     with Cluster(nnodes=2, nproc=1) as c:
-        c.start("preempt_job.py", "train")
-        progress = train_until(c, 12)
-        while min(p["protected"] or -1 for p in progress.values()) < 12:  # on both nodes
-            assert c.running() == [0, 1], c.logs()
-            time.sleep(0.05)
-            progress = c.results("progress")
-        c.kill_all()  # node 1 lost, the job stopped with it
-        protected = min(p["protected"] for p in c.results("progress").values())
-        c.nodes[1].wipe()
+        protected = protected_then_node_1_lost(c)
         hold = os.path.join(c.root, "load")
         c.clear_results()
         c.start("preempt_job.py", "resume_hold", env={"MLCHECKPOINT_PAUSE_AT": f"resume_load#1={hold}"})
@@ -272,12 +277,7 @@ def test_a_preemption_during_the_load_after_a_node_was_replaced_flushes_the_step
         assert newest >= protected, (storage.complete_steps(), protected, c.logs())
         assert load_plain(storage.path(newest), newest, 2) == []
 
-        for node in c.nodes:  # new machines: nothing in memory
-            node.wipe()
-        c.clear_results()
-        c.run("preempt_job.py", "resume", timeout=180)
-        for r in c.results("resume").values():
-            assert (r["step"], r["source"], r["mismatch"]) == (newest, "persistent", []), r
+        resumes_on_new_machines(c, newest)
 
 
 def test_opted_out_no_flush():

@@ -77,26 +77,30 @@ def test_lightning_strategy_resumes_from_memory_and_folder_like_lightning():
             assert not [k for k in expected if not torch.equal(expected[k], final[k])], tag
 
 
-def test_a_preempted_job_keeps_its_newest_step_in_memory_as_a_lightning_checkpoint():
+@pytest.mark.parametrize("nnodes,nproc", [(1, 2), (2, 1)])
+def test_a_preempted_job_keeps_its_newest_step_in_memory_as_a_lightning_checkpoint(nnodes, nproc):
     """SIGTERM (a whole-job preemption) to a job checkpointing to memory every step and to
     Lightning's folder every 10: the preemption flush writes the newest step memory holds into
     that folder as a sharded Lightning checkpoint (``preempted-step=<S>.ckpt``). With memory
     gone, ``fit(ckpt_path=LATEST)`` resumes it, and plain Lightning loading it by its path
     trains on exactly as our resume does. Before, the flush was refused for Lightning's folder
-    and the restart went back to Lightning's step 10 (or 20)."""
-    with Cluster(1, nproc=2) as cluster:
+    and the restart went back to Lightning's step 10 (or 20). On one node of two processes,
+    and on two nodes of one (the metadata, which becomes ``meta.pt``, is in rank 0's part,
+    written from node 0)."""
+    with Cluster(nnodes, nproc=nproc) as cluster:
         folder = os.path.join(cluster.root, "ckpts")
         cluster.start("lightning_train.py", "preempt", folder,
                       env={"LIGHTNING_TAG": "preempt", "LIGHTNING_STEPS": "400", "LIGHTNING_EVERY": "1"})
         deadline = time.monotonic() + 120
         while min((r["step"] for r in cluster.results("progress").values()), default=0) < 15 \
                 or len(cluster.results("progress")) < 2:
-            assert time.monotonic() < deadline and cluster.running() == [0], cluster.logs()
+            assert time.monotonic() < deadline and cluster.running() == list(range(nnodes)), \
+                cluster.logs()
             time.sleep(0.05)
         reached = min(r["step"] for r in cluster.results("progress").values())
-        node = cluster.nodes[0]
-        assert node.proc is not None
-        node.proc.send_signal(signal.SIGTERM)
+        for node in cluster.nodes:
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGTERM)
         cluster.wait(timeout=60)
         flushed = [n for n in os.listdir(folder) if n.startswith("preempted-step=")]
         assert len(flushed) == 1, (os.listdir(folder), cluster.logs())
@@ -106,7 +110,8 @@ def test_a_preempted_job_keeps_its_newest_step_in_memory_as_a_lightning_checkpoi
         path = os.path.join(folder, flushed[0])
         assert torch.load(os.path.join(path, "meta.pt"), weights_only=False)["global_step"] == step
 
-        node.wipe()  # new machines: Lightning's folder is all that is left
+        for node in cluster.nodes:  # new machines: Lightning's folder is all that is left
+            node.wipe()
         end = str(step + 4)
         assert _run(cluster, "resume", folder, tag="after", LIGHTNING_STEPS=end) == 0, cluster.logs()
         assert re.search(rf"^mlcheckpoint: restored step {step} from the persistent checkpoint",

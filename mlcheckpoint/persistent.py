@@ -9,7 +9,7 @@ A framework that keeps its own folder names its steps its own way: ``step_format
 and loads one of them, once. A folder whose checkpoints only the framework can read (e.g.
 Lightning's, with its ``meta.pt``) subclasses ``PersistentStorage`` and overrides
 ``complete_steps``, ``path`` and ``restore`` (and, to take the preemption flush, ``flushable``,
-``flush_path`` and ``flush_completes``).
+``flush_path`` and ``flush_files``).
 
 Retention (``keep_persistent``): ``prune`` removes the oldest complete steps beyond the newest
 ``keep``; ``to_prune`` is the plan, which never names the newest complete step, a step being
@@ -145,7 +145,7 @@ class PersistentStorage:
     @property
     def flushable(self) -> bool:
         """Whether a flushed step (a plain DCP checkpoint of the state dict memory holds, at
-        ``flush_path``, made complete by ``flush_completes`` and then DCP's ``.metadata``) is
+        ``flush_path``, completed by ``flush_files`` and then DCP's ``.metadata``) is
         one this folder counts and loads: so for plain DCP folders. A subclass with its own
         layout (its own ``complete_steps``, ``steps``, ``path`` or ``restore``) says so itself,
         overriding this."""
@@ -157,11 +157,12 @@ class PersistentStorage:
         """The folder a preemption flush writes ``step`` into."""
         return self.path(step)
 
-    def flush_completes(self, folder: str, read_item: Callable[[str], bytes]) -> None:
-        """What the layout needs in a flushed step's ``folder`` besides DCP's files, written by
-        the flush's finisher just before DCP's ``.metadata`` (which makes the step complete).
-        ``read_item(fqn)``: the bytes DCP wrote for a non-tensor item of the step. Nothing for
-        a plain DCP folder."""
+    def flush_files(self, read_item: Callable[[str], bytes]) -> dict[str, bytes]:
+        """The files the layout needs in a flushed step's folder besides DCP's, by name: the
+        flush's finisher writes them just before DCP's ``.metadata`` (which makes the step
+        complete). ``read_item(fqn)``: the bytes DCP wrote for a non-tensor item of the step.
+        None for a plain DCP folder."""
+        return {}
 
     def record_origin(self, step: int, origin: PersistentOrigin, folder: str | None = None) -> None:
         """Write ``origin`` into ``step``'s folder (``folder``: the one a flush is finishing,

@@ -6,8 +6,8 @@ with ``ast`` (no module is imported to check it).
   no thread, and knows nothing of replication or lifecycle policy;
 - every layer imports only itself, the layers below it and the leaf modules, which import
   only each other (errors, settings, fault points, the GC pause, topology, the persistent
-  folder, whether the tmpfs is fit, the checkpoint group's all_gather); no library module imports ``testing/`` (the harness for
-  tests and benchmarks);
+  folder, whether the tmpfs is fit, the checkpoint group's all_gather); no library module
+  imports ``testing/`` (the harness for tests and benchmarks);
 - inside ``replication/``: the transport core (``core/``) imports no wire format (``tcp/``,
   ``pg/``) and nothing above it; no wire format imports the schedule (``schedule/``), the
   factory or the other wire format; the schedule imports only the core.

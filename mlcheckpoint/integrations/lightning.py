@@ -135,7 +135,7 @@ class LightningFolder(PersistentStorage):
     A preemption flush writes the step memory holds as one more such checkpoint,
     ``preempted-step=<S>.ckpt``: memory holds Lightning's sharded layout (``state_dict``,
     ``optimizer_<i>``) beside the metadata Lightning puts in ``meta.pt``, which becomes that
-    file (``flush_completes``). Lightning's own loader reads it, as ``fit(ckpt_path=...)``."""
+    file (``flush_files``). Lightning's own loader reads it, as ``fit(ckpt_path=...)``."""
 
     flushable = True
 
@@ -146,17 +146,11 @@ class LightningFolder(PersistentStorage):
     def flush_path(self, step: int) -> str:
         return os.path.join(self.location, f"preempted-step={step}.ckpt")
 
-    def flush_completes(self, folder: str, read_item: Callable[[str], bytes]) -> None:
+    def flush_files(self, read_item: Callable[[str], bytes]) -> dict[str, bytes]:
         meta = torch.load(io.BytesIO(read_item(_META)), weights_only=True)  # DCP's wrapping
         if not isinstance(meta, bytes):
-            raise CorruptShardError(f"{folder}: item {_META!r} holds a {type(meta).__name__}, "
-                                    "not bytes")
-        tmp = os.path.join(folder, f".{_METADATA_FILENAME}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(meta)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(folder, _METADATA_FILENAME))
+            raise CorruptShardError(f"item {_META!r} holds a {type(meta).__name__}, not bytes")
+        return {_METADATA_FILENAME: meta}
 
     def _checkpoints(self) -> dict[int, Path]:
         found: dict[int, Path] = {}

@@ -577,5 +577,3 @@ class CheckpointManager:
             raise ConfigError("persistent=True needs CheckpointManager(persistent_dir=...): "
                               "no persistent folder was given")
         return self._persistent_writer
-
-

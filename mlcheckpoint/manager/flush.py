@@ -349,7 +349,9 @@ class Flusher:
                                         f"{index.fqn!r} as the step's metadata records it")
             storage_data[index] = _StorageInfo(entry[5], entry[6], entry[7])
         metadata.storage_data = storage_data
-        self.storage.flush_completes(folder, lambda fqn: _read_item(folder, storage_data, fqn))
+        for name, data in self.storage.flush_files(
+                lambda fqn: _read_item(folder, storage_data, fqn)).items():
+            _write_atomic(os.path.join(folder, name), data, self.rank)
         metadata.storage_meta = StorageMeta(checkpoint_id=folder, save_id=save_id)
         if _DCP_VERSION is not None:
             metadata.version = _DCP_VERSION

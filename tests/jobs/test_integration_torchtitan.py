@@ -48,6 +48,13 @@ def torchtitan_0_3_0() -> str:
     return torchtitan_at(TORCHTITAN_0_3_0)
 
 
+def workers_path(torchtitan_dir: str) -> str:
+    """The workers' PYTHONPATH: ``torchtitan_dir`` first, unless it is installed (already on
+    the path, behind PYTHONPATH)."""
+    return os.pathsep.join(p for p in (None if torchtitan_dir in sys.path else torchtitan_dir,
+                                       os.environ.get("PYTHONPATH")) if p)
+
+
 def _load(cluster: Cluster, tag: str) -> dict[str, torch.Tensor]:
     return torch.load(os.path.join(cluster.out_dir, f"titan_{tag}.pt"))
 
@@ -74,9 +81,7 @@ def _assert_same_run(cluster: Cluster, tag: str, ref: dict, resumed_step: int,
 def node_loss_then_folder_fallback(torchtitan_dir: str) -> None:
     """The whole scenario of this module's docstring, with the torchtitan found in
     ``torchtitan_dir`` (0.3.0 here, its main branch in test_integration_torchtitan_main.py)."""
-    on_path = torchtitan_dir in sys.path  # installed: already there, behind PYTHONPATH
-    path = os.pathsep.join(p for p in (None if on_path else torchtitan_dir,
-                                       os.environ.get("PYTHONPATH")) if p)
+    path = workers_path(torchtitan_dir)
     with Cluster(2) as cluster:
         dump = os.path.join(cluster.root, "dump")
         cluster.run("titan_train.py", dump, STEPS, SAVED_UNTIL,
@@ -138,9 +143,7 @@ def test_a_preempted_torchtitan_job_keeps_its_newest_step_in_memory_in_torchtita
     torchtitan's own ``step-6``. With both nodes lost, torchtitan's own load of it ends bit for
     bit where the uninterrupted job did. Before, the flush was refused for torchtitan's folder
     and the restart went back to step 4."""
-    torchtitan_dir = torchtitan_0_3_0()
-    path = os.pathsep.join(p for p in (None if torchtitan_dir in sys.path else torchtitan_dir,
-                                       os.environ.get("PYTHONPATH")) if p)
+    path = workers_path(torchtitan_0_3_0())
     with Cluster(2) as cluster:
         dump = os.path.join(cluster.root, "dump")
         cluster.start("titan_train.py", dump, STEPS, SAVED_UNTIL,

@@ -1,7 +1,7 @@
 """Fault points for tests: SIGKILL this process, or hold it, at a named stage.
 
 Crash: set MLCHECKPOINT_CRASH_AT="<point>" or "<point>@<step>" (optionally "...#<rank>") in a
-test's environment. Points: before_data, mid_data, before_manifest, mid_commit,
+test's environment; the process logs ``CRASH_MESSAGE`` and SIGKILLs itself. Points: before_data, mid_data, before_manifest, mid_commit,
 before_metadata, replica_mid_recv, replica_mid_send (a push, once one of its streams has sent
 half its bytes), serve_mid_read (a TCP holder serving a shard's bytes to a read or a fetch,
 once it has answered "ok" and before the bytes; the step and rank named are the shard's).
@@ -24,12 +24,15 @@ test's worker sets them in its own environment between steps (tests/workers/chao
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
 from .settings import variable_text
 from .waiting import deadline_in, wait_until
 
+logger = logging.getLogger(__name__)
+CRASH_MESSAGE = "mlcheckpoint: crash point %s reached (MLCHECKPOINT_CRASH_AT): SIGKILL"
 _ENV = "MLCHECKPOINT_CRASH_AT"
 _PAUSE_ENV = "MLCHECKPOINT_PAUSE_AT"
 PAUSE_LIMIT_S = 120.0  # a pause whose file never comes fails the run instead of hiding the race
@@ -49,6 +52,9 @@ def _matches(where: str, name: str, step: int | None, rank: int | None) -> bool:
 def crash_point(name: str, step: int | None = None, rank: int | None = None) -> None:
     spec = variable_text(_ENV)
     if spec and _matches(spec, name, step, rank):
+        # Said first: a launcher that reports another rank's failure first leaves no trace of
+        # this one's SIGKILL in the job's log (torchrun's forked ranks).
+        logger.warning(CRASH_MESSAGE, name)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -32,8 +32,9 @@ class Cluster(_Cluster):
     """N simulated nodes x G ranks running tests/workers/<script>. Use as a context manager:
     everything is cleaned up."""
 
-    def __init__(self, nnodes: int, nproc: int = 1, job_id: str | None = None):
-        super().__init__(nnodes, nproc, job_id=job_id, scripts_dir=WORKERS)
+    def __init__(self, nnodes: int, nproc: int = 1, job_id: str | None = None,
+                 launch: str | None = None):
+        super().__init__(nnodes, nproc, job_id=job_id, scripts_dir=WORKERS, launch=launch)
 
     def store(self, node: int, name: str | None = None) -> LocalStore:
         """Job ``name``'s store on ``node`` (``sub_job``; None: the cluster's own job). The

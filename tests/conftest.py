@@ -15,6 +15,8 @@ import pytest
 from tcp_job import TCP_LOGGER, Job
 
 from mlcheckpoint.store import LocalStore
+from mlcheckpoint.testing import forkserver
+from mlcheckpoint.testing.cluster import LAUNCH_ENV
 
 # Settings read from the environment; tests that depend on their absence use ``clean_env``.
 MLCHECKPOINT_ENV_VARS = ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
@@ -27,6 +29,13 @@ MLCHECKPOINT_ENV_VARS = ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JO
 STARTUP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")
 if STARTUP_DIR not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (STARTUP_DIR, os.environ.get("PYTHONPATH")) if p)
+
+
+# Simulated nodes are forked from a server that imported torch, DCP and mlcheckpoint once, and
+# their ranks from their agent (mlcheckpoint/testing/cluster.py, LAUNCH_ENV): a node then costs
+# a fraction of a CPU-second to start instead of 3.5. A test about torchrun as users type it
+# (exec'd agents and ranks: signals, restarts) passes ``launch="exec"`` to its cluster.
+os.environ.setdefault(LAUNCH_ENV, "fork")
 
 
 def _starts_python(args) -> bool:
@@ -54,8 +63,19 @@ def fast_tests_start_no_processes(request, monkeypatch):
         popen_init(self, args, *a, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen_init)
+    monkeypatch.setattr(forkserver.ForkServer, "spawn",
+                        lambda self, argv, **kw: refuse(f"a forked process ({argv!r:.120})"))
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start",
                         lambda self: refuse("a multiprocessing process"))
+
+
+@pytest.fixture(scope="module")
+def execd_launches():
+    """The module's clusters start torchrun as users type it (``launch="exec"``): its workers
+    leave through ``os._exit``, which a forked rank cannot (mlcheckpoint/testing/forked_rank.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(LAUNCH_ENV, "exec")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +188,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # MLCHECKPOINT_TEST_CPU_LOG=FILE: one JSON line per test, its wall seconds (setup, call and
 # teardown, a module fixture's launches in the test that set it up), the CPU seconds of this
 # process and of the children it reaped (torchrun agents, whose ranks they reaped: a launch's
-# whole CPU, except ranks orphaned by a killed agent), and the Python processes it started.
+# whole CPU, except ranks orphaned by a killed agent; agents the fork server forked count as
+# children), the Python processes it started and those it had forked.
 # The suite is CPU-bound on 2 cores; scripts/suite_profile.py sums it per module.
 CPU_LOG = os.environ.get("MLCHECKPOINT_TEST_CPU_LOG")
 _python_starts = [0]
@@ -203,15 +224,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         r = resource.getrusage(who)
         return r.ru_utime + r.ru_stime
 
-    t0, self0, kids0, starts0 = (time.monotonic(), cpu(resource.RUSAGE_SELF),
-                                 cpu(resource.RUSAGE_CHILDREN), _python_starts[0])
+    def children() -> float:
+        return cpu(resource.RUSAGE_CHILDREN) + forkserver.reaped_cpu_s()
+
+    t0, self0, kids0, starts0, forks0 = (time.monotonic(), cpu(resource.RUSAGE_SELF),
+                                         children(), _python_starts[0], forkserver.forks())
     yield
     with open(CPU_LOG, "a") as f:
         f.write(json.dumps({"test": item.nodeid, "slow": item.get_closest_marker("slow") is not None,
                             "wall_s": time.monotonic() - t0,
                             "self_cpu_s": cpu(resource.RUSAGE_SELF) - self0,
-                            "children_cpu_s": cpu(resource.RUSAGE_CHILDREN) - kids0,
-                            "python_starts": _python_starts[0] - starts0}) + "\n")
+                            "children_cpu_s": children() - kids0,
+                            "python_starts": _python_starts[0] - starts0,
+                            "forks": forkserver.forks() - forks0}) + "\n")
 
 
 @pytest.fixture

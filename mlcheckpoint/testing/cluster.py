@@ -36,6 +36,9 @@ from typing import Any
 
 from typing_extensions import Self
 
+from mlcheckpoint.testing import forked_rank, forkserver
+from mlcheckpoint.testing.forkserver import ForkedProcess
+
 
 class NodeTimeout(TimeoutError, AssertionError):
     """A node's agent did not finish in time (an AssertionError too: in a test it is a
@@ -68,13 +71,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# How a cluster starts its nodes (``launch=``; MLCHECKPOINT_TEST_LAUNCH says, when not given):
+#   "exec": each agent is ``python -m torch.distributed.run ... script``, each rank a fresh
+#           ``python script`` it starts: torchrun as users type it;
+#   "fork": each agent is forked from a server that imported torch, DCP and mlcheckpoint once
+#           (``forkserver``), and torchrun forks the ranks from it (``--run-path
+#           --start-method=fork``, its own option). The test suite's default: most of a
+#           launch's CPU is importing (tests/README.md, Running).
+LAUNCH_ENV = "MLCHECKPOINT_TEST_LAUNCH"
+LAUNCHES = ("exec", "fork")
+AgentProcess = subprocess.Popen | ForkedProcess
+
+
 def torchrun_argv(script: str, args: Sequence[str], *, nnodes: int, node_rank: int, nproc: int,
-                  master_addr: str, master_port: int) -> list[str]:
-    """The command of one node's torchrun agent (static rendezvous, no restarts)."""
+                  master_addr: str, master_port: int, fork_ranks: bool = False) -> list[str]:
+    """The command of one node's torchrun agent (static rendezvous, no restarts); with
+    ``fork_ranks`` the agent forks its ranks, which run ``script`` in its interpreter as a
+    fresh one would (``forked_rank``)."""
+    script = os.path.abspath(script)
+    forked = ["--run-path", "--start-method=fork", forked_rank.__file__] if fork_ranks else []
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
             f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
             f"--master-addr={master_addr}", f"--master-port={master_port}", "--max-restarts=0",
-            script, *args]
+            *forked, script, *args]
 
 
 # --------------------------------------------------------------------------- processes
@@ -111,7 +130,7 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def signal_tree(proc: subprocess.Popen, sig: int) -> list[int]:
+def signal_tree(proc: AgentProcess, sig: int) -> list[int]:
     """Send ``sig`` to ``proc`` and every descendant (torchrun starts each rank in a session of
     its own, so signalling the agent's process group would miss them); return the pids."""
     pids = process_tree(proc.pid)
@@ -144,9 +163,24 @@ def lose_node(node: Node, timeout: float = 30) -> list[int]:
     return pids
 
 
+def _holds_open(pid: int, path: str) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def kill_strays(cluster: SimulatedCluster) -> list[int]:
     """SIGKILL processes left over from ``cluster`` (ranks orphaned by a killed agent, DCP's
-    checkpoint processes): those whose environment names the cluster's root directory."""
+    checkpoint processes): those whose environment names the cluster's root directory, or,
+    forked ones (``launch="fork"``), that hold it open."""
     marker = f"MLCHECKPOINT_LOCAL_DIR={cluster.root}/".encode()
     killed = []
     for pid in _proc_states():
@@ -157,7 +191,8 @@ def kill_strays(cluster: SimulatedCluster) -> list[int]:
                 env = f.read()
         except OSError:
             continue
-        if marker in env and not is_dead(pid):
+        ours = marker in env or (cluster.launch == "fork" and _holds_open(pid, cluster.root))
+        if ours and not is_dead(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
@@ -172,7 +207,7 @@ class Node:
 
     def __init__(self, index: int, local_dir: str, log_path: str):
         self.index, self.local_dir, self.log_path = index, local_dir, log_path
-        self.proc: subprocess.Popen | None = None  # the torchrun agent of the last start()
+        self.proc: AgentProcess | None = None  # the torchrun agent of the last start()
 
     @property
     def rank(self) -> int:
@@ -205,12 +240,16 @@ class SimulatedCluster:
 
     Attributes: ``nodes``, ``root``, ``out_dir`` (workers' results), ``persistent_dir``,
     ``job_id``, ``nproc``, ``scripts_dir`` (where a relative script name is looked up; None:
-    the working directory). Subclasses say where nodes run (``_master_addr``, ``_spawn``).
+    the working directory), ``launch`` (``LAUNCHES``). Subclasses say where nodes run
+    (``_master_addr``, ``_spawn``).
     """
 
     def __init__(self, nnodes: int, nproc: int = 1, *, job_id: str | None = None,
                  prefix: str = "mlckpt-sim-", scripts_dir: str | None = None,
-                 node_class: type[Node] = Node, **node_kwargs: Any):
+                 launch: str | None = None, node_class: type[Node] = Node, **node_kwargs: Any):
+        self.launch = launch or os.environ.get(LAUNCH_ENV) or "exec"
+        if self.launch not in LAUNCHES:
+            raise ValueError(f"launch={self.launch!r}: one of {LAUNCHES}")
         self.nproc = nproc
         self.job_id = job_id or f"sim-{uuid.uuid4().hex[:10]}"
         self.scripts_dir = scripts_dir
@@ -249,7 +288,7 @@ class SimulatedCluster:
     def _master_port(self) -> int:
         raise NotImplementedError
 
-    def _spawn(self, k: int, argv: list[str], env: dict[str, str], log: Any) -> subprocess.Popen:
+    def _spawn(self, k: int, argv: list[str], env: dict[str, str], log: Any) -> AgentProcess:
         """Start node ``k``'s agent, ``argv``, writing to ``log``."""
         raise NotImplementedError
 
@@ -261,10 +300,11 @@ class SimulatedCluster:
         nnodes = nnodes or len(self.nodes)
         path = os.path.join(self.scripts_dir, script) if self.scripts_dir else script
         addr, port = self._master_addr(), self._master_port()
+        fork_ranks = self.launch == "fork"
         for k in nodes if nodes is not None else range(nnodes):
             node = self.nodes[k]
             argv = torchrun_argv(path, args, nnodes=nnodes, node_rank=k, nproc=self.nproc,
-                                 master_addr=addr, master_port=port)
+                                 master_addr=addr, master_port=port, fork_ranks=fork_ranks)
             with open(node.log_path, "a") as log:
                 log.write(f"\n===== {' '.join(argv[3:])}\n")
                 log.flush()
@@ -357,9 +397,10 @@ class Cluster(SimulatedCluster):
     own, rendezvous on a free loopback port per start). Use as a context manager."""
 
     def __init__(self, nnodes: int, nproc: int = 1, *, job_id: str | None = None,
-                 scripts_dir: str | None = None, prefix: str = "mlckpt-test-"):
+                 scripts_dir: str | None = None, prefix: str = "mlckpt-test-",
+                 launch: str | None = None):
         super().__init__(nnodes, nproc, job_id=job_id or f"test-{uuid.uuid4().hex[:10]}",
-                         prefix=prefix, scripts_dir=scripts_dir)
+                         prefix=prefix, scripts_dir=scripts_dir, launch=launch)
 
     def _master_addr(self) -> str:
         return "127.0.0.1"
@@ -367,7 +408,10 @@ class Cluster(SimulatedCluster):
     def _master_port(self) -> int:
         return free_port()
 
-    def _spawn(self, k: int, argv: list[str], env: dict[str, str], log: Any) -> subprocess.Popen:
+    def _spawn(self, k: int, argv: list[str], env: dict[str, str], log: Any) -> AgentProcess:
+        if self.launch == "fork":
+            return forkserver.shared().spawn(argv, env=env, stdout=log.fileno(),
+                                             hold_open=self.root)
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets everything up, then checks lint and types and runs the test suite.
-# MLCHECKPOINT_TEST_WORKERS=N runs the tests on N parallel pytest-xdist workers; the default, 0,
-# runs them in one process (CI). The suite is CPU-bound: on 2 cores workers gain little or
-# nothing (2 workers: none, the same tests costing 9% more CPU; tests/README.md, Running).
+# MLCHECKPOINT_TEST_WORKERS=N runs the tests on N parallel pytest-xdist workers (default 3, CI
+# too; 0: in one process). With the suite's nodes forked (tests/README.md, Forked launches) its
+# tests mostly wait, on timeouts and on each other's processes: 3 workers on 2 cores took the
+# suite from 17.3 to 10.2 minutes.
 # Arguments go to pytest (e.g. -m "not slow", a file, -k); a -n of their own wins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +11,7 @@ scripts/setup.sh --test
 . .venv/bin/activate
 ruff check mlcheckpoint tests benchmarks examples scripts
 mypy mlcheckpoint
-workers=${MLCHECKPOINT_TEST_WORKERS:-0}
+workers=${MLCHECKPOINT_TEST_WORKERS:-3}
 parallel=()
 if [ "$workers" != 0 ]; then
     # loadscope: a module's tests stay on one worker, so a launch its tests share (a

@@ -34,7 +34,7 @@ if STARTUP_DIR not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 # Simulated nodes are forked from a server that imported torch, DCP and mlcheckpoint once, and
 # their ranks from their agent (mlcheckpoint/testing/cluster.py, LAUNCH_ENV): a node then costs
 # a fraction of a CPU-second to start instead of 3.5. A test about torchrun as users type it
-# (exec'd agents and ranks: signals, restarts) passes ``launch="exec"`` to its cluster.
+# (exec'd agents and ranks) passes ``launch="exec"`` to its cluster.
 os.environ.setdefault(LAUNCH_ENV, "fork")
 
 
@@ -67,15 +67,6 @@ def fast_tests_start_no_processes(request, monkeypatch):
                         lambda self, argv, **kw: refuse(f"a forked process ({argv!r:.120})"))
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start",
                         lambda self: refuse("a multiprocessing process"))
-
-
-@pytest.fixture(scope="module")
-def execd_launches():
-    """The module's clusters start torchrun as users type it (``launch="exec"``): its workers
-    leave through ``os._exit``, which a forked rank cannot (mlcheckpoint/testing/forked_rank.py)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(LAUNCH_ENV, "exec")
-        yield
 
 
 @pytest.fixture(scope="module")

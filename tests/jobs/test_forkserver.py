@@ -21,7 +21,7 @@ from mlcheckpoint.testing import forkserver
 
 pytestmark = pytest.mark.slow
 
-EXIT_HOW = ("0", "3", "raise", "sigterm")
+EXIT_HOW = ("0", "3", "raise", "sigterm", "os._exit0", "os._exit3")
 
 
 def probe(launch: str, how: str) -> tuple[dict[int, dict], list[int], str]:
@@ -53,12 +53,13 @@ def test_a_forked_rank_sees_what_an_execd_rank_sees(probes):
 
 
 def test_a_forked_node_ends_as_an_execd_one(probes):
-    """A clean exit, sys.exit(3), an exception and a rank killed by SIGTERM end the node the
-    same way under both launches, and each rank's output reaches the node's log."""
+    """A clean exit, sys.exit(3), an exception, a rank killed by SIGTERM and os._exit (0 and 3:
+    torchrun waits for a forked rank's return value, not its exit) end the node the same way
+    under both launches, and each rank's output reaches the node's log."""
     for how in EXIT_HOW:
         (_, exec_codes, exec_log), (_, fork_codes, fork_log) = probes[("exec", how)], probes[("fork", how)]
         assert exec_codes == fork_codes, (how, exec_codes, fork_codes)
-        assert (exec_codes == [0]) == (how == "0"), (how, exec_codes)
+        assert (exec_codes == [0]) == (how in ("0", "os._exit0")), (how, exec_codes)
         for log in (exec_log, fork_log):
             assert log.count("probe-format probe logged at INFO") == 2, log
             assert ("RuntimeError: probe raised" in log) == (how == "raise")

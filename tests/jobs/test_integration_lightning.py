@@ -22,7 +22,7 @@ from cluster import Cluster, free_port
 
 from mlcheckpoint.integrations.lightning import LATEST
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("execd_launches")]
+pytestmark = pytest.mark.slow
 
 
 def _run(cluster: Cluster, phase: str, folder: str, tag: str | None = None, **env: str) -> int:

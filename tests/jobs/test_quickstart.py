@@ -11,7 +11,7 @@ import re
 import pytest
 from cluster import WORKERS, Cluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("execd_launches")]
+pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = os.path.join(REPO, "examples", "quickstart.py")

@@ -32,7 +32,7 @@ from .settings import variable_text
 from .waiting import deadline_in, wait_until
 
 logger = logging.getLogger(__name__)
-CRASH_MESSAGE = "mlcheckpoint: crash point %s reached (MLCHECKPOINT_CRASH_AT): SIGKILL"
+CRASH_MESSAGE = "mlcheckpoint: crash point %s reached (MLCHECKPOINT_CRASH_AT): this process SIGKILLs itself"
 _ENV = "MLCHECKPOINT_CRASH_AT"
 _PAUSE_ENV = "MLCHECKPOINT_PAUSE_AT"
 PAUSE_LIMIT_S = 120.0  # a pause whose file never comes fails the run instead of hiding the race

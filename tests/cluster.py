@@ -13,6 +13,7 @@ from mlcheckpoint.testing.cluster import Cluster as _Cluster
 from mlcheckpoint.testing.cluster import (  # re-exported: tests import them from here
     Node,
     NodeTimeout,
+    died_of_sigkill,
     free_port,
     is_dead,
     kill_strays,
@@ -24,8 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = os.path.join(HERE, "workers")
 _dead = is_dead  # the name tests use
 
-__all__ = ["WORKERS", "Cluster", "Node", "NodeTimeout", "free_port", "is_dead", "kill_strays",
-           "lose_node", "process_tree"]
+__all__ = ["WORKERS", "Cluster", "Node", "NodeTimeout", "died_of_sigkill", "free_port", "is_dead",
+           "kill_strays", "lose_node", "process_tree"]
 
 
 class Cluster(_Cluster):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -84,16 +85,19 @@ AgentProcess = subprocess.Popen | ForkedProcess
 
 
 def torchrun_argv(script: str, args: Sequence[str], *, nnodes: int, node_rank: int, nproc: int,
-                  master_addr: str, master_port: int, fork_ranks: bool = False) -> list[str]:
+                  master_addr: str, master_port: int, fork_ranks: bool = False,
+                  log_dir: str | None = None) -> list[str]:
     """The command of one node's torchrun agent (static rendezvous, no restarts); with
     ``fork_ranks`` the agent forks its ranks, which run ``script`` in its interpreter as a
-    fresh one would (``forked_rank``)."""
+    fresh one would (``forked_rank``). ``log_dir``: where torchrun keeps its per-run files
+    (its default is a new /tmp/torchelastic_* per agent, never removed)."""
     script = os.path.abspath(script)
     forked = ["--run-path", "--start-method=fork", forked_rank.__file__] if fork_ranks else []
+    logs = [f"--log-dir={log_dir}"] if log_dir else []
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
             f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
             f"--master-addr={master_addr}", f"--master-port={master_port}", "--max-restarts=0",
-            *forked, script, *args]
+            *logs, *forked, script, *args]
 
 
 # --------------------------------------------------------------------------- processes
@@ -304,7 +308,8 @@ class SimulatedCluster:
         for k in nodes if nodes is not None else range(nnodes):
             node = self.nodes[k]
             argv = torchrun_argv(path, args, nnodes=nnodes, node_rank=k, nproc=self.nproc,
-                                 master_addr=addr, master_port=port, fork_ranks=fork_ranks)
+                                 master_addr=addr, master_port=port, fork_ranks=fork_ranks,
+                                 log_dir=os.path.join(self.root, "torchelastic"))
             with open(node.log_path, "a") as log:
                 log.write(f"\n===== {' '.join(argv[3:])}\n")
                 log.flush()
@@ -414,6 +419,26 @@ class Cluster(SimulatedCluster):
                                              hold_open=self.root)
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+
+
+# --------------------------------------------------------------------------- a rank's SIGKILL
+# A rank that SIGKILLs itself says so first: torchrun's forked ranks (launch="fork") report the
+# first failure their agent sees, which may be another rank's error, so the exit code -9 need
+# not reach the log. (The library's crash points, mlcheckpoint/_faults.py, say it the same way.)
+SIGKILLED_ITSELF = "this process SIGKILLs itself"
+
+
+def sigkill_self(why: str) -> None:
+    """In a worker: write ``why`` and ``SIGKILLED_ITSELF`` to the node's log, then SIGKILL this
+    process."""
+    print(f"{why}: {SIGKILLED_ITSELF}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def died_of_sigkill(log: str) -> bool:
+    """Whether a node's log shows a rank that died of SIGKILL: torchrun's exit code -9, or the
+    rank's own word before it killed itself."""
+    return re.search(r"exitcode\s*:\s*-9\b", log) is not None or SIGKILLED_ITSELF in log
 
 
 # --------------------------------------------------------------------------- in a worker

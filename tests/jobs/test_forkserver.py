@@ -24,15 +24,16 @@ pytestmark = pytest.mark.slow
 EXIT_HOW = ("0", "3", "raise", "sigterm", "os._exit0", "os._exit3")
 
 
-def probe(launch: str, how: str) -> tuple[dict[int, dict], list[int], str]:
+def probe(launch: str, how: str) -> tuple[dict[int, dict], list[int], str, list[str]]:
     with Cluster(1, 2, launch=launch) as c:
         c.start("launch_probe.py", "probe", how, env={"PROBE_ENV": f"{launch}-{how}"})
         codes = c.wait(60)
-        return c.results("probe"), codes, c.nodes[0].log()
+        torchrun_files = os.listdir(os.path.join(c.root, "torchelastic"))
+        return c.results("probe"), codes, c.nodes[0].log(), torchrun_files
 
 
 @pytest.fixture(scope="module")
-def probes() -> dict[tuple[str, str], tuple[dict[int, dict], list[int], str]]:
+def probes() -> dict[tuple[str, str], tuple[dict[int, dict], list[int], str, list[str]]]:
     return {(launch, how): probe(launch, how) for launch in ("exec", "fork") for how in EXIT_HOW}
 
 
@@ -57,12 +58,19 @@ def test_a_forked_node_ends_as_an_execd_one(probes):
     torchrun waits for a forked rank's return value, not its exit) end the node the same way
     under both launches, and each rank's output reaches the node's log."""
     for how in EXIT_HOW:
-        (_, exec_codes, exec_log), (_, fork_codes, fork_log) = probes[("exec", how)], probes[("fork", how)]
+        (_, exec_codes, exec_log, _), (_, fork_codes, fork_log, _) = probes[("exec", how)], probes[("fork", how)]
         assert exec_codes == fork_codes, (how, exec_codes, fork_codes)
         assert (exec_codes == [0]) == (how in ("0", "os._exit0")), (how, exec_codes)
         for log in (exec_log, fork_log):
             assert log.count("probe-format probe logged at INFO") == 2, log
             assert ("RuntimeError: probe raised" in log) == (how == "raise")
+
+
+def test_torchrun_keeps_its_files_in_the_cluster_not_in_tmp(probes):
+    """Each agent's per-run files (error files, its run's folder) go under the cluster's root,
+    removed with it, not into a new /tmp/torchelastic_* that nothing removes."""
+    for key, (_, _, _, torchrun_files) in probes.items():
+        assert len(torchrun_files) == 1, (key, torchrun_files)  # the one agent's run
 
 
 def test_closing_a_forked_cluster_kills_the_ranks_its_killed_agent_left():

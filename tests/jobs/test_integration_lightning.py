@@ -30,6 +30,12 @@ def _run(cluster: Cluster, phase: str, folder: str, tag: str | None = None, **en
     return max(cluster.wait(timeout=120))
 
 
+def repeated_lines(printed: str) -> dict[str, int]:
+    """Lines printed more than twice (a line per save would be): lines as a terminal shows them,
+    since a progress bar redraws itself after "\r" and under load may redraw the same text."""
+    return {line: n for line, n in Counter(printed.split("\n")).items() if n > 2 and line.strip()}
+
+
 def _printed(cluster: Cluster, node: int = 0) -> str:
     """What the node printed in its last launch."""
     return cluster.nodes[node].log().rsplit("\n===== ", 1)[-1]
@@ -148,8 +154,7 @@ def test_a_fresh_start_trains_as_lightning_alone_and_claims_no_restore():
                          "checkpoint of this job and there is no persistent checkpoint")], printed
         # No line per save: not Lightning's "`weights_only` was not set", nor any of ours.
         assert "weights_only" not in printed, printed
-        repeated = {line: n for line, n in Counter(printed.splitlines()).items() if n > 2 and line.strip()}
-        assert not repeated, repeated
+        assert not repeated_lines(printed), repeated_lines(printed)
 
         fresh, plain = cluster.results("lightning_fresh"), cluster.results("lightning_plain")
         assert sorted(fresh) == sorted(plain) == [0, 1], cluster.logs()
@@ -243,8 +248,7 @@ def test_the_example_runs_as_written_and_resumes(store_dir):
     first, second = printed
     for out in printed:
         assert "trains alone" not in out and "weights_only" not in out, out[-6000:]
-        assert not {line: n for line, n in Counter(out.splitlines()).items() if n > 2 and line.strip()}, \
-            out[-6000:]
+        assert not repeated_lines(out), out[-6000:]
     ours = [line for line in first.splitlines() if line.startswith("mlcheckpoint:")]
     assert ours == [("mlcheckpoint: nothing restored, starting fresh: memory holds no checkpoint "
                      "of this job and there is no persistent checkpoint")], first[-6000:]

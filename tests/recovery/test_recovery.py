@@ -22,12 +22,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import time
 
 import pytest
-from cluster import Cluster, kill_strays, lose_node
+from cluster import Cluster, died_of_sigkill, kill_strays, lose_node
 from helpers import damage_shard, flip_byte
 
 from mlcheckpoint.store import LocalStore, layout
@@ -141,10 +140,6 @@ def check_exact(res: dict[int, dict], ranks: int, step, log: str = "") -> None:
         assert r["step"] == step, (rank, r, log[-8000:])
         assert r["match"] and not r["mismatch"], (rank, r)
         assert r["world"] == ranks
-
-
-def killed_by_sigkill(log: str) -> bool:
-    return re.search(r"exitcode\s*:\s*-9\b", log) is not None
 
 
 # ---------------------------------------------------------------------------- the run
@@ -291,7 +286,7 @@ def test_orphan_steps_are_dropped_when_starting_fresh(run):
 def test_node_dying_mid_save_resumes_previous_step(run):
     """A node SIGKILLed mid-save of step 4: the restart resumes step 3 locally, names the
     missing metadata of step 4, and drops the half-saved step."""
-    assert killed_by_sigkill(run["log_a"]), run["log_a"][-8000:]
+    assert died_of_sigkill(run["log_a"]), run["log_a"][-8000:]
     before = run["midsave_a"]
     # what the crash left: step 4's shards (at least rank 1's), but no metadata anywhere
     for n in (0, 1):
@@ -312,7 +307,7 @@ def test_killed_during_recovery_then_resumes(run):
     # C: rank 1 died while receiving its own shard of step 3 from node 0
     """A rank SIGKILLed while fetching its shard commits nothing; the next resume fetches it
     again, loads exactly, heals, and leaves no partial files."""
-    assert killed_by_sigkill(run["log_c"]), run["log_c"][-8000:]
+    assert died_of_sigkill(run["log_c"]), run["log_c"][-8000:]
     held = run["recovkill_after"][1]
     # the recovery had begun (the metadata came first), the shard never got committed
     assert 3 in held and held[3][0] and 1 not in held[3][1], run["recovkill_after"]
@@ -515,7 +510,7 @@ def test_2x2_node_killed_mid_save_loop(run2x2):
 def test_2x2_killed_mid_load_then_resumes(run2x2):
     """A rank SIGKILLed right after its first peer read aborts the whole resume; the next one
     loads exactly and heals."""
-    assert killed_by_sigkill(run2x2["log"]), run2x2["log"][-8000:]
+    assert died_of_sigkill(run2x2["log"]), run2x2["log"][-8000:]
     # rank 3 never finished its resume; the others could not either (it is collective)
     assert run2x2["x2_killread"] == {}, run2x2["x2_killread"]
     res = run2x2["killread_again"]

@@ -25,7 +25,6 @@ source; rank 0 saves the full final parameters and optimizer state to <TEST_OUT_
 """
 
 import os
-import signal
 import sys
 import time
 
@@ -46,6 +45,7 @@ from mlcheckpoint.integrations.lightning import (
     MemoryCheckpoint,
     MLCheckpointStrategy,
 )
+from mlcheckpoint.testing.cluster import sigkill_self
 
 KILL_AFTER, RESUME_STEP = 7, 6
 MAX_STEPS = int(os.environ.get("LIGHTNING_STEPS", "10"))
@@ -105,7 +105,7 @@ class Record(Callback):
             trainer.strategy.checkpoints.wait()  # step 6 is committed in memory
             if trainer.num_nodes > 1:  # and on the partner node: a node may be lost now
                 trainer.strategy.checkpoints.wait_replicated(RESUME_STEP, timeout=60)
-            os.kill(os.getpid(), signal.SIGKILL)
+            sigkill_self(f"rank {trainer.global_rank}: step {KILL_AFTER} is protected")
 
 
 class Logged(Logger):

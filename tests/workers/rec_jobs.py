@@ -23,7 +23,6 @@ bytes_fetched, world, refused_copies}, "healed-<job>" {protected} and "listing-<
 """
 
 import os
-import signal
 
 import torch
 from common import report, run_specs
@@ -32,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from mlcheckpoint import CheckpointManager
 from mlcheckpoint.testing import internals
+from mlcheckpoint.testing.cluster import sigkill_self
 from mlcheckpoint.waiting import deadline_in, wait_until
 
 ROWS = 24  # divisible by every world size used (1, 2, 3, 4)
@@ -73,7 +73,7 @@ def die_after_first_read(transport) -> None:
 
         def wrapped(*args, _original=original, **kwargs):
             result = _original(*args, **kwargs)
-            os.kill(os.getpid(), signal.SIGKILL)
+            sigkill_self(f"rank {os.environ['RANK']}: its first peer read has returned")
             return result
 
         setattr(transport, name, wrapped)

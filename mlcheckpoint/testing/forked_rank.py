@@ -18,6 +18,7 @@ import os
 import runpy
 import signal
 import sys
+import traceback
 
 _PR_SET_PDEATHSIG = 1
 
@@ -62,10 +63,30 @@ def run(script: str, *args: str) -> None:
     os._exit = _exit_rank  # type: ignore[assignment]
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    agent = os.getppid()
     try:
         runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        _end_if_orphaned(agent, e.code if isinstance(e.code, int) else int(e.code is not None))
+        raise
+    except BaseException:
+        if os.getppid() != agent:
+            traceback.print_exc()
+        _end_if_orphaned(agent, 1)
+        raise
+    else:
+        _end_if_orphaned(agent, 0)
     finally:
         os._exit = _real_exit  # how multiprocessing ends the rank once torchrun has its result
+
+
+def _end_if_orphaned(agent: int, code: int) -> None:
+    # A rank whose agent was killed would wait for it forever to take its return value; an
+    # exec'd one would just end.
+    if os.getppid() != agent:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _real_exit(code)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ their own pids, sessions, sockets and memory, started and signalled by torchrun 
     proc = server.spawn(argv, env=env, stdout=log_fd)      # a Popen-like handle
     proc.wait(timeout=60); server.close()
 
-Only ``python -m MODULE ...`` and ``python SCRIPT ...`` command lines can be forked. The server has no thread of its own when it forks (it checks), so a child
+Only ``python -m MODULE ...`` and ``python SCRIPT ...`` command lines can be forked. The socket
+lies in a directory of its own that only this user can enter (``mkdtemp``): whoever can reach
+it can run commands as this user. The server adopts orphans (a child subreaper) and, once its
+client is gone (its stdin ends), kills every process it forked or adopted and removes its socket. The server has no thread of its own when it forks (it checks), so a child
 never inherits a lock held by another thread. What a fork cannot give a child, and a fresh
 interpreter would: modules imported again under the child's environment. Settings read at
 import time (``OMP_NUM_THREADS`` by the OpenMP runtime) are the server's, which it takes from
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import importlib
 import json
 import logging
@@ -215,17 +219,36 @@ class ForkServer:
 
 
 # --------------------------------------------------------------------------- in the server
-def _descendants(pid: int) -> list[int]:
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _kill_descendants() -> None:
     from mlcheckpoint.testing.cluster import process_tree
-    return process_tree(pid)
+    for pid in process_tree(os.getpid())[1:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _serve(path: str, preload: Sequence[str]) -> None:
+    try:
+        _serve_until_client_ends(path, preload)
+    finally:  # nothing it forked outlives it, nor its socket
+        _kill_descendants()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))
+
+
+def _serve_until_client_ends(path: str, preload: Sequence[str]) -> None:
     for name in preload:
         importlib.import_module(name)
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:  # a fork would copy locks other threads may hold
         raise SystemExit(f"the fork server has {threads} threads after its imports; it needs 1")
+    # Ranks orphaned by a killed agent become its children, not init's: it reaps them, and kills
+    # them when its client is gone.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # the client waits for this name: bound and listening
@@ -242,10 +265,6 @@ def _serve(path: str, preload: Sequence[str]) -> None:
     while True:
         for key, _ in sel.select():
             if key.data == "client":  # our client exited or closed us
-                for pid in list(children):
-                    for p in _descendants(pid):
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(p, signal.SIGKILL)
                 return
             if key.data == "child":
                 os.read(wake_r, 4096)
@@ -258,7 +277,8 @@ def _serve(path: str, preload: Sequence[str]) -> None:
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
-    while children:
+    """Reap every child that ended (orphans adopted too); report those it forked."""
+    while True:
         try:
             pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:

@@ -90,6 +90,20 @@ def test_closing_a_forked_cluster_kills_the_ranks_its_killed_agent_left():
         wait_for(lambda: all(is_dead(p) for p in ranks), "the orphaned ranks die", timeout=30)
 
 
+def test_ranks_whose_agent_was_killed_end_when_their_script_does():
+    """A forked rank hands its result to its agent at the end; with the agent SIGKILLed it ends
+    instead, as an exec'd rank would, rather than wait for it forever."""
+    with Cluster(1, 2, launch="fork") as c:
+        c.start("launch_probe.py", "probe", "sleep2")
+        wait_for(lambda: len(c.results("probe")) == 2, "both ranks report", timeout=60)
+        agent = c.nodes[0].proc
+        assert agent is not None
+        ranks = process_tree(agent.pid)[1:]
+        os.kill(agent.pid, signal.SIGKILL)
+        assert agent.wait(30) == -signal.SIGKILL
+        wait_for(lambda: all(is_dead(p) for p in ranks), "the orphaned ranks end", timeout=30)
+
+
 CHILD = """
 import os, sys, time
 print(os.getcwd(), os.environ.get("WHO"), os.getsid(0) == os.getpid(), sys.argv[1:], flush=True)

@@ -1,7 +1,7 @@
 """Worker: report what a rank sees of how it was started (tests/jobs/test_forkserver.py): its
 signal dispositions, parent-death signal, argv, first import path, session, environment,
 working directory and logging; once every rank has, exit with argv[2] (a number) or as it says
-(raise, sigterm, sleep, os._exit<code>)."""
+(raise, sigterm, sleep[<seconds>], os._exit<code>)."""
 
 import ctypes
 import logging
@@ -42,7 +42,7 @@ if how.startswith("os._exit"):  # as a worker that skips the interpreter's teard
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(how[len("os._exit"):]))
-if how == "sleep":
-    time.sleep(120)
+if how.startswith("sleep"):  # sleep<seconds>, 120 by default
+    time.sleep(float(how[len("sleep"):] or 120))
     how = "0"
 sys.exit(int(how))

@@ -73,18 +73,25 @@ def test_torchrun_keeps_its_files_in_the_cluster_not_in_tmp(probes):
         assert len(torchrun_files) == 1, (key, torchrun_files)  # the one agent's run
 
 
+def orphan_the_ranks(c: Cluster, how: str) -> list[int]:
+    """Start the probe (``how``) on node 0, wait until both ranks reported, SIGKILL the agent
+    alone; return the ranks' pids."""
+    c.start("launch_probe.py", "probe", how)
+    wait_for(lambda: len(c.results("probe")) == 2, "both ranks report", timeout=60)
+    agent = c.nodes[0].proc
+    assert agent is not None
+    ranks = process_tree(agent.pid)[1:]
+    assert len(ranks) == 2, ranks
+    os.kill(agent.pid, signal.SIGKILL)
+    assert agent.wait(30) == -signal.SIGKILL
+    return ranks
+
+
 def test_closing_a_forked_cluster_kills_the_ranks_its_killed_agent_left():
     """An agent SIGKILLed alone leaves its forked ranks running (orphans whose environment, as
     /proc shows it, is the fork server's): closing the cluster still finds and kills them."""
     with Cluster(1, 2, launch="fork") as c:
-        c.start("launch_probe.py", "probe", "sleep")
-        wait_for(lambda: len(c.results("probe")) == 2, "both ranks report", timeout=60)
-        agent = c.nodes[0].proc
-        assert agent is not None
-        ranks = process_tree(agent.pid)[1:]
-        assert len(ranks) >= 2, ranks
-        os.kill(agent.pid, signal.SIGKILL)
-        assert agent.wait(30) == -signal.SIGKILL
+        ranks = orphan_the_ranks(c, "sleep")
         assert not any(is_dead(p) for p in ranks)
         c.close()
         wait_for(lambda: all(is_dead(p) for p in ranks), "the orphaned ranks die", timeout=30)
@@ -94,13 +101,7 @@ def test_ranks_whose_agent_was_killed_end_when_their_script_does():
     """A forked rank hands its result to its agent at the end; with the agent SIGKILLed it ends
     instead, as an exec'd rank would, rather than wait for it forever."""
     with Cluster(1, 2, launch="fork") as c:
-        c.start("launch_probe.py", "probe", "sleep2")
-        wait_for(lambda: len(c.results("probe")) == 2, "both ranks report", timeout=60)
-        agent = c.nodes[0].proc
-        assert agent is not None
-        ranks = process_tree(agent.pid)[1:]
-        os.kill(agent.pid, signal.SIGKILL)
-        assert agent.wait(30) == -signal.SIGKILL
+        ranks = orphan_the_ranks(c, "sleep2")
         wait_for(lambda: all(is_dead(p) for p in ranks), "the orphaned ranks end", timeout=30)
 
 

@@ -70,8 +70,7 @@ def run(script: str, *args: str) -> None:
         _end_if_orphaned(agent, e.code if isinstance(e.code, int) else int(e.code is not None))
         raise
     except BaseException:
-        if os.getppid() != agent:
-            traceback.print_exc()
+        traceback.print_exc()  # what an exec'd rank's interpreter prints (torchrun's own wrapper does not)
         _end_if_orphaned(agent, 1)
         raise
     else:

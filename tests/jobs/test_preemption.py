@@ -140,20 +140,24 @@ def test_ranks_stuck_in_a_collective_flush_and_end_as_sigterm_would():
 
 def test_a_flush_cut_off_by_sigkill_leaves_the_older_persistent_step_chosen():
     """2 nodes x 1 rank. Rank 1's flush is held before its part is marked whole, rank 0's
-    finishes; then SIGKILL (the grace period ran out). The new step's folder is there but not
+    (notified once rank 1 is held) finishes; then SIGKILL (the grace period ran out). The new step's folder is there but not
     complete: the restart, with memory wiped, resumes persistent step 10, which plain
     ``dcp.load`` still reads."""
     with Cluster(nnodes=2, nproc=1) as c:
         hold = os.path.join(c.root, "hold")
         c.start("preempt_job.py", "train", env={"MLCHECKPOINT_PAUSE_AT": f"flush_part#1={hold}"})
         train_until(c, 12)
-        for node in c.nodes:
-            assert node.proc is not None
-            node.proc.send_signal(signal.SIGTERM)
+        # Node 1's notice first, node 0's once rank 1 is held: had rank 0 flushed and ended
+        # before node 1's agent took its SIGTERM (a loaded machine delays it), rank 1's
+        # collective would have failed first and it would never flush.
+        agents = [node.proc for node in c.nodes]
+        assert agents[0] is not None and agents[1] is not None
+        agents[1].send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 60
         while not os.path.exists(f"{hold}.reached"):
             assert time.monotonic() < deadline, c.logs()
             time.sleep(0.05)
+        agents[0].send_signal(signal.SIGTERM)
         storage = PersistentStorage(c.persistent_dir)
         markers = glob.glob(f"{c.persistent_dir}/step-*/.mlcheckpoint-flush/*/part-00000.json")
         deadline = time.monotonic() + 30

@@ -1,8 +1,8 @@
 """Fault points for tests: SIGKILL this process, or hold it, at a named stage.
 
 Crash: set MLCHECKPOINT_CRASH_AT="<point>" or "<point>@<step>" (optionally "...#<rank>") in a
-test's environment; the process logs ``CRASH_MESSAGE`` and SIGKILLs itself. Points: before_data, mid_data, before_manifest, mid_commit,
-before_metadata, replica_mid_recv, replica_mid_send (a push, once one of its streams has sent
+test's environment; the process logs ``CRASH_MESSAGE`` and SIGKILLs itself. Points:
+before_data, mid_data, before_manifest, mid_commit, before_metadata, replica_mid_recv, replica_mid_send (a push, once one of its streams has sent
 half its bytes), serve_mid_read (a TCP holder serving a shard's bytes to a read or a fetch,
 once it has answered "ok" and before the bytes; the step and rank named are the shard's).
 
@@ -32,7 +32,9 @@ from .settings import variable_text
 from .waiting import deadline_in, wait_until
 
 logger = logging.getLogger(__name__)
-CRASH_MESSAGE = "mlcheckpoint: crash point %s reached (MLCHECKPOINT_CRASH_AT): this process SIGKILLs itself"
+SIGKILLED_ITSELF = "this process SIGKILLs itself"  # how a process says so (testing.cluster too)
+CRASH_MESSAGE = ("mlcheckpoint: crash point %s reached (MLCHECKPOINT_CRASH_AT): "
+                 + SIGKILLED_ITSELF)
 _ENV = "MLCHECKPOINT_CRASH_AT"
 _PAUSE_ENV = "MLCHECKPOINT_PAUSE_AT"
 PAUSE_LIMIT_S = 120.0  # a pause whose file never comes fails the run instead of hiding the race

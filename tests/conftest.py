@@ -181,7 +181,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # process and of the children it reaped (torchrun agents, whose ranks they reaped: a launch's
 # whole CPU, except ranks orphaned by a killed agent; agents the fork server forked count as
 # children), the Python processes it started and those it had forked.
-# The suite is CPU-bound on 2 cores; scripts/suite_profile.py sums it per module.
+# scripts/suite_profile.py sums it per module.
 CPU_LOG = os.environ.get("MLCHECKPOINT_TEST_CPU_LOG")
 _python_starts = [0]
 # ... and every process the suite starts writes a line of its own to FILE.procs at its exit

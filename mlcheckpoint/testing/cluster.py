@@ -37,6 +37,7 @@ from typing import Any
 
 from typing_extensions import Self
 
+from mlcheckpoint._faults import SIGKILLED_ITSELF
 from mlcheckpoint.testing import forked_rank, forkserver
 from mlcheckpoint.testing.forkserver import ForkedProcess
 
@@ -425,9 +426,6 @@ class Cluster(SimulatedCluster):
 # A rank that SIGKILLs itself says so first: torchrun's forked ranks (launch="fork") report the
 # first failure their agent sees, which may be another rank's error, so the exit code -9 need
 # not reach the log. (The library's crash points, mlcheckpoint/_faults.py, say it the same way.)
-SIGKILLED_ITSELF = "this process SIGKILLs itself"
-
-
 def sigkill_self(why: str) -> None:
     """In a worker: write ``why`` and ``SIGKILLED_ITSELF`` to the node's log, then SIGKILL this
     process."""

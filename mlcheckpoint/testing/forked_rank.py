@@ -20,6 +20,8 @@ import signal
 import sys
 import traceback
 
+from mlcheckpoint.testing.forkserver import exit_code
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -67,10 +69,10 @@ def run(script: str, *args: str) -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
-        _end_if_orphaned(agent, e.code if isinstance(e.code, int) else int(e.code is not None))
+        _end_if_orphaned(agent, exit_code(e))
         raise
     except BaseException:
-        traceback.print_exc()  # what an exec'd rank's interpreter prints (torchrun's own wrapper does not)
+        traceback.print_exc()  # as an exec'd rank's interpreter would; torchrun's wrapper does not
         _end_if_orphaned(agent, 1)
         raise
     else:

@@ -16,8 +16,9 @@ their own pids, sessions, sockets and memory, started and signalled by torchrun 
 Only ``python -m MODULE ...`` and ``python SCRIPT ...`` command lines can be forked. The socket
 lies in a directory of its own that only this user can enter (``mkdtemp``): whoever can reach
 it can run commands as this user. The server adopts orphans (a child subreaper) and, once its
-client is gone (its stdin ends), kills every process it forked or adopted and removes its socket. The server has no thread of its own when it forks (it checks), so a child
-never inherits a lock held by another thread. What a fork cannot give a child, and a fresh
+client is gone (its stdin ends), kills every process it forked or adopted and removes its
+socket. The server has no thread of its own when it forks (it checks), so a child never
+inherits a lock held by another thread. What a fork cannot give a child, and a fresh
 interpreter would: modules imported again under the child's environment. Settings read at
 import time (``OMP_NUM_THREADS`` by the OpenMP runtime) are the server's, which it takes from
 ``SERVER_ENV``; a child's ``PYTHONPATH`` entries are added to its ``sys.path``.
@@ -30,7 +31,6 @@ import contextlib
 import ctypes
 import importlib
 import json
-import logging
 import os
 import runpy
 import selectors
@@ -44,8 +44,6 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 # What every agent and rank of a simulated node imports: the server imports it once.
 PRELOAD = ("torch", "torch.distributed.run", "torch.distributed.checkpoint",
@@ -150,9 +148,9 @@ class ForkServer:
         self.path = os.path.join(self._dir, "sock")
         env = {**os.environ, **SERVER_ENV}
         # Its stdin is how it notices this process is gone (EOF): it then kills what it forked.
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", f"import {__name__} as s; s._serve({self.path!r}, {list(preload)!r})"],
-            stdin=subprocess.PIPE, env=env, start_new_session=True)
+        serve = f"import {__name__} as s; s._serve({self.path!r}, {list(preload)!r})"
+        self._proc = subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE,
+                                      env=env, start_new_session=True)
         self._lock = threading.Lock()
         deadline = time.monotonic() + start_timeout
         while not os.path.exists(self.path):
@@ -372,7 +370,9 @@ def _child(argv: list[str], request: dict[str, Any], out: int) -> int:
             sys.argv = argv[1:]
             runpy.run_path(argv[1], run_name="__main__")
     except SystemExit as e:
-        code = _exit_code(e.code)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)  # sys.exit("message"), as an interpreter prints it
+        code = exit_code(e)
     except KeyboardInterrupt:
         traceback.print_exc()
         code = 128 + signal.SIGINT
@@ -390,11 +390,10 @@ def _child(argv: list[str], request: dict[str, Any], out: int) -> int:
     return code
 
 
-def _exit_code(code: object) -> int:
-    if code is None:
+def exit_code(e: SystemExit) -> int:
+    """The exit status ``e`` ends an interpreter with: 0 for None, an int as the OS keeps it,
+    1 for anything else (a message)."""
+    if e.code is None:
         return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
+    return e.code & 0xFF if isinstance(e.code, int) else 1
 

@@ -58,7 +58,8 @@ def test_a_forked_node_ends_as_an_execd_one(probes):
     torchrun waits for a forked rank's return value, not its exit) end the node the same way
     under both launches, and each rank's output reaches the node's log."""
     for how in EXIT_HOW:
-        (_, exec_codes, exec_log, _), (_, fork_codes, fork_log, _) = probes[("exec", how)], probes[("fork", how)]
+        _, exec_codes, exec_log, _ = probes[("exec", how)]
+        _, fork_codes, fork_log, _ = probes[("fork", how)]
         assert exec_codes == fork_codes, (how, exec_codes, fork_codes)
         assert (exec_codes == [0]) == (how in ("0", "os._exit0")), (how, exec_codes)
         for log in (exec_log, fork_log):
@@ -183,7 +184,8 @@ def test_the_server_refuses_a_malformed_request_and_serves_the_next(child_script
     are refused with an error; the server goes on serving."""
     server = forkserver.ForkServer(preload=("json",))
     try:
-        for junk in (b"\x00garbage", json.dumps({"argv": [sys.executable, child_script, "0"]}).encode()):
+        no_descriptor = json.dumps({"argv": [sys.executable, child_script, "0"]}).encode()
+        for junk in (b"\x00garbage", no_descriptor):
             with socket.socket(socket.AF_UNIX) as s:
                 s.connect(server.path)
                 s.sendall(junk)

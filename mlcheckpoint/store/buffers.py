@@ -218,6 +218,10 @@ class MappedFile:
                        "copies of such buffers go through a bounce buffer")
 
     def release(self) -> None:
+        """The cache lets go of this mapping: it is no longer page-locked, and it is unmapped
+        once nothing refers to it. Not here: whoever was handed it may still be copying
+        through its address on another thread (a peer's read served beside a resume reading
+        the same shard), and unmapping it under them is a segfault."""
         if self._cuda_registered:
             with torch.cuda.device(self._cuda_device):
                 rc = int(torch.cuda.cudart().cudaHostUnregister(self.base_ptr))
@@ -226,13 +230,6 @@ class MappedFile:
                     log.debug("cudaHostUnregister failed (%s)", _cuda_error(rc))
             self._cuda_registered = False
         self._tensor = None
-        self.array = None  # type: ignore[assignment]
-        if self._mm is None:  # an empty file: nothing was mapped
-            return
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # tensors handed out still view it; the mapping goes when they do
 
 
 # The cudaHostRegister calls that succeeded in this process, by the name of the thread that
@@ -304,6 +301,10 @@ class MappingCache:
     staged region), a wider one beside it. The wider one never replaces the first: replacing
     it would unregister it, and the next save of the recycled buffer would page-lock it again
     on the training thread (with replication, whose sender reads every shard whole: each save).
+
+    A mapping the cache lets go of (replaced, ``forget``, ``clear``) is unmapped when its last
+    holder drops it, never under a thread still reading through it. Two threads that miss at
+    once (a resume reading a shard while serving a peer's read of it) share the first one's.
     """
 
     def __init__(self) -> None:
@@ -325,13 +326,16 @@ class MappingCache:
         st = os.stat(path)
         key = (st.st_dev, st.st_ino)
         with self._lock:
-            for mf in (self._by_key.get(key), self._wider.get(key)):
-                if mf is not None and mf.size >= size and st.st_size >= size:
-                    return mf if mf.size == size else _SubMapping(mf, size)
+            held = self._covering(key, size) if st.st_size >= size else None
+        if held is not None:
+            return held
         # Map outside the lock: populating a fresh file's pages can take seconds, and another
         # thread's save must not wait behind a buffer being prepared in the background.
         new = MappedFile(path, size, populate, holes)
         with self._lock:
+            held = self._covering(key, size)  # another thread mapped it meanwhile: theirs
+            if held is not None:              # (one mapping per file; ours goes unused)
+                return held
             first = self._by_key.get(key)
             if first is not None and first.size < size:  # kept: a wider one beside it
                 old = self._wider.get(key)
@@ -342,6 +346,13 @@ class MappingCache:
         if old is not None:
             old.release()
         return new
+
+    def _covering(self, key: tuple[int, int], size: int) -> MappedFile | None:
+        """(Under the lock) a cached mapping of ``key`` covering its first ``size`` bytes."""
+        for mf in (self._by_key.get(key), self._wider.get(key)):
+            if mf is not None and mf.size >= size:
+                return mf if mf.size == size else _SubMapping(mf, size)
+        return None
 
     def lookup(self, st: os.stat_result) -> MappedFile | None:
         """This process's mapping of the file ``st`` describes, if any (it may cover only the

@@ -339,8 +339,8 @@ class ShardSource:
         if self.mapped is None or self.mapped.size < end:
             if self.mapped is not None:
                 # Spans taken from the mapping the cache is about to replace (the writer's,
-                # which ends before the items write_data appended) still point into it: an
-                # export of it keeps it mapped until this source is done (see release()).
+                # which ends before the items write_data appended) still point into it: held
+                # here, it stays mapped until this source is done (see MappedFile.release).
                 self._earlier.append(self.mapped.array)
             self.mapped = self.mappings.map(self.path, self.manifest.data_bytes, populate=False,
                                             holes=self.manifest.partial)

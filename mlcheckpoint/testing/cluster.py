@@ -284,7 +284,9 @@ class SimulatedCluster:
         env.update({"MLCHECKPOINT_LOCAL_DIR": self.nodes[k].local_dir,
                     "MLCHECKPOINT_JOB_ID": self.job_id,
                     "TEST_OUT_DIR": self.out_dir, "TEST_PERSISTENT_DIR": self.persistent_dir,
-                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    # a crash in native code (a segfault) prints every thread's Python stack
+                    "PYTHONFAULTHANDLER": "1"})
         return env
 
     def _master_addr(self) -> str:

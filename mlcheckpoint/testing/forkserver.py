@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import faulthandler
 import importlib
 import json
 import os
@@ -355,6 +356,7 @@ def _child(argv: list[str], request: dict[str, Any], out: int) -> int:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    enable_faulthandler_as_set()
     atexit._clear()  # the server's exit handlers are not the child's
     # sys.path as a fresh interpreter would build it: where it runs, then PYTHONPATH.
     first = os.getcwd() if argv[1] == "-m" else os.path.dirname(os.path.abspath(argv[1]))
@@ -388,6 +390,13 @@ def _child(argv: list[str], request: dict[str, Any], out: int) -> int:
         with contextlib.suppress(BaseException):
             stream.flush()
     return code
+
+
+def enable_faulthandler_as_set() -> None:
+    """What ``PYTHONFAULTHANDLER`` makes an interpreter do at startup, which a forked process
+    did not go through: a crash in native code prints every thread's Python stack."""
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()
 
 
 def exit_code(e: SystemExit) -> int:

@@ -21,7 +21,7 @@ from mlcheckpoint.testing import forkserver
 
 pytestmark = pytest.mark.slow
 
-EXIT_HOW = ("0", "3", "raise", "sigterm", "os._exit0", "os._exit3")
+EXIT_HOW = ("0", "3", "raise", "sigterm", "segfault", "os._exit0", "os._exit3")
 
 
 def probe(launch: str, how: str) -> tuple[dict[int, dict], list[int], str, list[str]]:
@@ -39,7 +39,8 @@ def probes() -> dict[tuple[str, str], tuple[dict[int, dict], list[int], str, lis
 
 def test_a_forked_rank_sees_what_an_execd_rank_sees(probes):
     """Signal handlers, parent-death signal, argv, import path, session, environment, working
-    directory and a fresh logging setup: the same under both launches."""
+    directory, a fresh logging setup and crash reports (the cluster sets
+    ``PYTHONFAULTHANDLER``): the same under both launches."""
     for how in EXIT_HOW:
         execd, forked = probes[("exec", how)][0], probes[("fork", how)][0]
         assert sorted(execd) == sorted(forked) == [0, 1], (how, probes[("fork", how)][2])
@@ -48,15 +49,17 @@ def test_a_forked_rank_sees_what_an_execd_rank_sees(probes):
             assert e.pop("env") == f"exec-{how}" and f.pop("env") == f"fork-{how}"
             assert e == f, (how, rank)
             assert f["pdeathsig"] == 0 and f["root_handlers"] == 1 and f["own_session"] is True
+            assert f["faulthandler"] is True
             assert f["signals"]["SIGTERM"] == str(signal.SIG_DFL), f["signals"]
             assert f["argv"][0].endswith("/launch_probe.py") and f["argv"][1:] == ["probe", how]
             assert f["path0"] == os.path.dirname(f["argv"][0])
 
 
 def test_a_forked_node_ends_as_an_execd_one(probes):
-    """A clean exit, sys.exit(3), an exception, a rank killed by SIGTERM and os._exit (0 and 3:
-    torchrun waits for a forked rank's return value, not its exit) end the node the same way
-    under both launches, and each rank's output reaches the node's log."""
+    """A clean exit, sys.exit(3), an exception, a rank killed by SIGTERM, a segfault and
+    os._exit (0 and 3: torchrun waits for a forked rank's return value, not its exit) end the
+    node the same way under both launches, and each rank's output reaches the node's log: a
+    segfault's with the Python stack it happened in."""
     for how in EXIT_HOW:
         _, exec_codes, exec_log, _ = probes[("exec", how)]
         _, fork_codes, fork_log, _ = probes[("fork", how)]
@@ -65,6 +68,9 @@ def test_a_forked_node_ends_as_an_execd_one(probes):
         for log in (exec_log, fork_log):
             assert log.count("probe-format probe logged at INFO") == 2, log
             assert ("RuntimeError: probe raised" in log) == (how == "raise")
+            assert ("Fatal Python error: Segmentation fault" in log) == (how == "segfault"), log
+            if how == "segfault":
+                assert 'launch_probe.py", line' in log.split("Fatal Python error")[1], log
 
 
 def test_torchrun_keeps_its_files_in_the_cluster_not_in_tmp(probes):

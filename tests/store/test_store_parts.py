@@ -12,9 +12,10 @@ from helpers import put_metadata, put_shard, put_step
 
 from mlcheckpoint import CorruptShardError
 from mlcheckpoint.errors import CopyId
+from mlcheckpoint.integrity import copier
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.integrity.verify import region_digests, verify_digests
-from mlcheckpoint.store import layout
+from mlcheckpoint.store import buffers, layout
 from mlcheckpoint.store.layout import JobPaths, Kind, classify
 from mlcheckpoint.store.manifest import ManifestItem
 
@@ -123,3 +124,56 @@ def test_pickled_store_parts_share_one_fresh_mapping_cache(store):
     put_metadata(copy, 1)
     assert copy.complete_steps() == [1] == store.complete_steps()
     assert layout.classify(os.path.basename(copy.data_path(1, 0))).kind is Kind.DATA
+
+
+# ---------------------------------------------------------------- mappings and their holders
+
+def mapped_at(address: int, nbytes: int) -> bool:
+    """Whether this process maps ``nbytes`` at ``address`` (read before touching them: an
+    unmapped address would be a segfault, not a failed assertion)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address and address + nbytes <= hi:
+                return True
+    return False
+
+
+def test_a_mapping_the_cache_lets_go_stays_mapped_while_a_reader_copies_from_it(store):
+    """A reader copies through the address of its mapping (the copier's threads): the cache
+    dropping that mapping meanwhile (another thread forgot the file, or closed the store's
+    mappings) must not unmap it under the copy. It goes when the reader lets go of it."""
+    data = np.arange(1 << 16, dtype=np.uint64).view(np.uint8)
+    m = put_shard(store, 1, 0, data.tobytes())
+    store.mappings.clear()  # as in a restarted process: the reader maps the shard itself
+    dst = np.zeros_like(data)
+    with store.open_shard(1, 0, m.save_id) as source:
+        span = source.span(0, data.nbytes, dst.ctypes.data)
+        store.mappings.forget(source.path)
+        store.mappings.clear()
+        assert mapped_at(span.src, data.nbytes)
+        copier.process([span])
+    assert np.array_equal(dst, data)
+
+
+def test_two_threads_mapping_one_shard_at_once_share_one_mapping(store, monkeypatch):
+    """Two threads map a shard the cache lacks at once (a resume reading it while serving a
+    peer's read of it): the one that finishes second takes the first one's mapping, and the
+    first one's stays mapped and whole, instead of being replaced and unmapped under it."""
+    data = np.arange(1 << 16, dtype=np.uint64).view(np.uint8)
+    put_shard(store, 1, 0, data.tobytes())
+    store.mappings.clear()
+    path = store.data_path(1, 0)
+    make, theirs = buffers.MappedFile, []
+
+    def mapped_meanwhile(*args, **kwargs):  # the other thread's map() ends while ours maps
+        if not theirs:
+            theirs.append(None)
+            theirs[0] = store.mappings.map(path, data.nbytes, populate=False)
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(buffers, "MappedFile", mapped_meanwhile)
+    ours = store.mappings.map(path, data.nbytes, populate=False)
+    assert ours is theirs[0]
+    assert mapped_at(ours.base_ptr, data.nbytes)
+    assert np.array_equal(ours.array, data)

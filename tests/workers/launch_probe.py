@@ -1,9 +1,10 @@
 """Worker: report what a rank sees of how it was started (tests/jobs/test_forkserver.py): its
 signal dispositions, parent-death signal, argv, first import path, session, environment,
-working directory and logging; once every rank has, exit with argv[2] (a number) or as it says
-(raise, sigterm, sleep[<seconds>], os._exit<code>)."""
+working directory, logging and crash reports; once every rank has, exit with argv[2] (a number)
+or as it says (raise, sigterm, segfault, sleep[<seconds>], os._exit<code>)."""
 
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ write_result(sys.argv[1], rank, {
     "env": os.environ.get("PROBE_ENV"),
     "cwd": os.getcwd(),
     "root_handlers": len(logging.root.handlers),
+    "faulthandler": faulthandler.is_enabled(),
 })
 # Both ranks have reported before either ends: the agent stops the other rank at the first failure.
 others = [os.path.join(os.environ["TEST_OUT_DIR"], f"{sys.argv[1]}.rank{r}.json")
@@ -36,6 +38,8 @@ while not all(os.path.exists(p) for p in others):
 how = sys.argv[2]
 if how == "raise":
     raise RuntimeError("probe raised")
+if how == "segfault":  # a crash in native code
+    ctypes.string_at(0)
 if how == "sigterm":
     os.kill(os.getpid(), signal.SIGTERM)
 if how.startswith("os._exit"):  # as a worker that skips the interpreter's teardown does

@@ -90,10 +90,13 @@ def test_every_route_publishes_a_save_alike():
             assert rep == {"replicated": True, "stats_step": SAVES - 1, "warmed": True}, (route, rank, rep)
         for node, view in enumerate(views[route]):
             assert view["saves"] == {(s, node) for s in range(SAVES)}, (route, node, view)
-            # every step a node holds its own shards of comes with its metadata, the two newest
-            # (keep=2) among them; the last one protected, so whole on both nodes
-            assert view["owned"] == view["shards"], (route, node, view)
-            assert view["owned"][-2:] == [SAVES - 2, SAVES - 1], (route, node, view)
+            # the steps kept (keep=2: the two newest) come with their metadata on both nodes,
+            # the last one protected, so whole on both. An older one may lack it: node 0's
+            # retention can retire a step before rank 0 shared its metadata (a DCP-native
+            # save's is shared after the commit), and the other node's shard of it then waits
+            # for that node's next retention pass.
+            assert view["owned"][-2:] == view["shards"][-2:] == [SAVES - 2, SAVES - 1], \
+                (route, node, view)
             assert SAVES - 1 in view["complete"], (route, node, view)
         newest = [{s: v["metadata"][s] for s in (SAVES - 2, SAVES - 1)} for v in views[route]]
         assert newest[0] == newest[1], (route, views[route])

@@ -174,7 +174,8 @@ class CheckpointManager:
             return None
         on = bool(BY_NAME["preemption_flush"].resolve())
         flusher = Flusher(self._store, self._persistent, self.rank, self._lifecycle.pins,
-                          budget=None if self._replicator is None else self._replicator.transport.budget)
+                          budget=None if self._replicator is None else self._replicator.transport.budget,
+                          wait_for_parts=BY_NAME["flush_wait_for_parts"].resolve())
         self._flusher = flusher
         return Preemption(flusher.flush_and_stay, deadline_s=BY_NAME["flush_deadline"].resolve(),
                           on_sigterm=on,

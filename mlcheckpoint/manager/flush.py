@@ -69,6 +69,9 @@ from ..waiting import wait_until
 log = logging.getLogger(__name__)
 
 FLUSH_DIR = ".mlcheckpoint-flush"
+# How often a rank staying for the other parts looks for DCP's .metadata: every rank of the job
+# looks, on what is often a shared file system's metadata server.
+STAY_POLL_S = 0.2
 # The version FileSystemWriter stamps on what it writes (None in a torch without it: the
 # field is left as the save set it).
 _DCP_VERSION: str | None = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", None)
@@ -125,19 +128,22 @@ class Flusher:
         pins: this rank's pins: a step being flushed is never retired under it.
         budget: this process's replication budget (None: no replication), unpaced while a
             preemption's flush runs (``flush_and_stay``).
+        wait_for_parts: how long after the notice a preemption's flush stays for the other
+            ranks' parts (``flush_and_stay``).
 
     A flush during a resume (``resuming``) waits for the resume to end: the step it loads is
     the one to write. After a resume on a replaced node (``after_resume``), a flush waits for
     this rank's own shard of the loaded step to come back (``healing``) before it looks for
     its part, and a preemption's flush of that step stays until the step is complete
     (``flush_and_stay``): a rank still bringing its shard back may be reading it from this
-    node.
+    node. A preemption's flush of any other step stays for the other parts ``wait_for_parts``
+    seconds at most: a notice may reach their nodes later.
     """
 
     def __init__(self, store: LocalStore, storage: PersistentStorage, rank: int, pins: Pins,
-                 budget: Budget | None = None):
+                 budget: Budget | None = None, wait_for_parts: float = 0.0):
         self.store, self.storage, self.rank, self.pins = store, storage, rank, pins
-        self.budget = budget
+        self.budget, self.wait_for_parts = budget, wait_for_parts
         self.resumed = threading.Event()  # no resume in flight (cleared while one runs)
         self.resumed.set()
         self.healing: threading.Thread | None = None  # bringing this rank's own shard back
@@ -241,26 +247,39 @@ class Flusher:
         return result
 
     def flush_and_stay(self, deadline: float) -> FlushResult:
-        """``flush`` (what a preemption runs), then, where it wrote a part of the loaded step
-        whose shards some rank is still bringing back and no step it wrote is complete, stay
-        until one is or the deadline passes: that rank may be reading its shard from this
-        node to write its own part, and a process that left at once would end the read.
-        Otherwise (a rank that failed and writes no part, before an elastic restart) nothing
-        waits for parts that may never come.
+        """``flush`` (what a preemption runs), then, where it wrote a part and no step it
+        wrote is complete, stay until one is, for at most ``wait_for_parts`` seconds from the
+        notice: notices reach nodes apart, and a rank that left at once would fail the
+        collective its peers wait in before their own notice came, so they would never write
+        their parts. Where it wrote a part of the loaded step whose shards some rank is still
+        bringing back, stay until the deadline: that rank may be reading its shard from this
+        node to write its own part, and leaving would end the read.
 
         Meanwhile this process sends at the link's speed (``Budget.hurried``): a shard this
         node serves to a replaced node's heal must cross before that node's flush, which waits
         for it, runs out of time; the budget spares training's steps, and none are left."""
+        noticed = time.monotonic()
         with self.budget.hurried() if self.budget is not None else contextlib.nullcontext():
             result = self.flush(deadline)
-            if (self.rebuilt_step in result.parts and not result.complete
-                    and wait_until(lambda: any(self.complete(s) for s in result.parts), deadline,
-                                   poll=0.05)):
+            if result.complete or not result.parts:
+                return result
+            until = deadline if self.rebuilt_step in result.parts else \
+                min(deadline, noticed + self.wait_for_parts)
+            if until > time.monotonic():
+                log.warning("mlcheckpoint: preemption flush on rank %d: staying up to %.1fs for "
+                            "the other ranks' parts of step %d", self.rank,
+                            until - time.monotonic(), result.parts[0])
+            if wait_until(lambda: any(self.complete(s) for s in result.parts), until,
+                          poll=STAY_POLL_S):
                 result.step = next(s for s in result.parts if self.complete(s))  # newest first
                 result.complete = True
                 log.warning("mlcheckpoint: preemption flush on rank %d: step %d is complete in "
                             "%s (the other ranks' parts came)", self.rank, result.step,
                             self.storage.flush_path(result.step))
+            else:
+                log.warning("mlcheckpoint: preemption flush on rank %d: leaving with step %d "
+                            "incomplete (a rank that never had a notice, or failed, writes no "
+                            "part)", self.rank, result.parts[0])
         return result
 
     def _wait_for_heal(self, deadline: float) -> None:

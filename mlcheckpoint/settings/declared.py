@@ -65,6 +65,12 @@ def _seconds(value: Any, source: str) -> float:
     return value
 
 
+def _seconds_or_none(value: Any, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ConfigError(f"{source}={value!r}: expected a number of seconds >= 0")
+    return value
+
+
 def _text_seconds(text: str, source: str) -> float | str:
     try:
         return float(text)
@@ -224,6 +230,13 @@ SETTINGS: tuple[Setting, ...] = (
             "after the notice; keep it below the launcher's grace period (torchrun's "
             "`--shutdown-timeout`, 30 s by default)", 25.0, env="MLCHECKPOINT_FLUSH_DEADLINE",
             check=_seconds, from_text=_text_seconds, shown="`25`"),
+    Setting("flush_wait_for_parts", "preemption", "seconds after the notice (within "
+            "`flush_deadline`) a rank whose part of the flushed step is written stays for the "
+            "other ranks' parts: a notice that reaches another node later finds its ranks "
+            "waiting in a collective, where this rank's exit would have failed them before "
+            "they flushed; `0` leaves at once (see operations.md, Preemption)", 10.0,
+            env="MLCHECKPOINT_FLUSH_WAIT_FOR_PARTS", check=_seconds_or_none, from_text=_text_seconds,
+            shown="`10`"),
     Setting("flush_notice_file", "preemption", "a path whose appearance is a preemption notice, "
             "for schedulers that announce one otherwise than by SIGTERM (looked for every "
             "0.5 s; the flush runs once per appearance, training goes on)",

@@ -178,6 +178,37 @@ def test_a_flush_cut_off_by_sigkill_leaves_the_older_persistent_step_chosen():
         assert load_plain(storage.path(10), 10, 2) == []
 
 
+def test_notices_seconds_apart_still_flush_every_part():
+    """2 nodes x 1 rank; node 0's notice first. Rank 0 writes its part and, the step not being
+    complete, stays (``MLCHECKPOINT_FLUSH_WAIT_FOR_PARTS``, 10 s); rank 1, not yet notified,
+    waits for it in the training ``all_reduce``. Node 1's notice a second later finds rank 1
+    alive: it writes its part, the step is complete and loads with plain ``dcp.load``, and both
+    ranks end within the grace period. Before, rank 0 left once its part was written, its exit
+    failed rank 1's collective, rank 1 died without a part, and the restart went back to
+    persistent step 10."""
+    with Cluster(nnodes=2, nproc=1) as c:
+        c.start("preempt_job.py", "train")
+        train_until(c, 12)
+        agents = [node.proc for node in c.nodes]
+        assert agents[0] is not None and agents[1] is not None
+        agents[0].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while not (glob.glob(f"{c.persistent_dir}/step-*/.mlcheckpoint-flush/*/part-00000.json")
+                   and "staying up to" in c.nodes[0].log()):
+            assert time.monotonic() < deadline, c.logs()
+            time.sleep(0.05)
+        time.sleep(1.0)  # seconds apart: rank 0's own flush is long over
+        assert c.running() == [0, 1], c.logs()
+        agents[1].send_signal(signal.SIGTERM)
+        c.wait(60)
+        assert SIGKILLED not in c.nodes[0].log() + c.nodes[1].log(), c.logs()
+        assert "the other ranks' parts came" in c.nodes[0].log(), c.logs()
+        storage = PersistentStorage(c.persistent_dir)
+        flushed = storage.complete_steps()[-1]
+        assert flushed >= 12, (storage.complete_steps(), c.logs())
+        assert load_plain(storage.path(flushed), flushed, 2) == []
+
+
 def protected_then_node_1_lost(c: Cluster) -> int:
     """Train 2 x 1 past step 12 protected on both nodes, then lose node 1 (SIGKILL, memory
     wiped) with the job; the newest step protected then."""

@@ -108,25 +108,48 @@ def test_ranks_finish_a_step_in_the_folder_whichever_comes_last(store_dir, first
     assert load_plain(storage.path(2), both_ranks(2)) == []
 
 
-def test_a_preemption_flush_stays_only_for_a_step_a_rank_is_still_bringing_back(store_dir):
-    """Rank 0 writes its part of step 1 while rank 1's is missing. After a resume that left
-    rank 1 bringing its shard of step 1 back (from rank 0's node, maybe), rank 0's preemption
-    flush stays until step 1 is complete: rank 1's part, written meanwhile, completes it. With
-    no such resume (rank 1 failed, an elastic restart stops the others) it returns at once,
-    the step incomplete: nothing waits for a part that may never come."""
+def test_a_preemption_flush_stays_for_the_other_parts_a_bounded_time(store_dir):
+    """Rank 0 writes its part of step 1 while rank 1's is missing. Its preemption flush stays
+    for the other parts ``wait_for_parts`` seconds after the notice: rank 1's part, written a
+    second on (a notice that reached it later), completes the step; with none coming it
+    leaves, the step incomplete, once those seconds are over (``0``: at once), not at the
+    deadline: a rank that failed (an elastic restart stops the others) writes no part."""
     stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
     save_two_ranks(1, stores)
     storage = PersistentStorage(os.path.join(store_dir, "persistent"))
-    flushers = [Flusher(stores[r], storage, r, Pins()) for r in range(2)]
+    rank1 = Flusher(stores[1], storage, 1, Pins())
+
+    def rank0(wait_for_parts: float) -> Flusher:
+        return Flusher(stores[0], storage, 0, Pins(), wait_for_parts=wait_for_parts)
 
     t0 = time.monotonic()
-    alone = flushers[0].flush_and_stay(t0 + 30)
-    assert (alone.step, alone.complete) == (1, False) and time.monotonic() - t0 < 10, alone
+    at_once = rank0(0).flush_and_stay(t0 + 30)
+    assert (at_once.step, at_once.complete) == (1, False) and time.monotonic() - t0 < 1.5, at_once
+    t0 = time.monotonic()
+    bounded = rank0(1.5).flush_and_stay(t0 + 30)
+    assert (bounded.step, bounded.complete) == (1, False), bounded
+    assert 1.5 <= time.monotonic() - t0 < 10, time.monotonic() - t0
 
-    flushers[0].after_resume(None, rebuilt_step=1)
-    other = threading.Timer(1.0, flushers[1].flush, args=(time.monotonic() + 30,))
+    other = threading.Timer(1.0, rank1.flush, args=(time.monotonic() + 30,))
     other.start()
-    stayed = flushers[0].flush_and_stay(time.monotonic() + 30)  # rank 1's part comes 1 s on
+    stayed = rank0(10).flush_and_stay(time.monotonic() + 30)  # rank 1's part comes 1 s on
+    other.join()
+    assert (stayed.step, stayed.complete) == (1, True), stayed
+    assert storage.complete_steps() == [1]
+
+
+def test_a_flush_stays_until_the_deadline_for_a_step_a_rank_is_still_bringing_back(store_dir):
+    """After a resume that left rank 1 bringing its shard of step 1 back (from rank 0's node,
+    maybe), rank 0's flush stays until step 1 is complete, past ``wait_for_parts``: rank 1's
+    part comes once its shard is back."""
+    stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
+    save_two_ranks(1, stores)
+    storage = PersistentStorage(os.path.join(store_dir, "persistent"))
+    flushers = [Flusher(stores[r], storage, r, Pins(), wait_for_parts=0.5) for r in range(2)]
+    flushers[0].after_resume(None, rebuilt_step=1)
+    other = threading.Timer(1.5, flushers[1].flush, args=(time.monotonic() + 30,))
+    other.start()
+    stayed = flushers[0].flush_and_stay(time.monotonic() + 30)
     other.join()
     assert (stayed.step, stayed.complete) == (1, True), stayed
     assert storage.complete_steps() == [1]

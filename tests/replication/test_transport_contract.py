@@ -574,11 +574,18 @@ def test_every_transport_refuses_a_strangers_reply_in_the_same_words(job, step, 
     it) fails the call with the client's words on every wire, which then say what they saw:
     TCP a listener that is no replication endpoint, pg a reply not sealed for the request."""
     texts = {}
-    # pg: the stranger writes its reply under the key our next request's reply will have
+    # pg: the stranger writes its reply under the key our next request's reply will have, and
+    # the next few (a request of the peer's may take a tag first: the counter is the job's)
     pg = job.locals["pg-gloo"]
-    tag = (job.rdzv.add("pg/tag", 0) + 1) % MAX_TAG
-    job.rdzv.store.set(f"pg/reply/0/{tag}/r", b"not a sealed reply")
-    texts["pg-gloo"] = failure(lambda: pg.fetch_metadata(PEER, step))
+    tag = job.rdzv.add("pg/tag", 0)
+    keys = [f"pg/reply/0/{(tag + k) % MAX_TAG}/r" for k in range(1, 33)]
+    for key in keys:
+        job.rdzv.store.set(key, b"not a sealed reply")
+    try:
+        texts["pg-gloo"] = failure(lambda: pg.fetch_metadata(PEER, step))
+    finally:
+        for key in keys:  # (the one read is gone already) no later request of ours reads them
+            job.rdzv.store.delete_key(key)
     # TCP: the stranger's listener is where rank 1 said it listens (a rendezvous of its own)
     with socket.create_server(("127.0.0.1", 0)) as stranger:
         host, port = stranger.getsockname()[:2]

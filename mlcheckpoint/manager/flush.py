@@ -29,7 +29,9 @@ thread never shares a file with the flush.
 
 Ranks need not agree on the step: one whose node lacks the newest step's metadata (it was on
 its way from the coordinator's node) also writes its part of each newer step whose own shard
-it committed, newest first, so whichever step some node holds whole gets every part.
+it committed, newest first, so whichever step some node holds whole gets every part; and a
+rank that stays for the other parts (``flush_and_stay``) writes its part of any step the
+others wrote parts of, where it holds its shard of that save (``joinable``).
 """
 
 from __future__ import annotations
@@ -209,32 +211,9 @@ class Flusher:
         for c in candidates:
             if any(self.complete(s) for s in result.parts):
                 break  # a newer step was finished by another rank meanwhile
-            if time.monotonic() >= deadline:
-                result.reason = f"the deadline passed before step {c.step}"
-                break
-            try:
-                nbytes = self._write_part(c, deadline)
-            except FlushCutShort as e:
-                result.reason = str(e)
-                log.error("mlcheckpoint: preemption flush of step %d on rank %d stopped: %s",
-                          c.step, self.rank, e)
-                break
-            except (OSError, CorruptShardError, ShardNotFoundError, ValueError) as e:
-                log.error("mlcheckpoint: preemption flush of step %d on rank %d failed: %s",
-                          c.step, self.rank, e)
-                result.reason = f"step {c.step}: {e}"
-                continue
-            result.parts.append(c.step)
-            result.bytes += nbytes
-            try:
-                if self.finish(c.step, c.save_id):
-                    break  # older steps are not needed: this one is complete
-            except (OSError, CorruptShardError, ValueError) as e:
-                log.error("mlcheckpoint: finishing the flushed step %d on rank %d failed: %s",
-                          c.step, self.rank, e)
-        complete = [s for s in result.parts if self.complete(s)]
-        result.step = complete[0] if complete else (result.parts[0] if result.parts else None)
-        result.complete = bool(complete)
+            if self._contribute(c, deadline, result) is not False:
+                break  # complete (older steps are not needed), or out of time
+        self._settle(result)
         result.seconds = time.perf_counter() - t0
         if result.step is not None:
             log.warning("mlcheckpoint: preemption flush on rank %d wrote step %d to %s (%d "
@@ -245,6 +224,68 @@ class Flusher:
                            bytes=result.bytes, seconds=round(result.seconds, 6),
                            complete=result.complete, location=self.storage.flush_path(result.step))
         return result
+
+    def _contribute(self, c: _Candidate, deadline: float, result: FlushResult) -> bool | None:
+        """Write this rank's part of ``c`` (noted in ``result``) and finish the step if every
+        part is there: True if it is complete now, False if not (or this part failed: the
+        caller goes on), None if the deadline cut it short."""
+        if time.monotonic() >= deadline:
+            result.reason = f"the deadline passed before step {c.step}"
+            return None
+        try:
+            nbytes = self._write_part(c, deadline)
+        except FlushCutShort as e:
+            result.reason = str(e)
+            log.error("mlcheckpoint: preemption flush of step %d on rank %d stopped: %s",
+                      c.step, self.rank, e)
+            return None
+        except (OSError, CorruptShardError, ShardNotFoundError, ValueError) as e:
+            log.error("mlcheckpoint: preemption flush of step %d on rank %d failed: %s",
+                      c.step, self.rank, e)
+            result.reason = f"step {c.step}: {e}"
+            return False
+        result.parts.append(c.step)
+        result.parts.sort(reverse=True)
+        result.bytes += nbytes
+        try:
+            return self.finish(c.step, c.save_id)
+        except (OSError, CorruptShardError, ValueError) as e:
+            log.error("mlcheckpoint: finishing the flushed step %d on rank %d failed: %s",
+                      c.step, self.rank, e)
+            return False
+
+    def _settle(self, result: FlushResult) -> None:
+        """``result``'s step: the newest complete one of those it wrote, else the newest."""
+        complete = [s for s in result.parts if self.complete(s)]
+        result.step = complete[0] if complete else (result.parts[0] if result.parts else None)
+        result.complete = bool(complete)
+
+    def joinable(self, written: list[int]) -> list[_Candidate]:
+        """Steps other ranks wrote parts of (their markers in the persistent folder) that this
+        rank has not, newer than the folder's newest complete step, whose own shard of the
+        same save is committed here; newest first. The ranks choose their steps alone and may
+        differ (a save in flight on one rank at its notice, committed on another); a rank that
+        stays writes its part of the steps the others chose too, so one of them completes."""
+        persisted = self.storage.complete_steps()
+        newest_persistent = persisted[-1] if persisted else -1
+        out: list[_Candidate] = []
+        for step in sorted(self.store.steps(), reverse=True):
+            if step <= newest_persistent:
+                break
+            st = self.store.step_state(step)
+            own = st.shard_saves.get(self.rank) if self.rank in st.committed_ranks else None
+            if step in written or own is None or self.rank in st.partial:
+                continue
+            try:
+                names = os.listdir(os.path.join(self.storage.flush_path(step), FLUSH_DIR, own))
+            except OSError:  # no rank wrote a part of this save
+                continue
+            if any(n.startswith("part-") for n in names):
+                with contextlib.suppress(ShardNotFoundError):  # (retired since the listing)
+                    metadata = (self.store.read_metadata_file(step)
+                                if st.has_metadata and st.save_id == own else None)
+                    out.append(_Candidate(step, own, metadata))
+        return out
 
     def flush_and_stay(self, deadline: float) -> FlushResult:
         """``flush`` (what a preemption runs), then, where it wrote a part and no step it
@@ -269,10 +310,22 @@ class Flusher:
                 log.warning("mlcheckpoint: preemption flush on rank %d: staying up to %.1fs for "
                             "the other ranks' parts of step %d", self.rank,
                             until - time.monotonic(), result.parts[0])
-            if wait_until(lambda: any(self.complete(s) for s in result.parts), until,
-                          poll=STAY_POLL_S):
-                result.step = next(s for s in result.parts if self.complete(s))  # newest first
-                result.complete = True
+            tried: set[int] = set()  # each step joined once, whether its part was written or not
+
+            def converged() -> bool:
+                if any(self.complete(s) for s in result.parts):
+                    return True
+                for c in self.joinable([*result.parts, *tried]):
+                    tried.add(c.step)
+                    log.warning("mlcheckpoint: preemption flush on rank %d: other ranks write "
+                                "step %d: writing this rank's part of it too", self.rank, c.step)
+                    if self._contribute(c, deadline, result):
+                        return True
+                return False
+
+            if wait_until(converged, until, poll=STAY_POLL_S):
+                self._settle(result)
+                assert result.step is not None  # (a complete step among its parts)
                 log.warning("mlcheckpoint: preemption flush on rank %d: step %d is complete in "
                             "%s (the other ranks' parts came)", self.rank, result.step,
                             self.storage.flush_path(result.step))

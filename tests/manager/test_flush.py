@@ -138,6 +138,31 @@ def test_a_preemption_flush_stays_for_the_other_parts_a_bounded_time(store_dir):
     assert storage.complete_steps() == [1]
 
 
+def test_ranks_that_chose_different_steps_meet_in_one_while_they_stay(store_dir):
+    """The ranks choose their step alone. Rank 1's node holds step 2 whole with its metadata,
+    so rank 1 writes its part of step 2; rank 0's own shard of step 2 is not here (its save was
+    still in flight at its notice) and it writes step 1. Staying for the other parts, each
+    also writes its part of a step another rank wrote, where it holds its shard of that save:
+    rank 1 joins step 1, which completes and loads. Before, neither step ever completed."""
+    stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
+    save_two_ranks(1, stores)
+    save_two_ranks(2, stores)
+    stores[1].write_metadata_file(2, stores[0].read_metadata_file(2))
+    stores[0].retire_shard(2, 0, keep_metadata=True)
+    storage = PersistentStorage(os.path.join(store_dir, "persistent"))
+    flushers = [Flusher(stores[r], storage, r, Pins(), wait_for_parts=20) for r in range(2)]
+    results: dict[int, FlushResult] = {}
+    rank0 = threading.Thread(target=lambda: results.update({0: flushers[0].flush_and_stay(
+        time.monotonic() + 30)}))
+    rank0.start()
+    results[1] = flushers[1].flush_and_stay(time.monotonic() + 30)
+    rank0.join()
+    assert (results[0].parts, results[0].step, results[0].complete) == ([1], 1, True), results
+    assert (results[1].parts, results[1].step, results[1].complete) == ([2, 1], 1, True), results
+    assert storage.complete_steps() == [1]
+    assert load_plain(storage.path(1), both_ranks(1)) == []
+
+
 def test_a_flush_stays_until_the_deadline_for_a_step_a_rank_is_still_bringing_back(store_dir):
     """After a resume that left rank 1 bringing its shard of step 1 back (from rank 0's node,
     maybe), rank 0's flush stays until step 1 is complete, past ``wait_for_parts``: rank 1's

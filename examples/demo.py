@@ -126,10 +126,15 @@ def main() -> int:
         job.cluster.nodes[1].wipe()
         say("node 1 replaced by an empty machine (its tmpfs is gone)")
         node0 = job.cluster.nodes[0]
+        t_stop = time.monotonic()
         if node0.proc is not None and node0.proc.poll() is None:
             signal_tree(node0.proc, signal.SIGTERM)
             node0.proc.wait(timeout=60)
-        say("scheduler stopped node 0's workers; node 0's tmpfs survives")
+        waited = ("; on SIGTERM each rank flushed its part of the newest step to the persistent "
+                  "folder and stayed MLCHECKPOINT_FLUSH_WAIT_FOR_PARTS seconds for node 1's "
+                  "parts, which never came" if "staying up to" in node0.log() else "")
+        say(f"scheduler stopped node 0's workers in {time.monotonic() - t_stop:.1f}s{waited}; "
+            "node 0's tmpfs survives")
         say(f"holdings now:\n           {job.holdings()}")
 
         say("job restarted on the same node ranks")

@@ -94,6 +94,7 @@ class Preemption:
         self._previous: Any = None  # SIGTERM's handler before ours
         self._installed = False
         self._in_handler = threading.Event()  # the main thread reached our handler
+        self._handling = False  # our handler runs on the main thread now (only it touches this)
         self._holding = False  # the main thread is in a ``handler_after`` block
         self._held: tuple[int, Any] | None = None  # the SIGTERM that came during it
         self._hold_lock = threading.Lock()  # the block's end and ``_release_held`` take _held
@@ -228,7 +229,19 @@ class Preemption:
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """On the main thread: the flush first (bounded by the deadline), then what SIGTERM
-        did before us."""
+        did before us. A second SIGTERM (a scheduler's and torchrun's copy) whose handler
+        Python runs inside this one's, between its bytecodes, returns at once: this one does
+        what both ask, and running on could only deadlock on the locks the outer call holds
+        (it was seen: ``notice`` starting the flush thread under ``_lock``)."""
+        if self._handling:
+            return
+        self._handling = True
+        try:
+            self._handle_sigterm(signum, frame)
+        finally:
+            self._handling = False
+
+    def _handle_sigterm(self, signum: int, frame: Any) -> None:
         if self._holding and not self._closed.is_set():
             first = self._held is None
             self._held = (signum, frame)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -311,3 +313,43 @@ def test_a_notice_file_starts_a_flush_and_training_goes_on(store_dir):
         assert ran.wait(5)
     finally:
         p.close()
+
+
+# A process whose main thread takes a second SIGTERM while its handler of the first one starts
+# the flush (the demo's scheduler signals the whole process tree and torchrun forwards its own
+# copy). Only the main thread's handler acts here (the notice thread is left out), so the
+# second handler runs inside the first one, where it used to wait for the lock the first
+# one held: the process hung until torchrun's SIGKILL, 30 s later.
+SECOND_SIGTERM = r"""
+import os, signal, threading, time
+from mlcheckpoint.manager.flush import FlushResult
+from mlcheckpoint.manager.preemption import Preemption
+
+def flush(deadline):
+    print("flushed", flush=True)
+    return FlushResult(step=1, complete=True, parts=[1])
+
+Preemption._watch = lambda self: self._closed.wait()
+start = threading.Thread.start
+
+def start_after_a_second_sigterm(self):
+    if self.name == "mlckpt-flush":
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+        time.sleep(0.5)  # Python runs the second handler here, inside the first one
+    start(self)
+
+threading.Thread.start = start_after_a_second_sigterm
+Preemption(flush, deadline_s=20, on_sigterm=True, notice_file=None)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(60)
+print("SIGTERM did not end the process", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_during_the_handler_of_the_first_is_absorbed():
+    """Two SIGTERMs at once: one flush, then the process ends by SIGTERM, within seconds."""
+    proc = subprocess.run([sys.executable, "-c", SECOND_SIGTERM], capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout.count("flushed") == 1, proc.stdout

@@ -61,7 +61,7 @@ from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity.verify import same_layout, verify_region
 from ..persistent import PersistentOrigin, PersistentStorage
 from ..replication.core.budget import Budget
-from ..store import LocalStore
+from ..store import LocalStore, StepState
 from ..store.layout import ItemLocation
 from ..store.local_store import ShardSource
 from ..store.manifest import ManifestItem, dcp_metadata, decode_metadata
@@ -168,19 +168,26 @@ class Flusher:
         self.healing, self.rebuilt_step = healing, rebuilt_step
 
     # ------------------------------------------------------------------ what to flush
+    def _unpersisted_steps(self) -> Iterator[tuple[int, StepState, str | None]]:
+        """The steps held here newer than the persistent folder's newest complete one, newest
+        first: each with its state here and the save of this rank's own committed shard of it
+        (None: none)."""
+        persisted = self.storage.complete_steps()
+        newest_persistent = persisted[-1] if persisted else -1
+        for step in sorted(self.store.steps(), reverse=True):
+            if step <= newest_persistent:
+                return
+            st = self.store.step_state(step)
+            yield step, st, (st.shard_saves.get(self.rank) if self.rank in st.committed_ranks
+                             else None)
+
     def candidates(self) -> list[_Candidate]:
         """The steps this rank writes a part of, newest first: each step newer than the
         persistent folder's newest whose own shard is committed here, down to the newest one
         whose metadata (of the same save) is here too. A rank that owns nothing of that step
         still stages its metadata (its node may be the only one holding it)."""
-        persisted = self.storage.complete_steps()
-        newest_persistent = persisted[-1] if persisted else -1
         out: list[_Candidate] = []
-        for step in sorted(self.store.steps(), reverse=True):
-            if step <= newest_persistent:
-                break
-            st = self.store.step_state(step)
-            own = st.shard_saves.get(self.rank) if self.rank in st.committed_ranks else None
+        for step, st, own in self._unpersisted_steps():
             needed = self.rank in (st.required_ranks or ())
             if st.has_metadata and st.save_id and (own == st.save_id or not needed):
                 with contextlib.suppress(ShardNotFoundError):  # (retired since the listing)
@@ -266,14 +273,8 @@ class Flusher:
         same save is committed here; newest first. The ranks choose their steps alone and may
         differ (a save in flight on one rank at its notice, committed on another); a rank that
         stays writes its part of the steps the others chose too, so one of them completes."""
-        persisted = self.storage.complete_steps()
-        newest_persistent = persisted[-1] if persisted else -1
         out: list[_Candidate] = []
-        for step in sorted(self.store.steps(), reverse=True):
-            if step <= newest_persistent:
-                break
-            st = self.store.step_state(step)
-            own = st.shard_saves.get(self.rank) if self.rank in st.committed_ranks else None
+        for step, st, own in self._unpersisted_steps():
             if step in written or own is None or self.rank in st.partial:
                 continue
             try:

@@ -59,16 +59,17 @@ def _text_flag(text: str, source: str) -> bool:
     return _FLAGS[text.lower()]
 
 
-def _seconds(value: Any, source: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ConfigError(f"{source}={value!r}: expected a number of seconds > 0")
+def _seconds(value: Any, source: str, zero: bool = False) -> float:
+    """A finite number of seconds, > 0 (``zero``: >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            (0 <= value if zero else 0 < value) and value < math.inf):
+        raise ConfigError(f"{source}={value!r}: expected a number of seconds "
+                          f"{'>= 0' if zero else '> 0'}")
     return value
 
 
-def _seconds_or_none(value: Any, source: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ConfigError(f"{source}={value!r}: expected a number of seconds >= 0")
-    return value
+def _seconds_or_zero(value: Any, source: str) -> float:
+    return _seconds(value, source, zero=True)
 
 
 def _text_seconds(text: str, source: str) -> float | str:
@@ -235,7 +236,7 @@ SETTINGS: tuple[Setting, ...] = (
             "other ranks' parts: a notice that reaches another node later finds its ranks "
             "waiting in a collective, where this rank's exit would have failed them before "
             "they flushed; `0` leaves at once (see operations.md, Preemption)", 10.0,
-            env="MLCHECKPOINT_FLUSH_WAIT_FOR_PARTS", check=_seconds_or_none, from_text=_text_seconds,
+            env="MLCHECKPOINT_FLUSH_WAIT_FOR_PARTS", check=_seconds_or_zero, from_text=_text_seconds,
             shown="`10`"),
     Setting("flush_notice_file", "preemption", "a path whose appearance is a preemption notice, "
             "for schedulers that announce one otherwise than by SIGTERM (looked for every "

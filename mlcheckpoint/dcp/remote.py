@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from ..errors import ShardNotFoundError
+from ..errors import ProtocolError, ShardNotFoundError
 from ..integrity import copier, digests
 from ..store.layout import ItemLocation
 from .places import deal, places_of
@@ -103,8 +103,10 @@ def fetch_items(remote: RemoteReads, step: int, wanted: Mapping[K, ItemLocation]
         pending = []
         errors = remote.read_runs(step, [r for r, _ in batch], landed, paced=paced)
         for (run, items), error in zip(batch, errors, strict=True):
-            if error is None:
+            if error is None and all(item in came_from for item in items):
                 continue
+            if error is None:  # (a holder that answered "ok" must have sent every range)
+                error = ProtocolError(f"the read returned before all {len(items)} items landed")
             if isinstance(error, ShardNotFoundError):
                 lacking.add((run.owner, run.node))
             else:

@@ -4,12 +4,10 @@ Every read of bytes this node lacks goes through ``Holders``: the byte ranges th
 streams into the model (``nodes_holding`` and ``read_runs``, the ``dcp.remote.RemoteReads``
 protocol: the reader deals each item to one of the nodes that hold any of its places,
 ``dcp/places.py``), the step's metadata for a node without it (``fetch_metadata``), and, after
-the load, a replaced node's own rank's shard (``rebuild``): fetched whole from a node that holds
-it whole, or, when none does, assembled item by item from the partial replicas and the copies
-data parallelism kept that the load read it through. Which node serves a shard's bytes is
-decided by ``dcp/places.py`` ``deal`` alone, over the nodes the plan says hold them (the
-reader's items, ``fetch_items``; a rebuild's whole shard, ``rebuild_sources``); the metadata,
-one small file, comes from the source the plan names. Which rank of a node to ask, and in what
+the load, a replaced node's own rank's shard (``rebuild``), assembled item by item from the
+places that hold them: a whole shard on another node is the case where every item is there.
+Which node serves an item is decided by ``dcp/places.py`` ``deal`` alone; the metadata, one
+small file, comes from the source the plan names. Which rank of a node to ask, and in what
 order, is decided in one place: ``holder_order``.
 
 The resume waits for the first two, so the holder sends them at the link's full speed; the
@@ -24,11 +22,10 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from typing import TypeVar
 
+from .._faults import crash_point
 from .._words import plural
 from ..dcp.placement import recorded_items
-from ..dcp.places import deal
 from ..dcp.remote import RemoteRun, fetch_items
 from ..errors import CopyId, MLCheckpointError, ShardNotFoundError
 from ..integrity.verify import digests_agree, integrity_error
@@ -40,54 +37,23 @@ from ..topology import Topology
 from .planner import Decision
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
-def holder_order(plan: Decision, topology: Topology, owner: int | None, *,
-                 whole: bool = False, first_node: int | None = None) -> list[int]:
+def holder_order(plan: Decision, topology: Topology, owner: int | None) -> list[int]:
     """Ranks on other nodes to ask for ``owner``'s shard (None: the metadata), in order: for
-    the metadata, the source the plan named for this node (``Decision.fetches``); for a shard,
-    the ranks of ``first_node`` (the node the read was dealt to, ``places.deal``); then every
-    other holder, starting at an offset set by this rank so that the readers of one node
-    spread over the holders' ranks. ``whole``: only nodes holding the whole shard (a partial
-    replica serves the items it lists, never the shard). A pure function of the plan and who
-    asks: it orders the ranks of the nodes a read may go to, it never picks the node."""
+    the metadata, the source the plan named for this node (``Decision.fetches``) first; then
+    every holder, starting at an offset set by this rank so that the readers of one node
+    spread over the holders' ranks. A pure function of the plan and who asks: it orders the
+    ranks of the nodes a read may go to, it never picks the node (``places.deal`` does)."""
     node_of = topology.node_of
     here = topology.node_rank
     held = plan.metadata_holders if owner is None else plan.holders.get(owner, [])
-    if owner is not None and whole:
-        held = [r for r in held if node_of(r) not in plan.partial.get(owner, {})]
     others = [r for r in held if node_of(r) != here]
     start = topology.rank % len(others) if others else 0
     order = others[start:] + others[:start]
     if owner is None:
-        first = [f.src_rank for f in plan.fetches if node_of(f.dst_rank) == here]
-    else:
-        first = [r for r in order if node_of(r) == first_node]
-    return list(dict.fromkeys(first + order))
-
-
-def rebuild_sources(plan: Decision, topology: Topology) -> dict[int, int]:
-    """Per rank whose own shard is whole only on other nodes (``Decision.sources`` "peer"),
-    the node its rebuild fetches that shard from: the rebuilds dealt over the nodes holding
-    each shard whole by their bytes, as the reader deals items (``places.deal``, the one rule
-    of which holder serves a read). A pure function of the plan: every rank of every
-    replaced node reaches the same choice, so their rebuilds spread over the holders."""
-    node_of = topology.node_of
-    owners: list[int] = []
-    items: list[tuple[int, list[tuple[tuple[int, int], list[int]]]]] = []
-    for owner, source in sorted(plan.sources.items()):
-        if source != "peer":
-            continue
-        whole = set(map(node_of, plan.holders.get(owner, ()))) - set(plan.partial.get(owner, {}))
-        owners.append(owner)
-        # one "item" per rebuild: the whole shard, whose one place is its owner's shard
-        items.append((plan.data_bytes.get(owner, 0), [((owner, 0), sorted(whole - {node_of(owner)}))]))
-    chosen: dict[int, int] = {}
-    for owner, choice in zip(owners, deal(items), strict=True):
-        if choice is not None:
-            chosen[owner] = choice[1]
-    return chosen
+        order = [f.src_rank for f in plan.fetches if node_of(f.dst_rank) == here] + order
+    return list(dict.fromkeys(order))
 
 
 class Holders:
@@ -188,83 +154,69 @@ class Holders:
         raise failed if failed is not None else lacking
 
     def fetch_metadata(self) -> None:
-        """Pull the step's global metadata into this node's store."""
+        """Pull the step's global metadata into this node's store, from the first holder that
+        serves it (``holder_order``: the plan's source for this node first)."""
+        errors = []
         with self.store.fetch_lock(self.step, None):
-            _, src = self._from_first_that_serves(
-                None, lambda src: self.transport.fetch_metadata(src, self.step, paced=False))
-        log.debug("mlcheckpoint: fetched the metadata of step %d from rank %d", self.step, src)
+            for src in holder_order(self.plan, self.topo, None):
+                try:
+                    self.transport.fetch_metadata(src, self.step, paced=False)
+                except (MLCheckpointError, OSError) as e:
+                    errors.append(f"rank {src}: {e}")
+                    continue
+                log.debug("mlcheckpoint: fetched the metadata of step %d from rank %d", self.step, src)
+                return
+        raise ShardNotFoundError(f"no holder could serve the metadata of step {self.step}: "
+                                 f"{errors or 'no other node holds it'}")
 
     def rebuild(self, owner: int) -> bool:
         """Put ``owner``'s shard of the step back into this node's store as its save left it
         (the same save, items, offsets and checksums), verified and committed, so that
-        replication protects the step again (a replaced node's own shard, after the load):
-        fetched whole from a node that holds it whole, else, when it is whole on no node (the
-        load read its items through partial replicas and copies), assembled item by item from
-        the places that hold them (``_assemble``). Paced by the holders' budgets. Returns
-        False when the shard is here already."""
+        replication protects the step again (a replaced node's own shard, after the load).
+
+        Each item the step's metadata records in the shard (its primaries, the copies it keeps
+        of other ranks' items) is read from a node holding any place of it (``fetch_items``:
+        dealt over the holders, paced by their budgets; a whole copy of the shard on another
+        node is a place of every item, a partial replica of those it lists, a copy data
+        parallelism kept of one), verified against the recorded checksum, and committed under
+        the manifest its save wrote (its size taken from a copy on a survivor,
+        ``Decision.data_bytes``). Returns False when the shard is here already."""
         with self.store.fetch_lock(self.step, owner):
             st = self.store.step_state(self.step)
             if owner in st.ranks_of(self.plan.save_id) and owner not in st.partial:
                 return False
-            if owner in self.plan.through_copies:
-                nbytes = self._assemble(owner)
-                came = "its items' partial replicas and copies"
-            else:
-                first = rebuild_sources(self.plan, self.topo).get(owner)
-                nbytes, src = self._from_first_that_serves(
-                    owner, lambda src: self.transport.fetch_shard(src, self.step, owner, paced=True),
-                    order=holder_order(self.plan, self.topo, owner, whole=True, first_node=first))
-                came = f"rank {src}"
-        log.info("mlcheckpoint: rebuilt rank %d's shard of step %d (%d bytes) from %s", owner,
-                 self.step, nbytes, came)
-        return True
-
-    def _assemble(self, owner: int) -> int:
-        """Write ``owner``'s shard here from its items' places on other nodes: each item the
-        step's metadata records in it (its primaries, the copies it keeps of other ranks'
-        items) read from a node holding any place of it (``fetch_items``, paced), verified
-        against the recorded checksum, committed under the manifest its save wrote (its
-        size taken from a copy on a survivor, ``Decision.data_bytes``). Returns the bytes."""
-        header, payload = self.store.read_metadata(self.step, self.plan.save_id)
-        items = recorded_items(dcp_metadata(payload), owner)
-        if not items:
-            raise ShardNotFoundError(f"the metadata of step {self.step} records no item of "
-                                     f"rank {owner}'s shard")
-        end = max(it.offset + it.nbytes for it, _ in items)
-        m = Manifest(job_id=self.store.job_id, step=self.step, rank=owner,
-                     data_bytes=max(end, self.plan.data_bytes.get(owner, 0)),
-                     items=[it for it, _ in items], world_size=header.world_size,
-                     created=header.created, save_id=header.save_id, run_id=header.run_id)
-        shard = self.store.begin_shard(self.step, owner, m.data_bytes)
-        try:
-            data = shard.buffer.array
+            header, payload = self.store.read_metadata(self.step, self.plan.save_id)
+            items = recorded_items(dcp_metadata(payload), owner)
+            if not items:
+                raise ShardNotFoundError(f"the metadata of step {self.step} records no item of "
+                                         f"rank {owner}'s shard")
+            end = max(it.offset + it.nbytes for it, _ in items)
+            m = Manifest(job_id=self.store.job_id, step=self.step, rank=owner,
+                         data_bytes=max(end, self.plan.data_bytes.get(owner, 0)),
+                         items=[it for it, _ in items], world_size=header.world_size,
+                         created=header.created, save_id=header.save_id, run_id=header.run_id)
             wanted = {it.offset: loc for it, loc in items}
-            sinks = {it.offset: data[it.offset:it.offset + it.nbytes] for it, _ in items}
-            came = fetch_items(self, self.step, wanted, sinks, lambda offset: (
-                f"no place of the item at offset {offset} of rank {owner}'s shard is"), paced=True)
-            for offset, (rank, node, digest) in sorted(came.items()):
-                if not digests_agree(wanted[offset].checksum, digest.result()[0]):
-                    raise integrity_error(f"step {self.step} rank {rank}'s shard on node {node}",
-                                          f"the item rebuilding rank {owner}'s shard at offset "
-                                          f"{offset}", CopyId(self.step, rank, node))
-            shard.commit_manifest(m)
-        finally:
-            shard.abort()  # (nothing once committed)
-        return sum(it.nbytes for it, _ in items)
-
-    def _from_first_that_serves(self, owner: int | None, read: Callable[[int], T], *,
-                                order: list[int] | None = None) -> tuple[T, int]:
-        """``read(src)`` from each holder of ``owner``'s shard in turn (``order``, else
-        ``holder_order``'s) until one succeeds."""
-        errors = []
-        for src in holder_order(self.plan, self.topo, owner) if order is None else order:
+            shard = self.store.begin_shard(self.step, owner, m.data_bytes)
             try:
-                return read(src), src
-            except (MLCheckpointError, OSError) as e:
-                errors.append(f"rank {src}: {e}")
-        what = "the metadata" if owner is None else f"rank {owner}'s shard"
-        raise ShardNotFoundError(f"no holder could serve {what} of step {self.step}: "
-                                 f"{errors or 'no other node holds it'}")
+                data = shard.buffer.array
+                sinks = {it.offset: data[it.offset:it.offset + it.nbytes] for it, _ in items}
+                came = fetch_items(self, self.step, wanted, sinks, lambda offset: (
+                    f"no place of the item at offset {offset} of rank {owner}'s shard is"),
+                    paced=True)
+                crash_point("rebuild_before_commit", self.step, owner)  # tests: bytes landed
+                for offset, (rank, node, digest) in sorted(came.items()):
+                    if not digests_agree(wanted[offset].checksum, digest.result()[0]):
+                        raise integrity_error(f"step {self.step} rank {rank}'s shard on node {node}",
+                                              f"the item rebuilding rank {owner}'s shard at offset "
+                                              f"{offset}", CopyId(self.step, rank, node))
+                shard.commit_manifest(m)
+            finally:
+                shard.abort()  # (nothing once committed)
+        nodes = sorted({node for _, node, _ in came.values()})
+        log.info("mlcheckpoint: rebuilt rank %d's shard of step %d (%d bytes) from %s %s", owner,
+                 self.step, sum(it.nbytes for it, _ in items), "node" if len(nodes) == 1 else "nodes",
+                 ", ".join(map(str, nodes)))
+        return True
 
     def _check_step(self, step: int) -> None:
         if step != self.step:

@@ -430,9 +430,9 @@ class Recovery:
             return None
         self.replicator.seed_protected(d.newest_protected)
         self.replicator.activate(reset=True)
-        # The plan's "peer" for this rank: its own shard is not on this node (never when
-        # resharded: the saved ranks are not this job's ranks), it is fetched whole; COPIES:
-        # it is whole on no node, it is assembled from its items' places (Holders.rebuild).
+        # The plan's "peer" (its own shard is whole only on other nodes; never when resharded:
+        # the saved ranks are not this job's ranks) or COPIES (whole on no node) for this rank:
+        # its shard is assembled from its items' places (Holders.rebuild).
         if holders is None or not self._rebuilds(d, self.topo.rank):
             return None
         thread = threading.Thread(target=self._rebuild_own_shard, args=(holders, self.replicator),

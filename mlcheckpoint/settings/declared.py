@@ -322,7 +322,8 @@ SETTINGS: tuple[Setting, ...] = (
     # Test hooks, read at each check (see the module's docstring).
     Setting("MLCHECKPOINT_CRASH_AT", "test hooks", "tests only: `point@step#rank` SIGKILLs the "
             "process at a stage of a save (`before_data`, `mid_data`, `before_manifest`, "
-            "`mid_commit`, `before_metadata`, `replica_mid_recv`, `replica_mid_send`)",
+            "`mid_commit`, `before_metadata`, `replica_mid_recv`, `replica_mid_send`) or of "
+            "a resume's rebuild (`rebuild_before_commit`)",
             env="MLCHECKPOINT_CRASH_AT"),
     Setting("MLCHECKPOINT_PAUSE_AT", "test hooks", "tests only: `point@step#rank=path` holds "
             "the calling thread at a point until the file `path` exists, so a test makes ranks "

@@ -176,9 +176,6 @@ class OtherNode(Transport):
     def push_metadata(self, peer: int, step: int) -> None:
         raise AssertionError("a load never pushes")
 
-    def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
-        raise AssertionError("the load reads ranges")
-
     def fetch_metadata(self, peer: int, step: int, *, paced: bool = False) -> None:
         raise AssertionError("node 1 holds the metadata")
 

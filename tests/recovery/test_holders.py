@@ -10,13 +10,14 @@ import os
 import pickle
 
 import numpy as np
+import pytest
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from mlcheckpoint.dcp.remote import RemoteRun
-from mlcheckpoint.errors import ShardNotFoundError
+from mlcheckpoint.errors import CorruptShardError, ShardNotFoundError
 from mlcheckpoint.integrity.checksum import checksum
 from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume, take_inventory
-from mlcheckpoint.recovery.holders import Holders, holder_order, rebuild_sources
+from mlcheckpoint.recovery.holders import Holders, holder_order
 from mlcheckpoint.recovery.planner import MEMORY, Decision, Fetch
 from mlcheckpoint.replication import Transport
 from mlcheckpoint.store import LocalStore
@@ -40,24 +41,14 @@ PLAN = Decision(MEMORY, 7, fetches=[Fetch(4, 1, 7)],
                 sources={0: "local", 1: "local", 2: "local", 3: "local", 4: "peer", 5: "peer"})
 
 
-def test_the_planned_metadata_source_and_the_dealt_node_come_first():
+def test_the_planned_metadata_source_comes_first():
     for local_rank in (0, 1):
-        assert holder_order(PLAN, rank_on(2, local_rank), None)[0] == 1  # the plan's source
-        for node in (0, 1):  # a shard: the ranks of the node the read was dealt to
-            order = holder_order(PLAN, rank_on(2, local_rank), 4, first_node=node)
-            assert [r // 2 for r in order[:2]] == [node, node], order
-            assert sorted(order) == [0, 1, 2, 3]  # then every other holder, each once
-    # the two ranks of node 2 ask the dealt node's ranks in different orders
-    assert len({holder_order(PLAN, rank_on(2, lr), 4, first_node=0)[0] for lr in (0, 1)}) == 2
-
-
-def test_the_rebuilds_of_a_replaced_node_are_dealt_over_the_holders_alike_on_every_rank():
-    # The plan picks no source; every rank deals the plan's two rebuilds over nodes 0 and 1.
-    for node, local_rank in ((2, 0), (2, 1), (0, 0)):
-        assert rebuild_sources(PLAN, rank_on(node, local_rank)) == {4: 0, 5: 1}
-    # a partial replica never serves a whole shard: rank 4's rebuild goes to node 1
-    partial = dataclasses.replace(PLAN, partial={4: {0: frozenset({0})}})
-    assert rebuild_sources(partial, rank_on(2, 0)) == {4: 1, 5: 0}
+        order = holder_order(PLAN, rank_on(2, local_rank), None)
+        assert order[0] == 1  # the plan's source
+        assert sorted(order) == [0, 1, 2, 3]  # then every other holder, each once
+        assert sorted(holder_order(PLAN, rank_on(2, local_rank), 4)) == [0, 1, 2, 3]
+    # the two ranks of node 2 ask a shard's holders in different orders
+    assert len({holder_order(PLAN, rank_on(2, lr), 4)[0] for lr in (0, 1)}) == 2
 
 
 def test_without_a_plan_for_this_node_readers_spread_over_the_holders():
@@ -81,18 +72,12 @@ class RecordingTransport(Transport):
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, bool]] = []
-        self.fetched_from: list[int] = []  # the ranks fetch_shard asked
 
     def push_shard(self, peer: int, step: int, owner: int, items=None) -> int:
         raise AssertionError("holders never push")
 
     def push_metadata(self, peer: int, step: int) -> None:
         raise AssertionError("holders never push")
-
-    def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
-        self.calls.append(("fetch_shard", paced))
-        self.fetched_from.append(peer)
-        return 0
 
     def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
         self.calls.append(("read_items", paced))
@@ -103,37 +88,6 @@ class RecordingTransport(Transport):
 
     def close(self) -> bool:
         return True
-
-
-def test_a_resumes_reads_are_unpaced_and_the_heal_is_paced(store_dir):
-    """The resume waits for its range reads and metadata: full link. The rebuild of a replaced
-    node's own shard runs in the background: within the holder's budget."""
-    transport, store = RecordingTransport(), LocalStore(store_dir, "holders-paced")
-    try:
-        holders = Holders(transport, store, rank_on(2, 0), PLAN)
-        assert holders.read_runs(7, [RemoteRun(4, 1, [(0, 1)], [np.zeros(1, np.uint8)])],
-                                 lambda r, i: None) == [None]
-        holders.fetch_metadata()
-        assert holders.rebuild(4)
-    finally:
-        store.close()
-    assert transport.calls == [("read_items", False), ("fetch_metadata", False),
-                               ("fetch_shard", True)]
-
-
-def test_each_rank_of_a_replaced_node_rebuilds_from_the_holder_dealt_to_it(store_dir):
-    """Ranks 4 and 5 (node 2) rebuild their shards from nodes 0 and 1 respectively, as
-    ``rebuild_sources`` dealt them: one node does not serve both while the other idles."""
-    asked = {}
-    for local_rank in (0, 1):
-        transport = RecordingTransport()
-        store = LocalStore(os.path.join(store_dir, f"r{local_rank}"), "holders-rebuild")
-        try:
-            assert Holders(transport, store, rank_on(2, local_rank), PLAN).rebuild(4 + local_rank)
-        finally:
-            store.close()
-        asked[4 + local_rank] = transport.fetched_from[0] // 2  # the node asked first
-    assert asked == {4: 0, 5: 1}
 
 
 # Which nodes hold an item (issue 38): every holder of the shard, a partial replica only for
@@ -165,6 +119,7 @@ class ServingTransport(RecordingTransport):
         self.served: dict[int, int] = {}  # rank -> bytes it served
 
     def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
+        self.calls.append(("read_items", paced))
         if peer in self.down:
             raise ShardNotFoundError(f"rank {peer} is down")
         for i, ((offset, nbytes), sink) in enumerate(zip(ranges, sinks, strict=True)):
@@ -263,8 +218,6 @@ def test_a_planned_partial_replica_serves_the_items_it_lists_and_never_the_whole
     assert reader.nodes_holding(5, 0, 0) == [1] and reader.nodes_holding(5, 0, 64) == [1]
     assert reader.nodes_holding(5, 0, 128) == []  # not listed: read from its copy in rank 2's shard
     assert reader.nodes_holding(5, 2, 40) == [1]
-    # a whole-shard fetch (the rebuild) never asks the partial replica
-    assert holder_order(plan, rank_on(0, 0, nodes=2), 0, whole=True) == []
     assert sorted(holder_order(plan, rank_on(0, 0, nodes=2), 0)) == [2, 3]
 
 
@@ -306,3 +259,115 @@ def test_a_partial_replica_no_metadata_here_vouches_for_is_neither_counted_nor_r
     finally:
         for store in stores:
             store.close()
+
+
+# ---------------------------------------------------------------------------- the rebuild
+# A replaced node's rank puts its own shard back from its items' places (Holders.rebuild): a
+# whole copy of the shard on another node is a place of every item, so the rebuild is the
+# load's item reads again, paced, and spread over the holders as they are.
+REBUILD_ITEMS = 6
+REBUILD_ITEM_BYTES = 4096
+
+
+def _rebuild_setup(store: LocalStore) -> tuple[Decision, bytes]:
+    """Step 7's metadata (save "s1") on this node, recording rank 4's shard as six items;
+    a plan whose holders of that shard are nodes 0 and 1 (PLAN's), and the shard's bytes."""
+    data = np.random.default_rng(4).bytes(REBUILD_ITEMS * REBUILD_ITEM_BYTES)
+    storage = {}
+    for i in range(REBUILD_ITEMS):
+        offset = i * REBUILD_ITEM_BYTES
+        storage[MetadataIndex(f"item{i}")] = ItemLocation(
+            4, offset, REBUILD_ITEM_BYTES, checksum(data[offset:offset + REBUILD_ITEM_BYTES]))
+    md = Metadata(state_dict_metadata={}, storage_data=storage)
+    store.write_metadata(7, pickle.dumps(md), world_size=6, ranks=range(6), total_bytes=len(data),
+                         save_id="s1")
+    return dataclasses.replace(PLAN, save_id="s1", data_bytes={4: len(data), 5: 100}), data
+
+
+def test_a_rebuild_reads_its_items_paced_from_every_holder_and_commits_the_shard(store_dir):
+    store = LocalStore(store_dir, "holders-rebuild")
+    try:
+        plan, data = _rebuild_setup(store)
+        transport = ServingTransport(data)
+        holders = Holders(transport, store, rank_on(2, 0), plan)
+        assert holders.rebuild(4)
+        with store.open_shard(7, 4) as source:
+            assert source.manifest.save_id == "s1" and not source.manifest.partial
+            assert source.read(0, len(data)) == data
+        assert not holders.rebuild(4)  # here already: nothing is read again
+    finally:
+        store.close()
+    assert transport.calls == [("read_items", True)] * 2  # one paced read per holder node
+    assert sorted({rank // 2 for rank in transport.served}) == [0, 1]  # both served
+    assert sum(transport.served.values()) == len(data)
+    assert holders.bytes_fetched == 0  # a rebuild is not the load's reads
+
+
+def test_a_resumes_reads_are_unpaced_and_the_heal_is_paced(store_dir):
+    """The resume waits for its range reads and metadata: full link. The rebuild of a replaced
+    node's own shard runs in the background: within the holder's budget."""
+    store = LocalStore(store_dir, "holders-paced")
+    try:
+        plan, data = _rebuild_setup(store)
+        transport = ServingTransport(data)
+        holders = Holders(transport, store, rank_on(2, 0), plan)
+        assert holders.read_runs(7, [RemoteRun(4, 1, [(0, 1)], [np.zeros(1, np.uint8)])],
+                                 lambda r, i: None) == [None]
+        holders.fetch_metadata()
+        assert holders.rebuild(4)
+    finally:
+        store.close()
+    assert transport.calls[:2] == [("read_items", False), ("fetch_metadata", False)]
+    assert transport.calls[2:] and set(transport.calls[2:]) == {("read_items", True)}
+
+
+def test_a_rebuild_refuses_bytes_that_disagree_with_the_recorded_checksum(store_dir):
+    store = LocalStore(store_dir, "holders-rebuild-corrupt")
+    try:
+        plan, data = _rebuild_setup(store)
+        bad = bytearray(data)
+        bad[5 * REBUILD_ITEM_BYTES + 7] ^= 0xFF  # the last item, on whichever node serves it
+        with pytest.raises(CorruptShardError, match="offset 20480") as e:
+            Holders(ServingTransport(bytes(bad)), store, rank_on(2, 0), plan).rebuild(4)
+        assert e.value.copy is not None and e.value.copy.owner == 4
+        with pytest.raises(ShardNotFoundError):  # nothing was committed
+            store.open_shard(7, 4)
+    finally:
+        store.close()
+
+
+def test_a_rebuild_goes_on_from_the_other_holder_when_one_is_dead(store_dir):
+    store = LocalStore(store_dir, "holders-rebuild-dead")
+    try:
+        plan, data = _rebuild_setup(store)
+        transport = DeadTransport(data, down={0, 1})  # node 0
+        assert Holders(transport, store, rank_on(2, 0), plan).rebuild(4)
+        with store.open_shard(7, 4) as source:
+            assert source.read(0, len(data)) == data
+    finally:
+        store.close()
+    assert set(transport.served) <= {2, 3} and sum(transport.served.values()) == len(data)
+
+
+class SilentTransport(ServingTransport):
+    """Ranks in ``down`` answer a read as served without sending its ranges (a broken or
+    hostile holder)."""
+
+    def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
+        if peer in self.down:
+            return sum(n for _, n in ranges)
+        return super().read_items(peer, step, owner, ranges, sinks, on_range, paced=paced)
+
+
+def test_a_holder_that_answers_without_the_bytes_is_read_around(store_dir):
+    # Its items would otherwise be committed unverified (zeros): they are read from node 1.
+    store = LocalStore(store_dir, "holders-rebuild-silent")
+    try:
+        plan, data = _rebuild_setup(store)
+        transport = SilentTransport(data, down={0, 1})
+        assert Holders(transport, store, rank_on(2, 0), plan).rebuild(4)
+        with store.open_shard(7, 4) as source:
+            assert source.read(0, len(data)) == data
+    finally:
+        store.close()
+    assert set(transport.served) <= {2, 3} and sum(transport.served.values()) == len(data)

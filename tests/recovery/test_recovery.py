@@ -63,7 +63,7 @@ RESUME = {
     "w4_fresh": {"state": "elastic"},
     # last: rank 1 is SIGKILLed while receiving its shard from node 0 into its tmpfs (the
     # replacement node's copy being rebuilt); it waits for that copy after the resume
-    "recovkill": {"crash": "replica_mid_recv@3#1", "await_own": True},
+    "recovkill": {"crash": "rebuild_before_commit@3#1", "await_own": True},
 }
 
 
@@ -304,9 +304,10 @@ def test_node_dying_mid_save_resumes_previous_step(run):
 
 
 def test_killed_during_recovery_then_resumes(run):
-    # C: rank 1 died while receiving its own shard of step 3 from node 0
-    """A rank SIGKILLed while fetching its shard commits nothing; the next resume fetches it
-    again, loads exactly, heals, and leaves no partial files."""
+    # C: rank 1 died while rebuilding its own shard of step 3 from node 0's copy
+    """A rank SIGKILLed while rebuilding its shard (its bytes landed, not yet verified)
+    commits nothing; the next resume reads it again, loads exactly, heals, and leaves no
+    partial files."""
     assert died_of_sigkill(run["log_c"]), run["log_c"][-8000:]
     held = run["recovkill_after"][1]
     # the recovery had begun (the metadata came first), the shard never got committed
@@ -527,7 +528,7 @@ def test_2x2_killed_mid_load_then_resumes(run2x2):
 
 def test_replaced_node_recovers_over_the_process_group_transport():
     """Recovery over replication="pg": the replaced node's rank streams its shard from the
-    partner (read_items over gloo), then rebuilds its tmpfs copy (get_shard over gloo)."""
+    partner (read_items over gloo), then rebuilds its tmpfs copy (paced read_items over gloo)."""
     with Cluster(2, 1) as c:
         c.run("save_resume.py", "0", "2", "async", "0", "pg", timeout=LAUNCH_TIMEOUT)
         assert all(r["protected"] for r in c.results("protected").values())

@@ -36,7 +36,6 @@ from tcp_job import debris
 
 from mlcheckpoint import (
     ConfigError,
-    CorruptShardError,
     ReplicationError,
     ShardNotFoundError,
 )
@@ -343,39 +342,6 @@ def test_a_partial_replica_serves_only_its_items(pair, step):
     hole = m.items[2]
     with pytest.raises(ShardNotFoundError):
         pair.local.read_items(PEER, step, PEER, [(hole.offset, 64)], [np.zeros(64, np.uint8)])
-    assert pair.local.fetch_shard(PEER, step, PEER) == sum(i.nbytes for i in items)
-    got = pair.store.verify_shard(step, PEER)
-    assert got.partial and [i.offset for i in got.items] == [i.offset for i in items]
-
-
-# --------------------------------------------------------------------------- fetch
-def test_fetch_lands_verified(pair, step):
-    """A fetched shard lands verified and identical to the peer's."""
-    m = make_shard(pair.peer_store, step, PEER, NBYTES, seed=step, nitems=5)
-    assert pair.local.fetch_shard(PEER, step, PEER) == NBYTES
-    got = pair.store.verify_shard(step, PEER)
-    assert [(i.offset, i.nbytes, i.checksum) for i in got.items] == \
-        [(i.offset, i.nbytes, i.checksum) for i in m.items]
-    assert data_of(pair.store, step, PEER) == data_of(pair.peer_store, step, PEER)
-
-
-def test_fetch_of_a_missing_shard(pair, step):
-    """Fetching a shard the peer lacks raises ShardNotFoundError and writes nothing."""
-    with pytest.raises(ShardNotFoundError):
-        pair.local.fetch_shard(PEER, step, PEER)
-    assert step not in pair.store.steps()
-
-
-def test_fetch_of_a_corrupt_copy_commits_nothing(pair, step):
-    """Fetching a corrupt copy raises CorruptShardError and commits nothing, leaving no
-    debris."""
-    make_shard(pair.peer_store, step, PEER, NBYTES, seed=step)
-    damage_shard(pair.peer_store, step, PEER)
-    with pytest.raises(CorruptShardError, match="checksum mismatch"):
-        pair.local.fetch_shard(PEER, step, PEER)
-    with pytest.raises(ShardNotFoundError):
-        pair.store.read_manifest(step, PEER)
-    assert debris(pair.store) == []
 
 
 # --------------------------------------------------------------------------- range read
@@ -451,13 +417,14 @@ def test_a_push_is_paced_byte_for_byte(pair, step):
     assert (pair.job.booked(0) - mine, pair.job.booked(PEER) - theirs) == (NBYTES, 0)
 
 
-def test_a_heal_fetch_is_paced_by_the_node_that_sends_it(pair, step):
-    """fetch_shard (a replaced node rebuilding its own shard) asks the holder to pace: the bytes
-    are booked on the holder's budget, which sends them."""
+def test_a_heal_read_is_paced_by_the_node_that_sends_it(pair, step):
+    """A paced read (a replaced node rebuilding its own shard from its items) asks the holder
+    to pace: the bytes are booked on the holder's budget, which sends them."""
     make_shard(pair.peer_store, step, PEER, NBYTES, seed=step)
     mine, theirs = pair.job.booked(0), pair.job.booked(PEER)
-    assert pair.local.fetch_shard(PEER, step, PEER, paced=True) == NBYTES
-    pair.store.verify_shard(step, PEER)
+    sink = np.zeros(NBYTES, np.uint8)
+    assert pair.local.read_items(PEER, step, PEER, [(0, NBYTES)], [sink], paced=True) == NBYTES
+    assert sink.tobytes() == data_of(pair.peer_store, step, PEER)
     assert (pair.job.booked(0) - mine, pair.job.booked(PEER) - theirs) == (0, NBYTES)
 
 
@@ -546,8 +513,7 @@ def test_every_transport_reports_a_failure_in_the_same_words(job, step):
     absent = step + 500_000  # a step the peer holds nothing of
     for name, local in job.locals.items():
         failures[name] = {
-            "a shard the peer lacks": failure(lambda t=local: t.fetch_shard(PEER, absent, PEER)),
-            "a read of it": failure(lambda t=local: t.read_items(
+            "a read of a shard the peer lacks": failure(lambda t=local: t.read_items(
                 PEER, absent, PEER, [(0, 16)], [np.zeros(16, np.uint8)])),
             "metadata the peer lacks": failure(lambda t=local: t.fetch_metadata(PEER, absent)),
             "a read the peer refuses": failure(lambda t=local: t.read_items(
@@ -555,9 +521,8 @@ def test_every_transport_reports_a_failure_in_the_same_words(job, step):
             "a corrupt push the peer refuses": failure(lambda t=local: t.push_shard(PEER, step, 0)),
         }
     first = next(iter(failures.values()))
-    assert first["a shard the peer lacks"] == (
+    assert first["a read of a shard the peer lacks"] == (
         "ShardNotFoundError", f"rank {PEER} does not hold step {absent} rank {PEER}")
-    assert first["a read of it"] == first["a shard the peer lacks"]
     assert first["metadata the peer lacks"] == (
         "ShardNotFoundError", f"rank {PEER} has no metadata of step {absent}")
     kind, text = first["a read the peer refuses"]

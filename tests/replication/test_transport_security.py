@@ -379,17 +379,16 @@ def malformed_requests(job_id: str) -> dict[str, tuple[dict, bytes | None]]:
         "put_shard": put,
         "put_part": {"op": "put_part", "job_id": job_id, "step": 5, "owner": 1,
                      "token": secrets.token_hex(16), "index": 1},
-        "get_shard": {"op": "get_shard", "job_id": job_id, "step": 5, "owner": 1},
         "read_items": {"op": "read_items", "job_id": job_id, "step": 5, "owner": 1, "ranges": [[0, 16]]},
         "put_metadata": {"op": "put_metadata", "job_id": job_id, "step": 5, "nbytes": 64, "checksum": 1},
         "get_metadata": {"op": "get_metadata", "job_id": job_id, "step": 5},
     }
     fields = {"step": BAD_INTS, "owner": BAD_INTS, "index": BAD_INTS + [0, 16], "token": BAD_STRS,
               "nbytes": BAD_INTS + [0], "ranges": BAD_RANGES, "streams": BAD_INTS + [0, 17],
-              "job_id": BAD_STRS + ["../x", "other-job"], "op": [None, 5, [], {}, ["put_shard"], "rm"],
+              "job_id": BAD_STRS + ["../x", "other-job"], "op": [None, 5, [], {}, ["put_shard"], "rm", "get_shard"],
               "paced": BAD_FLAGS}
     # Fields a request may leave out: only their wrong values are tried.
-    optional = {"streams": ("put_shard",), "paced": ("get_shard", "read_items", "get_metadata")}
+    optional = {"streams": ("put_shard",), "paced": ("read_items", "get_metadata")}
     cases: dict[str, tuple[dict, bytes | None]] = {}
     for op, base in bases.items():
         for field, values in fields.items():
@@ -418,7 +417,7 @@ def test_malformed_requests_get_an_error_reply(make_job, thread_deaths, caplog):
     caplog.set_level(logging.WARNING, logger="mlcheckpoint")
     job = make_job()
     receiver, sender = job.endpoint(0), job.endpoint(1)
-    make_shard(receiver.store, 5, 1, 4096)  # something real for get_shard / read_items to find
+    make_shard(receiver.store, 5, 1, 4096)  # something real for read_items to find
     cases = malformed_requests(job.job_id)
     assert len(cases) > 250
     wrong = {}
@@ -611,14 +610,14 @@ NO_RETURN_ADDRESS = {**{f"from={v!r}": {"from": v} for v in [DELETE, None, "0", 
 
 def _pg_cases(job_id: str) -> dict[str, tuple[dict, bytes | None]]:
     cases: dict[str, tuple[dict, bytes | None]] = {}
-    for v in [DELETE, None, 5, [], {}, "rm"]:
+    for v in [DELETE, None, 5, [], {}, "rm", "get_shard"]:  # (get_shard: served no more)
         cases[f"op={v!r}"] = ({"op": v, "step": 5}, None)
     for v in [DELETE, None, 5, [], "other-job"]:
         cases[f"job_id={v!r}"] = ({"op": "get_metadata", "job_id": v, "step": 5}, None)
-    for op in ("put_shard", "get_shard", "read_items", "put_metadata", "get_metadata"):
+    for op in ("put_shard", "read_items", "put_metadata", "get_metadata"):
         for v in [DELETE, *BAD_INTS]:
             cases[f"{op}.step={v!r}"] = ({"op": op, "step": v, "owner": 0, "ranges": [[0, 16]]}, None)
-    for op in ("put_shard", "get_shard", "read_items"):
+    for op in ("put_shard", "read_items"):
         for v in [DELETE, *BAD_INTS, 1 << 21]:
             cases[f"{op}.owner={v!r}"] = ({"op": op, "step": 5, "owner": v, "ranges": [[0, 16]]}, None)
     for name, m in _manifests(job_id, 5, 0).items():
@@ -626,10 +625,9 @@ def _pg_cases(job_id: str) -> dict[str, tuple[dict, bytes | None]]:
     for v in [DELETE, *BAD_RANGES]:
         read = {"op": "read_items", "step": 5, "owner": 0, "ranges": v}
         cases[f"read_items.ranges={v!r}"[:80]] = (read, None)
-    for op in ("get_shard", "read_items"):
-        for v in BAD_FLAGS:
-            cases[f"{op}.paced={v!r}"] = ({"op": op, "step": 5, "owner": 0, "ranges": [[0, 16]],
-                                           "paced": v}, None)
+    for v in BAD_FLAGS:
+        cases[f"read_items.paced={v!r}"] = ({"op": "read_items", "step": 5, "owner": 0,
+                                             "ranges": [[0, 16]], "paced": v}, None)
     for v in [*BAD_INTS, 1, MIN_PIECE_BYTES - 1, MAX_PIECE_BYTES + 1]:
         cases[f"put_shard.piece={v!r}"[:80]] = ({"op": "put_shard", "step": 5, "owner": 0,
                                                  "manifest": manifest_dict(job_id, 5, 0),

@@ -16,7 +16,7 @@ argv[1]: a JSON list of job specs, each a dict:
              (as in a job with compute between saves), so which steps the nodes hold does
              not depend on whether the replicator skipped a step for a newer one
     kill_after_read  this rank SIGKILLs itself as soon as its first transfer of shard bytes
-             from a peer (Transport.read_items or fetch_shard) has returned during the resume
+             from a peer (Transport.read_items) has returned during the resume
 
 Reports per job: "resume-<job>" {step, source, match, mismatch, reason, sources,
 bytes_fetched, world, refused_copies}, "healed-<job>" {protected} and "listing-<job>" {entries}.
@@ -66,17 +66,14 @@ def comparable(sd: dict) -> dict:
 
 def die_after_first_read(transport) -> None:
     """Fault injection: SIGKILL this process once shard bytes have arrived from a peer."""
-    for name in ("read_items", "fetch_shard"):
-        original = getattr(transport, name, None)
-        if original is None:
-            continue
+    original = transport.read_items
 
-        def wrapped(*args, _original=original, **kwargs):
-            result = _original(*args, **kwargs)
-            sigkill_self(f"rank {os.environ['RANK']}: its first peer read has returned")
-            return result
+    def wrapped(*args, **kwargs):
+        result = original(*args, **kwargs)
+        sigkill_self(f"rank {os.environ['RANK']}: its first peer read has returned")
+        return result
 
-        setattr(transport, name, wrapped)
+    transport.read_items = wrapped
 
 
 def run_job(spec: dict, rank: int, world: int, mesh) -> None:

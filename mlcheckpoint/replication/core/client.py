@@ -15,7 +15,6 @@ request, e.g. a stream count or a piece size):
     push_shard      put_shard     -> have | ready, the bytes -> ok
     push_metadata   put_metadata  -> have | ready, the file -> ok   (or ok at once, when the
                                                                      wire sent the file along)
-    fetch_shard     get_shard     -> missing | ok with the manifest, its held ranges' bytes
     read_items      read_items    -> missing | ok, the ranges' bytes in order
     fetch_metadata  get_metadata  -> missing | ok, the file
 """
@@ -32,8 +31,7 @@ from typing import Any, Protocol
 from ...errors import ProtocolError, ReplicationError, ShardNotFoundError
 from ...store import LocalStore, Manifest
 from ...store.manifest import ManifestItem
-from .checks import manifest_from_wire
-from .sink import Receipt, ReceiveSink
+from .sink import ReceiveSink
 from .streams import run_streams, split_evenly
 
 log = logging.getLogger(__name__)
@@ -61,10 +59,6 @@ class Call(Protocol):
     def send_shard(self, m: Manifest, ranges: list[tuple[int, int]], ready: dict) -> None:
         """Send these byte ranges of our committed shard ``m``, in order, within the node's
         budget; ``ready``: the peer's answer to the offer."""
-
-    def receive_shard(self, receipt: Receipt, reply: dict) -> None:
-        """Fill ``receipt`` with the bytes the peer sends after ``reply`` (its ranges, in
-        order); the client commits it."""
 
     def receive_range(self, sink: Any, reply: dict) -> None:
         """Fill ``sink`` (a writable uint8 array) with the next bytes the peer sends after
@@ -166,18 +160,6 @@ class PeerClient:
                 self._status(call.reply(), peer, what, "ok")
 
     # ------------------------------------------------------------------ pull
-    def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
-        what = f"the fetch of step {step} rank {owner}"
-        with self._call(peer, what) as call:
-            reply = call.ask({"op": "get_shard", "step": step, "owner": owner, "paced": paced})
-            if self._status(reply, peer, what, "missing", "ok") == "missing":
-                raise self._shard_missing(peer, step, owner)
-            m = manifest_from_wire(reply.get("manifest"), self.store.job_id, step, owner)
-            with self.sink.begin(m) as receipt:
-                call.receive_shard(receipt, reply)
-                receipt.commit()
-        return receipt.nbytes
-
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
                    sinks: list, on_range: Callable[[int], None] | None = None, *,
                    paced: bool = False) -> int:

@@ -11,16 +11,17 @@ event). The channel only carries the answers and moves the bytes, each in its ow
 
     op            fields            answers
     put_shard     owner, manifest   have | ready, the bytes, ok (verified and committed)
-    get_shard     owner, paced      missing | ok (with the manifest), the bytes it holds
     read_items    owner, ranges,    missing | ok, the ranges in order
                   paced
+    put_metadata  checksum          have | ready, the file, ok (checked and installed)
+    get_metadata  paced             missing | ok, the file
 
-The bytes of a shard are its whole data, or, for a partial replica (a manifest marked
+The bytes of a pushed shard are its whole data, or, for a partial replica (a manifest marked
 ``partial``: only the items that lacked places were sent), its items' ranges in order
 (``Manifest.held_ranges``), each landing at its own offset. A partial replica serves only
 what it holds: a read naming bytes outside its items is answered "missing", never with holes.
-    put_metadata  checksum          have | ready, the file, ok (checked and installed)
-    get_metadata  paced             missing | ok, the file
+A replaced node rebuilds a shard with reads of its items (``recovery/holders.py``), so no
+request asks for a shard whole.
 
 ``paced``: send within the node's bandwidth budget (a heal), not at the link's speed (a resume
 waits for these bytes). Every request also names ``job_id`` and ``step``.
@@ -83,9 +84,8 @@ class RequestService:
     def __init__(self, store: LocalStore, sink: ReceiveSink, world_size: int):
         self.store, self.sink, self.world_size = store, sink, world_size
         self._ops: dict[str, Callable[[dict, int, Channel], None]] = {
-            "put_shard": self._put_shard, "get_shard": self._get_shard,
-            "read_items": self._read_items, "put_metadata": self._put_metadata,
-            "get_metadata": self._get_metadata}
+            "put_shard": self._put_shard, "read_items": self._read_items,
+            "put_metadata": self._put_metadata, "get_metadata": self._get_metadata}
 
     def step_of(self, req: dict) -> int:
         """The step a request names; ProtocolError for a request of another job."""
@@ -139,14 +139,6 @@ class RequestService:
                 return
             with source:
                 yield source
-
-    def _get_shard(self, req: dict, step: int, channel: Channel) -> None:
-        paced = want_bool(req, "paced")
-        with self._serving(req, step, channel) as source:
-            if source is not None:
-                m = source.manifest
-                channel.send_shard({"status": "ok", "manifest": m.to_dict()}, source,
-                                   m.held_ranges(), paced)
 
     def _read_items(self, req: dict, step: int, channel: Channel) -> None:
         paced = want_bool(req, "paced")

@@ -64,12 +64,6 @@ class Transport(abc.ABC):
     # the peer send within its node's budget (background work, e.g. healing after a resume),
     # False at the full speed of the link (a resume waiting for the bytes).
 
-    def fetch_shard(self, peer: int, step: int, owner: int, *, paced: bool = True) -> int:
-        """Pull shard (step, owner) from rank ``peer`` into our store, verified and committed;
-        return the bytes that came (a partial replica there arrives as one here, with only
-        its items). ShardNotFoundError if the peer does not hold it."""
-        return self.client.fetch_shard(peer, step, owner, paced=paced)
-
     def read_items(self, peer: int, step: int, owner: int, ranges: list[tuple[int, int]],
                    sinks: list, on_range: Callable[[int], None] | None = None, *,
                    paced: bool = False) -> int:

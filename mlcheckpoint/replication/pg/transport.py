@@ -386,9 +386,6 @@ class PgCall:
             self.transport._send_bytes(buf.array[offset:offset + nbytes], self.peer, self.tag,
                                        self.piece, bounce)
 
-    def receive_shard(self, receipt: Receipt, reply: dict) -> None:
-        self.transport._fill(receipt, self.peer, self.tag, want_piece(reply))
-
     def receive_range(self, sink: Any, reply: dict) -> None:
         self.transport._recv_bytes(sink, self.peer, self.tag, want_piece(reply))
 

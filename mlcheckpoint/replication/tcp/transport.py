@@ -38,7 +38,7 @@ from ..core.checks import MAX_METADATA_BYTES, want_int
 from ..core.client import PeerClient
 from ..core.network import check_advertisable, choose_endpoint
 from ..core.rendezvous import Rendezvous
-from ..core.sink import Receipt, ReceiveSink
+from ..core.sink import ReceiveSink
 from ..core.streams import run_streams
 from ..core.transport import Transport
 from . import protocol as p
@@ -244,10 +244,6 @@ class TcpCall:
         errors = run_streams(send_part, list(range(self.streams)))
         if errors:
             raise p.ProtocolError(f"striped push over {self.streams} streams failed: {errors[0]}")
-
-    def receive_shard(self, receipt: Receipt, reply: dict) -> None:
-        for offset, view in receipt.views():  # (a partial replica: its items' ranges)
-            p.recv_into_exact(self.sock, view, receipt.landed_from(offset))
 
     def receive_range(self, sink: Any, reply: dict) -> None:
         p.recv_into_exact(self.sock, memoryview(sink).cast("B"))

@@ -2,7 +2,7 @@
 """Recovery benchmark: resume from local memory and from a peer, and the planner at scale.
 
     python benchmarks/bench_recovery.py [--size-gb 1.0] [--rate 1gbit] [--dp-restart-only]
-                                        [--json out.json] [--quick]
+                                        [--heal-only] [--json out.json] [--quick]
 
 Measured in one run on this machine:
   * baseline: DCP FileSystemReader loading the same state dict from /dev/shm (one process)
@@ -30,6 +30,10 @@ Measured in one run on this machine:
     shaped to the rate per node), where the links bound the fetches as on a real cluster, and
     each survivor's link also counts all it sent during the launch (the load's reads, then
     the rebuild of the replaced node's shard and the re-replication to it)
+  * the heal after node 1 was replaced (2 simulated nodes x 1 rank): from the end of the resume
+    until the step is protected again, node 1's shard rebuilt from node 0's copy and node 0's
+    replica pushed back to node 1 (``--heal-only`` measures only this), against a raw socket
+    moving the same bytes (twice the shard); both transfers are paced by the bandwidth budget
   * a data-parallel restart: 2 simulated nodes x 2 ranks, every rank the same state (a DDP
     job's: its saves keep a copy of every item on each node), restarted with both nodes alive
     (``--dp-restart-only`` measures only this): seconds and bytes read from peers
@@ -45,6 +49,7 @@ import argparse
 import os
 import shutil
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -106,11 +111,14 @@ def worker(mode: str, size: int, name: str) -> None:
             t.fill_(-1)  # touch the destination, as a real model's parameters are
         dist.barrier()
         info = ckpt.resume(sd)
-        # (BENCH_REPROTECT: another row replaces nodes of this save next, so the replaced
-        # nodes must hold their memory again first; not timed, ResumeInfo already was)
+        # (BENCH_REPROTECT: the step protected again before the next resume, a replaced node's
+        # shard rebuilt and the step re-replicated, in the background of a job that would go
+        # on training: heal_s is how long after the resume that took)
+        t = time.perf_counter()
         healed = ckpt.wait_replicated(1, 600) if os.environ.get("BENCH_REPROTECT") else None
+        heal_s = time.perf_counter() - t
         result = {"step": info.step, "source": info.sources.get(rank), "seconds": info.seconds,
-                  "healed": healed,
+                  "healed": healed, "heal_s": heal_s,
                   "fetch_s": info.phases.get("fetch", 0.0), "bytes_fetched": info.bytes_fetched,
                   "served": {str(o): {str(n): b for n, b in by_node.items()}
                              for o, by_node in info.bytes_served.items()},
@@ -236,6 +244,25 @@ def bench_dp_restart(job: str, size: int, reps: int) -> dict:
     return {"dp_restart_s": median(seconds), "dp_restart_bytes_fetched": max(fetched)}
 
 
+def bench_heal(job: str, size: int, reps: int) -> dict:
+    """2 nodes x 1 rank save step 1; ``reps`` times node 1 loses its memory and the job
+    resumes, each rank then waiting until the step is protected again: the median of the
+    slowest rank's wait (``heal_s``) and of node 1's resume."""
+    env = {"BENCH_REPROTECT": "1"}
+    heal, resume = [], []
+    with nodes(job) as cluster:
+        saved = run_job(cluster, "save", size, env)
+        assert all(r["protected"] for r in saved.values()), saved
+        for i in range(reps):
+            progress(f"heal after node 1 replaced, rep {i + 1}/{reps}")
+            cluster.nodes[1].wipe()
+            r = run_job(cluster, "resume", size, env)
+            assert r[1]["source"] == "peer" and all(x["exact"] and x["healed"] for x in r.values()), r
+            heal.append(max(x["heal_s"] for x in r.values()))
+            resume.append(r[1]["seconds"])
+    return {"heal_s": median(heal), "heal_resume_s": median(resume)}
+
+
 def bench_filesystem_reader(root: str, size: int, reps: int) -> float:
     sd = flat_state(size)
     path = os.path.join(root, "fs-ckpt")
@@ -274,6 +301,7 @@ class Config:
     reps: int
     rate: str | None  # the nodes-replaced section's link rate (None: loopback)
     dp_restart_only: bool = False  # only the data-parallel restart (bench_dp_restart)
+    heal_only: bool = False  # only the heal after a replacement (bench_heal), and its baseline
     quick: bool = False  # a smoke run: the targets are reported as information
 
 
@@ -285,13 +313,15 @@ def parse_args(argv: list[str] | None) -> tuple[Config, str | None]:
                     "links shaped to this rate (tc notation, e.g. 1gbit; needs root, ip and tc)")
     ap.add_argument("--dp-restart-only", action="store_true",
                     help="measure only the restart of a data-parallel job with every node alive")
+    ap.add_argument("--heal-only", action="store_true",
+                    help="measure only the heal after a node is replaced, against a raw socket")
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
         args.size_gb, args.reps = 0.05, 1
     return Config(int(args.size_gb * (1 << 30)) // (1 << 20) * (1 << 20), args.reps, args.rate,
-                  args.dp_restart_only, args.quick), args.json
+                  args.dp_restart_only, args.heal_only, args.quick), args.json
 
 
 def run(cfg: Config) -> dict:
@@ -303,8 +333,18 @@ def run(cfg: Config) -> dict:
         res["targets"] = {"data-parallel restart, every node alive: 0 bytes from peers":
                           res["dp_restart_bytes_fetched"] == 0}
         return res
+    if cfg.heal_only:
+        root = make_workspace("mlckpt-bench-recovery-")
+        try:
+            res["raw_socket_2x_s"] = bench_raw_socket(root, 2 * size, cfg.reps)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        res.update(bench_heal(f"bench-{uuid.uuid4().hex[:6]}-heal", size, cfg.reps))
+        res["targets"] = {}
+        return res
     root = make_workspace("mlckpt-bench-recovery-")
     try:
+        res["raw_socket_2x_s"] = bench_raw_socket(root, 2 * size, cfg.reps)
         res["filesystem_reader_s"] = bench_filesystem_reader(root, size, cfg.reps)
         res["raw_socket_s"] = bench_raw_socket(root, size, cfg.reps)
         job = f"bench-{uuid.uuid4().hex[:6]}"
@@ -346,6 +386,7 @@ def run(cfg: Config) -> dict:
         for name in ("two_replaced", "one_replaced_r2", "two_replaced_r2"):
             res[f"{name}_ratio"] = res[f"{name}_s"] / res["one_replaced_s"]
         res.update(bench_dp_restart(job + "-dp", size, cfg.reps))
+        res.update(bench_heal(job + "-heal", size, cfg.reps))
         res["planner_s"] = bench_planner()
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -384,7 +425,20 @@ def report_dp_restart(res: dict) -> None:
           "ResumeInfo; MB fetched from peers, job-wide)")
 
 
+def report_heal(res: dict) -> None:
+    raw2 = res["raw_socket_2x_s"]
+    print(f"{'raw socket, single stream, twice the shard (baseline)':60s} {raw2:8.3f}")
+    print(f"{'heal after node 1 replaced (rebuild + re-replication)':60s} {res['heal_s']:8.3f} "
+          f"{'':>8s} {'':>10s}  {raw2 / res['heal_s']:.2f}x raw socket (the slowest rank's wait "
+          f"after its resume; node 1's resume took {res['heal_resume_s']:.3f} s)")
+
+
 def report(cfg: Config, res: dict) -> None:
+    if cfg.heal_only:
+        print(f"recovery benchmark: {cfg.size / 2**30:.2f} GiB per rank, 2 simulated nodes x 1 "
+              f"rank, {res['cores']} cores, torch {res['torch']}; medians of {cfg.reps}")
+        report_heal(res)
+        return
     if cfg.dp_restart_only:
         print(f"recovery benchmark: {cfg.size / 2**30:.2f} GiB per rank (the same on every rank), "
               f"{res['cores']} cores, torch {res['torch']}; medians of {cfg.reps}")
@@ -431,6 +485,7 @@ def report(cfg: Config, res: dict) -> None:
         print(f"{label:60s} {t:8.3f} {res[f'{name}_fetch_s']:8.3f} "
               f"{res[f'{name}_bytes_fetched'] / 1e6:10.1f}  {ratio:28s} {served}{link}")
     report_dp_restart(res)
+    report_heal(res)
     for world, t in res["planner_s"].items():
         print(f"{'plan_resume, ' + str(world) + ' ranks':60s} {t:8.4f}")
     print("targets:")

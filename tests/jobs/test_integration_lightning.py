@@ -30,10 +30,15 @@ def _run(cluster: Cluster, phase: str, folder: str, tag: str | None = None, **en
     return max(cluster.wait(timeout=120))
 
 
+# A progress bar's redraw ("Epoch 0: 100%|###| 10/10 [00:01<00:00, 7.82it/s, loss=0.187]"):
+# tqdm redraws the same text at an epoch's end and at the trainer's, more often under load.
+PROGRESS_BAR = re.compile(r"\| *\d+/(\d+|\?) \[[^\]]*(it/s|s/it)")
+
+
 def repeated_lines(printed: str) -> dict[str, int]:
-    """Lines printed more than twice (a line per save would be): lines as a terminal shows them,
-    since a progress bar redraws itself after "\r" and under load may redraw the same text."""
-    return {line: n for line, n in Counter(printed.split("\n")).items() if n > 2 and line.strip()}
+    """Lines printed more than twice (a line per save would be), progress-bar redraws aside."""
+    return {line: n for line, n in Counter(printed.split("\n")).items()
+            if n > 2 and line.strip() and not PROGRESS_BAR.search(line)}
 
 
 def _printed(cluster: Cluster, node: int = 0) -> str:

@@ -1,13 +1,13 @@
 """What a rank asks of its peers, whatever transport carries it: the other half of the request
 service (``service.py``), written once.
 
-``PeerClient`` holds the five operations of ``Transport``: the request each one makes, what
+``PeerClient`` holds the four operations of ``Transport``: the request each one makes, what
 every reply status means ("error": the peer refused; "missing": ShardNotFoundError; "have":
-nothing to send), the manifest a fetched shard comes with, landing what arrives through the
-receive sink (``sink.py``), and the words of every error a caller sees. A wire format gives it
-a ``Wire``: how one request, its replies and its bytes move on that medium (a TCP connection;
-the sealed mailbox and a process group), as a ``Call``. The client never sees a socket or a
-tag, and a wire never decides what a reply means.
+nothing to send), landing fetched metadata through the receive sink (``sink.py``), and the
+words of every error a caller sees. A wire format gives it a ``Wire``: how one request, its
+replies and its bytes move on that medium (a TCP connection; the sealed mailbox and a process
+group), as a ``Call``. The client never sees a socket or a tag, and a wire never decides what a
+reply means.
 
 Each operation's exchange, as the service answers it (a wire may add fields of its own to a
 request, e.g. a stream count or a piece size):

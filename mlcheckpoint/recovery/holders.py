@@ -23,6 +23,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+import numpy as np
+
 from .._faults import crash_point
 from .._words import plural
 from ..dcp.placement import recorded_items
@@ -32,6 +34,7 @@ from ..integrity.verify import digests_agree, integrity_error
 from ..replication.core.streams import run_streams
 from ..replication.core.transport import Transport
 from ..store import LocalStore
+from ..store.layout import ItemLocation
 from ..store.manifest import Manifest, dcp_metadata
 from ..topology import Topology
 from .planner import Decision
@@ -70,6 +73,9 @@ class Holders:
         self.step: int = plan.step
         self.bytes_served: dict[int, dict[int, int]] = {}  # owner -> node -> bytes
         self._holder_nodes: dict[int, list[int]] = {}  # owner -> other nodes holding its shard
+        # (rank, node): that node's copy of rank's shard served an item the rebuild found
+        # corrupt; asked nothing more
+        self._refused: set[tuple[int, int]] = set()
 
     @property
     def bytes_fetched(self) -> int:
@@ -87,7 +93,8 @@ class Holders:
             start = self.topo.local_rank % len(nodes) if nodes else 0
             self._holder_nodes[owner] = nodes[start:] + nodes[:start]
         partial = self.plan.partial.get(owner, {})
-        return [n for n in self._holder_nodes[owner] if n not in partial or offset in partial[n]]
+        return [n for n in self._holder_nodes[owner] if (n not in partial or offset in partial[n])
+                and (owner, n) not in self._refused]
 
     def read_runs(self, step: int, runs: list[RemoteRun], on_range: Callable[[int, int], None],
                   *, paced: bool = False) -> list[BaseException | None]:
@@ -180,7 +187,9 @@ class Holders:
         node is a place of every item, a partial replica of those it lists, a copy data
         parallelism kept of one), verified against the recorded checksum, and committed under
         the manifest its save wrote (its size taken from a copy on a survivor,
-        ``Decision.data_bytes``). Returns False when the shard is here already."""
+        ``Decision.data_bytes``). An item whose bytes disagree with its checksum is read again
+        from another place, the copy that served it asked nothing more; CorruptShardError
+        once no good place is left. Returns False when the shard is here already."""
         with self.store.fetch_lock(self.step, owner):
             st = self.store.step_state(self.step)
             if owner in st.ranks_of(self.plan.save_id) and owner not in st.partial:
@@ -200,23 +209,44 @@ class Holders:
             try:
                 data = shard.buffer.array
                 sinks = {it.offset: data[it.offset:it.offset + it.nbytes] for it, _ in items}
-                came = fetch_items(self, self.step, wanted, sinks, lambda offset: (
-                    f"no place of the item at offset {offset} of rank {owner}'s shard is"),
-                    paced=True)
-                crash_point("rebuild_before_commit", self.step, owner)  # tests: bytes landed
-                for offset, (rank, node, digest) in sorted(came.items()):
-                    if not digests_agree(wanted[offset].checksum, digest.result()[0]):
-                        raise integrity_error(f"step {self.step} rank {rank}'s shard on node {node}",
-                                              f"the item rebuilding rank {owner}'s shard at offset "
-                                              f"{offset}", CopyId(self.step, rank, node))
+                nodes = self._read_verified(owner, wanted, sinks)
                 shard.commit_manifest(m)
             finally:
                 shard.abort()  # (nothing once committed)
-        nodes = sorted({node for _, node, _ in came.values()})
         log.info("mlcheckpoint: rebuilt rank %d's shard of step %d (%d bytes) from %s %s", owner,
                  self.step, sum(it.nbytes for it, _ in items), "node" if len(nodes) == 1 else "nodes",
                  ", ".join(map(str, nodes)))
         return True
+
+    def _read_verified(self, owner: int, wanted: dict[int, ItemLocation],
+                       sinks: dict[int, np.ndarray]) -> list[int]:
+        """Fill each sink with its item (offset in ``owner``'s shard -> location) from the
+        places that hold it, each checked against its recorded checksum; an item that fails is
+        read again from the places left. Returns the nodes the bytes came from."""
+        pending, served, corrupt = wanted, set(), None
+        while pending:
+            try:
+                came = fetch_items(self, self.step, pending, sinks, lambda offset: (
+                    f"no place of the item at offset {offset} of rank {owner}'s shard is"),
+                    paced=True)
+            except ShardNotFoundError as e:
+                if corrupt is None:
+                    raise
+                raise corrupt from e  # every place left of an item served it corrupt
+            crash_point("rebuild_before_commit", self.step, owner)  # tests: bytes landed
+            bad = {}
+            for offset, (rank, node, digest) in sorted(came.items()):
+                if digests_agree(wanted[offset].checksum, digest.result()[0]):
+                    served.add(node)
+                    continue
+                corrupt = integrity_error(f"step {self.step} rank {rank}'s shard on node {node}",
+                                          f"the item rebuilding rank {owner}'s shard at offset "
+                                          f"{offset}", CopyId(self.step, rank, node))
+                log.warning("mlcheckpoint: %s; reading it from another place", corrupt)
+                self._refused.add((rank, node))
+                bad[offset] = wanted[offset]
+            pending = bad
+        return sorted(served)
 
     def _check_step(self, step: int) -> None:
         if step != self.step:

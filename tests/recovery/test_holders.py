@@ -371,3 +371,38 @@ def test_a_holder_that_answers_without_the_bytes_is_read_around(store_dir):
     finally:
         store.close()
     assert set(transport.served) <= {2, 3} and sum(transport.served.values()) == len(data)
+
+
+class CorruptOnTransport(ServingTransport):
+    """Ranks in ``down`` serve ``bad`` (the shard with a byte flipped) instead of the shard."""
+
+    def __init__(self, shard: bytes, bad: bytes, down: set[int]) -> None:
+        super().__init__(shard)
+        self.good, self.bad, self.corrupt_ranks = shard, bad, down
+
+    def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
+        self.shard = self.bad if peer in self.corrupt_ranks else self.good
+        return super().read_items(peer, step, owner, ranges, sinks, on_range, paced=paced)
+
+
+def test_a_rebuild_reads_items_again_from_another_place_when_one_copy_is_corrupt(store_dir, caplog):
+    # Node 0's copy of rank 4's shard has a flipped byte in every item; the rebuild deals some
+    # items to it, finds them corrupt, reads them again from node 1 and commits the shard.
+    # Node 0's copy is asked nothing more.
+    store = LocalStore(store_dir, "holders-rebuild-one-corrupt")
+    try:
+        plan, data = _rebuild_setup(store)
+        bad = bytearray(data)
+        for i in range(REBUILD_ITEMS):
+            bad[i * REBUILD_ITEM_BYTES + 7] ^= 0xFF
+        transport = CorruptOnTransport(data, bytes(bad), down={0, 1})
+        holders = Holders(transport, store, rank_on(2, 0), plan)
+        with caplog.at_level("WARNING", logger="mlcheckpoint.recovery.holders"):
+            assert holders.rebuild(4)
+        with store.open_shard(7, 4) as source:
+            assert source.read(0, len(data)) == data
+    finally:
+        store.close()
+    refused = [r.getMessage() for r in caplog.records if "from another place" in r.getMessage()]
+    assert refused and all("rank 4's shard on node 0" in m for m in refused), refused
+    assert holders.nodes_holding(7, 4, 0) == [1]

@@ -1,5 +1,6 @@
-"""A holder killed while a resume reads from it (issue 38, fallback to copies): the items it was
-dealt are read from their copies on another node, before the step is given up.
+"""A holder killed while a resume reads from it (issue 38, fallback to copies), or while a
+replaced node rebuilds a shard from it after the load: the items it was dealt are read from
+their copies on another node, before the step is given up.
 
 Real processes and sockets (tests/tcp_job.py): nodes 0 and 1 are TCP endpoints in processes of
 their own (tests/workers/repl_peer.py), node 0 holding the items' primaries, node 1 a copy of
@@ -88,6 +89,35 @@ def test_a_holder_killed_mid_read_is_replaced_by_the_copy_on_another_node(make_j
         # everything came from node 1's copy, none of it from the node that died
         total = sum(loc.nbytes for loc in pickle.loads(stores[2].read_metadata(STEP)[1]).storage_data.values())
         assert holders.bytes_served == {1: {1: total}}, holders.bytes_served
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_a_holder_killed_mid_rebuild_is_replaced_by_the_copy_on_another_node(make_job):
+    """The node serving the rebuild of rank 0's shard (after a load, in the background) dies
+    mid-read: the rebuild takes the items it was dealt from their copies on node 1, and
+    commits the shard as its save left it."""
+    job = make_job(3)
+    stores = [job.store(r) for r in range(3)]
+    try:
+        save_with_copies(stores)
+        m = stores[0].read_manifest(STEP, 0)
+        primary = job.spawn(0, "serve", timeout=WAIT, env={"MLCHECKPOINT_CRASH_AT": f"serve_mid_read@{STEP}#0"})
+        copy = job.spawn(1, "serve", timeout=WAIT)
+        job.status("0.ready", primary)
+        job.status("1.ready", copy)
+        reader = job.endpoint(2, timeout=WAIT)
+        header, _ = stores[2].read_metadata(STEP)
+        plan = Decision(MEMORY, STEP, holders={0: [0], 1: [1]}, metadata_holders=[0, 1, 2],
+                        save_id=header.save_id, data_bytes={0: m.data_bytes})
+        here = Topology(rank=2, world_size=3, local_rank=0, local_world_size=1, node_rank=2,
+                        num_nodes=3)
+        assert Holders(reader, stores[2], here, plan).rebuild(0)
+        assert primary.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()  # it did die mid-read
+        rebuilt = stores[2].verify_shard(STEP, 0)  # every item's bytes against its checksum
+        assert rebuilt.items == m.items  # the manifest's items as its save wrote them
+        assert (rebuilt.save_id, rebuilt.data_bytes, rebuilt.partial) == (m.save_id, m.data_bytes, False)
     finally:
         for store in stores:
             store.close()

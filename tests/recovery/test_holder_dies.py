@@ -63,6 +63,22 @@ def save_with_copies(stores: list[LocalStore]) -> dict:
     return expected
 
 
+def dying_primary_and_copy(job, stores: list[LocalStore]):
+    """Node 0 serving the items' primaries (SIGKILLed as it starts sending a read), node 1
+    serving their copies, and node 2's ``Holders`` over them: (node 0's process, holders)."""
+    primary = job.spawn(0, "serve", timeout=WAIT, env={"MLCHECKPOINT_CRASH_AT": f"serve_mid_read@{STEP}#0"})
+    copy = job.spawn(1, "serve", timeout=WAIT)
+    job.status("0.ready", primary)
+    job.status("1.ready", copy)
+    reader = job.endpoint(2, timeout=WAIT)
+    header, _ = stores[2].read_metadata(STEP)
+    plan = Decision(MEMORY, STEP, holders={0: [0], 1: [1]}, metadata_holders=[0, 1, 2],
+                    save_id=header.save_id, data_bytes={0: stores[0].read_manifest(STEP, 0).data_bytes})
+    here = Topology(rank=2, world_size=3, local_rank=0, local_world_size=1, node_rank=2,
+                    num_nodes=3)
+    return primary, Holders(reader, stores[2], here, plan)
+
+
 def test_a_holder_killed_mid_read_is_replaced_by_the_copy_on_another_node(make_job):
     """The node serving a read dies mid-read: the reader takes every byte from the copy on
     another node and loads exactly."""
@@ -70,20 +86,10 @@ def test_a_holder_killed_mid_read_is_replaced_by_the_copy_on_another_node(make_j
     stores = [job.store(r) for r in range(3)]
     try:
         expected = save_with_copies(stores)
-        primary = job.spawn(0, "serve", timeout=WAIT, env={"MLCHECKPOINT_CRASH_AT": f"serve_mid_read@{STEP}#0"})
-        copy = job.spawn(1, "serve", timeout=WAIT)
-        job.status("0.ready", primary)
-        job.status("1.ready", copy)
-        reader = job.endpoint(2, timeout=WAIT)
-        header, _ = stores[2].read_metadata(STEP)
-        plan = Decision(MEMORY, STEP, holders={0: [0], 1: [1]}, metadata_holders=[0, 1, 2],
-                        save_id=header.save_id)
-        here = Topology(rank=2, world_size=3, local_rank=0, local_world_size=1, node_rank=2,
-                        num_nodes=3)
-        holders = Holders(reader, stores[2], here, plan)
+        primary, holders = dying_primary_and_copy(job, stores)
         out = zeros_like_state(expected)
         load_step(out, MemoryStorageReader(STEP, stores[2], node=2, remote=holders,
-                                           save_id=plan.save_id), None)
+                                           save_id=holders.plan.save_id), None)
         assert_same(expected, out)
         assert primary.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()  # it did die mid-read
         # everything came from node 1's copy, none of it from the node that died
@@ -103,17 +109,8 @@ def test_a_holder_killed_mid_rebuild_is_replaced_by_the_copy_on_another_node(mak
     try:
         save_with_copies(stores)
         m = stores[0].read_manifest(STEP, 0)
-        primary = job.spawn(0, "serve", timeout=WAIT, env={"MLCHECKPOINT_CRASH_AT": f"serve_mid_read@{STEP}#0"})
-        copy = job.spawn(1, "serve", timeout=WAIT)
-        job.status("0.ready", primary)
-        job.status("1.ready", copy)
-        reader = job.endpoint(2, timeout=WAIT)
-        header, _ = stores[2].read_metadata(STEP)
-        plan = Decision(MEMORY, STEP, holders={0: [0], 1: [1]}, metadata_holders=[0, 1, 2],
-                        save_id=header.save_id, data_bytes={0: m.data_bytes})
-        here = Topology(rank=2, world_size=3, local_rank=0, local_world_size=1, node_rank=2,
-                        num_nodes=3)
-        assert Holders(reader, stores[2], here, plan).rebuild(0)
+        primary, holders = dying_primary_and_copy(job, stores)
+        assert holders.rebuild(0)
         assert primary.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()  # it did die mid-read
         rebuilt = stores[2].verify_shard(STEP, 0)  # every item's bytes against its checksum
         assert rebuilt.items == m.items  # the manifest's items as its save wrote them

@@ -29,13 +29,13 @@ from .._faults import crash_point
 from .._words import plural
 from ..dcp.placement import recorded_items
 from ..dcp.remote import RemoteRun, fetch_items
-from ..errors import CopyId, MLCheckpointError, ShardNotFoundError
+from ..errors import CopyId, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..integrity.verify import digests_agree, integrity_error
 from ..replication.core.streams import run_streams
 from ..replication.core.transport import Transport
 from ..store import LocalStore
 from ..store.layout import ItemLocation
-from ..store.manifest import Manifest, dcp_metadata
+from ..store.manifest import Manifest, ManifestItem, dcp_metadata
 from ..topology import Topology
 from .planner import Decision
 
@@ -204,12 +204,9 @@ class Holders:
                          data_bytes=max(end, self.plan.data_bytes.get(owner, 0)),
                          items=[it for it, _ in items], world_size=header.world_size,
                          created=header.created, save_id=header.save_id, run_id=header.run_id)
-            wanted = {it.offset: loc for it, loc in items}
             shard = self.store.begin_shard(self.step, owner, m.data_bytes)
             try:
-                data = shard.buffer.array
-                sinks = {it.offset: data[it.offset:it.offset + it.nbytes] for it, _ in items}
-                nodes = self._read_verified(owner, wanted, sinks)
+                nodes = self._read_verified(owner, items, shard.buffer.array)
                 shard.commit_manifest(m)
             finally:
                 shard.abort()  # (nothing once committed)
@@ -218,33 +215,37 @@ class Holders:
                  ", ".join(map(str, nodes)))
         return True
 
-    def _read_verified(self, owner: int, wanted: dict[int, ItemLocation],
-                       sinks: dict[int, np.ndarray]) -> list[int]:
-        """Fill each sink with its item (offset in ``owner``'s shard -> location) from the
-        places that hold it, each checked against its recorded checksum; an item that fails is
-        read again from the places left. Returns the nodes the bytes came from."""
-        pending, served, corrupt = wanted, set(), None
+    def _read_verified(self, owner: int, items: list[tuple[ManifestItem, ItemLocation]],
+                       data: np.ndarray) -> list[int]:
+        """Fill ``data`` (``owner``'s shard) with each item, read from the places that hold it
+        and checked against its recorded checksum; an item that fails is read again from the
+        places left. Returns the nodes the bytes came from. Items are told apart by their
+        position in ``items``, not their offset: an empty item shares the next one's."""
+        sinks = {i: data[it.offset:it.offset + it.nbytes] for i, (it, _) in enumerate(items)}
+        pending = {i: loc for i, (_, loc) in enumerate(items)}
+        served: set[int] = set()
+        corrupt: CorruptShardError | None = None
         while pending:
             try:
-                came = fetch_items(self, self.step, pending, sinks, lambda offset: (
-                    f"no place of the item at offset {offset} of rank {owner}'s shard is"),
-                    paced=True)
+                came = fetch_items(self, self.step, pending, sinks, lambda i: (
+                    f"no place of the item at offset {items[i][0].offset} of rank {owner}'s "
+                    "shard is"), paced=True)
             except ShardNotFoundError as e:
                 if corrupt is None:
                     raise
                 raise corrupt from e  # every place left of an item served it corrupt
             crash_point("rebuild_before_commit", self.step, owner)  # tests: bytes landed
             bad = {}
-            for offset, (rank, node, digest) in sorted(came.items()):
-                if digests_agree(wanted[offset].checksum, digest.result()[0]):
+            for i, (rank, node, digest) in sorted(came.items()):
+                if digests_agree(pending[i].checksum, digest.result()[0]):
                     served.add(node)
                     continue
                 corrupt = integrity_error(f"step {self.step} rank {rank}'s shard on node {node}",
                                           f"the item rebuilding rank {owner}'s shard at offset "
-                                          f"{offset}", CopyId(self.step, rank, node))
+                                          f"{items[i][0].offset}", CopyId(self.step, rank, node))
                 log.warning("mlcheckpoint: %s; reading it from another place", corrupt)
                 self._refused.add((rank, node))
-                bad[offset] = wanted[offset]
+                bad[i] = pending[i]
             pending = bad
         return sorted(served)
 

@@ -399,3 +399,27 @@ def test_a_rebuild_reads_items_again_from_another_place_when_one_copy_is_corrupt
     refused = [r.getMessage() for r in caplog.records if "from another place" in r.getMessage()]
     assert refused and all("rank 4's shard on node 0" in m for m in refused), refused
     assert holders.nodes_holding(7, 4, 0) == [1]
+
+
+def test_a_rebuild_reads_every_item_though_an_empty_one_shares_its_offset(store_dir):
+    # An empty tensor takes the offset of the item after it. Here the metadata lists it after
+    # that item: a rebuild that told items apart by offset read the empty one only, and
+    # committed the other's bytes unread (zeros) under its checksum.
+    store = LocalStore(store_dir, "holders-rebuild-empty")
+    try:
+        data = np.random.default_rng(5).bytes(2 * REBUILD_ITEM_BYTES)
+        storage = {MetadataIndex(f"item{i}"): ItemLocation(
+            4, i * REBUILD_ITEM_BYTES, REBUILD_ITEM_BYTES,
+            checksum(data[i * REBUILD_ITEM_BYTES:(i + 1) * REBUILD_ITEM_BYTES])) for i in range(2)}
+        storage[MetadataIndex("empty")] = ItemLocation(4, REBUILD_ITEM_BYTES, 0, checksum(b""))
+        store.write_metadata(7, pickle.dumps(Metadata(state_dict_metadata={}, storage_data=storage)),
+                             world_size=6, ranks=range(6), total_bytes=len(data), save_id="s1")
+        plan = dataclasses.replace(PLAN, save_id="s1", data_bytes={4: len(data), 5: 100})
+        assert Holders(ServingTransport(data), store, rank_on(2, 0), plan).rebuild(4)
+        rebuilt = store.verify_shard(7, 4)  # every item against its checksum
+        assert sorted((it.offset, it.nbytes) for it in rebuilt.items) == [
+            (0, REBUILD_ITEM_BYTES), (REBUILD_ITEM_BYTES, 0), (REBUILD_ITEM_BYTES, REBUILD_ITEM_BYTES)]
+        with store.open_shard(7, 4) as source:
+            assert source.read(0, len(data)) == data
+    finally:
+        store.close()

@@ -222,7 +222,7 @@ class Holders:
         places left. Returns the nodes the bytes came from. Items are told apart by their
         position in ``items``, not their offset: an empty item shares the next one's."""
         sinks = {i: data[it.offset:it.offset + it.nbytes] for i, (it, _) in enumerate(items)}
-        pending = {i: loc for i, (_, loc) in enumerate(items)}
+        pending = {i: loc for i, (it, loc) in enumerate(items) if it.nbytes}  # (empty: no read)
         served: set[int] = set()
         corrupt: CorruptShardError | None = None
         while pending:

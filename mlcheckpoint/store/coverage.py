@@ -179,11 +179,14 @@ class StepItems:
         and the groups it lists every item of. A group listed only in part counts as not
         held: replication sends groups whole."""
         listing = Listing(listed)
-        by_group = self.by_owner.get(owner, {})
-        items = frozenset(loc.offset for locs in by_group.values() for loc in locs
-                          if listing.holds(loc))
-        return Held(items, frozenset(g for g, locs in by_group.items()
-                                     if locs and all(loc.offset in items for loc in locs)))
+        # Each item asked once, as itself: an offset does not name an item (an empty tensor
+        # shares the next item's), so a group counts only the items the replica holds.
+        listed_by_group = {g: [(loc, listing.holds(loc)) for loc in locs]
+                           for g, locs in self.by_owner.get(owner, {}).items()}
+        items = frozenset(loc.offset for pairs in listed_by_group.values()
+                          for loc, held in pairs if held)
+        return Held(items, frozenset(g for g, pairs in listed_by_group.items()
+                                     if pairs and all(held for _, held in pairs)))
 
 
 # ---------------------------------------------------------------------------- what is sent

@@ -118,6 +118,15 @@ def test_a_partial_replica_holds_the_items_it_lists_as_recorded_and_the_groups_t
     assert items.nbytes(0, [(), (1,)]) == 24 and items.of(0, (1,))[0].offset == 128
 
 
+def test_an_empty_item_at_a_listed_items_offset_is_not_held_with_it():
+    # An empty tensor takes the offset of the item after it. A partial replica listing that
+    # item (copy group (1,)) holds nothing of the empty one's group (none): the group is not
+    # counted as held there because an offset in it is listed.
+    items = StepItems([ItemLocation(0, 64, 20, 5, copies=((1, 64),)), ItemLocation(0, 64, 0, 6)])
+    held = items.held(0, [ManifestItem("b", 64, 20, 5)])
+    assert held == Held(frozenset({64}), frozenset({(1,)})), held
+
+
 # ---------------------------------------------------------------------------- against a model
 @st.composite
 def steps(draw):

@@ -179,14 +179,16 @@ class StepItems:
         and the groups it lists every item of. A group listed only in part counts as not
         held: replication sends groups whole."""
         listing = Listing(listed)
-        # Each item asked once, as itself: an offset does not name an item (an empty tensor
-        # shares the next item's), so a group counts only the items the replica holds.
-        listed_by_group = {g: [(loc, listing.holds(loc)) for loc in locs]
-                           for g, locs in self.by_owner.get(owner, {}).items()}
-        items = frozenset(loc.offset for pairs in listed_by_group.values()
-                          for loc, held in pairs if held)
-        return Held(items, frozenset(g for g, pairs in listed_by_group.items()
-                                     if pairs and all(held for _, held in pairs)))
+        items: set[int] = set()
+        groups: set[Group] = set()
+        for g, locs in self.by_owner.get(owner, {}).items():
+            # Each item asked as itself: an offset does not name an item (an empty tensor
+            # shares the next item's), so a group counts only the items the replica holds.
+            held = [listing.holds(loc) for loc in locs]
+            items.update(loc.offset for loc, ok in zip(locs, held, strict=True) if ok)
+            if locs and all(held):
+                groups.add(g)
+        return Held(frozenset(items), frozenset(groups))
 
 
 # ---------------------------------------------------------------------------- what is sent

@@ -546,9 +546,14 @@ def test_every_transport_refuses_a_strangers_reply_in_the_same_words(job, step, 
     keys = [f"pg/reply/0/{(tag + k) % MAX_TAG}/r" for k in range(1, 33)]
     for key in keys:
         job.rdzv.store.set(key, b"not a sealed reply")
+    # The peer is frozen meanwhile: its real answer would overwrite the stranger's under the
+    # same key if it came before our read (CI: a loaded machine delayed our read). It answers
+    # once it runs again, under a tag no later request of ours reads.
+    os.kill(job.proc.pid, signal.SIGSTOP)
     try:
         texts["pg-gloo"] = failure(lambda: pg.fetch_metadata(PEER, step))
     finally:
+        os.kill(job.proc.pid, signal.SIGCONT)
         for key in keys:  # (the one read is gone already) no later request of ours reads them
             job.rdzv.store.delete_key(key)
     # TCP: the stranger's listener is where rank 1 said it listens (a rendezvous of its own)

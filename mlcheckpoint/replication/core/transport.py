@@ -60,7 +60,7 @@ class Transport(abc.ABC):
         paced by our budget."""
         self.client.push_metadata(peer, step)
 
-    # The fetches below are sent by the peer, so the request carries ``paced``: True makes
+    # The reads below are sent by the peer, so the request carries ``paced``: True makes
     # the peer send within its node's budget (background work, e.g. healing after a resume),
     # False at the full speed of the link (a resume waiting for the bytes).
 

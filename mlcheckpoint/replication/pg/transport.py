@@ -224,7 +224,8 @@ class PgTransport(Transport):
     def _recv_bytes(self, array, peer: int, tag: int, piece: int = 0,
                     bounce: torch.Tensor | None = None) -> None:
         """Receive ``array`` in the cuts the sender used (``piece``, as it named it), through
-        ``bounce`` (made here if the caller made none: a fetch learns the size from the reply)."""
+        ``bounce`` (made here if the caller made none: a read of items learns the sizes from the
+        reply)."""
         data = torch.from_numpy(array)
         if bounce is None:
             bounce = self._bounce([(0, data.numel())])
@@ -257,9 +258,10 @@ class PgTransport(Transport):
                                    f"in this run ({lost}); it stays closed until the job restarts")
 
     def _fill(self, receipt: Receipt, peer: int, tag: int, piece: int,
-              bounce: torch.Tensor | None = None) -> None:
-        """Fill a receipt with the shard ``peer`` sends under ``tag`` (the caller commits):
-        its ranges in order (a partial replica: its items'), each cut by ``piece``."""
+              bounce: torch.Tensor | None) -> None:
+        """Fill a receipt with the shard ``peer`` pushes under ``tag`` (the caller commits):
+        its ranges in order (a partial replica: its items'), each cut by ``piece``, through
+        the ``bounce`` made before "ready"."""
         for offset, nbytes in receipt.ranges:
             self._recv_bytes(receipt.array[offset:offset + nbytes], peer, tag, piece, bounce)
         receipt.arriving(receipt.nbytes, receipt.nbytes)

@@ -450,6 +450,7 @@ PACED_SENDER = os.path.join(WORKERS, "paced_sender.py")
 
 
 @pytest.mark.slow
+@pytest.mark.quiet
 @pytest.mark.skipif(netcluster.available() is not None, reason=f"no emulated network: {netcluster.available()}")
 def test_adaptive_pacing_grows_into_an_idle_link_and_yields_to_a_competing_flow():
     """A real sender in an emulated node (1 Gbit/s tbf link) paces through an adaptive Budget

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import multiprocessing.process
@@ -22,6 +23,24 @@ from mlcheckpoint.testing.cluster import LAUNCH_ENV
 MLCHECKPOINT_ENV_VARS = ("MLCHECKPOINT_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
                          "MLCHECKPOINT_LOCAL_DIR", "MLCHECKPOINT_CRASH_AT",
                          "MLCHECKPOINT_PAUSE_AT", "MLCHECKPOINT_PERSISTENT_DIR_MOVED")
+
+
+# Files the suite's processes leave in the temporary directory go with the session: torch's
+# multiprocessing (torchrun's ranks) writes a pytorch-errorfile-*.pickle for every rank that
+# raises, as the suite's killed and failing jobs do, and never removes it (CI left hundreds in
+# /tmp). Every process the suite starts inherits this TMPDIR; an exit handler registered this
+# early runs after the ones that stop the fork server and clusters.
+SESSION_TMP = tempfile.mkdtemp(prefix="mlckpt-tests-")
+os.environ["TMPDIR"] = SESSION_TMP
+tempfile.tempdir = None  # read again from TMPDIR
+
+
+def _remove_session_tmp(owner: int = os.getpid()) -> None:
+    if os.getpid() == owner:  # not in a child forked from this process
+        shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
+
+atexit.register(_remove_session_tmp)
 
 
 # Every Python process the suite launches imports tests/startup/sitecustomize.py first (the

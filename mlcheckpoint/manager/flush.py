@@ -31,7 +31,9 @@ Ranks need not agree on the step: one whose node lacks the newest step's metadat
 its way from the coordinator's node) also writes its part of each newer step whose own shard
 it committed, newest first, so whichever step some node holds whole gets every part; and a
 rank that stays for the other parts (``flush_and_stay``) writes its part of any step the
-others wrote parts of, where it holds its shard of that save (``joinable``).
+others wrote parts of, where it holds its shard of that save (``joinable``). Once a step it
+wrote is complete, a rank removes its parts of the older steps that are not (a rank's whole
+shard each, on what is often shared storage, that nothing would ever read).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -90,16 +93,20 @@ class FlushResult:
     ``step``: the newest step whose part this rank wrote (None: nothing to write, ``reason``
     says why); ``complete``: that step is complete in the persistent folder (every rank's part
     there and DCP's ``.metadata`` written), as far as this rank has seen; ``parts``: the steps
-    whose part it wrote, newest first; ``bytes``: the bytes it wrote; ``seconds``: how long
-    it took; ``reason``: why nothing was written or the flush stopped short ("" otherwise).
+    whose part it wrote, newest first; ``removed``: those of them older than a complete
+    ``step`` whose part it removed again, as they were incomplete; ``bytes``: the bytes it
+    wrote; ``seconds``: how long it took; ``reason``: why nothing was written or the flush
+    stopped short ("" otherwise).
     """
 
     step: int | None = None
     complete: bool = False
     parts: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
     bytes: int = 0
     seconds: float = 0.0
     reason: str = ""
+    saves: dict[int, str] = field(default_factory=dict, repr=False)  # each part's save
 
 
 @dataclass(frozen=True)
@@ -253,6 +260,7 @@ class Flusher:
             return False
         result.parts.append(c.step)
         result.parts.sort(reverse=True)
+        result.saves[c.step] = c.save_id
         result.bytes += nbytes
         try:
             return self.finish(c.step, c.save_id)
@@ -262,10 +270,45 @@ class Flusher:
             return False
 
     def _settle(self, result: FlushResult) -> None:
-        """``result``'s step: the newest complete one of those it wrote, else the newest."""
+        """``result``'s step: the newest complete one of those it wrote, else the newest. With
+        a complete one, this rank's parts of the older incomplete steps go: no load needs them.
+        (Newer incomplete ones stay: a rank whose notice comes late may still complete one.)"""
         complete = [s for s in result.parts if self.complete(s)]
         result.step = complete[0] if complete else (result.parts[0] if result.parts else None)
         result.complete = bool(complete)
+        for step in result.parts:
+            if complete and step < complete[0] and step not in result.removed \
+                    and self._remove_part(step, result.saves[step]):
+                result.removed.append(step)
+
+    def _remove_part(self, step: int, save_id: str) -> bool:
+        """Remove this rank's part of the incomplete ``step`` (its marker, then its file), and
+        the step's folder once no rank's part is left in it; whether the part is gone. A rank
+        finishing the step meanwhile read this marker or finds it gone (``finish`` checks the
+        markers again after writing ``.metadata``): where the step completed before the marker
+        went, the marker is put back and the part stays."""
+        folder = self.storage.flush_path(step)
+        staging = os.path.join(folder, FLUSH_DIR, save_id)
+        marker = os.path.join(staging, f"part-{self.rank:05d}.json")
+        try:
+            with open(marker, "rb") as f:
+                recorded = f.read()
+            os.unlink(marker)
+            if self.complete(step):
+                _write_atomic(marker, recorded, self.rank)
+                return False
+            os.unlink(os.path.join(folder, f"__{self.rank}_flush-{save_id}.distcp"))
+        except OSError as e:
+            log.warning("mlcheckpoint: preemption flush on rank %d: its part of the older step "
+                        "%d in %s stays: %s", self.rank, step, folder, e)
+            return False
+        log.info("mlcheckpoint: preemption flush on rank %d removed its part of step %d from %s:"
+                 " a newer step is complete", self.rank, step, folder)
+        if not any(n.startswith("part-") for n in os.listdir(staging)):
+            # No rank's part is left: the folder holds only staged metadata, nothing to load.
+            # (Another rank writing a part meanwhile fails its write, and logs it.)
+            shutil.rmtree(folder, ignore_errors=True)
+        return True
 
     def joinable(self, written: list[int]) -> list[_Candidate]:
         """Steps other ranks wrote parts of (their markers in the persistent folder) that this
@@ -434,6 +477,13 @@ class Flusher:
                 folder)
         _write_atomic(os.path.join(folder, ".metadata"),
                       pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), self.rank)
+        # A rank removing its part of this step (``_remove_part``, a newer one is complete)
+        # unlinks its marker before it looks for ``.metadata``: a marker gone now means its
+        # file may be going too, so the step must not stand complete.
+        if not all(os.path.exists(os.path.join(staging, f"part-{r:05d}.json")) for r in header.ranks):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, ".metadata"))
+            return False
         return True
 
     def complete(self, step: int) -> bool:

@@ -110,6 +110,77 @@ def test_ranks_finish_a_step_in_the_folder_whichever_comes_last(store_dir, first
     assert load_plain(storage.path(2), both_ranks(2)) == []
 
 
+def test_a_rank_removes_its_part_of_an_older_step_once_a_newer_one_is_complete(store_dir):
+    """Rank 1's node lacks step 2's metadata: it writes its part of step 2 and, not knowing
+    step 2 will complete, of step 1. Once rank 0's part completes step 2, rank 1 (staying for
+    the other parts) removes its part of step 1, and step 1's folder goes with it: no rank's
+    part is left there. Before, the folder (a rank's whole shard) stayed in the persistent tier
+    for good, beside the complete step 2 (a Lightning job's folder showed two
+    ``preempted-step=`` checkpoints)."""
+    stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
+    for step in (1, 2):
+        save_two_ranks(step, stores)
+    stores[1].write_metadata_file(1, stores[0].read_metadata_file(1))
+    storage = PersistentStorage(os.path.join(store_dir, "persistent"))
+    flushers = [Flusher(stores[r], storage, r, Pins(), wait_for_parts=20) for r in range(2)]
+    results: dict[int, FlushResult] = {}
+    rank1 = threading.Thread(target=lambda: results.update({1: flushers[1].flush_and_stay(
+        time.monotonic() + 30)}))
+    rank1.start()
+    assert wait_for(lambda: os.path.isdir(os.path.join(storage.path(1), ".mlcheckpoint-flush")))
+    results[0] = flushers[0].flush(time.monotonic() + 30)
+    rank1.join()
+    assert (results[0].parts, results[0].complete) == ([2], True), results
+    assert (results[1].parts, results[1].step, results[1].complete, results[1].removed) == \
+        ([2, 1], 2, True, [1]), results
+    assert storage.complete_steps() == [2]
+    assert not os.path.exists(storage.path(1))
+    assert load_plain(storage.path(2), both_ranks(2)) == []
+
+
+def wait_for(condition, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_part_whose_step_completed_meanwhile_stays(store_dir):
+    """The race between a rank removing its part of an older step and another rank finishing
+    that step, from both sides. Where the step completed before the marker went, the remover
+    puts its marker back and keeps its file: the step stays complete and loads. Where the
+    marker went while the finisher wrote DCP's ``.metadata`` (after it had read the markers),
+    the finisher takes ``.metadata`` back: the step never stands complete with a part gone."""
+    stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
+    save_two_ranks(1, stores)
+    stores[1].write_metadata_file(1, stores[0].read_metadata_file(1))
+    storage = PersistentStorage(os.path.join(store_dir, "persistent"))
+    flushers = [Flusher(stores[r], storage, r, Pins()) for r in range(2)]
+    (c0,), (c1,) = flushers[0].candidates(), flushers[1].candidates()
+    for flusher, c in ((flushers[0], c0), (flushers[1], c1)):
+        flusher._write_part(c, time.monotonic() + 30)
+    marker = os.path.join(storage.path(1), ".mlcheckpoint-flush", c1.save_id, "part-00001.json")
+
+    flush_files = storage.flush_files
+
+    def marker_goes_meanwhile(read_item):
+        os.unlink(marker)  # rank 1's removal, between the finisher's reads and its .metadata
+        return flush_files(read_item)
+
+    storage.flush_files = marker_goes_meanwhile  # type: ignore[method-assign]
+    assert flushers[0].finish(1, c0.save_id) is False
+    assert storage.complete_steps() == [] and not flushers[0].complete(1)
+    storage.flush_files = flush_files  # type: ignore[method-assign]
+
+    flushers[1]._write_part(c1, time.monotonic() + 30)  # rank 1's part again
+    assert flushers[0].finish(1, c0.save_id) is True
+    assert flushers[1]._remove_part(1, c1.save_id) is False  # completed first: it stays
+    assert os.path.exists(marker) and storage.complete_steps() == [1]
+    assert load_plain(storage.path(1), both_ranks(1)) == []
+
+
 def test_a_preemption_flush_stays_for_the_other_parts_a_bounded_time(store_dir):
     """Rank 0 writes its part of step 1 while rank 1's is missing. Its preemption flush stays
     for the other parts ``wait_for_parts`` seconds after the notice: rank 1's part, written a

@@ -292,22 +292,27 @@ class Flusher:
         marker = os.path.join(staging, f"part-{self.rank:05d}.json")
         try:
             with open(marker, "rb") as f:
-                recorded = f.read()
-            os.unlink(marker)
-            if self.complete(step):
-                _write_atomic(marker, recorded, self.rank)
+                recorded: bytes | None = f.read()
+        except FileNotFoundError:
+            recorded = None  # a rank owning nothing of the step staged its metadata, no part
+        if recorded is not None:
+            try:
+                os.unlink(marker)
+                if self.complete(step):
+                    _write_atomic(marker, recorded, self.rank)
+                    return False
+                os.unlink(os.path.join(folder, f"__{self.rank}_flush-{save_id}.distcp"))
+            except OSError as e:
+                log.warning("mlcheckpoint: preemption flush on rank %d: its part of the older "
+                            "step %d in %s stays: %s", self.rank, step, folder, e)
                 return False
-            os.unlink(os.path.join(folder, f"__{self.rank}_flush-{save_id}.distcp"))
-        except OSError as e:
-            log.warning("mlcheckpoint: preemption flush on rank %d: its part of the older step "
-                        "%d in %s stays: %s", self.rank, step, folder, e)
-            return False
-        log.info("mlcheckpoint: preemption flush on rank %d removed its part of step %d from %s:"
-                 " a newer step is complete", self.rank, step, folder)
-        if not any(n.startswith("part-") for n in os.listdir(staging)):
-            # No rank's part is left: the folder holds only staged metadata, nothing to load.
-            # (Another rank writing a part meanwhile fails its write, and logs it.)
-            shutil.rmtree(folder, ignore_errors=True)
+            log.info("mlcheckpoint: preemption flush on rank %d removed its part of step %d "
+                     "from %s: a newer step is complete", self.rank, step, folder)
+        with contextlib.suppress(OSError):  # (gone already: another rank removed it)
+            if not any(n.startswith("part-") for n in os.listdir(staging)):
+                # No rank's part is left: only staged metadata, nothing to load. (Another
+                # rank writing a part meanwhile fails its write, and logs it.)
+                shutil.rmtree(folder, ignore_errors=True)
         return True
 
     def joinable(self, written: list[int]) -> list[_Candidate]:

@@ -357,6 +357,7 @@ class CheckpointManager:
         self._check_open()
         self._saver.wait()
         with self._preemption_waits_for_resume():
+            self._remove_abandoned_flushes()
             resumed = self._recovery(announce=announce).run(state_dict)
             self._lineage = resumed.lineage  # later saves descend from what was loaded
             self._saver.settled()
@@ -390,8 +391,16 @@ class CheckpointManager:
         numbers, and retention must not keep the abandoned ones as the newest."""
         self._check_open()
         self._saver.wait()
+        self._remove_abandoned_flushes()
         self._recovery().continue_from(step)
         self._saver.settled()
+
+    def _remove_abandoned_flushes(self) -> None:
+        """Rank 0, before the resume's first collective (no rank of this run flushes until it
+        is over): the folders of an earlier run's flushes that never completed go
+        (``Flusher.remove_abandoned``)."""
+        if self.rank == 0 and self._flusher is not None:
+            self._flusher.remove_abandoned(BY_NAME["flush_deadline"].resolve())
 
     def _recovery(self, announce: bool = False) -> Recovery:
         return Recovery(self._store, self._topology, self._comm, lineage=self._lineage,

@@ -33,7 +33,9 @@ it committed, newest first, so whichever step some node holds whole gets every p
 rank that stays for the other parts (``flush_and_stay``) writes its part of any step the
 others wrote parts of, where it holds its shard of that save (``joinable``). Once a step it
 wrote is complete, a rank removes its parts of the older steps that are not (a rank's whole
-shard each, on what is often shared storage, that nothing would ever read).
+shard each, on what is often shared storage, that nothing would ever read). A folder no flush
+ever completed (a rank failed, a notice never came, the deadline passed) is removed at the
+job's next start (``remove_abandoned``), once it is old enough that no flush still writes it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import threading
 import time
@@ -62,7 +65,7 @@ from .._faults import pause_point
 from ..dcp.placement import item_key
 from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity.verify import same_layout, verify_region
-from ..persistent import PersistentOrigin, PersistentStorage
+from ..persistent import ORIGIN_FILE, PersistentOrigin, PersistentStorage
 from ..replication.core.budget import Budget
 from ..store import LocalStore, StepState
 from ..store.layout import ItemLocation
@@ -74,6 +77,22 @@ from ..waiting import wait_until
 log = logging.getLogger(__name__)
 
 FLUSH_DIR = ".mlcheckpoint-flush"
+# A rank's file of a flushed step (``__<rank>_flush-<save>.distcp``), and what an atomic write
+# that died leaves (``<name>.tmp<rank>``): with FLUSH_DIR, all a folder that only a flush wrote
+# holds until its finisher writes the layout's files and DCP's .metadata.
+_PART_FILE = re.compile(r"__\d+_flush-[^/]+\.distcp")
+_UNFINISHED_WRITE = re.compile(r".+\.tmp\d+")
+
+
+def _part_file(rank: int, save_id: str) -> str:
+    return f"__{rank}_flush-{save_id}.distcp"
+
+
+# A folder counts as abandoned once nothing in it changed for this many flush deadlines (a
+# flush in flight stops at its deadline), and never sooner than ABANDONED_AFTER_S: a file
+# server's clock may be off from ours.
+ABANDONED_AFTER_DEADLINES = 2
+ABANDONED_AFTER_S = 300.0
 # How often a rank staying for the other parts looks for DCP's .metadata: every rank of the job
 # looks, on what is often a shared file system's metadata server.
 STAY_POLL_S = 0.2
@@ -301,7 +320,7 @@ class Flusher:
                 if self.complete(step):
                     _write_atomic(marker, recorded, self.rank)
                     return False
-                os.unlink(os.path.join(folder, f"__{self.rank}_flush-{save_id}.distcp"))
+                os.unlink(os.path.join(folder, _part_file(self.rank, save_id)))
             except OSError as e:
                 log.warning("mlcheckpoint: preemption flush on rank %d: its part of the older "
                             "step %d in %s stays: %s", self.rank, step, folder, e)
@@ -418,7 +437,7 @@ class Flusher:
             return 0  # this rank owns nothing of the step: its metadata was all it had
         with self.pins.pinned(c.step), self.store.open_shard(c.step, self.rank, c.save_id) as shard:
             items = _items_to_write(shard.manifest.items, locations)
-            name = f"__{self.rank}_flush-{c.save_id}.distcp"
+            name = _part_file(self.rank, c.save_id)
             entries, nbytes = _write_items(os.path.join(folder, name), name, shard, items,
                                            deadline, c.step)
         pause_point("flush_part", c.step, self.rank)
@@ -494,6 +513,60 @@ class Flusher:
     def complete(self, step: int) -> bool:
         """Whether ``step`` is complete in the persistent folder."""
         return os.path.exists(os.path.join(self.storage.flush_path(step), ".metadata"))
+
+    # ------------------------------------------------------------------ at the next start
+    def remove_abandoned(self, deadline_s: float, now: float | None = None) -> list[str]:
+        """Remove the folders of flushes that never completed: those holding only what a flush
+        writes before its finisher (FLUSH_DIR, the ranks' part files, unfinished atomic
+        writes), with no DCP ``.metadata``, in which nothing changed for
+        ``ABANDONED_AFTER_DEADLINES`` flush deadlines (``deadline_s``) nor
+        ``ABANDONED_AFTER_S``. Nothing can load or finish such a folder: the flush that wrote
+        it ended with its run (an elastic restart stops every rank; a preemption takes the
+        nodes), and a later flush of that save finds its parts gone and writes them again.
+        Rank 0 calls it at the job's start, before the resume's first collective, so no rank
+        of this run flushes meanwhile. Returns the folders removed."""
+        now = time.time() if now is None else now
+        quiet_for = max(ABANDONED_AFTER_S, ABANDONED_AFTER_DEADLINES * deadline_s)
+        parent = os.path.dirname(self.storage.flush_path(0))
+        try:
+            names = sorted(os.listdir(parent))
+        except OSError:
+            return []  # no persistent folder yet
+        removed = []
+        for name in names:
+            folder = os.path.join(parent, name)
+            try:
+                if not _abandoned(folder, now - quiet_for):
+                    continue
+                shutil.rmtree(folder)
+            except OSError as e:
+                log.warning("mlcheckpoint: could not remove %s, a preemption flush that never "
+                            "completed: %s", folder, e)
+                continue
+            removed.append(folder)
+        if removed:
+            log.warning("mlcheckpoint: removed %d folder(s) of preemption flushes that never "
+                        "completed (no rank can finish them now): %s", len(removed),
+                        ", ".join(removed))
+            history.record(self.store.job_dir, "flush_abandoned_removed", rank=self.rank,
+                           folders=removed)
+        return removed
+
+
+def _abandoned(folder: str, changed_before: float) -> bool:
+    """Whether ``folder`` holds a flush and nothing else (no DCP ``.metadata``, no file of
+    anyone else's), none of it changed since ``changed_before`` (``time.time()``)."""
+    if not os.path.isdir(os.path.join(folder, FLUSH_DIR)) or os.path.islink(folder):
+        return False
+    for name in os.listdir(folder):
+        if name not in (FLUSH_DIR, ORIGIN_FILE) and not _PART_FILE.fullmatch(name) \
+                and not _UNFINISHED_WRITE.fullmatch(name):
+            return False  # DCP's .metadata (complete), or a file a flush does not write
+    for root, dirs, files in os.walk(folder):
+        for entry in [root, *(os.path.join(root, n) for n in files + dirs)]:
+            if os.lstat(entry).st_mtime >= changed_before:
+                return False
+    return True
 
 
 def _read_item(folder: str, storage_data: dict[Any, _StorageInfo], fqn: str) -> bytes:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from mlcheckpoint import CheckpointManager, MemoryStorageWriter
 from mlcheckpoint.history import read as read_history
-from mlcheckpoint.manager.flush import Flusher, FlushResult
+from mlcheckpoint.manager.flush import ABANDONED_AFTER_S, Flusher, FlushResult
 from mlcheckpoint.manager.preemption import Preemption
 from mlcheckpoint.persistent import PersistentStorage
 from mlcheckpoint.store import LocalStore
@@ -179,6 +179,67 @@ def test_a_part_whose_step_completed_meanwhile_stays(store_dir):
     assert flushers[1]._remove_part(1, c1.save_id) is False  # completed first: it stays
     assert os.path.exists(marker) and storage.complete_steps() == [1]
     assert load_plain(storage.path(1), both_ranks(1)) == []
+
+
+def age(folder: str, seconds: float) -> None:
+    """Everything in ``folder`` last changed ``seconds`` ago."""
+    then = time.time() - seconds
+    for root, dirs, files in os.walk(folder):
+        for entry in [root, *(os.path.join(root, n) for n in files + dirs)]:
+            os.utime(entry, (then, then))
+
+
+def abandoned_and_complete(store_dir: str) -> tuple[list[LocalStore], PersistentStorage]:
+    """Step 1's flush never completed (rank 1 wrote its part, rank 0 never came: an elastic
+    restart after rank 0 failed); step 2's did."""
+    stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
+    save_two_ranks(1, stores)
+    storage = PersistentStorage(os.path.join(store_dir, "persistent"))
+    assert Flusher(stores[1], storage, 1, Pins()).flush(time.monotonic() + 30).complete is False
+    save_two_ranks(2, stores)
+    for r in (0, 1):
+        Flusher(stores[r], storage, r, Pins()).flush(time.monotonic() + 30)
+    assert storage.complete_steps() == [2] and os.path.isdir(storage.path(1))
+    return stores, storage
+
+
+def test_the_next_start_removes_a_flush_that_never_completed(store_dir):
+    """A flush folder no rank can finish any more (no ``.metadata``; only the flush's own
+    files; unchanged for longer than a flush may run) is removed; a complete step, a folder
+    holding a file no flush writes, and an unfinished flush changed within the last
+    ``ABANDONED_AFTER_S`` (one may still be writing it) stay. Before, each elastic restart
+    after a rank failure left such a folder behind (the survivors flush at their SIGTERM, the
+    failed rank writes no part): most of a checkpoint, on shared storage, for good."""
+    stores, storage = abandoned_and_complete(store_dir)
+    foreign = os.path.join(storage.location, "step-000000000007")
+    os.makedirs(os.path.join(foreign, ".mlcheckpoint-flush"))
+    with open(os.path.join(foreign, "notes.txt"), "w") as f:
+        f.write("the user's")
+    flusher = Flusher(stores[0], storage, 0, Pins())
+    age(storage.location, ABANDONED_AFTER_S - 30)
+    assert flusher.remove_abandoned(deadline_s=25) == []  # a flush may still be writing it
+    age(storage.location, ABANDONED_AFTER_S + 30)
+    assert flusher.remove_abandoned(deadline_s=25) == [storage.path(1)]
+    assert not os.path.exists(storage.path(1))
+    assert os.path.exists(os.path.join(foreign, "notes.txt"))
+    assert storage.complete_steps() == [2] and load_plain(storage.path(2), both_ranks(2)) == []
+    # A long flush deadline waits longer: two deadlines, past ABANDONED_AFTER_S.
+    stores2, storage2 = abandoned_and_complete(os.path.join(store_dir, "again"))
+    age(storage2.location, ABANDONED_AFTER_S + 30)
+    assert Flusher(stores2[0], storage2, 0, Pins()).remove_abandoned(deadline_s=ABANDONED_AFTER_S) == []
+
+
+def test_a_resume_on_rank_0_removes_the_abandoned_flushes(store_dir):
+    """Wired where it runs: ``CheckpointManager.resume`` (rank 0, before the resume's first
+    collective) removes an earlier run's abandoned flush and records it in the history."""
+    _, storage = abandoned_and_complete(store_dir)
+    age(storage.location, ABANDONED_AFTER_S + 30)
+    with CheckpointManager(storage.location, job_id=JOB, local_dir=os.path.join(store_dir, "shm"),
+                           replication="none") as ckpt:
+        assert ckpt.resume(zeros_like_state(both_ranks(2))).step == 2  # the complete flush
+    assert not os.path.exists(storage.path(1)) and storage.complete_steps() == [2]
+    events = read_history(os.path.join(store_dir, "shm", JOB))
+    assert [e["folders"] for e in events if e["event"] == "flush_abandoned_removed"] == [[storage.path(1)]]
 
 
 def test_a_preemption_flush_stays_for_the_other_parts_a_bounded_time(store_dir):

@@ -21,6 +21,7 @@ from states import differences, make_state, zeros_like_state
 from torch.distributed.checkpoint import FileSystemReader
 
 from mlcheckpoint import PersistentStorage
+from mlcheckpoint.manager.flush import ABANDONED_AFTER_S
 
 pytestmark = pytest.mark.slow
 
@@ -142,7 +143,8 @@ def test_a_flush_cut_off_by_sigkill_leaves_the_older_persistent_step_chosen():
     """2 nodes x 1 rank. Rank 1's flush is held before its part is marked whole, rank 0's
     (notified once rank 1 is held) finishes; then SIGKILL (the grace period ran out). The new step's folder is there but not
     complete: the restart, with memory wiped, resumes persistent step 10, which plain
-    ``dcp.load`` still reads."""
+    ``dcp.load`` still reads. The unfinished folder stays through that restart (a flush may
+    still be writing it) and goes at a start once it has been still for long enough."""
     with Cluster(nnodes=2, nproc=1) as c:
         hold = os.path.join(c.root, "hold")
         c.start("preempt_job.py", "train", env={"MLCHECKPOINT_PAUSE_AT": f"flush_part#1={hold}"})
@@ -176,6 +178,19 @@ def test_a_flush_cut_off_by_sigkill_leaves_the_older_persistent_step_chosen():
         for r in res.values():
             assert (r["step"], r["source"], r["mismatch"]) == (10, "persistent", []), r
         assert load_plain(storage.path(10), 10, 2) == []
+
+        # The unfinished folder stays while a flush might still write it; a start once it has
+        # been still for ABANDONED_AFTER_S removes it, and only it.
+        unfinished = [p for p in glob.glob(f"{c.persistent_dir}/step-*")
+                      if not os.path.exists(os.path.join(p, ".metadata"))]
+        assert unfinished, os.listdir(c.persistent_dir)
+        then = time.time() - ABANDONED_AFTER_S - 60
+        for root, dirs, files in os.walk(c.persistent_dir):
+            for entry in [root, *(os.path.join(root, n) for n in files + dirs)]:
+                os.utime(entry, (then, then))
+        c.run("preempt_job.py", "resume", timeout=180)
+        assert not [p for p in unfinished if os.path.exists(p)], os.listdir(c.persistent_dir)
+        assert storage.complete_steps()[-1] == 10 and load_plain(storage.path(10), 10, 2) == []
 
 
 def test_notices_seconds_apart_still_flush_every_part():

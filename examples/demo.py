@@ -130,9 +130,13 @@ def main() -> int:
         if node0.proc is not None and node0.proc.poll() is None:
             signal_tree(node0.proc, signal.SIGTERM)
             node0.proc.wait(timeout=60)
+        log0 = node0.log()
         waited = ("; on SIGTERM each rank flushed its part of the newest step to the persistent "
-                  "folder and stayed MLCHECKPOINT_FLUSH_WAIT_FOR_PARTS seconds for node 1's "
-                  "parts, which never came" if "staying up to" in node0.log() else "")
+                  "folder, " + ("found node 1's ranks gone and left without waiting for their "
+                                "parts" if ", gone (its replication listener" in log0 else
+                                "and stayed MLCHECKPOINT_FLUSH_WAIT_FOR_PARTS seconds for node "
+                                "1's parts, which never came")
+                  if "staying up to" in log0 else "")
         say(f"scheduler stopped node 0's workers in {time.monotonic() - t_stop:.1f}s{waited}; "
             "node 0's tmpfs survives")
         say(f"holdings now:\n           {job.holdings()}")

@@ -173,9 +173,11 @@ class CheckpointManager:
             log.info("mlcheckpoint: no preemption flush: %s", refused)
             return None
         on = bool(BY_NAME["preemption_flush"].resolve())
+        transport = None if self._replicator is None else self._replicator.transport
         flusher = Flusher(self._store, self._persistent, self.rank, self._lifecycle.pins,
-                          budget=None if self._replicator is None else self._replicator.transport.budget,
-                          wait_for_parts=BY_NAME["flush_wait_for_parts"].resolve())
+                          budget=None if transport is None else transport.budget,
+                          wait_for_parts=BY_NAME["flush_wait_for_parts"].resolve(),
+                          peers=transport)
         self._flusher = flusher
         return Preemption(flusher.flush_and_stay, deadline_s=BY_NAME["flush_deadline"].resolve(),
                           on_sigterm=on,

@@ -67,6 +67,7 @@ from ..errors import CorruptShardError, ShardNotFoundError
 from ..integrity.verify import same_layout, verify_region
 from ..persistent import ORIGIN_FILE, PersistentOrigin, PersistentStorage
 from ..replication.core.budget import Budget
+from ..replication.core.transport import Transport
 from ..store import LocalStore, StepState
 from ..store.layout import ItemLocation
 from ..store.local_store import ShardSource
@@ -96,6 +97,11 @@ ABANDONED_AFTER_S = 300.0
 # How often a rank staying for the other parts looks for DCP's .metadata: every rank of the job
 # looks, on what is often a shared file system's metadata server.
 STAY_POLL_S = 0.2
+# A rank whose part is missing is asked whether it still serves (``Transport.reachable``)
+# within PROBE_TIMEOUT_S, again every PROBE_EVERY_S while it does: a live peer's kernel
+# accepts a connection in milliseconds, even with the peer busy writing its part.
+PROBE_TIMEOUT_S = 1.0
+PROBE_EVERY_S = 1.0
 # The version FileSystemWriter stamps on what it writes (None in a torch without it: the
 # field is left as the save set it).
 _DCP_VERSION: str | None = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", None)
@@ -158,6 +164,9 @@ class Flusher:
             preemption's flush runs (``flush_and_stay``).
         wait_for_parts: how long after the notice a preemption's flush stays for the other
             ranks' parts (``flush_and_stay``).
+        peers: the replication transport (None: none), asked whether a rank whose part is
+            missing is gone: a preemption's flush then stays no longer for a part that can
+            never come.
 
     A flush during a resume (``resuming``) waits for the resume to end: the step it loads is
     the one to write. After a resume on a replaced node (``after_resume``), a flush waits for
@@ -169,9 +178,11 @@ class Flusher:
     """
 
     def __init__(self, store: LocalStore, storage: PersistentStorage, rank: int, pins: Pins,
-                 budget: Budget | None = None, wait_for_parts: float = 0.0):
+                 budget: Budget | None = None, wait_for_parts: float = 0.0,
+                 peers: Transport | None = None):
         self.store, self.storage, self.rank, self.pins = store, storage, rank, pins
-        self.budget, self.wait_for_parts = budget, wait_for_parts
+        self.budget, self.wait_for_parts, self.peers = budget, wait_for_parts, peers
+        self._ranks: dict[tuple[int, str], tuple[int, ...]] = {}  # (step, save) -> its ranks
         self.resumed = threading.Event()  # no resume in flight (cleared while one runs)
         self.resumed.set()
         self.healing: threading.Thread | None = None  # bringing this rank's own shard back
@@ -300,6 +311,43 @@ class Flusher:
                     and self._remove_part(step, result.saves[step]):
                 result.removed.append(step)
 
+    def _hopeless(self, result: FlushResult, gone: _GoneRanks) -> list[str]:
+        """Why none of the steps this rank wrote a part of can complete now (a rank whose part
+        is missing is gone), one reason per step; [] while one still may (or nothing can tell:
+        no staged metadata names the step's ranks, or no transport to ask)."""
+        reasons = []
+        for step in result.parts:
+            ranks = self._ranks_of(step, result.saves[step])
+            if ranks is None:
+                return []
+            staging = os.path.join(self.storage.flush_path(step), FLUSH_DIR, result.saves[step])
+            try:
+                names = set(os.listdir(staging))
+            except OSError:
+                return []
+            missing = [r for r in ranks if f"part-{r:05d}.json" not in names]
+            lost = [r for r in missing if gone.ask(r)]  # (every one asked: verdicts come sooner)
+            if not lost:
+                return []
+            reasons.append(f"step {step} lacks the part of rank{'s' if len(lost) > 1 else ''} "
+                           f"{', '.join(map(str, lost))}, gone (its replication listener "
+                           "accepts no connection)")
+        return reasons
+
+    def _ranks_of(self, step: int, save_id: str) -> tuple[int, ...] | None:
+        """The ranks whose parts ``step``'s save needs, from its staged metadata (None: none
+        staged yet)."""
+        key = (step, save_id)
+        if key not in self._ranks:
+            path = os.path.join(self.storage.flush_path(step), FLUSH_DIR, save_id, "metadata")
+            try:
+                with open(path, "rb") as f:
+                    header, _ = decode_metadata(f.read())
+            except (OSError, ValueError, CorruptShardError):
+                return None
+            self._ranks[key] = tuple(header.ranks)
+        return self._ranks[key]
+
     def _remove_part(self, step: int, save_id: str) -> bool:
         """Remove this rank's part of the incomplete ``step`` (its marker, then its file), and
         the step's folder once no rank's part is left in it; whether the part is gone. A rank
@@ -379,6 +427,8 @@ class Flusher:
                             "the other ranks' parts of step %d", self.rank,
                             until - time.monotonic(), result.parts[0])
             tried: set[int] = set()  # each step joined once, whether its part was written or not
+            gone = _GoneRanks(self.peers)
+            hopeless: list[str] = []
 
             def converged() -> bool:
                 if any(self.complete(s) for s in result.parts):
@@ -389,14 +439,23 @@ class Flusher:
                                 "step %d: writing this rank's part of it too", self.rank, c.step)
                     if self._contribute(c, deadline, result):
                         return True
-                return False
+                hopeless[:] = self._hopeless(result, gone)
+                return bool(hopeless)
 
-            if wait_until(converged, until, poll=STAY_POLL_S):
-                self._settle(result)
+            try:
+                converged_in_time = wait_until(converged, until, poll=STAY_POLL_S)
+            finally:
+                gone.close()
+            self._settle(result)
+            if result.complete:
                 assert result.step is not None  # (a complete step among its parts)
                 log.warning("mlcheckpoint: preemption flush on rank %d: step %d is complete in "
                             "%s (the other ranks' parts came)", self.rank, result.step,
                             self.storage.flush_path(result.step))
+            elif converged_in_time:
+                result.reason = "; ".join(hopeless)
+                log.warning("mlcheckpoint: preemption flush on rank %d: leaving with step %d "
+                            "incomplete: %s", self.rank, result.parts[0], "; ".join(hopeless))
             else:
                 log.warning("mlcheckpoint: preemption flush on rank %d: leaving with step %d "
                             "incomplete (a rank that never had a notice, or failed, writes no "
@@ -551,6 +610,66 @@ class Flusher:
             history.record(self.store.job_dir, "flush_abandoned_removed", rank=self.rank,
                            folders=removed)
         return removed
+
+
+class _GoneRanks:
+    """Which ranks are gone, asked of the replication transport on a thread of its own: a
+    probe may wait on a dead machine or on the job's store for its address, and the stay's
+    poll never waits for it. A rank asked is probed at once, and again every PROBE_EVERY_S
+    while it answers; "gone" is kept. ``close`` when the stay ends."""
+
+    def __init__(self, peers: Transport | None):
+        self.peers = peers
+        self.gone: set[int] = set()
+        self._due: dict[int, float] = {}  # rank -> when to probe it next
+        self._lock = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def close(self) -> None:
+        """Stop probing (a probe under way ends on its own, its answer unread)."""
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+
+    def ask(self, rank: int) -> bool:
+        """Whether ``rank`` is known gone; if not known, it is (or stays) probed."""
+        if self.peers is None:
+            return False
+        with self._lock:
+            if rank in self.gone:
+                return True
+            if rank not in self._due:
+                self._due[rank] = 0.0
+                self._lock.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._probe, name="mlckpt-flush-probe",
+                                                daemon=True)
+                self._thread.start()
+        return False
+
+    def _probe(self) -> None:
+        assert self.peers is not None
+        while True:
+            with self._lock:
+                while not self._stop and not self._due:
+                    self._lock.wait()
+                if self._stop:
+                    return
+                rank, due = min(self._due.items(), key=lambda kv: kv[1])
+                if due > time.monotonic():
+                    self._lock.wait(due - time.monotonic())
+                    continue
+                self._due[rank] = time.monotonic() + PROBE_EVERY_S
+            try:
+                answered = self.peers.reachable(rank, PROBE_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - (its address unknown, the store gone): cannot tell
+                log.debug("mlcheckpoint: cannot tell whether rank %d is gone: %s", rank, e)
+                answered = None
+            if answered is False:
+                with self._lock:
+                    self.gone.add(rank)
+                    self._due.pop(rank, None)
 
 
 def _abandoned(folder: str, changed_before: float) -> bool:

@@ -297,6 +297,38 @@ def test_ranks_that_chose_different_steps_meet_in_one_while_they_stay(store_dir)
     assert load_plain(storage.path(1), both_ranks(1)) == []
 
 
+@pytest.mark.slow
+def test_a_rank_stays_no_longer_for_the_part_of_a_rank_that_is_gone(store_dir, make_job):
+    """Rank 0 wrote its part of step 1; rank 1's is missing. While rank 1's process lives (a
+    notice that has not reached it yet), rank 0 stays ``wait_for_parts``. Once it is SIGKILLed
+    (its node lost: the demo's case, and an elastic restart's failed rank), rank 0 asks its
+    replication listener, finds nothing there, and leaves at once with the step incomplete,
+    saying why, instead of staying out the 30 s it was given for a part that can never come."""
+    stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
+    save_two_ranks(1, stores)
+    storage = PersistentStorage(os.path.join(store_dir, "persistent"))
+    job = make_job(2)
+    peers = job.endpoint(0)
+    proc = job.spawn(1, "serve")
+    job.status("1.ready", proc)
+
+    t0 = time.monotonic()
+    alive = Flusher(stores[0], storage, 0, Pins(), wait_for_parts=1.5, peers=peers) \
+        .flush_and_stay(time.monotonic() + 60)
+    assert (alive.step, alive.complete) == (1, False) and "gone" not in alive.reason, alive
+    assert time.monotonic() - t0 >= 1.5  # it stayed
+
+    proc.kill()
+    proc.wait()
+    t0 = time.monotonic()
+    gone = Flusher(stores[0], storage, 0, Pins(), wait_for_parts=30, peers=peers) \
+        .flush_and_stay(time.monotonic() + 60)
+    assert (gone.step, gone.complete) == (1, False), gone
+    assert "lacks the part of rank 1, gone" in gone.reason, gone
+    assert time.monotonic() - t0 < 20, time.monotonic() - t0  # not the 30 s stay
+    assert storage.complete_steps() == []
+
+
 def test_a_flush_stays_until_the_deadline_for_a_step_a_rank_is_still_bringing_back(store_dir):
     """After a resume that left rank 1 bringing its shard of step 1 back (from rank 0's node,
     maybe), rank 0's flush stays until step 1 is complete, past ``wait_for_parts``: rank 1's

@@ -502,6 +502,33 @@ def test_stopped_partner_does_not_stall_saves(make_job):
     assert proc.poll() is None  # the partner survived being frozen
 
 
+@pytest.mark.slow
+def test_reachable_tells_a_killed_peer_from_a_live_one(make_job, tcp_warnings):
+    """``reachable``, what a preemption flush asks of a rank whose part is missing: a live
+    peer's listener logs the probe in and hears it hang up without a word; once the peer is
+    SIGKILLed nothing accepts at its address and the answer is False within the timeout; a
+    stranger that took the port and says nothing still counts as something there."""
+    job = make_job(3)
+    prober = job.endpoint(0)
+    job.endpoint(1)  # in this process: its listener's warnings are ours to read
+    assert prober.reachable(1, 1.0) is True
+    assert tcp_warnings() == []
+    proc = job.spawn(2, "serve")
+    job.status("2.ready", proc)
+    assert prober.reachable(2, 1.0) is True
+    proc.kill()
+    proc.wait()
+    t0 = time.monotonic()
+    assert prober.reachable(2, 1.0) is False
+    assert time.monotonic() - t0 < 30  # (refused at once on loopback; a lost machine: the timeout)
+    host, port = prober.rdzv.lookup("tcp", 2).rsplit(":", 1)
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind((host, int(port)))
+        squatter.listen()
+        assert prober.reachable(2, 1.0) is True
+
+
 def test_replicas_outside_the_jobs_history_are_refused(make_job):
     """A rank receives replicas only of saves made by its run or by the runs it resumed from
     (up to the step it took from each): a peer cannot plant another incarnation's step."""

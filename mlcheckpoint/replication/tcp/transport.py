@@ -112,7 +112,8 @@ class TcpTransport(Transport):
         rdzv.publish("tcp", self.address)
         log.debug("replication listener of rank %d on %s", rdzv.rank, self.address)
         log_peers = topology.num_nodes > 1 and topology.is_node_leader
-        self.client = PeerClient(store, self.sink, TcpWire(self, log_peers=log_peers))
+        self.wire = TcpWire(self, log_peers=log_peers)
+        self.client = PeerClient(store, self.sink, self.wire)
 
     def describe(self) -> str:
         interface = self.endpoint.interface or "no single interface"
@@ -124,6 +125,9 @@ class TcpTransport(Transport):
         self.budget.close()
         return idle
 
+    def reachable(self, peer: int, timeout: float) -> bool | None:
+        return self.wire.reachable(peer, timeout)
+
     def reads_by_streams(self) -> dict[int, int]:
         """How many ``read_items`` calls completed over each number of streams."""
         return self.client.reads_by_streams()
@@ -132,6 +136,10 @@ class TcpTransport(Transport):
         """The connections a transfer of ``nbytes`` goes over: ``streams``, fewer when each
         would carry less than ``min_stripe_bytes``."""
         return max(1, min(self.streams, nbytes // self.min_stripe_bytes))
+
+
+class Unreachable(ReplicationError):
+    """Nothing accepted a connection at the address a peer advertised."""
 
 
 class TcpWire:
@@ -159,20 +167,32 @@ class TcpWire:
         return address
 
     @contextlib.contextmanager
-    def connection(self, peer: int) -> Iterator[socket.socket]:
-        """A logged-in connection to ``peer``'s listener, closed after the block."""
+    def connection(self, peer: int, timeout: float | None = None) -> Iterator[socket.socket]:
+        """A logged-in connection to ``peer``'s listener, closed after the block; ``timeout``
+        bounds the connect and the login (default: the replication timeout)."""
         host, port = self._address_of(peer).rsplit(":", 1)
         try:
-            sock = socket.create_connection((host, int(port)), timeout=self.timeout)
+            sock = socket.create_connection((host, int(port)), timeout=timeout or self.timeout)
         except OSError as e:
-            raise ReplicationError(f"cannot reach rank {peer} at {host}:{port}: {e}") from None
+            raise Unreachable(f"cannot reach rank {peer} at {host}:{port}: {e}") from None
         try:
-            sock.settimeout(self.timeout)
+            sock.settimeout(timeout or self.timeout)
             p.client_handshake(sock, self.secret)
             p.use_kernel_timeouts(sock, self.timeout)
             yield sock
         finally:
             sock.close()
+
+    def reachable(self, peer: int, timeout: float) -> bool:
+        """Log in to ``peer``'s listener and hang up, as a finished call does (its listener
+        says nothing of it): False when nothing accepts the connection within ``timeout``."""
+        try:
+            with self.connection(peer, timeout):
+                return True
+        except Unreachable:
+            return False
+        except (OSError, ReplicationError):
+            return True  # it accepted but the login failed: a process is there
 
     @contextlib.contextmanager
     def call(self, peer: int) -> Iterator[TcpCall]:

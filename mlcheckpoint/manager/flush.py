@@ -174,7 +174,8 @@ class Flusher:
     its part, and a preemption's flush of that step stays until the step is complete
     (``flush_and_stay``): a rank still bringing its shard back may be reading it from this
     node. A preemption's flush of any other step stays for the other parts ``wait_for_parts``
-    seconds at most: a notice may reach their nodes later.
+    seconds at most: a notice may reach their nodes later; and no longer than until a rank
+    whose part is missing is found gone (``peers``).
     """
 
     def __init__(self, store: LocalStore, storage: PersistentStorage, rank: int, pins: Pins,
@@ -411,6 +412,10 @@ class Flusher:
         their parts. Where it wrote a part of the loaded step whose shards some rank is still
         bringing back, stay until the deadline: that rank may be reading its shard from this
         node to write its own part, and leaving would end the read.
+
+        It leaves sooner where every step it wrote lacks the part of a rank that is gone
+        (``_hopeless``): its process died or its machine is lost (a node lost before the
+        notice, an elastic restart's failed rank), so the part can never come.
 
         Meanwhile this process sends at the link's speed (``Budget.hurried``): a shard this
         node serves to a replaced node's heal must cross before that node's flush, which waits

@@ -315,12 +315,16 @@ class Flusher:
     def _hopeless(self, result: FlushResult, gone: _GoneRanks) -> list[str]:
         """Why none of the steps this rank wrote a part of can complete now (a rank whose part
         is missing is gone), one reason per step; [] while one still may (or nothing can tell:
-        no staged metadata names the step's ranks, or no transport to ask)."""
+        no staged metadata names the ranks, or no transport to ask). A step whose metadata is
+        staged nowhere yet (a rank whose node lacked it wrote its part blind) needs the ranks
+        a staged one of the others names: every rank of a run takes part in each of its saves,
+        and a rank of another run is never found gone (its address is not known in this one)."""
+        known = [r for r in (self._ranks_of(s, result.saves[s]) for s in result.parts) if r]
+        if not known:
+            return []
         reasons = []
         for step in result.parts:
-            ranks = self._ranks_of(step, result.saves[step])
-            if ranks is None:
-                return []
+            ranks = self._ranks_of(step, result.saves[step]) or known[0]
             staging = os.path.join(self.storage.flush_path(step), FLUSH_DIR, result.saves[step])
             try:
                 names = set(os.listdir(staging))
@@ -619,8 +623,7 @@ class Flusher:
 
 class _GoneRanks:
     """Which ranks are gone, asked of the replication transport on a thread of its own: a
-    probe may wait on a dead machine or on the job's store for its address, and the stay's
-    poll never waits for it. A rank asked is probed at once, and again every PROBE_EVERY_S
+    probe may wait its timeout on a lost machine, and the stay's poll never waits for it. A rank asked is probed at once, and again every PROBE_EVERY_S
     while it answers; "gone" is kept. ``close`` when the stay ends."""
 
     def __init__(self, peers: Transport | None):

@@ -298,33 +298,46 @@ def test_ranks_that_chose_different_steps_meet_in_one_while_they_stay(store_dir)
 
 
 @pytest.mark.slow
-def test_a_rank_stays_no_longer_for_the_part_of_a_rank_that_is_gone(store_dir, make_job):
-    """Rank 0 wrote its part of step 1; rank 1's is missing. While rank 1's process lives (a
-    notice that has not reached it yet), rank 0 stays ``wait_for_parts``. Once it is SIGKILLed
-    (its node lost: the demo's case, and an elastic restart's failed rank), rank 0 asks its
-    replication listener, finds nothing there, and leaves at once with the step incomplete,
-    saying why, instead of staying out the 30 s it was given for a part that can never come."""
+@pytest.mark.parametrize("blind", [False, True])
+def test_a_rank_stays_no_longer_for_the_part_of_a_rank_that_is_gone(store_dir, make_job, blind):
+    """One rank wrote its part of step 1; the other rank's is missing. While the other rank's
+    process lives (a notice that has not reached it yet), the first stays ``wait_for_parts``.
+    Once it is SIGKILLed (its node lost: the demo's case, and an elastic restart's failed
+    rank), the first asks its replication listener, finds nothing there, and leaves at once
+    with the step incomplete, saying why, instead of staying out the 30 s it was given for a
+    part that can never come. ``blind``: the flushing rank is rank 1, whose node lacks step 2's
+    metadata, so it also wrote a part of step 2 not knowing its ranks: the ranks step 1's
+    staged metadata names stand for them."""
     stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
-    save_two_ranks(1, stores)
+    steps = (1, 2) if blind else (1,)
+    for step in steps:
+        save_two_ranks(step, stores)
+    mine, other = (1, 0) if blind else (0, 1)
+    if blind:
+        stores[1].write_metadata_file(1, stores[0].read_metadata_file(1))
     storage = PersistentStorage(os.path.join(store_dir, "persistent"))
     job = make_job(2)
-    peers = job.endpoint(0)
-    proc = job.spawn(1, "serve")
-    job.status("1.ready", proc)
+    peers = job.endpoint(mine)
+    proc = job.spawn(other, "serve")
+    job.status(f"{other}.ready", proc)
+    peers.rdzv.lookup("tcp", other)  # its address, known as a partner's is (only those are asked)
+
+    def flush(wait_for_parts: float) -> FlushResult:
+        return Flusher(stores[mine], storage, mine, Pins(), wait_for_parts=wait_for_parts,
+                       peers=peers).flush_and_stay(time.monotonic() + 60)
 
     t0 = time.monotonic()
-    alive = Flusher(stores[0], storage, 0, Pins(), wait_for_parts=1.5, peers=peers) \
-        .flush_and_stay(time.monotonic() + 60)
-    assert (alive.step, alive.complete) == (1, False) and "gone" not in alive.reason, alive
-    assert time.monotonic() - t0 >= 1.5  # it stayed
+    alive = flush(1.5)
+    assert (alive.parts, alive.complete) == (sorted(steps, reverse=True), False), alive
+    assert "gone" not in alive.reason and time.monotonic() - t0 >= 1.5, alive  # it stayed
 
     proc.kill()
     proc.wait()
     t0 = time.monotonic()
-    gone = Flusher(stores[0], storage, 0, Pins(), wait_for_parts=30, peers=peers) \
-        .flush_and_stay(time.monotonic() + 60)
-    assert (gone.step, gone.complete) == (1, False), gone
-    assert "lacks the part of rank 1, gone" in gone.reason, gone
+    gone = flush(30)
+    assert (gone.parts, gone.complete) == (sorted(steps, reverse=True), False), gone
+    for step in steps:
+        assert f"step {step} lacks the part of rank {other}, gone" in gone.reason, gone
     assert time.monotonic() - t0 < 20, time.monotonic() - t0  # not the 30 s stay
     assert storage.complete_steps() == []
 

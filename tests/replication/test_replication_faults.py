@@ -507,14 +507,18 @@ def test_reachable_tells_a_killed_peer_from_a_live_one(make_job, tcp_warnings):
     """``reachable``, what a preemption flush asks of a rank whose part is missing: a live
     peer's listener logs the probe in and hears it hang up without a word; once the peer is
     SIGKILLed nothing accepts at its address and the answer is False within the timeout; a
-    stranger that took the port and says nothing still counts as something there."""
+    stranger that took the port and says nothing still counts as something there. A rank
+    whose address this one never looked up cannot be told (None): the probe asks no store."""
     job = make_job(3)
     prober = job.endpoint(0)
     job.endpoint(1)  # in this process: its listener's warnings are ours to read
+    assert prober.reachable(1, 1.0) is None
+    prober.rdzv.lookup("tcp", 1)  # as a push to it or a read from it does
     assert prober.reachable(1, 1.0) is True
     assert tcp_warnings() == []
     proc = job.spawn(2, "serve")
     job.status("2.ready", proc)
+    prober.rdzv.lookup("tcp", 2)
     assert prober.reachable(2, 1.0) is True
     proc.kill()
     proc.wait()

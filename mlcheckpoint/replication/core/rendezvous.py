@@ -104,6 +104,11 @@ class Rendezvous:
             self._addresses[key] = self._get(f"{kind}/{rank}").decode()
         return self._addresses[key]
 
+    def known(self, kind: str, rank: int) -> str | None:
+        """What ``lookup`` found before for ``rank``, without asking the store (None: never
+        looked up)."""
+        return self._addresses.get((kind, rank))
+
     def add(self, key: str, amount: int) -> int:
         return int(self.store.add(key, amount))
 

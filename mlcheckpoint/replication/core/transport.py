@@ -83,9 +83,9 @@ class Transport(abc.ABC):
         self.client.fetch_metadata(peer, step, paced=paced)
 
     def reachable(self, peer: int, timeout: float) -> bool | None:
-        """Whether rank ``peer``'s process still serves, asked within ``timeout`` seconds (the
-        address lookup may take longer): False when nothing accepts where it listened (its
-        process or its machine is gone), None where this transport cannot tell."""
+        """Whether rank ``peer``'s process still serves, asked within ``timeout`` seconds:
+        False when nothing accepts where it listened (its process or its machine is gone),
+        None where this transport cannot tell."""
         return None
 
     @abc.abstractmethod

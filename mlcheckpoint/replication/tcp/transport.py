@@ -183,9 +183,13 @@ class TcpWire:
         finally:
             sock.close()
 
-    def reachable(self, peer: int, timeout: float) -> bool:
+    def reachable(self, peer: int, timeout: float) -> bool | None:
         """Log in to ``peer``'s listener and hang up, as a finished call does (its listener
-        says nothing of it): False when nothing accepts the connection within ``timeout``."""
+        says nothing of it): False when nothing accepts the connection within ``timeout``.
+        Only at an address this rank looked up before (None otherwise): the job's store may
+        be gone with a lost node, and a connection to it cannot be bounded here."""
+        if self.rdzv.known("tcp", peer) is None:
+            return None
         try:
             with self.connection(peer, timeout):
                 return True

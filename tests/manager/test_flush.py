@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from helpers import damage_shard
+from helpers import damage_shard, wait_for
 from states import differences, make_state, zeros_like_state
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -127,7 +127,8 @@ def test_a_rank_removes_its_part_of_an_older_step_once_a_newer_one_is_complete(s
     rank1 = threading.Thread(target=lambda: results.update({1: flushers[1].flush_and_stay(
         time.monotonic() + 30)}))
     rank1.start()
-    assert wait_for(lambda: os.path.isdir(os.path.join(storage.path(1), ".mlcheckpoint-flush")))
+    wait_for(lambda: os.path.isdir(os.path.join(storage.path(1), ".mlcheckpoint-flush")),
+             "rank 1's part of step 1")
     results[0] = flushers[0].flush(time.monotonic() + 30)
     rank1.join()
     assert (results[0].parts, results[0].complete) == ([2], True), results
@@ -136,15 +137,6 @@ def test_a_rank_removes_its_part_of_an_older_step_once_a_newer_one_is_complete(s
     assert storage.complete_steps() == [2]
     assert not os.path.exists(storage.path(1))
     assert load_plain(storage.path(2), both_ranks(2)) == []
-
-
-def wait_for(condition, timeout: float = 30) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_part_whose_step_completed_meanwhile_stays(store_dir):

@@ -604,7 +604,10 @@ class Flusher:
         for name in names:
             folder = os.path.join(parent, name)
             try:
-                if not _abandoned(folder, now - quiet_for):
+                kept = _kept_because(folder, now - quiet_for)
+                if kept is not None:
+                    if kept:
+                        log.info("mlcheckpoint: keeping the flush folder %s: %s", folder, kept)
                     continue
                 shutil.rmtree(folder)
             except OSError as e:
@@ -680,20 +683,23 @@ class _GoneRanks:
                     self._due.pop(rank, None)
 
 
-def _abandoned(folder: str, changed_before: float) -> bool:
-    """Whether ``folder`` holds a flush and nothing else (no DCP ``.metadata``, no file of
-    anyone else's), none of it changed since ``changed_before`` (``time.time()``)."""
+def _kept_because(folder: str, changed_before: float) -> str | None:
+    """Why ``folder`` is not an abandoned flush: "" where it holds no flush, else what keeps
+    it (DCP's ``.metadata``, a file no flush writes, a change since ``changed_before``,
+    ``time.time()``); None where it holds a flush and nothing else, unchanged since."""
     if not os.path.isdir(os.path.join(folder, FLUSH_DIR)) or os.path.islink(folder):
-        return False
+        return ""
     for name in os.listdir(folder):
         if name not in (FLUSH_DIR, ORIGIN_FILE) and not _PART_FILE.fullmatch(name) \
                 and not _UNFINISHED_WRITE.fullmatch(name):
-            return False  # DCP's .metadata (complete), or a file a flush does not write
+            return f"it holds {name!r}, which a flush does not write" if name != ".metadata" \
+                else "it is complete"
     for root, dirs, files in os.walk(folder):
         for entry in [root, *(os.path.join(root, n) for n in files + dirs)]:
-            if os.lstat(entry).st_mtime >= changed_before:
-                return False
-    return True
+            changed = os.lstat(entry).st_mtime
+            if changed >= changed_before:
+                return f"{entry} changed {time.time() - changed:.0f}s ago"
+    return None
 
 
 def _read_item(folder: str, storage_data: dict[Any, _StorageInfo], fqn: str) -> bytes:

@@ -189,7 +189,10 @@ def test_a_flush_cut_off_by_sigkill_leaves_the_older_persistent_step_chosen():
             for entry in [root, *(os.path.join(root, n) for n in files + dirs)]:
                 os.utime(entry, (then, then))
         c.run("preempt_job.py", "resume", timeout=180)
-        assert not [p for p in unfinished if os.path.exists(p)], os.listdir(c.persistent_dir)
+        assert not [p for p in unfinished if os.path.exists(p)], (
+            [(os.path.relpath(os.path.join(root, n), c.persistent_dir),
+              round(time.time() - os.lstat(os.path.join(root, n)).st_mtime))
+             for root, dirs, files in os.walk(c.persistent_dir) for n in files + dirs], c.logs())
         assert storage.complete_steps()[-1] == 10 and load_plain(storage.path(10), 10, 2) == []
 
 

@@ -150,11 +150,18 @@ def parse_args(argv: list[str] | None) -> Config:
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
-    # Measured, not cut off: a slow disk may take longer than a real grace period.
-    os.environ.setdefault("MLCHECKPOINT_FLUSH_DEADLINE", "3600")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # DCP: no process group, one process
-        return run_and_report(cfg, run, report, cfg.json)
+    # Measured, not cut off: a slow disk may take longer than a real grace period. (Only
+    # while it runs: a caller's own flushes keep their deadline.)
+    ours = "MLCHECKPOINT_FLUSH_DEADLINE" not in os.environ
+    if ours:
+        os.environ["MLCHECKPOINT_FLUSH_DEADLINE"] = "3600"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP: no process group, one process
+            return run_and_report(cfg, run, report, cfg.json)
+    finally:
+        if ours:
+            del os.environ["MLCHECKPOINT_FLUSH_DEADLINE"]
 
 
 if __name__ == "__main__":

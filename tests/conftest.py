@@ -150,6 +150,27 @@ def make_job():
             shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored(request):
+    """A test's changes to ``os.environ`` end with it. A benchmark's ``main()`` run in-process
+    set ``MLCHECKPOINT_FLUSH_DEADLINE=3600`` for every later test of its worker, whose jobs
+    then kept their abandoned flush folders for two hours (CI, twice)."""
+    saved = dict(os.environ)
+    yield
+    changed = sorted(k for k in {*saved, *os.environ}
+                     if saved.get(k) != os.environ.get(k) and k not in PYTEST_OWN_ENV)
+    if os.environ.get("MLCHECKPOINT_TEST_ENV_REPORT") and changed:
+        print(f"\n{request.node.nodeid} changed {changed}", file=sys.stderr)
+    for k in changed:
+        if k in saved:
+            os.environ[k] = saved[k]
+        else:
+            del os.environ[k]
+
+
+PYTEST_OWN_ENV = ("PYTEST_CURRENT_TEST",)  # pytest sets it for each phase of each test
+
+
 @pytest.fixture
 def tcp_warnings(caplog):
     caplog.set_level(logging.WARNING, logger="mlcheckpoint")

@@ -188,7 +188,7 @@ def test_a_flush_cut_off_by_sigkill_leaves_the_older_persistent_step_chosen():
         for root, dirs, files in os.walk(c.persistent_dir):
             for entry in [root, *(os.path.join(root, n) for n in files + dirs)]:
                 os.utime(entry, (then, then))
-        c.run("preempt_job.py", "resume", timeout=180)
+        c.run("preempt_job.py", "resume", timeout=180, env={"MLCHECKPOINT_FLUSH_DEADLINE": "25"})
         assert not [p for p in unfinished if os.path.exists(p)], (
             [(os.path.relpath(os.path.join(root, n), c.persistent_dir),
               round(time.time() - os.lstat(os.path.join(root, n)).st_mtime))

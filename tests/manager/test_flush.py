@@ -221,9 +221,10 @@ def test_the_next_start_removes_a_flush_that_never_completed(store_dir):
     assert Flusher(stores2[0], storage2, 0, Pins()).remove_abandoned(deadline_s=ABANDONED_AFTER_S) == []
 
 
-def test_a_resume_on_rank_0_removes_the_abandoned_flushes(store_dir):
+def test_a_resume_on_rank_0_removes_the_abandoned_flushes(store_dir, monkeypatch):
     """Wired where it runs: ``CheckpointManager.resume`` (rank 0, before the resume's first
     collective) removes an earlier run's abandoned flush and records it in the history."""
+    monkeypatch.delenv("MLCHECKPOINT_FLUSH_DEADLINE", raising=False)  # the default's 25 s
     _, storage = abandoned_and_complete(store_dir)
     age(storage.location, ABANDONED_AFTER_S + 30)
     with CheckpointManager(storage.location, job_id=JOB, local_dir=os.path.join(store_dir, "shm"),

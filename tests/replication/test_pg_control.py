@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 import subprocess
@@ -22,9 +23,11 @@ import torch.distributed as dist
 from cluster import WORKERS
 from helpers import end_peer, wait_for
 
+from mlcheckpoint._ratelimit import RateLimitedLog
 from mlcheckpoint.replication import Rendezvous
 from mlcheckpoint.replication.core.keys import Seal
 from mlcheckpoint.replication.pg.control import Doorbell, Mailbox
+from mlcheckpoint.replication.pg.transport import PgTransport
 from mlcheckpoint.store.layout import JobPaths
 from mlcheckpoint.topology import Topology
 
@@ -128,7 +131,7 @@ def test_an_idle_pg_job_costs_the_store_per_node_and_every_rank_is_served(pg_job
     idle_ops(pg_job)  # settling: each rank looks in its mailbox once its leader first rang
     idle = idle_ops(pg_job)
     assert [idle[r] for r in others] == [0] * len(others), idle
-    assert all(idle[r] > 0 for r in leaders), idle  # the leaders look: the counter counts
+    assert all(idle[r] > 0 for r in leaders), (idle, pg_job.log())  # the leaders look
 
     assert pg_job.read(1, 6) == shard_digest(6)  # node 0's rank 1 from node 1's rank 6
     assert pg_job.read(5, 2) == shard_digest(2)  # and back
@@ -180,3 +183,45 @@ def test_a_ring_wakes_its_nodes_ranks_through_the_leader_alone(store_dir, c10d):
     with open(path, "w") as f:
         f.write(stale.seal("node/0/pg-bell", {"count": 99}))
     assert not other.rang()
+
+
+class FlakyStore:
+    """A look at the store (the doorbell's ``relay``, the mailbox's ``take_request``) that
+    fails its first ``failures`` times, as a store operation timing out on a loaded machine."""
+
+    def __init__(self, failures: int):
+        self.failures, self.calls = failures, 0
+
+    def relay(self) -> None:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RuntimeError("store operation timed out")
+
+    def take_request(self, seq: int) -> None:
+        self.relay()
+
+    def rang(self) -> bool:
+        return True  # a request may wait: the mailbox is looked at
+
+
+@pytest.mark.parametrize("loop", ["_relay_loop", "_serve_loop"])
+def test_a_failed_look_at_the_store_is_retried_not_the_end_of_serving(monkeypatch, caplog, loop):
+    """The leader's doorbell and every rank's mailbox go on after a store operation fails
+    (said once, at WARNING) until ``close``. Before, the first failure ended the loop for good:
+    the node's other ranks were never woken again, and requests to them went unanswered (CI
+    saw a node's leader make no store operation at all)."""
+    monkeypatch.setattr("mlcheckpoint.replication.pg.transport.STORE_RETRY_S", 0.01)
+    flaky = FlakyStore(failures=3)
+    transport = PgTransport.__new__(PgTransport)  # only what the loops read
+    transport._closed, transport._poll = threading.Event(), 0.001
+    transport.logs = RateLimitedLog(logging.getLogger("mlcheckpoint.replication.pg.transport"))
+    transport.bell = transport.mailbox = flaky
+    thread = threading.Thread(target=getattr(transport, loop), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="mlcheckpoint"):
+        thread.start()
+        wait_for(lambda: flaky.calls > 10, "the loop to look again after the failures")
+        transport._closed.set()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+    failed = [r for r in caplog.records if "failed: store operation timed out" in r.getMessage()]
+    assert len(failed) == 1, [r.getMessage() for r in caplog.records]  # rate-limited

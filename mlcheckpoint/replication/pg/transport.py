@@ -64,6 +64,7 @@ _BOUNCE_BYTES = 256 << 20  # GPU staging chunk for NCCL
 # larger than a bounce buffer.
 MIN_PIECE_BYTES = 64 << 10
 MAX_PIECE_BYTES = _BOUNCE_BYTES
+STORE_RETRY_S = 1.0  # after a failed look at the c10d store (a doorbell, a mailbox)
 
 
 def want_piece(msg: dict) -> int:
@@ -271,11 +272,19 @@ class PgTransport(Transport):
         while not self._closed.is_set():
             try:
                 self.bell.relay()
-            except Exception as e:  # noqa: BLE001 (the store went away: the job is ending)
-                if not self._closed.is_set():
-                    log.warning("mlcheckpoint: pg transport doorbell failed: %s", e)
-                return
+            except Exception as e:  # noqa: BLE001 - the store failed: a hiccup, or the job ends
+                self._store_failed("doorbell", e)
+                continue
             self._closed.wait(self._poll)
+
+    def _store_failed(self, what: str, e: Exception) -> None:
+        """A look at the c10d store failed: say so (at most every 10 s) and look again after
+        STORE_RETRY_S, until ``close``. Before, one failure (a store operation timing out on
+        a loaded machine) ended the loop for good: the node's requests went unanswered."""
+        if not self._closed.is_set():
+            self.logs.log(logging.WARNING, what, "mlcheckpoint: pg transport %s failed: %s; "
+                          "looking again every %.1fs", what, e, STORE_RETRY_S)
+            self._closed.wait(STORE_RETRY_S)
 
     def _serve_loop(self) -> None:
         seq, look = 1, False  # look: the doorbell rang since the mailbox was last seen empty
@@ -287,10 +296,9 @@ class PgTransport(Transport):
                     if not look:
                         self._closed.wait(self._poll)
                     continue
-            except Exception as e:  # noqa: BLE001 (the store went away: the job is ending)
-                if not self._closed.is_set():
-                    log.warning("mlcheckpoint: pg transport mailbox failed: %s", e)
-                return
+            except Exception as e:  # noqa: BLE001 - the store failed: a hiccup, or the job ends
+                self._store_failed("mailbox", e)
+                continue
             slot, seq = seq, seq + 1  # each slot is read once: a message is never accepted twice
             try:
                 self._handle(self.mailbox.open_request(slot, raw))

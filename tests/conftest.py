@@ -151,24 +151,18 @@ def make_job():
 
 
 @pytest.fixture(autouse=True)
-def _environment_restored(request):
+def _environment_restored():
     """A test's changes to ``os.environ`` end with it. A benchmark's ``main()`` run in-process
     set ``MLCHECKPOINT_FLUSH_DEADLINE=3600`` for every later test of its worker, whose jobs
-    then kept their abandoned flush folders for two hours (CI, twice)."""
+    then kept their abandoned flush folders for two hours (CI, twice). (pytest's own
+    PYTEST_CURRENT_TEST, set for each phase, is left to it.)"""
     saved = dict(os.environ)
     yield
-    changed = sorted(k for k in {*saved, *os.environ}
-                     if saved.get(k) != os.environ.get(k) and k not in PYTEST_OWN_ENV)
-    if os.environ.get("MLCHECKPOINT_TEST_ENV_REPORT") and changed:
-        print(f"\n{request.node.nodeid} changed {changed}", file=sys.stderr)
-    for k in changed:
-        if k in saved:
-            os.environ[k] = saved[k]
-        else:
+    for k in {*saved, *os.environ} - {"PYTEST_CURRENT_TEST"}:
+        if k not in saved:
             del os.environ[k]
-
-
-PYTEST_OWN_ENV = ("PYTEST_CURRENT_TEST",)  # pytest sets it for each phase of each test
+        elif os.environ.get(k) != saved[k]:
+            os.environ[k] = saved[k]
 
 
 @pytest.fixture
@@ -205,7 +199,8 @@ def _keep_phase(config: pytest.Config, items: list[pytest.Item]) -> None:
         return
     keep, drop = [], []
     for item in items:
-        (keep if (item.get_closest_marker("quiet") is not None) == (PHASE == "quiet") else drop).append(item)
+        quiet = item.get_closest_marker("quiet") is not None
+        (keep if quiet == (PHASE == "quiet") else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

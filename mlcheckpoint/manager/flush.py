@@ -89,6 +89,15 @@ def _part_file(rank: int, save_id: str) -> str:
     return f"__{rank}_flush-{save_id}.distcp"
 
 
+def _marker(rank: int) -> str:
+    """The name of a rank's marker in a save's staging folder: its part is whole."""
+    return f"part-{rank:05d}.json"
+
+
+def _has_markers(names: list[str]) -> bool:
+    return any(n.startswith("part-") for n in names)
+
+
 # A folder counts as abandoned once nothing in it changed for this many flush deadlines (a
 # flush in flight stops at its deadline), and never sooner than ABANDONED_AFTER_S: a file
 # server's clock may be off from ours.
@@ -319,18 +328,17 @@ class Flusher:
         staged nowhere yet (a rank whose node lacked it wrote its part blind) needs the ranks
         a staged one of the others names: every rank of a run takes part in each of its saves,
         and a rank of another run is never found gone (its address is not known in this one)."""
-        known = [r for r in (self._ranks_of(s, result.saves[s]) for s in result.parts) if r]
+        ranks_of = {s: self._ranks_of(s, result.saves[s]) for s in result.parts}
+        known = [r for r in ranks_of.values() if r]
         if not known:
             return []
         reasons = []
         for step in result.parts:
-            ranks = self._ranks_of(step, result.saves[step]) or known[0]
-            staging = os.path.join(self.storage.flush_path(step), FLUSH_DIR, result.saves[step])
             try:
-                names = set(os.listdir(staging))
+                names = set(os.listdir(self._staging(step, result.saves[step])))
             except OSError:
                 return []
-            missing = [r for r in ranks if f"part-{r:05d}.json" not in names]
+            missing = [r for r in ranks_of[step] or known[0] if _marker(r) not in names]
             lost = [r for r in missing if gone.ask(r)]  # (every one asked: verdicts come sooner)
             if not lost:
                 return []
@@ -344,7 +352,7 @@ class Flusher:
         staged yet)."""
         key = (step, save_id)
         if key not in self._ranks:
-            path = os.path.join(self.storage.flush_path(step), FLUSH_DIR, save_id, "metadata")
+            path = os.path.join(self._staging(step, save_id), "metadata")
             try:
                 with open(path, "rb") as f:
                     header, _ = decode_metadata(f.read())
@@ -359,9 +367,8 @@ class Flusher:
         finishing the step meanwhile read this marker or finds it gone (``finish`` checks the
         markers again after writing ``.metadata``): where the step completed before the marker
         went, the marker is put back and the part stays."""
-        folder = self.storage.flush_path(step)
-        staging = os.path.join(folder, FLUSH_DIR, save_id)
-        marker = os.path.join(staging, f"part-{self.rank:05d}.json")
+        folder, staging = self.storage.flush_path(step), self._staging(step, save_id)
+        marker = os.path.join(staging, _marker(self.rank))
         try:
             with open(marker, "rb") as f:
                 recorded: bytes | None = f.read()
@@ -381,7 +388,7 @@ class Flusher:
             log.info("mlcheckpoint: preemption flush on rank %d removed its part of step %d "
                      "from %s: a newer step is complete", self.rank, step, folder)
         with contextlib.suppress(OSError):  # (gone already: another rank removed it)
-            if not any(n.startswith("part-") for n in os.listdir(staging)):
+            if not _has_markers(os.listdir(staging)):
                 # No rank's part is left: only staged metadata, nothing to load. (Another
                 # rank writing a part meanwhile fails its write, and logs it.)
                 shutil.rmtree(folder, ignore_errors=True)
@@ -398,10 +405,10 @@ class Flusher:
             if step in written or own is None or self.rank in st.partial:
                 continue
             try:
-                names = os.listdir(os.path.join(self.storage.flush_path(step), FLUSH_DIR, own))
+                names = os.listdir(self._staging(step, own))
             except OSError:  # no rank wrote a part of this save
                 continue
-            if any(n.startswith("part-") for n in names):
+            if _has_markers(names):
                 with contextlib.suppress(ShardNotFoundError):  # (retired since the listing)
                     metadata = (self.store.read_metadata_file(step)
                                 if st.has_metadata and st.save_id == own else None)
@@ -496,7 +503,7 @@ class Flusher:
         """This rank's items of ``c`` into its file, verified, then its marker and (where
         held) the staged metadata; returns the bytes written."""
         folder = self.storage.flush_path(c.step)
-        staging = os.path.join(folder, FLUSH_DIR, c.save_id)
+        staging = self._staging(c.step, c.save_id)
         os.makedirs(staging, exist_ok=True)
         if c.metadata is not None:
             _write_atomic(os.path.join(staging, "metadata"), c.metadata, self.rank)
@@ -510,7 +517,7 @@ class Flusher:
                                            deadline, c.step)
         pause_point("flush_part", c.step, self.rank)
         marker = {"step": c.step, "rank": self.rank, "save_id": c.save_id, "items": entries}
-        _write_atomic(os.path.join(staging, f"part-{self.rank:05d}.json"),
+        _write_atomic(os.path.join(staging, _marker(self.rank)),
                       json.dumps(marker, separators=(",", ":")).encode(), self.rank)
         return nbytes
 
@@ -529,7 +536,7 @@ class Flusher:
         """Write DCP's ``.metadata`` of ``step`` if the staged metadata of ``save_id`` and every
         part it needs are in the folder; whether the step is complete now."""
         folder = self.storage.flush_path(step)
-        staging = os.path.join(folder, FLUSH_DIR, save_id)
+        staging = self._staging(step, save_id)
         try:
             with open(os.path.join(staging, "metadata"), "rb") as f:
                 header, payload = decode_metadata(f.read())
@@ -541,7 +548,7 @@ class Flusher:
         markers: dict[int, dict[str, list]] = {}
         for r in header.ranks:
             try:
-                with open(os.path.join(staging, f"part-{r:05d}.json"), "rb") as f:
+                with open(os.path.join(staging, _marker(r)), "rb") as f:
                     marker = json.loads(f.read())
             except FileNotFoundError:
                 return False  # that rank's part is not whole (yet)
@@ -572,7 +579,7 @@ class Flusher:
         # A rank removing its part of this step (``_remove_part``, a newer one is complete)
         # unlinks its marker before it looks for ``.metadata``: a marker gone now means its
         # file may be going too, so the step must not stand complete.
-        if not all(os.path.exists(os.path.join(staging, f"part-{r:05d}.json")) for r in header.ranks):
+        if not all(os.path.exists(os.path.join(staging, _marker(r))) for r in header.ranks):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(folder, ".metadata"))
             return False
@@ -581,6 +588,10 @@ class Flusher:
     def complete(self, step: int) -> bool:
         """Whether ``step`` is complete in the persistent folder."""
         return os.path.exists(os.path.join(self.storage.flush_path(step), ".metadata"))
+
+    def _staging(self, step: int, save_id: str) -> str:
+        """Where the markers and the staged metadata of ``step``'s save ``save_id`` go."""
+        return os.path.join(self.storage.flush_path(step), FLUSH_DIR, save_id)
 
     # ------------------------------------------------------------------ at the next start
     def remove_abandoned(self, deadline_s: float, now: float | None = None) -> list[str]:
@@ -626,8 +637,9 @@ class Flusher:
 
 class _GoneRanks:
     """Which ranks are gone, asked of the replication transport on a thread of its own: a
-    probe may wait its timeout on a lost machine, and the stay's poll never waits for it. A rank asked is probed at once, and again every PROBE_EVERY_S
-    while it answers; "gone" is kept. ``close`` when the stay ends."""
+    probe may wait its timeout on a lost machine, and the stay's poll never waits for it. A
+    rank asked is probed at once, and again every PROBE_EVERY_S while it answers; "gone" is
+    kept. ``close`` when the stay ends."""
 
     def __init__(self, peers: Transport | None):
         self.peers = peers

@@ -459,7 +459,7 @@ class Bench:
             for r in range(cfg.rounds):
                 save_s = self.save_step(sd, store_s, r)
                 if raw is None:
-                    nbytes = store_s.read_manifest(r, 0).data_bytes
+                    nbytes = store_s.shards.read_manifest(r, 0).data_bytes
                     raw = RawSender(raw_port, nbytes, os.path.join(self.root, "raw-src.bin"))
                     res["shard_bytes"] = nbytes
                     raw_round()  # warm-up: touches every buffer on both sides

@@ -59,7 +59,7 @@ class Job:
         parts = []
         for k, node in enumerate(self.cluster.nodes):
             store = LocalStore(node.local_dir, self.job_id, create=False)
-            inv = store.inventory()
+            inv = store.inventory.all()
             if not inv:
                 parts.append(f"node {k}: empty")
                 continue

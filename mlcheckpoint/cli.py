@@ -95,14 +95,14 @@ def cmd_ls(args) -> int:
         store = _store(args, job)
         steps: list[dict[str, Any]] = []
         events = history.read(store.job_dir)
-        inventory = store.inventory()
+        inventory = store.inventory.all()
         verdicts = verdicts_here(store, listed=inventory)  # what a resume from this node alone would decide
         labels = step_labels(verdicts, {e["step"] for e in events if e.get("event") == "replicate"})
         for step, st in inventory.items():
             sizes = {}
             for r in sorted(st.committed_ranks):
                 try:
-                    sizes[r] = store.read_manifest(step, r).held_bytes
+                    sizes[r] = store.shards.read_manifest(step, r).held_bytes
                 except MLCheckpointError:
                     pass
             verdict = verdicts.get(step, StepVerdict(False))  # (no usable metadata of it here)
@@ -120,7 +120,7 @@ def cmd_ls(args) -> int:
         run, live = claim_holder(store.paths)
         entry: dict[str, Any] = {"job": job, "dir": store.job_dir, "steps": steps,
                                  "run": None if run is None else {**run.to_json(), "live": live},
-                                 "usage_bytes": store.usage_bytes(),
+                                 "usage_bytes": store.capacity.usage_bytes(),
                                  "protection": protected[-1] if protected else None,
                                  "pairing": pairing[-1] if pairing else None}
         if args.persistent:
@@ -181,18 +181,18 @@ def cmd_verify(args) -> int:
     """Every checksum of the step's copies here, then the planner's verdict over this node's
     holdings with the copies that failed counted absent, as a resume counts them."""
     store = _store(args, args.job)
-    steps = store.steps()
+    steps = store.inventory.steps()
     step = args.step if args.step is not None else (max(steps) if steps else None)
     if step is None or step not in steps:
         print(f"step {step} not found for job {args.job}", file=sys.stderr)
         return EXIT_NOT_FOUND
-    st = store.step_state(step)
+    st = store.inventory.step_state(step)
     results: list[dict[str, Any]] = []
     verdict = EXIT_OK
     bad: list[CopyId] = []  # copies here that fail: absent to the verdict
     locations: list[ItemLocation] = []  # the checksums a resume checks the bytes against
     try:
-        locations = item_locations(store.read_metadata(step)[1])
+        locations = item_locations(store.metadata.read(step)[1])
         results.append({"item": "metadata", "status": "ok"})
     except CorruptShardError as e:
         results.append({"item": "metadata", "status": "corrupt", "error": str(e)})

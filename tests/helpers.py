@@ -137,17 +137,17 @@ def damage_shard(store: LocalStore, step: int, owner: int, how: str = "flipped",
       record the damaged bytes' checksum (the shard agrees with itself, not with the step's
       metadata).
 
-    A byte at a position of the file rather than of an item: ``flip_byte(store.data_path(...))``.
+    A byte at a position of the file rather than of an item: ``flip_byte(store.paths.data(...))``.
     """
-    data = store.data_path(step, owner)
+    data = store.paths.data(step, owner)
     if how == "bad_manifest":
-        with open(store.manifest_path(step, owner), "wb") as f:
+        with open(store.paths.manifest(step, owner), "wb") as f:
             f.write(b"{not json")
         return None
     if how == "deleted":
         os.unlink(data)
         return None
-    m = store.read_manifest(step, owner)
+    m = store.shards.read_manifest(step, owner)
     if how == "truncated":
         os.truncate(data, m.data_bytes // 2)
         return None
@@ -165,7 +165,7 @@ def damage_shard(store: LocalStore, step: int, owner: int, how: str = "flipped",
         with open(data, "rb") as f:
             f.seek(chosen.offset)
             damaged = f.read(chosen.nbytes)
-        path = store.manifest_path(step, owner)
+        path = store.paths.manifest(step, owner)
         with open(path) as f:
             record = json.load(f)
         for it in record["items"]:
@@ -214,7 +214,7 @@ def put_shard(store: LocalStore, step: int, rank: int, data: bytes | None = None
 
 
 def put_metadata(store: LocalStore, step: int, ranks=(0,)) -> None:
-    store.write_metadata(step, f"meta-of-{step}".encode(), world_size=max(ranks) + 1,
+    store.metadata.write(step, f"meta-of-{step}".encode(), world_size=max(ranks) + 1,
                          ranks=ranks, total_bytes=4096 * len(ranks))
 
 
@@ -269,7 +269,7 @@ def put_save(stores: list[LocalStore], step: int, shards: dict[int, list[str]],
                 shard.buffer.array[it.offset:it.offset + it.nbytes] = np.frombuffer(data(it.key), np.uint8)
             shard.commit_manifest(m)
         if metadata_on is None or n in metadata_on:
-            store.write_metadata(step, pickle.dumps(md), world_size=max(shards) + 1, ranks=sorted(shards),
+            store.metadata.write(step, pickle.dumps(md), world_size=max(shards) + 1, ranks=sorted(shards),
                                  total_bytes=item_bytes * len(locations), save_id=save_id,
                                  lineage=Lineage(run_id))
 

@@ -42,9 +42,9 @@ TCP_LOGGER = "mlcheckpoint.replication.tcp"
 def debris(store: LocalStore) -> list[str]:
     """Uncommitted files (in-flight writes) in any step directory of ``store``."""
     out = []
-    for step in store.steps():
+    for step in store.inventory.steps():
         with contextlib.suppress(FileNotFoundError):
-            out += [n for n in os.listdir(store.step_dir(step))
+            out += [n for n in os.listdir(store.paths.step_dir(step))
                     if n.endswith((layout.INFLIGHT, layout.TMP))]
     return out
 

@@ -99,20 +99,20 @@ def test_verify_exit_status_reflects_checksums(job, cli):
 
 def test_verify_reports_missing_shards(job, cli):
     store = LocalStore(job, "clijob", create=False)
-    os.unlink(store.manifest_path(2, 0))  # the shard is no longer committed here
+    os.unlink(store.paths.manifest(2, 0))  # the shard is no longer committed here
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2")
     assert code == EXIT_INCOMPLETE == 1 and "INCOMPLETE" in out
 
 
 def test_gc_removes_debris_and_old_steps(job, cli):
     store = LocalStore(job, "clijob", create=False)
-    debris = store.data_path(2, 5) + ".inflight"
+    debris = store.paths.data(2, 5) + ".inflight"
     with open(debris, "wb") as f:
         f.write(b"x" * 100)
     code, _, _ = cli(job, "gc", "--job", "clijob", "--min-age", "0", "--keep", "1")
     assert code == 0
     assert not os.path.exists(debris)
-    assert store.complete_steps() == [2]
+    assert store.inventory.complete_steps() == [2]
     code, _, _ = cli(job, "gc", "--job", "clijob", "--remove")
     assert code == 0 and not os.path.exists(os.path.join(job, "clijob"))
 
@@ -138,7 +138,7 @@ def resized():
 
 
 def held(store: LocalStore) -> dict[int, list[int]]:
-    return {s: sorted(store.step_state(s).committed_ranks) for s in store.steps()}
+    return {s: sorted(store.inventory.step_state(s).committed_ranks) for s in store.inventory.steps()}
 
 
 def test_gc_keep_retires_every_ranks_shards_of_older_steps_never_the_step_being_written(resized, cli):
@@ -146,12 +146,12 @@ def test_gc_keep_retires_every_ranks_shards_of_older_steps_never_the_step_being_
     of that save) and whatever is newer; every other step goes whole, whoever owns its shards
     (ranks 2, 3 are no rank's of the 1 x 2 job), metadata included."""
     root, store = resized
-    inflight = store.data_path(6, 1) + ".inflight"
+    inflight = store.paths.data(6, 1) + ".inflight"
     code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "2", "--json")
     assert code == 0 and json.loads(out)[0]["steps_retired"] == [1, 2, 3]
     assert held(store) == {4: [0, 1], 5: [0, 1], 6: [0]}
     assert os.path.exists(inflight)  # the shard being written, spared
-    assert not os.path.exists(store.step_dir(1)) and not os.path.exists(store.step_dir(2))
+    assert not os.path.exists(store.paths.step_dir(1)) and not os.path.exists(store.paths.step_dir(2))
     assert store.pool.owners() == set()  # what gc retires is freed, not pooled
     code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "1")
     assert code == 0 and "retired steps [4]" in out, out
@@ -166,7 +166,7 @@ def test_gc_keep_spares_the_newest_protected_and_the_newest_whole_step(resized, 
     here (a replica not back yet), so step 4 is the newest step held whole, and stays."""
     root, store = resized
     history.record(store.job_dir, "protected", step=3, lag_steps=2)
-    store.retire_shard(5, 1)
+    store.shards.retire(5, 1)
     code, out, _ = cli(root, "gc", "--job", "gcjob", "--keep", "1", "--json")
     assert code == 0 and json.loads(out)[0]["steps_retired"] == [1, 2]
     assert held(store) == {3: [0, 1], 4: [0, 1], 5: [0], 6: [0]}
@@ -206,14 +206,14 @@ def test_verify_checks_bytes_against_the_step_metadata(job, cli):
     from mlcheckpoint.store.manifest import Manifest
 
     store = LocalStore(job, "clijob", create=False)
-    m = store.read_manifest(2, 0)
+    m = store.shards.read_manifest(2, 0)
     item = damage_shard(store, 2, 0, at=10)
-    with open(store.data_path(2, 0), "rb") as f:
+    with open(store.paths.data(2, 0), "rb") as f:
         f.seek(item.offset)
         forged = checksum(f.read(item.nbytes))
     d = m.to_dict()
     next(i for i in d["items"] if i["key"] == item.key)["checksum"] = forged
-    with open(store.manifest_path(2, 0), "wb") as f:
+    with open(store.paths.manifest(2, 0), "wb") as f:
         f.write(Manifest.from_dict(d).to_bytes())
     store.close()
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2")
@@ -225,10 +225,10 @@ def test_verify_exit_status_is_the_worst_finding(job, cli):
     several findings exits with the worst: a corrupt shard beside missing metadata is corrupt."""
     assert EXIT_OK < EXIT_INCOMPLETE < EXIT_NOT_FOUND < EXIT_CORRUPT
     store = LocalStore(job, "clijob", create=False)
-    os.unlink(store.metadata_path(1))  # step 1: only the metadata is elsewhere
+    os.unlink(store.paths.metadata(1))  # step 1: only the metadata is elsewhere
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "1", "--json")
     assert code == EXIT_INCOMPLETE and json.loads(out)["verdict"] == "incomplete"
-    os.unlink(store.metadata_path(2))  # step 2: metadata elsewhere and a corrupt shard here
+    os.unlink(store.paths.metadata(2))  # step 2: metadata elsewhere and a corrupt shard here
     damage_shard(store, 2, 0, at=3)
     store.close()
     code, out, _ = cli(job, "verify", "--job", "clijob", "--step", "2", "--json")
@@ -311,7 +311,7 @@ def test_counted_words_are_singular_for_one(job, cli):
     assert "then 1 step behind" in line
     assert "then 3 steps behind" in _protection_line({"step": 5, "time": 0, "lag_steps": 3})
     store = LocalStore(job, "clijob", create=False)
-    with open(store.data_path(2, 5) + ".inflight", "wb") as f:
+    with open(store.paths.data(2, 5) + ".inflight", "wb") as f:
         f.write(b"x")
     store.close()
     code, out, _ = cli(job, "gc", "--job", "clijob", "--min-age", "0")
@@ -323,15 +323,15 @@ def test_ls_names_steps_a_newer_whole_step_left_behind(job, cli):
     "superseded" (never pushed from here: replication went to a newer save) or "partly
     retired" (pushed, then retention took part of it)."""
     store = LocalStore(job, "clijob", create=False)
-    os.unlink(store.manifest_path(0, 0))
-    os.unlink(store.manifest_path(1, 0))
+    os.unlink(store.paths.manifest(0, 0))
+    os.unlink(store.paths.manifest(1, 0))
     history.record(store.job_dir, "replicate", step=0, rank=0, bytes=1, seconds=1.0)
     store.close()
     _, out, _ = cli(job, "ls", "--job", "clijob", "--json")
     states = {s["step"]: s["state"] for s in json.loads(out)[0]["steps"]}
     assert states == {0: "partly retired", 1: "superseded", 2: "complete"}
     store = LocalStore(job, "clijob", create=False)
-    os.unlink(store.manifest_path(2, 0))  # nothing whole any more: 2 is what a crash left
+    os.unlink(store.paths.manifest(2, 0))  # nothing whole any more: 2 is what a crash left
     store.close()
     _, out, _ = cli(job, "ls", "--job", "clijob", "--json")
     assert {s["step"]: s["state"] for s in json.loads(out)[0]["steps"]}[2] == "incomplete"
@@ -374,7 +374,7 @@ def test_gc_finished_removes_only_jobs_whose_last_run_closed_cleanly(cli):
         assert code == 0
         assert "job done: removed" in out and "job crashed: kept" in out
         assert not os.path.exists(os.path.join(root, "done"))
-        assert LocalStore(root, "crashed", create=False).complete_steps() == [1]
+        assert LocalStore(root, "crashed", create=False).inventory.complete_steps() == [1]
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

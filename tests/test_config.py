@@ -337,7 +337,7 @@ def test_pickled_value_larger_than_free_space_is_a_capacity_error(store_dir, how
                 ckpt.async_save(big, 2).result(timeout=60)
         assert mnt in str(ei.value) and ei.value.needed > 6 * MiB
         ckpt.wait()
-        assert internals(ckpt).store.complete_steps() == [1]
+        assert internals(ckpt).store.inventory.complete_steps() == [1]
         out = {"w": torch.zeros(1024), "blob": b""}
         assert ckpt.resume(out).step == 1
         assert torch.equal(out["w"], torch.arange(1024.0)) and out["blob"] == b"small"
@@ -356,7 +356,7 @@ def test_persistent_save_without_persistent_dir_is_refused_at_the_call(store_dir
                 getattr(ckpt, how)(state, step, persistent=True)
             ckpt.async_save(state, step).result(timeout=60)
         ckpt.wait()
-        assert internals(ckpt).store.steps() == [3]
+        assert internals(ckpt).store.inventory.steps() == [3]
 
 
 # ---------------------------------------------------------------- one declaration

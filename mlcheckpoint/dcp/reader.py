@@ -153,7 +153,7 @@ class MemoryStorageReader(StorageReader):
         raises the ShardNotFoundError or CorruptShardError that says so at its first use
         (``_Unreadable``)."""
         try:
-            _, payload = self.store.read_metadata(self.step, self.save_id)
+            _, payload = self.store.metadata.read(self.step, self.save_id)
         except (ShardNotFoundError, CorruptShardError) as e:
             return cast(Metadata, _Unreadable(e))
         metadata = pickle.loads(payload)
@@ -248,7 +248,7 @@ class MemoryStorageReader(StorageReader):
         """This node's copy of ``rank``'s shard; a damaged copy is named, so recovery can
         refuse it alone and read another."""
         try:
-            return self.store.open_shard(self.step, rank, self.save_id)
+            return self.store.shards.open(self.step, rank, self.save_id)
         except CorruptShardError as e:
             raise CorruptShardError(str(e), copy=CopyId(self.step, rank, self.node)) from None
 
@@ -409,7 +409,7 @@ class MemoryStorageReader(StorageReader):
         """Raise the CorruptShardError naming the copy of ``rank``'s shard on ``node`` that
         failed (for an item read from a copy: the shard that holds the copy)."""
         if node == self.node:
-            where = f"node {node} ({self.store.data_path(self.step, rank)})"
+            where = f"node {node} ({self.store.paths.data(self.step, rank)})"
         else:
             where = f"node {node} (job {self.store.job_id})"
         item = f"item {req.storage_index.fqn!r}"

@@ -349,7 +349,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             return None
         shard = staged.shard
         if shard is None:  # PROCESS mode: stage() ran in the trainer; reopen its buffer by name
-            shard = self.store.reopen_shard(self.step, staged.rank, staged.nbytes)
+            shard = self.store.shards.reopen(self.step, staged.rank, staged.nbytes)
         if shard.rank != self.rank:
             # stage() runs before DCP names the rank it saves as (a bare writer stages as
             # the default group's rank; DCP may use another: no_dist, a group of its own).
@@ -423,7 +423,7 @@ def commit_metadata(store: LocalStore, step: int, metadata: Metadata, world_size
     ``copy_modes``: each node's copies mode at this save (recorded in its header)."""
     locations = list(metadata.storage_data.values())
     payload = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-    store.write_metadata(step, payload, world_size=world_size,
+    store.metadata.write(step, payload, world_size=world_size,
                          ranks={loc.rank for loc in locations},
                          total_bytes=sum(loc.nbytes for loc in locations),
                          save_id=save_id, lineage=lineage, copy_modes=copy_modes)

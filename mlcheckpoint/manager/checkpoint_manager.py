@@ -35,9 +35,10 @@ from ..replication.schedule.pairing import pairing_for, sources
 from ..replication.schedule.status import ProtectionStatus, save_times
 from ..replication.schedule.status import status as protection_status
 from ..settings import BY_NAME, Launcher, Options, ReplicationOptions, Timeouts, default
-from ..store import LocalStore, coverage
+from ..store import LocalStore
 from ..store.claim import mark_finished
 from ..store.identity import Lineage, new_id
+from ..store.inventory import Arrivals
 from ..tmpfs import RoomCheck
 from ..topology import Topology
 from ..waiting import deadline_in, wait_until
@@ -234,7 +235,8 @@ class CheckpointManager:
             self._replicator, owners, node_owners=[r for n in held for r in topo.ranks_of_node(n)])
         # Room for what the partners' replicas bring: with data parallelism's copies, only
         # the items that lack places (store/coverage.py), not shards of this rank's size.
-        arrivals = coverage.Arrivals(self._store, self._topology, self._replicator.places, owners)
+        arrivals = Arrivals(self._store.inventory, self._store.metadata, self._topology,
+                                     self._replicator.places, owners)
         self._store.capacity.expect_replicas([self.rank], len(owners), arrivals)
         self._room.arriving = arrivals
         transport.accept_from(self._lineage)
@@ -423,7 +425,7 @@ class CheckpointManager:
 
     def _protection(self, ask: bool) -> ProtectionStatus:
         if self._replicator is None:
-            return protection_status(None, save_times(self._store.inventory()), None, 0)
+            return protection_status(None, save_times(self._store.inventory.all()), None, 0)
         return self._replicator.protection(ask)
 
     def stats(self) -> dict[str, float]:
@@ -461,7 +463,7 @@ class CheckpointManager:
         to wait for).
         """
         if self._replicator is None:
-            return step in self._store.complete_steps()
+            return step in self._store.inventory.complete_steps()
         return self._replicator.wait_replicated(
             step, self._timeouts.close if timeout is None else timeout)
 
@@ -524,7 +526,7 @@ class CheckpointManager:
         if self._topology.is_node_leader:
             with contextlib.suppress(OSError):
                 mark_finished(self._store.paths, self._lineage.run_id,
-                              max(self._store.complete_steps(), default=None))
+                              max(self._store.inventory.complete_steps(), default=None))
 
     def _barrier(self, timeout: float) -> None:
         """A barrier on the checkpoint group that gives up after ``timeout`` seconds: a rank

@@ -221,10 +221,10 @@ class Flusher:
         (None: none)."""
         persisted = self.storage.complete_steps()
         newest_persistent = persisted[-1] if persisted else -1
-        for step in sorted(self.store.steps(), reverse=True):
+        for step in sorted(self.store.inventory.steps(), reverse=True):
             if step <= newest_persistent:
                 return
-            st = self.store.step_state(step)
+            st = self.store.inventory.step_state(step)
             yield step, st, (st.shard_saves.get(self.rank) if self.rank in st.committed_ranks
                              else None)
 
@@ -238,7 +238,7 @@ class Flusher:
             needed = self.rank in (st.required_ranks or ())
             if st.has_metadata and st.save_id and (own == st.save_id or not needed):
                 with contextlib.suppress(ShardNotFoundError):  # (retired since the listing)
-                    out.append(_Candidate(step, st.save_id, self.store.read_metadata_file(step)))
+                    out.append(_Candidate(step, st.save_id, self.store.metadata.read_file(step)))
                     break
             if own is not None and self.rank not in st.partial:
                 out.append(_Candidate(step, own, None))  # whole on another node, maybe
@@ -410,7 +410,7 @@ class Flusher:
                 continue
             if _has_markers(names):
                 with contextlib.suppress(ShardNotFoundError):  # (retired since the listing)
-                    metadata = (self.store.read_metadata_file(step)
+                    metadata = (self.store.metadata.read_file(step)
                                 if st.has_metadata and st.save_id == own else None)
                     out.append(_Candidate(step, own, metadata))
         return out
@@ -510,7 +510,7 @@ class Flusher:
         locations = self._own_locations(c)
         if locations is not None and not locations:
             return 0  # this rank owns nothing of the step: its metadata was all it had
-        with self.pins.pinned(c.step), self.store.open_shard(c.step, self.rank, c.save_id) as shard:
+        with self.pins.pinned(c.step), self.store.shards.open(c.step, self.rank, c.save_id) as shard:
             items = _items_to_write(shard.manifest.items, locations)
             name = _part_file(self.rank, c.save_id)
             entries, nbytes = _write_items(os.path.join(folder, name), name, shard, items,

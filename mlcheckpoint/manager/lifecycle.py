@@ -38,7 +38,7 @@ class BufferWarmer:
     need buffers of that size. Making them while training goes on keeps the first saves from
     touching fresh tmpfs pages (or page-locking them, for a rank saving from device memory);
     once a steady state recycles buffers this does nothing. One thread at a time works through
-    the owners asked for; the work itself is ``LocalStore.prewarm``.
+    the owners asked for; the work itself is ``LocalStore.pool.prewarm``.
     """
 
     def __init__(self, store: LocalStore, keep: int):
@@ -76,7 +76,7 @@ class BufferWarmer:
                     continue
                 self._prepared[owner] = nbytes
             try:
-                self.store.prewarm(owner, nbytes, self.keep)
+                self.store.pool.prewarm(owner, nbytes, self.keep)
             except (OSError, MLCheckpointError) as e:  # only an optimisation: saves still work
                 log.warning("mlcheckpoint: could not prepare buffers for rank %d: %s", owner, e)
             except BaseException:

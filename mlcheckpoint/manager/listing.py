@@ -49,7 +49,7 @@ def verdicts_here(store: LocalStore, bad_copies: Iterable[CopyId] = (),
     """What the recovery planner decides of each step of ``store`` from this node's holdings
     alone (``planner.step_verdicts``): complete when a resume could load it from here, else
     which ranks' items are not here. ``bad_copies`` (node ``HERE``): copies found corrupt;
-    ``listed``: the store's ``inventory()`` when the caller has just taken it."""
+    ``listed``: the store's ``inventory.all()`` when the caller has just taken it."""
     return step_verdicts([take_inventory(store, HERE, [HERE], listed)], bad_copies=bad_copies)
 
 
@@ -79,7 +79,7 @@ def list_checkpoints(store: LocalStore, replicator: Replicator | None,
                      persistent: PersistentStorage | None) -> list[CheckpointEntry]:
     """In-memory steps in ``store`` and steps in ``persistent``, oldest first."""
     entries = []
-    inventory = store.inventory()
+    inventory = store.inventory.all()
     verdicts = verdicts_here(store, listed=inventory)
     states = {s: replicator.state(s) for s in inventory} if replicator is not None else {}
     labels = step_labels(verdicts, {s for s, rep in states.items()

@@ -21,7 +21,7 @@ What a pass keeps (``plan_retention``):
   once a newer step is whole; recycled buffers of owners no rank here answers for are deleted.
 
 The store (layer 1) stays passive: it provides the inventory, the ``CommitLock`` and the
-primitives a pass calls (``LocalStore.retire_shard``, ``ShardFiles.remove_step_if_empty``,
+primitives a pass calls (``LocalStore.shards.retire``, ``ShardFiles.remove_step_if_empty``,
 ``BufferPool.drop``, ``LocalStore.remove_orphan``); what to keep is decided here.
 """
 
@@ -155,7 +155,7 @@ def apply_retention(store: LocalStore, owners: Iterable[int], keep: int,
     """
     owners = list(owners)
     with store.commits.retiring(), (pins or Pins()).held() as pinned:
-        plan = plan_retention(store.inventory(), owners, keep, {*protected, *pinned},
+        plan = plan_retention(store.inventory.all(), owners, keep, {*protected, *pinned},
                               store.orphans(), node_owners=node_owners,
                               pooled=store.pool.owners() if node_owners is not None else ())
         pause_point("retention_planned")  # tests: another pass or a replica comes in now
@@ -166,7 +166,7 @@ def retire(store: LocalStore, plan: RetentionPlan) -> list[int]:
     """Carry ``plan`` out on ``store`` (under its ``CommitLock``, see ``apply_retention``);
     returns the steps some of whose shards went."""
     for step, rank in plan.shards:
-        store.retire_shard(step, rank)  # uncommits it, and pools its buffer
+        store.shards.retire(step, rank)  # uncommits it, and pools its buffer
         log.debug("retired step %d rank %d", step, rank)
     for step in plan.bare_metadata:
         store.shards.remove_step_if_empty(step)

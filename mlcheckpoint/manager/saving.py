@@ -239,7 +239,7 @@ class Saver:
         another process. () without copies."""
         if self.copy_policy is None:
             return ()
-        inventory = self.store.inventory()
+        inventory = self.store.inventory.all()
         for step in sorted(inventory, reverse=True):
             header = inventory[step].header
             if header is not None and header.copy_modes:
@@ -394,7 +394,7 @@ class Saver:
         the tmpfs for the rest of the run)."""
         if writer.committed is not None:
             with contextlib.suppress(OSError, MLCheckpointError):
-                self.store.retire_shard(writer.step, self.topology.rank)
+                self.store.shards.retire(writer.step, self.topology.rank)
 
     def _publish(self, saved: Committed) -> None:
         """The one path after every commit, whichever route saved, each part once per save:
@@ -425,7 +425,7 @@ class Saver:
             return
         step = saved.result.step
         try:
-            self.store.read_metadata(step, saved.save_id)
+            self.store.metadata.read(step, saved.save_id)
         except MLCheckpointError:  # none yet, or an earlier save's of this step number
             commit_metadata(self.store, step, saved.metadata, self.topology.world_size,
                             save_id=saved.save_id, lineage=saved.lineage,
@@ -454,7 +454,7 @@ class Saver:
         manifest = writer.committed
         if manifest is None:
             try:
-                manifest = self.store.read_manifest(writer.step, self.topology.rank)
+                manifest = self.store.shards.read_manifest(writer.step, self.topology.rank)
             except MLCheckpointError:  # not committed (yet), or retired
                 return None
             if manifest.save_id == native.earlier_save:
@@ -473,7 +473,7 @@ class Saver:
     def _shard_save_here(self, step: int) -> str | None:
         """The save id of this rank's committed shard of ``step`` here, if any."""
         try:
-            return self.store.read_manifest(step, self.topology.rank).save_id
+            return self.store.shards.read_manifest(step, self.topology.rank).save_id
         except MLCheckpointError:
             return None
 

@@ -191,10 +191,10 @@ class Holders:
         from another place, the copy that served it asked nothing more; CorruptShardError
         once no good place is left. Returns False when the shard is here already."""
         with self.store.fetch_lock(self.step, owner):
-            st = self.store.step_state(self.step)
+            st = self.store.inventory.step_state(self.step)
             if owner in st.ranks_of(self.plan.save_id) and owner not in st.partial:
                 return False
-            header, payload = self.store.read_metadata(self.step, self.plan.save_id)
+            header, payload = self.store.metadata.read(self.step, self.plan.save_id)
             items = recorded_items(dcp_metadata(payload), owner)
             if not items:
                 raise ShardNotFoundError(f"the metadata of step {self.step} records no item of "

@@ -65,13 +65,13 @@ def take_inventory(store: LocalStore, node: int, ranks: list[int],
                    listed: Mapping[int, StepState] | None = None) -> NodeInventory:
     """List committed shards and valid metadata of this job's store (no checksums computed;
     a shard whose manifest is unreadable or whose data file is short is not listed).
-    ``listed``: the store's ``inventory()`` when the caller has just taken it."""
+    ``listed``: the store's ``inventory.all()`` when the caller has just taken it."""
     inv = NodeInventory(node=node, ranks=list(ranks))
-    for step, st in (store.inventory() if listed is None else listed).items():
+    for step, st in (store.inventory.all() if listed is None else listed).items():
         sizes = []
         for owner in sorted(st.committed_ranks):
             try:
-                sizes.append((owner, os.stat(store.data_path(step, owner)).st_size))
+                sizes.append((owner, os.stat(store.paths.data(step, owner)).st_size))
             except FileNotFoundError:
                 continue
         copy = StepCopy(

@@ -323,7 +323,7 @@ class Recovery:
             return []
         node = self.topo.node_rank
         try:
-            self.store.read_metadata(step, save_id)
+            self.store.metadata.read(step, save_id)
         except (CorruptShardError, ShardNotFoundError) as e:
             # Missing: gone since the inventory (every rank of the node would fail in dcp.load);
             # the next plan fetches it from a node that holds it.
@@ -359,7 +359,7 @@ class Recovery:
                         copy.owner, copy.step, copy.node)
             held = [*d.metadata_holders, *(r for ranks in d.holders.values() for r in ranks)]
             elsewhere = any(self.topo.node_of(r) != copy.node for r in held)
-            self.store.retire_shard(copy.step, copy.owner, keep_metadata=elsewhere)
+            self.store.shards.retire(copy.step, copy.owner, keep_metadata=elsewhere)
 
     # ------------------------------------------------------------------ finish and heal
     def _finish(self, d: Decision, reasons: list[str], t0: float, fetched: int,

@@ -24,7 +24,7 @@ the copy groups:
 
 The store (is a step whole here?), the replicator (what must it send, and to whom?
 ``plan_push``), the room a node keeps for what arrives (``arriving_bytes``: the room check,
-``Arrivals``, after a save; ``dcp/copies.py`` ``choose`` at it, before any metadata), and the
+``inventory.Arrivals``, after a save; ``dcp/copies.py`` ``choose`` at it, before any metadata), and the
 recovery planner (is a step complete, protected?) all ask these functions, so the rule is
 written once.
 """
@@ -33,9 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from ..errors import MLCheckpointError
 from ..integrity.verify import Listing, Recorded
 from ..topology import Topology
 from .layout import ItemLocation
@@ -245,7 +244,7 @@ def arriving_bytes(items: StepItems, sources: Mapping[Any, Iterable[int]],
     of it, ``node_of`` each rank) that lack places and that the node does not hold.
 
     The one rule of that room, asked with what each side knows: the room check after a save
-    (``Arrivals``) with the save's metadata; ``dcp/copies.py`` ``choose``, before any, with
+    (``inventory.Arrivals``) with the save's metadata; ``dcp/copies.py`` ``choose``, before any, with
     the locations the copies it would keep make."""
     groups = items.groups()
     # per owner, its groups lacking places: (group, the nodes holding it, aligned bytes)
@@ -261,44 +260,3 @@ def arriving_bytes(items: StepItems, sources: Mapping[Any, Iterable[int]],
             total += sum(n for _, nodes, n in short[owner] if node not in nodes)
         out[node] = total
     return out
-
-
-class _Steps(Protocol):
-    """What ``Arrivals`` reads of the store (``LocalStore``, which this module cannot name)."""
-
-    def steps(self) -> list[int]: ...
-
-    def step_state(self, step: int) -> StepState: ...
-
-    def step_items(self, step: int) -> StepItems: ...
-
-
-class Arrivals:
-    """What the replicas of ``sources``' shards will bring to this rank's node with its next
-    save, predicted from the newest save whose metadata is here (a job's saves keep their
-    structure) by ``arriving_bytes``; None before any (the store then assumes whole shards).
-    The store's room check asks it (``Capacity.expect_replicas``) when a save needs new room."""
-
-    def __init__(self, store: _Steps, topology: Topology, places: int, sources: Sequence[int]):
-        self.store, self.topology, self.places, self.sources = store, topology, places, list(sources)
-        self._known: tuple[str, int] | None = None  # (save id, bytes) of the last prediction
-
-    def __call__(self) -> int | None:
-        for step in sorted(self.store.steps(), reverse=True):
-            st = self.store.step_state(step)
-            if st.header is None:
-                continue
-            save_id = st.header.save_id
-            if self._known is not None and self._known[0] == save_id:
-                return self._known[1]
-            try:
-                items = self.store.step_items(step)
-            except MLCheckpointError:
-                return None
-            t = self.topology
-            nbytes = arriving_bytes(items, {t.node_rank: self.sources}, t.node_of, self.places,
-                                    t.place_of_node)[t.node_rank]
-            self._known = (save_id, nbytes)
-            return nbytes
-        return None
-

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .._ratelimit import RateLimitedLog
-from ..errors import CorruptShardError, ShardNotFoundError
+from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
+from ..topology import Topology
 from . import coverage
 from .layout import JobPaths, Kind, classify
 from .manifest import ManifestItem, MetadataHeader
@@ -164,3 +166,36 @@ class Inventory:
     def complete_steps(self) -> list[int]:
         """Steps whose metadata and every needed shard are committed here, oldest first."""
         return [s for s, st in self.all().items() if st.complete]
+
+
+class Arrivals:
+    """What the replicas of ``sources``' shards will bring to this rank's node with its next
+    save, predicted from the newest save whose metadata is here (a job's saves keep their
+    structure) by ``coverage.arriving_bytes``; None before any (the store then assumes whole
+    shards). The store's room check asks it (``Capacity.expect_replicas``) when a save needs new
+    room."""
+
+    def __init__(self, inventory: Inventory, metadata: MetadataFiles, topology: Topology,
+                 places: int, sources: Sequence[int]):
+        self.inventory, self.metadata = inventory, metadata
+        self.topology, self.places, self.sources = topology, places, list(sources)
+        self._known: tuple[str, int] | None = None  # (save id, bytes) of the last prediction
+
+    def __call__(self) -> int | None:
+        for step in sorted(self.inventory.steps(), reverse=True):
+            st = self.inventory.step_state(step)
+            if st.header is None:
+                continue
+            save_id = st.header.save_id
+            if self._known is not None and self._known[0] == save_id:
+                return self._known[1]
+            try:
+                items = self.metadata.items(step)
+            except MLCheckpointError:
+                return None
+            t = self.topology
+            nbytes = coverage.arriving_bytes(items, {t.node_rank: self.sources}, t.node_of,
+                                             self.places, t.place_of_node)[t.node_rank]
+            self._known = (save_id, nbytes)
+            return nbytes
+        return None

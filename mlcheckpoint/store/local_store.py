@@ -1,16 +1,16 @@
-"""The node-local tmpfs store of one job: a facade over its parts.
+"""The node-local tmpfs store of one job: its parts, and what spans them.
 
 ``LocalStore`` owns the job directory ``<local_dir>/<job_id>`` and the node lock, and is
-made of:
-  - ``layout.JobPaths``: every file name (``layout.classify`` says what an entry is);
-  - ``pool.Capacity`` and ``pool.BufferPool``: room checks and recycled shard buffers;
-  - ``shards.ShardFiles``: writing, committing, opening and retiring shards;
-  - ``metadata.MetadataFiles``: each step's global metadata;
-  - ``inventory.Inventory``: what is here, for which owner, committed or not;
+made of parts that other layers call directly, each the one home of what it holds:
+  - ``paths`` (``layout.JobPaths``): every file name (``layout.classify`` says what an entry is);
+  - ``capacity`` and ``pool`` (``pool.Capacity``, ``pool.BufferPool``): room checks, usage and
+    recycled shard buffers;
+  - ``shards`` (``shards.ShardFiles``): writing, committing, opening, mapping and retiring shards;
+  - ``metadata`` (``metadata.MetadataFiles``): each step's global metadata and its items;
+  - ``inventory`` (``inventory.Inventory``): what is here, for which owner, committed or not;
   - ``cleanup``: what crashes or resumes leave behind.
-Other layers call the methods below; the parts are for the store itself, except that a
-retention pass (``mlcheckpoint/manager/retention.py``, which decides what to keep) holds ``commits``
-and calls ``shards.remove_step_if_empty`` and the ``pool``'s ``owners``/``drop``.
+The methods below are what needs more than one part: a shard begun in a job directory that
+may be gone, a shard verified against the metadata, gc and settling, the other jobs here.
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ from ..integrity.verify import Listing, verify_region
 from ..settings import resolve_job_id, resolve_local_dir, resolve_memory_limit
 from ..tmpfs import local_dir_errors, warn_if_not_memory
 from . import cleanup
-from .buffers import MappedFile, MappingCache
-from .coverage import StepItems
+from .buffers import MappingCache
 from .identity import Lineage
 from .inventory import Inventory, StepState
 from .layout import ItemLocation, JobPaths
 from .locks import CommitLock, NodeLock, flocked
-from .manifest import Manifest, MetadataHeader
+from .manifest import Manifest
 from .metadata import MetadataFiles
 from .pool import BufferPool, Capacity
 from .shards import ALIGN, ShardFiles, ShardSource, ShardWriter, align
@@ -68,7 +67,7 @@ class LocalStore:
         self.shards = ShardFiles(self.paths, self.job_id, self.mappings, self.pool, self.capacity,
                                  self.lock, self.commits)
         self.metadata = MetadataFiles(self.paths, self.job_id, self.commits)
-        self.listing = Inventory(self.paths, self.shards, self.metadata)
+        self.inventory = Inventory(self.paths, self.shards, self.metadata)
         if create:
             with local_dir_errors(self.local_dir):
                 os.makedirs(self.local_dir, mode=0o700, exist_ok=True)
@@ -90,18 +89,6 @@ class LocalStore:
         self.mappings.clear()
 
     # ------------------------------------------------------------------ paths and locks
-    def step_dir(self, step: int) -> str:
-        return self.paths.step_dir(step)
-
-    def data_path(self, step: int, rank: int) -> str:
-        return self.paths.data(step, rank)
-
-    def manifest_path(self, step: int, rank: int) -> str:
-        return self.paths.manifest(step, rank)
-
-    def metadata_path(self, step: int) -> str:
-        return self.paths.metadata(step)
-
     def locked(self) -> contextlib.AbstractContextManager[None]:
         """Job-wide lock for step-level bookkeeping shared by the ranks of a node."""
         return self.lock.held()
@@ -135,43 +122,7 @@ class LocalStore:
                 "gc` refuses a directory a live run holds). In-memory saves fail until the job "
                 "restarts; the persistent checkpoints asked for are still written") from e
 
-    def reopen_shard(self, step: int, rank: int, nbytes: int) -> ShardWriter:
-        """Continue an uncommitted shard that was staged earlier (possibly by another process)."""
-        return self.shards.reopen(step, rank, nbytes)
-
-    def write_metadata(self, step: int, payload: bytes, *, world_size: int, ranks: Iterable[int],
-                       total_bytes: int, save_id: str = "", lineage: Lineage | None = None,
-                       copy_modes: Iterable[str] = ()) -> None:
-        """Commit the global DCP metadata of a step (atomic; replaces an older save's)."""
-        self.metadata.write(step, payload, world_size=world_size, ranks=ranks,
-                            total_bytes=total_bytes, save_id=save_id, lineage=lineage,
-                            copy_modes=copy_modes)
-
-    def write_metadata_file(self, step: int, raw: bytes) -> None:
-        """Install an encoded metadata file (e.g. received from a peer) after verifying it."""
-        self.metadata.write_file(step, raw)
-
-    def prewarm(self, rank: int, nbytes: int, keep: int) -> int:
-        """Make, off the save path, the buffers ``rank``'s next ``keep + 1`` saves will need
-        (see ``BufferPool.prewarm``); returns how many it made."""
-        return self.pool.prewarm(rank, nbytes, keep)
-
     # ------------------------------------------------------------------ read path
-    def read_manifest(self, step: int, rank: int) -> Manifest:
-        return self.shards.read_manifest(step, rank)
-
-    def open_shard(self, step: int, rank: int, save_id: str | None = None) -> ShardSource:
-        """Open a committed shard for reading (not verified: readers check each item).
-
-        With ``save_id``, a shard of another save of this step counts as absent
-        (ShardNotFoundError). A damaged shard raises CorruptShardError.
-        """
-        return self.shards.open(step, rank, save_id)
-
-    def map_shard(self, step: int, rank: int) -> tuple[Manifest, MappedFile]:
-        """Map a committed shard (not verified; see ``verify_shard``)."""
-        return self.shards.map(step, rank)
-
     def verify_shard(self, step: int, rank: int, recorded: Iterable[ItemLocation] = ()) -> Manifest:
         """Check every item's checksum; raises CorruptShardError naming the first bad item.
 
@@ -179,45 +130,20 @@ class LocalStore:
         metadata holds for this rank (what a resume checks, so a manifest rewritten to match
         damaged bytes does not pass). A shard of another save than the metadata here fails.
         """
-        m, buf = self.map_shard(step, rank)
+        m, buf = self.shards.map(step, rank)
         listing = Listing(m.items)  # a partial replica: only the items it lists are here
         recorded = [loc for loc in recorded if not m.partial or listing.lists(loc.offset)]
         with contextlib.suppress(ShardNotFoundError):
-            header, _ = self.read_metadata(step)
+            header, _ = self.metadata.read(step)
             if header.save_id != m.save_id:
                 raise CorruptShardError(f"step {step} rank {rank}: the shard belongs to save "
                                         f"{m.save_id!r}, the metadata to {header.save_id!r}")
-        where = f"step {step} rank {rank} ({self.data_path(step, rank)})"
+        where = f"step {step} rank {rank} ({self.paths.data(step, rank)})"
         verify_region(buf.array, m.items, where, lambda it: f"item {it.key!r}")
         verify_region(buf.array, recorded, where, lambda loc: f"metadata item at offset {loc.offset}")
         return m
 
-    def read_metadata(self, step: int, save_id: str | None = None) -> tuple[MetadataHeader, bytes]:
-        """The verified metadata of a step; with ``save_id``, another save's counts as absent."""
-        return self.metadata.read(step, save_id)
-
-    def read_metadata_file(self, step: int) -> bytes:
-        return self.metadata.read_file(step)
-
-    def step_items(self, step: int) -> StepItems:
-        """Each owner's primary items of the save the step's metadata here describes, by copy
-        group (``coverage.StepItems``); ShardNotFoundError without metadata."""
-        return self.metadata.items(step)
-
     # ------------------------------------------------------------------ inventory
-    def steps(self) -> list[int]:
-        return self.listing.steps()
-
-    def step_state(self, step: int) -> StepState:
-        return self.listing.step_state(step)
-
-    def inventory(self) -> dict[int, StepState]:
-        return self.listing.all()
-
-    def complete_steps(self) -> list[int]:
-        """Steps whose metadata and every needed shard are committed here, oldest first."""
-        return self.listing.complete_steps()
-
     def other_jobs(self) -> dict[str, int]:
         """Other jobs under ``local_dir`` that hold step folders and could still be resumed
         (not finished: ``store/claim.py``'s ``mark_finished``): job id -> its newest step. Only
@@ -253,29 +179,19 @@ class LocalStore:
             if other:
                 yield JobPaths(e.path)
 
-    def usage_bytes(self) -> int:
-        """Bytes held by this job's files on this node (committed, in flight and pooled)."""
-        return self.capacity.usage_bytes()
-
     # ------------------------------------------------------------------ retirement and gc
-    def retire_shard(self, step: int, rank: int, *, keep_metadata: bool = False) -> None:
-        """Uncommit a shard (manifest first) and recycle its buffer (what retention,
-        ``mlcheckpoint/manager/retention.py``, and a quarantine call); the step's metadata stays with
-        ``keep_metadata``, even when no shard of the step is left here."""
-        self.shards.retire(step, rank, keep_metadata=keep_metadata)
-
     def gc(self, ranks: Iterable[int] | None = None, min_age_s: float = 0.0) -> list[str]:
         """Remove what crashes left behind (see ``cleanup.gc``); returns the removed paths."""
-        return cleanup.gc(self.listing, self.shards, ranks, min_age_s)
+        return cleanup.gc(self.inventory, self.shards, ranks, min_age_s)
 
     def settle(self, lineage: Lineage, loaded: int | None, set_aside: Iterable[int] = ()) -> list[int]:
         """After a resume, keep only the job's history up to ``loaded`` (see ``cleanup.settle``)."""
-        return cleanup.settle(self.listing, self.shards, lineage, loaded, set_aside)
+        return cleanup.settle(self.inventory, self.shards, lineage, loaded, set_aside)
 
     def set_aside_runs(self, lineage: Lineage) -> list[int]:
         """Before the first save of a run that did not resume, move the steps of runs outside
         ``lineage`` into ``orphans/`` (see ``cleanup.set_aside_runs``); returns them."""
-        return cleanup.set_aside_runs(self.listing, self.shards, lineage)
+        return cleanup.set_aside_runs(self.inventory, self.shards, lineage)
 
     def orphans(self) -> list[tuple[int, str]]:
         """(step, path) of steps set aside by ``settle``."""

@@ -13,7 +13,7 @@ from mlcheckpoint.replication.schedule.pairing import (
     rank_sources,
 )
 from mlcheckpoint.store import coverage
-from mlcheckpoint.store.inventory import StepState
+from mlcheckpoint.store.inventory import Arrivals, StepState
 from mlcheckpoint.store.layout import ItemLocation
 from mlcheckpoint.store.manifest import MetadataHeader
 from mlcheckpoint.topology import Topology
@@ -120,7 +120,7 @@ def test_items_a_planner_did_not_deduplicate_get_no_copies():
 
 
 # ------------------------------------------------ the room arriving replicas take: one count
-# ``choose`` (before the save's metadata) and the room check after it (``coverage.Arrivals``)
+# ``choose`` (before the save's metadata) and the room check after it (``inventory.Arrivals``)
 # count what the partners' replicas bring by one rule, ``coverage.arriving_bytes``.
 
 def recorded(choice: copies.Choice, held, planned) -> list[ItemLocation]:
@@ -153,7 +153,7 @@ class Saved:
         self.state = StepState(3, has_metadata=True, required_ranks=header.ranks,
                                world_size=world, header=header,
                                copy_groups=coverage.StepItems(locations).groups())
-        self.items = coverage.StepItems(locations)
+        self._items = coverage.StepItems(locations)
 
     def steps(self) -> list[int]:
         return [3]
@@ -161,8 +161,8 @@ class Saved:
     def step_state(self, step: int) -> StepState:
         return self.state
 
-    def step_items(self, step: int) -> coverage.StepItems:
-        return self.items
+    def items(self, step: int) -> coverage.StepItems:
+        return self._items
 
 
 def room_check(choice, held, planned, nodes: int, ranks_per_node: int, replicas: int) -> list[int]:
@@ -176,7 +176,7 @@ def room_check(choice, held, planned, nodes: int, ranks_per_node: int, replicas:
                      local_world_size=ranks_per_node, node_rank=rank // ranks_per_node,
                      num_nodes=nodes)
         places = max(2, 1 + len(strategy.targets(t.node_rank, nodes)))
-        arrivals = coverage.Arrivals(saved, t, places, rank_sources(strategy, rank,
+        arrivals = Arrivals(saved, saved, t, places, rank_sources(strategy, rank,
                                                                      ranks_per_node, nodes))
         per_node[t.node_rank] += arrivals()
     return per_node

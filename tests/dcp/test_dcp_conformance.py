@@ -192,11 +192,11 @@ def test_rank_without_tensor_bytes_commits_a_shard(store):
     and nothing half-written is left."""
     dcp.save({}, storage_writer=MemoryStorageWriter(1, store))
     dcp.save({"n": 5}, storage_writer=MemoryStorageWriter(2, store))
-    empty, only_bytes = store.read_manifest(1, 0), store.read_manifest(2, 0)
+    empty, only_bytes = store.shards.read_manifest(1, 0), store.shards.read_manifest(2, 0)
     assert (empty.items, empty.data_bytes) == ([], 0)
     assert [it.kind for it in only_bytes.items] == ["bytes"] and only_bytes.data_bytes > 0
-    assert store.read_metadata(1)[0].ranks == [] and store.read_metadata(2)[0].ranks == [0]
-    assert store.complete_steps() == [1, 2]
+    assert store.metadata.read(1)[0].ranks == [] and store.metadata.read(2)[0].ranks == [0]
+    assert store.inventory.complete_steps() == [1, 2]
     for step in (1, 2):
         store.verify_shard(step, 0)
     out = {"n": None}
@@ -209,15 +209,15 @@ def test_retired_empty_shard_does_not_displace_pooled_buffers(store):
     """An empty shard has no buffer worth recycling: retiring it keeps the pool as it was."""
     full = store.begin_shard(1, 0, 4096)
     full.commit()
-    store.retire_shard(1, 0)
+    store.shards.retire(1, 0)
     pooled = sorted(os.listdir(store.pool_dir))
     assert len(pooled) == 1
     empty = store.begin_shard(2, 0, 0)
     assert empty.buffer.size == 0 and sorted(os.listdir(store.pool_dir)) == pooled  # not taken
     empty.commit()
-    store.retire_shard(2, 0)
+    store.shards.retire(2, 0)
     assert sorted(os.listdir(store.pool_dir)) == pooled
-    assert store.steps() == [] and store.gc() == []
+    assert store.inventory.steps() == [] and store.gc() == []
 
 
 # ---------------------------------------------------------------- 4 ranks, one node

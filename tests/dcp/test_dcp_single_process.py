@@ -47,7 +47,7 @@ def failures(e: CheckpointException) -> list[BaseException]:
 
 
 def item_of(store: LocalStore, step: int, key: str):
-    m = store.read_manifest(step, 0)
+    m = store.shards.read_manifest(step, 0)
     return next(it for it in m.items if it.key == key or it.key.startswith(key + "@"))
 
 
@@ -57,7 +57,7 @@ def test_save_load_round_trip_bit_exact(store):
     sd = make_state(1)
     expected = clone_state(sd)
     dcp.save(sd, storage_writer=MemoryStorageWriter(5, store))
-    assert store.complete_steps() == [5]
+    assert store.inventory.complete_steps() == [5]
     out = load(5, store, sd)
     assert_same(expected, out)
     assert_same(expected, sd)  # saving left the source alone
@@ -85,7 +85,7 @@ def test_async_save_round_trip_and_snapshot_semantics(store):
     sd["extra"]["hist"].append("later")
     sd["extra"]["nested"]["deep"]["k"][0] = -1
     fut.result(timeout=60)
-    assert store.complete_steps() == [8]
+    assert store.inventory.complete_steps() == [8]
     out = load(8, store, expected)
     assert_same(expected, out)
 
@@ -134,9 +134,9 @@ def test_tensor_bytes_are_stored_raw(store):
     w = torch.randn(64, 32)
     h = torch.arange(100, dtype=torch.int16).reshape(10, 10).t()  # non-contiguous source
     dcp.save({"w": w, "h": h, "step": 3}, storage_writer=MemoryStorageWriter(1, store))
-    with open(store.data_path(1, 0), "rb") as f:
+    with open(store.paths.data(1, 0), "rb") as f:
         data = f.read()
-    _, payload = store.read_metadata(1)
+    _, payload = store.metadata.read(1)
     locations = {idx.fqn: loc for idx, loc in pickle.loads(payload).storage_data.items()}
     for fqn, t in (("w", w), ("h", h)):
         it = item_of(store, 1, fqn)
@@ -187,7 +187,7 @@ def test_flipped_byte_fails_load_into_any_destination(store, dest):
 
 def test_truncated_shard_fails_load(store):
     dcp.save({"w": torch.randn(1000)}, storage_writer=MemoryStorageWriter(1, store))
-    os.truncate(store.data_path(1, 0), 100)
+    os.truncate(store.paths.data(1, 0), 100)
     fresh = LocalStore(store.local_dir, JOB)
     try:
         with pytest.raises(CheckpointException) as ei:
@@ -207,17 +207,17 @@ def test_resaving_a_step_replaces_it(store):
     dcp.save(make_state(1), storage_writer=MemoryStorageWriter(4, store))
     dcp.async_save(make_state(2), storage_writer=MemoryStorageWriter(4, store)).result(timeout=60)
     assert_same(make_state(2), load(4, store))
-    assert sorted(os.listdir(store.step_dir(4))) == ["metadata", "rank-00000.data",
+    assert sorted(os.listdir(store.paths.step_dir(4))) == ["metadata", "rank-00000.data",
                                                      "rank-00000.manifest"]
     dcp.save(make_state(3), storage_writer=MemoryStorageWriter(4, store))
     assert_same(make_state(3), load(4, store))
-    assert store.complete_steps() == [4]
+    assert store.inventory.complete_steps() == [4]
 
 
 def test_writer_and_reader_from_job_id_and_local_dir(store):
     sd = {"a": torch.arange(6, dtype=torch.int16)}
     dcp.save(sd, storage_writer=MemoryStorageWriter(2, job_id=JOB, local_dir=store.local_dir))
-    assert store.complete_steps() == [2]
+    assert store.inventory.complete_steps() == [2]
     out = {"a": torch.zeros(6, dtype=torch.int16)}
     dcp.load(out, storage_reader=MemoryStorageReader("mlcheckpoint://job-dcp/2", job_id=JOB,
                                                      local_dir=store.local_dir))
@@ -245,7 +245,7 @@ def test_staged_writer_survives_pickling(store):
     staged = w.stage(sd)
     w2 = pickle.loads(pickle.dumps(w))
     dcp.save(staged, storage_writer=w2)
-    assert store.complete_steps() == [3]
+    assert store.inventory.complete_steps() == [3]
     assert_same(expected, load(3, store, sd))
     assert store.gc() == []
 
@@ -284,7 +284,7 @@ def test_process_mode_writes_each_tensor_once(store, caplog, diverge):
     w2 = pickle.loads(pickle.dumps(w))
     with caplog.at_level("WARNING", logger="mlcheckpoint.dcp.writer"):
         dcp.save(sent, storage_writer=w2)
-    m = store.read_manifest(5, 0)
+    m = store.shards.read_manifest(5, 0)
     tensors = {i.key.split("@")[0]: i for i in m.items if i.kind == "tensor"}
     assert tensors["b"].offset + tensors["b"].nbytes <= staged_bytes  # stored once, in place
     if diverge:  # written anew after the staged region, which is left as it was
@@ -315,7 +315,7 @@ def test_closing_unused_staged_writer_leaves_nothing_visible(store):
     w = MemoryStorageWriter(1, store)
     w.stage({"a": torch.ones(100)})
     w.close()
-    assert 1 not in store.inventory()  # no trace, not even an empty step folder
+    assert 1 not in store.inventory.all()  # no trace, not even an empty step folder
     assert store.gc() == []
 
 
@@ -446,7 +446,7 @@ def test_manager_retention_keeps_newest(dirs):
         ckpt.wait()
         mem = [e.step for e in ckpt.checkpoints() if e.location == "memory"]
         assert mem == [5, 6]
-        assert internals(ckpt).store.complete_steps() == [5, 6]
+        assert internals(ckpt).store.inventory.complete_steps() == [5, 6]
         pooled = os.listdir(internals(ckpt).store.pool_dir)
         assert 1 <= len(pooled) <= 2
 

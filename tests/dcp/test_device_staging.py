@@ -78,8 +78,8 @@ def on_device_bytes(marked: set[int], sd) -> int:
 
 def saved(ckpt: CheckpointManager, step: int):
     store = internals(ckpt).store
-    m = store.read_manifest(step, 0)
-    locations = item_locations(store.read_metadata(step)[1])
+    m = store.shards.read_manifest(step, 0)
+    locations = item_locations(store.metadata.read(step)[1])
     return store, m, locations
 
 
@@ -122,7 +122,7 @@ def test_host_bytes_of_a_cpu_save_are_every_byte_it_stores(store_dir):
     sd = {"model": model.state_dict(), "optim": optim.state_dict()}
     with CheckpointManager(job_id=JOB, local_dir=store_dir, replication="none") as ckpt:
         for step, result in ((1, ckpt.save(sd, 1)), (2, ckpt.async_save(sd, 2).result())):
-            m = internals(ckpt).store.read_manifest(step, 0)
+            m = internals(ckpt).store.shards.read_manifest(step, 0)
             assert all(it.algorithm is None for it in m.items)  # xxh3, recorded as before
             assert result.host_bytes == sum(it.nbytes for it in m.items) >= tensor_bytes(sd)
 

@@ -88,7 +88,7 @@ def test_a_failing_entry_is_named_and_nothing_committed_is_touched(store_dir, ho
         if isinstance(raised.value, CheckpointException):  # what a dcp.save user reads
             assert key in str(raised.value)
         assert [e.step for e in ckpt.checkpoints()] == [1]
-        assert not os.path.exists(internals(ckpt).store.step_dir(2)) or internals(ckpt).store.step_state(2).committed_ranks == set()
+        assert not os.path.exists(internals(ckpt).store.paths.step_dir(2)) or internals(ckpt).store.inventory.step_state(2).committed_ranks == set()
     with manager(store_dir) as ckpt:
         out = zeros_like_state(make_state())
         assert ckpt.resume(out).step == 1

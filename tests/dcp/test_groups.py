@@ -36,4 +36,4 @@ def test_stage_sees_the_arguments_of_the_async_save_that_calls_it(store):
 def test_without_a_process_group_nothing_is_refused(store):
     w = MemoryStorageWriter(2, store, refuse_default_group=True)
     dcp.async_save({"a": torch.ones(4)}, storage_writer=w).result(timeout=60)
-    assert store.complete_steps() == [2]
+    assert store.inventory.complete_steps() == [2]

@@ -216,7 +216,7 @@ def test_failing_close_during_staging_commits_nothing_torn(store_dir):
         fut.result(timeout=60)
     train_step(model, optim, 1)
     with make_manager(store_dir) as again:
-        assert internals(again).store.complete_steps() == [1]
+        assert internals(again).store.inventory.complete_steps() == [1]
         out = copy.deepcopy(expected)
         assert again.resume(out).step == 1
         assert_same(out, expected)
@@ -243,10 +243,10 @@ def test_staging_failure_surfaces_at_the_guard_and_the_previous_step_resumes(sto
         with pytest.raises(StagingError):
             fut.result()
         exp_avg.resize_(kept.shape).copy_(kept)
-        assert internals(ckpt).store.complete_steps() == [1]
+        assert internals(ckpt).store.inventory.complete_steps() == [1]
         optim.step()  # raised once
         ckpt.async_save(sd, 3).result()  # its future said so: the next save goes ahead
-        assert internals(ckpt).store.complete_steps() == [1, 3]
+        assert internals(ckpt).store.inventory.complete_steps() == [1, 3]
         out = copy.deepcopy(expected)
         assert_same(load(ckpt, 1, out), expected)
 

@@ -56,7 +56,7 @@ def params() -> dict[str, nn.Parameter]:
 
 
 def assert_holds_only(store: LocalStore, step: int, keep: set[str], sd: dict) -> None:
-    m = store.read_manifest(step, 0)
+    m = store.shards.read_manifest(step, 0)
     tensors = [it for it in m.items if it.kind == "tensor"]
     assert {it.key.split("@")[0] for it in tensors} == keep
     # every byte belongs to an item, but for the 64-byte alignment of each
@@ -118,7 +118,7 @@ def test_tensors_a_guarded_stage_left_out_are_copied_before_the_optimizer_step(
         assert first.staged_bytes > 0
         # A stale prediction: every other tensor is another rank's to write.
         key = internals(ckpt).snapshots.plans.predict(model_state(model, optim)).key
-        flat = [k for k in internals(ckpt).store.read_manifest(0, 0).items if k.kind == "tensor"]
+        flat = [k for k in internals(ckpt).store.shards.read_manifest(0, 0).items if k.kind == "tensor"]
         half = [WriteItem(MetadataIndex(it.key.split("@")[0]), WriteItemType.TENSOR)
                 for it in flat[::2]]
         internals(ckpt).snapshots.plans.learn(key, SavePlan(half))
@@ -136,7 +136,7 @@ def test_tensors_a_guarded_stage_left_out_are_copied_before_the_optimizer_step(
         finally:
             timer.join()
         result = fut.result()
-        tensor_bytes = sum(align(it.nbytes) for it in internals(ckpt).store.read_manifest(1, 0).items
+        tensor_bytes = sum(align(it.nbytes) for it in internals(ckpt).store.shards.read_manifest(1, 0).items
                            if it.kind == "tensor")
         assert 0 < result.staged_bytes < tensor_bytes  # half was left out, then copied
         out = zeros_like_state(expected)

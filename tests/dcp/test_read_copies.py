@@ -74,7 +74,7 @@ def save_with_lost_shard(store: LocalStore) -> tuple[dict, dict[str, ItemLocatio
     sd = state()
     expected = clone_state(sd)
     dcp.save(sd, storage_writer=MemoryStorageWriter(STEP, store))
-    header, payload = store.read_metadata(STEP)
+    header, payload = store.metadata.read(STEP)
     md = pickle.loads(payload)
     copies: dict[str, ItemLocation] = {}
     for i, (index, loc) in enumerate(sorted(md.storage_data.items(), key=lambda kv: str(kv[0]))):
@@ -87,11 +87,11 @@ def save_with_lost_shard(store: LocalStore) -> tuple[dict, dict[str, ItemLocatio
     kinds = {loc.is_tensor for loc in copies.values()}
     assert kinds == {True, False} and any(k.startswith("extra.") for k in copies)  # every kind moved
     locations = list(md.storage_data.values())
-    store.write_metadata(STEP, pickle.dumps(md), world_size=2, ranks={0, 1},
+    store.metadata.write(STEP, pickle.dumps(md), world_size=2, ranks={0, 1},
                          total_bytes=sum(loc.nbytes for loc in locations), save_id=header.save_id,
                          lineage=Lineage.from_header(header.run_id, header.lineage))
-    assert store.step_state(STEP).copy_groups == {1: [(0,)]}
-    assert STEP in store.complete_steps()  # whole here: rank 1's items through their copies
+    assert store.inventory.step_state(STEP).copy_groups == {1: [(0,)]}
+    assert STEP in store.inventory.complete_steps()  # whole here: rank 1's items through their copies
     return expected, copies
 
 
@@ -107,7 +107,7 @@ def test_items_of_a_shard_on_no_node_load_from_their_copies(store, caplog):
 def test_a_corrupt_copy_is_named(store):
     _, copies = save_with_lost_shard(store)
     loc = copies["model.layer.i32"]
-    flip_byte(store.data_path(STEP, 0), loc.offset + 3)
+    flip_byte(store.paths.data(STEP, 0), loc.offset + 3)
     with pytest.raises(CorruptShardError) as ei:
         load_step(target(), MemoryStorageReader(STEP, store, node=0), None)
     assert ei.value.copy == CopyId(STEP, 0, 0)  # the copy's rank and node: refused, another tried
@@ -116,7 +116,7 @@ def test_a_corrupt_copy_is_named(store):
 
 def test_a_copy_gone_too_is_a_clear_error(store):
     save_with_lost_shard(store)
-    os.unlink(store.manifest_path(STEP, 0))  # rank 0's shard uncommitted: the copies are gone
+    os.unlink(store.paths.manifest(STEP, 0))  # rank 0's shard uncommitted: the copies are gone
     with pytest.raises(ShardNotFoundError, match="neither in rank 1's shard nor in any of its copies"):
         load_step(target(), MemoryStorageReader(STEP, store, node=0), None)
 
@@ -138,7 +138,7 @@ def test_a_resume_reads_them_and_refuses_a_corrupt_copy(store_dir):
         assert info.step == STEP, info
         assert "shards of ranks [1] are whole on no surviving node" in info.reason and "copies" in info.reason
         same(expected, out)
-        flip_byte(internals(ckpt).store.data_path(STEP, 0), copies["model.f16"].offset + 1)
+        flip_byte(internals(ckpt).store.paths.data(STEP, 0), copies["model.f16"].offset + 1)
     with CheckpointManager(None, job_id=JOB, local_dir=local, replication="none") as ckpt:
         out = target()
         info = ckpt.resume(out)
@@ -163,7 +163,7 @@ class OtherNode(Transport):
     def read_items(self, peer, step, owner, ranges, sinks, on_range=None, *, paced=False) -> int:
         self.owners_read.append(owner)
         self.paced.append(paced)
-        with self.store.open_shard(step, owner) as source:
+        with self.store.shards.open(step, owner) as source:
             for i, ((offset, nbytes), sink) in enumerate(zip(ranges, sinks, strict=True)):
                 sink[:] = np.frombuffer(source.read(offset, nbytes), np.uint8)
                 if on_range is not None:
@@ -195,7 +195,7 @@ def test_copies_held_by_another_node_are_read_through_the_holders(store, store_d
     expected, copies = save_with_lost_shard(store)
     replacement = LocalStore(os.path.join(store_dir, "node1"), JOB)
     try:
-        replacement.write_metadata_file(STEP, store.read_metadata_file(STEP))
+        replacement.metadata.write_file(STEP, store.metadata.read_file(STEP))
         inventories = [take_inventory(store, 0, [0]), take_inventory(replacement, 1, [1])]
         plan = plan_resume(inventories, None, 2)
         assert (plan.step, plan.through_copies, plan.sources) == (STEP, [1], {0: "local", 1: "copies"})
@@ -203,7 +203,7 @@ def test_copies_held_by_another_node_are_read_through_the_holders(store, store_d
         holders = Holders(transport, replacement, node(1), plan)
         assert holders.nodes_holding(STEP, 0, 0) == [0] and holders.nodes_holding(STEP, 1, 0) == []
         if corrupt:
-            flip_byte(store.data_path(STEP, 0), copies["i64"].offset)
+            flip_byte(store.paths.data(STEP, 0), copies["i64"].offset)
         reader = MemoryStorageReader(STEP, replacement, node=1, remote=holders, save_id=plan.save_id)
         out = target()
         if corrupt:
@@ -219,13 +219,13 @@ def test_copies_held_by_another_node_are_read_through_the_holders(store, store_d
         # its save recorded it (the same save, offsets and checksums), in paced reads
         assert holders.rebuild(1)
         assert transport.paced[1:] and all(transport.paced[1:]), transport.paced
-        recorded = [loc for loc in pickle.loads(store.read_metadata(STEP)[1]).storage_data.values()
+        recorded = [loc for loc in pickle.loads(store.metadata.read(STEP)[1]).storage_data.values()
                     if loc.rank == 1]
         m = replacement.verify_shard(STEP, 1, recorded)  # every checksum, as the metadata says
-        assert not m.partial and (m.save_id, m.run_id) == (plan.save_id, store.read_manifest(STEP, 0).run_id)
+        assert not m.partial and (m.save_id, m.run_id) == (plan.save_id, store.shards.read_manifest(STEP, 0).run_id)
         assert sorted(it.offset for it in m.items) == sorted(loc.offset for loc in recorded)
         assert {it.key.split("@")[0] for it in m.items} == set(copies)
-        st = replacement.step_state(STEP)
+        st = replacement.inventory.step_state(STEP)
         assert not coverage.unreadable([1], st.copy_groups, st.holdings())  # all of rank 1's, here
         assert not holders.rebuild(1)  # here already
         reads = len(transport.owners_read)
@@ -276,7 +276,7 @@ def test_an_item_with_a_copy_here_is_read_here_though_its_shard_is_elsewhere(sto
     """Node 0 holds copies of rank 1's items; rank 1's shard is on node 1. Every item is read
     on node 0: nothing from node 1."""
     expected, _ = save_with_lost_shard(store)
-    header, _ = store.read_metadata(STEP)
+    header, _ = store.metadata.read(STEP)
     plan = plan_with_holders(header.save_id, {0: [0], 1: [1]})
     holders = Holders(NoReads(store), store, rank_on(0, 2), plan)
     out = target()
@@ -289,10 +289,10 @@ def test_items_whose_holder_dies_mid_read_come_from_their_copies(store, store_di
     """Node 2 (a replacement) holds only the metadata. Rank 1's items are primaries on node 1,
     which dies as it is asked; their copies on node 0 serve them."""
     expected, _ = save_with_lost_shard(store)
-    header, _ = store.read_metadata(STEP)
+    header, _ = store.metadata.read(STEP)
     replacement = LocalStore(os.path.join(store_dir, "node2"), JOB)
     try:
-        replacement.write_metadata_file(STEP, store.read_metadata_file(STEP))
+        replacement.metadata.write_file(STEP, store.metadata.read_file(STEP))
         plan = plan_with_holders(header.save_id, {0: [0], 1: [1]})
         transport = DiesFor(store, dead={1})
         holders = Holders(transport, replacement, rank_on(2), plan)
@@ -308,10 +308,10 @@ def test_items_whose_holder_dies_mid_read_come_from_their_copies(store, store_di
 
 def test_when_every_place_of_an_item_fails_the_error_names_them(store, store_dir):
     save_with_lost_shard(store)
-    header, _ = store.read_metadata(STEP)
+    header, _ = store.metadata.read(STEP)
     replacement = LocalStore(os.path.join(store_dir, "node2"), JOB)
     try:
-        replacement.write_metadata_file(STEP, store.read_metadata_file(STEP))
+        replacement.metadata.write_file(STEP, store.metadata.read_file(STEP))
         plan = plan_with_holders(header.save_id, {0: [0], 1: [1]})
         holders = Holders(DiesFor(store, dead={0, 1}), replacement, rank_on(2), plan)
         with pytest.raises(ShardNotFoundError, match="on any node; failed: node") as ei:
@@ -326,7 +326,7 @@ def test_a_shard_here_serves_only_the_items_its_manifest_lists(store):
     """A partial copy of rank 1's shard on node 0 lists two of its items (the rest of its bytes
     are holes): those two are read from it, the others from their copies in rank 0's shard."""
     expected, copies = save_with_lost_shard(store)
-    header, payload = store.read_metadata(STEP)
+    header, payload = store.metadata.read(STEP)
     md = pickle.loads(payload)
     moved = sorted(((i.fqn, loc) for i, loc in md.storage_data.items() if i.fqn != KEPT),
                    key=lambda kv: kv[1].offset)
@@ -334,7 +334,7 @@ def test_a_shard_here_serves_only_the_items_its_manifest_lists(store):
     end = max(loc.offset + loc.nbytes for _, loc in moved)
     shard = store.begin_shard(STEP, 1, end)
     shard.buffer.array[:] = 0
-    with store.open_shard(STEP, 0) as source:
+    with store.shards.open(STEP, 0) as source:
         for fqn, loc in moved:
             if fqn in listed:
                 shard.buffer.array[loc.offset:loc.offset + loc.nbytes] = np.frombuffer(
@@ -343,7 +343,7 @@ def test_a_shard_here_serves_only_the_items_its_manifest_lists(store):
                                             checksum=loc.checksum))
     shard.commit(2, save_id=header.save_id, run_id=header.run_id)
     for fqn in listed:  # rank 0's copies of the listed items are damaged: they must not be read
-        flip_byte(store.data_path(STEP, 0), copies[fqn].offset)
+        flip_byte(store.paths.data(STEP, 0), copies[fqn].offset)
     out = target()
     load_step(out, MemoryStorageReader(STEP, store, node=0), None)
     same(expected, out)
@@ -351,6 +351,6 @@ def test_a_shard_here_serves_only_the_items_its_manifest_lists(store):
 
 def test_a_missing_metadata_is_named_not_an_assertion(store):
     save_with_lost_shard(store)
-    os.unlink(store.metadata_path(STEP))
+    os.unlink(store.paths.metadata(STEP))
     with pytest.raises(ShardNotFoundError, match="step 4 has no global metadata on this node"):
         load_step(target(), MemoryStorageReader(STEP, store, node=0), None)

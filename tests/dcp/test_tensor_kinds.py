@@ -191,8 +191,8 @@ def test_subclass_is_stored_as_dcp_stores_it_and_checksummed(store):
     flipped byte in them fails the load, like any other item."""
     sd = {"w": build("own_wrapper_subclass", 0)["w"]}
     dcp.save(sd, storage_writer=MemoryStorageWriter(1, store))
-    item = next(it for it in store.read_manifest(1, 0).items if it.key.split("@")[0] == "w")
-    with open(store.data_path(1, 0), "rb") as f:
+    item = next(it for it in store.shards.read_manifest(1, 0).items if it.key.split("@")[0] == "w")
+    with open(store.paths.data(1, 0), "rb") as f:
         f.seek(item.offset)
         stored = f.read(item.nbytes)
     loaded = torch.load(io.BytesIO(stored), weights_only=True)

@@ -53,7 +53,7 @@ def test_a_manifest_written_before_per_item_algorithms_still_verifies(store):
     sw = store.begin_shard(3, 0, len(data))
     sw.buffer.array[:] = np.frombuffer(data, dtype=np.uint8)
     sw.commit()  # the data file in place; its manifest is then replaced by an old one
-    with open(store.manifest_path(3, 0), "w") as f:
+    with open(store.paths.manifest(3, 0), "w") as f:
         f.write(OLD_MANIFEST % digest_item(data))
     m = store.verify_shard(3, 0)
     assert m.algorithm == XXH3 and m.items[0].algorithm is None
@@ -75,7 +75,7 @@ def test_an_old_item_location_reads_as_xxh3():
 def test_items_of_one_shard_verify_each_under_its_own_algorithm(store):
     data = payload(4, 0, 3 << 20)
     m = commit(store, 4, data, [WSUM, XXH3, WSUM])
-    assert [it.algorithm for it in store.read_manifest(4, 0).items] == [WSUM, None, WSUM]
+    assert [it.algorithm for it in store.shards.read_manifest(4, 0).items] == [WSUM, None, WSUM]
     store.verify_shard(4, 0)
     # each checksum is its own algorithm's, and would fail under the other
     for it in m.items:
@@ -83,7 +83,7 @@ def test_items_of_one_shard_verify_each_under_its_own_algorithm(store):
         part = data[it.offset:it.offset + it.nbytes]
         assert digest_item(part, digests.of(it)) == it.checksum
         assert digest_item(part, other) != it.checksum
-    with open(store.data_path(4, 0), "r+b") as f:
+    with open(store.paths.data(4, 0), "r+b") as f:
         f.seek(m.items[2].offset + 5)
         byte = f.read(1)
         f.seek(m.items[2].offset + 5)
@@ -120,10 +120,10 @@ def test_a_record_naming_an_unknown_algorithm_is_corrupt_not_a_crash(store):
     with pytest.raises(CorruptShardError, match="unknown checksum algorithm"):
         StreamVerifier(data, [ManifestItem("x", 0, 10, 0, algorithm="crc7")], data.size, "here")
     commit(store, 6, data.tobytes(), [XXH3])
-    with open(store.manifest_path(6, 0)) as f:
+    with open(store.paths.manifest(6, 0)) as f:
         raw = json.load(f)
     raw["items"][0]["algorithm"] = "crc7"
-    with open(store.manifest_path(6, 0), "w") as f:
+    with open(store.paths.manifest(6, 0), "w") as f:
         json.dump(raw, f)
     with pytest.raises(CorruptShardError, match="unreadable manifest"):
         store.verify_shard(6, 0)

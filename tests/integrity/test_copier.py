@@ -184,7 +184,7 @@ def test_c_loop_can_be_switched_off():
             "assert checksum.native_hash_copy is None and copier.native_hash_copy is None\n"
             "store = LocalStore(sys.argv[1], 'job-nat')\n"
             "dcp.save({'w': torch.arange(3 << 20)}, storage_writer=MemoryStorageWriter(1, store))\n"
-            "print(store.read_manifest(1, 0).items[0].nbytes)\n")
+            "print(store.shards.read_manifest(1, 0).items[0].nbytes)\n")
     with __import__("tempfile").TemporaryDirectory(dir="/dev/shm") as d:
         out = subprocess.run([sys.executable, "-W", "ignore", "-c", code, d], capture_output=True,
                              text=True, timeout=120, env={**os.environ, "MLCHECKPOINT_NATIVE": "0"},
@@ -227,9 +227,9 @@ def test_manifest_checksums_follow_the_format(store_dir, mode, copy_loop):
             dcp.save(sd, storage_writer=writer)
         else:
             dcp.async_save(sd, storage_writer=writer).result(timeout=60)
-        m = store.read_manifest(1, 0)
+        m = store.shards.read_manifest(1, 0)
         assert m.algorithm == cs.ALGORITHM
-        with open(store.data_path(1, 0), "rb") as f:
+        with open(store.paths.data(1, 0), "rb") as f:
             data = f.read()
         assert any(it.nbytes > CHUNK for it in m.items)
         for it in m.items:
@@ -318,7 +318,7 @@ def test_fresh_store_on_a_huge_page_tmpfs_maps_the_shard_populated_and_verifies_
     try:
         sd = big_state(3)
         dcp.save(sd, storage_writer=MemoryStorageWriter(1, store))
-        assert buffers.on_huge_pages(os.stat(store.data_path(1, 0)))
+        assert buffers.on_huge_pages(os.stat(store.paths.data(1, 0)))
         out = zeros_like_state(sd)
         dcp.load(out, storage_reader=MemoryStorageReader(1, fresh))
         assert_equal(sd, out)

@@ -261,7 +261,7 @@ class Chaos:
         for k in survivors:
             store = LocalStore(self.c.nodes[k].local_dir, self.c.job_id, create=False)
             try:
-                whole += store.complete_steps()
+                whole += store.inventory.complete_steps()
             finally:
                 store.close()
         return max(whole, default=None)

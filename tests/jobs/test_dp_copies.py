@@ -101,12 +101,12 @@ def sent_bytes(c: Cluster, step: int, name: str | None = None) -> dict[int, int]
 
 
 def metadata(c: Cluster, node: int, step: int, name: str | None = None):
-    _, payload = c.store(node, name).read_metadata(step)
+    _, payload = c.store(node, name).metadata.read(step)
     return pickle.loads(payload)
 
 
 def shard_bytes(c: Cluster, node: int, step: int, rank: int, name: str | None = None) -> int:
-    return c.store(node, name).read_manifest(step, rank).data_bytes
+    return c.store(node, name).shards.read_manifest(step, rank).data_bytes
 
 
 @pytest.mark.parametrize("cluster,name", [("two_by_one", "ddp"), ("two_by_two", "ddp_async"),
@@ -226,7 +226,7 @@ def entries(md, rank: int, prefix: tuple[str, ...]) -> list:
 
 def allocated(c: Cluster, node: int, step: int, rank: int, name: str) -> int:
     """The memory (pages) the data file of rank's shard of job ``name`` takes on ``node``."""
-    return os.stat(c.store(node, name).data_path(step, rank)).st_blocks * 512
+    return os.stat(c.store(node, name).paths.data(step, rank)).st_blocks * 512
 
 
 def test_ddp_with_per_rank_entries_sends_only_those_entries(two_by_two):
@@ -246,7 +246,7 @@ def test_ddp_with_per_rank_entries_sends_only_those_entries(two_by_two):
         assert rep["state"] == "replicated" and rep["reason"] is None, rep
         assert rep["stats"]["mlcheckpoint/dp_copies_nodes"] == 2.0, rep["stats"]
         partner = 1 - r // 2
-        replica = c.store(partner, name).read_manifest(LAST, r)
+        replica = c.store(partner, name).shards.read_manifest(LAST, r)
         assert replica.partial and sorted(it.offset for it in replica.items) == \
             sorted(loc.offset for loc in own), replica
         # a node stores an item once: the model's items are there as copies, not again

@@ -113,12 +113,12 @@ def held_by(c: Cluster, node: int, name: str) -> dict:
     recycled buffer, the bytes its files take, and the data bytes of its newest step here."""
     store = c.sub_job_store(node, name)
     try:
-        steps = {s: sorted(store.step_state(s).committed_ranks) for s in store.steps()}
+        steps = {s: sorted(store.inventory.step_state(s).committed_ranks) for s in store.inventory.steps()}
         newest = max(steps, default=None)
         pooled = {classify(n).rank for n in os.listdir(store.pool_dir)}
         return {"steps": steps, "pool": sorted(r for r in pooled if r is not None),
-                "usage": store.usage_bytes(),
-                "step_bytes": sum(store.read_manifest(newest, r).data_bytes
+                "usage": store.capacity.usage_bytes(),
+                "step_bytes": sum(store.shards.read_manifest(newest, r).data_bytes
                                   for r in steps.get(newest, [])),
                 "files": sorted(os.path.relpath(os.path.join(d, f), store.job_dir)
                                 for d, _, fs in os.walk(store.job_dir) for f in fs)}

@@ -37,10 +37,10 @@ def holdings(c: Cluster, node: int) -> dict:
     a partial replica, its data bytes, its save and its items (offset, bytes, checksum)."""
     s = store(c, node)
     try:
-        st = s.step_state(LAST)
+        st = s.inventory.step_state(LAST)
         out: dict = {"metadata": st.has_metadata}
         for owner in sorted(st.committed_ranks):
-            m = s.read_manifest(LAST, owner)
+            m = s.shards.read_manifest(LAST, owner)
             out[owner] = (m.partial, m.data_bytes, m.save_id,
                           sorted((it.offset, it.nbytes, it.checksum) for it in m.items))
         return out

@@ -44,7 +44,7 @@ def modes_run():
             store = LocalStore(c.nodes[0].local_dir, jobs[m], create=False)
             try:
                 out[m]["inventory"] = {s: (st.complete, sorted(st.committed_ranks))
-                                       for s, st in store.inventory().items()}
+                                       for s, st in store.inventory.all().items()}
             finally:
                 store.close()
 

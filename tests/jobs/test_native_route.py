@@ -28,7 +28,7 @@ def node_view(c: Cluster, node: int, job_id: str) -> dict:
     store = LocalStore(c.nodes[node].local_dir, job_id, create=False)
     ranks = set(range(node * c.nproc, (node + 1) * c.nproc))
     try:
-        inv = store.inventory()
+        inv = store.inventory.all()
         saves = {(e["step"], e["rank"]) for e in history.read(store.job_dir) if e["event"] == "save"}
         return {"metadata": {s: st.save_id for s, st in inv.items() if st.has_metadata},
                 "shards": sorted(s for s, st in inv.items() if ranks <= st.committed_ranks),

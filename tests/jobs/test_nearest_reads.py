@@ -55,7 +55,7 @@ def locations(c: Cluster, node: int, step: int, name: str | None = None) -> dict
     """The step's item locations, from node ``node``'s metadata."""
     st = c.store(node, name)
     try:
-        _, payload = st.read_metadata(step)
+        _, payload = st.metadata.read(step)
     finally:
         st.close()
     return pickle.loads(payload).storage_data
@@ -68,7 +68,7 @@ def flip_item_of(c: Cluster, node: int, rank: int, step: int, name: str | None =
                      key=lambda kv: kv[1].nbytes)
     st = c.store(node, name)
     try:
-        flip_byte(st.data_path(step, rank), loc.offset + loc.nbytes // 2)
+        flip_byte(st.paths.data(step, rank), loc.offset + loc.nbytes // 2)
     finally:
         st.close()
     return index.fqn

@@ -81,7 +81,7 @@ FALLBACKS = {
         resumed=(1, "persistent"),
         reason_names=("step 2", "checksum mismatch", "step 1", "truncated")),
     "persistent_newer": Fallback(
-        memory=(3,), persistent=(6,), damage=lambda ckpt: internals(ckpt).store.retire_shard(6, 0),
+        memory=(3,), persistent=(6,), damage=lambda ckpt: internals(ckpt).store.shards.retire(6, 0),
         resumed=(6, "persistent"), reason_names=("persistent step 6",)),
     "memory_newer": Fallback(  # the contrast: intact memory at least as new wins
         memory=(5,), persistent=(4,), damage=lambda ckpt: None, resumed=(5, "local"),
@@ -173,9 +173,9 @@ def _push_from_a_dying_sender(job, streams: int, monkeypatch) -> LocalStore:
                      min_stripe_bytes=MiB, env={"MLCHECKPOINT_CRASH_AT": f"replica_mid_send@{CUT_STEP}"})
     try:
         wait_for(half_received.is_set, "the receiver to get half the shard", diag=job.logs)
-        assert os.path.exists(rstore.data_path(CUT_STEP, owner) + layout.INFLIGHT)
+        assert os.path.exists(rstore.paths.data(CUT_STEP, owner) + layout.INFLIGHT)
         with pytest.raises(ShardNotFoundError):
-            rstore.read_manifest(CUT_STEP, owner)
+            rstore.shards.read_manifest(CUT_STEP, owner)
         assert proc.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()
     finally:
         go_on.set()
@@ -185,7 +185,7 @@ def _push_from_a_dying_sender(job, streams: int, monkeypatch) -> LocalStore:
     assert not os.path.exists(os.path.join(job.status_dir, f"{owner}.result"))  # sender never finished
     assert rstore.gc() == []
     with pytest.raises(ShardNotFoundError):
-        rstore.read_manifest(CUT_STEP, owner)
+        rstore.shards.read_manifest(CUT_STEP, owner)
     # another rank holding the same shard pushes it in full, and it lands verified
     other = job.endpoint(2, streams=streams, min_stripe_bytes=MiB)
     m = make_shard(other.store, CUT_STEP, owner, CUT_BYTES, seed=3)
@@ -193,8 +193,8 @@ def _push_from_a_dying_sender(job, streams: int, monkeypatch) -> LocalStore:
     got = rstore.verify_shard(CUT_STEP, owner)
     assert [(i.offset, i.nbytes, i.checksum) for i in got.items] == \
         [(i.offset, i.nbytes, i.checksum) for i in m.items]
-    with open(rstore.data_path(CUT_STEP, owner), "rb") as a, \
-            open(other.store.data_path(CUT_STEP, owner), "rb") as b:
+    with open(rstore.paths.data(CUT_STEP, owner), "rb") as a, \
+            open(other.store.paths.data(CUT_STEP, owner), "rb") as b:
         assert a.read(CUT_BYTES) == b.read(CUT_BYTES)
     assert debris(rstore) == []
     return rstore
@@ -214,12 +214,12 @@ def test_killed_mid_transfer(make_job, monkeypatch, case):
         rstore = _push_from_a_dying_sender(make_job(world=3), row.streams, monkeypatch)
         owner = 1
     # whatever is left of the cut step is never taken for a checkpoint
-    st = rstore.step_state(CUT_STEP)
+    st = rstore.inventory.step_state(CUT_STEP)
     if row.dies == "receiver":
         assert not st.committed_ranks
     else:
         assert st.committed_ranks == {owner}  # the full push that followed
-    assert not st.has_metadata and rstore.complete_steps() == []
+    assert not st.has_metadata and rstore.inventory.complete_steps() == []
 
 
 # ============================================================================ killed during a save
@@ -243,7 +243,7 @@ def open_store(local_dir: str, job_id: str) -> LocalStore:
 
 def step_files(store: LocalStore, step: int) -> set[str]:
     try:
-        return set(os.listdir(store.step_dir(step)))
+        return set(os.listdir(store.paths.step_dir(step)))
     except FileNotFoundError:
         return set()
 
@@ -251,7 +251,7 @@ def step_files(store: LocalStore, step: int) -> set[str]:
 def save_debris(store: LocalStore) -> list[str]:
     """Uncommitted leftovers in any step: in-flight files and data without a manifest."""
     out = []
-    for step in store.steps():
+    for step in store.inventory.steps():
         names = step_files(store, step)
         committed = {layout.parse_manifest_name(n) for n in names} - {None}
         for n in names:
@@ -263,9 +263,9 @@ def save_debris(store: LocalStore) -> list[str]:
 
 def verify_complete(store: LocalStore) -> list[int]:
     """Verify every shard of every complete step (raises on a bad one); return the steps."""
-    steps = store.complete_steps()
+    steps = store.inventory.complete_steps()
     for step in steps:
-        header, _ = store.read_metadata(step)
+        header, _ = store.metadata.read(step)
         assert header.ranks == [0, 1], header
         for r in header.ranks:
             store.verify_shard(step, r)
@@ -297,7 +297,7 @@ def crash_runs():
             # What a new process finds, before anything cleaned up.
             store = open_store(node.local_dir, job)
             try:
-                o["complete"] = store.complete_steps()
+                o["complete"] = store.inventory.complete_steps()
                 o["verified"] = verify_complete(store)
                 o["step3_files"] = step_files(store, 3)
                 o["debris"] = save_debris(store)
@@ -367,7 +367,7 @@ def node_lost_run():
         def newest() -> int:
             store = open_store(node.local_dir, c.job_id)
             try:
-                return max(store.complete_steps(), default=-1)
+                return max(store.inventory.complete_steps(), default=-1)
             finally:
                 store.close()
 
@@ -378,7 +378,7 @@ def node_lost_run():
         o["killed"] = lose_node(node)
         store = open_store(node.local_dir, c.job_id)
         try:
-            o["complete"] = store.complete_steps()
+            o["complete"] = store.inventory.complete_steps()
             o["verified"] = verify_complete(store)
         finally:
             store.close()

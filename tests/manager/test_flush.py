@@ -92,7 +92,7 @@ def test_ranks_finish_a_step_in_the_folder_whichever_comes_last(store_dir, first
     stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
     for step in (1, 2):
         save_two_ranks(step, stores)
-    stores[1].write_metadata_file(1, stores[0].read_metadata_file(1))  # step 1 published
+    stores[1].metadata.write_file(1, stores[0].metadata.read_file(1))  # step 1 published
     storage = PersistentStorage(os.path.join(store_dir, "persistent"))
     os.makedirs(storage.path(0))
     with open(os.path.join(storage.path(0), ".metadata"), "wb"):
@@ -120,7 +120,7 @@ def test_a_rank_removes_its_part_of_an_older_step_once_a_newer_one_is_complete(s
     stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
     for step in (1, 2):
         save_two_ranks(step, stores)
-    stores[1].write_metadata_file(1, stores[0].read_metadata_file(1))
+    stores[1].metadata.write_file(1, stores[0].metadata.read_file(1))
     storage = PersistentStorage(os.path.join(store_dir, "persistent"))
     flushers = [Flusher(stores[r], storage, r, Pins(), wait_for_parts=20) for r in range(2)]
     results: dict[int, FlushResult] = {}
@@ -147,7 +147,7 @@ def test_a_part_whose_step_completed_meanwhile_stays(store_dir):
     the finisher takes ``.metadata`` back: the step never stands complete with a part gone."""
     stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
     save_two_ranks(1, stores)
-    stores[1].write_metadata_file(1, stores[0].read_metadata_file(1))
+    stores[1].metadata.write_file(1, stores[0].metadata.read_file(1))
     storage = PersistentStorage(os.path.join(store_dir, "persistent"))
     flushers = [Flusher(stores[r], storage, r, Pins()) for r in range(2)]
     (c0,), (c1,) = flushers[0].candidates(), flushers[1].candidates()
@@ -274,8 +274,8 @@ def test_ranks_that_chose_different_steps_meet_in_one_while_they_stay(store_dir)
     stores = [LocalStore(os.path.join(store_dir, f"node{n}"), JOB) for n in range(2)]
     save_two_ranks(1, stores)
     save_two_ranks(2, stores)
-    stores[1].write_metadata_file(2, stores[0].read_metadata_file(2))
-    stores[0].retire_shard(2, 0, keep_metadata=True)
+    stores[1].metadata.write_file(2, stores[0].metadata.read_file(2))
+    stores[0].shards.retire(2, 0, keep_metadata=True)
     storage = PersistentStorage(os.path.join(store_dir, "persistent"))
     flushers = [Flusher(stores[r], storage, r, Pins(), wait_for_parts=20) for r in range(2)]
     results: dict[int, FlushResult] = {}
@@ -307,7 +307,7 @@ def test_a_rank_stays_no_longer_for_the_part_of_a_rank_that_is_gone(store_dir, m
         save_two_ranks(step, stores)
     mine, other = (1, 0) if blind else (0, 1)
     if blind:
-        stores[1].write_metadata_file(1, stores[0].read_metadata_file(1))
+        stores[1].metadata.write_file(1, stores[0].metadata.read_file(1))
     storage = PersistentStorage(os.path.join(store_dir, "persistent"))
     job = make_job(2)
     peers = job.endpoint(mine)

@@ -37,9 +37,9 @@ def test_a_received_replica_retires_that_owners_old_replicas_and_warms_its_buffe
         sink.received(m)
         # Rank 3's old replicas beyond keep=1 went, except in step 2, the newest step held
         # whole here; this rank's own shards are the saver's to retire.
-        assert store.step_state(1).committed_ranks == {0}
-        assert store.step_state(2).committed_ranks == {0, 3}
-        assert 3 in store.step_state(3).committed_ranks
+        assert store.inventory.step_state(1).committed_ranks == {0}
+        assert store.inventory.step_state(2).committed_ranks == {0, 3}
+        assert 3 in store.inventory.step_state(3).committed_ranks
         wait_for(lambda: lifecycle.warmer.thread is not None and not lifecycle.warmer.thread.is_alive(),
                  "the buffers of rank 3's next replicas")
     finally:

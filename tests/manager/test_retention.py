@@ -100,9 +100,9 @@ def test_plan_never_retires_protected_or_the_newest_complete_steps(steps, keep, 
 def test_store_retention_carries_out_the_plan(store):
     for s in (1, 2, 3):
         put_step(store, s)
-    plan = plan_retention(store.inventory(), [0], keep=1)
+    plan = plan_retention(store.inventory.all(), [0], keep=1)
     assert apply_retention(store, [0], keep=1) == plan.steps == [1, 2]
-    assert store.complete_steps() == [3]
+    assert store.inventory.complete_steps() == [3]
 
 
 class Replicas:
@@ -134,7 +134,7 @@ def test_policy_keeps_pinned_and_newest_protected_steps(store):
     # A listener thread does not ask the job-wide counters: the last known step instead.
     assert retention.protected(ask=False) == {3} and replicas.asked == 1
     assert retention.apply_received(0) == [2, 4]  # 1 pinned, 3 known protected, 5 newest
-    assert store.complete_steps() == [1, 3, 5]
+    assert store.inventory.complete_steps() == [1, 3, 5]
     assert Retention(store, 0, keep=1, pins=Pins()).apply() == [1, 3]
 
 
@@ -144,11 +144,11 @@ def test_retention_keeps_newest_complete_steps_and_pools_buffers(store):
     inodes = {}
     for s in range(1, 6):
         put_step(store, s)
-        inodes[s] = os.stat(store.data_path(s, 0)).st_ino
+        inodes[s] = os.stat(store.paths.data(s, 0)).st_ino
     retired = apply_retention(store, [0], keep=2)
     assert retired == [1, 2, 3]
-    assert store.steps() == [4, 5]
-    assert store.complete_steps() == [4, 5]
+    assert store.inventory.steps() == [4, 5]
+    assert store.inventory.complete_steps() == [4, 5]
     for s in (4, 5):
         store.verify_shard(s, 0)
     pooled = pool_files(store)
@@ -165,9 +165,9 @@ def test_retention_never_touches_in_flight_or_protected_steps(store):
     begin(store, 6, 0, payload(6, 0))  # still being written
     retired = apply_retention(store, [0], keep=2, protected=[1])
     assert retired == [2]
-    assert store.complete_steps() == [1, 3, 4]
-    assert store.inventory()[5].committed_ranks == {0}
-    assert os.path.exists(store.data_path(6, 0) + layout.INFLIGHT)
+    assert store.inventory.complete_steps() == [1, 3, 4]
+    assert store.inventory.all()[5].committed_ranks == {0}
+    assert os.path.exists(store.paths.data(6, 0) + layout.INFLIGHT)
     store.verify_shard(1, 0)
     store.verify_shard(5, 0)
 
@@ -176,26 +176,26 @@ def test_retention_between_protected_steps(store):
     for s in (1, 2, 3, 4):
         put_step(store, s)
     assert apply_retention(store, [0], keep=1, protected={2}) == [1, 3]
-    assert store.complete_steps() == [2, 4]
+    assert store.inventory.complete_steps() == [2, 4]
 
 
 def test_retention_is_per_rank(store):
     for s in (1, 2, 3):
         put_step(store, s, ranks=(0, 1))
     assert apply_retention(store, [0], keep=1) == [1, 2]
-    inv = store.inventory()
+    inv = store.inventory.all()
     assert inv[1].committed_ranks == {1} and inv[2].committed_ranks == {1}
     store.verify_shard(1, 1)
-    assert store.complete_steps() == [3]
+    assert store.inventory.complete_steps() == [3]
     assert apply_retention(store, [0, 1], keep=1) == [1, 2]
-    assert store.steps() == [3]
+    assert store.inventory.steps() == [3]
 
 
 def test_retention_rejects_keep_zero(store):
     put_step(store, 1)
     with pytest.raises(ValueError):
         apply_retention(store, [0], keep=0)
-    assert store.complete_steps() == [1]
+    assert store.inventory.complete_steps() == [1]
 
 
 # ---------------------------------------------------------------- owners no rank here keeps
@@ -330,21 +330,21 @@ def test_a_pass_on_a_real_store_leaves_nothing_of_a_stray_step_and_empties_its_b
     holds no buffer of ranks 2, 3 (sized for the old shards)."""
     for step in (0, 1, 2):
         put_step(store, step, ranks=(0, 1, 2, 3))
-    store.retire_shard(0, 3)  # the 2 x 2 job's retention pooled a buffer of rank 3
+    store.shards.retire(0, 3)  # the 2 x 2 job's retention pooled a buffer of rank 3
     for rank in (0, 1, 2):
-        store.retire_shard(0, rank)
+        store.shards.retire(0, rank)
     assert store.pool.owners() == {0, 1, 2, 3}
     for step in (3, 4, 5):
         put_step(store, step, ranks=(0, 1))
     retentions = [Retention(store, rank, keep=2, pins=Pins(), node_owners=(0, 1)) for rank in (0, 1)]
     assert retentions[0].apply() == [1, 2, 3]
     # rank 1's shards of 1 to 3 are its own pass's to retire, and ranks 2, 3's go with them
-    assert [sorted(store.step_state(s).committed_ranks) for s in (1, 2, 3)] == [[1, 2, 3]] * 2 + [[1]]
+    assert [sorted(store.inventory.step_state(s).committed_ranks) for s in (1, 2, 3)] == [[1, 2, 3]] * 2 + [[1]]
     assert retentions[1].apply() == [1, 2, 3]
-    assert store.steps() == [4, 5]
-    assert not os.path.exists(store.step_dir(1)) and not os.path.exists(store.step_dir(2))
+    assert store.inventory.steps() == [4, 5]
+    assert not os.path.exists(store.paths.step_dir(1)) and not os.path.exists(store.paths.step_dir(2))
     assert store.pool.owners() <= {0, 1}, pool_files(store)
-    assert store.complete_steps() == [4, 5]
+    assert store.inventory.complete_steps() == [4, 5]
 
 
 def test_replication_adds_the_partners_to_the_nodes_owners(store):
@@ -356,7 +356,7 @@ def test_replication_adds_the_partners_to_the_nodes_owners(store):
     retention.protect_replicas(Replicas(newest=None, known=None), [2], node_owners=(0, 1, 2, 3))
     assert retention.node_owners == {0, 1, 2, 3}
     assert retention.apply() == [1]
-    assert store.step_state(1).committed_ranks == {1, 3}
+    assert store.inventory.step_state(1).committed_ranks == {1, 3}
 
 
 def test_a_step_pinned_while_a_pass_runs_is_never_retired_under_its_reader(store, monkeypatch, tmp_path):
@@ -382,7 +382,7 @@ def test_a_step_pinned_while_a_pass_runs_is_never_retired_under_its_reader(store
     def reader() -> None:
         pins.pin(1)
         try:
-            store.read_manifest(1, 0)
+            store.shards.read_manifest(1, 0)
             opened.append("read")
         except ShardNotFoundError:
             opened.append("gone")
@@ -396,5 +396,5 @@ def test_a_step_pinned_while_a_pass_runs_is_never_retired_under_its_reader(store
         assert not t.is_alive()
     # The pass had planned step 1 away; the reader waited for it and found the shard gone.
     # (Before, it read the manifest mid-pass and then lost the shard it was sending.)
-    assert opened == ["gone"] and 1 not in store.steps(), (opened, store.steps())
+    assert opened == ["gone"] and 1 not in store.inventory.steps(), (opened, store.inventory.steps())
     pins.unpin(1)

@@ -41,10 +41,10 @@ def save_with_copies(stores: list[LocalStore]) -> dict:
     sd = make_state(STEP)
     expected = clone_state(sd)
     dcp.save(sd, storage_writer=MemoryStorageWriter(STEP, stores[0]))
-    header, payload = stores[0].read_metadata(STEP)
-    m = stores[0].read_manifest(STEP, 0)
+    header, payload = stores[0].metadata.read(STEP)
+    m = stores[0].shards.read_manifest(STEP, 0)
     copy = stores[1].begin_shard(STEP, 1, m.data_bytes)
-    with stores[0].open_shard(STEP, 0) as source:
+    with stores[0].shards.open(STEP, 0) as source:
         copy.buffer.array[:] = bytearray(source.read(0, m.data_bytes))
     for item in m.items:
         copy.add_item(item)
@@ -56,7 +56,7 @@ def save_with_copies(stores: list[LocalStore]) -> dict:
                                               copies=((1, loc.offset),))
     locations = list(md.storage_data.values())
     for store in stores:
-        store.write_metadata(STEP, pickle.dumps(md), world_size=3, ranks={0},
+        store.metadata.write(STEP, pickle.dumps(md), world_size=3, ranks={0},
                              total_bytes=sum(loc.nbytes for loc in locations),
                              save_id=header.save_id,
                              lineage=Lineage.from_header(header.run_id, header.lineage))
@@ -71,9 +71,9 @@ def dying_primary_and_copy(job, stores: list[LocalStore]):
     job.status("0.ready", primary)
     job.status("1.ready", copy)
     reader = job.endpoint(2, timeout=WAIT)
-    header, _ = stores[2].read_metadata(STEP)
+    header, _ = stores[2].metadata.read(STEP)
     plan = Decision(MEMORY, STEP, holders={0: [0], 1: [1]}, metadata_holders=[0, 1, 2],
-                    save_id=header.save_id, data_bytes={0: stores[0].read_manifest(STEP, 0).data_bytes})
+                    save_id=header.save_id, data_bytes={0: stores[0].shards.read_manifest(STEP, 0).data_bytes})
     here = Topology(rank=2, world_size=3, local_rank=0, local_world_size=1, node_rank=2,
                     num_nodes=3)
     return primary, Holders(reader, stores[2], here, plan)
@@ -93,7 +93,7 @@ def test_a_holder_killed_mid_read_is_replaced_by_the_copy_on_another_node(make_j
         assert_same(expected, out)
         assert primary.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()  # it did die mid-read
         # everything came from node 1's copy, none of it from the node that died
-        total = sum(loc.nbytes for loc in pickle.loads(stores[2].read_metadata(STEP)[1]).storage_data.values())
+        total = sum(loc.nbytes for loc in pickle.loads(stores[2].metadata.read(STEP)[1]).storage_data.values())
         assert holders.bytes_served == {1: {1: total}}, holders.bytes_served
     finally:
         for store in stores:
@@ -108,7 +108,7 @@ def test_a_holder_killed_mid_rebuild_is_replaced_by_the_copy_on_another_node(mak
     stores = [job.store(r) for r in range(3)]
     try:
         save_with_copies(stores)
-        m = stores[0].read_manifest(STEP, 0)
+        m = stores[0].shards.read_manifest(STEP, 0)
         primary, holders = dying_primary_and_copy(job, stores)
         assert holders.rebuild(0)
         assert primary.wait(timeout=WAIT) == -signal.SIGKILL, job.logs()  # it did die mid-read

@@ -252,7 +252,7 @@ def test_a_partial_replica_no_metadata_here_vouches_for_is_neither_counted_nor_r
                 shard.buffer.array[offset:offset + n] = np.frombuffer(
                     (data if m.rank == 0 else data[:4096])[offset:offset + n], np.uint8)
             shard.commit_manifest(shard_m)
-        stores[0].write_metadata(5, pickle.dumps(md), world_size=2, ranks=[0, 1], total_bytes=0,
+        stores[0].metadata.write(5, pickle.dumps(md), world_size=2, ranks=[0, 1], total_bytes=0,
                                  save_id="s1")
         nodes = [take_inventory(store, n, [n]) for n, store in enumerate(stores)]
         assert nodes[1].steps[5].held(0) == Held(frozenset())
@@ -284,7 +284,7 @@ def _rebuild_setup(store: LocalStore) -> tuple[Decision, bytes]:
         storage[MetadataIndex(f"item{i}")] = ItemLocation(
             4, offset, REBUILD_ITEM_BYTES, checksum(data[offset:offset + REBUILD_ITEM_BYTES]))
     md = Metadata(state_dict_metadata={}, storage_data=storage)
-    store.write_metadata(7, pickle.dumps(md), world_size=6, ranks=range(6), total_bytes=len(data),
+    store.metadata.write(7, pickle.dumps(md), world_size=6, ranks=range(6), total_bytes=len(data),
                          save_id="s1")
     return dataclasses.replace(PLAN, save_id="s1", data_bytes={4: len(data), 5: 100}), data
 
@@ -296,7 +296,7 @@ def test_a_rebuild_reads_its_items_paced_from_every_holder_and_commits_the_shard
         transport = ServingTransport(data)
         holders = Holders(transport, store, rank_on(2, 0), plan)
         assert holders.rebuild(4)
-        with store.open_shard(7, 4) as source:
+        with store.shards.open(7, 4) as source:
             assert source.manifest.save_id == "s1" and not source.manifest.partial
             assert source.read(0, len(data)) == data
         assert not holders.rebuild(4)  # here already: nothing is read again
@@ -336,7 +336,7 @@ def test_a_rebuild_refuses_bytes_that_disagree_with_the_recorded_checksum(store_
             Holders(ServingTransport(bytes(bad)), store, rank_on(2, 0), plan).rebuild(4)
         assert e.value.copy is not None and e.value.copy.owner == 4
         with pytest.raises(ShardNotFoundError):  # nothing was committed
-            store.open_shard(7, 4)
+            store.shards.open(7, 4)
     finally:
         store.close()
 
@@ -360,7 +360,7 @@ def test_a_rebuild_goes_on_from_the_other_holder_when_one_fails(store_dir, faili
         plan, data = _rebuild_setup(store)
         transport = failing(data, down={0, 1})  # node 0's ranks
         assert Holders(transport, store, rank_on(2, 0), plan).rebuild(4)
-        with store.open_shard(7, 4) as source:
+        with store.shards.open(7, 4) as source:
             assert source.read(0, len(data)) == data
     finally:
         store.close()
@@ -392,7 +392,7 @@ def test_a_rebuild_reads_items_again_from_another_place_when_one_copy_is_corrupt
         holders = Holders(transport, store, rank_on(2, 0), plan)
         with caplog.at_level("WARNING", logger="mlcheckpoint.recovery.holders"):
             assert holders.rebuild(4)
-        with store.open_shard(7, 4) as source:
+        with store.shards.open(7, 4) as source:
             assert source.read(0, len(data)) == data
     finally:
         store.close()
@@ -412,14 +412,14 @@ def test_a_rebuild_reads_every_item_though_an_empty_one_shares_its_offset(store_
             4, i * REBUILD_ITEM_BYTES, REBUILD_ITEM_BYTES,
             checksum(data[i * REBUILD_ITEM_BYTES:(i + 1) * REBUILD_ITEM_BYTES])) for i in range(2)}
         storage[MetadataIndex("empty")] = ItemLocation(4, REBUILD_ITEM_BYTES, 0, checksum(b""))
-        store.write_metadata(7, pickle.dumps(Metadata(state_dict_metadata={}, storage_data=storage)),
+        store.metadata.write(7, pickle.dumps(Metadata(state_dict_metadata={}, storage_data=storage)),
                              world_size=6, ranks=range(6), total_bytes=len(data), save_id="s1")
         plan = dataclasses.replace(PLAN, save_id="s1", data_bytes={4: len(data), 5: 100})
         assert Holders(ServingTransport(data), store, rank_on(2, 0), plan).rebuild(4)
         rebuilt = store.verify_shard(7, 4)  # every item against its checksum
         assert sorted((it.offset, it.nbytes) for it in rebuilt.items) == [
             (0, REBUILD_ITEM_BYTES), (REBUILD_ITEM_BYTES, 0), (REBUILD_ITEM_BYTES, REBUILD_ITEM_BYTES)]
-        with store.open_shard(7, 4) as source:
+        with store.shards.open(7, 4) as source:
             assert source.read(0, len(data)) == data
     finally:
         store.close()

@@ -34,9 +34,9 @@ def shard_ids(c: Cluster, node: int, name: str) -> dict[tuple[int, int], tuple[s
     store = c.sub_job_store(node, name)
     try:
         out = {}
-        for step, st in store.inventory().items():
+        for step, st in store.inventory.all().items():
             for owner in st.committed_ranks:
-                m = store.read_manifest(step, owner)
+                m = store.shards.read_manifest(step, owner)
                 out[(step, owner)] = (m.save_id, m.run_id, [it.checksum for it in m.items])
         return out
     finally:

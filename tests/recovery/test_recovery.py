@@ -107,7 +107,7 @@ def holdings(c: Cluster, node: int, name: str) -> dict[int, tuple[bool, list[int
         return {}
     store = open_store(c, node, name)
     try:
-        return {s: (st.has_metadata, sorted(st.committed_ranks)) for s, st in store.inventory().items()}
+        return {s: (st.has_metadata, sorted(st.committed_ranks)) for s, st in store.inventory.all().items()}
     finally:
         store.close()
 
@@ -120,11 +120,11 @@ def move_shard(c: Cluster, name: str, step: int, owner: int, src: int, dst: int)
     """Move a committed shard (data and manifest) from one node's directory to another's."""
     s, d = open_store(c, src, name), open_store(c, dst, name)
     try:
-        os.makedirs(d.step_dir(step), exist_ok=True)
-        shutil.copy2(s.data_path(step, owner), d.data_path(step, owner))
-        shutil.copy2(s.manifest_path(step, owner), d.manifest_path(step, owner))
-        os.unlink(s.manifest_path(step, owner))
-        os.unlink(s.data_path(step, owner))
+        os.makedirs(d.paths.step_dir(step), exist_ok=True)
+        shutil.copy2(s.paths.data(step, owner), d.paths.data(step, owner))
+        shutil.copy2(s.paths.manifest(step, owner), d.paths.manifest(step, owner))
+        os.unlink(s.paths.manifest(step, owner))
+        os.unlink(s.paths.data(step, owner))
     finally:
         s.close()
         d.close()
@@ -167,11 +167,11 @@ def run():
         for n in (0, 1):
             wipe_job(c, n, "persist_wiped")
             wipe_job(c, n, "empty")
-            shutil.rmtree(open_store(c, n, "persist_newer").step_dir(4))
+            shutil.rmtree(open_store(c, n, "persist_newer").paths.step_dir(4))
         wipe_job(c, 1, "orphans")
         orphan_store = open_store(c, 0, "orphans")
-        for s in orphan_store.steps():  # shards without metadata: unusable leftovers
-            os.unlink(orphan_store.metadata_path(s))
+        for s in orphan_store.inventory.steps():  # shards without metadata: unusable leftovers
+            os.unlink(orphan_store.paths.metadata(s))
         o["orphans_before"] = holdings(c, 0, "orphans")
         wipe_job(c, 1, "recovkill")
         # w4_moved: node 1 gets what node 2 held (shards 2 and 3), then at step 3 shards 1
@@ -387,7 +387,7 @@ RESUME_2X2 = {"x2_wipe": {"heal": True}, "x2_meta": {}, "x2_badreplica": {"heal"
 def flip_metadata_byte(c: Cluster, node: int, name: str, step: int) -> None:
     store = open_store(c, node, name)
     try:
-        path = store.metadata_path(step)
+        path = store.paths.metadata(step)
     finally:
         store.close()
     with open(path, "rb") as f:
@@ -434,7 +434,7 @@ def run2x2():
             o[f"{name}_after"] = {n: holdings(c, n, name) for n in (0, 1)}
         store = open_store(c, 1, "x2_meta")
         try:
-            o["meta_reverified"] = store.read_metadata(3)[0].ranks
+            o["meta_reverified"] = store.metadata.read(3)[0].ranks
         finally:
             store.close()
 
@@ -540,5 +540,5 @@ def test_replaced_node_recovers_over_the_process_group_transport():
         assert res[0]["bytes_fetched"] > 0
         assert all(r["protected"] for r in c.results("healed").values())  # replicas rebuilt
         store = LocalStore(c.nodes[1].local_dir, c.job_id, create=False)
-        assert store.step_state(2).committed_ranks == {0, 1}
+        assert store.inventory.step_state(2).committed_ranks == {0, 1}
         store.verify_shard(2, 1)  # node 1's own shard is back in its memory, intact

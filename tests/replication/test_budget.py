@@ -436,7 +436,7 @@ def test_the_ranks_of_a_node_share_one_budget(make_job):
         waiting = wait_for(lambda: _flock_waiters(schedule.path) >= {p.pid for p in procs.values()},
                            "both ranks to wait for the node's schedule", diag=job.logs)
         assert waiting
-        assert receiver.store.steps() == [] or not receiver.store.step_state(4).committed_ranks
+        assert receiver.store.inventory.steps() == [] or not receiver.store.inventory.step_state(4).committed_ranks
     results = {r: job.status(f"{r}.result", proc) for r, proc in procs.items()}
     assert all(res["ok"] for res in results.values()), results
     for r, n in sizes.items():

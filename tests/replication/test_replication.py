@@ -33,9 +33,9 @@ def node_stores(c: Cluster) -> list[LocalStore]:
 
 
 def read_data(store: LocalStore, step: int, rank: int, nbytes: int) -> bytes:
-    with open(store.data_path(step, rank), "rb") as f:
+    with open(store.paths.data(step, rank), "rb") as f:
         data = f.read(nbytes)
-    assert len(data) == nbytes, f"{store.data_path(step, rank)} holds {len(data)} of {nbytes} bytes"
+    assert len(data) == nbytes, f"{store.paths.data(step, rank)} holds {len(data)} of {nbytes} bytes"
     return data
 
 
@@ -69,7 +69,7 @@ def check_replicated(c: Cluster, nnodes: int, nproc: int, last: int = LAST) -> N
         (partner_rank,) = rank_targets(ring, r, nproc, nnodes)
         partner = partner_rank // nproc
         assert partner != home
-        holders = [k for k, s in enumerate(stores) if os.path.exists(s.manifest_path(last, r))]
+        holders = [k for k, s in enumerate(stores) if os.path.exists(s.paths.manifest(last, r))]
         assert holders == sorted({home, partner}), \
             f"rank {r}'s shard of step {last} committed on nodes {holders}, want {home} and {partner}"
         copies = []
@@ -96,13 +96,13 @@ def check_replicated(c: Cluster, nnodes: int, nproc: int, last: int = LAST) -> N
     # --- nothing uncommitted left behind in the newest step, and metadata on every node
     payloads = []
     for k, s in enumerate(stores):
-        names = os.listdir(s.step_dir(last))
+        names = os.listdir(s.paths.step_dir(last))
         assert not [n for n in names if n.endswith((layout.INFLIGHT, layout.TMP))], (k, names)
-        header, payload = s.read_metadata(last)  # verifies its checksum
+        header, payload = s.metadata.read(last)  # verifies its checksum
         assert header.step == last and header.world_size == world, (k, header)
         assert header.ranks == list(range(world)), (k, header)
         payloads.append(payload)
-        st = s.step_state(last)
+        st = s.inventory.step_state(last)
         assert st.has_metadata
         # the worker saw the same (it verified every shard it held)
         for r in range(k * nproc, (k + 1) * nproc):

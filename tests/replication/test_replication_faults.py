@@ -153,7 +153,7 @@ def test_stranger_is_refused_and_listener_keeps_serving(make_job, tcp_warnings, 
     wait_for(lambda: any("refused replication connection" in m for m in tcp_warnings()),
              "a warning about the refused stranger", diag=lambda: "\n".join(tcp_warnings()))
     assert snapshot(job.node_dir(0)) == before, "a stranger's connection wrote into the store"
-    assert receiver.store.steps() == []
+    assert receiver.store.inventory.steps() == []
     assert_serves(job, receiver, sender, step=3)
 
 
@@ -236,7 +236,7 @@ def test_authenticated_junk_is_rejected_without_allocating(make_job, tcp_warning
     job = make_job()
     receiver, sender = pair(job)
     store = receiver.store
-    before, usage = snapshot(job.node_dir(0)), store.usage_bytes()
+    before, usage = snapshot(job.node_dir(0)), store.capacity.usage_bytes()
     blob, payload = JUNK[kind](job, receiver)
     peak_rss_reset()
     base_rss = peak_rss_bytes()
@@ -257,12 +257,12 @@ def test_authenticated_junk_is_rejected_without_allocating(make_job, tcp_warning
     wait_for(lambda: tcp_warnings(), "a warning about the rejected request")
     # nothing allocated for the claimed size: no memory, no tmpfs, no file
     assert grew < 256 << 20, f"receiver's peak memory grew by {grew >> 20} MiB"
-    assert store.usage_bytes() == usage
+    assert store.capacity.usage_bytes() == usage
     # the node's lock file (taken to check capacity node-wide) is bookkeeping, not data
     after = {n: v for n, v in snapshot(job.node_dir(0)).items() if os.path.basename(n) != ".lock"}
     new = sorted(set(after) - set(before))
     assert [n for n in new if after[n][0] == "file"] == [], f"a rejected request left files: {new}"
-    assert store.steps() == [], f"a rejected request left a (phantom) step behind: {new}"
+    assert store.inventory.steps() == [], f"a rejected request left a (phantom) step behind: {new}"
     assert after == {n: v for n, v in before.items() if os.path.basename(n) != ".lock"}
     assert_serves(job, receiver, sender, step=4)
 
@@ -326,7 +326,7 @@ def test_peer_supplied_names_are_never_paths(make_job, tcp_warnings, kind):
     req, payload = PATHS[kind](job)
     if req["op"] == "read_items":  # something real to read around: a committed 4 KiB shard
         assert_serves(job, receiver, sender, step=5)
-    steps_before = receiver.store.steps()
+    steps_before = receiver.store.inventory.steps()
     before = snapshot(job.root)
     with connect(receiver) as s:
         p.client_handshake(s, receiver.secret)
@@ -340,7 +340,7 @@ def test_peer_supplied_names_are_never_paths(make_job, tcp_warnings, kind):
     assert new == [], f"a rejected request created {new}"
     assert not os.path.exists(os.path.join(job.node_dir(0), "x"))
     assert not os.path.exists(os.path.join(job.root, "x"))
-    assert receiver.store.steps() == steps_before
+    assert receiver.store.inventory.steps() == steps_before
     assert_serves(job, receiver, sender, step=7)
 
 
@@ -404,7 +404,7 @@ def test_replicator_pushes_only_the_newest_and_supersedes_the_rest(make_job):
         assert st is not None and st.state == "superseded" and "3" in (st.reason or ""), st
         assert st.attempts == 0
     rstore = receiver.store
-    assert [s for s in rstore.steps() if 0 in rstore.step_state(s).committed_ranks] == [3]
+    assert [s for s in rstore.inventory.steps() if 0 in rstore.inventory.step_state(s).committed_ranks] == [3]
     rstore.verify_shard(3, 0)
     # a newer save is pushed too; the superseded steps stay superseded and are never sent
     save(sender.store, 4, rep)
@@ -412,7 +412,7 @@ def test_replicator_pushes_only_the_newest_and_supersedes_the_rest(make_job):
     assert sender.pushed == [(1, 3, 0), (1, 4, 0)]
     assert [rep.state(s).state for s in (1, 2, 3, 4)] == ["superseded", "superseded", "replicated", "replicated"]
     # rank 0 also sent the newest step's metadata to the partner node
-    wait_for(lambda: rstore.step_state(4).has_metadata, "metadata of step 4 on the partner")
+    wait_for(lambda: rstore.inventory.step_state(4).has_metadata, "metadata of step 4 on the partner")
 
 
 def test_metadata_written_after_the_shard_commits_still_reaches_the_partner(make_job):
@@ -428,15 +428,15 @@ def test_metadata_written_after_the_shard_commits_still_reaches_the_partner(make
     rep = start_replicator(job, sender)
     writer = MemoryStorageWriter(5, sender.store)
     dcp.save(small_state(5), storage_writer=writer)
-    meta = sender.store.metadata_path(5)
+    meta = sender.store.paths.metadata(5)
     os.rename(meta, meta + ".late")  # the coordinator has not written it yet
     rep.notify(5, writer.save_id, share_metadata=True)
     time.sleep(0.5)  # several of the replicator's passes (every 0.05 s) look and find none
     save(sender.store, 6, rep)  # a newer save: rounds name step 6 only
     wait_for(lambda: (st := rep.state(6)) is not None and st.state == "replicated", "step 6 replicated")
-    assert not receiver.store.step_state(5).has_metadata
+    assert not receiver.store.inventory.step_state(5).has_metadata
     os.rename(meta + ".late", meta)  # ...and now it has
-    wait_for(lambda: receiver.store.step_state(5).has_metadata, "step 5's metadata on the partner",
+    wait_for(lambda: receiver.store.inventory.step_state(5).has_metadata, "step 5's metadata on the partner",
              diag=lambda: repr(sender.metadata_pushed))
     assert (1, 6) in sender.metadata_pushed and (1, 5) in sender.metadata_pushed
     assert (1, 5, 0) not in sender.pushed  # its shard stays superseded: only the metadata goes
@@ -480,8 +480,8 @@ def test_stopped_partner_does_not_stall_saves(make_job):
             save(store, step, rep)
         for step in (1, 2, 3):
             store.verify_shard(step, 0)
-            assert store.step_state(step).complete
-            assert not os.path.exists(rstore.manifest_path(step, 0))
+            assert store.inventory.step_state(step).complete
+            assert not os.path.exists(rstore.paths.manifest(step, 0))
         assert state(1) in (None, "committed", "failed"), rep.state(1)  # pending, not replicated
         assert state(2) in (None, "committed") and state(3) in (None, "committed")
         assert proc_state(proc.pid) == "T"
@@ -491,14 +491,14 @@ def test_stopped_partner_does_not_stall_saves(make_job):
     wait_for(lambda: state(3) == "replicated", "the newest step to be replicated after SIGCONT",
              diag=lambda: f"{[rep.state(s) for s in range(4)]}\n{job.logs()}")
     rstore.verify_shard(3, 0)
-    with open(rstore.data_path(3, 0), "rb") as a, open(store.data_path(3, 0), "rb") as b:
-        n = store.read_manifest(3, 0).data_bytes
+    with open(rstore.paths.data(3, 0), "rb") as a, open(store.paths.data(3, 0), "rb") as b:
+        n = store.shards.read_manifest(3, 0).data_bytes
         assert a.read(n) == b.read(n)
     assert state(2) == "superseded", rep.state(2)  # queued behind the stuck push: dropped
     assert (1, 2, 0) not in sender.pushed
-    assert not os.path.exists(rstore.manifest_path(2, 0))
+    assert not os.path.exists(rstore.paths.manifest(2, 0))
     assert state(1) != "committed"
-    wait_for(lambda: os.path.exists(rstore.metadata_path(3)), "metadata of step 3 on the partner")
+    wait_for(lambda: os.path.exists(rstore.paths.metadata(3)), "metadata of step 3 on the partner")
     assert proc.poll() is None  # the partner survived being frozen
 
 
@@ -550,14 +550,14 @@ def test_replicas_outside_the_jobs_history_are_refused(make_job):
             sender.push_shard(0, step, 1)
     for step, run in admitted:
         assert sender.push_shard(0, step, 1) == 4096
-    assert sorted(receiver.store.steps()) == sorted(s for s, _ in admitted)
+    assert sorted(receiver.store.inventory.steps()) == sorted(s for s, _ in admitted)
     # metadata of another run is refused the same way
     header = MetadataHeader(job_id=job.job_id, step=3, world_size=2, ranks=[0, 1], total_bytes=64,
                             payload_bytes=1, checksum=checksum(b"m"), run_id="run-x", save_id="x3")
     sender.store.metadata.install(3, encode_metadata(header, b"m"))
     with pytest.raises(ReplicationError, match="not part of this job's history"):
         sender.push_metadata(0, 3)
-    assert 3 not in receiver.store.steps()
+    assert 3 not in receiver.store.inventory.steps()
 
 
 def _session_threads() -> set:
@@ -596,4 +596,4 @@ def test_close_ends_a_receive_in_flight_and_joins_its_thread(make_job, streams):
         wait_for(lambda: waits_in in _functions_on_stack(session), f"the session to block in {waits_in}")
         assert receiver.close() is True
         assert not session.is_alive()
-    assert receiver.store.steps() == [] and debris(receiver.store) == []
+    assert receiver.store.inventory.steps() == [] and debris(receiver.store) == []

@@ -36,7 +36,7 @@ def striped_pair(job, streams: int = 4):
 
 
 def same_bytes(a: TcpTransport, b: TcpTransport, step: int, owner: int, nbytes: int) -> bool:
-    with open(a.store.data_path(step, owner), "rb") as x, open(b.store.data_path(step, owner), "rb") as y:
+    with open(a.store.paths.data(step, owner), "rb") as x, open(b.store.paths.data(step, owner), "rb") as y:
         return x.read(nbytes) == y.read(nbytes)
 
 
@@ -64,11 +64,11 @@ def test_corrupt_stripe_is_refused_and_nothing_is_committed(make_job, tcp_warnin
     nbytes = 6 * MiB
     make_shard(sender.store, 4, 1, nbytes, seed=2)
     # a bit flips in the sender's copy after commit, in the last stripe
-    flip_byte(sender.store.data_path(4, 1), stripes(nbytes, 3)[2][0] + 1234)
+    flip_byte(sender.store.paths.data(4, 1), stripes(nbytes, 3)[2][0] + 1234)
     with pytest.raises(ReplicationError, match="checksum mismatch"):
         sender.push_shard(0, 4, 1)
     with pytest.raises(ShardNotFoundError):
-        receiver.store.read_manifest(4, 1)
+        receiver.store.shards.read_manifest(4, 1)
     wait_for(lambda: debris(receiver.store) == [], "the refused buffer to be dropped")
     assert len(receiver.server.stripes) == 0
     # the listener still takes a good striped push
@@ -99,7 +99,7 @@ def test_stripe_for_a_transfer_not_open_is_refused(make_job, tcp_warnings, token
         value = seen[0]
     else:
         value = 12345 if token == "not-a-string" else "f" * 32
-    before = receiver.store.steps()
+    before = receiver.store.inventory.steps()
     with connect(receiver) as s:
         p.client_handshake(s, receiver.secret)
         p.send_frame(s, {"op": "put_part", "job_id": job.job_id, "step": 2, "owner": 1,
@@ -107,7 +107,7 @@ def test_stripe_for_a_transfer_not_open_is_refused(make_job, tcp_warnings, token
         frames = frames_to_eof(s, on_ready=lambda: s.sendall(bytes(4096)))
     assert all(f.get("status") != "ready" for f in frames), frames
     wait_for(lambda: any("not open" in m for m in tcp_warnings()), "a warning about the stripe")
-    assert receiver.store.steps() == before
+    assert receiver.store.inventory.steps() == before
     make_shard(sender.store, 6, 1, 4 * MiB, seed=6)
     assert sender.push_shard(0, 6, 1) == 4 * MiB
 
@@ -147,7 +147,7 @@ def test_read_items_over_several_streams(make_job):
     holder, reader = striped_pair(job, streams=4)
     nbytes = 9 * MiB + 123
     make_shard(holder.store, 8, 0, nbytes, seed=8)
-    with open(holder.store.data_path(8, 0), "rb") as f:
+    with open(holder.store.paths.data(8, 0), "rb") as f:
         data = f.read(nbytes)
     ranges = [(0, 5 * MiB), (5 * MiB, 0), (5 * MiB, 100), (5 * MiB + 100, 4 * MiB), (nbytes - 23, 23)]
     sinks = [np.zeros(n, np.uint8) for _, n in ranges]
@@ -192,7 +192,7 @@ def test_missing_stripe_times_out_and_commits_nothing(make_job, tcp_warnings):
     assert all(f.get("status") != "ok" for f in frames), frames
     wait_for(lambda: any("did not arrive" in m for m in tcp_warnings()), "the stripe timeout")
     with pytest.raises(ShardNotFoundError):
-        receiver.store.read_manifest(3, 1)
+        receiver.store.shards.read_manifest(3, 1)
     wait_for(lambda: debris(receiver.store) == [] and len(receiver.server.stripes) == 0, "the buffer to go")
     make_shard(sender.store, 4, 1, nbytes, seed=4)
     assert sender.push_shard(0, 4, 1) == nbytes

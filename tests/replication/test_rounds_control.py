@@ -212,7 +212,7 @@ def _kill_the_leader_mid_round(job, dirs: list[str], reps: dict[int, Replicator]
         job.status(f"2.saved-{step}", leader)
         for rank, rep in reps.items():
             m = make_shard(rep.store, step, rank, 1 << 16)
-            rep.store.write_metadata(step, b"meta", world_size=4, ranks=range(4),
+            rep.store.metadata.write(step, b"meta", world_size=4, ranks=range(4),
                                      total_bytes=1 << 18, save_id=m.save_id)
             rep.notify(step, m.save_id)
 

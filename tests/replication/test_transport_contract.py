@@ -206,7 +206,7 @@ def step() -> int:
 
 
 def data_of(store: LocalStore, step: int, owner: int, nbytes: int = NBYTES) -> bytes:
-    with open(store.data_path(step, owner), "rb") as f:
+    with open(store.paths.data(step, owner), "rb") as f:
         return f.read(nbytes)
 
 
@@ -235,7 +235,7 @@ def test_push_of_a_corrupt_copy_is_refused(pair, step):
     with pytest.raises(ReplicationError, match="checksum mismatch"):
         pair.local.push_shard(PEER, step, 0)
     with pytest.raises(ShardNotFoundError):
-        pair.peer_store.read_manifest(step, 0)
+        pair.peer_store.shards.read_manifest(step, 0)
     wait_for(lambda: debris(pair.peer_store) == [], "the refused buffer to be dropped",
              diag=pair.job.log)
     assert not pair.job.received(step, 0)
@@ -264,7 +264,7 @@ def test_push_of_a_corrupt_device_checksummed_item_is_refused(pair, step):
     with pytest.raises(ReplicationError, match="checksum mismatch in 'item2'"):
         pair.local.push_shard(PEER, step, 0)
     with pytest.raises(ShardNotFoundError):
-        pair.peer_store.read_manifest(step, 0)
+        pair.peer_store.shards.read_manifest(step, 0)
     wait_for(lambda: debris(pair.peer_store) == [], "the refused buffer to be dropped",
              diag=pair.job.log)
 
@@ -275,7 +275,7 @@ PARTIAL = (1, 3, 6)  # the items of a 7-item shard a partial push sends
 
 def allocated(store: LocalStore, step: int, owner: int) -> int:
     """Bytes of memory the data file of (step, owner) takes (its pages, not its size)."""
-    return os.stat(store.data_path(step, owner)).st_blocks * 512
+    return os.stat(store.paths.data(step, owner)).st_blocks * 512
 
 
 def test_a_partial_push_lands_only_its_items_at_their_offsets(pair, step):
@@ -313,7 +313,7 @@ def test_a_corrupt_item_in_a_partial_push_is_refused(pair, step):
     with pytest.raises(ReplicationError, match="checksum mismatch"):
         pair.local.push_shard(PEER, step, 0, [m.items[i] for i in PARTIAL])
     with pytest.raises(ShardNotFoundError):
-        pair.peer_store.read_manifest(step, 0)
+        pair.peer_store.shards.read_manifest(step, 0)
     wait_for(lambda: debris(pair.peer_store) == [], "the refused buffer to be dropped",
              diag=pair.job.log)
     assert not pair.job.received(step, 0)
@@ -328,7 +328,7 @@ def test_a_partial_replica_serves_only_its_items(pair, step):
     m = make_shard(pair.peer_store, step, PEER, NBYTES, seed=step, nitems=7)
     items = [m.items[i] for i in PARTIAL]
     whole = data_of(pair.peer_store, step, PEER)
-    pair.peer_store.retire_shard(step, PEER)
+    pair.peer_store.shards.retire(step, PEER)
     part = pair.peer_store.begin_shard(step, PEER, m.data_bytes,
                                        m.only(items).held_ranges())
     for it in items:
@@ -363,7 +363,7 @@ def test_read_items_lands_each_range_whole(pair, step):
     assert whole_when_reported == {i: True for i in range(len(ranges))}
     for (off, n), sink in zip(ranges, sinks, strict=True):
         assert sink.tobytes() == data[off:off + n]
-    assert step not in pair.store.steps()  # nothing is written to our store
+    assert step not in pair.store.inventory.steps()  # nothing is written to our store
 
 
 def test_read_items_of_a_missing_shard(pair, step):
@@ -389,13 +389,13 @@ def test_metadata_push_and_fetch(pair, step):
     error."""
     put_metadata(pair.store, step)
     pair.local.push_metadata(PEER, step)
-    assert pair.peer_store.read_metadata_file(step) == pair.store.read_metadata_file(step)
+    assert pair.peer_store.metadata.read_file(step) == pair.store.metadata.read_file(step)
     pair.local.push_metadata(PEER, step)  # again: a no-op, not an error
     fetched = step + 500_000  # a step only the peer has metadata of
     put_metadata(pair.peer_store, fetched)
     pair.local.fetch_metadata(PEER, fetched)
-    assert pair.store.read_metadata_file(fetched) == pair.peer_store.read_metadata_file(fetched)
-    header, _ = pair.store.read_metadata(fetched)
+    assert pair.store.metadata.read_file(fetched) == pair.peer_store.metadata.read_file(fetched)
+    header, _ = pair.store.metadata.read(fetched)
     assert header.step == fetched
 
 
@@ -477,7 +477,7 @@ def test_a_shard_retired_after_its_offer_still_ends_the_push_and_the_pair_works_
     original = {cls: cls.send_shard for cls in (PgCall, TcpCall)}
 
     def retired_first(call, shard, ranges, ready):
-        pair.store.retire_shard(shard.step, shard.rank)  # (what a retention pass does)
+        pair.store.shards.retire(shard.step, shard.rank)  # (what a retention pass does)
         original[type(call)](call, shard, ranges, ready)
 
     for cls in original:
@@ -627,4 +627,4 @@ def test_a_pair_the_group_closed_is_refused_at_once_and_said_once(job, setup, st
                 local.push_shard(PEER, step, 0)
     said = [r for r in caplog.records if "stays off until the job restarts" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
-    assert not job.peer_store.step_state(step).committed_ranks  # nothing was offered
+    assert not job.peer_store.inventory.step_state(step).committed_ranks  # nothing was offered

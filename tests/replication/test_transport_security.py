@@ -443,8 +443,8 @@ def test_malformed_requests_get_an_error_reply(make_job, thread_deaths, caplog):
     assert thread_deaths == []
     bad_records = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert bad_records == [], [r.getMessage() for r in bad_records]
-    assert receiver.store.steps() == [5] and receiver.store.step_state(5).committed_ranks == {1}
-    assert not os.path.exists(receiver.store.metadata_path(5))
+    assert receiver.store.inventory.steps() == [5] and receiver.store.inventory.step_state(5).committed_ranks == {1}
+    assert not os.path.exists(receiver.store.paths.metadata(5))
     assert_serves(job, receiver, sender, step=7)
 
 
@@ -542,7 +542,7 @@ def pg_peer(store_dir):
 def installed_metadata(peer: PgPeer, step: int) -> bytes | None:
     """The metadata file of ``step`` in the peer's store, if any."""
     try:
-        with open(peer.local.metadata_path(step), "rb") as f:
+        with open(peer.local.paths.metadata(step), "rb") as f:
             return f.read()
     except FileNotFoundError:
         return None
@@ -590,7 +590,7 @@ def test_pg_control_messages_from_strangers_are_refused(pg_peer):
         assert installed_metadata(peer, 8) is None, f"{name}: obeyed"
 
     # a genuine request replayed: the very bytes of step 7's request, at a later slot
-    os.unlink(peer.local.metadata_path(7))
+    os.unlink(peer.local.paths.metadata(7))
     peer.store.set(f"pg/blob/0/{nonce}", metadata_blob(peer.job_id, 7))
     peer.store.set(peer.next_slot(), sealed)
     peer.settled()

@@ -68,7 +68,7 @@ def test_memory_limit_raises_and_keeps_committed(store_dir, how):
     with limited_manager(local, limit, keep=1) as ckpt:
         first = state(1)
         ckpt.save(first, 1)
-        assert internals(ckpt).store.usage_bytes() <= limit
+        assert internals(ckpt).store.capacity.usage_bytes() <= limit
 
         with pytest.raises(CapacityError) as ei:
             if how == "save":
@@ -78,21 +78,21 @@ def test_memory_limit_raises_and_keeps_committed(store_dir, how):
         e = ei.value
         check_message(e)
         assert mib_str(limit) in str(e)  # names the limit
-        assert internals(ckpt).store.complete_steps() == [1]
+        assert internals(ckpt).store.inventory.complete_steps() == [1]
         internals(ckpt).store.verify_shard(1, 0)
         ckpt.wait()  # a failed async save leaves nothing in flight that could hang
-        assert internals(ckpt).store.usage_bytes() <= limit
+        assert internals(ckpt).store.capacity.usage_bytes() <= limit
 
         # Training continues: a smaller state fits; committing it retires step 1 into the pool,
         # whose buffer then takes the next full-size save without growing usage.
         ckpt.save(state(3, mib=0.0625), 3)
-        assert internals(ckpt).store.complete_steps() == [3]
+        assert internals(ckpt).store.inventory.complete_steps() == [3]
         if how == "save":
             ckpt.save(state(4), 4)
         else:
             ckpt.async_save(state(4), 4).result(timeout=60)
-        assert internals(ckpt).store.complete_steps() == [4]
-        assert internals(ckpt).store.usage_bytes() <= limit
+        assert internals(ckpt).store.inventory.complete_steps() == [4]
+        assert internals(ckpt).store.capacity.usage_bytes() <= limit
 
     with limited_manager(local, limit, keep=1) as ckpt:  # restart
         out = zeros()
@@ -120,16 +120,16 @@ def test_memory_limit_failure_then_resume_earlier_step(store_dir):
 def test_begin_shard_checks_limit_before_writing(store_dir):
     store = LocalStore(store_dir, JOB, memory_limit_bytes=64 * 1024)
     try:
-        before = sorted(os.listdir(store.job_dir)), store.usage_bytes()
+        before = sorted(os.listdir(store.job_dir)), store.capacity.usage_bytes()
         with pytest.raises(CapacityError) as ei:
             store.begin_shard(1, 0, MiB)
         assert ei.value.needed == MiB
         assert ei.value.available <= 64 * 1024
         check_message(ei.value)
-        step_dir = store.step_dir(1)
+        step_dir = store.paths.step_dir(1)
         assert not os.path.exists(step_dir) or os.listdir(step_dir) == []
-        assert store.complete_steps() == []
-        assert store.usage_bytes() == before[1]
+        assert store.inventory.complete_steps() == []
+        assert store.capacity.usage_bytes() == before[1]
         assert store.gc() == []
     finally:
         store.close()
@@ -147,7 +147,7 @@ def test_full_tmpfs_raises_capacity_error_and_keeps_checkpoints(small_tmpfs):
     with limited_manager(small_tmpfs, None, keep=2) as ckpt:
         ckpt.save(state(1, mib=3), 1)
         ckpt.save(state(2, mib=3), 2)
-        used = internals(ckpt).store.usage_bytes()
+        used = internals(ckpt).store.capacity.usage_bytes()
         with pytest.raises(CapacityError) as ei:
             ckpt.save(state(3, mib=3), 3)  # 9 MiB would be needed on an 8 MiB tmpfs
         check_message(ei.value)
@@ -155,8 +155,8 @@ def test_full_tmpfs_raises_capacity_error_and_keeps_checkpoints(small_tmpfs):
         with pytest.raises(CapacityError):
             ckpt.async_save(state(3, mib=3), 3).result(timeout=60)
         ckpt.wait()
-        assert internals(ckpt).store.complete_steps() == [1, 2]
-        assert internals(ckpt).store.usage_bytes() == used
+        assert internals(ckpt).store.inventory.complete_steps() == [1, 2]
+        assert internals(ckpt).store.capacity.usage_bytes() == used
         for s in (1, 2):
             internals(ckpt).store.verify_shard(s, 0)
     with limited_manager(small_tmpfs, None, keep=2) as ckpt:
@@ -166,7 +166,7 @@ def test_full_tmpfs_raises_capacity_error_and_keeps_checkpoints(small_tmpfs):
         assert torch.equal(out["w"], state(2, mib=3)["w"])
         # a checkpoint that fits still goes in
         ckpt.save(state(3, mib=0.5), 3)
-        assert internals(ckpt).store.complete_steps()[-1] == 3
+        assert internals(ckpt).store.inventory.complete_steps()[-1] == 3
 
 
 # ---------------------------------------------------------------- what the message suggests

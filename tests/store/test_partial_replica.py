@@ -56,16 +56,16 @@ def test_a_partial_replica_takes_memory_for_its_items_only_and_is_never_pooled(s
         part = m.only([m.items[1]])
         assert part.held_ranges() == [(MiB, MiB)] and part.held_bytes == MiB
         land(store, part, data)
-        path = store.data_path(3, 0)
+        path = store.paths.data(3, 0)
         assert os.path.getsize(path) == m.data_bytes  # the owner's offsets, the rest holes
         assert MiB <= allocated(path) <= MiB + 2 * PAGE
         got = store.verify_shard(3, 0, [ItemLocation(0, it.offset, it.nbytes, it.checksum)
                                         for it in m.items])  # only its own items are checked
         assert got.partial and [it.key for it in got.items] == ["item1"]
-        with store.open_shard(3, 0) as source:  # a reader's mapping leaves the holes alone
+        with store.shards.open(3, 0) as source:  # a reader's mapping leaves the holes alone
             source.span(MiB, MiB, None)
         assert allocated(path) <= MiB + 2 * PAGE
-        store.retire_shard(3, 0)
+        store.shards.retire(3, 0)
         assert os.listdir(store.pool_dir) == []  # sparse: unlinked, not kept as a warm buffer
     finally:
         store.close()
@@ -91,7 +91,7 @@ def test_a_partial_manifest_lists_its_items_and_reads_as_before_without_the_mark
 def metadata(store: LocalStore, locations: dict[str, ItemLocation]) -> None:
     md = Metadata(state_dict_metadata={},
                   storage_data={MetadataIndex(k): loc for k, loc in locations.items()})
-    store.write_metadata(3, pickle.dumps(md), world_size=2, ranks=[0, 1], total_bytes=0,
+    store.metadata.write(3, pickle.dumps(md), world_size=2, ranks=[0, 1], total_bytes=0,
                          save_id="s1")
 
 
@@ -109,17 +109,17 @@ def test_the_inventory_counts_a_partial_replica_for_the_groups_it_holds_whole(st
                          "rng0": ItemLocation(0, rng.offset, rng.nbytes, rng.checksum),
                          "rng1": ItemLocation(1, 0, m1.items[0].nbytes, m1.items[0].checksum)})
         land(store, m1, data1)
-        assert not store.step_state(3).complete  # rank 0's RNG state is nowhere here
+        assert not store.inventory.step_state(3).complete  # rank 0's RNG state is nowhere here
         land(store, m0.only([rng]), data0)
-        st = store.step_state(3)
+        st = store.inventory.step_state(3)
         assert st.partial == {0: Held(frozenset({rng.offset}), frozenset({()}))}
         assert st.committed_ranks == {0, 1}
-        assert st.complete and store.complete_steps() == [3]
-        store.retire_shard(3, 0)
+        assert st.complete and store.inventory.complete_steps() == [3]
+        store.shards.retire(3, 0)
         lying = m0.only([ManifestItem(rng.key, rng.offset, rng.nbytes, rng.checksum + 1)])
         shard = store.begin_shard(3, 0, m0.data_bytes, lying.held_ranges())
         shard.commit_manifest(lying)  # (as if its bytes had passed some other checksum)
-        st = store.step_state(3)
+        st = store.inventory.step_state(3)
         assert st.partial == {0: Held(frozenset(), frozenset())} and not st.complete
     finally:
         store.close()
@@ -150,14 +150,14 @@ def test_copies_are_recorded_once_and_metadata_naming_copy_groups_in_its_header_
         metadata(store, {"model": ItemLocation(0, model.offset, model.nbytes, model.checksum,
                                                copies=((1, 0),)),
                          "rng0": ItemLocation(0, rng.offset, rng.nbytes, rng.checksum)})
-        raw = store.read_metadata_file(3)
+        raw = store.metadata.read_file(3)
         assert "copy_groups" not in json.loads(raw[:raw.index(b"\n")])  # once: in the locations
-        assert store.step_state(3).copy_groups == {0: [(), (1,)]}
+        assert store.inventory.step_state(3).copy_groups == {0: [(), (1,)]}
         header, payload = decode_metadata(raw)
         old = json.dumps({**dataclasses.asdict(header), "copy_groups": {"0": [[]]}}).encode()
-        store.write_metadata_file(3, old + b"\n" + payload)
-        assert store.read_metadata(3)[0].save_id == "s1"
-        assert store.step_state(3).copy_groups == {0: [(), (1,)]}
+        store.metadata.write_file(3, old + b"\n" + payload)
+        assert store.metadata.read(3)[0].save_id == "s1"
+        assert store.inventory.step_state(3).copy_groups == {0: [(), (1,)]}
     finally:
         store.close()
 
@@ -180,14 +180,14 @@ def test_one_payload_is_unpickled_once_per_process_and_a_new_one_afresh(store_di
         locations = {"model": ItemLocation(0, model.offset, model.nbytes, model.checksum, copies=((1, 0),)),
                      "rng0": ItemLocation(0, rng.offset, rng.nbytes, rng.checksum)}
         metadata(first, locations)
-        assert first.step_state(3).copy_groups == {0: [(), (1,)]}
-        first.write_metadata_file(3, first.read_metadata_file(3))  # the same bytes, a new inode
-        assert first.step_state(3).copy_groups == second.step_state(3).copy_groups == {0: [(), (1,)]}
+        assert first.inventory.step_state(3).copy_groups == {0: [(), (1,)]}
+        first.metadata.write_file(3, first.metadata.read_file(3))  # the same bytes, a new inode
+        assert first.inventory.step_state(3).copy_groups == second.inventory.step_state(3).copy_groups == {0: [(), (1,)]}
         assert second.metadata.items(3).nbytes(0, [(1,)]) == model.nbytes
         assert len(parsed) == 1
         del locations["model"]  # another save of the step: its own items
         metadata(second, locations)
-        assert first.step_state(3).copy_groups == {} and first.metadata.items(3).nbytes(0, [()]) == rng.nbytes
+        assert first.inventory.step_state(3).copy_groups == {} and first.metadata.items(3).nbytes(0, [()]) == rng.nbytes
         assert len(parsed) == 2
     finally:
         first.close()
@@ -203,7 +203,7 @@ def test_a_long_run_keeps_the_headers_and_groups_of_a_bounded_number_of_steps(st
     store = LocalStore(store_dir, JOB)
     try:
         for step in range(6):
-            store.write_metadata(step, f"meta-of-{step}".encode(), world_size=1, ranks=[0], total_bytes=0)
+            store.metadata.write(step, f"meta-of-{step}".encode(), world_size=1, ranks=[0], total_bytes=0)
             assert store.metadata.header(step).step == step
             assert store.metadata.copy_groups(step) == {}  # not our DCP metadata: no copies
         kept = [store.metadata.paths.metadata(s) for s in (3, 4, 5)]

@@ -31,14 +31,14 @@ def populated_by(store: LocalStore, paths: list[str]) -> set[str]:
 
 def test_prewarm_prepares_what_the_next_saves_need(store):
     put_step(store, 1)  # one committed shard of rank 0
-    assert store.prewarm(0, N, keep=2) == 2  # keep=2: two more before recycling starts
+    assert store.pool.prewarm(0, N, keep=2) == 2  # keep=2: two more before recycling starts
     pooled = pool_files(store)
     assert len(pooled) == 2
     inodes = {os.stat(p).st_ino for p in pooled}
     assert inodes <= mapped_inodes(store)  # pages populated and mapped in this process
     assert populated_by(store, pooled) == {"madvise"}  # off the GIL: saves go on meanwhile
     assert all(os.stat(p).st_size == N for p in pooled)
-    assert store.prewarm(0, N, keep=2) == 0  # nothing more to do
+    assert store.pool.prewarm(0, N, keep=2) == 0  # nothing more to do
 
     sw = store.begin_shard(2, 0, N)  # the next save takes a prepared buffer: same inode
     assert os.stat(sw.inflight_path).st_ino in inodes
@@ -47,14 +47,14 @@ def test_prewarm_prepares_what_the_next_saves_need(store):
     sw.buffer.array[:] = 7
     sw.commit()
     put_metadata(store, 2)
-    assert store.prewarm(0, N, keep=2) == 0  # 2 in use + 1 ready = keep + 1
-    assert store.prewarm(1, N, keep=2) == 2  # other owners (replicas) are counted apart
+    assert store.pool.prewarm(0, N, keep=2) == 0  # 2 in use + 1 ready = keep + 1
+    assert store.pool.prewarm(1, N, keep=2) == 2  # other owners (replicas) are counted apart
 
 
 def test_prewarm_counts_a_save_in_flight(store):
     put_step(store, 1)
     sw = store.begin_shard(2, 0, N)  # a save running while we prepare
-    assert store.prewarm(0, N, keep=2) == 1
+    assert store.pool.prewarm(0, N, keep=2) == 1
     sw.abort()
 
 
@@ -65,12 +65,12 @@ def test_prewarm_stops_at_capacity_and_saves_still_work(store_dir):
         put_shard(store, 1, 0, payload(1, 0, big))
         put_metadata(store, 1)
         # room for one more shard, not for a prepared buffer plus a save's worth of headroom
-        store.memory_limit_bytes = store.usage_bytes() + big + big // 2
-        assert store.prewarm(0, big, keep=2) == 0
+        store.memory_limit_bytes = store.capacity.usage_bytes() + big + big // 2
+        assert store.pool.prewarm(0, big, keep=2) == 0
         assert pool_files(store) == []
         put_shard(store, 2, 0, payload(2, 0, big))  # the save itself is unaffected
         put_metadata(store, 2)
-        assert store.complete_steps() == [1, 2]
+        assert store.inventory.complete_steps() == [1, 2]
     finally:
         store.close()
 
@@ -117,7 +117,7 @@ def test_manager_prepares_buffers_after_the_first_save(store_dir):
         assert populated_by(store, pool_files(store)) == {"madvise"}
         ckpt.save(sd, 2)
         ckpt.save(sd, 3)
-        used = {os.stat(store.data_path(s, 0)).st_ino for s in (2, 3)}
+        used = {os.stat(store.paths.data(s, 0)).st_ino for s in (2, 3)}
         assert used == prepared  # saves 2 and 3 wrote into the prepared buffers
         out = {"w": torch.zeros(256, 256), "b": torch.zeros(300)}
         assert ckpt.resume(out).step == 3
@@ -136,13 +136,13 @@ def test_a_whole_file_reader_keeps_the_writers_mapping_of_a_recycled_buffer(stor
     assert offset >= N
     sw.commit()
     put_metadata(store, 1)
-    m, whole = store.map_shard(1, 0)  # a whole-file reader
+    m, whole = store.shards.map(1, 0)  # a whole-file reader
     assert whole.size == m.data_bytes > writer_mapping.size
     data = store.shards.paths.data(1, 0)
     st = os.stat(data)
     assert store.mappings.lookup(st) is writer_mapping, "the reader replaced the writer's mapping"
     assert writer_mapping.array is not None  # still mapped: never released
-    assert store.map_shard(1, 0)[1] is whole  # the wider one is kept too: read again, not remapped
+    assert store.shards.map(1, 0)[1] is whole  # the wider one is kept too: read again, not remapped
     store.shards.retire(1, 0)  # recycled: the next save of rank 0 takes it back
     sw = store.begin_shard(2, 0, N)
     assert os.stat(sw.inflight_path).st_ino == st.st_ino
@@ -158,7 +158,7 @@ def test_a_replica_leaves_a_device_ranks_page_locked_buffers_to_its_saves(store_
     try:
         first = store.begin_shard(1, 0, N)
         first.page_lock(None)  # rank 0's first save from device memory
-        assert store.prewarm(0, N, keep=2) == 2
+        assert store.pool.prewarm(0, N, keep=2) == 2
         locked = {os.stat(p).st_ino for p in pool_files(store)}
         assert all(store.mappings.page_locked(os.stat(p)) for p in pool_files(store))
 
@@ -169,7 +169,7 @@ def test_a_replica_leaves_a_device_ranks_page_locked_buffers_to_its_saves(store_
         assert os.stat(own.inflight_path).st_ino in locked and own.buffer._cuda_registered
 
         # When only a page-locked buffer gives a replica room, it takes one.
-        store.memory_limit_bytes = store.usage_bytes() + N // 2
+        store.memory_limit_bytes = store.capacity.usage_bytes() + N // 2
         squeezed = store.begin_shard(3, 1, N)
         assert os.stat(squeezed.inflight_path).st_ino in locked
         for writer in (first, replica, own, squeezed):
@@ -186,11 +186,11 @@ def test_a_squeezed_replica_takes_the_page_locked_buffer_that_fits_not_a_short_o
     try:
         first = store.begin_shard(1, 0, N)
         first.page_lock(None)
-        assert store.prewarm(0, N, keep=2) == 2
+        assert store.pool.prewarm(0, N, keep=2) == 2
         locked = {os.stat(p).st_ino for p in pool_files(store)}
         store.begin_shard(1, 2, N // 2).abort()  # a short, unlocked buffer of rank 2 in the pool
         assert len(pool_files(store)) == 3
-        store.memory_limit_bytes = store.usage_bytes() + N // 4  # neither a fresh one nor it
+        store.memory_limit_bytes = store.capacity.usage_bytes() + N // 4  # neither a fresh one nor it
         replica = store.begin_shard(2, 1, N)
         assert os.stat(replica.inflight_path).st_ino in locked
         for writer in (first, replica):

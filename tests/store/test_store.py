@@ -30,12 +30,12 @@ JOB = "job-store"
 
 
 def read_data(store: LocalStore, step: int, rank: int) -> bytes:
-    with open(store.data_path(step, rank), "rb") as f:
+    with open(store.paths.data(step, rank), "rb") as f:
         return f.read()
 
 
 def step_files(store: LocalStore, step: int) -> set[str]:
-    return set(os.listdir(store.step_dir(step)))
+    return set(os.listdir(store.paths.step_dir(step)))
 
 
 # ---------------------------------------------------------------- commit protocol
@@ -44,24 +44,24 @@ def test_uncommitted_shard_is_invisible_until_commit(store):
     data = payload(7, 0)
     sw = begin(store, 7, 0, data)
     put_metadata(store, 7)  # even with the step's metadata present
-    st = store.inventory()[7]
+    st = store.inventory.all()[7]
     assert st.committed_ranks == set()
     assert not st.complete
-    assert store.complete_steps() == []
+    assert store.inventory.complete_steps() == []
     with pytest.raises(ShardNotFoundError):
-        store.read_manifest(7, 0)
-    assert os.path.exists(store.data_path(7, 0) + layout.INFLIGHT)
-    assert not os.path.exists(store.data_path(7, 0))
+        store.shards.read_manifest(7, 0)
+    assert os.path.exists(store.paths.data(7, 0) + layout.INFLIGHT)
+    assert not os.path.exists(store.paths.data(7, 0))
 
     committed = sw.commit()
-    st = store.inventory()[7]
+    st = store.inventory.all()[7]
     assert st.committed_ranks == {0}
     assert st.complete and st.required_ranks == [0] and st.world_size == 1
-    assert store.complete_steps() == [7]
+    assert store.inventory.complete_steps() == [7]
     assert step_files(store, 7) == {"metadata", "rank-00000.data", "rank-00000.manifest"}
     assert read_data(store, 7, 0) == data
     # manifest round trip
-    assert store.read_manifest(7, 0) == committed
+    assert store.shards.read_manifest(7, 0) == committed
     assert committed.items[0] == ManifestItem("first", 0, 2048, checksum(data[:2048]),
                                               dtype="uint8", shape=[2048])
     assert store.verify_shard(7, 0) == committed
@@ -69,12 +69,12 @@ def test_uncommitted_shard_is_invisible_until_commit(store):
 
 def test_step_needs_metadata_and_every_required_rank(store):
     put_shard(store, 3, 0)
-    assert store.complete_steps() == []  # shard but no metadata
+    assert store.inventory.complete_steps() == []  # shard but no metadata
     put_metadata(store, 3, ranks=(0, 1))
-    assert store.inventory()[3].required_ranks == [0, 1]
-    assert store.complete_steps() == []  # rank 1 still missing
+    assert store.inventory.all()[3].required_ranks == [0, 1]
+    assert store.inventory.complete_steps() == []  # rank 1 still missing
     put_shard(store, 3, 1)
-    assert store.complete_steps() == [3]
+    assert store.inventory.complete_steps() == [3]
 
 
 def test_crash_between_data_and_manifest_rename_is_invisible(store):
@@ -83,11 +83,11 @@ def test_crash_between_data_and_manifest_rename_is_invisible(store):
     data = payload(1, 1)
     m = Manifest(job_id=JOB, step=1, rank=1, data_bytes=len(data),
                  items=[ManifestItem("x", 0, len(data), checksum(data))])
-    with open(store.data_path(1, 1), "wb") as f:
+    with open(store.paths.data(1, 1), "wb") as f:
         f.write(data)
-    with open(store.manifest_path(1, 1) + layout.TMP, "wb") as f:
+    with open(store.paths.manifest(1, 1) + layout.TMP, "wb") as f:
         f.write(m.to_bytes())
-    assert store.inventory()[1].committed_ranks == {0}
+    assert store.inventory.all()[1].committed_ranks == {0}
     with pytest.raises(ShardNotFoundError):
         store.verify_shard(1, 1)
 
@@ -105,7 +105,7 @@ def test_aborted_shard_leaves_no_visible_trace(store):
     sw = begin(store, 2, 0, payload(2, 0))
     sw.abort()
     assert not os.path.exists(sw.inflight_path)
-    assert 2 not in store.inventory()  # not even an empty step folder is left
+    assert 2 not in store.inventory.all()  # not even an empty step folder is left
     assert len(pool_files(store)) == 1  # the buffer is kept for reuse
 
 
@@ -127,7 +127,7 @@ def test_verify_shard_passes_on_good_data(store):
 def test_verify_shard_detects_flipped_byte(store, offset, item):
     put_step(store, 1)
     store.verify_shard(1, 0)  # mapped now: the flip must be seen through the cached mapping too
-    flip_byte(store.data_path(1, 0), offset)
+    flip_byte(store.paths.data(1, 0), offset)
     with pytest.raises(CorruptShardError, match=repr(item)):
         store.verify_shard(1, 0)
     fresh = LocalStore(store.local_dir, JOB)
@@ -140,16 +140,16 @@ def test_verify_shard_detects_flipped_byte(store, offset, item):
 
 def test_verify_shard_detects_truncated_data(store):
     put_step(store, 1)
-    os.truncate(store.data_path(1, 0), 1000)
+    os.truncate(store.paths.data(1, 0), 1000)
     with pytest.raises(CorruptShardError, match="truncated"):
         store.verify_shard(1, 0)
     with pytest.raises(CorruptShardError):
-        store.map_shard(1, 0)
+        store.shards.map(1, 0)
 
 
 def test_verify_shard_detects_missing_data(store):
     put_step(store, 1)
-    os.unlink(store.data_path(1, 0))
+    os.unlink(store.paths.data(1, 0))
     with pytest.raises(CorruptShardError, match="missing"):
         store.verify_shard(1, 0)
 
@@ -170,7 +170,7 @@ def test_verify_shard_detects_missing_data(store):
         "type", "negative"])
 def test_garbled_manifest_raises_corrupt_shard(store, garble):
     put_step(store, 1)
-    path = store.manifest_path(1, 0)
+    path = store.paths.manifest(1, 0)
     with open(path, "rb") as f:
         raw = f.read()
     bad = garble(raw)
@@ -178,7 +178,7 @@ def test_garbled_manifest_raises_corrupt_shard(store, garble):
     with open(path, "wb") as f:
         f.write(bad)
     with pytest.raises(CorruptShardError):
-        store.read_manifest(1, 0)
+        store.shards.read_manifest(1, 0)
     with pytest.raises(CorruptShardError):
         store.verify_shard(1, 0)
 
@@ -186,7 +186,7 @@ def test_garbled_manifest_raises_corrupt_shard(store, garble):
 def test_manifest_of_another_step_is_refused(store):
     put_step(store, 1)
     put_step(store, 2)
-    os.replace(store.manifest_path(1, 0), store.manifest_path(2, 0))
+    os.replace(store.paths.manifest(1, 0), store.paths.manifest(2, 0))
     with pytest.raises(CorruptShardError, match="names"):
         store.verify_shard(2, 0)
 
@@ -195,7 +195,7 @@ def test_manifest_of_another_step_is_refused(store):
 def test_corrupt_metadata_is_detected(store, damage):
     put_step(store, 4)
     put_step(store, 5)
-    path = store.metadata_path(5)
+    path = store.paths.metadata(5)
     size = os.path.getsize(path)
     if damage == "flip_payload":
         flip_byte(path, size - 2)
@@ -207,32 +207,32 @@ def test_corrupt_metadata_is_detected(store, damage):
         with open(path, "wb") as f:
             f.write(b"" if damage == "empty" else b"\x00garbage\nmore")
     with pytest.raises(CorruptShardError):
-        store.read_metadata(5)
-    st = store.step_state(5)
+        store.metadata.read(5)
+    st = store.inventory.step_state(5)
     assert not st.has_metadata and st.required_ranks is None and not st.complete
     assert st.committed_ranks == {0}
-    assert store.complete_steps() == [4]
-    _, good = store.read_metadata(4)
+    assert store.inventory.complete_steps() == [4]
+    _, good = store.metadata.read(4)
     assert good == b"meta-of-4"
 
 
 def test_missing_metadata_is_not_found(store):
     put_shard(store, 1, 0)
     with pytest.raises(ShardNotFoundError):
-        store.read_metadata(1)
-    assert not store.step_state(1).has_metadata
+        store.metadata.read(1)
+    assert not store.inventory.step_state(1).has_metadata
 
 
 def test_write_metadata_file_refuses_foreign_or_bad_content(store):
     put_step(store, 1)
-    raw = store.read_metadata_file(1)
+    raw = store.metadata.read_file(1)
     with pytest.raises(CorruptShardError):
-        store.write_metadata_file(2, raw)  # header names step 1
+        store.metadata.write_file(2, raw)  # header names step 1
     with pytest.raises(CorruptShardError):
-        store.write_metadata_file(1, raw[:-1])
-    assert not os.path.exists(store.metadata_path(2))
-    store.write_metadata_file(1, raw)  # idempotent
-    assert store.read_metadata_file(1) == raw
+        store.metadata.write_file(1, raw[:-1])
+    assert not os.path.exists(store.paths.metadata(2))
+    store.metadata.write_file(1, raw)  # idempotent
+    assert store.metadata.read_file(1) == raw
 
 
 # ---------------------------------------------------------------- gc
@@ -241,10 +241,10 @@ def test_gc_removes_debris_and_keeps_committed(store):
     put_step(store, 1, ranks=(0, 1))
     put_step(store, 2, ranks=(0, 1))
     good = {r: read_data(store, 2, r) for r in (0, 1)}
-    d2 = store.step_dir(2)
+    d2 = store.paths.step_dir(2)
     begin(store, 3, 0, payload(3, 0))  # in-flight shard: .data.inflight
     debris = [
-        store.data_path(3, 0) + layout.INFLIGHT,
+        store.paths.data(3, 0) + layout.INFLIGHT,
         os.path.join(d2, "rank-00002.manifest" + layout.TMP),  # manifest never renamed
         os.path.join(d2, "metadata.0123abcd" + layout.TMP),     # metadata never renamed
         os.path.join(d2, "rank-00003.data"),                     # data without a manifest
@@ -258,7 +258,7 @@ def test_gc_removes_debris_and_keeps_committed(store):
         assert not os.path.exists(p)
     assert step_files(store, 2) == {"metadata", "rank-00000.data", "rank-00000.manifest",
                                     "rank-00001.data", "rank-00001.manifest"}
-    assert store.complete_steps() == [1, 2]
+    assert store.inventory.complete_steps() == [1, 2]
     for r in (0, 1):
         store.verify_shard(1, r)
         store.verify_shard(2, r)
@@ -274,8 +274,8 @@ def test_gc_removes_in_flight_leftovers_named_as_earlier_versions_did(store):
     alone): what a crash left then is still in-flight debris to gc, in a step (a
     shard's buffer: pooled) and in the pool (a buffer being prepared: deleted)."""
     put_step(store, 1)
-    legacy = [store.data_path(1, 4) + layout.LEGACY_INFLIGHT,
-              os.path.join(store.step_dir(1), "rank-00004.manifest" + layout.LEGACY_INFLIGHT),
+    legacy = [store.paths.data(1, 4) + layout.LEGACY_INFLIGHT,
+              os.path.join(store.paths.step_dir(1), "rank-00004.manifest" + layout.LEGACY_INFLIGHT),
               store.paths.pool_buffer(5, "ab" * 8) + layout.LEGACY_INFLIGHT]
     for p in legacy:
         with open(p, "wb") as f:
@@ -283,19 +283,19 @@ def test_gc_removes_in_flight_leftovers_named_as_earlier_versions_did(store):
     assert sorted(store.gc()) == sorted(legacy)
     assert not any(os.path.exists(p) for p in legacy)
     assert [layout.parse_pool_name(os.path.basename(p)) for p in pool_files(store)] == [4]
-    assert store.complete_steps() == [1] and store.gc() == []
+    assert store.inventory.complete_steps() == [1] and store.gc() == []
 
 
 def test_gc_limited_to_ranks_and_spares_young_files(store):
     put_step(store, 1, ranks=(0, 1))
     begin(store, 2, 0, payload(2, 0))
     begin(store, 2, 1, payload(2, 1))
-    p0 = store.data_path(2, 0) + layout.INFLIGHT
-    p1 = store.data_path(2, 1) + layout.INFLIGHT
+    p0 = store.paths.data(2, 0) + layout.INFLIGHT
+    p1 = store.paths.data(2, 1) + layout.INFLIGHT
     assert store.gc(min_age_s=3600) == []  # both too young
     assert store.gc(ranks=[1]) == [p1]
     assert os.path.exists(p0) and not os.path.exists(p1)
-    assert store.complete_steps() == [1]
+    assert store.inventory.complete_steps() == [1]
 
 
 def test_gc_removes_orphan_metadata_of_old_incomplete_steps(store):
@@ -303,8 +303,8 @@ def test_gc_removes_orphan_metadata_of_old_incomplete_steps(store):
     put_step(store, 2)
     put_metadata(store, 3)  # newer than the newest complete step: maybe in flight, kept
     store.gc()
-    assert store.steps() == [2, 3]
-    assert store.complete_steps() == [2]
+    assert store.inventory.steps() == [2, 3]
+    assert store.inventory.complete_steps() == [2]
 
 
 # ---------------------------------------------------------------- retention and pool
@@ -312,7 +312,7 @@ def test_gc_removes_orphan_metadata_of_old_incomplete_steps(store):
 def test_begin_shard_reuses_pooled_buffer(store):
     put_step(store, 1)
     put_step(store, 2)
-    ino1 = os.stat(store.data_path(1, 0)).st_ino
+    ino1 = os.stat(store.paths.data(1, 0)).st_ino
     apply_retention(store, [0], keep=1)
     assert [os.stat(p).st_ino for p in pool_files(store)] == [ino1]
 
@@ -322,24 +322,24 @@ def test_begin_shard_reuses_pooled_buffer(store):
     assert pool_files(store) == []
     sw.commit()
     put_metadata(store, 3)
-    assert os.stat(store.data_path(3, 0)).st_ino == ino1
+    assert os.stat(store.paths.data(3, 0)).st_ino == ino1
     assert read_data(store, 3, 0) == data
     store.verify_shard(3, 0)
-    assert store.complete_steps() == [2, 3]
+    assert store.inventory.complete_steps() == [2, 3]
 
 
 @pytest.mark.parametrize("nbytes", [1024, 16384])
 def test_pooled_buffer_of_other_size_is_reused_correctly(store, nbytes):
     put_step(store, 1)
-    ino1 = os.stat(store.data_path(1, 0)).st_ino
-    store.retire_shard(1, 0)
+    ino1 = os.stat(store.paths.data(1, 0)).st_ino
+    store.shards.retire(1, 0)
     data = payload(2, 0, nbytes)
     sw = begin(store, 2, 0, data)
     assert os.stat(sw.inflight_path).st_ino == ino1
     sw.commit()
     put_metadata(store, 2)
     assert read_data(store, 2, 0)[:nbytes] == data
-    assert os.path.getsize(store.data_path(2, 0)) >= nbytes
+    assert os.path.getsize(store.paths.data(2, 0)) >= nbytes
     store.verify_shard(2, 0)
     fresh = LocalStore(store.local_dir, JOB)
     try:
@@ -350,9 +350,9 @@ def test_pooled_buffer_of_other_size_is_reused_correctly(store, nbytes):
 
 def test_pool_prefers_own_rank(store):
     put_step(store, 1, ranks=(0, 1))
-    ino = {r: os.stat(store.data_path(1, r)).st_ino for r in (0, 1)}
-    store.retire_shard(1, 0)
-    store.retire_shard(1, 1)
+    ino = {r: os.stat(store.paths.data(1, r)).st_ino for r in (0, 1)}
+    store.shards.retire(1, 0)
+    store.shards.retire(1, 1)
     sw = begin(store, 2, 1, payload(2, 1))
     assert os.stat(sw.inflight_path).st_ino == ino[1]
     sw.abort()
@@ -363,12 +363,12 @@ def test_retiring_a_steps_last_shard_keeps_its_metadata_when_asked(store):
     to load the step from them (issue 38). Retention's retire takes the step with it."""
     put_step(store, 1)
     put_step(store, 2)
-    store.retire_shard(1, 0, keep_metadata=True)
-    st = store.step_state(1)
+    store.shards.retire(1, 0, keep_metadata=True)
+    st = store.inventory.step_state(1)
     assert st.has_metadata and not st.committed_ranks
-    store.read_metadata(1)  # whole and verified
-    store.retire_shard(2, 0)
-    assert 2 not in store.steps()
+    store.metadata.read(1)  # whole and verified
+    store.shards.retire(2, 0)
+    assert 2 not in store.inventory.steps()
 
 
 # ---------------------------------------------------------------- jobs and permissions
@@ -382,21 +382,21 @@ def test_two_jobs_in_one_local_dir_are_isolated(store_dir):
         for s in (2, 5):
             put_step(b, s)
         begin(b, 6, 0, payload(6, 0))  # b's in-flight shard
-        b_inflight = b.data_path(6, 0) + layout.INFLIGHT
-        assert a.complete_steps() == [1, 2, 3]
-        assert b.complete_steps() == [2, 5]
-        assert b.steps() == [2, 5, 6]
+        b_inflight = b.paths.data(6, 0) + layout.INFLIGHT
+        assert a.inventory.complete_steps() == [1, 2, 3]
+        assert b.inventory.complete_steps() == [2, 5]
+        assert b.inventory.steps() == [2, 5, 6]
 
         assert a.gc() == []
         assert os.path.exists(b_inflight)
         apply_retention(a, [0], keep=1)
-        assert a.complete_steps() == [3]
-        assert b.complete_steps() == [2, 5]
+        assert a.inventory.complete_steps() == [3]
+        assert b.inventory.complete_steps() == [2, 5]
         assert os.listdir(b.pool_dir) == []
         a.destroy()
         assert not os.path.exists(a.job_dir)
-        assert a.complete_steps() == []
-        assert b.complete_steps() == [2, 5]
+        assert a.inventory.complete_steps() == []
+        assert b.inventory.complete_steps() == [2, 5]
         for s in (2, 5):
             b.verify_shard(s, 0)
         assert os.path.exists(b_inflight)
@@ -415,10 +415,10 @@ def test_job_dir_permissions(store_dir):
         try:
             put_step(s, 1)
             assert stat.S_IMODE(os.stat(s.job_dir).st_mode) == 0o700
-            for d in (s.steps_dir, s.pool_dir, s.step_dir(1)):
+            for d in (s.steps_dir, s.pool_dir, s.paths.step_dir(1)):
                 assert stat.S_IMODE(os.stat(d).st_mode) & 0o077 == 0, d
-            for name in os.listdir(s.step_dir(1)):
-                mode = stat.S_IMODE(os.stat(os.path.join(s.step_dir(1), name)).st_mode)
+            for name in os.listdir(s.paths.step_dir(1)):
+                mode = stat.S_IMODE(os.stat(os.path.join(s.paths.step_dir(1), name)).st_mode)
                 assert mode & 0o077 == 0, (name, oct(mode))
         finally:
             s.close()
@@ -432,7 +432,7 @@ def test_resaving_committed_step_replaces_it(store):
     new = payload(99, 0)
     sw = begin(store, 1, 0, new)
     # while the new shard is in flight the old one is still committed and valid
-    assert store.complete_steps() == [1]
+    assert store.inventory.complete_steps() == [1]
     assert read_data(store, 1, 0) == old
     store.verify_shard(1, 0)
     sw.commit()
@@ -441,7 +441,7 @@ def test_resaving_committed_step_replaces_it(store):
     m = store.verify_shard(1, 0)
     assert m.items[0].checksum == checksum(new[:2048])
     assert step_files(store, 1) == {"metadata", "rank-00000.data", "rank-00000.manifest"}
-    assert store.complete_steps() == [1]
+    assert store.inventory.complete_steps() == [1]
     assert store.gc() == []
 
 
@@ -470,7 +470,7 @@ def put_save(store: LocalStore, step: int, run: str, ranks=(0, 1)) -> None:
     save = f"{run}-{step}"
     for r in ranks:
         begin(store, step, r, payload(step, r)).commit(save_id=save, run_id=run)
-    store.write_metadata(step, f"meta-of-{step}".encode(), world_size=len(ranks), ranks=ranks,
+    store.metadata.write(step, f"meta-of-{step}".encode(), world_size=len(ranks), ranks=ranks,
                          total_bytes=4096 * len(ranks), save_id=save, lineage=Lineage(run))
 
 
@@ -483,9 +483,9 @@ def test_settle_keeps_history_drops_other_runs_and_sets_complete_newer_steps_asi
     # resumed step 2 of run A in run B; step 4 was complete but did not load: set aside
     gone = store.settle(Lineage("B", (("A", 2),)), 2, set_aside=[4])
     assert gone == [3, 4]
-    assert store.steps() == [1, 2]
-    assert store.step_state(2).committed_ranks == {0}  # run X's shard is gone
-    assert store.step_state(1).complete
+    assert store.inventory.steps() == [1, 2]
+    assert store.inventory.step_state(2).committed_ranks == {0}  # run X's shard is gone
+    assert store.inventory.step_state(1).complete
     assert [s for s, _ in store.orphans()] == [4]
     # the orphan goes once the job has a newer complete step here, not before
     put_save(store, 3, "B")
@@ -499,21 +499,21 @@ def test_settle_keeps_history_drops_other_runs_and_sets_complete_newer_steps_asi
 def test_settle_drops_another_runs_metadata_but_keeps_a_replaced_nodes_fetched_metadata(store):
     put_save(store, 3, "A", ranks=(0,))
     for r in (0,):
-        store.retire_shard(3, r)
-    store.write_metadata(3, b"m", world_size=1, ranks=[0], total_bytes=1, save_id="A-3",
+        store.shards.retire(3, r)
+    store.metadata.write(3, b"m", world_size=1, ranks=[0], total_bytes=1, save_id="A-3",
                          lineage=Lineage("A"))
     store.settle(Lineage("B", (("A", 3),)), 3)
-    assert store.step_state(3).has_metadata  # fetched before the shard: kept for the heal
+    assert store.inventory.step_state(3).has_metadata  # fetched before the shard: kept for the heal
     store.settle(Lineage("C"), 3)
-    assert 3 not in store.steps()
+    assert 3 not in store.inventory.steps()
 
 
 def test_inventory_skips_damaged_shards_and_complete_needs_one_save(store):
     put_save(store, 3, "A")
-    assert store.step_state(3).complete
-    os.truncate(store.data_path(3, 1), 10)
-    st = store.step_state(3)
+    assert store.inventory.step_state(3).complete
+    os.truncate(store.paths.data(3, 1), 10)
+    st = store.inventory.step_state(3)
     assert st.committed_ranks == {0} and not st.complete
     begin(store, 3, 1, payload(3, 1)).commit(save_id="A-other", run_id="A")
-    st = store.step_state(3)
+    st = store.inventory.step_state(3)
     assert st.committed_ranks == {0, 1} and st.ranks_of("A-3") == {0} and not st.complete

@@ -80,7 +80,7 @@ def test_job_paths_list_only_step_folders(store):
     put_step(store, 2)
     put_step(store, 11)
     os.makedirs(os.path.join(store.steps_dir, "not-a-step"))
-    assert store.paths.step_numbers() == [2, 11] == store.steps()
+    assert store.paths.step_numbers() == [2, 11] == store.inventory.steps()
 
 
 # ---------------------------------------------------------------- verify_digests
@@ -114,16 +114,16 @@ def test_replica_verified_on_arrival_names_the_bad_item(store):
 
 def test_pickled_store_parts_share_one_fresh_mapping_cache(store):
     put_shard(store, 1, 0)
-    store.map_shard(1, 0)
+    store.shards.map(1, 0)
     assert store.mappings._by_key
     copy = pickle.loads(pickle.dumps(store))
     assert copy.mappings is not store.mappings and not copy.mappings._by_key
     assert copy.pool.mappings is copy.mappings is copy.shards.mappings
-    m, _ = copy.map_shard(1, 0)  # maps in the copy's own cache
+    m, _ = copy.shards.map(1, 0)  # maps in the copy's own cache
     assert copy.mappings._by_key and copy.verify_shard(1, 0) == m
     put_metadata(copy, 1)
-    assert copy.complete_steps() == [1] == store.complete_steps()
-    assert layout.classify(os.path.basename(copy.data_path(1, 0))).kind is Kind.DATA
+    assert copy.inventory.complete_steps() == [1] == store.inventory.complete_steps()
+    assert layout.classify(os.path.basename(copy.paths.data(1, 0))).kind is Kind.DATA
 
 
 # ---------------------------------------------------------------- mappings and their holders
@@ -147,7 +147,7 @@ def test_a_mapping_the_cache_lets_go_stays_mapped_while_a_reader_copies_from_it(
     m = put_shard(store, 1, 0, data.tobytes())
     store.mappings.clear()  # as in a restarted process: the reader maps the shard itself
     dst = np.zeros_like(data)
-    with store.open_shard(1, 0, m.save_id) as source:
+    with store.shards.open(1, 0, m.save_id) as source:
         span = source.span(0, data.nbytes, dst.ctypes.data)
         store.mappings.forget(source.path)
         store.mappings.clear()
@@ -163,7 +163,7 @@ def test_two_threads_mapping_one_shard_at_once_share_one_mapping(store, monkeypa
     data = np.arange(1 << 16, dtype=np.uint64).view(np.uint8)
     put_shard(store, 1, 0, data.tobytes())
     store.mappings.clear()
-    path = store.data_path(1, 0)
+    path = store.paths.data(1, 0)
     make, theirs = buffers.MappedFile, []
 
     def mapped_meanwhile(*args, **kwargs):  # the other thread's map() ends while ours maps

@@ -148,7 +148,7 @@ def put_node0_step(store: LocalStore, step: int, ranks) -> None:
 
 
 def whole_in(store: LocalStore) -> list[int]:
-    return store.complete_steps()
+    return store.inventory.complete_steps()
 
 
 def test_real_store_keeps_a_whole_step_when_replicas_arrive_out_of_order(store):
@@ -175,7 +175,7 @@ def test_real_store_keeps_a_whole_step_when_replicas_arrive_out_of_order(store):
     assert whole_in(store) == [15]  # 15 is whole: now 12 may go, and rank 2's replica of it did
     retention0.apply()  # the next save's pass: the rest of 12 goes
     retention1.apply()
-    assert whole_in(store) == [15] and 12 not in store.steps()
+    assert whole_in(store) == [15] and 12 not in store.inventory.steps()
 
 
 @pytest.mark.slow
@@ -204,7 +204,7 @@ def test_interleaved_retention_passes_cannot_retire_each_others_guard(store, mon
     for t in (a, arrival, b):
         t.join(timeout=60)
         assert not t.is_alive()
-    assert whole_in(store), {s: sorted(store.step_state(s).committed_ranks) for s in store.steps()}
+    assert whole_in(store), {s: sorted(store.inventory.step_state(s).committed_ranks) for s in store.inventory.steps()}
 
 
 # ---------------------------------------------------------------- a real job, watched
@@ -228,7 +228,7 @@ class Watcher:
         self.lag: list[int] = []  # newest step on node 0 minus its newest whole step, per read
 
     def read(self, k: int) -> list[int]:
-        return self.stores[k].complete_steps()
+        return self.stores[k].inventory.complete_steps()
 
     def look(self) -> None:
         self.reads += 1
@@ -237,15 +237,15 @@ class Watcher:
             if not now and self.ever[k]:
                 again = self.read(k)
                 if not again:
-                    held = {s: sorted(self.stores[k].step_state(s).committed_ranks)
-                            for s in self.stores[k].steps()}
+                    held = {s: sorted(self.stores[k].inventory.step_state(s).committed_ranks)
+                            for s in self.stores[k].inventory.steps()}
                     self.gaps.append(f"read {self.reads}: node {k} holds no whole step: {held}")
                 now = again
             if now:
                 self.ever[k] = True
                 self.seen_whole[k] |= set(now)
                 if k == 0:
-                    self.lag.append(max(self.stores[0].steps(), default=0) - max(now))
+                    self.lag.append(max(self.stores[0].inventory.steps(), default=0) - max(now))
 
     def close(self) -> None:
         for s in self.stores:

@@ -46,7 +46,7 @@ def save_phase(ckpt: CheckpointManager, rank: int) -> None:
     save2 = outcome(lambda: ckpt.save(big, 2))
     async_save2 = outcome(lambda: ckpt.async_save(big, 2).result(timeout=120))
     ckpt.wait()
-    complete = internals(ckpt).store.complete_steps()
+    complete = internals(ckpt).store.inventory.complete_steps()
     loaded = zeros_like_state(state(rank, 1, SMALL))
     dcp.load(loaded, storage_reader=ckpt.storage_reader(1), process_group=ckpt._save_pg)
     report("race", {"save": save2, "async_save": async_save2, "complete": complete,

@@ -34,7 +34,7 @@ def step_state(step: int, rank: int) -> dict:
 def holdings(ckpt: CheckpointManager) -> dict:
     """{step: {owner: [items, data_bytes]}} of every verified shard on this node."""
     out = {}
-    for step, st in internals(ckpt).store.inventory().items():
+    for step, st in internals(ckpt).store.inventory.all().items():
         out[step] = {}
         for owner in sorted(st.committed_ranks):
             m = internals(ckpt).store.verify_shard(step, owner)

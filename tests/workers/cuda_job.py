@@ -155,17 +155,17 @@ def registrations(rank: int) -> None:
             made[threading.current_thread().name] += 1
 
     buffers.MappedFile.register_for_device_copies = counting
-    from mlcheckpoint.store.local_store import LocalStore
+    from mlcheckpoint.store.pool import BufferPool
 
     prepared: list[tuple[int, int]] = []  # (owner, buffers made): why a save found none
-    prewarm = LocalStore.prewarm
+    prewarm = BufferPool.prewarm
 
-    def recording(store, owner, nbytes, keep):
-        made_now = prewarm(store, owner, nbytes, keep)
+    def recording(pool, owner, nbytes, keep):
+        made_now = prewarm(pool, owner, nbytes, keep)
         prepared.append((owner, made_now))
         return made_now
 
-    LocalStore.prewarm = recording
+    BufferPool.prewarm = recording
     ckpt = CheckpointManager(replication="pg")
     model, optim = build()
     per_save = []

@@ -95,7 +95,7 @@ def main() -> None:
     saves, complete, step1_loaded, step1 = [], None, None, None
     for step in range(STEPS):
         if step == FREE_AT:  # the tmpfs is still full
-            complete = internals(ckpt).store.complete_steps()
+            complete = internals(ckpt).store.inventory.complete_steps()
             if nodes == 1:
                 loaded = {f"weight{rank}": torch.zeros_like(weight), "step": -1,
                           "shared": distribute_tensor(torch.zeros(world * 1024), mesh, [Shard(0)])}

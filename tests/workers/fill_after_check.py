@@ -51,7 +51,7 @@ def committed_step(store: LocalStore, step: int) -> bytes:
     sw.buffer.array[:] = data
     sw.add_item(ManifestItem("w", 0, data.nbytes, checksum(data)))
     sw.commit()
-    store.write_metadata(step, b"meta", world_size=1, ranks=[0], total_bytes=data.nbytes)
+    store.metadata.write(step, b"meta", world_size=1, ranks=[0], total_bytes=data.nbytes)
     return data.tobytes()
 
 
@@ -62,7 +62,7 @@ def leftovers(store: LocalStore) -> list[str]:
         out += [os.path.relpath(os.path.join(root, f), store.job_dir) for f in files
                 if layout.classify(f).kind is not layout.Kind.LOCK]
     keep = {os.path.relpath(p, store.job_dir) for p in (
-        store.data_path(1, 0), store.manifest_path(1, 0), store.metadata_path(1))}
+        store.paths.data(1, 0), store.paths.manifest(1, 0), store.paths.metadata(1))}
     return sorted(set(out) - keep)
 
 
@@ -101,7 +101,7 @@ def replica_scenario(store: LocalStore) -> dict:
 
 
 def prewarm_scenario(store: LocalStore) -> dict:
-    made = store.prewarm(0, SHARD // 4, keep=2)
+    made = store.pool.prewarm(0, SHARD // 4, keep=2)
     return {"outcome": "prewarmed", "made": made}
 
 
@@ -119,9 +119,9 @@ def main() -> None:
                   "available": e.available}
     report["leftovers"] = leftovers(store)
     report["step_dirs"] = len(os.listdir(store.steps_dir))
-    with open(store.data_path(1, 0), "rb") as f:
+    with open(store.paths.data(1, 0), "rb") as f:
         report["step1_intact"] = f.read() == step1
-    report["complete"] = store.complete_steps()
+    report["complete"] = store.inventory.complete_steps()
     # Once the other program is gone, the store takes a shard of that size again.
     del store.capacity.preflight
     os.unlink(os.path.join(local_dir, "other-program.bin"))
@@ -129,8 +129,8 @@ def main() -> None:
     sw.buffer.array[:] = 3
     sw.add_item(ManifestItem("w", 0, SHARD, checksum(sw.buffer.array)))
     sw.commit()
-    with open(store.data_path(3, 0), "rb") as f:
-        report["after"] = len(f.read()) if store.read_manifest(3, 0).data_bytes == SHARD else -1
+    with open(store.paths.data(3, 0), "rb") as f:
+        report["after"] = len(f.read()) if store.shards.read_manifest(3, 0).data_bytes == SHARD else -1
     store.close()
     print(json.dumps(report))
 

@@ -25,7 +25,7 @@ def main() -> None:
     ckpt.async_save(sd, 1).result()
     protected = ckpt.wait_replicated(1, 120)
     dist.barrier()
-    held = sorted(LocalStore().step_state(1).committed_ranks)
+    held = sorted(LocalStore().inventory.step_state(1).committed_ranks)
     report("nccl", {"protected": protected, "held": held})
     ckpt.close()
     dist.destroy_process_group()

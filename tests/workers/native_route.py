@@ -174,7 +174,7 @@ def refused(rank: int) -> None:
     dcp.async_save(sd, storage_writer=ckpt.storage_writer(1),
                    process_group=ckpt.process_group).result(timeout=60)
     ckpt.wait()
-    report("refused", {"error": error, "complete": internals(ckpt).store.complete_steps()})
+    report("refused", {"error": error, "complete": internals(ckpt).store.inventory.complete_steps()})
     ckpt.close()
 
 

@@ -107,7 +107,7 @@ def native(rank: int) -> None:
     except StagingError as e:
         out["next_save"] = type(e).__name__
     out["after"] = ckpt.async_save(flat(), 6).result().step
-    out["step4_complete"] = 4 in internals(ckpt).store.complete_steps()
+    out["step4_complete"] = 4 in internals(ckpt).store.inventory.complete_steps()
     out["step3_differs"] = differs(ckpt, 3, saved3)
     ckpt.close()
     report("native", out)

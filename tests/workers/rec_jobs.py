@@ -101,7 +101,7 @@ def run_job(spec: dict, rank: int, world: int, mesh) -> None:
                              "sources": info.sources, "bytes_fetched": info.bytes_fetched,
                              "world": world, "refused_copies": info.refused_copies})
     if spec.get("await_own") and info.step is not None:
-        wait_until(lambda: rank in internals(ckpt).store.step_state(info.step).committed_ranks,
+        wait_until(lambda: rank in internals(ckpt).store.inventory.step_state(info.step).committed_ranks,
                    deadline_in(60), 0.05)
     if spec.get("heal") and info.step is not None and ckpt.replication_mode != "none":
         report(f"healed-{job}", {"step": info.step,

@@ -38,7 +38,7 @@ def main() -> None:
     dist.barrier()
     store = LocalStore()
     held = {}
-    for step, st in store.inventory().items():
+    for step, st in store.inventory.all().items():
         verified = []
         for r in sorted(st.committed_ranks):
             store.verify_shard(step, r)

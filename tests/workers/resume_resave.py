@@ -42,7 +42,7 @@ def main() -> None:
             ckpt.save(make_state(step, rank), step)
         dist.barrier()
         if rank == 0:  # the crash: step 3's shards are committed, its metadata never written
-            os.unlink(internals(ckpt).store.metadata_path(3))
+            os.unlink(internals(ckpt).store.paths.metadata(3))
         dist.barrier()
         ckpt.close()
         steps = (3, 4)

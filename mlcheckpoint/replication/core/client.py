@@ -137,7 +137,7 @@ class PeerClient:
                    items: Sequence[ManifestItem] | None = None) -> int:
         what = f"the push of step {step} rank {owner}"
         with self.sink.pins.pinned(step):
-            m = self.store.read_manifest(step, owner)
+            m = self.store.shards.read_manifest(step, owner)
             if items is not None:
                 m = m.only(list(items))
             ranges = m.held_ranges()  # (a partial replica: its items' ranges, in order)
@@ -152,7 +152,7 @@ class PeerClient:
 
     def push_metadata(self, peer: int, step: int) -> None:
         what = f"the push of the metadata of step {step}"
-        raw = self.store.read_metadata_file(step)
+        raw = self.store.metadata.read_file(step)
         with self._call(peer, what) as call:
             first = call.offer_metadata({"op": "put_metadata", "step": step}, raw)
             if self._status(first, peer, what, "have", "ready", "ok") == "ready":

@@ -132,7 +132,7 @@ class RequestService:
         owner = want_int(req, "owner", 0, MAX_OWNER)
         with self.sink.pins.pinned(step):
             try:
-                source = self.store.open_shard(step, owner)
+                source = self.store.shards.open(step, owner)
             except ShardNotFoundError:
                 channel.answer({"status": "missing"})
                 yield None
@@ -157,7 +157,7 @@ class RequestService:
     def _get_metadata(self, req: dict, step: int, channel: Channel) -> None:
         paced = want_bool(req, "paced")
         try:
-            raw = self.store.read_metadata_file(step)
+            raw = self.store.metadata.read_file(step)
         except ShardNotFoundError:
             channel.answer({"status": "missing"})
             return

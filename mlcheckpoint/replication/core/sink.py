@@ -139,7 +139,7 @@ class ReceiveSink:
         again is a new save, even with equal bytes) and the same bytes, or, for a partial
         replica, a shard of that save here that holds every item it offers."""
         try:
-            held = self.store.read_manifest(m.step, m.rank)
+            held = self.store.shards.read_manifest(m.step, m.rank)
         except MLCheckpointError:
             return False
         if held.save_id != m.save_id or held.data_bytes != m.data_bytes:
@@ -152,7 +152,7 @@ class ReceiveSink:
         """Whether the step's metadata here has this checksum (a push of it is a no-op)."""
         with contextlib.suppress(MLCheckpointError):
             return isinstance(digest, int) and digests_agree(
-                digest, digest_item(self.store.read_metadata_file(step)))
+                digest, digest_item(self.store.metadata.read_file(step)))
         return False
 
     # ------------------------------------------------------------------ receiving
@@ -202,7 +202,7 @@ class ReceiveSink:
         header = checks.metadata_from_wire(raw, self.store.job_id, step)
         if offered:
             self.check_admitted(header.run_id, step)
-        self.store.write_metadata_file(step, raw)
+        self.store.metadata.write_file(step, raw)
 
 
 class Receipt:

@@ -382,7 +382,7 @@ class PgCall:
         """The shard mapped (the same save) and the bounce made before the offer: once the
         peer answers "ready" it waits for every byte, so nothing may fail between (see
         ``PgTransport._bounce``)."""
-        with self.transport.store.open_shard(m.step, m.rank, m.save_id) as source:  # (this save's)
+        with self.transport.store.shards.open(m.step, m.rank, m.save_id) as source:  # (this save's)
             buf = source.mapping(m.data_bytes)
         self._outgoing = buf, self.transport._bounce(ranges)
         self.piece = self.transport._piece(paced=True)

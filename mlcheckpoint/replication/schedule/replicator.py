@@ -169,7 +169,7 @@ class Replicator:
     # ------------------------------------------------------------------ job-wide view
     def _save_here(self, step: int) -> str | None:
         """The save of ``step`` this rank holds: its own shard's, else the metadata's."""
-        st = self.store.step_state(step)
+        st = self.store.inventory.step_state(step)
         return st.shard_saves.get(self.topology.rank, st.save_id)
 
     def is_protected(self, step: int) -> bool:
@@ -199,7 +199,7 @@ class Replicator:
         """How far replication lags behind the saves (see ``ProtectionStatus``). Asks the c10d
         store nothing: the newest protected step is that of the last closed round the node
         heard of (``ask=False``: the one known at the last save)."""
-        inv = self.store.inventory()
+        inv = self.store.inventory.all()
         newest = self.newest_protected(ask)
         with self._lock:
             pushed = sorted((st for st in self._states.values()
@@ -286,7 +286,7 @@ class Replicator:
         self.seed_protected(r.step)
         if not self.topology.is_node_leader:
             return
-        saves = save_times(self.store.inventory())
+        saves = save_times(self.store.inventory.all())
         state = self.state(r.step)
         now = self._record_protected(r.step, saves)
         if self.topology.rank == 0 and state is not None and state.state == "replicated":
@@ -298,7 +298,7 @@ class Replicator:
         is protected, whoever found it: the replicator thread at a round's verdict, or
         ``protection()`` and a save's retention, from the node's view of the rounds.
         ``mlcheckpoint ls`` reads it, so after ``close`` it names the step ``protection()`` did."""
-        saves = save_times(self.store.inventory()) if saves is None else saves
+        saves = save_times(self.store.inventory.all()) if saves is None else saves
         now = protection_status(step, saves, None, 0)
         with self._lock:  # the replicator thread and protection()'s caller both come here
             if not self.topology.is_node_leader or step == self._recorded_protected:
@@ -314,7 +314,7 @@ class Replicator:
         """Rank 0: once every rank finished the current round, name the newest save this node
         holds the metadata of (or the same save again, after a back-off, if it is not
         protected yet)."""
-        inv = self.store.inventory()
+        inv = self.store.inventory.all()
         saves = {s: sid for s, st in sorted(inv.items()) if (sid := st.save_id) is not None}
         if not saves:
             return
@@ -351,7 +351,7 @@ class Replicator:
             due, self._metadata_due = self._metadata_due, {}
         later: dict[int, str] = {}
         for step, save_id in sorted(due.items()):
-            st = self.store.step_state(step)
+            st = self.store.inventory.step_state(step)
             if st.save_id == save_id:
                 self._push_metadata(step, save_id)
             elif st.save_id is None and st.shard_saves.get(self.topology.rank) == save_id:
@@ -364,7 +364,7 @@ class Replicator:
 
     def _mark_superseded(self, steps: list[int], newer: int) -> None:
         """This rank's own shards of ``steps`` stay unpushed (listing and ``drain`` say so)."""
-        inv = {s: self.store.step_state(s) for s in steps}
+        inv = {s: self.store.inventory.step_state(s) for s in steps}
         with self._lock:
             for s, st in inv.items():
                 save = st.shard_saves.get(self.topology.rank)
@@ -386,9 +386,9 @@ class Replicator:
             self._superseded += len(skipped)
         counted = False
         try:
-            older = [s for s in self.store.steps() if s < r.step]
+            older = [s for s in self.store.inventory.steps() if s < r.step]
             self._mark_superseded(older, r.step)
-            st = self.store.step_state(r.step)
+            st = self.store.inventory.step_state(r.step)
             if st.shard_saves.get(self.topology.rank) == r.save_id:
                 counted = self._push_shard(r.step, r.save_id, st)
             else:
@@ -430,7 +430,7 @@ class Replicator:
         before = budget.profile()
         sent = skipped = 0
         try:
-            m = self.store.read_manifest(step, self.topology.rank)
+            m = self.store.shards.read_manifest(step, self.topology.rank)
             plan = coverage.plan_push(m, st, self._step_items(step, st, save_id), save_id,
                                      self.topology, self.places, self.targets)
             to_push = {peer: coverage.pushed_bytes(m, plan[peer]) for peer in self.targets}
@@ -477,7 +477,7 @@ class Replicator:
         if st.save_id != save_id:
             return None
         try:
-            return self.store.step_items(step)
+            return self.store.metadata.items(step)
         except (ShardNotFoundError, CorruptShardError):
             return None
 
@@ -509,7 +509,7 @@ class Replicator:
     def _drained(self) -> bool:
         """Whether this rank's newest shard is replicated (with its metadata), superseded or
         given up on."""
-        inv = self.store.inventory()
+        inv = self.store.inventory.all()
         mine = [s for s, st in inv.items() if self.topology.rank in st.committed_ranks]
         newest = max(mine, default=None)
         if newest is None:

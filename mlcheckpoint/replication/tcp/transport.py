@@ -233,7 +233,7 @@ class TcpCall:
         """From the shard's file with sendfile(), within the node's budget: over this
         connection, or striped over ``streams`` of them."""
         budget = self.transport.budget
-        with open(self.transport.store.data_path(m.step, m.rank), "rb") as f:
+        with open(self.transport.store.paths.data(m.step, m.rank), "rb") as f:
             if self.streams == 1:
                 for offset, nbytes in ranges:
                     send_range(self.sock, f.fileno(), offset, nbytes, m, budget)

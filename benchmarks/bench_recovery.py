@@ -64,9 +64,10 @@ from benchmarks.harness.baselines import dcp_fs_load, dcp_fs_save, raw_socket_se
 from benchmarks.harness.processes import make_workspace
 from benchmarks.harness.report import QUICK_NOTE, progress, run_and_report, verdict
 from benchmarks.harness.stats import median, timed
-from mlcheckpoint.recovery.inventory import NodeInventory, StepCopy
-from mlcheckpoint.recovery.planner import plan_resume
+from mlcheckpoint.recovery.planner import NodeInventory, plan_resume
 from mlcheckpoint.replication.schedule.pairing import pairing_for
+from mlcheckpoint.store.inventory import StepState
+from mlcheckpoint.store.manifest import MetadataHeader
 from mlcheckpoint.testing.cluster import Cluster, SimulatedCluster, write_result
 from mlcheckpoint.testing.netcluster import NetCluster
 
@@ -287,8 +288,13 @@ def bench_planner(ranks_per_node: int = 8) -> dict[int, float]:
             ranks = list(range(n * ranks_per_node, (n + 1) * ranks_per_node))
             partner = n ^ 1
             owners = ranks + list(range(partner * ranks_per_node, (partner + 1) * ranks_per_node))
-            copy = StepCopy(frozenset(owners), True, tuple(range(world)), world,
-                            tuple((o, 1 << 30) for o in sorted(owners)))
+            header = MetadataHeader(job_id="bench", step=99, world_size=world,
+                                    ranks=list(range(world)), total_bytes=0, payload_bytes=0,
+                                    checksum=0, save_id="s")
+            copy = StepState(99, has_metadata=True, committed_ranks=set(owners),
+                             required_ranks=list(range(world)), world_size=world, header=header,
+                             shard_saves=dict.fromkeys(owners, "s"),
+                             shard_bytes=dict.fromkeys(owners, 1 << 30))
             nodes.append(NodeInventory(n, ranks, {} if n == 3 else {98: copy, 99: copy}))
         out[world], d = timed(lambda nodes=nodes, world=world: plan_resume(nodes, 50, world))
         assert d.step == 99 and list(d.sources.values()).count("peer") == ranks_per_node

@@ -23,7 +23,7 @@ from mlcheckpoint.cli import (
     main,
 )
 from mlcheckpoint.manager.listing import list_checkpoints, step_label
-from mlcheckpoint.recovery import plan_resume, take_inventory
+from mlcheckpoint.recovery import NodeInventory, plan_resume
 from mlcheckpoint.recovery.planner import MEMORY
 from mlcheckpoint.store import LocalStore
 
@@ -439,7 +439,7 @@ def ls_steps(cli, root) -> dict[int, dict]:
 def planner_loads(store: LocalStore, step: int, world: int) -> bool:
     """Whether ``plan_resume`` over this node's inventory alone loads ``step`` when every newer
     step is ruled out (``bad_steps``): whether it counts the step complete."""
-    inv = take_inventory(store, 0, [0])
+    inv = NodeInventory(0, [0], store.inventory.all())
     d = plan_resume([inv], None, world, bad_steps=[s for s in inv.steps if s > step])
     return (d.kind, d.step) == (MEMORY, step)
 

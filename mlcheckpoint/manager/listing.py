@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CopyId
 from ..persistent import PersistentStorage
-from ..recovery.inventory import take_inventory
-from ..recovery.planner import StepVerdict, step_verdicts
+from ..recovery.planner import NodeInventory, StepVerdict, step_verdicts
 from ..replication import Replicator
 from ..store import LocalStore
 from ..store.inventory import StepState
@@ -50,7 +49,8 @@ def verdicts_here(store: LocalStore, bad_copies: Iterable[CopyId] = (),
     alone (``planner.step_verdicts``): complete when a resume could load it from here, else
     which ranks' items are not here. ``bad_copies`` (node ``HERE``): copies found corrupt;
     ``listed``: the store's ``inventory.all()`` when the caller has just taken it."""
-    return step_verdicts([take_inventory(store, HERE, [HERE], listed)], bad_copies=bad_copies)
+    steps = store.inventory.all() if listed is None else dict(listed)
+    return step_verdicts([NodeInventory(HERE, [HERE], steps)], bad_copies=bad_copies)
 
 
 def step_label(complete: bool, newer_complete: bool, replicated: bool) -> str:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from ..errors import CopyId
 from ..store import coverage
-from ..store.coverage import Held
+from ..store.coverage import WHOLE, Held
 from ..store.identity import Lineage
-from .inventory import NodeInventory, StepCopy
+from ..store.inventory import StepState
 
 MEMORY, PERSISTENT, FRESH = "memory", "persistent", "fresh"
 COPIES = "copies"  # Decision.sources: the rank's own shard is on no node; its items come from copies
@@ -29,6 +29,16 @@ COPIES = "copies"  # Decision.sources: the rank's own shard is on no node; its i
 # more than this: the persistent folder's clock (a file server's) and the coordinator's may
 # disagree a little.
 CLOCK_SLACK_S = 5.0
+
+
+@dataclass
+class NodeInventory:
+    """What one node holds, as its local rank 0 lists it at job start (one collective gathers
+    every node's): the planner's input."""
+
+    node: int
+    ranks: list[int]  # current ranks on this node (any of them can serve its store)
+    steps: dict[int, StepState] = field(default_factory=dict)  # the store's ``inventory.all()``
 
 
 @dataclass(frozen=True)
@@ -279,10 +289,10 @@ def _foreign_steps(nodes: list[NodeInventory], history: Lineage | None) -> list[
 
 
 def _chosen_saves(nodes: list[NodeInventory], bad: set[CopyId],
-                  history: Lineage | None) -> dict[int, StepCopy]:
+                  history: Lineage | None) -> dict[int, StepState]:
     """Per step, the newest save of it that belongs to ``history`` (a step saved twice in one
     run counts as its later save)."""
-    chosen: dict[int, StepCopy] = {}
+    chosen: dict[int, StepState] = {}
     for _, step, c in _metadata_copies(nodes, bad):
         if history is None or not history.admits(c.run_id, step):
             continue
@@ -296,9 +306,11 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
     chosen = _chosen_saves(nodes, bad, history)
     view: dict[int, _StepView] = {}
     for step, meta in chosen.items():
-        view[step] = _StepView(save_id=meta.save_id, lineage=meta.lineage, created=meta.created,
-                               required=meta.required, world_size=meta.world_size,
-                               copy_groups=meta.copies())
+        required = meta.required_ranks
+        view[step] = _StepView(save_id=meta.save_id or "", lineage=meta.lineage,
+                               created=meta.created, world_size=meta.world_size,
+                               required=None if required is None else tuple(required),
+                               copy_groups=meta.copy_groups)
     for inv, step, copy in _metadata_copies(nodes, bad):
         if step in view and copy.save_id == view[step].save_id:
             view[step].meta_nodes.append(inv.node)
@@ -311,16 +323,16 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
             v = view.get(step)
             if v is None or v.required is None:
                 continue  # no usable metadata of this step names a save of our history
-            for owner, why in copy.damaged:  # listed by its node, unusable: a refused copy
+            for owner, why in copy.damaged.items():  # listed by its node, unusable: refused
                 v.refused.add(owner)
                 v.damage.append(f"node {inv.node}: {why}")
-            for owner, nbytes in copy.shard_bytes:
-                if copy.save_of(owner) != v.save_id:
+            for owner, nbytes in copy.shard_bytes.items():
+                if copy.shard_saves.get(owner) != v.save_id:
                     continue  # a shard of another save of this step: never part of this one
                 if CopyId(step, owner, inv.node) in bad:
                     v.refused.add(owner)
                     continue
-                held = copy.held(owner)
+                held = copy.partial.get(owner, WHOLE)
                 v.holdings[owner][inv.node] = held
                 v.data_bytes.setdefault(owner, nbytes)
                 if held.whole:

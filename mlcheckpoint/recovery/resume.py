@@ -34,13 +34,13 @@ from ..store import LocalStore
 from ..store.identity import Lineage
 from ..topology import Topology
 from .holders import Holders
-from .inventory import NodeInventory, take_inventory
 from .planner import (
     COPIES,
     FRESH,
     MEMORY,
     PERSISTENT,
     Decision,
+    NodeInventory,
     PersistentStep,
     fallback_reason,
     plan_resume,
@@ -249,7 +249,8 @@ class Recovery:
         """Each node's inventory (taken by its local rank 0), and (with ``persistent``) the
         newest persistent step with what is known of its origin (listed by rank 0): one
         all_gather."""
-        mine = (take_inventory(self.store, self.topo.node_rank, self.topo.ranks_of_node(self.topo.node_rank))
+        node = self.topo.node_rank
+        mine = (NodeInventory(node, self.topo.ranks_of_node(node), self.store.inventory.all())
                 if self.topo.is_node_leader else None)
         newest: PersistentStep | None = None
         if persistent and self.topo.rank == 0 and self.persistent is not None:

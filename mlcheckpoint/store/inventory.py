@@ -12,6 +12,7 @@ from .._ratelimit import RateLimitedLog
 from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..topology import Topology
 from . import coverage
+from .identity import Lineage
 from .layout import JobPaths, Kind, classify
 from .manifest import ManifestItem, MetadataHeader
 from .metadata import MetadataFiles
@@ -25,7 +26,8 @@ _damage_log = RateLimitedLog(log, interval=300.0)
 
 @dataclass
 class StepState:
-    """What this node holds of one step."""
+    """What this node holds of one step: the one record of it, for the store's own checks,
+    the replicator, listings and (gathered from every node at job start) the recovery planner."""
 
     step: int
     has_metadata: bool = False
@@ -43,11 +45,28 @@ class StepState:
     # the metadata here records them, and the copy groups they make whole); an owner whose
     # committed shard here is whole is not listed
     partial: dict[int, coverage.Held] = field(default_factory=dict)
+    shard_bytes: dict[int, int] = field(default_factory=dict)  # owner -> its data file's bytes
 
     @property
     def save_id(self) -> str | None:
         """The save the metadata here describes (None without metadata)."""
         return self.header.save_id if self.header is not None else None
+
+    @property
+    def run_id(self) -> str:
+        """The run that made that save ("" without metadata)."""
+        return self.header.run_id if self.header is not None else ""
+
+    @property
+    def created(self) -> float:
+        """When that save was made, by its coordinator's clock (0 without metadata)."""
+        return self.header.created if self.header is not None else 0.0
+
+    @property
+    def lineage(self) -> Lineage:
+        """That save's run and the runs it descends from."""
+        h = self.header
+        return Lineage("", ()) if h is None else Lineage.from_header(h.run_id, h.lineage)
 
     def ranks_of(self, save_id: str | None) -> set[int]:
         """Owners whose committed shard here belongs to the save ``save_id``."""
@@ -90,7 +109,7 @@ class Inventory:
             r = entry.rank
             if entry.kind is Kind.MANIFEST and r is not None:
                 try:
-                    st.shard_saves[r], listed = self._manifest_identity(step, r)
+                    st.shard_saves[r], st.shard_bytes[r], listed = self._manifest_identity(step, r)
                 except ShardNotFoundError:
                     continue  # retired between the listing and the read
                 except CorruptShardError as e:
@@ -133,9 +152,10 @@ class Inventory:
             return coverage.Held(frozenset())
         return items.held(owner, listed)
 
-    def _manifest_identity(self, step: int, rank: int) -> tuple[str, tuple[ManifestItem, ...] | None]:
+    def _manifest_identity(self, step: int, rank: int) -> tuple[str, int, tuple[ManifestItem, ...] | None]:
         """The save id a committed shard's manifest names, once its data file is checked whole,
-        and, for a partial replica, the items its manifest lists (None: a whole shard).
+        its data file's bytes, and, for a partial replica, the items its manifest lists (None:
+        a whole shard).
 
         Cached per manifest version like metadata headers: the replicator lists often. A
         shard whose manifest is unreadable or whose data file is missing or short raises
@@ -158,7 +178,7 @@ class Inventory:
                                                  tuple(m.items) if m.partial else None)
         if data_size < cached[2]:
             raise CorruptShardError(f"{data} is truncated: {data_size} of {cached[2]} bytes")
-        return cached[1], cached[3]
+        return cached[1], data_size, cached[3]
 
     def all(self) -> dict[int, StepState]:
         return {s: self.step_state(s) for s in self.steps()}

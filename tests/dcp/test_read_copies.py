@@ -27,7 +27,7 @@ from mlcheckpoint import (
     MemoryStorageWriter,
 )
 from mlcheckpoint.errors import CopyId, ShardNotFoundError
-from mlcheckpoint.recovery import plan_resume, take_inventory
+from mlcheckpoint.recovery import NodeInventory, plan_resume
 from mlcheckpoint.recovery.holders import Holders
 from mlcheckpoint.recovery.planner import MEMORY, Decision
 from mlcheckpoint.recovery.resume import load_step
@@ -196,7 +196,7 @@ def test_copies_held_by_another_node_are_read_through_the_holders(store, store_d
     replacement = LocalStore(os.path.join(store_dir, "node1"), JOB)
     try:
         replacement.metadata.write_file(STEP, store.metadata.read_file(STEP))
-        inventories = [take_inventory(store, 0, [0]), take_inventory(replacement, 1, [1])]
+        inventories = [NodeInventory(0, [0], store.inventory.all()), NodeInventory(1, [1], replacement.inventory.all())]
         plan = plan_resume(inventories, None, 2)
         assert (plan.step, plan.through_copies, plan.sources) == (STEP, [1], {0: "local", 1: "copies"})
         transport = OtherNode(store)

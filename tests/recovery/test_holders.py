@@ -11,12 +11,13 @@ import pickle
 
 import numpy as np
 import pytest
+from helpers import held_step
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from mlcheckpoint.dcp.remote import RemoteRun
 from mlcheckpoint.errors import CorruptShardError, ShardNotFoundError
 from mlcheckpoint.integrity.checksum import checksum
-from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume, take_inventory
+from mlcheckpoint.recovery import NodeInventory, plan_resume
 from mlcheckpoint.recovery.holders import Holders, holder_order
 from mlcheckpoint.recovery.planner import MEMORY, Decision, Fetch
 from mlcheckpoint.replication import Transport
@@ -206,12 +207,12 @@ def test_a_planned_partial_replica_serves_the_items_it_lists_and_never_the_whole
     # replica for completeness but left its node out of the holders: every read of rank 0's
     # per-rank items then failed on "no node holds it", and the step was dropped.
     required = (0, 1, 2, 3)
-    partial_copy = StepCopy(owners=frozenset({0, 1, 2, 3}), has_metadata=True, required=required,
-                            world_size=4, shard_bytes=((0, 192), (1, 100), (2, 100), (3, 100)),
-                            copy_groups=((0, ((), (2,))),),
-                            partial=((0, Held(frozenset({0, 64}), frozenset({()}))),))
-    lost_own = StepCopy(owners=frozenset({1}), has_metadata=True, required=required, world_size=4,
-                        shard_bytes=((1, 100),), copy_groups=((0, ((), (2,))),))
+    partial_copy = held_step({0, 1, 2, 3}, required=required, world_size=4,
+                             shard_bytes={0: 192, 1: 100, 2: 100, 3: 100},
+                             copy_groups={0: [(), (2,)]},
+                             partial={0: Held(frozenset({0, 64}), frozenset({()}))})
+    lost_own = held_step({1}, required=required, world_size=4, shard_bytes={1: 100},
+                         copy_groups={0: [(), (2,)]})
     nodes = [NodeInventory(0, [0, 1], {5: lost_own}), NodeInventory(1, [2, 3], {5: partial_copy})]
     plan = plan_resume(nodes, None, 4)
     assert plan.kind == MEMORY and plan.step == 5, plan.reason
@@ -254,8 +255,8 @@ def test_a_partial_replica_no_metadata_here_vouches_for_is_neither_counted_nor_r
             shard.commit_manifest(shard_m)
         stores[0].metadata.write(5, pickle.dumps(md), world_size=2, ranks=[0, 1], total_bytes=0,
                                  save_id="s1")
-        nodes = [take_inventory(store, n, [n]) for n, store in enumerate(stores)]
-        assert nodes[1].steps[5].held(0) == Held(frozenset())
+        nodes = [NodeInventory(n, [n], store.inventory.all()) for n, store in enumerate(stores)]
+        assert nodes[1].steps[5].partial[0] == Held(frozenset())
         plan = plan_resume(nodes, None, 3)
         assert plan.kind == MEMORY and plan.step == 5, plan.reason
         assert plan.partial == {0: {1: frozenset()}}

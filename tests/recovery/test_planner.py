@@ -8,15 +8,15 @@ copies of items that data parallelism kept in other ranks' shards).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections import defaultdict
 
 import pytest
+from helpers import held_step, restate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlcheckpoint.recovery import Decision, Fetch, NodeInventory, StepCopy, plan_resume
+from mlcheckpoint.recovery import Decision, Fetch, NodeInventory, plan_resume
 from mlcheckpoint.recovery.planner import (
     FRESH,
     MEMORY,
@@ -24,21 +24,20 @@ from mlcheckpoint.recovery.planner import (
     PersistentStep,
     step_verdicts,
 )
+from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.topology import Topology
 
 
 # ---------------------------------------------------------------------------- builders
-def copy(owners, meta=True, required=None, world_size=None, nbytes=100, sizes=None) -> StepCopy:
+def copy(owners, meta=True, required=None, world_size=None, nbytes=100, sizes=None) -> StepState:
     """What one node holds of one step. ``sizes`` overrides ``nbytes`` per owner."""
     owners = sorted(set(owners))
     sizes = sizes or {}
-    return StepCopy(owners=frozenset(owners), has_metadata=meta,
-                    required=tuple(required) if (meta and required is not None) else None,
-                    world_size=world_size if meta else None,
-                    shard_bytes=tuple((o, sizes.get(o, nbytes)) for o in owners))
+    return held_step(owners, has_metadata=meta, required=required, world_size=world_size,
+                     shard_bytes={o: sizes.get(o, nbytes) for o in owners})
 
 
-def inventories(nnodes: int, rpn: int, holdings: dict[int, dict[int, StepCopy]]) -> list[NodeInventory]:
+def inventories(nnodes: int, rpn: int, holdings: dict[int, dict[int, StepState]]) -> list[NodeInventory]:
     """``nnodes`` nodes of ``rpn`` ranks; ``holdings[node][step]`` is what survived there."""
     return [NodeInventory(n, list(range(n * rpn, (n + 1) * rpn)), dict(holdings.get(n, {})))
             for n in range(nnodes)]
@@ -316,7 +315,7 @@ def test_sixteen_thousand_ranks():
     # Step 12 lacks rank 5000's shard everywhere (its node and buddy died mid-save).
     for inv in nodes:
         if inv.steps:
-            owners = set(inv.steps[11].owners) - {5000}
+            owners = set(inv.steps[11].committed_ranks) - {5000}
             inv.steps[12] = copy(owners, required=range(world), world_size=world)
     d = plan_resume(nodes, None, world)
     assert (d.kind, d.step) == (MEMORY, 11)
@@ -401,7 +400,7 @@ def scenarios(draw):
     if draw(st.booleans()):
         nodes = draw(st.permutations(nodes))
 
-    existing = [(s, o, inv.node) for inv in nodes for s, c in inv.steps.items() for o in c.owners]
+    existing = [(s, o, inv.node) for inv in nodes for s, c in inv.steps.items() for o in c.committed_ranks]
     existing += [(s, None, inv.node) for inv in nodes for s, c in inv.steps.items() if c.has_metadata]
     bad = draw(st.sets(st.sampled_from(existing), max_size=4)) if existing else set()
     bad_steps = draw(st.sets(st.sampled_from(steps), max_size=2)) if steps else set()
@@ -429,9 +428,9 @@ class Model:
             for s, c in inv.steps.items():
                 if c.has_metadata and (s, None, n) not in bad:
                     self.meta[s].add(n)
-                    self.saved[s] = (c.required, c.world_size)
-                    self.groups[s] = c.copies()
-                for o, b in c.shard_bytes:
+                    self.saved[s] = (tuple(c.required_ranks or ()), c.world_size)
+                    self.groups[s] = c.copy_groups
+                for o, b in c.shard_bytes.items():
                     if (s, o, n) not in bad:
                         self.owner[s][o].add(n)
                         self.nbytes[(s, o)].add(b)
@@ -616,12 +615,12 @@ def test_bad_everything_is_fresh_or_persistent(persistent):
 
 # ---------------------------------------------------------------------------- saves and runs
 def saved(owners, run, save, created, *, shard_save=None, ancestors=(), required=(0, 1), world=2,
-          meta=True) -> StepCopy:
+          meta=True) -> StepState:
     """A node's copy of one save: metadata of ``save`` by ``run`` and shards of ``shard_save``
     (default: the same save)."""
     base = copy(owners, meta=meta, required=required, world_size=world)
     shard_save = save if shard_save is None else shard_save
-    return dataclasses.replace(base, save_id=save if meta else "", run_id=run if meta else "",
+    return restate(base, save_id=save if meta else "", run_id=run if meta else "",
                                created=created if meta else 0.0, ancestors=tuple(ancestors),
                                shard_saves=tuple((o, shard_save) for o in sorted(owners)))
 
@@ -660,7 +659,7 @@ def test_a_shard_of_another_save_of_the_step_does_not_count():
     # step 5 saved twice in one run: node 1 still holds rank 0's replica of the first save
     nodes = inventories(2, 1, {
         0: {5: saved({0}, "R", "second", 20, shard_save="second")},
-        1: {5: dataclasses.replace(saved({0, 1}, "R", "second", 20),
+        1: {5: restate(saved({0, 1}, "R", "second", 20),
                                    shard_saves=((0, "first"), (1, "second")))},
     })
     d = plan_resume(nodes, None, 2)
@@ -675,7 +674,7 @@ def test_the_later_save_of_a_step_saved_twice_wins():
     both = {0: "first", 1: "first"}
     nodes = inventories(2, 1, {
         0: {5: saved({0, 1}, "R", "second", 20)},
-        1: {5: dataclasses.replace(saved({0, 1}, "R", "first", 10),
+        1: {5: restate(saved({0, 1}, "R", "first", 10),
                                    shard_saves=tuple(both.items()))},
     })
     d = plan_resume(nodes, None, 2)
@@ -709,7 +708,7 @@ def incarnations(draw):
             shard_runs = {o: draw(st.sampled_from(["A", "B"])) for o in sorted(owners)}
             created, ancestors = runs[meta_run or "A"]
             base = copy(owners, meta=meta_run is not None, required=range(world), world_size=world)
-            inv[s] = dataclasses.replace(
+            inv[s] = restate(
                 base, save_id=f"{meta_run}{s}" if meta_run else "", run_id=meta_run or "",
                 created=created + s if meta_run else 0.0, ancestors=ancestors if meta_run else (),
                 shard_saves=tuple((o, f"{r}{s}") for o, r in shard_runs.items()))
@@ -731,7 +730,7 @@ def test_property_a_decision_never_combines_two_saves(sc):
         assert held[node].has_metadata and held[node].save_id == d.save_id
     for owner, holders in d.holders.items():
         for node in holders:
-            assert held[node].save_of(owner) == d.save_id, (owner, node, d)
+            assert held[node].shard_saves.get(owner) == d.save_id, (owner, node, d)
     for owner in range(world):
         assert d.holders.get(owner), (owner, d)  # every shard of the save is somewhere
     # the newest save any node holds is run B's whenever B left any metadata behind
@@ -827,7 +826,7 @@ def test_a_persistent_step_written_before_the_memory_step_was_saved_is_an_earlie
         assert (d.kind, d.step) == (PERSISTENT, 3), (written, d)
     # Memory of the later history unusable: a fresh start, not the earlier history's step.
     for inv in nodes:
-        inv.steps = {s: dataclasses.replace(c, owners=frozenset({0}), shard_bytes=((0, 100),))
+        inv.steps = {s: restate(c, owners=frozenset({0}), shard_bytes=((0, 100),))
                      for s, c in inv.steps.items()}
     d = plan_resume(nodes, 3, 2, persistent=PersistentStep(3, written=100.0))
     assert d.kind == FRESH and "starting fresh" in d.reason, d
@@ -865,10 +864,10 @@ def test_a_persistent_step_of_an_ancestor_run_counts_only_up_to_where_this_histo
 
 
 # ---------------------------------------------------------------------------- data-parallel copies
-def with_copies(c: StepCopy, groups: dict[int, list[list[int]]]) -> StepCopy:
+def with_copies(c: StepState, groups: dict[int, list[list[int]]]) -> StepState:
     """``c`` with the metadata's copy groups (owner -> sets of ranks whose shards hold copies
     of its items, ``store/coverage.py``)."""
-    return dataclasses.replace(c, copy_groups=tuple((o, tuple(map(tuple, gs)))
+    return restate(c, copy_groups=tuple((o, tuple(map(tuple, gs)))
                                                     for o, gs in sorted(groups.items())))
 
 

@@ -5,19 +5,19 @@ flight was lost. Planned with the real planner on inventories, without processes
 
 from __future__ import annotations
 
-import dataclasses
-
+from helpers import restate
 from test_planner import copy, inventories, paired
 
-from mlcheckpoint.recovery import StepCopy, plan_resume
+from mlcheckpoint.recovery import plan_resume
 from mlcheckpoint.recovery.planner import FRESH, MEMORY, PERSISTENT
 from mlcheckpoint.recovery.resume import ResumeInfo, _by_rank, _label, _note
+from mlcheckpoint.store.inventory import StepState
 
 FSDP = {0: [[]], 1: [[]]}  # sharded, no data-parallel copies: every item of a shard is its own
 
 
-def fsdp(c: StepCopy) -> StepCopy:
-    return dataclasses.replace(c, copy_groups=tuple((o, tuple(map(tuple, g))) for o, g in FSDP.items()))
+def fsdp(c: StepState) -> StepState:
+    return restate(c, copy_groups=FSDP)
 
 
 def node_lost_mid_save() -> list:

@@ -11,13 +11,14 @@ import itertools
 from collections import Counter
 
 import pytest
+from helpers import held_step
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mlcheckpoint import CapacityError
 from mlcheckpoint.dcp.places import deal
 from mlcheckpoint.errors import ConfigError
-from mlcheckpoint.recovery import NodeInventory, StepCopy, plan_resume
+from mlcheckpoint.recovery import NodeInventory, plan_resume
 from mlcheckpoint.recovery.holders import Holders
 from mlcheckpoint.recovery.planner import MEMORY
 from mlcheckpoint.replication.schedule.pairing import (
@@ -127,10 +128,9 @@ def replicated(nnodes: int, rpn: int, replicas: int, *, lost=()) -> list[NodeInv
         for t in partners:
             held[t] |= set(range(node * rpn, (node + 1) * rpn))
     return [NodeInventory(n, list(range(n * rpn, (n + 1) * rpn)),
-                          {} if n in lost else {5: StepCopy(
-                              owners=frozenset(held[n]), has_metadata=True,
-                              required=tuple(range(world)), world_size=world,
-                              shard_bytes=tuple((o, 100) for o in sorted(held[n])))})
+                          {} if n in lost else {5: held_step(
+                              held[n], required=range(world), world_size=world,
+                              shard_bytes=dict.fromkeys(held[n], 100))})
             for n in range(nnodes)]
 
 

@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from . import history
-from ._words import plural
+from ._messages import plural
 from .errors import CopyId, CorruptShardError, MLCheckpointError, ShardNotFoundError
 from .manager.listing import HERE, INCOMPLETE, step_labels, verdicts_here
 from .manager.retention import apply_retention

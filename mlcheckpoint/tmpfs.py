@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from ._words import plural
+from ._messages import plural
 from .errors import ConfigError
 from .settings import DEFAULT_LOCAL_DIR
 from .topology import Topology

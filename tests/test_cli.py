@@ -12,7 +12,7 @@ import torch
 from helpers import begin, damage_shard, payload, put_save, put_shard, put_step
 
 from mlcheckpoint import CheckpointManager, history
-from mlcheckpoint._words import plural
+from mlcheckpoint._messages import plural
 from mlcheckpoint.cli import (
     EXIT_CLOSED_PIPE,
     EXIT_CORRUPT,

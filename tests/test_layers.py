@@ -29,8 +29,8 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mlcheckpoint"
 
 # Modules every layer may use: they import nothing of mlcheckpoint but each other.
-LEAVES = {"errors", "settings", "waiting", "_faults", "_ratelimit", "_gc", "topology",
-          "persistent", "_words", "tmpfs", "collectives"}
+LEAVES = {"errors", "settings", "waiting", "_faults", "_messages", "_gc", "topology",
+          "persistent", "tmpfs", "collectives"}
 # Each layer, bottom up, with what it may import besides itself, the layers below and LEAVES.
 LAYERS = ("integrity", "store", "dcp", "replication", "recovery")
 ALSO = {"replication": {"history"}, "recovery": {"history"}}

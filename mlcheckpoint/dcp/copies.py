@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from .._words import plural
+from .._messages import plural
 from ..integrity.verify import records_agree
 from ..store.coverage import StepItems, arriving_bytes
 from ..store.layout import ItemLocation

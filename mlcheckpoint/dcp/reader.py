@@ -53,8 +53,7 @@ from ..store.layout import ItemLocation, parse_step
 from ..store.local_store import LocalStore, ShardSource
 from ..store.manifest import ManifestItem
 from . import ring, serialized
-from .places import Place, places_of
-from .remote import RemoteReads, fetch_items
+from .remote import Place, RemoteReads, fetch_items, places_of
 
 if TYPE_CHECKING:
     from typing_extensions import Self

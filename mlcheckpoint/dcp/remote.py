@@ -1,7 +1,16 @@
-"""What the reader needs from other nodes: which nodes hold an item's bytes, and reads of byte
-ranges from them; and ``fetch_items``, the one loop that reads items from the nodes holding
-any of their places, spread over them and dealt again over the places left when a node fails
-(the reader's, and the rebuild of a replaced node's shard in recovery).
+"""Reading items from other nodes: where each item is (its *places*), which node serves it,
+what the reader needs from those nodes (which hold an item's bytes, reads of byte ranges from
+them), and ``fetch_items``, the one loop that reads items from the nodes holding any of their
+places, spread over them and dealt again over the places left when a node fails (the reader's,
+and the rebuild of a replaced node's shard in recovery).
+
+An item's places are its primary location (its owner rank's shard, at the offset the global
+metadata records) and the copies data parallelism kept of it in other ranks' shards
+(``ItemLocation.copies``): each a (rank whose shard holds the bytes, offset in that shard).
+Any node may hold a shard (its own rank's, a replica, or a partial replica that lists only
+some of its owner's items), so which node holds which place is asked of the shard's manifest
+on this node and of the holders elsewhere; ``places_of`` and ``deal`` only decide, and are
+pure.
 
 Declared here, in layer 2, so the reader never imports recovery or replication (layers 3
 and 4); recovery's ``Holders`` (recovery/holders.py) is the implementation.
@@ -10,7 +19,8 @@ and 4); recovery's ``Holders`` (recovery/holders.py) is the implementation.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -20,10 +30,44 @@ import numpy as np
 from ..errors import ProtocolError, ShardNotFoundError
 from ..integrity import copier, digests
 from ..store.layout import ItemLocation
-from .places import deal, places_of
 
 log = logging.getLogger(__name__)
 K = TypeVar("K", bound=Hashable)
+
+
+Place = tuple[int, int]  # (rank whose shard holds the bytes, offset in that shard)
+
+
+def places_of(loc: ItemLocation) -> list[Place]:
+    """The item's places, its primary first."""
+    return [(loc.rank, loc.offset), *((rank, offset) for rank, offset in loc.copies if rank != loc.rank)]
+
+
+def deal(items: Sequence[tuple[int, Sequence[tuple[Place, Sequence[int]]]]]
+         ) -> list[tuple[Place, int] | None]:
+    """For each item ``(nbytes, [(place, the other nodes holding it, in this rank's order of
+    preference), ...])`` (places in order of preference), the place and node to read it from.
+
+    Items are dealt largest first, each to the node with the fewest bytes dealt so far among
+    those holding any of its places (a tie goes to the node named first), and from that node
+    its first place: a replaced node's reads spread over every node that can serve them, and
+    one item comes from one node, so a checksum mismatch names that one copy. None: no node
+    holds any of its places."""
+    load: dict[int, int] = defaultdict(int)
+    out: list[tuple[Place, int] | None] = [None] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: -items[i][0]):
+        nbytes, options = items[i]
+        rank_of: dict[int, int] = {}  # node -> its position in the order the options name nodes
+        for place, nodes in options:
+            for node in nodes:
+                rank_of.setdefault(node, len(rank_of))
+        if not rank_of:
+            continue
+        node = min(rank_of, key=lambda n: (load[n], rank_of[n]))
+        place = next(p for p, nodes in options if node in nodes)
+        load[node] += nbytes
+        out[i] = (place, node)
+    return out
 
 
 @dataclass
@@ -65,7 +109,7 @@ def fetch_items(remote: RemoteReads, step: int, wanted: Mapping[K, ItemLocation]
     whose shard it came from, that node, and its digest (each item is hashed on the copier's
     threads as soon as it lands, while the next ones arrive). The caller compares them.
 
-    Items are dealt over the holders (``places.deal``: the nodes with the fewest bytes to
+    Items are dealt over the holders (``deal``: the nodes with the fewest bytes to
     serve first, so a replaced node's reads spread over all of them) and read from every
     node at once. The items of a run that fails (its node died, hung past the timeout, or
     answered that it lacks the shard) are dealt again over the places left, their copies

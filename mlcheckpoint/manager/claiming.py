@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._words import plural
+from .._messages import plural
 from ..errors import ConfigError, JobDirInUseError
 from ..persistent import PersistentStorage
 from ..settings import BY_NAME, Launcher

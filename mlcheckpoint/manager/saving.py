@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dic
 
 from .. import history
 from .._gc import gc_paused
-from .._words import plural
+from .._messages import plural
 from ..dcp import MemoryStorageWriter, staging
 from ..dcp.copies import CopyPolicy
 from ..dcp.errors import save_failure

@@ -3,10 +3,10 @@
 Every read of bytes this node lacks goes through ``Holders``: the byte ranges the reader
 streams into the model (``nodes_holding`` and ``read_runs``, the ``dcp.remote.RemoteReads``
 protocol: the reader deals each item to one of the nodes that hold any of its places,
-``dcp/places.py``), the step's metadata for a node without it (``fetch_metadata``), and, after
+``dcp/remote.py``), the step's metadata for a node without it (``fetch_metadata``), and, after
 the load, a replaced node's own rank's shard (``rebuild``), assembled item by item from the
 places that hold them: a whole shard on another node is the case where every item is there.
-Which node serves an item is decided by ``dcp/places.py`` ``deal`` alone; the metadata, one
+Which node serves an item is decided by ``dcp/remote.py`` ``deal`` alone; the metadata, one
 small file, comes from the source the plan names. Which rank of a node to ask, and in what
 order, is decided in one place: ``holder_order``.
 
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .._faults import crash_point
-from .._words import plural
+from .._messages import plural
 from ..dcp.placement import recorded_items
 from ..dcp.remote import RemoteRun, fetch_items
 from ..errors import CopyId, CorruptShardError, MLCheckpointError, ShardNotFoundError
@@ -47,7 +47,7 @@ def holder_order(plan: Decision, topology: Topology, owner: int | None) -> list[
     the metadata, the source the plan named for this node (``Decision.fetches``) first; then
     every holder, starting at an offset set by this rank so that the readers of one node
     spread over the holders' ranks. A pure function of the plan and who asks: it orders the
-    ranks of the nodes a read may go to, it never picks the node (``places.deal`` does)."""
+    ranks of the nodes a read may go to, it never picks the node (``remote.deal`` does)."""
     node_of = topology.node_of
     here = topology.node_rank
     held = plan.metadata_holders if owner is None else plan.holders.get(owner, [])

@@ -57,7 +57,7 @@ class Fetch:
 
     Shards are never fetched on the plan's word: the plan says which nodes hold which items
     (``Decision.holders``, ``partial``), and the reads are dealt over them where they are made
-    (``dcp/places.py`` ``deal``, for the load and for a rebuild alike)."""
+    (``dcp/remote.py`` ``deal``, for the load and for a rebuild alike)."""
 
     dst_rank: int
     src_rank: int

@@ -16,7 +16,7 @@ import shutil
 import time
 from collections.abc import Iterable
 
-from .._words import plural
+from .._messages import plural
 from ..errors import CorruptShardError, ShardNotFoundError
 from .identity import Lineage
 from .inventory import Inventory

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .._ratelimit import RateLimitedLog
+from .._messages import RateLimitedLog
 from ..errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ..topology import Topology
 from . import coverage

@@ -11,7 +11,7 @@ import secrets
 from collections.abc import Callable
 from typing import NamedTuple
 
-from .._words import plural
+from .._messages import plural
 from ..errors import CapacityError
 from . import buffers
 from .buffers import NO_ROOM, MappingCache

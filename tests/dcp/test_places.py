@@ -1,4 +1,4 @@
-"""Where the reader takes an item it has no place of on its node (dcp/places.py, pure): from a
+"""Where the reader takes an item it has no place of on its node (dcp/remote.py, pure): from a
 node that holds one of its places, the reads spread over every such node."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import defaultdict
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlcheckpoint.dcp.places import deal, places_of
+from mlcheckpoint.dcp.remote import deal, places_of
 from mlcheckpoint.store.layout import ItemLocation
 
 

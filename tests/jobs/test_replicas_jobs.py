@@ -61,7 +61,7 @@ def test_two_partners_survive_two_lost_nodes_and_reads_spread_over_both():
         assert r["step"] == 5 and r["match"] and not r["mismatch"], (rank, r)
     # Every rank says the same, job-wide: rank 0's shard came from both its holders (1 and 3),
     # in whole items (4 layers dealt to 2 holders), and from no other node. The deal evens out
-    # the bytes each node serves the reader over every shard it reads (dcp/places.py), so a
+    # the bytes each node serves the reader over every shard it reads (dcp/remote.py), so a
     # holder that also serves it another shard's item (the replicated values, saved once in
     # rank 3's shard) sends less of this one: the shares of one shard need not be even.
     served = after_one[0]["served"]

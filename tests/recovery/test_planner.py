@@ -65,7 +65,7 @@ def peers(d: Decision) -> list[int]:
 
 def rebuilt_from(d: Decision, rpn: int) -> dict[int, set[int]]:
     """Per rank of ``peers(d)``, the other nodes holding its shard whole: where its rebuild's
-    item reads may go (recovery/holders.py ``Holders.rebuild``, dealt by ``places.deal``)."""
+    item reads may go (recovery/holders.py ``Holders.rebuild``, dealt by ``remote.deal``)."""
     topo = Topology(local_world_size=rpn)  # (it asks only which node a rank is on)
     return {owner: {topo.node_of(r) for r in d.holders.get(owner, ())}
             - set(d.partial.get(owner, {})) - {topo.node_of(owner)} for owner in peers(d)}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from cluster import WORKERS
 from helpers import end_peer, wait_for
 
-from mlcheckpoint._ratelimit import RateLimitedLog
+from mlcheckpoint._messages import RateLimitedLog
 from mlcheckpoint.replication import Rendezvous
 from mlcheckpoint.replication.core.keys import Seal
 from mlcheckpoint.replication.pg.control import Doorbell, Mailbox

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlcheckpoint import CapacityError
-from mlcheckpoint.dcp.places import deal
+from mlcheckpoint.dcp.remote import deal
 from mlcheckpoint.errors import ConfigError
 from mlcheckpoint.recovery import NodeInventory, plan_resume
 from mlcheckpoint.recovery.holders import Holders

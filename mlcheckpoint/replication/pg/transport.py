@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._ratelimit import RateLimitedLog
+from ..._messages import RateLimitedLog
 from ...errors import ProtocolError, ReplicationError
 from ...settings import ReplicationOptions, Timeouts
 from ...store import LocalStore, Manifest

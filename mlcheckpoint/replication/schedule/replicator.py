@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from ... import history
-from ..._ratelimit import RateLimitedLog
+from ..._messages import RateLimitedLog
 from ...errors import CorruptShardError, MLCheckpointError, ShardNotFoundError
 from ...settings import default
 from ...store import LocalStore, coverage

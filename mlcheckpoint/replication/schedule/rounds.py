@@ -45,7 +45,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from ..._ratelimit import RateLimitedLog
+from ..._messages import RateLimitedLog
 from ...errors import ProtocolError
 from ...store.layout import JobPaths
 from ...topology import Topology

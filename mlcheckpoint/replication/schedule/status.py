@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..._ratelimit import RateLimitedLog
+from ..._messages import RateLimitedLog
 from ...store.inventory import StepState
 from ..core.budget import RAISE_THE_BUDGET
 

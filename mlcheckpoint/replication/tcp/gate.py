@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..._ratelimit import RateLimitedLog
+from ..._messages import RateLimitedLog
 from ...settings import default
 from . import protocol as p
 

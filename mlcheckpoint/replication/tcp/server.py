@@ -22,8 +22,7 @@ import threading
 import time
 
 from ..._faults import crash_point
-from ..._ratelimit import RateLimitedLog
-from ..._words import plural
+from ..._messages import RateLimitedLog, plural
 from ...settings import MAX_STREAMS, Timeouts
 from ...store import LocalStore
 from ...store.local_store import ShardSource

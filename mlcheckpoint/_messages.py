@@ -1,8 +1,10 @@
-"""Rate-limited logging: events a stranger can cause as often as it likes (refused connections,
-malformed requests) must not flood the log.
+"""How our messages read: counted nouns ("1 step", "2 steps", never "1 steps" nor
+"step(s)"), and events a stranger can cause as often as it likes (refused connections,
+malformed requests) logged without flooding the log.
 
-Each kind of event (a short key) logs its first occurrence at once, then at most one line per
-``interval`` seconds; that line says how many like it were left out meanwhile.
+``RateLimitedLog``: each kind of event (a short key) logs its first occurrence at once, then
+at most one line per ``interval`` seconds; that line says how many like it were left out
+meanwhile.
 """
 
 from __future__ import annotations
@@ -10,6 +12,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``count`` and ``noun`` in the right number; ``nouns`` when adding "s" is wrong."""
+    return f"{count} {noun if count == 1 else (nouns or noun + 's')}"
 
 
 class RateLimitedLog:

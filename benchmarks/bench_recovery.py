@@ -67,7 +67,6 @@ from benchmarks.harness.stats import median, timed
 from mlcheckpoint.recovery.planner import NodeInventory, plan_resume
 from mlcheckpoint.replication.schedule.pairing import pairing_for
 from mlcheckpoint.store.inventory import StepState
-from mlcheckpoint.store.manifest import MetadataHeader
 from mlcheckpoint.testing.cluster import Cluster, SimulatedCluster, write_result
 from mlcheckpoint.testing.netcluster import NetCluster
 
@@ -288,11 +287,8 @@ def bench_planner(ranks_per_node: int = 8) -> dict[int, float]:
             ranks = list(range(n * ranks_per_node, (n + 1) * ranks_per_node))
             partner = n ^ 1
             owners = ranks + list(range(partner * ranks_per_node, (partner + 1) * ranks_per_node))
-            header = MetadataHeader(job_id="bench", step=99, world_size=world,
-                                    ranks=list(range(world)), total_bytes=0, payload_bytes=0,
-                                    checksum=0, save_id="s")
             copy = StepState(99, has_metadata=True, committed_ranks=set(owners),
-                             required_ranks=list(range(world)), world_size=world, header=header,
+                             required_ranks=tuple(range(world)), world_size=world, save_id="s",
                              shard_saves=dict.fromkeys(owners, "s"),
                              shard_bytes=dict.fromkeys(owners, 1 << 30))
             nodes.append(NodeInventory(n, ranks, {} if n == 3 else {98: copy, 99: copy}))

@@ -41,7 +41,7 @@ from mlcheckpoint.store import LocalStore
 from mlcheckpoint.store.identity import Lineage
 from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.store.layout import ItemLocation
-from mlcheckpoint.store.manifest import Manifest, ManifestItem, MetadataHeader
+from mlcheckpoint.store.manifest import Manifest, ManifestItem
 from mlcheckpoint.waiting import deadline_in, wait_until
 
 # tests/workers holds what tests and workers share (states.py) beside the worker scripts, which
@@ -326,16 +326,12 @@ def held_step(owners: Iterable[int] = (), *, has_metadata: bool = True,
     for the planner's tests: the committed ``owners`` with their shards' ``shard_bytes`` and
     save ids (``shard_saves``, default ""), and with ``has_metadata`` a metadata header naming
     ``save_id``, ``run_id``, ``ancestors`` and ``created``. Mappings may come as pairs."""
-    header = None
-    if has_metadata:
-        header = MetadataHeader(job_id="j", step=step, world_size=world_size or 0,
-                                ranks=list(required or ()), total_bytes=0, payload_bytes=0,
-                                checksum=0, created=created, save_id=save_id, run_id=run_id,
-                                lineage=[list(a) for a in ancestors])
     owners = set(owners)
+    meta = {"save_id": save_id, "run_id": run_id, "created": created,
+            "ancestors": tuple(tuple(a) for a in ancestors)} if has_metadata else {}
     return StepState(step, has_metadata=has_metadata, committed_ranks=owners,
-                     required_ranks=None if required is None or not has_metadata else list(required),
-                     world_size=world_size if has_metadata else None, header=header,
+                     required_ranks=None if required is None or not has_metadata else tuple(required),
+                     world_size=world_size if has_metadata else None, **meta,
                      shard_saves=dict(shard_saves) if shard_saves is not None else dict.fromkeys(owners, ""),
                      damaged=dict(damaged), copy_groups={o: [tuple(g) for g in gs] for o, gs in dict(copy_groups).items()},
                      partial=dict(partial), shard_bytes=dict(shard_bytes))
@@ -347,7 +343,7 @@ def restate(st: StepState, **changes: Any) -> StepState:
         "owners": st.committed_ranks, "has_metadata": st.has_metadata,
         "required": st.required_ranks, "world_size": st.world_size,
         "shard_bytes": st.shard_bytes, "save_id": st.save_id or "", "run_id": st.run_id,
-        "ancestors": st.lineage.ancestors, "created": st.created, "shard_saves": st.shard_saves,
+        "ancestors": st.ancestors, "created": st.created, "shard_saves": st.shard_saves,
         "damaged": st.damaged, "copy_groups": st.copy_groups, "partial": st.partial,
         "step": st.step}
     fields.update(changes)

@@ -241,9 +241,8 @@ class Saver:
             return ()
         inventory = self.store.inventory.all()
         for step in sorted(inventory, reverse=True):
-            header = inventory[step].header
-            if header is not None and header.copy_modes:
-                return tuple(header.copy_modes)
+            if inventory[step].copy_modes:
+                return inventory[step].copy_modes
         return self.copy_policy.modes.modes
 
     # ------------------------------------------------------------------ a run's first save

@@ -306,11 +306,9 @@ def _holdings(nodes: list[NodeInventory], bad: set[CopyId], history: Lineage | N
     chosen = _chosen_saves(nodes, bad, history)
     view: dict[int, _StepView] = {}
     for step, meta in chosen.items():
-        required = meta.required_ranks
         view[step] = _StepView(save_id=meta.save_id or "", lineage=meta.lineage,
                                created=meta.created, world_size=meta.world_size,
-                               required=None if required is None else tuple(required),
-                               copy_groups=meta.copy_groups)
+                               required=meta.required_ranks, copy_groups=meta.copy_groups)
     for inv, step, copy in _metadata_copies(nodes, bad):
         if step in view and copy.save_id == view[step].save_id:
             view[step].meta_nodes.append(inv.node)

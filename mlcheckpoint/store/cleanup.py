@@ -126,7 +126,7 @@ def _drop_foreign(listing: Inventory, shards: ShardFiles, step: int, lineage: Li
             log.info("dropping step %d rank %d here: not part of this job's history or damaged",
                      step, rank)
             shards.retire(step, rank)
-    if st.header is not None and not lineage.admits(st.header.run_id, step):
+    if st.has_metadata and not lineage.admits(st.run_id, step):
         shards.pool.unlink(shards.paths.metadata(step))
     shards.remove_step_if_empty(step, keep_metadata=True)  # a replaced node's shards come later
 
@@ -156,7 +156,7 @@ def set_aside_runs(listing: Inventory, shards: ShardFiles, lineage: Lineage) -> 
     moved = []
     for step in listing.steps():
         st = listing.step_state(step)
-        runs = {st.header.run_id} if st.header is not None else set()
+        runs = {st.run_id} if st.has_metadata else set()
         for rank in sorted(st.committed_ranks):
             with contextlib.suppress(ShardNotFoundError, CorruptShardError):
                 runs.add(shards.read_manifest(step, rank).run_id)

@@ -208,10 +208,7 @@ def plan_push(m: Manifest, st: StepState, items: StepItems | None, save_id: str,
     sends it to every node before naming a round, ``Replicator._propose_next``), the whole
     shard goes to everyone."""
     whole: dict[int, Push] = dict.fromkeys(targets)
-    # (the header's fields, not StepState's properties: this module is asked by the
-    # inventory, and asks it nothing back)
-    if (st.header is None or st.header.save_id != save_id or st.required_ranks is None
-            or items is None):
+    if st.save_id != save_id or st.required_ranks is None or items is None:
         return whole
     owner, groups = m.rank, st.copy_groups
     lack = lacking(owner, groups, as_saved(owner, groups, topology.node_of), places,

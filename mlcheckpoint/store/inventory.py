@@ -14,7 +14,7 @@ from ..topology import Topology
 from . import coverage
 from .identity import Lineage
 from .layout import JobPaths, Kind, classify
-from .manifest import ManifestItem, MetadataHeader
+from .manifest import ManifestItem
 from .metadata import MetadataFiles
 from .shards import ShardFiles
 
@@ -32,10 +32,19 @@ class StepState:
     step: int
     has_metadata: bool = False
     committed_ranks: set[int] = field(default_factory=set)
-    required_ranks: list[int] | None = None  # from the metadata header, when present
+    # From the metadata's verified header, when present: the ranks the step needs (a tuple: a
+    # resume gathers every node's listing, and the planner of a large job holds thousands of
+    # these, which the garbage collector then need not walk), the save it describes, the run
+    # that made it, when (its coordinator's clock), the runs it descends from, each node's
+    # copies mode.
+    required_ranks: tuple[int, ...] | None = None
     world_size: int | None = None
     total_bytes: int | None = None
-    header: MetadataHeader | None = None  # the metadata's verified header, when present
+    save_id: str | None = None
+    run_id: str = ""
+    created: float = 0.0
+    ancestors: tuple[tuple[str, int], ...] = ()
+    copy_modes: tuple[str, ...] = ()
     shard_saves: dict[int, str] = field(default_factory=dict)  # owner -> save id of its shard
     damaged: dict[int, str] = field(default_factory=dict)  # owner -> why its copy is unusable
     # owner -> which other ranks' shards hold copies of its items (``StepItems.groups``, from
@@ -48,25 +57,9 @@ class StepState:
     shard_bytes: dict[int, int] = field(default_factory=dict)  # owner -> its data file's bytes
 
     @property
-    def save_id(self) -> str | None:
-        """The save the metadata here describes (None without metadata)."""
-        return self.header.save_id if self.header is not None else None
-
-    @property
-    def run_id(self) -> str:
-        """The run that made that save ("" without metadata)."""
-        return self.header.run_id if self.header is not None else ""
-
-    @property
-    def created(self) -> float:
-        """When that save was made, by its coordinator's clock (0 without metadata)."""
-        return self.header.created if self.header is not None else 0.0
-
-    @property
     def lineage(self) -> Lineage:
-        """That save's run and the runs it descends from."""
-        h = self.header
-        return Lineage("", ()) if h is None else Lineage.from_header(h.run_id, h.lineage)
+        """The save's run and the runs it descends from."""
+        return Lineage(self.run_id, self.ancestors)
 
     def ranks_of(self, save_id: str | None) -> set[int]:
         """Owners whose committed shard here belongs to the save ``save_id``."""
@@ -129,10 +122,12 @@ class Inventory:
                 log.warning("ignoring metadata of step %d: %s", step, e)
             else:
                 st.has_metadata = True
-                st.header = header
-                st.required_ranks = header.ranks
+                st.required_ranks = tuple(header.ranks)
                 st.world_size = header.world_size
                 st.total_bytes = header.total_bytes
+                st.save_id, st.run_id, st.created = header.save_id, header.run_id, header.created
+                st.ancestors = Lineage.from_header(header.run_id, header.lineage).ancestors
+                st.copy_modes = tuple(header.copy_modes)
                 with contextlib.suppress(ShardNotFoundError, CorruptShardError):
                     st.copy_groups = self.metadata.copy_groups(step)
         for r, listed in partial_items.items():
@@ -144,7 +139,7 @@ class Inventory:
         """What a partial replica of ``owner`` here holds, by the step's metadata here
         (nothing without it, or when it names another save: nothing is counted, or read,
         that cannot be checked)."""
-        if st.header is None or st.shard_saves.get(owner) != st.header.save_id:
+        if st.save_id is None or st.shard_saves.get(owner) != st.save_id:
             return coverage.Held(frozenset())
         try:
             items = self.metadata.items(step)
@@ -204,9 +199,9 @@ class Arrivals:
     def __call__(self) -> int | None:
         for step in sorted(self.inventory.steps(), reverse=True):
             st = self.inventory.step_state(step)
-            if st.header is None:
+            save_id = st.save_id
+            if save_id is None:
                 continue
-            save_id = st.header.save_id
             if self._known is not None and self._known[0] == save_id:
                 return self._known[1]
             try:

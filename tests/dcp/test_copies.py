@@ -15,7 +15,6 @@ from mlcheckpoint.replication.schedule.pairing import (
 from mlcheckpoint.store import coverage
 from mlcheckpoint.store.inventory import Arrivals, StepState
 from mlcheckpoint.store.layout import ItemLocation
-from mlcheckpoint.store.manifest import MetadataHeader
 from mlcheckpoint.topology import Topology
 
 BIG = 1 << 40
@@ -148,10 +147,8 @@ class Saved:
     """One step's metadata, as ``Arrivals`` reads it from a store."""
 
     def __init__(self, locations: list[ItemLocation], world: int):
-        header = MetadataHeader(job_id="j", step=3, world_size=world, ranks=list(range(world)),
-                                total_bytes=0, payload_bytes=0, checksum=0, save_id="s1")
-        self.state = StepState(3, has_metadata=True, required_ranks=header.ranks,
-                               world_size=world, header=header,
+        self.state = StepState(3, has_metadata=True, required_ranks=tuple(range(world)),
+                               world_size=world, save_id="s1",
                                copy_groups=coverage.StepItems(locations).groups())
         self._items = coverage.StepItems(locations)
 

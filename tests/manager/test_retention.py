@@ -20,7 +20,6 @@ from mlcheckpoint.manager.retention import (
 )
 from mlcheckpoint.store import layout
 from mlcheckpoint.store.inventory import StepState
-from mlcheckpoint.store.manifest import MetadataHeader
 from mlcheckpoint.store.pins import Pins
 from mlcheckpoint.waiting import deadline_in, wait_until
 
@@ -33,9 +32,7 @@ def state(step: int, ranks=(0,), *, metadata: bool = True, save: str = "s") -> S
     st = StepState(step, committed_ranks=set(ranks), shard_saves={r: save for r in ranks})
     if metadata:
         st.has_metadata = True
-        st.required_ranks = list(ranks)
-        st.header = MetadataHeader(job_id=JOB, step=step, world_size=1, ranks=list(ranks),
-                                   total_bytes=0, payload_bytes=0, checksum=0, save_id="s")
+        st.required_ranks, st.save_id = tuple(ranks), "s"
     return st
 
 
@@ -205,9 +202,7 @@ def saved(step: int, held, world: int, *, save: str = "s", metadata: bool = True
     (of save ``save``) and, with ``metadata``, the step's metadata (of save "s")."""
     st = StepState(step, committed_ranks=set(held), shard_saves={r: save for r in held})
     if metadata:
-        st.has_metadata, st.required_ranks = True, list(range(world))
-        st.header = MetadataHeader(job_id=JOB, step=step, world_size=world, ranks=list(range(world)),
-                                   total_bytes=0, payload_bytes=0, checksum=0, save_id="s")
+        st.has_metadata, st.required_ranks, st.save_id = True, tuple(range(world)), "s"
     return st
 
 

@@ -12,7 +12,7 @@ from mlcheckpoint.store.coverage import (
 )
 from mlcheckpoint.store.inventory import StepState
 from mlcheckpoint.store.layout import ItemLocation
-from mlcheckpoint.store.manifest import Manifest, ManifestItem, MetadataHeader
+from mlcheckpoint.store.manifest import Manifest, ManifestItem
 from mlcheckpoint.topology import Topology
 
 
@@ -23,10 +23,8 @@ def topo(rank: int, domains: tuple[str, ...] = ()) -> Topology:
 
 
 def save(locations: list[ItemLocation], save_id: str = "s1") -> tuple[StepState, StepItems]:
-    header = MetadataHeader(job_id="j", step=3, world_size=4, ranks=[0, 1, 2, 3], total_bytes=0,
-                            payload_bytes=0, checksum=0, save_id=save_id)
-    st = StepState(3, has_metadata=True, required_ranks=header.ranks, world_size=4, header=header,
-                   copy_groups=coverage.StepItems(locations).groups())
+    st = StepState(3, has_metadata=True, required_ranks=(0, 1, 2, 3), world_size=4,
+                   save_id=save_id, copy_groups=coverage.StepItems(locations).groups())
     return st, StepItems(locations)
 
 

@@ -35,7 +35,6 @@ from mlcheckpoint.manager.retention import (
 )
 from mlcheckpoint.store import LocalStore
 from mlcheckpoint.store.inventory import StepState
-from mlcheckpoint.store.manifest import MetadataHeader
 from mlcheckpoint.store.pins import Pins
 
 RANKS = (0, 1, 2, 3)  # a 2 x 2 job seen from node 0: ranks 0, 1 are its own, 2, 3 replicas
@@ -48,9 +47,7 @@ def state(step: int, held, *, metadata: bool = True) -> StepState:
     step's metadata naming all four ranks."""
     st = StepState(step, committed_ranks=set(held), shard_saves={r: "s" for r in held})
     if metadata:
-        st.has_metadata, st.required_ranks = True, list(RANKS)
-        st.header = MetadataHeader(job_id="j", step=step, world_size=4, ranks=list(RANKS),
-                                   total_bytes=0, payload_bytes=0, checksum=0, save_id="s")
+        st.has_metadata, st.required_ranks, st.save_id = True, tuple(RANKS), "s"
     return st
 
 

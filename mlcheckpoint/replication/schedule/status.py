@@ -71,7 +71,7 @@ def status(newest_protected: int | None, saves: dict[int, float], rate: float | 
 
 def save_times(inventory: Mapping[int, StepState]) -> dict[int, float]:
     """When each step whose metadata is in ``inventory`` was saved (the coordinator's clock)."""
-    return {s: st.header.created for s, st in inventory.items() if st.header is not None}
+    return {s: st.created for s, st in inventory.items() if st.has_metadata}
 
 
 def save_interval(saves: dict[int, float]) -> float | None:

@@ -118,14 +118,35 @@ class Manifest:
         return m
 
 
+def _check_int(value: object, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}={str(value)[:100]!r} is not an integer")
+
+
 def _check_layout(m: Manifest) -> None:
-    """Reject manifests whose items fall outside the data (corrupt or hostile)."""
+    """Reject a manifest whose fields have the wrong types or whose items fall outside the
+    data (corrupt or hostile): the one check of a manifest, read from a file or sent by a peer."""
+    for name in ("step", "rank", "data_bytes", "world_size", "format"):
+        _check_int(getattr(m, name), name)
+    if not isinstance(m.job_id, str) or not isinstance(m.created, (int, float)) \
+            or isinstance(m.created, bool):
+        raise TypeError("malformed job id or creation time")
     if m.data_bytes < 0 or m.step < 0 or m.rank < 0:
         raise ValueError("negative size, step or rank in manifest")
     if not isinstance(m.partial, bool):
         raise TypeError(f"partial={str(m.partial)[:100]!r} is not true or false")
     check_identity(m.run_id, m.save_id)
     for it in m.items:
+        if not all(isinstance(v, str) for v in (it.key, it.kind)) or \
+                not isinstance(it.dtype, (str, type(None))):
+            raise TypeError(f"item key/kind/dtype {it.key!r}/{it.kind!r}/{it.dtype!r}")
+        for name in ("offset", "nbytes", "checksum"):
+            _check_int(getattr(it, name), f"item {name}")
+        if it.shape is not None:
+            if not isinstance(it.shape, list):
+                raise TypeError(f"item shape {str(it.shape)[:100]!r} is not a list")
+            for n in it.shape:
+                _check_int(n, "item shape")
         if it.offset < 0 or it.nbytes < 0 or it.offset + it.nbytes > m.data_bytes:
             raise ValueError(f"item {it.key!r} lies outside the shard's {m.data_bytes} bytes")
 
@@ -162,8 +183,22 @@ def check_identity(run_id: object, save_id: object) -> None:
 
 
 def _check_header(header: MetadataHeader) -> None:
-    """Refuse a header whose fields a peer sent malformed: its ids, its lineage (at most
+    """Refuse a header whose fields are malformed, read from a file or sent by a peer: fields
+    of the wrong types, ranks outside the world, its ids, its lineage (at most
     ``MAX_LINEAGE`` [run id, step] pairs) and its copies modes (short words, one per node)."""
+    for name in ("step", "world_size", "total_bytes", "payload_bytes", "checksum", "format"):
+        _check_int(getattr(header, name), name)
+    if not isinstance(header.job_id, str) or not isinstance(header.created, (int, float)) \
+            or isinstance(header.created, bool):
+        raise TypeError("malformed job id or creation time")
+    if header.step < 0 or header.world_size < 1:
+        raise ValueError(f"step {header.step} of a world of {header.world_size} ranks")
+    if not isinstance(header.ranks, list) or len(header.ranks) > header.world_size:
+        raise TypeError("ranks is not a list of the world's ranks")
+    for r in header.ranks:
+        _check_int(r, "rank")
+        if not 0 <= r < header.world_size:
+            raise ValueError(f"rank {r} outside a world of {header.world_size} ranks")
     check_identity(header.run_id, header.save_id)
     lineage = header.lineage
     if not isinstance(lineage, list) or len(lineage) > MAX_LINEAGE:

@@ -5,6 +5,7 @@ tests/test_retention.py)."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import pickle
 import stat
@@ -90,6 +91,59 @@ def test_a_listing_gathered_at_resume_holds_nothing_the_garbage_collector_walks_
     gc.collect()
     assert st.required_ranks == tuple(range(300)) and not gc.is_tracked(st.required_ranks)
     assert st.has_metadata and not gc.is_tracked(st.ancestors)
+
+
+def _rewrite_json(path: str, change, *, header_line: bool) -> None:
+    """Rewrite the JSON of a manifest (the whole file) or of a metadata header (its first
+    line, which the payload's checksum does not cover) with ``change`` applied."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    end = raw.index(b"\n") if header_line else len(raw)
+    fields = json.loads(raw[:end])
+    change(fields)
+    with open(path, "wb") as f:
+        f.write(json.dumps(fields).encode() + raw[end:])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("ranks", 5), ("ranks", ["a"]), ("ranks", [True]), ("ranks", [-1]), ("ranks", [1]),
+    ("ranks", {"0": 0}), ("world_size", "1"), ("world_size", 0), ("step", None),
+    ("total_bytes", 1.5), ("created", "yesterday"), ("job_id", 7)])
+def test_a_metadata_header_with_malformed_fields_on_disk_is_corrupt_not_a_crash(store, field, value):
+    # The header line is outside the payload's checksum: a damaged or rewritten one must be
+    # refused where every reader parses it (the listing the replicator polls, ls, a resume),
+    # as a peer's is on the wire, not crash the listing (ranks=5 raised TypeError there) nor
+    # be counted with ranks that are not ranks.
+    put_shard(store, 3, 0)
+    put_metadata(store, 3, ranks=(0,))
+    _rewrite_json(store.paths.metadata(3), lambda h: h.update({field: value}), header_line=True)
+    fresh = LocalStore(store.local_dir, store.job_id)  # (no header cached from before)
+    st = fresh.inventory.step_state(3)
+    assert not st.has_metadata and st.required_ranks is None and st.committed_ranks == {0}
+    with pytest.raises(CorruptShardError, match="metadata of step 3 is corrupt"):
+        fresh.metadata.read(3)
+    assert fresh.inventory.complete_steps() == []
+
+
+@pytest.mark.parametrize("where, field, value", [
+    ("item", "checksum", "beef"), ("item", "offset", 0.0), ("item", "key", 5),
+    ("item", "shape", "2048"), ("item", "shape", [1.5]), ("item", "dtype", 3),
+    ("shard", "data_bytes", "4096"), ("shard", "world_size", None), ("shard", "created", [])])
+def test_a_manifest_with_malformed_fields_on_disk_is_a_damaged_copy(store, where, field, value):
+    # One check of a manifest's fields for a file and for a peer's: a committed shard whose
+    # manifest is malformed is listed as damaged (the planner refuses that copy and reads
+    # another), never as a shard whose items a reader would then trust.
+    put_shard(store, 3, 0)
+    put_metadata(store, 3, ranks=(0,))
+
+    def change(m: dict) -> None:
+        (m["items"][0] if where == "item" else m)[field] = value
+
+    _rewrite_json(store.paths.manifest(3, 0), change, header_line=False)
+    st = store.inventory.step_state(3)
+    assert st.committed_ranks == set() and 0 in st.damaged and not st.complete
+    with pytest.raises(CorruptShardError, match="unreadable manifest"):
+        store.shards.read_manifest(3, 0)
 
 
 def test_crash_between_data_and_manifest_rename_is_invisible(store):

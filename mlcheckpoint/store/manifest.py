@@ -136,17 +136,15 @@ def _check_layout(m: Manifest) -> None:
     if not isinstance(m.partial, bool):
         raise TypeError(f"partial={str(m.partial)[:100]!r} is not true or false")
     check_identity(m.run_id, m.save_id)
-    for it in m.items:
-        if not all(isinstance(v, str) for v in (it.key, it.kind)) or \
-                not isinstance(it.dtype, (str, type(None))):
+    for it in m.items:  # (``type(...) is``: a bool is no integer, and a large model lists many)
+        if type(it.key) is not str or type(it.kind) is not str or \
+                (it.dtype is not None and type(it.dtype) is not str):
             raise TypeError(f"item key/kind/dtype {it.key!r}/{it.kind!r}/{it.dtype!r}")
-        for name in ("offset", "nbytes", "checksum"):
-            _check_int(getattr(it, name), f"item {name}")
-        if it.shape is not None:
-            if not isinstance(it.shape, list):
-                raise TypeError(f"item shape {str(it.shape)[:100]!r} is not a list")
-            for n in it.shape:
-                _check_int(n, "item shape")
+        if type(it.offset) is not int or type(it.nbytes) is not int or type(it.checksum) is not int:
+            raise TypeError(f"item {it.key!r}: offset, size or checksum is not an integer")
+        if it.shape is not None and (type(it.shape) is not list
+                                     or any(type(n) is not int for n in it.shape)):
+            raise TypeError(f"item {it.key!r}: shape {str(it.shape)[:100]!r} is not a list of integers")
         if it.offset < 0 or it.nbytes < 0 or it.offset + it.nbytes > m.data_bytes:
             raise ValueError(f"item {it.key!r} lies outside the shard's {m.data_bytes} bytes")
 

@@ -97,7 +97,8 @@ def cmd_ls(args) -> int:
         events = history.read(store.job_dir)
         inventory = store.inventory.all()
         verdicts = verdicts_here(store, listed=inventory)  # what a resume from this node alone would decide
-        labels = step_labels(verdicts, {e["step"] for e in events if e.get("event") == "replicate"})
+        replicated: set[int] = {e["step"] for e in events if e["event"] == "replicate" and "step" in e}
+        labels = step_labels(verdicts, replicated)
         for step, st in inventory.items():
             sizes = {}
             for r in sorted(st.committed_ranks):
@@ -112,7 +113,6 @@ def cmd_ls(args) -> int:
                           "missing_here": list(verdict.missing), "why": verdict.reason or None,
                           "world_size": st.world_size,
                           "checkpoint_bytes": st.total_bytes, "bytes_here": sum(sizes.values())})
-        replicated = {e["step"] for e in events if e.get("event") == "replicate"}
         for s in steps:
             s["replicated_from_here"] = s["step"] in replicated
         protected = [e for e in events if e.get("event") == "protected"]

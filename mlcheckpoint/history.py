@@ -36,7 +36,9 @@ def record(job_dir: str, event: str, **fields: Any) -> None:
 
 
 def read(job_dir: str) -> list[dict]:
-    """All events of a job on this node, oldest first (unparseable lines skipped)."""
+    """All events of a job on this node, oldest first. A line that is not an event as
+    ``record`` writes it (damaged, cut, or written by something else) is skipped: the readers
+    (``mlcheckpoint ls``, ``history``, ``retire``) then trust the fields they format."""
     try:
         with open(os.path.join(job_dir, FILENAME)) as f:
             lines = f.readlines()
@@ -45,7 +47,20 @@ def read(job_dir: str) -> list[dict]:
     events = []
     for line in lines:
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except ValueError:
             continue
+        if _well_formed(event):
+            events.append(event)
     return events
+
+
+def _well_formed(event: object) -> bool:
+    """An object with its time (a number) and its event's name, and numbers where the readers
+    expect them."""
+    def number(value: object, whole: bool = False) -> bool:
+        return type(value) is int or (not whole and type(value) is float)
+
+    return (isinstance(event, dict) and number(event.get("time")) and isinstance(event.get("event"), str)
+            and all(event.get(k) is None or number(event[k], whole=k in ("step", "rank"))
+                    for k in ("step", "rank", "bytes", "seconds")))

@@ -267,6 +267,31 @@ def test_top_level_help_leaves_the_exit_codes_to_verify(capsys):
 
 # ---------------------------------------------------------------- issue 32: a Unix tool
 
+def test_a_damaged_history_line_is_skipped_by_every_reader(job, cli):
+    """``history.jsonl`` is appended by every rank of a node and outlives crashes: a line that
+    is not an event as ``record`` writes it (cut, damaged, written by something else) is
+    skipped, so ``ls``, ``history`` and ``retire`` still work. Before, a line "5" or a
+    "replicate" event without its step raised in ``ls``, and a time that is no number in
+    ``history``."""
+    job_dir = os.path.join(job, "clijob")
+    with open(os.path.join(job_dir, history.FILENAME), "a") as f:
+        f.write('5\n[1, 2]\n{"time": 1.0, "event": "replicate"}\n{"time": "noon", "event": "save"}\n'
+                '{"time": 1.0, "event": "replicate", "step": "3"}\n'
+                '{"time": 1.0, "event": "save", "seconds": "fast"}\n{"time": 2.0, "event": 7}\n')
+    history.record(job_dir, "save", step=9, rank=0, bytes=10, seconds=0.5)
+    with open(os.path.join(job_dir, history.FILENAME), "a") as f:
+        f.write('{"time": 3.0, "eve')  # a last line cut short
+    events = history.read(job_dir)
+    assert events and all(isinstance(e, dict) and isinstance(e["event"], str) for e in events)
+    assert [e["step"] for e in events if e["event"] == "save"][-1] == 9
+    assert not any(e.get("step") == "3" or e.get("seconds") == "fast" for e in events)
+    for args in (["ls"], ["ls", "--json"], ["history", "--job", "clijob"],
+                 ["history", "--job", "clijob", "--json"]):
+        code, _, err = cli(job, *args)
+        assert code == EXIT_OK and "Traceback" not in err, (args, err)
+    assert "9" in cli(job, "history", "--job", "clijob")[1]
+
+
 def test_global_options_may_follow_the_command(job, capsys):
     """``mlcheckpoint ls --local-dir X`` works as ``mlcheckpoint --local-dir X ls`` does."""
     for argv in (["ls", "--local-dir", job, "--json"], ["--local-dir", job, "ls", "--json"],

@@ -40,8 +40,8 @@ def read(job_dir: str) -> list[dict]:
     ``record`` writes it (damaged, cut, or written by something else) is skipped: the readers
     (``mlcheckpoint ls``, ``history``, ``retire``) then trust the fields they format."""
     try:
-        with open(os.path.join(job_dir, FILENAME)) as f:
-            lines = f.readlines()
+        with open(os.path.join(job_dir, FILENAME), errors="replace") as f:  # (a damaged line
+            lines = f.readlines()  # then fails to parse, and is skipped)
     except FileNotFoundError:
         return []
     events = []

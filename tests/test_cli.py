@@ -279,8 +279,9 @@ def test_a_damaged_history_line_is_skipped_by_every_reader(job, cli):
                 '{"time": 1.0, "event": "replicate", "step": "3"}\n'
                 '{"time": 1.0, "event": "save", "seconds": "fast"}\n{"time": 2.0, "event": 7}\n')
     history.record(job_dir, "save", step=9, rank=0, bytes=10, seconds=0.5)
-    with open(os.path.join(job_dir, history.FILENAME), "a") as f:
-        f.write('{"time": 3.0, "eve')  # a last line cut short
+    with open(os.path.join(job_dir, history.FILENAME), "ab") as f:
+        f.write(bytes([0xA7, 0xFB]) + b'{"time": 2.5, "event": "save"}\n')  # bytes that are no UTF-8
+        f.write(b'{"time": 3.0, "eve')  # a last line cut short
     events = history.read(job_dir)
     assert events and all(isinstance(e, dict) and isinstance(e["event"], str) for e in events)
     assert [e["step"] for e in events if e["event"] == "save"][-1] == 9

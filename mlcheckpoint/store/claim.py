@@ -133,11 +133,9 @@ class _Record:
     def read(self) -> tuple[Claimant | None, Claimant | None]:
         """(the claimant it names, the one it replaced); None where absent or unreadable."""
         self._f.seek(0)
-        text = self._f.read()
-        if not text.strip():
-            return None, None
         try:
-            obj = json.loads(text)
+            text = self._f.read()  # (bytes that are no UTF-8 raise UnicodeDecodeError, a ValueError)
+            obj = json.loads(text) if text.strip() else None
         except ValueError:
             return None, None
         if not isinstance(obj, dict):

@@ -126,6 +126,22 @@ def test_a_claim_whose_record_cannot_be_read_still_refuses_another_run(store):
     assert Claimant.from_json({"run_id": "x"}) is None and Claimant.from_json([1]) is None
 
 
+def test_a_record_of_bytes_that_are_no_text_reads_as_unreadable_not_a_crash(store):
+    # A damaged claim.json (bytes that are no UTF-8) made every listing and every take raise
+    # UnicodeDecodeError: ls, gc and a restarting job's start all read it.
+    a = take(store, "run-a")
+    assert isinstance(a, JobClaim)
+    a.release()
+    with open(store.paths.claim, "wb") as f:
+        f.write(bytes([0xA7, 0xFB, 0x00, 0x9C]) * 16)
+    assert holder(store.paths) == (None, False)
+    b = take(store, "run-b")
+    assert isinstance(b, JobClaim)  # no live run holds it: the next run takes it, and rewrites it
+    named, live = holder(store.paths)
+    assert live and named is not None and named.run_id == "run-b"
+    b.release()
+
+
 # ---------------------------------------------------------------- dead holders (processes)
 
 HOLDER = textwrap.dedent("""

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import typing
 
@@ -580,6 +581,30 @@ def test_bad_variable_is_a_config_error_at_construction(store_dir, monkeypatch, 
                           **({} if var == "MLCHECKPOINT_JOB_ID" else {"job_id": "job-config"}))
     assert var in str(ei.value) and repr(value) in str(ei.value), str(ei.value)
     assert not os.path.exists(local)
+
+
+@pytest.mark.slow  # (a fresh interpreter: the package is imported already in this one)
+@pytest.mark.parametrize("var", ["MLCHECKPOINT_COPY_THREADS", "MLCHECKPOINT_NATIVE",
+                                 "MLCHECKPOINT_PAUSE_GC", "MLCHECKPOINT_TCP_MIN_STRIPE"])
+def test_a_bad_process_setting_never_fails_the_import_only_the_construction(store_dir, var):
+    """The copier's C loop is bound when its module is imported. That import once resolved
+    every process setting, so ``MLCHECKPOINT_COPY_THREADS=0 python train.py`` failed at
+    ``import mlcheckpoint`` (and ``mlcheckpoint ls`` with it), not at construction as this
+    file's other tests and configuration.md say."""
+    script = (
+        "import mlcheckpoint, sys\n"
+        "from mlcheckpoint import CheckpointManager, ConfigError\n"
+        "try:\n"
+        f"    CheckpointManager(job_id='j', local_dir={os.path.join(store_dir, 'local')!r}, "
+        "replication='none')\n"
+        "except ConfigError as e:\n"
+        "    print('refused:', e)\n"
+        "    sys.exit(3)\n")
+    env = {**os.environ, var: "nonsense"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         check=False, timeout=120)
+    assert run.returncode == 3, run.stderr[-2000:]
+    assert f"{var}='nonsense'" in run.stdout and not os.path.exists(os.path.join(store_dir, "local"))
 
 
 @pytest.mark.parametrize("setting, value", [

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..settings import tuning
+from ..settings import native_loop
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,9 @@ _XXH3 = _bind_xxh3()
 
 
 def native_enabled() -> bool:
-    """The process's ``Tuning.native_loop`` (settings.py): ``MLCHECKPOINT_NATIVE=0`` switches
-    the C loop off, when this module is imported."""
-    return tuning().native_loop
+    """``MLCHECKPOINT_NATIVE=0`` switches the C loop off, when this module is imported
+    (``settings.native_loop``)."""
+    return native_loop()
 
 
 def _bind_native():

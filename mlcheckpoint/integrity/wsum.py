@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..settings import tuning
+from ..settings import native_loop
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def combine(chunk_sums: Sequence[int] | np.ndarray, nbytes: int) -> int:
 def _bind_native():
     """``_hashcopy``'s wsum functions, handed the weight tables; None where the extension is
     not built or the C loop is switched off (``MLCHECKPOINT_NATIVE=0``): numpy then."""
-    if not tuning().native_loop:
+    if not native_loop():
         return None
     try:
         from . import _hashcopy

@@ -42,6 +42,7 @@ from .resolved import (
     ReplicationOptions,
     Timeouts,
     Tuning,
+    native_loop,
     resolve_memory_limit,
     tuned,
     tuning,
@@ -51,7 +52,7 @@ from .units import parse_bandwidth, parse_bytes
 __all__ = [
     "BY_ENV", "BY_NAME", "DEFAULT_LOCAL_DIR", "DEPRECATED_KEYWORDS", "ENV_VARS", "MAX_REPLICAS",
     "MAX_STREAMS", "REPLICATION_MODES", "SETTINGS", "Launcher", "Options", "ReplicationOptions",
-    "Setting", "Timeouts", "Tuning", "check_environment", "default", "derived_job_id",
+    "Setting", "Timeouts", "Tuning", "check_environment", "default", "derived_job_id", "native_loop",
     "parse_bandwidth", "parse_bytes", "resolve_job_id", "resolve_local_dir",
     "resolve_memory_limit", "secret_sources", "tuned", "tuning", "validate_job_id",
     "validate_keep", "variable_text",

@@ -226,6 +226,19 @@ def tuning() -> Tuning:
     return _installed if _installed is not None else Tuning.from_env()
 
 
+def native_loop() -> bool:
+    """Whether the copier's C loop is on, as the modules that bind it read it when they are
+    imported. Only ``MLCHECKPOINT_NATIVE`` is read, and a malformed value counts as the default
+    here: importing the package never fails on a setting, and the manager's construction
+    refuses that one with the others (``ConfigError``)."""
+    if _installed is not None:
+        return _installed.native_loop
+    try:
+        return bool(BY_NAME["native_loop"].resolve())
+    except ConfigError:
+        return bool(default("native_loop"))
+
+
 @contextlib.contextmanager
 def tuned(**changes: Any) -> Iterator[Tuning]:
     """The process's tuning with ``changes`` for the block (tests, benchmarks)."""

@@ -27,6 +27,7 @@ from helpers import put_metadata, put_shard, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
+from mlcheckpoint import history
 from mlcheckpoint.manager.retention import (
     Retention,
     RetentionPlan,
@@ -284,6 +285,10 @@ def test_watcher_sees_no_gap_while_a_2x2_job_saves_back_to_back_under_load():
                 assert saved[0]["saves"] >= 10 and all(len(s) >= 2 for s in w.seen_whole), \
                     (saved, w.seen_whole)
                 # what protection() said at the end agrees with what the job did
+                round_steps = sorted({e["step"] for n in c.nodes
+                                      for e in history.read(os.path.join(n.local_dir, c.job_id))
+                                      if e["event"] == "replicate"} | {saved[0]["saves"] - 1})
+                longest_round = max(b - a for a, b in zip([-1, *round_steps], round_steps))
                 for rank, r in saved.items():
                     p = r["protection"]
                     # (a rank's node may not have the newest save's metadata yet)
@@ -294,10 +299,12 @@ def test_watcher_sees_no_gap_while_a_2x2_job_saves_back_to_back_under_load():
                     # the budget cannot carry every save: most are skipped, every rank alike
                     assert 0 < p["superseded"] < r["saves"], (rank, p)
                     # ranks read protection() at their own moment, when one may have taken
-                    # a round the other has not yet: they differ by at most that round's saves
-                    one_round = -(-r["saves"] // max(1, saved[0]["rounds"]))
-                    assert abs(p["superseded"] - saved[0]["protection"]["superseded"]) <= 3 + one_round, \
-                        (rank, p, saved[0]["protection"], one_round)
+                    # a round the other has not yet (never two: a round starts once every rank
+                    # finished the one before): they differ by at most the saves that one round
+                    # skipped. Rounds are not alike under load, so the bound is the longest one
+                    # the nodes' histories show, not the average (which failed CI once: 9 > 7).
+                    assert abs(p["superseded"] - saved[0]["protection"]["superseded"]) <= 3 + longest_round, \
+                        (rank, p, saved[0]["protection"], longest_round)
                 # and so does `mlcheckpoint ls`, from node 0's history
                 listing = subprocess.run(
                     [sys.executable, "-m", "mlcheckpoint.cli", "--local-dir", c.nodes[0].local_dir,

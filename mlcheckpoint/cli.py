@@ -97,7 +97,7 @@ def cmd_ls(args) -> int:
         events = history.read(store.job_dir)
         inventory = store.inventory.all()
         verdicts = verdicts_here(store, listed=inventory)  # what a resume from this node alone would decide
-        replicated: set[int] = {e["step"] for e in events if e["event"] == "replicate" and "step" in e}
+        replicated = {e["step"] for e in events if e["event"] == "replicate" and e.get("step") is not None}
         labels = step_labels(verdicts, replicated)
         for step, st in inventory.items():
             sizes = {}

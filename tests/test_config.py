@@ -29,7 +29,6 @@ from mlcheckpoint import (
     _gc,
     settings,
 )
-from mlcheckpoint.integrity.checksum import native_enabled
 from mlcheckpoint.replication.core import network
 from mlcheckpoint.replication.factory import TRANSPORTS
 from mlcheckpoint.settings import (
@@ -43,6 +42,7 @@ from mlcheckpoint.settings import (
     Timeouts,
     Tuning,
     default,
+    native_loop,
     parse_bandwidth,
     parse_bytes,
     resolve_job_id,
@@ -492,7 +492,7 @@ def test_documented_defaults_are_the_defaults(monkeypatch):
     assert resolve_local_dir() == default("local_dir") == DEFAULT_LOCAL_DIR
     assert Tuning.from_env() == Tuning(copy_threads=Tuning.from_env().copy_threads)
     assert 1 <= Tuning.from_env().copy_threads <= 4
-    assert native_enabled() is _gc.enabled() is True
+    assert native_loop() is _gc.enabled() is True
     assert settings.tuning().min_stripe_bytes == 64 << 20
     options = Options(job_id="j", local_dir="/dev/shm/x").resolved()
     assert options == Options(job_id="j", local_dir="/dev/shm/x", replication=ReplicationOptions(

@@ -61,17 +61,11 @@ def _bind_xxh3():
 _XXH3 = _bind_xxh3()
 
 
-def native_enabled() -> bool:
-    """``MLCHECKPOINT_NATIVE=0`` switches the C loop off, when this module is imported
-    (``settings.native_loop``)."""
-    return native_loop()
-
-
 def _bind_native():
     """The C inner loop (``_hashcopy.c``) bound to xxhash's streaming functions, or None:
     not built (no C compiler at install), switched off with ``MLCHECKPOINT_NATIVE=0``, or the
     xxhash symbols are missing. Without it the copier runs its Python loop (same digests)."""
-    if not native_enabled():
+    if not native_loop():  # (MLCHECKPOINT_NATIVE=0, read when this module is imported)
         return None
     try:
         from . import _hashcopy

@@ -236,7 +236,7 @@ class CheckpointManager:
         # Room for what the partners' replicas bring: with data parallelism's copies, only
         # the items that lack places (store/coverage.py), not shards of this rank's size.
         arrivals = Arrivals(self._store.inventory, self._store.metadata, self._topology,
-                                     self._replicator.places, owners)
+                            self._replicator.places, owners)
         self._store.capacity.expect_replicas([self.rank], len(owners), arrivals)
         self._room.arriving = arrivals
         transport.accept_from(self._lineage)

@@ -38,7 +38,7 @@ class BufferWarmer:
     need buffers of that size. Making them while training goes on keeps the first saves from
     touching fresh tmpfs pages (or page-locking them, for a rank saving from device memory);
     once a steady state recycles buffers this does nothing. One thread at a time works through
-    the owners asked for; the work itself is ``LocalStore.pool.prewarm``.
+    the owners asked for; the work itself is ``BufferPool.prewarm``.
     """
 
     def __init__(self, store: LocalStore, keep: int):

@@ -21,7 +21,7 @@ What a pass keeps (``plan_retention``):
   once a newer step is whole; recycled buffers of owners no rank here answers for are deleted.
 
 The store (layer 1) stays passive: it provides the inventory, the ``CommitLock`` and the
-primitives a pass calls (``LocalStore.shards.retire``, ``ShardFiles.remove_step_if_empty``,
+primitives a pass calls (``ShardFiles.retire``, ``ShardFiles.remove_step_if_empty``,
 ``BufferPool.drop``, ``LocalStore.remove_orphan``); what to keep is decided here.
 """
 

@@ -24,9 +24,9 @@ the copy groups:
 
 The store (is a step whole here?), the replicator (what must it send, and to whom?
 ``plan_push``), the room a node keeps for what arrives (``arriving_bytes``: the room check,
-``inventory.Arrivals``, after a save; ``dcp/copies.py`` ``choose`` at it, before any metadata), and the
-recovery planner (is a step complete, protected?) all ask these functions, so the rule is
-written once.
+``inventory.Arrivals``, after a save; ``dcp/copies.py`` ``choose`` at it, before any
+metadata), and the recovery planner (is a step complete, protected?) all ask these functions,
+so the rule is written once.
 """
 
 from __future__ import annotations
@@ -241,8 +241,8 @@ def arriving_bytes(items: StepItems, sources: Mapping[Any, Iterable[int]],
     of it, ``node_of`` each rank) that lack places and that the node does not hold.
 
     The one rule of that room, asked with what each side knows: the room check after a save
-    (``inventory.Arrivals``) with the save's metadata; ``dcp/copies.py`` ``choose``, before any, with
-    the locations the copies it would keep make."""
+    (``inventory.Arrivals``) with the save's metadata; ``dcp/copies.py`` ``choose``, before
+    any, with the locations the copies it would keep make."""
     groups = items.groups()
     # per owner, its groups lacking places: (group, the nodes holding it, aligned bytes)
     short: dict[int, list[tuple[Group, set[Hashable], int]]] = {}

@@ -250,8 +250,8 @@ def _serve_until_client_ends(path: str, preload: Sequence[str]) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
+    listener.listen(64)  # before the name appears: a client connecting at once was refused
     os.rename(path + ".tmp", path)  # the client waits for this name: bound and listening
-    listener.listen(64)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)

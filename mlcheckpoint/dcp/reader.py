@@ -20,7 +20,6 @@ import pickle
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from concurrent.futures import Future as ConcurrentFuture
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -366,7 +365,9 @@ class MemoryStorageReader(StorageReader):
                 direct.add(i)
         for item, (_, loc) in wanted.items():
             sinks.setdefault(item, np.empty(loc.nbytes, dtype=np.uint8))
-        for item, (rank, node, digest) in self._fetch(remote, wanted, sinks).items():
+        came = fetch_items(remote, self.step, {item: loc for item, (_, loc) in wanted.items()},
+                           sinks, lambda item: self._nowhere(*wanted[item]))
+        for item, (rank, node, digest) in came.items():  # (the rank whose shard it came from)
             req, loc = wanted[item]
             if not digests_agree(loc.checksum, digest.result()[0]):
                 self._corrupt(rank, req, node)
@@ -380,14 +381,6 @@ class MemoryStorageReader(StorageReader):
                 _copy_view(targets[i], self._stored_view(req, sink))
                 planner.commit_tensor(req, targets[i])
             self.bytes_read += loc.nbytes
-
-    def _fetch(self, remote: RemoteReads, wanted: dict[Place, tuple[ReadItem, ItemLocation]],
-               sinks: dict[Place, np.ndarray]) -> dict[Place, tuple[int, int, ConcurrentFuture]]:
-        """Fill each wanted item's sink from a node that holds one of its places, spread over
-        them (``remote.fetch_items``); per item, the rank whose shard it came from, that node,
-        and its digest."""
-        return fetch_items(remote, self.step, {item: loc for item, (_, loc) in wanted.items()},
-                           sinks, lambda item: self._nowhere(*wanted[item]))
 
     def _whole_item(self, req: ReadItem) -> bool:
         """Whether ``req`` asks for all of the stored item (no resharding)."""

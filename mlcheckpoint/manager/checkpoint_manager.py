@@ -239,7 +239,7 @@ class CheckpointManager:
                             self._replicator.places, owners)
         self._store.capacity.expect_replicas([self.rank], len(owners), arrivals)
         self._room.arriving = arrivals
-        transport.accept_from(self._lineage)
+        transport.sink.accept_from(self._lineage)
 
     # ------------------------------------------------------------------ DCP-native
     @property

@@ -540,7 +540,7 @@ def test_replicas_outside_the_jobs_history_are_refused(make_job):
 
     job = make_job()
     receiver, sender = job.endpoint(0), job.endpoint(1)
-    receiver.accept_from(Lineage("run-b", (("run-a", 5),)))
+    receiver.sink.accept_from(Lineage("run-b", (("run-a", 5),)))
     refused = [(6, "run-a"), (1_000_000_000, "run-x"), (3, "run-x")]
     admitted = [(5, "run-a"), (2, "run-a"), (7, "run-b"), (8, "run-b")]
     for step, run in refused + admitted:

@@ -503,7 +503,7 @@ def failure(call: Callable[[], object]) -> tuple[str, str]:
 
 
 def test_every_transport_reports_a_failure_in_the_same_words(job, step):
-    """Every transport asks through the one client (``core/client.py``): the same failure
+    """Every transport asks through the one client code (``core/transport.py``): the same failure
     raises the same error with the same text over each of them (TCP with one stream and
     several, gloo, NCCL). A transport that read a reply itself again would differ here."""
     failures: dict[str, dict[str, tuple[str, str]]] = {}

@@ -1,11 +1,10 @@
 """What every transport shares and none owns. Imports no wire format (``tcp/``, ``pg/``).
 
-- ``transport.py``: the ``Transport`` interface (a transport only moves bytes);
+- ``transport.py``: ``Transport`` (a transport only moves bytes), which asks a peer the same
+  requests once for every transport: their reply statuses, the sink's commit, the error
+  wording; each transport gives it its ``Wire``, how a request, its replies and its bytes move;
 - ``service.py``: ``RequestService``, the meaning of every request a peer makes, whatever
   carried it; a transport's listener hands it the request and a ``Channel`` back;
-- ``client.py``: ``PeerClient``, the same requests asked of a peer, once for every transport:
-  their reply statuses, the fetched manifest, the sink's commit, the error wording; a
-  transport hands it its ``Wire``, how a request, its replies and its bytes move;
 - ``sink.py``: ``ReceiveSink``, where every received replica lands (verified, committed,
   published as ``ReplicaReceived``), and the step pins it holds (``store/pins.py``);
 - ``checks.py``: the bounds and checks on every field a peer sends;

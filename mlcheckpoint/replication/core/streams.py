@@ -1,5 +1,5 @@
 """Running one transfer's streams side by side: the TCP transport's striped pushes, a read over
-several calls (``client.py``) and recovery's reads of several holders at once share it (no wire
+several calls (``transport.py``) and recovery's reads of several holders at once share it (no wire
 format of its own)."""
 
 from __future__ import annotations

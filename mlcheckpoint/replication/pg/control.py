@@ -131,7 +131,7 @@ class Mailbox:
 
     def await_reply(self, tag: int, nonce: str, phase: str = "r") -> dict:
         """The reply to our request (tag, nonce), whatever its status says (the client reads
-        it: ``core/client.py``); ProtocolError if none comes in time or if it is not sealed
+        it: ``core/transport.py``); ProtocolError if none comes in time or if it is not sealed
         for this request."""
         key = f"pg/reply/{self.rdzv.rank}/{tag}/{phase}"
         try:

@@ -24,7 +24,8 @@ chunk, each booked on the node's budget (``core/budget.py``) before it is sent; 
 sends names the piece size in its offer or reply, so the receiver posts matching recvs.
 Unpaced ones go in one message (NCCL: one per bounce buffer), as before.
 
-What this rank asks of its peers, the one client asks (``core/client.py``), over ``PgWire``: a
+What this rank asks of its peers, ``core/transport.py`` asks the same for every transport, over
+``PgWire``: a
 request posted to the peer's mailbox, its replies awaited there, the bytes by the group under
 the request's tag.
 """
@@ -50,7 +51,6 @@ from ...store.local_store import ShardSource
 from ...topology import Topology
 from ..core.budget import node_budget
 from ..core.checks import MALFORMED, want_int, want_str
-from ..core.client import PeerClient
 from ..core.network import choose_endpoint
 from ..core.rendezvous import Rendezvous
 from ..core.service import RequestService
@@ -150,8 +150,8 @@ class PgTransport(Transport):
                  topology: Topology | None = None):
         timeouts = timeouts or Timeouts(replication=options.timeout)
         topology = topology or Topology()
-        self.store, self.rdzv, self.timeout = store, rdzv, timeouts.replication
-        self.sink = sink if sink is not None else ReceiveSink(store)
+        super().__init__(store, sink if sink is not None else ReceiveSink(store))
+        self.rdzv, self.timeout = rdzv, timeouts.replication
         bandwidth = options.bandwidth or 0
         link = (choose_endpoint(interface=options.interface, master_addr=topology.master_addr,
                                 master_port=topology.master_port).interface
@@ -168,7 +168,7 @@ class PgTransport(Transport):
         self._poll = timeouts.mailbox_poll
         self._closed = threading.Event()
         self.lost_pairs: dict[int, str] = {}  # peer -> the failure that closed the pair
-        self.client = PeerClient(store, self.sink, PgWire(self))
+        self.wire = PgWire(self)
         self.service = RequestService(store, self.sink, rdzv.world_size)
         self._thread = threading.Thread(target=self._serve_loop, name="mlckpt-pg-serve", daemon=True)
         self._thread.start()
@@ -338,15 +338,15 @@ class PgTransport(Transport):
 
 
 class PgWire:
-    """The client's way to a peer over the process group (``core/client.Wire``): one call at
+    """The way to a peer over the process group (``core/transport.Wire``): one call at
     a time per rank, each a request in the peer's mailbox."""
 
     def __init__(self, transport: PgTransport):
         self.transport = transport
         self._lock = threading.Lock()  # one outgoing transfer at a time per rank
 
-    def read_streams(self, nbytes: int) -> int:
-        return 1  # one group, one tag: a read goes as one request
+    def streams(self, nbytes: int) -> int:
+        return 1  # one group, one tag: a transfer goes as one request
 
     @contextlib.contextmanager
     def call(self, peer: int) -> Iterator[PgCall]:
@@ -356,7 +356,7 @@ class PgWire:
 
 
 class PgCall:
-    """One request (``core/client.Call``): posted, sealed, into the peer's mailbox; its first
+    """One request (``core/transport.Call``): posted, sealed, into the peer's mailbox; its first
     reply comes in phase "r", any later one in phase "done"; bytes go by the group under the
     request's tag, cut in the pieces the sending side named."""
 

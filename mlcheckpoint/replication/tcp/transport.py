@@ -1,6 +1,6 @@
 """The TCP transport: an authenticated listener per rank (``server.py``) and one connection per
-request to a peer's listener (this module: the calling half, the wire that the one client,
-``core/client.py``, asks its peers over).
+request to a peer's listener (this module: the calling half, the wire over which ``core/transport.py`` asks
+its peers).
 
 Payloads leave with sendfile() straight from the tmpfs file and arrive with recv_into()
 straight into the destination mapping: no user-space copy on either side. Pushes are paced by
@@ -35,7 +35,6 @@ from ...store import LocalStore, Manifest
 from ...topology import Topology
 from ..core.budget import Budget, node_budget
 from ..core.checks import MAX_METADATA_BYTES, want_int
-from ..core.client import PeerClient
 from ..core.network import check_advertisable, choose_endpoint
 from ..core.rendezvous import Rendezvous
 from ..core.sink import ReceiveSink
@@ -85,14 +84,15 @@ class TcpTransport(Transport):
     """
 
     name = "tcp"
+    wire: TcpWire
 
     def __init__(self, store: LocalStore, rdzv: Rendezvous, options: ReplicationOptions,
                  timeouts: Timeouts | None = None, *, sink: ReceiveSink | None = None,
                  topology: Topology | None = None, max_connections: int = MAX_CONNECTIONS):
         timeouts = timeouts or Timeouts(replication=options.timeout)
         topology = topology or Topology()
-        self.store, self.rdzv, self.timeout = store, rdzv, timeouts.replication
-        self.sink = sink if sink is not None else ReceiveSink(store)
+        super().__init__(store, sink if sink is not None else ReceiveSink(store))
+        self.rdzv, self.timeout = rdzv, timeouts.replication
         self.streams = options.streams if options.streams is not None else default("replication_streams")
         if not 1 <= self.streams <= MAX_STREAMS:
             raise ConfigError(f"streams must be in 1..{MAX_STREAMS}, not {self.streams}")
@@ -113,7 +113,6 @@ class TcpTransport(Transport):
         log.debug("replication listener of rank %d on %s", rdzv.rank, self.address)
         log_peers = topology.num_nodes > 1 and topology.is_node_leader
         self.wire = TcpWire(self, log_peers=log_peers)
-        self.client = PeerClient(store, self.sink, self.wire)
 
     def describe(self) -> str:
         interface = self.endpoint.interface or "no single interface"
@@ -128,14 +127,6 @@ class TcpTransport(Transport):
     def reachable(self, peer: int, timeout: float) -> bool | None:
         return self.wire.reachable(peer, timeout)
 
-    def reads_by_streams(self) -> dict[int, int]:
-        """How many ``read_items`` calls completed over each number of streams."""
-        return self.client.reads_by_streams()
-
-    def streams_for(self, nbytes: int) -> int:
-        """The connections a transfer of ``nbytes`` goes over: ``streams``, fewer when each
-        would carry less than ``min_stripe_bytes``."""
-        return max(1, min(self.streams, nbytes // self.min_stripe_bytes))
 
 
 class Unreachable(ReplicationError):
@@ -143,7 +134,7 @@ class Unreachable(ReplicationError):
 
 
 class TcpWire:
-    """The client's way to a peer over TCP (``core/client.Wire``): a connection per call,
+    """The way to a peer over TCP (``core/transport.Wire``): a connection per call,
     to the address the peer advertised, logged in with the job's secret."""
 
     def __init__(self, transport: TcpTransport, *, log_peers: bool = False):
@@ -153,8 +144,10 @@ class TcpWire:
         self._log_peers = log_peers  # the node's local rank 0 does
         self._peers_logged: set[int] = set()
 
-    def read_streams(self, nbytes: int) -> int:
-        return self.transport.streams_for(nbytes)
+    def streams(self, nbytes: int) -> int:
+        """The connections a transfer of ``nbytes`` goes over: the transport's ``streams``,
+        fewer when each would carry less than its ``min_stripe_bytes``."""
+        return max(1, min(self.transport.streams, nbytes // self.transport.min_stripe_bytes))
 
     def _address_of(self, peer: int) -> str:
         """The address ``peer`` advertised (logged the first time, on the node's local rank 0:
@@ -205,7 +198,7 @@ class TcpWire:
 
 
 class TcpCall:
-    """One request over one connection (``core/client.Call``): frames for the request and its
+    """One request over one connection (``core/transport.Call``): frames for the request and its
     replies, raw bytes between them; a striped push opens the other connections itself."""
 
     def __init__(self, wire: TcpWire, peer: int, sock: socket.socket):
@@ -224,7 +217,7 @@ class TcpCall:
     def offer_shard(self, request: dict, m: Manifest, ranges: list[tuple[int, int]]) -> dict:
         # (the file is opened after the answer: if it went meanwhile, closing the connection
         # tells the peer at once)
-        self.streams = self.transport.streams_for(sum(n for _, n in ranges))
+        self.streams = self.wire.streams(sum(n for _, n in ranges))
         if self.streams > 1:
             request = {**request, "streams": self.streams}
         return self.ask(request)

@@ -404,7 +404,8 @@ def _fetch_plan(step: int, v: _StepView, nodes: list[NodeInventory], world_size:
     meta_nodes = sorted(set(v.meta_nodes))
     d.metadata_holders = [r for n in meta_nodes for r in node_ranks[n]]
     # The metadata is one small file, the same for every node lacking it: round robin over
-    # the nodes holding it, and over each one's ranks.
+    # the nodes holding it, and over each one's ranks. The node's first rank (its leader)
+    # fetches it: the rank that then checks it, before any rank loads (``Recovery.run``).
     lacking = [(node, ranks) for node, ranks in sorted(node_ranks.items()) if node not in v.meta_nodes]
     for i, (node, ranks) in enumerate(lacking):
         src = node_ranks[meta_nodes[i % len(meta_nodes)]]

@@ -183,12 +183,13 @@ class Recovery:
             if self.transport is not None:
                 holders = Holders(self.transport, self.store, self.topo, d)
             t = time.perf_counter()
-            problems = self._gather_problems(self._fetch(d, holders))
+            fetch_problems = self._fetch(d, holders)
             self._lap("fetch", t)
-            if not problems:
-                t = time.perf_counter()
-                problems = self._gather_problems(self._verify(d.step, d.save_id))
-                self._lap("verify", t)
+            t = time.perf_counter()
+            # One gather for both: the plan names each node's leader to fetch its metadata,
+            # and the same rank checks it (unless its fetch failed).
+            problems = self._gather_problems(fetch_problems or self._verify(d.step, d.save_id))
+            self._lap("verify", t)
             if problems:
                 bad |= {copy for copy, _ in problems}
                 notes += [why for _, why in problems]
@@ -295,7 +296,7 @@ class Recovery:
 
     # ------------------------------------------------------------------ fetch and verify
     def _fetch(self, d: Decision, holders: Holders | None) -> list[tuple[CopyId, str]]:
-        """Fetch the metadata this node lacks (the plan names one rank per node for it).
+        """Fetch the metadata this node lacks (the plan names the node's leader for it).
 
         Shards are not fetched here: the reader streams them straight into the model
         (``Holders.read_runs``), and a replaced node's own shard is rebuilt after the load
@@ -370,7 +371,7 @@ class Recovery:
         if d.kind == MEMORY and d.lineage is not None and d.step is not None:
             self.lineage = self.lineage.resumed(d.lineage, d.step)
         if self.transport is not None:  # before the last collective: partners push after it
-            self.transport.accept_from(self.lineage)
+            self.transport.sink.accept_from(self.lineage)
         # Before the last collective: once it returns, other ranks may start saving (and
         # create files under step numbers this drop would otherwise race with).
         self._settle(d.step, set_aside=d.stranded)

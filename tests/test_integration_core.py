@@ -4,6 +4,7 @@ under plain torchrun (TORCHELASTIC_RUN_ID=none) derived from the persistent fold
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -14,8 +15,13 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import mlcheckpoint
 from mlcheckpoint import CheckpointManager, ConfigError, PersistentStorage
+from mlcheckpoint.collectives import Comm
 from mlcheckpoint.persistent import StepNames
+from mlcheckpoint.recovery.resume import Recovery
 from mlcheckpoint.settings import derived_job_id, resolve_job_id
+from mlcheckpoint.store import LocalStore
+from mlcheckpoint.store.identity import Lineage
+from mlcheckpoint.topology import Topology
 
 JOB = "job-integration-core"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -85,6 +91,35 @@ def test_resume_loads_the_newest_of_memory_and_framework_folder_once(store_dir, 
         assert folder.restored == ([folder_step] if source == "persistent" else [])
         listed = {(e.step, e.location) for e in ckpt.checkpoints()}
         assert (folder_step, "persistent") in listed
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingComm(Comm):
+    """The checkpoint group's gather, each object gathered kept (one process: no group)."""
+
+    gathered: list = dataclasses.field(default_factory=list)
+
+    def all_gather(self, obj):
+        self.gathered.append(obj)
+        return super().all_gather(obj)
+
+
+def test_a_resume_from_memory_agrees_in_three_gathers(store_dir):
+    """Every gather of a resume waits for the slowest rank of the job: one for the inventory,
+    one for the problems the metadata's fetch and its check found (together: the node's leader
+    does both), one for the outcome. A fourth (the check's own) was one wait too many."""
+    local = os.path.join(store_dir, "local")
+    with CheckpointManager(job_id=JOB, local_dir=local, replication="none") as ckpt:
+        ckpt.save(make_state(3), 3)
+    comm = CountingComm(None)
+    target = zeros_like_state(make_state())
+    recovery = Recovery(LocalStore(local, JOB), Topology(), comm, lineage=Lineage("this-run"),
+                        group=None)
+    resumed = recovery.run(target)
+    assert (resumed.info.step, resumed.info.source) == (3, "local")
+    assert_same(make_state(3), target)
+    assert len(comm.gathered) == 3, comm.gathered
+    assert comm.gathered[1] == []  # the problems: none
 
 
 # ---------------------------------------------------------------- job id under plain torchrun

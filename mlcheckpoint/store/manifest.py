@@ -123,14 +123,19 @@ def _check_int(value: object, name: str) -> None:
         raise TypeError(f"{name}={str(value)[:100]!r} is not an integer")
 
 
+def _check_origin(job_id: object, created: object) -> None:
+    """The job id (text) and creation time (a number) a manifest and a header both carry."""
+    if not isinstance(job_id, str) or not isinstance(created, (int, float)) \
+            or isinstance(created, bool):
+        raise TypeError("malformed job id or creation time")
+
+
 def _check_layout(m: Manifest) -> None:
     """Reject a manifest whose fields have the wrong types or whose items fall outside the
     data (corrupt or hostile): the one check of a manifest, read from a file or sent by a peer."""
     for name in ("step", "rank", "data_bytes", "world_size", "format"):
         _check_int(getattr(m, name), name)
-    if not isinstance(m.job_id, str) or not isinstance(m.created, (int, float)) \
-            or isinstance(m.created, bool):
-        raise TypeError("malformed job id or creation time")
+    _check_origin(m.job_id, m.created)
     if m.data_bytes < 0 or m.step < 0 or m.rank < 0:
         raise ValueError("negative size, step or rank in manifest")
     if not isinstance(m.partial, bool):
@@ -186,9 +191,7 @@ def _check_header(header: MetadataHeader) -> None:
     ``MAX_LINEAGE`` [run id, step] pairs) and its copies modes (short words, one per node)."""
     for name in ("step", "world_size", "total_bytes", "payload_bytes", "checksum", "format"):
         _check_int(getattr(header, name), name)
-    if not isinstance(header.job_id, str) or not isinstance(header.created, (int, float)) \
-            or isinstance(header.created, bool):
-        raise TypeError("malformed job id or creation time")
+    _check_origin(header.job_id, header.created)
     if header.step < 0 or header.world_size < 1:
         raise ValueError(f"step {header.step} of a world of {header.world_size} ranks")
     if not isinstance(header.ranks, list) or len(header.ranks) > header.world_size:

@@ -14,6 +14,7 @@ from ...store.manifest import MetadataHeader, decode_metadata
 
 __all__ = [
     "MALFORMED",
+    "MAX_ERROR_TEXT",
     "MAX_METADATA_BYTES",
     "MAX_RANGES",
     "MAX_STEP",
@@ -32,6 +33,8 @@ __all__ = [
 MAX_STEP = 10**12
 MAX_RANGES = 1 << 20
 MAX_METADATA_BYTES = 4 << 30
+# The longest text of an error a reply carries, and that a message repeats of a peer's.
+MAX_ERROR_TEXT = 2000
 
 
 # What a handler turns into an error reply: bad input from a peer must never kill a thread.

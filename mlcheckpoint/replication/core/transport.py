@@ -42,15 +42,12 @@ from ...errors import ProtocolError, ReplicationError, ShardNotFoundError
 from ...store import LocalStore, Manifest
 from ...store.manifest import ManifestItem
 from .budget import Budget
+from .checks import MAX_ERROR_TEXT
 from .sink import ReceiveSink
 from .streams import run_streams, split_evenly
 
 __all__ = ["ReplicationError", "Transport"]
 log = logging.getLogger(__name__)
-
-# The longest text of a peer's error a message repeats (the peer bounds it too).
-MAX_PEER_ERROR = 2000
-
 
 class Call(Protocol):
     """One request to a peer and everything that follows it, as one wire carries them. Any
@@ -154,7 +151,7 @@ class Transport(abc.ABC):
         status = reply.get("status")
         if status == "error":
             raise ReplicationError(f"rank {peer} refused {what}: "
-                                   f"{str(reply.get('error'))[:MAX_PEER_ERROR]}")
+                                   f"{str(reply.get('error'))[:MAX_ERROR_TEXT]}")
         if status not in expected:
             raise ProtocolError(f"unexpected reply {str(status)[:100]!r} to {what}")
         return str(status)

@@ -24,10 +24,9 @@ chunk, each booked on the node's budget (``core/budget.py``) before it is sent; 
 sends names the piece size in its offer or reply, so the receiver posts matching recvs.
 Unpaced ones go in one message (NCCL: one per bounce buffer), as before.
 
-What this rank asks of its peers, ``core/transport.py`` asks the same for every transport, over
-``PgWire``: a
-request posted to the peer's mailbox, its replies awaited there, the bytes by the group under
-the request's tag.
+What this rank asks of its peers, ``core/transport.py`` asks the same for every transport,
+over ``PgWire``: a request posted to the peer's mailbox, its replies awaited there, the bytes
+by the group under the request's tag.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from ...store import LocalStore, Manifest
 from ...store.local_store import ShardSource
 from ...topology import Topology
 from ..core.budget import node_budget
-from ..core.checks import MALFORMED, want_int, want_str
+from ..core.checks import MALFORMED, MAX_ERROR_TEXT, want_int, want_str
 from ..core.network import choose_endpoint
 from ..core.rendezvous import Rendezvous
 from ..core.service import RequestService
@@ -316,14 +315,14 @@ class PgTransport(Transport):
         try:
             self.check_pair(req.peer)
         except ReplicationError as e:  # (said once, when it closed: the requester learns it now)
-            req.reply({"status": "error", "error": str(e)[:2000]})
+            req.reply({"status": "error", "error": str(e)[:MAX_ERROR_TEXT]})
             return
         try:
             self.service.answer(msg, req)
         except (*MALFORMED, RuntimeError) as e:  # RuntimeError: any other torch failure
             log.warning("mlcheckpoint: pg transport request %.100r from rank %d failed: %s",
                         req.op, req.peer, e)  # a sealed request: a rank of this job, worth every line
-            req.reply({"status": "error", "error": str(e)[:2000]})
+            req.reply({"status": "error", "error": str(e)[:MAX_ERROR_TEXT]})
 
     def close(self) -> bool:
         self._closed.set()

@@ -27,7 +27,13 @@ from ...settings import MAX_STREAMS, Timeouts
 from ...store import LocalStore
 from ...store.local_store import ShardSource
 from ..core.budget import Budget, sendfile_all
-from ..core.checks import MALFORMED, MAX_METADATA_BYTES, ProtocolError, want_int
+from ..core.checks import (
+    MALFORMED,
+    MAX_ERROR_TEXT,
+    MAX_METADATA_BYTES,
+    ProtocolError,
+    want_int,
+)
 from ..core.rendezvous import Rendezvous
 from ..core.service import RequestService
 from ..core.sink import Receipt, ReceiveSink
@@ -138,7 +144,7 @@ class TcpServer:
             log.warning("replication request %.100r of step %.20s from %s failed: %s", op,
                         req.get("step"), addr, e)
             with contextlib.suppress(OSError):
-                p.send_frame(conn, {"status": "error", "error": str(e)[:2000]})
+                p.send_frame(conn, {"status": "error", "error": str(e)[:MAX_ERROR_TEXT]})
             raise ProtocolError(str(e)) from None
 
     # ------------------------------------------------------------------ receiving

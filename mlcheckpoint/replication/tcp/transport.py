@@ -1,6 +1,6 @@
 """The TCP transport: an authenticated listener per rank (``server.py``) and one connection per
-request to a peer's listener (this module: the calling half, the wire over which ``core/transport.py`` asks
-its peers).
+request to a peer's listener (this module: the calling half, the wire over which
+``core/transport.py`` asks its peers).
 
 Payloads leave with sendfile() straight from the tmpfs file and arrive with recv_into()
 straight into the destination mapping: no user-space copy on either side. Pushes are paced by
@@ -34,7 +34,7 @@ from ...settings import MAX_STREAMS, ReplicationOptions, Timeouts, default, tuni
 from ...store import LocalStore, Manifest
 from ...topology import Topology
 from ..core.budget import Budget, node_budget
-from ..core.checks import MAX_METADATA_BYTES, want_int
+from ..core.checks import MAX_ERROR_TEXT, MAX_METADATA_BYTES, want_int
 from ..core.network import check_advertisable, choose_endpoint
 from ..core.rendezvous import Rendezvous
 from ..core.sink import ReceiveSink
@@ -126,7 +126,6 @@ class TcpTransport(Transport):
 
     def reachable(self, peer: int, timeout: float) -> bool | None:
         return self.wire.reachable(peer, timeout)
-
 
 
 class Unreachable(ReplicationError):
@@ -254,7 +253,7 @@ class TcpCall:
                 ready = p.recv_frame(conn)
                 if ready.get("status") != "ready":
                     raise p.ProtocolError(f"stripe {index} refused: "
-                                          f"{str(ready.get('error'))[:2000]}")
+                                          f"{str(ready.get('error'))[:MAX_ERROR_TEXT]}")
                 for offset, nbytes in parts[index]:
                     send_range(conn, fd, offset, nbytes, m, budget)
 

@@ -182,12 +182,12 @@ def measure() -> dict[str, Any]:
         edges = {tuple(e) for r in per_rank for e in r["edges"]}
         both_ways = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
         out[row] = {"files": len({f for f, _ in calls}), "functions": len(calls),
-                      "defined": sum(1 for _, fn in calls if not ANONYMOUS.search(fn)),
-                      "threads": sorted({t for r in per_rank for t in r["threads"]}),
-                      "both_ways": [list(p) for p in both_ways],
-                      "file_list": sorted({f for f, _ in calls}),
-                      # (to compare two runs function by function)
-                      "function_list": sorted(f"{f}:{fn}" for f, fn in calls)}
+                    "defined": sum(1 for _, fn in calls if not ANONYMOUS.search(fn)),
+                    "threads": sorted({t for r in per_rank for t in r["threads"]}),
+                    "both_ways": [list(p) for p in both_ways],
+                    "file_list": sorted({f for f, _ in calls}),
+                    # (to compare two runs function by function)
+                    "function_list": sorted(f"{f}:{fn}" for f, fn in calls)}
     return out
 
 

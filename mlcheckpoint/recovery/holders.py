@@ -209,7 +209,9 @@ class Holders:
                 nodes = self._read_verified(owner, items, shard.buffer.array)
                 shard.commit_manifest(m)
             finally:
-                shard.abort()  # (nothing once committed)
+                # (nothing once committed) The step's metadata stays: this node fetched it to
+                # load the step, and its other ranks may be rebuilding theirs with it.
+                shard.abort(keep_metadata=True)
         log.info("mlcheckpoint: rebuilt rank %d's shard of step %d (%d bytes) from %s %s", owner,
                  self.step, sum(it.nbytes for it, _ in items), "node" if len(nodes) == 1 else "nodes",
                  ", ".join(map(str, nodes)))

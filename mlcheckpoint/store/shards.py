@@ -302,10 +302,12 @@ class ShardWriter:
         os.rename(self.inflight_path, inflight)  # same inode: the mapping stays valid
         self.inflight_path, self.rank = inflight, rank
 
-    def abort(self) -> None:
+    def abort(self, keep_metadata: bool = False) -> None:
+        """Drop the buffer unless committed, and the step's folder if nothing else is left in
+        it (its metadata too, unless ``keep_metadata``)."""
         if not self._committed:
             self.files.pool.discard(self.inflight_path)
-            self.files.remove_step_if_empty(self.step)
+            self.files.remove_step_if_empty(self.step, keep_metadata)
 
 
 class ShardSource:

@@ -338,6 +338,10 @@ def test_a_rebuild_refuses_bytes_that_disagree_with_the_recorded_checksum(store_
         assert e.value.copy is not None and e.value.copy.owner == 4
         with pytest.raises(ShardNotFoundError):  # nothing was committed
             store.shards.open(7, 4)
+        # The step's metadata stays, for the node's loads and its other ranks' rebuilds (the
+        # failed rebuild's buffer used to take the step's folder with it).
+        assert store.inventory.step_state(7).has_metadata
+        assert Holders(ServingTransport(data), store, rank_on(2, 0), plan).rebuild(4)
     finally:
         store.close()
 

@@ -23,9 +23,9 @@ returning ends its ``call``):
 
 A rebuild's end is not the heal's: the round that protects the step again runs on the
 replicator's thread, and how much of it falls inside the first window depends on timing. The
-window is kept to compare with the figures counted before (a code that never protects the step
-again ends it as soon as one that does); ``call`` and ``heal`` split the work at a point every
-version reaches, and the report says whether the step was protected again within 120 s.
+window is kept to compare with the figures counted before (it ends at the rebuild whether or
+not the step is then protected again); ``call`` and ``heal`` split the work at a point every
+version reaches, and the report says whether the step was protected again within ``WAIT_S``.
 
 The report is the union over all processes of each phase: how many library files and
 functions ran (every code object Python calls counts as a function: comprehensions,
@@ -57,6 +57,7 @@ if REPO_ROOT not in sys.path:
 RECORDED = ("save", "native", "call", "rebuild", "round")
 ROWS = {"save": ("save",), "native": ("native",), "resume": ("call", "rebuild"),
         "call": ("call",), "heal": ("rebuild", "round")}
+WAIT_S = 120  # the bound of every wait_replicated here, the heal's included
 # qualname parts of code that no ``def`` names (not counted in ``defined``)
 ANONYMOUS = re.compile(r"<(listcomp|dictcomp|setcomp|genexpr|lambda)>")
 
@@ -137,14 +138,14 @@ def worker(run: str) -> None:
     if run == "first":
         ckpt.resume(sd)
         ckpt.async_save(sd, 1).result()  # warms buffers and connections up
-        assert ckpt.wait_replicated(1, timeout=120)
+        assert ckpt.wait_replicated(1, timeout=WAIT_S)
         every_rank_to("save")
         ckpt.async_save(sd, 2).result()
-        assert ckpt.wait_replicated(2, timeout=120)
+        assert ckpt.wait_replicated(2, timeout=WAIT_S)
         every_rank_to("native")
         dcp.async_save(sd, storage_writer=ckpt.storage_writer(3),
                        process_group=native_group).result()
-        assert ckpt.wait_replicated(3, timeout=120)
+        assert ckpt.wait_replicated(3, timeout=WAIT_S)
         every_rank_to(None)
         protected = None
     else:
@@ -154,7 +155,7 @@ def worker(run: str) -> None:
         ckpt.wait()
         every_rank_to("round")
         assert info.step is not None, info
-        protected = ckpt.wait_replicated(info.step, timeout=120)
+        protected = ckpt.wait_replicated(info.step, timeout=WAIT_S)
         every_rank_to(None)
     ckpt.close()
     write_result(f"trace-{run}", rank, {"phases": tracer.result(), "protected": protected})
@@ -203,7 +204,7 @@ def report(figures: dict[str, Any]) -> None:
         f = figures[row]
         print(f"{names[row]:50} {f['files']:5d} {f['functions']:9d} {f['defined']:7d} "
               f"{len(f['threads']):7d} {len(f['both_ways']):14d}")
-    print("\nthe loaded step protected again within 120 s: "
+    print(f"\nthe loaded step protected again within {WAIT_S} s: "
           f"{'yes' if figures['protected_again'] else 'NO'}")
     for row in ROWS:
         f = figures[row]
